@@ -1,0 +1,73 @@
+"""Adaptive draft length (`--method auto`).
+
+Each step picks the k in 0..k_max that maximises expected committed tokens per second,
+
+    E(k) / time(k),   E(k) = 1 + a + a^2 + ... + a^k,   time(k) = t_fwd(k) + k * t_draft,
+
+the speedup formula of DESIGN.md ((1 + a + ... + a^k) / (1 + c k)) with the target's own
+cost growing with k measured rather than assumed flat. a is the running acceptance rate
+(exponentially decayed counts, so it follows the text); t_draft and t_fwd(k) are measured
+step times. When k = 0 wins (acceptance near zero, or drafting too dear) the policy still
+probes k = 1 every `probe_every` steps so that it notices when drafting starts to pay.
+
+This module knows nothing about models; it sees only counts and seconds.
+"""
+
+from __future__ import annotations
+
+
+class AdaptiveK:
+    def __init__(self, cost_hint: float | None = None, decay: float = 0.9, probe_every: int = 16) -> None:
+        self.decay = decay
+        self.probe_every = probe_every
+        self.acc, self.prop = 1.0, 2.0  # prior: a = 0.5 until measured
+        self.t_draft = None if cost_hint is None else 0.0  # seconds per drafted token (0 for free drafters)
+        self.t_fwd: dict[int, float] = {}  # draft length -> EMA seconds of one target step
+        self.steps_at_zero = 0
+        self.last_k = None
+
+    @property
+    def alpha(self) -> float:
+        return self.acc / self.prop if self.prop > 0 else 0.0
+
+    def _fwd_time(self, k: int) -> float:
+        if k in self.t_fwd:
+            return self.t_fwd[k]
+        ks = sorted(self.t_fwd)
+        if len(ks) == 1:
+            return self.t_fwd[ks[0]]
+        lo, hi = ks[0], ks[-1]
+        slope = max(0.0, (self.t_fwd[hi] - self.t_fwd[lo]) / (hi - lo))
+        return self.t_fwd[lo] + slope * (k - lo)
+
+    def expected_rate(self, k: int) -> float:
+        """Expected committed tokens per second with draft length k (needs measurements)."""
+        a = min(self.alpha, 0.999)
+        tokens = sum(a**i for i in range(k + 1))
+        return tokens / (self._fwd_time(k) + k * (self.t_draft or 0.0))
+
+    def choose_k(self, k_max: int) -> int:
+        if not self.t_fwd or self.t_draft is None:
+            k = k_max if self.t_draft is not None else 1  # measure the drafter first, cheaply
+        else:
+            k = max(range(k_max + 1), key=self.expected_rate)
+            if k == 0:
+                self.steps_at_zero += 1
+                if self.steps_at_zero % self.probe_every == 0:
+                    k = 1
+            else:
+                self.steps_at_zero = 0
+        self.last_k = k
+        return k
+
+    def observe(self, k: int, counts: list[int], accepted: list[int], draft_s: float, verify_s: float) -> None:
+        proposed = sum(counts)
+        if proposed:
+            self.acc = self.decay * self.acc + sum(accepted)
+            self.prop = self.decay * self.prop + proposed
+        kk = max(counts) if counts else 0
+        if kk:
+            per_token = draft_s / kk
+            self.t_draft = per_token if not self.t_draft else 0.8 * self.t_draft + 0.2 * per_token
+        prev = self.t_fwd.get(kk)
+        self.t_fwd[kk] = verify_s if prev is None else 0.8 * prev + 0.2 * verify_s

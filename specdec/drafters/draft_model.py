@@ -1,0 +1,115 @@
+"""Independent draft model (Leviathan et al. 2023; Chen et al. 2023).
+
+A smaller model with the same tokenizer runs autoregressively for k steps with its own
+KV cache, kept in step with the target: after verification the cache is rolled back to
+the accepted prefix, and the next `propose` feeds whatever committed tokens the draft has
+not seen yet (the recovered/bonus token, or more after a rollback).
+
+With sampling, draft tokens are drawn from the draft's warped distribution q and q is
+returned for exact rejection sampling; greedy drafts are argmax guesses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import sample, warp
+from ..types import SpecdecError
+from .base import Draft, DraftContext, register
+
+
+class DraftModelDrafter:
+    def __init__(self, model, vocab_size: int | None = None) -> None:
+        self.model = model
+        self.vocab_size = vocab_size or model.vocab_size  # the target's vocabulary (q is padded to it)
+        self.cost_hint = None  # measured by the engine
+        self.cache = None
+        self.fed: list[list[int]] = []  # per row: tokens whose K/V sit in the draft cache
+        self.ctx_len: list[int] = []  # per row: committed tokens fed before the last proposal
+
+    def begin(self, prompts, params, max_len: int) -> None:
+        B = len(prompts)
+        if max_len > self.model.max_context:
+            raise SpecdecError(f"the draft model's context ({self.model.max_context}) is shorter than this request needs ({max_len})")
+        self.cache = self.model.new_cache(B, max_len)
+        self.fed = [[] for _ in range(B)]
+        self.ctx_len = [0] * B
+
+    def _feed(self, new: list[list[int]]):
+        """Feed per-row token lists (ragged) and return logits at each row's last new token [B, V]."""
+        B = len(new)
+        T = max(len(n) for n in new)
+        lens = self.cache.lengths.clone()
+        toks = torch.zeros(B, T, dtype=torch.long)
+        for b, n in enumerate(new):
+            toks[b, : len(n)] = torch.tensor(n, dtype=torch.long) if n else 0
+        pos = lens[:, None] + torch.arange(T)[None, :]
+        last = torch.tensor([max(len(n) - 1, 0) for n in new])
+        logits, _ = self.model(toks, pos, self.cache, logits_at=last[:, None])
+        self.cache.truncate(lens + torch.tensor([len(n) for n in new]))
+        for b, n in enumerate(new):
+            self.fed[b].extend(n)
+        return logits[:, 0]
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        B = len(ctx.tokens)
+        if max_tokens <= 0:
+            return Draft.empty(B)
+        # feed what the draft has not seen; every row has at least its pending token
+        new = [t[len(f):] for t, f in zip(ctx.tokens, self.fed)]
+        if any(len(n) == 0 for n in new):
+            raise RuntimeError("draft cache is ahead of the committed context (commit() was not called)")
+        logits = self._feed(new)
+        self.ctx_len = [len(f) for f in self.fed]
+        toks, probs = [], []
+        for i in range(max_tokens):
+            lg = logits[:, : self.vocab_size].float()
+            if ctx.params.greedy:
+                nxt = lg.argmax(-1)
+            else:
+                q = warp(lg, ctx.params)
+                if q.shape[-1] < self.vocab_size:
+                    q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[-1]))
+                nxt = sample(q, ctx.generator)
+                probs.append(q)
+            toks.append(nxt)
+            if i + 1 < max_tokens:
+                logits = self._feed([[int(x)] for x in nxt])
+        tokens = torch.stack(toks, 1)  # [B, K]
+        return Draft(tokens, torch.full((B,), max_tokens, dtype=torch.long), torch.stack(probs, 1) if probs else None)
+
+    def commit(self, num_accepted) -> None:
+        # the cache holds context + d1..d_{K-1}; keep context + the accepted drafts.
+        # e.g. context [a b c], drafts [d e f] fed as far as [d e], 1 accepted -> keep [a b c d]
+        for b, n in enumerate(num_accepted):
+            self.fed[b] = self.fed[b][: self.ctx_len[b] + int(n)]
+        self.cache.truncate(torch.tensor([len(f) for f in self.fed]))
+
+    def keep_rows(self, rows) -> None:
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        self.cache.reorder_rows(idx)
+        self.fed = [self.fed[r] for r in rows]
+        self.ctx_len = [self.ctx_len[r] for r in rows]
+
+
+def check_same_vocabulary(target_tok, draft_tok) -> None:
+    """Refuse a draft whose tokenizer maps text to different ids than the target's."""
+    if target_tok is None or draft_tok is None:
+        return
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        only_t = len(set(tv.items()) - set(dv.items()))
+        raise SpecdecError(
+            f"the draft's tokenizer differs from the target's ({len(dv)} vs {len(tv)} tokens, "
+            f"{only_t} target entries missing or renumbered in the draft); a draft model must share "
+            "the target's vocabulary"
+        )
+
+
+@register("draft")
+def _make(target=None, draft=None, **_):
+    """target, draft: LoadedModel objects (see models.loader)."""
+    if draft is None:
+        raise SpecdecError("--method draft needs a draft model: pass --draft PATH (a folder or .gguf with the same tokenizer)")
+    check_same_vocabulary(getattr(target, "tokenizer", None), draft.tokenizer)
+    return DraftModelDrafter(draft.model, vocab_size=target.model.vocab_size)

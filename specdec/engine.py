@@ -1,0 +1,199 @@
+"""The decode loop: prefill -> (propose -> score -> verify -> commit -> record)*.
+
+One loop serves plain and speculative decoding: with no drafter (or k = 0) every step
+scores just the pending token. Rows of a batch may have different prompt lengths, draft
+counts and accepted counts; rows that finish leave the batch at once.
+
+The engine yields token ids through a callback and knows nothing about tokenization,
+text, files or HTTP. Stop strings are the caller's business (`stop_fn`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from .drafters.base import Draft, DraftContext
+from .sampling import choose, make_generator, warp
+from .types import GenerationResult, SamplingParams, SpecdecError
+from .verify import verify_greedy, verify_stochastic
+
+OnTokens = Callable[[int, list[int]], None]  # (row, newly committed ids)
+StopFn = Callable[[int, list[int]], bool]  # (row, all generated ids) -> stop now?
+
+
+class Engine:
+    def __init__(self, model, drafter=None, k: int = 4, eos_ids=(), k_policy=None) -> None:
+        """model: follows the forward contract (native or adapter); drafter: a Drafter or
+        None; k: draft length; k_policy: optional object with choose_k(max_k) and
+        observe(step record) for adaptive drafting (see adaptive.py)."""
+        if k < 0:
+            raise SpecdecError(f"-k must be >= 0, got {k}")
+        self.model = model
+        self.drafter = drafter
+        self.k = k if drafter is not None else 0
+        self.eos_ids = set(int(e) for e in eos_ids)
+        self.k_policy = k_policy
+        self._batches = 0
+
+    # ------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        on_tokens: OnTokens | None = None,
+        stop_fn: StopFn | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (one batch). Returns one result per prompt, in order."""
+        if not prompts:
+            return []
+        for i, p in enumerate(prompts):
+            if not p:
+                raise SpecdecError(f"prompt {i} is empty (no tokens)")
+            if len(p) >= self.model.max_context:
+                raise SpecdecError(
+                    f"prompt {i} has {len(p)} tokens but the model's context is {self.model.max_context}; shorten it"
+                )
+        if len(prompts) > 1 and not getattr(self.model, "native", False):
+            # the transformers adapter keeps one row per cache: run rows one by one
+            out = []
+            for i, p in enumerate(prompts):
+                cb = (lambda _r, ids, i=i: on_tokens(i, ids)) if on_tokens else None
+                sf = (lambda _r, ids, i=i: stop_fn(i, ids)) if stop_fn else None
+                out += self._generate_batch([p], params, cb, sf)
+            return out
+        return self._generate_batch(prompts, params, on_tokens, stop_fn)
+
+    # ------------------------------------------------------------------------------------
+    def _generate_batch(self, prompts, params: SamplingParams, on_tokens, stop_fn) -> list[GenerationResult]:
+        model, drafter = self.model, self.drafter
+        B = len(prompts)
+        gen = make_generator(params.seed)
+        k_max = self.k
+        max_len = min(model.max_context, max(len(p) for p in prompts) + params.max_new_tokens + k_max + 1)
+        results = [GenerationResult() for _ in range(B)]
+        self._batches += 1
+        for r, p in zip(results, prompts):
+            r.stats.prompt_tokens = len(p)
+            r.stats.batch = self._batches
+        cache = model.new_cache(B, max_len)
+        if drafter is not None:
+            drafter.begin(prompts, params, max_len)
+
+        # prefill: right-padded prompts; each row's logits at its last prompt token
+        t0 = time.perf_counter()
+        lens = torch.tensor([len(p) for p in prompts])
+        T = int(lens.max())
+        toks = torch.zeros(B, T, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            toks[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        pos = torch.arange(T)[None, :].expand(B, T)
+        logits, _ = model(toks, pos, cache, logits_at=(lens - 1)[:, None])
+        cache.truncate(lens)
+        first = choose(logits[:, 0], params, gen)
+        prefill_s = time.perf_counter() - t0
+        for r in results:
+            r.stats.prefill_s = prefill_s
+
+        rows = list(range(B))  # active batch row -> request index
+        context = [list(p) + [int(t)] for p, t in zip(prompts, first)]  # committed tokens incl. pending
+        t_start = time.perf_counter()
+        keep = self._commit_tokens(rows, [[int(t)] for t in first], results, params, on_tokens, stop_fn, max_len, cache)
+
+        while True:
+            finished = [i for i, ok in enumerate(keep) if not ok]
+            if finished:
+                now = time.perf_counter() - t_start
+                for i in finished:
+                    results[rows[i]].stats.decode_s = now
+                alive = [i for i, ok in enumerate(keep) if ok]
+                if not alive:
+                    break
+                cache.reorder_rows(torch.tensor(alive))
+                if drafter is not None:
+                    drafter.keep_rows(alive)
+                rows = [rows[i] for i in alive]
+            A = len(rows)
+
+            # 1 propose
+            t1 = time.perf_counter()
+            k_now = self.k_policy.choose_k(k_max) if self.k_policy is not None else k_max
+            room = [min(params.max_new_tokens - len(results[r].tokens) - 1, max_len - len(context[r]) - 1) for r in rows]
+            k_step = max(0, min(k_now, max(room)))
+            if drafter is not None and k_step > 0:
+                draft = drafter.propose(DraftContext([context[r] for r in rows], params, gen), k_step)
+                draft.counts = torch.minimum(draft.counts, torch.tensor(room).clamp_min(0))
+            else:
+                draft = Draft.empty(A)
+            K = draft.tokens.shape[1]
+            t2 = time.perf_counter()
+
+            # 2 score: the pending token and the drafts in one target forward
+            inp = torch.empty(A, K + 1, dtype=torch.long)
+            inp[:, 0] = torch.tensor([context[r][-1] for r in rows])
+            inp[:, 1:] = draft.tokens
+            base = cache.lengths.clone()
+            logits, _ = model(inp, base[:, None] + torch.arange(K + 1)[None, :], cache)  # [A, K+1, V]
+
+            # 3 verify
+            if params.greedy:
+                n_acc, nxt = verify_greedy(logits, draft.tokens, draft.counts)
+            else:
+                target_probs = warp(logits, params)
+                n_acc, nxt = verify_stochastic(target_probs, draft.tokens, draft.probs, draft.counts, gen)
+
+            # 4 commit / roll back: keep pending + accepted drafts in the cache
+            # e.g. cache [a b], pending c, drafts [d e f], 2 accepted -> cache [a b c d e], pending r
+            cache.truncate(base + 1 + n_acc)
+            if drafter is not None and K > 0:
+                drafter.commit(n_acc.tolist())
+            t3 = time.perf_counter()
+
+            # 5 record
+            new = []
+            for i, r in enumerate(rows):
+                a = int(n_acc[i])
+                ids = draft.tokens[i, :a].tolist() + [int(nxt[i])]
+                context[r].extend(ids)
+                st = results[r].stats
+                st.target_forwards += 1
+                c = int(draft.counts[i])
+                st.proposed += c
+                st.accepted += a
+                if c:
+                    st.add_position_counts(c, a)
+                st.draft_s += t2 - t1
+                st.verify_s += t3 - t2
+                new.append(ids)
+            if self.k_policy is not None:
+                self.k_policy.observe(k_step, draft.counts.tolist(), n_acc.tolist(), t2 - t1, t3 - t2)
+            keep = self._commit_tokens(rows, new, results, params, on_tokens, stop_fn, max_len, cache)
+        for r in results:
+            r.stats.new_tokens = len(r.tokens)
+        return results
+
+    def _commit_tokens(self, rows, new, results, params, on_tokens, stop_fn, max_len, cache) -> list[bool]:
+        """Append each row's new ids, cut at EOS / max_new_tokens / stop; False = row done."""
+        keep = []
+        for i, (r, ids) in enumerate(zip(rows, new)):
+            res = results[r]
+            room = params.max_new_tokens - len(res.tokens)
+            reason = ""
+            for j, t in enumerate(ids):
+                if t in self.eos_ids:
+                    ids, reason = ids[: j + 1], "eos"
+                    break
+            if len(ids) >= room:
+                ids, reason = ids[:room], reason or "length"
+            res.tokens.extend(ids)
+            if on_tokens is not None and ids:
+                on_tokens(r, ids)
+            if not reason and stop_fn is not None and stop_fn(r, res.tokens):
+                reason = "stop"
+            if not reason and int(cache.lengths[i]) + 2 > max_len:
+                reason = "length"  # the context is full
+            res.stats.finish_reason = reason
+            keep.append(not reason)
+        return keep

@@ -1,0 +1,110 @@
+"""Preallocated key/value cache with per-row lengths.
+
+Layout: for each layer one key and one value tensor `[B, H_kv, S_max, Dh]`. Row b's
+committed entries live in slots `0 .. lengths[b]-1`, in order. A forward over T new
+tokens writes them to slots `lengths[b] .. lengths[b]+T-1` and advances `lengths` by T
+(see `reserve`). Rolling back a rejected chain is lowering `lengths` (`truncate`);
+accepting one path of a verified tree moves that path's entries to the slots right
+after the committed prefix (`compact`). Nothing is ever reallocated.
+
+The cache knows nothing about models, tokens or positions: positions are the caller's
+business (for a tree, slot and position differ; see tree verification).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .types import SpecdecError
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.max_len = max_len
+        self.batch_size = batch_size
+
+    # -- bookkeeping used by the model's forward -------------------------------------
+    def reserve(self, num_tokens: int) -> tuple[torch.Tensor, int | None]:
+        """Claim `num_tokens` slots after every row's prefix; return (start [B], uniform_start).
+
+        uniform_start is the common start when all rows have the same length (the fast
+        path: writes and reads become plain slices), else None.
+        """
+        start = self.lengths.clone()
+        end = int(start.max()) + num_tokens
+        if end > self.max_len:
+            raise SpecdecError(
+                f"the KV cache holds {self.max_len} tokens but this step needs {end}; "
+                "raise the cache size (max context) or shorten the prompt / max-new-tokens"
+            )
+        self.lengths += num_tokens
+        lo = int(start.min())
+        uniform = lo if lo == end - num_tokens else None
+        return start, uniform
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, uniform: int | None) -> None:
+        """Store new entries `k, v: [B, H_kv, T, Dh]` at slots start[b] + t."""
+        T = k.shape[2]
+        if uniform is not None:
+            self.k[layer][:, :, uniform : uniform + T] = k
+            self.v[layer][:, :, uniform : uniform + T] = v
+            return
+        B = k.shape[0]
+        slots = start[:, None] + torch.arange(T, device=k.device)  # [B, T]
+        rows = torch.arange(B, device=k.device)[:, None].expand(B, T)  # [B, T]
+        # advanced indices on dims 0 and 2 put (B, T) first: value must be [B, T, H, Dh]
+        self.k[layer][rows, :, slots] = k.transpose(1, 2)
+        self.v[layer][rows, :, slots] = v.transpose(1, 2)
+
+    # -- rollback -------------------------------------------------------------------
+    def truncate(self, lengths: torch.Tensor | list[int] | int) -> None:
+        """Keep only the first `lengths[b]` entries of each row (a chain rollback)."""
+        new = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device).expand_as(self.lengths)
+        if bool((new > self.lengths).any()) or bool((new < 0).any()):
+            raise ValueError(f"truncate can only shorten rows: have {self.lengths.tolist()}, asked {new.tolist()}")
+        self.lengths = new.clone()
+
+    def compact(self, base: torch.Tensor, paths: torch.Tensor, path_lens: torch.Tensor) -> None:
+        """Keep one tree path per row.
+
+        base [B]: committed length before the tree was written; paths [B, P]: node indices
+        (slot offsets from base) of the accepted path, root first; path_lens [B]: how many
+        of them are real. Example: base 5, nodes written at slots 5..9, accepted path
+        nodes [0, 2, 3] -> slots 5, 7, 8 move to 5, 6, 7 and the row's length becomes 8.
+        """
+        base = torch.as_tensor(base, dtype=torch.long, device=self.lengths.device)
+        paths = torch.as_tensor(paths, dtype=torch.long, device=self.lengths.device)
+        path_lens = torch.as_tensor(path_lens, dtype=torch.long, device=self.lengths.device)
+        B, P = paths.shape
+        if P > 0:
+            src = base[:, None] + paths  # [B, P]
+            dst = base[:, None] + torch.arange(P, device=paths.device)  # [B, P]
+            valid = torch.arange(P, device=paths.device)[None, :] < path_lens[:, None]
+            rows = torch.arange(B, device=paths.device)[:, None].expand(B, P)
+            src = torch.where(valid, src, dst)  # padding entries copy onto themselves
+            for layer in range(len(self.k)):
+                # gather first, then scatter: a path never moves an entry backwards past
+                # an unread source, but gathering first makes that irrelevant anyway
+                self.k[layer][rows, :, dst] = self.k[layer][rows, :, src]
+                self.v[layer][rows, :, dst] = self.v[layer][rows, :, src]
+        self.lengths = base + path_lens
+
+    def reorder_rows(self, rows: torch.Tensor) -> None:
+        """Keep/permute batch rows (used when finished rows leave a batch)."""
+        self.k = [k[rows] for k in self.k]
+        self.v = [v[rows] for v in self.v]
+        self.lengths = self.lengths[rows]
+        self.batch_size = int(rows.numel())

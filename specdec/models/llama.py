@@ -1,0 +1,332 @@
+"""Native Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) for speculative decoding.
+
+One implementation covers: grouped-query attention, optional q/k/v (and o) bias (Qwen2),
+optional MLP bias, tied or untied embeddings, RoPE of type default / linear / llama3 /
+yarn. The forward contract (DESIGN.md):
+
+    forward(tokens [B,T], positions [B,T], cache, attn_mask=None) -> (logits [B,T,V], hidden [B,T,D])
+
+`attn_mask` [B,T,T] (bool, True = may attend) says which of the T new tokens see each
+other: None is a causal chain; a tree passes its ancestor mask. Every new token always
+sees its row's committed prefix in the cache. `hidden` is the final-normed hidden state
+(what the LM head reads), used by Medusa/EAGLE-style drafters.
+
+For speed the q/k/v projections and the gate/up projections are stored fused; the
+loader maps Hugging Face parameter names onto them (`load_hf_state_dict`).
+
+This module knows nothing about files, tokenizers or sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kv_cache import KVCache
+from ..types import SpecdecError
+
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_parameters: dict = field(default_factory=dict)
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    max_position: int = 2048
+    model_type: str = "llama"
+
+    @classmethod
+    def from_hf(cls, hf) -> "LlamaConfig":
+        """Build from a transformers PretrainedConfig (llama / mistral / qwen2)."""
+        mt = getattr(hf, "model_type", "llama")
+        if mt not in NATIVE_MODEL_TYPES:
+            raise SpecdecError(f"model type {mt!r} is not native (native: {', '.join(NATIVE_MODEL_TYPES)})")
+        rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+        theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        rope["rope_theta"] = theta
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        max_pos = int(getattr(hf, "max_position_embeddings", 2048))
+        # sliding-window attention only differs from full attention past the window, so
+        # the native model is exact as long as the context stays inside it
+        window = getattr(hf, "sliding_window", None)
+        use_window = getattr(hf, "use_sliding_window", mt == "mistral")
+        if window and use_window:
+            max_pos = min(max_pos, int(window))
+        if mt == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
+        return cls(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=theta,
+            rope_parameters=rope,
+            tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            max_position=max_pos,
+            model_type=mt,
+        )
+
+
+def native_support_problem(hf_config) -> str | None:
+    """None if the native model can run this config exactly, else the reason it cannot."""
+    mt = getattr(hf_config, "model_type", None)
+    if mt not in NATIVE_MODEL_TYPES:
+        return f"model type {mt!r}"
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        return f"activation {act!r}"
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rtype = rope.get("rope_type", rope.get("type", "default"))
+    if rtype not in STATIC_ROPE_TYPES:
+        return f"RoPE type {rtype!r}"
+    if getattr(hf_config, "pretraining_tp", 1) not in (1, None):
+        return "pretraining_tp > 1"
+    return None
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2], attention scaling), matching transformers' rotary embedding."""
+    rtype = cfg.rope_parameters.get("rope_type", "default")
+    scaling = 1.0
+    if rtype == "default":
+        dim = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    else:
+        from transformers import PretrainedConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf = PretrainedConfig(
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_heads,
+            head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_position,
+        )
+        hf.rope_parameters = dict(cfg.rope_parameters)
+        hf.rope_scaling = dict(cfg.rope_parameters)
+        hf.rope_theta = cfg.rope_theta
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rtype](hf, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        D, Dh = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, Dh
+        self.eps = cfg.rms_norm_eps
+        self.attn_norm = nn.Parameter(torch.ones(D))
+        self.mlp_norm = nn.Parameter(torch.ones(D))
+        self.wqkv = nn.Linear(D, (cfg.num_heads + 2 * cfg.num_kv_heads) * Dh, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.num_heads * Dh, D, bias=cfg.o_bias)
+        self.w_gate_up = nn.Linear(D, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.w_down = nn.Linear(cfg.intermediate_size, D, bias=cfg.mlp_bias)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, start, uniform, mask, n_keys):
+        B, T, _ = x.shape
+        H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
+        h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
+        qkv = self.wqkv(h)  # [B, T, (H + 2Hkv) Dh]
+        q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+        q = q.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
+        k = k.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
+        v = v.view(B, T, Hkv, Dh).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        cache.write(layer, k, v, start, uniform)
+        keys = cache.k[layer][:, :, :n_keys]  # [B, Hkv, S, Dh]
+        vals = cache.v[layer][:, :, :n_keys]
+        # grouped-query attention without copying K/V per query head (enable_gqa)
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=Hkv != H)  # [B, H, T, Dh]
+        x = x + self.wo(o.transpose(1, 2).reshape(B, T, H * Dh))
+        h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
+        gate, up = self.w_gate_up(h).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """The native decoder. Build with `LlamaModel(cfg)` then `load_hf_state_dict(sd)`."""
+
+    supports_tree = True
+    native = True
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # a plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies
+        with torch.device("cpu"):
+            self.inv_freq, self.rope_scaling = rope_inv_freq(cfg)
+
+    # -- properties the engine and loaders read -------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.cfg.max_position
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        max_len = min(max_len or self.max_context, self.max_context)
+        c = self.cfg
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+
+    # -- forward ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        attn_mask: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run T new tokens per row through the model, appending their K/V to `cache`.
+
+        logits_at [B, M] (optional): indices into T for which to compute logits (the
+        prefill needs only each row's last prompt token); the result is then [B, M, V].
+        """
+        B, T = tokens.shape
+        if int(positions.max()) >= self.cfg.max_position:
+            raise SpecdecError(
+                f"position {int(positions.max())} is past the model's context of {self.cfg.max_position} tokens"
+            )
+        start, uniform = cache.reserve(T)
+        n_keys = int(cache.lengths.max())
+        cos, sin = self._rope(positions)  # [B, 1, T, Dh]
+        mask = self._mask(start, uniform, T, n_keys, attn_mask)
+        x = self.embed(tokens)  # [B, T, D]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, start, uniform, mask, n_keys)
+        hidden = F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)  # [B, T, D]
+        h = hidden
+        if logits_at is not None:
+            idx = logits_at.to(torch.long)
+            h = torch.gather(hidden, 1, idx[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, M, D]
+        logits = F.linear(h, self.lm_head_weight())
+        return logits, hidden
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, T, Dh/2], fp32 as in transformers
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(self.dtype)[:, None]
+        sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None]
+        return cos, sin
+
+    @staticmethod
+    def _mask(start, uniform, T, n_keys, attn_mask):
+        """Boolean attention mask [B, 1, T, S] or None when no masking is needed."""
+        if attn_mask is None and T == 1 and uniform is not None:
+            return None  # one new token per row, all rows aligned: sees every key
+        dev = start.device
+        slot = torch.arange(n_keys, device=dev)  # [S]
+        rel = slot[None, :] - start[:, None]  # [B, S]: key slot relative to the new block
+        t = torch.arange(T, device=dev)
+        if attn_mask is None:
+            allowed = rel[:, None, :] <= t[None, :, None]  # causal: [B, T, S]
+        else:
+            in_block = (rel >= 0) & (rel < T)  # [B, S]
+            rel_c = rel.clamp(0, T - 1)
+            tree = torch.gather(attn_mask.to(torch.bool), 2, rel_c[:, None, :].expand(-1, T, -1))  # [B, T, S]
+            allowed = (rel[:, None, :] < 0) | (in_block[:, None, :] & tree)
+        return allowed[:, None]
+
+    # -- loading -----------------------------------------------------------------------
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load transformers-style weights (model.layers.N.self_attn.q_proj.weight ...)."""
+        c = self.cfg
+        sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in sd.items()}
+
+        def take(name):
+            if name not in sd:
+                raise SpecdecError(f"weights are missing {name!r}; is this a {c.model_type} checkpoint?")
+            return sd[name]
+
+        with torch.no_grad():
+            self.embed.weight.copy_(take("embed_tokens.weight"))
+            self.norm.copy_(take("norm.weight"))
+            if self.lm_head is not None:
+                w = sd.get("lm_head.weight")
+                self.lm_head.weight.copy_(w if w is not None else take("embed_tokens.weight"))
+            for i, blk in enumerate(self.layers):
+                p = f"layers.{i}."
+                blk.attn_norm.copy_(take(p + "input_layernorm.weight"))
+                blk.mlp_norm.copy_(take(p + "post_attention_layernorm.weight"))
+                a = p + "self_attn."
+                blk.wqkv.weight.copy_(torch.cat([take(a + n + "_proj.weight") for n in "qkv"], 0))
+                if c.qkv_bias:
+                    blk.wqkv.bias.copy_(torch.cat([take(a + n + "_proj.bias") for n in "qkv"], 0))
+                blk.wo.weight.copy_(take(a + "o_proj.weight"))
+                if c.o_bias:
+                    blk.wo.bias.copy_(take(a + "o_proj.bias"))
+                m = p + "mlp."
+                blk.w_gate_up.weight.copy_(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")], 0))
+                blk.w_down.weight.copy_(take(m + "down_proj.weight"))
+                if c.mlp_bias:
+                    blk.w_gate_up.bias.copy_(torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")], 0))
+                    blk.w_down.bias.copy_(take(m + "down_proj.bias"))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads (the embedding row is negligible)."""
+        n = sum(p.numel() * p.element_size() for name, p in self.named_parameters() if not name.startswith("embed"))
+        if self.lm_head is None:
+            n += self.embed.weight.numel() * self.embed.weight.element_size()
+        return n
+
+
+def build_native(hf_config, state_dict: dict[str, torch.Tensor], dtype=torch.float32) -> LlamaModel:
+    cfg = LlamaConfig.from_hf(hf_config)
+    with torch.device("meta"):  # skip random init: every parameter is overwritten below
+        model = LlamaModel(cfg)
+    model = model.to_empty(device="cpu")
+    model.load_hf_state_dict(state_dict)
+    return model.to(dtype).eval()
+

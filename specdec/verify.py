@@ -1,0 +1,81 @@
+"""Pure verification rules for speculative decoding (chains).
+
+Given the target's logits/probabilities at the K+1 positions [pending, d1 .. dK] and the
+drafter's K guesses, decide per row how many guesses to accept and which token to emit
+next (the *recovered* token after a rejection, the *bonus* token after a full accept).
+
+  greedy      accept while d_i == argmax p_i; then emit argmax p at the first mismatch
+              (or at position K after a full accept).
+  stochastic  Leviathan et al. 2023, Algorithm 1: accept d_i with probability
+              min(1, p_i(d_i) / q_i(d_i)); on rejection emit a sample of
+              norm(max(0, p_i - q_i)); after a full accept a bonus sample of p_K.
+              q = None means deterministic guesses (q one-hot at d_i): accept with
+              probability p_i(d_i), on rejection sample p_i with d_i removed.
+
+Both p and q must be *warped the same way* (sampling.warp) before they arrive here.
+All randomness comes from the explicit generator. This module knows nothing about models.
+
+Worked example: committed [a b c], pending token c fed with draft [d e f] (K = 3); the
+target's logits cover positions (c, d, e, f). If d and e are accepted and f rejected, the
+row commits [d e] + one recovered token r sampled at position f's slot (the logits that
+followed e): [a b c d e r].
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _accepted_prefix(ok: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """ok [B, K] bool -> number of leading True within each row's count [B]."""
+    K = ok.shape[1]
+    valid = torch.arange(K, device=ok.device)[None, :] < counts[:, None]
+    return (ok & valid).long().cumprod(dim=1).sum(dim=1)
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, counts: torch.Tensor):
+    """target_logits [B, K+1, V], draft_tokens [B, K], counts [B] -> (num_accepted [B], next_token [B])."""
+    best = target_logits.argmax(-1)  # [B, K+1]
+    K = draft_tokens.shape[1]
+    n_acc = _accepted_prefix(draft_tokens == best[:, :K], counts)
+    next_token = best.gather(1, n_acc[:, None]).squeeze(1)
+    return n_acc, next_token
+
+
+def verify_stochastic(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    counts: torch.Tensor,
+    generator: torch.Generator | None,
+):
+    """Exact rejection sampling over chains.
+
+    target_probs [B, K+1, V] (warped), draft_tokens [B, K], draft_probs [B, K, V] or None
+    (deterministic guesses), counts [B] -> (num_accepted [B], next_token [B]).
+    """
+    B, K1, V = target_probs.shape
+    K = K1 - 1
+    p_tok = target_probs[:, :K].gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
+    if draft_probs is None:
+        q_tok = torch.ones_like(p_tok)
+    else:
+        q_tok = draft_probs.gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
+    r = torch.rand(B, K, generator=generator, device=target_probs.device)
+    ok = r * q_tok < p_tok  # r < p/q without dividing by a zero q
+    n_acc = _accepted_prefix(ok, counts)
+    next_token = torch.empty(B, dtype=torch.long, device=target_probs.device)
+    for b in range(B):
+        i = int(n_acc[b])
+        p = target_probs[b, i]  # [V]
+        if i < int(counts[b]):  # rejected at position i: sample the residual
+            if draft_probs is None:
+                resid = p.clone()
+                resid[draft_tokens[b, i]] = 0.0
+            else:
+                resid = (p - draft_probs[b, i]).clamp_min(0.0)
+            total = resid.sum()
+            # total == 0 only if p == q up to rounding, where rejection has probability ~0
+            p = resid / total if float(total) > 0 else p
+        next_token[b] = torch.multinomial(p, 1, generator=generator)[0]
+    return n_acc, next_token

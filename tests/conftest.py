@@ -1,0 +1,142 @@
+"""Shared fixtures: tiny random transformers models (the oracle) and their native twins.
+
+Every tiny model is fp32, built under a fixed seed, with *all* parameters re-drawn at
+random (transformers initialises biases to 0 and norms to 1, which would hide a weight
+that is loaded into the wrong place). The scale is chosen so logits are O(1): a wrong
+weight then moves them by far more than the 1e-4 tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TOL = 1e-4  # max abs logit difference, fp32
+
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
+LINEAR_ROPE = dict(rope_type="linear", rope_theta=10000.0, factor=4.0)
+
+FAMILIES = ("llama", "llama_tied", "llama3_rope", "linear_rope", "qwen2", "mistral")
+
+_COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # grouped-query attention
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+
+def hf_config(family: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if family == "llama":
+        return LlamaConfig(**_COMMON, tie_word_embeddings=False)
+    if family == "llama_tied":
+        return LlamaConfig(**_COMMON, tie_word_embeddings=True)
+    if family == "llama3_rope":
+        return LlamaConfig(**_COMMON, tie_word_embeddings=False, rope_parameters=dict(LLAMA3_ROPE))
+    if family == "linear_rope":
+        return LlamaConfig(**_COMMON, tie_word_embeddings=False, rope_parameters=dict(LINEAR_ROPE))
+    if family == "qwen2":
+        return Qwen2Config(**_COMMON, tie_word_embeddings=False, use_sliding_window=False)
+    if family == "mistral":
+        return MistralConfig(**_COMMON, tie_word_embeddings=False, sliding_window=None)
+    raise KeyError(family)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Re-draw every parameter: norms around 1, biases and weights non-zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or ".ln_" in name or name.startswith("ln_"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            elif "embed" in name or "wte" in name or "wpe" in name:
+                p.copy_(0.25 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in**0.5)
+    return model
+
+
+def build_hf(family: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = hf_config(family)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    randomize_(hf, seed)
+    if cfg.tie_word_embeddings:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    return hf.eval()
+
+
+class Pair:
+    """A transformers model (the oracle) and the native model built from its weights."""
+
+    def __init__(self, family: str, hf, native) -> None:
+        self.family, self.hf, self.native = family, hf, native
+
+    @torch.no_grad()
+    def ref_logits(self, tokens, positions=None) -> torch.Tensor:
+        """transformers' logits [B, T, V] for a full sequence from scratch (no cache)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        if positions is None:
+            positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+        return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits.float()
+
+
+_PAIRS: dict[str, Pair] = {}
+
+
+def get_pair(family: str) -> Pair:
+    if family not in _PAIRS:
+        from specdec.models.llama import build_native
+
+        hf = build_hf(family)
+        native = build_native(hf.config, hf.state_dict())
+        _PAIRS[family] = Pair(family, hf, native)
+    return _PAIRS[family]
+
+
+@pytest.fixture(params=FAMILIES)
+def pair(request) -> Pair:
+    return get_pair(request.param)
+
+
+@pytest.fixture
+def llama_pair() -> Pair:
+    return get_pair("llama")
+
+
+@pytest.fixture
+def qwen_pair() -> Pair:
+    return get_pair("qwen2")
+
+
+def random_tokens(n: int, vocab: int = 97, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The embedded SmolLM2-135M default (converted from GGUF once into the user cache)."""
+    from specdec.models.loader import load_model
+
+    return load_model(quiet=True)

@@ -1,0 +1,120 @@
+"""Model loading: clear errors for bad inputs, native vs adapter choice, the default model."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from conftest import TOL, build_hf, randomize_
+from specdec.models.loader import load_model
+from specdec.types import SamplingParams, SpecdecError
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    d = tmp_path / "specdec-cache"
+    monkeypatch.setenv("SPECDEC_CACHE", str(d))
+    return d
+
+
+# -- errors ---------------------------------------------------------------------------------
+def test_nonexistent_path(tmp_cache):
+    with pytest.raises(SpecdecError, match="/nonexistent/path"):
+        load_model("/nonexistent/path", quiet=True)
+
+
+def test_random_bytes_gguf_is_not_gguf(tmp_path, tmp_cache):
+    f = tmp_path / "x.gguf"
+    f.write_bytes(os.urandom(4096).replace(b"GGUF", b"XXXX").lstrip(b"G") or b"x")
+    with pytest.raises(SpecdecError, match="not a GGUF"):
+        load_model(str(f), quiet=True)
+
+
+def test_garbage_after_gguf_magic(tmp_path, tmp_cache):
+    f = tmp_path / "broken.gguf"
+    f.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with pytest.raises(SpecdecError, match="corrupt or unsupported"):
+        load_model(str(f), quiet=True)
+    # nothing half-converted is left behind as if complete
+    assert not list(tmp_cache.rglob("specdec-complete.json"))
+
+
+def test_dir_without_config(tmp_path, tmp_cache):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecdecError, match="config.json"):
+        load_model(str(tmp_path / "empty"), quiet=True)
+
+
+def test_dir_without_weights(tmp_path, tmp_cache):
+    hf = build_hf("llama")
+    hf.config.save_pretrained(str(tmp_path / "m"))
+    with pytest.raises(SpecdecError, match="no weights"):
+        load_model(str(tmp_path / "m"), quiet=True)
+
+
+def test_hub_id_offline_says_model_flag(tmp_path, tmp_cache, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # so "nobody/does-not-exist" is not a relative folder
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    from huggingface_hub import constants
+
+    # the hub library reads the env var at import; make the running process offline too
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True, raising=False)
+    with pytest.raises(SpecdecError, match="--model"):
+        load_model("nobody/does-not-exist", quiet=True)
+
+
+# -- HF directories ---------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2"])
+def test_llama_dir_loads_native(tmp_path, tmp_cache, family):
+    hf = build_hf(family, seed=3)
+    hf.save_pretrained(str(tmp_path / "m"))
+    lm = load_model(str(tmp_path / "m"), quiet=True)
+    assert lm.backend == "native"
+    toks = torch.randint(0, hf.config.vocab_size, (1, 15), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(input_ids=toks, use_cache=False).logits
+    logits, _ = lm.model(toks, torch.arange(15)[None], lm.model.new_cache(1, 32))
+    assert (logits - ref).abs().max().item() <= TOL
+
+
+def test_gpt2_dir_uses_adapter_and_matches_hf_greedy(tmp_path, tmp_cache):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from specdec.engine import Engine
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                     bos_token_id=99, eos_token_id=99)
+    hf = randomize_(GPT2LMHeadModel(cfg), seed=1).eval()
+    hf.save_pretrained(str(tmp_path / "gpt2"))
+    lm = load_model(str(tmp_path / "gpt2"), quiet=True)
+    assert lm.backend == "transformers-adapter"
+
+    prompt = [1, 2, 3]
+    out = Engine(lm.model, eos_ids=()).generate([prompt], SamplingParams(max_new_tokens=10))[0].tokens
+    ref = hf.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, 3, dtype=torch.long), max_new_tokens=10,
+        min_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
+    )[0, 3:].tolist()
+    assert len(ref) == 10
+    assert out == ref
+    # rows of a batch run one by one through the adapter and give the same tokens
+    outs = Engine(lm.model, eos_ids=()).generate([prompt, [5, 6, 7, 8]], SamplingParams(max_new_tokens=10))
+    assert outs[0].tokens == ref and len(outs[1].tokens) == 10
+
+
+# -- the default model ------------------------------------------------------------------------
+@pytest.mark.default_model
+def test_default_model_second_load_is_fast(default_model):
+    t0 = time.perf_counter()
+    lm = load_model(quiet=True)
+    assert time.perf_counter() - t0 < 5.0
+    assert lm.backend == "native"
+    assert lm.tokenizer is not None and lm.tokenizer.eos_token_id is not None
+    assert lm.tokenizer.eos_token_id in lm.eos_ids
+    assert lm.tokenizer.chat_template is not None
+    assert lm.model.vocab_size == 49152 and lm.model.cfg.num_layers == 30

@@ -1,0 +1,214 @@
+"""The native model against transformers (the oracle), fp32, max abs logit diff <= 1e-4.
+
+Covers every native family (Llama tied/untied, llama3 and linear RoPE, Qwen2 with q/k/v
+bias, Mistral), full-sequence and incremental forwards through the KV cache, ragged
+batches, and the tree path (attn_mask).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TOL, Pair, get_pair, random_tokens
+from specdec.models.llama import native_support_problem
+
+
+def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item()
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[N, N] bool: node i may attend node j iff j is i or an ancestor of i."""
+    n = len(parents)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+def path_to(parents: list[int], i: int) -> list[int]:
+    """Node indices root..i."""
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]
+
+
+def prefill_ragged(native, rows: list[list[int]], max_len: int = 128):
+    """Right-padded prefill of several rows, then truncate to each row's length."""
+    B = len(rows)
+    lens = torch.tensor([len(r) for r in rows])
+    T = int(lens.max())
+    toks = torch.zeros(B, T, dtype=torch.long)
+    for b, r in enumerate(rows):
+        toks[b, : len(r)] = torch.tensor(r)
+    cache = native.new_cache(B, max_len)
+    logits, _ = native(toks, torch.arange(T)[None].expand(B, T), cache)
+    cache.truncate(lens)
+    return cache, logits, lens
+
+
+# -- full sequence --------------------------------------------------------------------
+def test_full_forward_matches_transformers(pair: Pair):
+    B, T = 2, 40
+    toks = torch.tensor([random_tokens(T, seed=1), random_tokens(T, seed=2)])
+    pos = torch.arange(T)[None].expand(B, T)
+    ref = pair.ref_logits(toks)
+    cache = pair.native.new_cache(B, 64)
+    logits, hidden = pair.native(toks, pos, cache)
+    assert logits.shape == (B, T, pair.hf.config.vocab_size)
+    assert maxdiff(logits, ref) <= TOL
+    # hidden: the final-normed state the LM head reads
+    with torch.no_grad():
+        ref_hidden = pair.hf.model(input_ids=toks, position_ids=pos, use_cache=False).last_hidden_state
+    assert hidden.shape == (B, T, pair.hf.config.hidden_size)
+    assert maxdiff(hidden, ref_hidden) <= TOL
+    assert cache.lengths.tolist() == [T, T]
+
+
+def test_logits_at_selects_positions(llama_pair: Pair):
+    toks = torch.tensor([random_tokens(12, seed=3), random_tokens(12, seed=4)])
+    ref = llama_pair.ref_logits(toks)
+    cache = llama_pair.native.new_cache(2, 32)
+    at = torch.tensor([[11, 3], [0, 7]])
+    logits, _ = llama_pair.native(toks, torch.arange(12)[None].expand(2, 12), cache, logits_at=at)
+    expect = torch.stack([ref[0, [11, 3]], ref[1, [0, 7]]])
+    assert maxdiff(logits, expect) <= TOL
+
+
+# -- incremental through the cache ------------------------------------------------------
+def test_incremental_matches_full(pair: Pair):
+    # long enough that llama3 / linear RoPE scaling is exercised past original_max (64)
+    seq = random_tokens(90, seed=5)
+    ref = pair.ref_logits(seq)[0]  # [T, V]
+    cache = pair.native.new_cache(1, 128)
+    # prefill 70, then 1, 1, a chunk of 3, 1, a chunk of 3, ...
+    steps = [70, 1, 1, 3, 1, 3, 2, 1, 5, 3]
+    assert sum(steps) == len(seq)
+    at = 0
+    for n in steps:
+        toks = torch.tensor([seq[at : at + n]])
+        logits, _ = pair.native(toks, torch.arange(at, at + n)[None], cache)
+        assert maxdiff(logits[0], ref[at : at + n]) <= TOL, f"step at {at} (+{n})"
+        at += n
+        assert cache.lengths.tolist() == [at]
+
+
+def test_incremental_batch_uniform(llama_pair: Pair):
+    rows = [random_tokens(20, seed=6), random_tokens(20, seed=7)]
+    refs = [llama_pair.ref_logits(r)[0] for r in rows]
+    cache = llama_pair.native.new_cache(2, 32)
+    at = 0
+    for n in (12, 1, 3, 1, 3):
+        toks = torch.tensor([r[at : at + n] for r in rows])
+        logits, _ = llama_pair.native(toks, torch.arange(at, at + n)[None].expand(2, n), cache)
+        for b in range(2):
+            assert maxdiff(logits[b], refs[b][at : at + n]) <= TOL
+        at += n
+
+
+# -- ragged batch ---------------------------------------------------------------------------
+def test_ragged_batch_equals_rows_alone(pair: Pair):
+    lens = [9, 16]
+    full = [random_tokens(lens[0] + 6, seed=8), random_tokens(lens[1] + 6, seed=9)]
+    prompts = [f[:n] for f, n in zip(full, lens)]
+    refs = [pair.ref_logits(f)[0] for f in full]  # each row alone, from scratch
+    cache, logits, L = prefill_ragged(pair.native, prompts)
+    for b, n in enumerate(lens):
+        assert maxdiff(logits[b, :n], refs[b][:n]) <= TOL
+    assert cache.lengths.tolist() == lens
+    # continuation per row: one token, a chunk of 3, then two single tokens
+    at = list(lens)
+    for n in (1, 3, 1, 1):
+        toks = torch.tensor([full[b][at[b] : at[b] + n] for b in range(2)])
+        pos = torch.stack([torch.arange(at[b], at[b] + n) for b in range(2)])
+        logits, _ = pair.native(toks, pos, cache)
+        for b in range(2):
+            assert maxdiff(logits[b], refs[b][at[b] : at[b] + n]) <= TOL, f"row {b} at {at[b]} (+{n})"
+            at[b] += n
+        assert cache.lengths.tolist() == at
+
+
+# -- tree path ---------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "qwen2", "llama3_rope"])
+def test_causal_attn_mask_equals_none(family):
+    p = get_pair(family)
+    prompts = [random_tokens(7, seed=10), random_tokens(12, seed=11)]
+    new = torch.tensor([random_tokens(5, seed=12), random_tokens(5, seed=13)])
+    outs = []
+    for mask in (None, torch.tril(torch.ones(2, 5, 5, dtype=torch.bool))):
+        cache, _, lens = prefill_ragged(p.native, prompts)
+        pos = lens[:, None] + torch.arange(5)[None]
+        logits, _ = p.native(new, pos, cache, attn_mask=mask)
+        outs.append(logits)
+    assert maxdiff(outs[0], outs[1]) <= 1e-6
+    for b in range(2):
+        ref = p.ref_logits(prompts[b] + new[b].tolist())[0, -5:]
+        assert maxdiff(outs[1][b], ref) <= TOL
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2", "linear_rope"])
+def test_tree_mask_equals_chains(family):
+    p = get_pair(family)
+    parents = [[-1, 0, 0, 1, 2, 3, 1], [-1, 0, 1, 0, 3, 0, 2]]
+    N = len(parents[0])
+    prompts = [random_tokens(6, seed=14), random_tokens(11, seed=15)]
+    nodes = torch.tensor([random_tokens(N, seed=16), random_tokens(N, seed=17)])
+    cache, _, lens = prefill_ragged(p.native, prompts)
+    mask = torch.stack([ancestor_mask(pa) for pa in parents])  # [B, N, N]
+    depth = torch.tensor([[len(path_to(pa, i)) - 1 for i in range(N)] for pa in parents])
+    pos = lens[:, None] + depth
+    logits, _ = p.native(nodes, pos, cache, attn_mask=mask)
+    assert cache.lengths.tolist() == (lens + N).tolist()
+    for b in range(2):
+        for i in range(N):
+            chain = prompts[b] + [int(nodes[b, j]) for j in path_to(parents[b], i)]
+            ref = p.ref_logits(chain)[0, -1]
+            assert maxdiff(logits[b, i], ref) <= TOL, f"row {b} node {i}"
+
+
+# -- which configs are native -------------------------------------------------------------
+def test_native_support_problem():
+    from transformers import GPT2Config, LlamaConfig
+
+    from conftest import hf_config
+
+    assert native_support_problem(GPT2Config()) is not None
+    assert "gpt2" in native_support_problem(GPT2Config())
+    for fam in ("llama", "llama_tied", "llama3_rope", "linear_rope", "qwen2", "mistral"):
+        assert native_support_problem(hf_config(fam)) is None, fam
+    assert native_support_problem(LlamaConfig(hidden_act="gelu")) is not None
+    dyn = LlamaConfig(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
+    assert native_support_problem(dyn) is not None
+
+
+# -- the default model ---------------------------------------------------------------------
+@pytest.mark.default_model
+def test_default_model_matches_transformers(default_model):
+    from transformers import AutoModelForCausalLM
+
+    lm = default_model
+    assert lm.backend == "native"
+    tok = lm.tokenizer
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    assert len(ids) > 10
+    hf = AutoModelForCausalLM.from_pretrained(lm.path, dtype=torch.float32).eval()
+    full = ids + [int(tok.encode(" Paris")[0])]
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([full]), use_cache=False).logits.float()[0]
+    cache = lm.model.new_cache(1, 128)
+    T = len(ids)
+    logits, _ = lm.model(torch.tensor([ids]), torch.arange(T)[None], cache)
+    assert maxdiff(logits[0], ref[:T]) <= TOL
+    # one decode step through the cache
+    logits, _ = lm.model(torch.tensor([[full[-1]]]), torch.tensor([[T]]), cache)
+    assert maxdiff(logits[0, 0], ref[T]) <= TOL
