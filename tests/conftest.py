@@ -134,6 +134,46 @@ def random_tokens(n: int, vocab: int = 97, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
+def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item()
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[N, N] bool: node i may attend node j iff j is i or an ancestor of i."""
+    n = len(parents)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+def path_to(parents: list[int], i: int) -> list[int]:
+    """Node indices root..i."""
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]
+
+
+def prefill_ragged(native, rows: list[list[int]], max_len: int = 128):
+    """Right-padded prefill of several rows, then truncate to each row's length."""
+    B = len(rows)
+    lens = torch.tensor([len(r) for r in rows])
+    T = int(lens.max())
+    toks = torch.zeros(B, T, dtype=torch.long)
+    for b, r in enumerate(rows):
+        toks[b, : len(r)] = torch.tensor(r)
+    cache = native.new_cache(B, max_len)
+    logits, _ = native(toks, torch.arange(T)[None].expand(B, T), cache)
+    cache.truncate(lens)
+    return cache, logits, lens
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The embedded SmolLM2-135M default (converted from GGUF once into the user cache)."""

@@ -98,7 +98,6 @@ def chi2_test(counts: torch.Tensor, probs: torch.Tensor, alpha: float = 1e-3, mi
 def histogram(samples: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """samples [N, d] of indices into `shape` -> counts tensor of `shape`."""
     samples = torch.as_tensor(samples, dtype=torch.long).reshape(-1, len(shape))
-    flat = torch.zeros(0, dtype=torch.long)
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]
@@ -198,7 +197,6 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=0,
     )
@@ -281,27 +279,38 @@ class _Base:
 class RandomGuessDrafter(_Base):
     """Deterministic-guess drafter (probs None) whose guesses are wrong on purpose.
 
-    mode "random": uniformly random tokens with a random count in 0..max_tokens per row.
-    mode "corrupt": the oracle's true greedy continuation (from `hf`) for a random number
-    of tokens, then one wrong token, then random tokens; exercises every accepted count.
+    mode "random": uniformly random tokens, a random count in 0..max_tokens per row.
+    mode "corrupt": the oracle's true greedy continuation (looked up in `truth`, a list of
+    full sequences prompt + greedy continuation) for a random number of tokens, then one
+    wrong token, then random tokens; exercises every accepted count, ragged across rows.
+    A context that is not on any oracle trajectory gets random guesses.
     """
 
-    def __init__(self, vocab: int, seed: int = 0, mode: str = "random", hf=None) -> None:
+    def __init__(self, vocab: int, seed: int = 0, mode: str = "random", truth=None) -> None:
         super().__init__()
-        self.vocab, self.mode, self.hf = vocab, mode, hf
+        self.vocab, self.mode, self.truth = vocab, mode, truth or []
         self.g = torch.Generator().manual_seed(seed)
+        self.proposals = 0
 
     def _rand(self, hi: int) -> int:
         return int(torch.randint(0, hi, (1,), generator=self.g))
 
+    def _true_next(self, row: list[int], n: int) -> list[int]:
+        for seq in self.truth:
+            if len(seq) >= len(row) + n and seq[: len(row)] == row:
+                return seq[len(row) : len(row) + n]
+        return [self._rand(self.vocab) for _ in range(n)]
+
     def propose(self, ctx, max_tokens: int):
+        assert len(ctx.tokens) == self.rows, "engine and drafter disagree on the batch rows"
+        self.proposals += 1
         guesses = []
         for row in ctx.tokens:
             n = self._rand(max_tokens + 1)
             if self.mode == "random":
                 guesses.append([self._rand(self.vocab) for _ in range(n)])
                 continue
-            truth = hf_greedy(self.hf, row, max_tokens) if n else []
+            truth = self._true_next(list(row), n)
             good = self._rand(n + 1)
             g = truth[:good]
             if good < n:
@@ -319,6 +328,7 @@ class UniformDrafter(_Base):
         self.vocab = vocab
 
     def propose(self, ctx, max_tokens: int):
+        assert len(ctx.tokens) == self.rows, "engine and drafter disagree on the batch rows"
         B, V = len(ctx.tokens), self.vocab
         toks = torch.randint(0, V, (B, max_tokens), generator=ctx.generator)
         probs = torch.full((B, max_tokens, V), 1.0 / V)
@@ -326,9 +336,10 @@ class UniformDrafter(_Base):
 
 
 class ConfidentlyWrongDrafter(_Base):
-    """q puts `mass` on the token the *target* finds least likely (after warping, among
-    tokens of nonzero target probability if any survive, else the global least likely) and
-    spreads the rest uniformly; guesses are sampled from q as the rule requires."""
+    """q puts `mass` on the possible token (nonzero warped target probability) that the
+    *target* finds least likely, and spreads the rest uniformly over the other tokens;
+    guesses are sampled from q, as the rule requires. The target's view comes from
+    transformers, per context, without a cache."""
 
     def __init__(self, hf, temperature: float, top_k: int = 0, top_p: float = 1.0, mass: float = 0.99) -> None:
         super().__init__()
@@ -336,7 +347,15 @@ class ConfidentlyWrongDrafter(_Base):
         self.V = hf.config.vocab_size
 
     def _q(self, contexts: list[list[int]]) -> torch.Tensor:
-        p = hf_warp(hf_last_logits(self.hf, contexts), *self.warp_args)  # [B, V]
+        uniq = list(dict.fromkeys(tuple(c) for c in contexts))  # rows often share a context
+        pu = torch.empty(len(uniq), self.V)
+        by_len: dict[int, list[int]] = {}
+        for i, c in enumerate(uniq):
+            by_len.setdefault(len(c), []).append(i)
+        for idx in by_len.values():  # one transformers forward per context length
+            pu[idx] = hf_warp(hf_last_logits(self.hf, [list(uniq[i]) for i in idx]), *self.warp_args)
+        where = {c: i for i, c in enumerate(uniq)}
+        p = pu[[where[tuple(c)] for c in contexts]]
         # the least likely token that is still possible under p: a wrong guess that still
         # gets accepted now and then (a q on an impossible token would always be rejected)
         masked = p.masked_fill(p <= 0, float("inf"))
@@ -346,14 +365,11 @@ class ConfidentlyWrongDrafter(_Base):
         return q
 
     def propose(self, ctx, max_tokens: int):
+        assert len(ctx.tokens) == self.rows, "engine and drafter disagree on the batch rows"
         rows = [list(t) for t in ctx.tokens]
         toks, probs = [], []
         for _ in range(max_tokens):
-            L = {len(r) for r in rows}
-            if len(L) == 1:
-                q = self._q(rows)
-            else:
-                q = torch.cat([self._q([r]) for r in rows])
+            q = self._q(rows)
             x = torch.multinomial(q, 1, generator=ctx.generator).squeeze(1)
             toks.append(x)
             probs.append(q)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TOL, get_pair, random_tokens
+from conftest import TOL, ancestor_mask, get_pair, maxdiff, path_to, prefill_ragged, random_tokens
 from specdec.kv_cache import KVCache
 from specdec.types import SpecdecError
-from test_model import ancestor_mask, maxdiff, path_to, prefill_ragged
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -157,3 +156,19 @@ def test_reorder_rows_then_continue(llama_pair):
     logits, _ = p.native(toks, pos, cache)
     assert maxdiff(logits[0], p.ref_logits(full[2])[0, -2:]) <= TOL
     assert maxdiff(logits[1], p.ref_logits(full[0])[0, -2:]) <= TOL
+
+
+def test_compact_with_empty_paths(llama_pair):
+    """Every row rejects the whole tree: paths [B, 0], the cache returns to `base`."""
+    p = llama_pair
+    prompts = [random_tokens(5, seed=110), random_tokens(8, seed=111)]
+    cache, _, base = prefill_ragged(p.native, prompts)
+    nodes = torch.tensor([random_tokens(3, seed=112), random_tokens(3, seed=113)])
+    mask = ancestor_mask([-1, 0, 0])[None].expand(2, 3, 3)
+    p.native(nodes, base[:, None] + torch.tensor([[0, 1, 1]]), cache, attn_mask=mask)
+    cache.compact(base, torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+    assert cache.lengths.tolist() == base.tolist()
+    t = [random_tokens(1, seed=114), random_tokens(1, seed=115)]
+    logits, _ = p.native(torch.tensor(t), base[:, None], cache)
+    for b in range(2):
+        assert maxdiff(logits[b, 0], p.ref_logits(prompts[b] + t[b])[0, -1]) <= TOL

@@ -28,7 +28,7 @@ def test_nonexistent_path(tmp_cache):
 
 def test_random_bytes_gguf_is_not_gguf(tmp_path, tmp_cache):
     f = tmp_path / "x.gguf"
-    f.write_bytes(os.urandom(4096).replace(b"GGUF", b"XXXX").lstrip(b"G") or b"x")
+    f.write_bytes(b"\x89RND" + os.urandom(4092))  # random bytes, certainly not the GGUF magic
     with pytest.raises(SpecdecError, match="not a GGUF"):
         load_model(str(f), quiet=True)
 
@@ -81,19 +81,54 @@ def test_llama_dir_loads_native(tmp_path, tmp_cache, family):
     assert (logits - ref).abs().max().item() <= TOL
 
 
-def test_gpt2_dir_uses_adapter_and_matches_hf_greedy(tmp_path, tmp_cache):
+@pytest.fixture
+def gpt2_dir(tmp_path, tmp_cache):
     from transformers import GPT2Config, GPT2LMHeadModel
-
-    from specdec.engine import Engine
 
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=2,
                      bos_token_id=99, eos_token_id=99)
     hf = randomize_(GPT2LMHeadModel(cfg), seed=1).eval()
     hf.save_pretrained(str(tmp_path / "gpt2"))
-    lm = load_model(str(tmp_path / "gpt2"), quiet=True)
-    assert lm.backend == "transformers-adapter"
+    return hf, tmp_path / "gpt2"
 
+
+def test_gpt2_dir_uses_adapter(gpt2_dir):
+    hf, d = gpt2_dir
+    lm = load_model(str(d), quiet=True)
+    assert lm.backend == "transformers-adapter"
+    assert lm.model.vocab_size == 100 and lm.model.max_context == 64
+    toks = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        ref = hf(input_ids=toks, use_cache=False).logits
+    cache = lm.model.new_cache(1, 32)
+    logits, _ = lm.model(toks[:, :4], torch.arange(4)[None], cache)
+    assert (logits - ref[:, :4]).abs().max().item() <= TOL
+    logits, _ = lm.model(toks[:, 4:], torch.tensor([[4]]), cache)
+    assert (logits - ref[:, 4:]).abs().max().item() <= TOL
+    with pytest.raises(SpecdecError):
+        lm.model.new_cache(2, 32)  # one row per cache
+
+
+def test_gpt2_adapter_truncate_then_refeed(gpt2_dir):
+    hf, d = gpt2_dir
+    lm = load_model(str(d), quiet=True)
+    toks = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        ref = hf(input_ids=toks, use_cache=False).logits
+    cache = lm.model.new_cache(1, 32)
+    lm.model(torch.tensor([[1, 2, 3, 9, 9]]), torch.arange(5)[None], cache)
+    cache.truncate(3)  # drop the two wrong tokens
+    assert cache.lengths.tolist() == [3]
+    logits, _ = lm.model(toks[:, 3:], torch.arange(3, 7)[None], cache)
+    assert (logits - ref[:, 3:]).abs().max().item() <= TOL
+
+
+def test_gpt2_engine_matches_hf_greedy(gpt2_dir):
+    from specdec.engine import Engine
+
+    hf, d = gpt2_dir
+    lm = load_model(str(d), quiet=True)
     prompt = [1, 2, 3]
     out = Engine(lm.model, eos_ids=()).generate([prompt], SamplingParams(max_new_tokens=10))[0].tokens
     ref = hf.generate(

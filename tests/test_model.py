@@ -10,48 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TOL, Pair, get_pair, random_tokens
+from conftest import TOL, Pair, ancestor_mask, get_pair, maxdiff, path_to, prefill_ragged, random_tokens
 from specdec.models.llama import native_support_problem
-
-
-def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a.float() - b.float()).abs().max().item()
-
-
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[N, N] bool: node i may attend node j iff j is i or an ancestor of i."""
-    n = len(parents)
-    m = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            m[i, j] = True
-            j = parents[j]
-    return m
-
-
-def path_to(parents: list[int], i: int) -> list[int]:
-    """Node indices root..i."""
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = parents[i]
-    return out[::-1]
-
-
-def prefill_ragged(native, rows: list[list[int]], max_len: int = 128):
-    """Right-padded prefill of several rows, then truncate to each row's length."""
-    B = len(rows)
-    lens = torch.tensor([len(r) for r in rows])
-    T = int(lens.max())
-    toks = torch.zeros(B, T, dtype=torch.long)
-    for b, r in enumerate(rows):
-        toks[b, : len(r)] = torch.tensor(r)
-    cache = native.new_cache(B, max_len)
-    logits, _ = native(toks, torch.arange(T)[None].expand(B, T), cache)
-    cache.truncate(lens)
-    return cache, logits, lens
 
 
 # -- full sequence --------------------------------------------------------------------
@@ -171,6 +131,33 @@ def test_tree_mask_equals_chains(family):
             chain = prompts[b] + [int(nodes[b, j]) for j in path_to(parents[b], i)]
             ref = p.ref_logits(chain)[0, -1]
             assert maxdiff(logits[b, i], ref) <= TOL, f"row {b} node {i}"
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64),
+        dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+             beta_fast=16.0, beta_slow=2.0, attention_factor=1.3),
+    ],
+    ids=["yarn", "yarn_attention_factor"],
+)
+def test_yarn_rope_matches_transformers(rope):
+    """The module claims YaRN too (attention scaling folded into cos/sin)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from conftest import _COMMON, randomize_
+    from specdec.models.llama import build_native
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**_COMMON, rope_parameters=rope), attn_implementation="eager")
+    hf = randomize_(hf, seed=4).eval()
+    native = build_native(hf.config, hf.state_dict())
+    toks = torch.tensor([random_tokens(100, seed=18)])
+    with torch.no_grad():
+        ref = hf(input_ids=toks, use_cache=False).logits
+    logits, _ = native(toks, torch.arange(100)[None], native.new_cache(1, 128))
+    assert maxdiff(logits, ref) <= TOL
 
 
 # -- which configs are native -------------------------------------------------------------

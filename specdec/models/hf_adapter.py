@@ -13,6 +13,22 @@ import torch
 from ..types import SpecdecError
 
 
+def crop(cache, remove: int) -> None:
+    """Drop the last `remove` entries of a transformers DynamicCache (5.x takes a negative count)."""
+    import inspect
+
+    first = next(iter(inspect.signature(cache.crop).parameters))
+    cache.crop(-remove if first == "tokens_to_remove" else cache.get_seq_length() - remove)
+
+
+def _cache_kwarg(hf_model) -> str:
+    """transformers 5.x renamed `past_key_values` to `cache`; use whichever forward takes."""
+    import inspect
+
+    params = inspect.signature(hf_model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class HFCache:
     """A one-row cache over transformers' DynamicCache with the KVCache interface."""
 
@@ -28,7 +44,9 @@ class HFCache:
         n = int(torch.as_tensor(lengths).reshape(-1)[0])
         if n > int(self.lengths[0]) or n < 0:
             raise ValueError(f"truncate can only shorten rows: have {int(self.lengths[0])}, asked {n}")
-        self.inner.crop(n)
+        remove = int(self.lengths[0]) - n
+        if remove:
+            crop(self.inner, remove)
         self.lengths = torch.tensor([n])
 
     def compact(self, *args, **kwargs) -> None:
@@ -44,6 +62,7 @@ class HFAdapter(torch.nn.Module):
         self.hf = hf_model.eval()
         cfg = hf_model.config
         self._vocab = int(hf_model.get_output_embeddings().weight.shape[0])
+        self._cache_kw = _cache_kwarg(hf_model)
         self._ctx = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048)
 
     @property
@@ -87,11 +106,10 @@ class HFAdapter(torch.nn.Module):
         out = self.hf(
             input_ids=tokens,
             position_ids=positions,
-            past_key_values=cache.inner,
             use_cache=True,
             output_hidden_states=True,
+            **{self._cache_kw: cache.inner},
         )
-        cache.inner = out.past_key_values
         cache.lengths = cache.lengths + T
         logits, hidden = out.logits.float(), out.hidden_states[-1]
         if logits_at is not None:

@@ -128,7 +128,6 @@ def rope_inv_freq(cfg: LlamaConfig) -> tuple[torch.Tensor, float]:
             max_position_embeddings=cfg.max_position,
         )
         hf.rope_parameters = dict(cfg.rope_parameters)
-        hf.rope_scaling = dict(cfg.rope_parameters)
         hf.rope_theta = cfg.rope_theta
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rtype](hf, "cpu")
     return inv_freq.float(), float(scaling)

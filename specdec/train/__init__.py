@@ -1,0 +1,1 @@
+"""Training drafters for a target: `specdec train draft` (distilled draft model)."""

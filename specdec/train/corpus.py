@@ -1,0 +1,165 @@
+"""Local training text for drafters (DESIGN.md "Data at hand"), all offline.
+
+Sources: the Python standard library's own sources (not site-packages), the text
+documentation Debian packages install under /usr/share/doc, and instruction prompts
+built from local material (Debian package descriptions, stdlib docstrings, doc
+paragraphs, synthetic arithmetic) for the target to answer. Never the evaluation sets
+(Spec-Bench, HumanEval): `check_not_eval` refuses paths that look like them.
+
+This module reads files and returns text; it knows nothing about models.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import random
+import re
+import sysconfig
+from pathlib import Path
+
+DOC_ROOT = Path("/usr/share/doc")
+DPKG_STATUS = Path("/var/lib/dpkg/status")
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ""}
+EVAL_MARKERS = ("spec_bench", "humaneval", "human_eval", "human-eval")
+
+
+def check_not_eval(path: Path) -> None:
+    low = str(path).lower()
+    if any(m in low for m in EVAL_MARKERS):
+        raise ValueError(f"refusing to train on {path}: it looks like an evaluation set")
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = [p for p in sorted(root.rglob("*.py")) if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    for p in out:
+        check_not_eval(p)
+    return out
+
+
+def doc_files() -> list[Path]:
+    if not DOC_ROOT.is_dir():
+        return []
+    out = []
+    for p in sorted(DOC_ROOT.rglob("*")):
+        if not p.is_file() or p.is_symlink():
+            continue
+        name = p.name.lower()
+        if name.startswith("copyright") or name.startswith("changelog"):
+            continue  # licence boilerplate and changelogs teach little and dominate by volume
+        suffix = p.suffix.lower()
+        if suffix == ".gz":
+            suffix = Path(p.stem).suffix.lower()
+        if suffix in TEXT_SUFFIXES:
+            check_not_eval(p)
+            out.append(p)
+    return out
+
+
+def read_text(path: Path, limit: int = 200_000) -> str | None:
+    try:
+        raw = gzip.open(path).read(limit) if path.suffix == ".gz" else path.read_bytes()[:limit]
+        text = raw.decode("utf-8")
+    except (OSError, UnicodeDecodeError, EOFError):
+        return None
+    if "\x00" in text:
+        return None
+    return text
+
+
+# -- instruction prompts for the target to answer -----------------------------------------
+def dpkg_descriptions() -> list[tuple[str, str]]:
+    if not DPKG_STATUS.is_file():
+        return []
+    out, pkg = [], None
+    for line in DPKG_STATUS.read_text(errors="replace").splitlines():
+        if line.startswith("Package: "):
+            pkg = line[9:].strip()
+        elif line.startswith("Description: ") and pkg:
+            out.append((pkg, line[13:].strip()))
+    return out
+
+
+def stdlib_docstrings(files: list[Path], limit: int = 3000) -> list[tuple[str, str]]:
+    """(qualified name, first docstring line) of public functions in the stdlib."""
+    out = []
+    for p in files:
+        if "test" in p.parts or "idlelib" in p.parts:
+            continue
+        try:
+            tree = ast.parse(p.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                if doc and 20 < len(doc.splitlines()[0]) < 200:
+                    out.append((f"{p.stem}.{node.name}", doc.splitlines()[0].strip()))
+        if len(out) >= limit:
+            break
+    return out
+
+
+def paragraphs(files: list[Path], rng: random.Random, n: int) -> list[str]:
+    out = []
+    for p in rng.sample(files, min(len(files), n * 3)):
+        text = read_text(p, 20_000)
+        if not text:
+            continue
+        paras = [q.strip() for q in re.split(r"\n\s*\n", text) if 300 < len(q.strip()) < 1500]
+        if paras:
+            out.append(rng.choice(paras))
+        if len(out) >= n:
+            break
+    return out
+
+
+CODE_TASKS = [
+    "Write a Python function that {doc}",
+    "Implement `{name}` in Python: {doc}",
+    "Explain what `{name}` does: {doc}",
+    "Write a short Python example that uses `{name}` ({doc}).",
+]
+PKG_TASKS = [
+    "What is {pkg}? It is described as: {desc}. Explain in a few sentences.",
+    "Write a short blog post introducing {pkg} ({desc}).",
+    "Give three tips for using {pkg}, which is {desc}.",
+    "Translate into French: {desc}.",
+    "Translate into German: \"{desc}\"",
+    "Write a question a user might ask about {pkg} ({desc}) and answer it.",
+]
+DOC_TASKS = [
+    "Summarize the following text in a few sentences.\n\n{para}",
+    "Read the text and answer: what is its main point?\n\n{para}",
+    "{para}\n\nBased on the text above, list the key facts.",
+]
+
+
+def instruction_prompts(seed: int, n: int) -> list[str]:
+    """A varied list of user prompts built from local material (no evaluation data)."""
+    rng = random.Random(seed)
+    lib = stdlib_files()
+    docs = doc_files()
+    funcs = stdlib_docstrings(lib)
+    pkgs = dpkg_descriptions()
+    paras = paragraphs(docs + [p for p in lib if "test" not in p.parts], rng, max(1, n // 4))
+    out = []
+    while len(out) < n:
+        kind = rng.random()
+        if kind < 0.3 and funcs:
+            name, doc = rng.choice(funcs)
+            out.append(rng.choice(CODE_TASKS).format(name=name, doc=doc[0].lower() + doc[1:]))
+        elif kind < 0.55 and pkgs:
+            pkg, desc = rng.choice(pkgs)
+            out.append(rng.choice(PKG_TASKS).format(pkg=pkg, desc=desc))
+        elif kind < 0.8 and paras:
+            out.append(rng.choice(DOC_TASKS).format(para=rng.choice(paras)))
+        else:
+            a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 9)
+            out.append(rng.choice([
+                f"A shop sells {a} apples on Monday and {b} on Tuesday. How many in total? Think step by step.",
+                f"What is {a} times {c}, minus {b}? Show your work.",
+                f"If a train travels {a} km in {c} hours, what is its average speed? Explain.",
+            ]))
+    return out
