@@ -1,4 +1,4 @@
-"""The `specdec` command line. Subcommands: generate.
+"""The `specdec` command line. Subcommands: generate, train draft.
 
 The CLI does the I/O (prompts, files, terminal, JSON); the engine does the decoding.
 Every user mistake ends in one `specdec: error: ...` line and exit status 2, never a
@@ -98,7 +98,85 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no summary or progress on stderr")
     add_model_args(g)
     add_sampling_args(g)
+    add_train_parser(sub)
     return parser
+
+
+def add_train_parser(sub) -> None:
+    from .train.distill import CollectConfig, StudentConfig, TrainConfig
+
+    c, s, t = CollectConfig(), StudentConfig(), TrainConfig()
+    tr = sub.add_parser("train", help="train a drafter for a target (draft)",
+                        description="Train drafters for a target model.")
+    tsub = tr.add_subparsers(dest="what", metavar="WHAT")
+    d = tsub.add_parser(
+        "draft",
+        help="distil a small draft model from a target",
+        description="Distil a small draft model from a target. Stage 1 (collect) has the target answer "
+                    "instruction prompts built from local material and score windows of the Python standard "
+                    "library and Debian docs, keeping its top-K next-token distributions; stage 2 (train) fits a "
+                    "small Llama with a frequency-ranked vocabulary head to them. Both stages resume where they "
+                    "stopped: run the same command again. The result in --out loads with --draft OUT.",
+    )
+    d.add_argument("--model", metavar="PATH", default=None, help="the target (default: the embedded default model)")
+    d.add_argument("--out", required=True, metavar="DIR", help="output folder (data shards, checkpoint, the draft)")
+    d.add_argument("--stage", choices=("all", "collect", "train"), default="all", help="which stages to run. Default: all")
+    d.add_argument("--chat-prompts", type=_nonneg_int, default=c.chat_prompts,
+                   help=f"instruction prompts the target answers. Default: {c.chat_prompts}")
+    d.add_argument("--chat-batch", type=_positive_int, default=c.chat_batch, help=f"rows per generation batch. Default: {c.chat_batch}")
+    d.add_argument("--max-new-tokens", type=_positive_int, default=c.max_new_tokens,
+                   help=f"longest answer per prompt. Default: {c.max_new_tokens}")
+    d.add_argument("--text-windows", type=_nonneg_int, default=c.text_windows,
+                   help=f"windows of local text scored by the target. Default: {c.text_windows}")
+    d.add_argument("--topk", type=_positive_int, default=c.topk, help=f"target probabilities kept per position. Default: {c.topk}")
+    d.add_argument("--hidden-size", type=_positive_int, default=s.hidden_size, help=f"draft width. Default: {s.hidden_size}")
+    d.add_argument("--layers", type=_positive_int, default=s.num_layers, help=f"draft layers. Default: {s.num_layers}")
+    d.add_argument("--heads", type=_positive_int, default=s.num_heads, help=f"attention heads. Default: {s.num_heads}")
+    d.add_argument("--kv-heads", type=_positive_int, default=s.num_kv_heads, help=f"key/value heads. Default: {s.num_kv_heads}")
+    d.add_argument("--intermediate-size", type=_positive_int, default=s.intermediate_size,
+                   help=f"MLP width. Default: {s.intermediate_size}")
+    d.add_argument("--head-vocab", type=_positive_int, default=s.head_vocab,
+                   help=f"tokens in the draft's output head (most frequent first). Default: {s.head_vocab}")
+    d.add_argument("--steps", type=_positive_int, default=t.steps, help=f"optimizer steps. Default: {t.steps}")
+    d.add_argument("--batch-rows", type=_positive_int, default=t.batch_rows, help=f"sequences per step. Default: {t.batch_rows}")
+    d.add_argument("--seq-len", type=_positive_int, default=384, help="tokens per training sequence. Default: 384")
+    d.add_argument("--lr", type=float, default=t.lr, help=f"peak learning rate (cosine schedule). Default: {t.lr}")
+    d.add_argument("--seed", type=int, default=0, help="seed for prompts, sampling and shuffling. Default: 0")
+    d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    d.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def cmd_train(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .models.loader import load_model
+    from .train.distill import CollectConfig, StudentConfig, TrainConfig, collect, train
+
+    if args.what != "draft":
+        raise SpecdecError("say what to train: specdec train draft --out DIR (see specdec train draft --help)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.hidden_size % args.heads or args.heads % args.kv_heads:
+        raise SpecdecError("--hidden-size must be a multiple of --heads, and --heads a multiple of --kv-heads")
+    out = Path(args.out)
+    target = load_model(args.model, quiet=args.quiet)
+    if target.tokenizer is None:
+        raise SpecdecError("the target has no tokenizer; distillation needs one to read local text")
+    if args.stage in ("all", "collect"):
+        cc = CollectConfig(chat_prompts=args.chat_prompts, chat_batch=args.chat_batch, max_new_tokens=args.max_new_tokens,
+                           text_windows=args.text_windows, topk=args.topk, seed=args.seed)
+        collect(target, out, cc, quiet=args.quiet)
+    if args.stage in ("all", "train"):
+        sc = StudentConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
+                           num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,
+                           head_vocab=args.head_vocab)
+        tc = TrainConfig(steps=args.steps, batch_rows=args.batch_rows, lr=args.lr, seed=args.seed)
+        train(target, out, sc, tc, seq_len=args.seq_len, quiet=args.quiet)
+        if not args.quiet:
+            print(f"[specdec] draft saved to {out}; use it with --method draft --draft {out}", file=sys.stderr)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -276,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"generate": cmd_generate}[args.command](args)
+        return {"generate": cmd_generate, "train": cmd_train}[args.command](args)
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2

@@ -15,10 +15,25 @@ type to talk to the engine (the Draft/DraftContext value types, `build_native`):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
 import torch
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run with one intra-op thread, then restore. The models here are tiny, so threads buy
+    nothing, and on a shared 2-core machine OpenMP workers spinning against another
+    process made these tests 5-10x slower and erratic."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
 
 # ----------------------------------------------------------------------------------------
 # chi-square

@@ -20,13 +20,19 @@ from specdec.engine import Engine
 from specdec.types import SamplingParams
 
 try:  # tests/ is on sys.path (rootdir conftest) or is a package
-    from oracle import RandomGuessDrafter, greedy_margins, hf_greedy, native_of, tiny_hf_llama
+    from oracle import RandomGuessDrafter, greedy_margins, hf_greedy, native_of, one_thread, tiny_hf_llama
 except ImportError:  # pragma: no cover
-    from tests.oracle import RandomGuessDrafter, greedy_margins, hf_greedy, native_of, tiny_hf_llama
+    from tests.oracle import RandomGuessDrafter, greedy_margins, hf_greedy, native_of, one_thread, tiny_hf_llama
 
 VOCAB = 64
 N_NEW = 20
 PROMPT_LENS = (5, 11, 8)  # ragged
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_thread():
+        yield
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,6 +74,9 @@ def make_drafter(name: str):
         return DraftModelDrafter(draft)
     if name == "draft_self":
         return DraftModelDrafter(target)
+    if name == "draft_self_subset":
+        # the target drafting for itself over the even ids only: right when the argmax is even
+        return DraftModelDrafter(target, vocab_subset=list(range(0, VOCAB, 2)))
     if name == "random_guesses":
         return RandomGuessDrafter(VOCAB, seed=7, mode="random")
     if name == "corrupted_truth":
@@ -75,7 +84,7 @@ def make_drafter(name: str):
     raise KeyError(name)
 
 
-DRAFTERS = ("none", "ngram", "draft_other", "draft_self", "random_guesses", "corrupted_truth")
+DRAFTERS = ("none", "ngram", "draft_other", "draft_self", "draft_self_subset", "random_guesses", "corrupted_truth")
 
 
 def test_oracle_is_well_posed():
@@ -120,9 +129,9 @@ def test_greedy_equals_transformers(drafter_name, batch, k):
         # and each decode step commits min(k + 1, what is left): tau is close to k + 1
         for r in res:
             assert r.stats.target_forwards == -(-(N_NEW - 1) // (k + 1))
-    if drafter_name in ("random_guesses", "corrupted_truth"):
+    if drafter_name in ("random_guesses", "corrupted_truth", "draft_self_subset"):
         assert accepted < proposed  # wrong guesses were made and rejected
-    if drafter_name == "corrupted_truth":
+    if drafter_name in ("corrupted_truth", "draft_self_subset"):
         assert accepted > 0  # and partial prefixes were accepted
 
 
@@ -147,7 +156,8 @@ def test_eos_inside_an_accepted_draft(drafter_name):
                 return c[: j + 1], "eos"
         return c, "length"
 
-    res = Engine(target, make_drafter(drafter_name), k=4, eos_ids=[eos_a, eos_b]).generate(ps, SamplingParams(max_new_tokens=N_NEW))
+    engine = Engine(target, make_drafter(drafter_name), k=4, eos_ids=[eos_a, eos_b])
+    res = engine.generate(ps, SamplingParams(max_new_tokens=N_NEW))
     for r, c in zip(res, conts):
         want, reason = cut(c)
         assert r.tokens == want
@@ -184,7 +194,8 @@ def test_stop_fn_stops_the_row(drafter_name):
         calls.append((row, list(ids)))
         return len(ids) >= 3 + row  # row r wants 3 + r tokens
 
-    res = Engine(target, make_drafter(drafter_name), k=k).generate(ps, SamplingParams(max_new_tokens=N_NEW), stop_fn=stop)
+    engine = Engine(target, make_drafter(drafter_name), k=k)
+    res = engine.generate(ps, SamplingParams(max_new_tokens=N_NEW), stop_fn=stop)
     for row, (r, p) in enumerate(zip(res, ps)):
         assert r.stats.finish_reason == "stop"
         assert r.tokens == oracle(tuple(p))[: len(r.tokens)]

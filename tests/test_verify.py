@@ -15,15 +15,21 @@ import torch
 from specdec.verify import verify_greedy, verify_stochastic
 
 try:  # tests/ is on sys.path (rootdir conftest) or is a package
-    from oracle import broken_verify_stochastic, chi2_critical, chi2_test, histogram
+    from oracle import broken_verify_stochastic, chi2_critical, chi2_test, histogram, one_thread
 except ImportError:  # pragma: no cover
-    from tests.oracle import broken_verify_stochastic, chi2_critical, chi2_test, histogram
+    from tests.oracle import broken_verify_stochastic, chi2_critical, chi2_test, histogram, one_thread
 
 ALPHA = 1e-3
 V = 6
 P = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.07, 0.03])  # target, one position
 P_BONUS = torch.tensor([0.05, 0.05, 0.10, 0.20, 0.25, 0.35])
 P_TOPK = torch.tensor([0.50, 0.30, 0.20, 0.0, 0.0, 0.0])  # a target after top-k: zeros allowed
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_thread():
+        yield
 
 
 def _confidently_wrong(p: torch.Tensor) -> torch.Tensor:

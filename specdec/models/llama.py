@@ -229,6 +229,7 @@ class LlamaModel(nn.Module):
 
         logits_at [B, M] (optional): indices into T for which to compute logits (the
         prefill needs only each row's last prompt token); the result is then [B, M, V].
+        An empty logits_at ([B, 0]) skips the LM head and returns (None, hidden).
         """
         B, T = tokens.shape
         if int(positions.max()) >= self.cfg.max_position:
@@ -243,6 +244,8 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start, uniform, mask, n_keys)
         hidden = F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)  # [B, T, D]
+        if logits_at is not None and logits_at.shape[1] == 0:
+            return None, hidden  # the caller applies its own head (e.g. a vocabulary subset)
         h = hidden
         if logits_at is not None:
             idx = logits_at.to(torch.long)

