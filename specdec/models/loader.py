@@ -205,7 +205,7 @@ def load_hf_dir(d: Path, dtype=torch.float32, source: str | None = None, native:
     if native is True and problem:
         raise SpecdecError(f"the native model cannot run this checkpoint: {problem}")
     if problem is None and native is not False:
-        model = build_native(cfg, _read_state_dict(d), dtype=dtype)
+        model = build_native(cfg, _read_state_dict(d), dtype=dtype, pack=True)
     else:
         from transformers import AutoModelForCausalLM
 
