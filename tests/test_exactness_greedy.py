@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.hybrid import HybridDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.types import SamplingParams
@@ -77,6 +78,9 @@ def make_drafter(name: str):
     if name == "draft_self_subset":
         # the target drafting for itself over the even ids only: right when the argmax is even
         return DraftModelDrafter(target, vocab_subset=list(range(0, VOCAB, 2)))
+    if name == "hybrid":
+        # prompt lookup (n >= 2) where the context repeats, the small draft model elsewhere
+        return HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3)
     if name == "random_guesses":
         return RandomGuessDrafter(VOCAB, seed=7, mode="random")
     if name == "corrupted_truth":
@@ -84,7 +88,8 @@ def make_drafter(name: str):
     raise KeyError(name)
 
 
-DRAFTERS = ("none", "ngram", "draft_other", "draft_self", "draft_self_subset", "random_guesses", "corrupted_truth")
+DRAFTERS = ("none", "ngram", "draft_other", "draft_self", "draft_self_subset", "hybrid", "random_guesses",
+            "corrupted_truth")
 
 
 def test_oracle_is_well_posed():
@@ -225,3 +230,18 @@ def test_stop_fn_on_a_token_value():
             assert r.stats.finish_reason == "stop" and stop_tok in r.tokens
         else:
             assert r.stats.finish_reason == "length"
+
+
+@pytest.mark.parametrize("drafter_name", ["ngram", "hybrid", "draft_other"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_adaptive_k_greedy_equals_transformers(drafter_name, batch):
+    """--method auto: the draft length changes from step to step; output must not."""
+    from specdec.adaptive import AdaptiveK
+
+    _, target, _ = models()
+    batch_prompts = prompts()[:batch] if batch == 1 else prompts()
+    policy = AdaptiveK(cost_hint=None)
+    res = Engine(target, make_drafter(drafter_name), k=4, k_policy=policy).generate(
+        batch_prompts, SamplingParams(max_new_tokens=N_NEW))
+    assert [r.tokens for r in res] == expected(batch_prompts)
+    assert policy.t_fwd, "the policy never observed a step"

