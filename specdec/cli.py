@@ -18,24 +18,23 @@ from .types import SpecdecError
 METHODS = ("none", "ngram", "draft", "auto")
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def _int_at_least(lowest: int):
+    """An argparse type: a whole number >= lowest."""
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
+        if v < lowest:
+            raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {v}")
+        return v
+
+    return parse
 
 
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+_positive_int = _int_at_least(1)
+_nonneg_int = _int_at_least(0)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -273,32 +272,10 @@ def read_prompts(args) -> list:
 
 
 def read_prompts_file(path: str) -> list:
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except OSError as e:
-        raise SpecdecError(f"cannot read {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise SpecdecError(f"{path} is not UTF-8 text") from None
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecdecError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise SpecdecError(f"{path}:{n}: expected a JSON object with a 'prompt' field")
-        if isinstance(obj.get("prompt"), str):
-            prompts.append(obj["prompt"])
-        elif isinstance(obj.get("messages"), list) and all(isinstance(m, dict) and "content" in m for m in obj["messages"]):
-            prompts.append(obj["messages"])
-        else:
-            raise SpecdecError(f"{path}:{n}: needs a 'prompt' string (or a 'messages' list of {{role, content}})")
-    if not prompts:
-        raise SpecdecError(f"{path} holds no prompts")
-    return prompts
+    """Prompts (text or messages) from a JSONL file; errors name the line and the reason."""
+    from .bench.tasks import load_jsonl
+
+    return [t.prompt for t in load_jsonl(path)]
 
 
 def sampling_params(args):

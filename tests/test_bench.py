@@ -26,7 +26,7 @@ def test_spec_bench_rows_and_user_rows(tmp_path):
 
 
 @pytest.mark.parametrize("text, needle", [("{bad json\n", ":1: not valid JSON"), ('{"x": 1}\n', ":1: needs"),
-                                          ('\n[1, 2]\n', ":2: expected a JSON object"), ("", "holds no tasks")])
+                                          ('\n[1, 2]\n', ":2: expected a JSON object"), ("", "holds no prompts")])
 def test_malformed_task_file(tmp_path, text, needle):
     f = tmp_path / "t.jsonl"
     f.write_text(text)

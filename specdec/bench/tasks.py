@@ -51,9 +51,9 @@ def load_jsonl(path: str | Path) -> list[Task]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
-        raise SpecdecError(f"cannot read task file {path}: {e.strerror}") from None
+        raise SpecdecError(f"cannot read {path}: {e.strerror}") from None
     except UnicodeDecodeError:
-        raise SpecdecError(f"task file {path} is not UTF-8 text") from None
+        raise SpecdecError(f"{path} is not UTF-8 text") from None
     tasks = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -75,7 +75,7 @@ def load_jsonl(path: str | Path) -> list[Task]:
         else:
             raise SpecdecError(f"{path}:{n}: needs 'turns' (Spec-Bench), 'prompt' or 'messages'")
     if not tasks:
-        raise SpecdecError(f"task file {path} holds no tasks")
+        raise SpecdecError(f"{path} holds no prompts")
     return tasks
 
 
