@@ -218,6 +218,9 @@ def add_train_parser(sub) -> None:
     d.add_argument("--seq-len", type=_positive_int, default=384, help="tokens per training sequence. Default: 384")
     d.add_argument("--lr", type=float, default=t.lr, help=f"peak learning rate (cosine schedule). Default: {t.lr}")
     d.add_argument("--seed", type=int, default=0, help="seed for prompts, sampling and shuffling. Default: 0")
+    d.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of the saved weights (bfloat16 halves the folder; loaders cast to the target's "
+                        "dtype). Default: float32")
     d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -249,7 +252,8 @@ def cmd_train(args) -> int:
                            num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,
                            head_vocab=args.head_vocab)
         tc = TrainConfig(steps=args.steps, batch_rows=args.batch_rows, lr=args.lr, seed=args.seed)
-        train(target, out, sc, tc, seq_len=args.seq_len, quiet=args.quiet)
+        train(target, out, sc, tc, seq_len=args.seq_len, quiet=args.quiet,
+              save_dtype=torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32)
         if not args.quiet:
             print(f"[specdec] draft saved to {out}; use it with --method draft --draft {out}", file=sys.stderr)
     return 0

@@ -295,7 +295,8 @@ def _batches(rows, batch_rows: int, seq_len: int, rng: random.Random):
             yield toks, lab_i, lab_v, mask
 
 
-def train(target, out: Path, scfg: StudentConfig, tcfg: TrainConfig, seq_len: int = 256, quiet: bool = False):
+def train(target, out: Path, scfg: StudentConfig, tcfg: TrainConfig, seq_len: int = 256, quiet: bool = False,
+          save_dtype: torch.dtype = torch.float32):
     """Stage 2 (see module docstring). Returns the output folder."""
     from tqdm import tqdm
 
@@ -307,17 +308,16 @@ def train(target, out: Path, scfg: StudentConfig, tcfg: TrainConfig, seq_len: in
     student = build_student(target, scfg)
     opt = torch.optim.AdamW(student.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.98))
     ckpt = out / "checkpoint.pt"
-    step = 0
+    step, ema, before = 0, None, 0.0
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
         student.load_state_dict(state["student"])
         opt.load_state_dict(state["opt"])
-        step = state["step"]
+        step, ema, before = state["step"], state.get("ema"), state.get("seconds", 0.0)
     rng = random.Random(tcfg.seed + step)
     stream = _batches(rows, tcfg.batch_rows, seq_len, rng)
     student.train()
     bar = tqdm(total=tcfg.steps, initial=step, desc="train draft", disable=quiet, dynamic_ncols=True)
-    ema = None
     t0 = time.perf_counter()
     while step < tcfg.steps:
         toks, lab_i, lab_v, mask = next(stream)
@@ -344,15 +344,20 @@ def train(target, out: Path, scfg: StudentConfig, tcfg: TrainConfig, seq_len: in
         bar.set_postfix(loss=f"{ema[0]:.3f}", top1=f"{ema[1]:.3f}", lr=f"{lr:.1e}")
         bar.update(1)
         if step % tcfg.save_every == 0 or step == tcfg.steps:
-            torch.save({"student": student.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+            torch.save({"student": student.state_dict(), "opt": opt.state_dict(), "step": step, "ema": ema,
+                        "seconds": before + time.perf_counter() - t0}, ckpt)
     bar.close()
-    save_draft(student, target, out, subset, scfg, tcfg, ema, time.perf_counter() - t0)
+    save_draft(student, target, out, subset, scfg, tcfg, ema, before + time.perf_counter() - t0, save_dtype)
     return out
 
 
-def save_draft(student, target, out: Path, subset, scfg, tcfg, ema, seconds: float) -> None:
+def save_draft(student, target, out: Path, subset, scfg, tcfg, ema, seconds: float,
+               save_dtype: torch.dtype = torch.float32) -> None:
+    """Write the draft as a Hugging Face folder (weights in save_dtype; loaders cast them to
+    the target's dtype) plus specdec_draft.json."""
     student.eval()
-    student.save_pretrained(str(out), safe_serialization=True)
+    student.to(save_dtype).save_pretrained(str(out), safe_serialization=True)
+    student.float()
     if target.tokenizer is not None:
         target.tokenizer.save_pretrained(str(out))
     collect_cfg = json.loads((out / "data" / "collect.json").read_text()) if (out / "data" / "collect.json").exists() else {}
@@ -367,5 +372,6 @@ def save_draft(student, target, out: Path, subset, scfg, tcfg, ema, seconds: flo
         "final_train_loss": round(ema[0], 4) if ema else None,
         "final_train_top1": round(ema[1], 4) if ema else None,
         "train_seconds": round(seconds, 1),
+        "saved_dtype": str(save_dtype).replace("torch.", ""),
     }
     (out / DRAFT_META).write_text(json.dumps(meta))

@@ -1,0 +1,44 @@
+"""The draft shipped for the default model: it loads as the default --draft, shares the
+target's vocabulary, and greedy speculation reproduces plain greedy decoding token for
+token on the default model (batch 1 and a ragged batch), for draft and auto."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specdec.cli import build_engine
+from specdec.models.loader import DEFAULT_DRAFT_DIR, default_draft_for
+from specdec.text import encode_prompt
+from specdec.types import SamplingParams
+
+PROMPTS = [
+    ("Write a Python function that checks whether a number is prime.", None),
+    ("Summarize: The quick brown fox jumps over the lazy dog. The dog does not move. The fox runs away.", None),
+    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+]
+
+
+@pytest.mark.default_model
+def test_default_draft_ships_and_loads(default_model):
+    assert (DEFAULT_DRAFT_DIR / "config.json").is_file(), "the default draft is missing from the package"
+    assert default_draft_for(default_model) == DEFAULT_DRAFT_DIR
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("method", ["draft", "auto"])
+def test_greedy_speculation_equals_plain_on_default_model(default_model, method):
+    tok = default_model.tokenizer
+    ids = [encode_prompt(tok, p, chat) for p, chat in PROMPTS]
+    params = SamplingParams(max_new_tokens=48)
+    ns = argparse.Namespace(method="none", draft=None, k=4)
+    plain_engine, _ = build_engine(ns, default_model, quiet=True)
+    plain = [plain_engine.generate([x], params)[0].tokens for x in ids]
+    engine, draft = build_engine(argparse.Namespace(method=method, draft=None, k=4), default_model, quiet=True)
+    assert draft is not None and draft.draft_meta and len(draft.draft_meta["vocab_subset"]) > 0
+    one_by_one = [engine.generate([x], params)[0] for x in ids]
+    assert [r.tokens for r in one_by_one] == plain
+    assert sum(r.stats.accepted for r in one_by_one) > 0  # the draft is right some of the time
+    batched = engine.generate(ids, params)
+    assert [r.tokens for r in batched] == plain
