@@ -8,6 +8,7 @@ traceback (set SPECDEC_DEBUG=1 to see one for internal errors).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -356,7 +357,9 @@ def cmd_generate(args) -> int:
         def stop_fn(r, ids):
             return find_stop(tok.decode(ids, skip_special_tokens=True), args.stop) is not None
 
-        results = engine.generate([encoded[i] for i, _ in chunk], params, on_tokens if stream else None,
+        # each batch draws from its own seeded stream, else batches of equal rows would repeat
+        chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
+        results = engine.generate([encoded[i] for i, _ in chunk], chunk_params, on_tokens if stream else None,
                                   stop_fn if args.stop else None)
         for key, res in zip(chunk, results):
             outputs[key] = res

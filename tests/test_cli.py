@@ -170,3 +170,13 @@ def test_chat_without_template(tmp_path, capsys):
 
 def default_vocab_size() -> int:
     return 49152
+
+
+@pytest.mark.default_model
+def test_batches_of_samples_differ(default_model, capsys):
+    """--n 4 --batch-size 2 with a seed: the second batch must not repeat the first."""
+    assert main(["generate", "Name an animal.", "--json", "--n", "4", "--batch-size", "2", "--temperature", "1.0",
+                 "--seed", "3", "--max-new-tokens", "8", "--quiet"]) == 0
+    comps = json.loads(capsys.readouterr().out)["completions"]
+    ids = [c["token_ids"] for c in comps]
+    assert ids[:2] != ids[2:]
