@@ -155,7 +155,7 @@ def cmd_bench(args) -> int:
     target = load_model(args.model, dtype=dtype, quiet=args.quiet)
     engines = {}
     for m in methods:
-        ns = argparse.Namespace(**{**vars(args), "method": m})
+        ns = argparse.Namespace(**{**vars(args), "method": m, "draft": args.draft if m in ("draft", "auto") else None})
         engines[m], _ = build_engine(ns, target, args.quiet)
     encoded = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
     result = run(engines, tasks, encoded, params, args.repeats, args.quiet)
@@ -200,6 +200,11 @@ def add_train_parser(sub) -> None:
     d.add_argument("--stage", choices=("all", "collect", "train"), default="all", help="which stages to run. Default: all")
     d.add_argument("--chat-prompts", type=_nonneg_int, default=c.chat_prompts,
                    help=f"instruction prompts the target answers. Default: {c.chat_prompts}")
+    d.add_argument("--generic-prompts", type=_nonneg_int, default=c.generic_prompts,
+                   help=f"open-ended chat prompts on everyday topics the target answers. Default: {c.generic_prompts}")
+    d.add_argument("--code-prompts", type=_nonneg_int, default=c.code_prompts,
+                   help=f"standard-library signatures + docstrings the target completes as raw code. "
+                        f"Default: {c.code_prompts}")
     d.add_argument("--chat-batch", type=_positive_int, default=c.chat_batch, help=f"rows per generation batch. Default: {c.chat_batch}")
     d.add_argument("--max-new-tokens", type=_positive_int, default=c.max_new_tokens,
                    help=f"longest answer per prompt. Default: {c.max_new_tokens}")
@@ -246,7 +251,8 @@ def cmd_train(args) -> int:
         raise SpecdecError("the target has no tokenizer; distillation needs one to read local text")
     if args.stage in ("all", "collect"):
         cc = CollectConfig(chat_prompts=args.chat_prompts, chat_batch=args.chat_batch, max_new_tokens=args.max_new_tokens,
-                           text_windows=args.text_windows, topk=args.topk, seed=args.seed)
+                           text_windows=args.text_windows, topk=args.topk, seed=args.seed,
+                           generic_prompts=args.generic_prompts, code_prompts=args.code_prompts)
         collect(target, out, cc, quiet=args.quiet)
     if args.stage in ("all", "train"):
         sc = StudentConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,

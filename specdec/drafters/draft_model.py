@@ -44,7 +44,8 @@ class DraftModelDrafter:
         self.ctx_len = [0] * B
 
     def _feed(self, new: list[list[int]]):
-        """Feed per-row token lists (ragged) and return logits at each row's last new token [B, V]."""
+        """Feed per-row token lists (ragged); return the scores at each row's last new token:
+        [B, V] logits, or [B, S] over the vocabulary subset when there is one."""
         B = len(new)
         T = max(len(n) for n in new)
         lens = self.cache.lengths.clone()
@@ -59,8 +60,7 @@ class DraftModelDrafter:
         else:
             _, hidden = self.model(toks, pos, self.cache, logits_at=torch.empty(B, 0, dtype=torch.long))
             h = hidden[torch.arange(B), last]  # [B, D]
-            logits = torch.full((B, self.vocab_size), float("-inf"))
-            logits[:, self.subset] = (h @ self.head.T).float()
+            logits = (h @ self.head.T).float()  # [B, S]
         self.cache.truncate(lens + torch.tensor([len(n) for n in new]))
         for b, n in enumerate(new):
             self.fed[b].extend(n)
@@ -78,15 +78,21 @@ class DraftModelDrafter:
         self.ctx_len = [len(f) for f in self.fed]
         toks, probs = [], []
         for i in range(max_tokens):
+            # scores over the subset (if any) warp like the full vocabulary with -inf outside it
             lg = logits[:, : self.vocab_size].float()
             if ctx.params.greedy:
                 nxt = lg.argmax(-1)
             else:
-                q = warp(lg, ctx.params)
-                if q.shape[-1] < self.vocab_size:
-                    q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[-1]))
-                nxt = sample(q, ctx.generator)
+                q_head = warp(lg, ctx.params)  # [B, S] or [B, V_draft]
+                nxt = sample(q_head, ctx.generator)
+                q = torch.zeros(B, self.vocab_size)
+                if self.subset is None:
+                    q[:, : q_head.shape[-1]] = q_head
+                else:
+                    q[:, self.subset] = q_head
                 probs.append(q)
+            if self.subset is not None:
+                nxt = self.subset[nxt]
             toks.append(nxt)
             if i + 1 < max_tokens:
                 logits = self._feed([[int(x)] for x in nxt])

@@ -16,6 +16,7 @@ import gzip
 import random
 import re
 import sysconfig
+import textwrap
 from pathlib import Path
 
 DOC_ROOT = Path("/usr/share/doc")
@@ -162,4 +163,58 @@ def instruction_prompts(seed: int, n: int) -> list[str]:
                 f"What is {a} times {c}, minus {b}? Show your work.",
                 f"If a train travels {a} km in {c} hours, what is its average speed? Explain.",
             ]))
+    return out
+
+
+EVERYDAY_TOPICS = [
+    "cooking pasta", "travelling by train", "learning a new language", "regular exercise", "saving money",
+    "the history of Rome", "climate change", "friendship", "a rainy day", "space exploration", "gardening",
+    "music practice", "a job interview", "the ocean", "renewable energy", "ancient Egypt", "a birthday party",
+    "time management", "a small bakery", "the solar system", "volunteering", "a mountain hike", "smartphones",
+    "healthy sleep", "a lost cat", "electric cars", "a museum visit", "the printing press", "chess",
+    "a city at night", "photosynthesis", "moving to a new country", "teamwork", "a library", "coffee",
+]
+GENERIC_TASKS = [
+    "Write a short story about {t}.", "What are the pros and cons of {t}?", "Explain {t} to a beginner.",
+    "Write an email to a friend about {t}.", "Give me five facts about {t}.", "Write a poem about {t}.",
+    "Pretend you are a tour guide and talk about {t}.", "What is the history of {t}?",
+    "How can I get better at {t}?", "Write a persuasive paragraph about {t}.",
+    "Describe {t} in three sentences.", "Write a dialogue between two people about {t}.",
+]
+
+
+def generic_prompts(seed: int, n: int) -> list[str]:
+    """Open-ended chat prompts over everyday topics and local package descriptions."""
+    rng = random.Random(seed)
+    pkgs = [desc for _, desc in dpkg_descriptions()]
+    out = []
+    while len(out) < n:
+        topic = rng.choice(EVERYDAY_TOPICS) if rng.random() < 0.7 or not pkgs else rng.choice(pkgs).lower()
+        out.append(rng.choice(GENERIC_TASKS).format(t=topic))
+    return out
+
+
+def code_completion_prompts(seed: int, n: int) -> list[str]:
+    """Raw (no chat template) completion prompts: a standard-library function's signature and
+    docstring, for the target to continue as code."""
+    rng = random.Random(seed)
+    out = []
+    for p in rng.sample(stdlib_files(), len(stdlib_files())):
+        if "test" in p.parts:
+            continue
+        try:
+            src = p.read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = src.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) and node.body:
+                body0 = node.body[0]
+                head = "\n".join(lines[node.lineno - 1 : body0.end_lineno])
+                if 40 < len(head) < 1500:
+                    out.append(textwrap.dedent(head) + "\n")
+                    break
+        if len(out) >= n:
+            break
     return out

@@ -50,6 +50,8 @@ class CollectConfig:
     topk: int = 16
     shard_rows: int = 64
     seed: int = 0
+    generic_prompts: int = 0  # open-ended chat prompts (everyday topics), answered by the target
+    code_prompts: int = 0  # raw code completions of standard-library signatures + docstrings
 
 
 @dataclass
@@ -87,13 +89,15 @@ def _topk(logits: torch.Tensor, k: int):
 
 
 # -- stage 1: collect ------------------------------------------------------------------------
-def _chat_rows(target, prompts: list[str], greedy: bool, cfg: CollectConfig, gen: torch.Generator):
-    """Answer prompts with the target (batched); yield (tokens, labelled_from, topk ids, topk logp)."""
+def _chat_rows(target, prompts: list[str], greedy: bool, cfg: CollectConfig, gen: torch.Generator,
+               chat: bool | None = None):
+    """Answer prompts with the target (batched); yield (tokens, labelled_from, topk ids, topk logp).
+    chat=False continues the raw text (code completion) instead of using the chat template."""
     from ..sampling import sample
     from ..text import encode_prompt
 
     model, tok = target.model, target.tokenizer
-    enc = [encode_prompt(tok, p, None)[-(cfg.seq_len * 4):] for p in prompts]
+    enc = [encode_prompt(tok, p, chat)[-(cfg.seq_len * 4):] for p in prompts]
     B = len(enc)
     lens = torch.tensor([len(e) for e in enc])
     T = int(lens.max())
@@ -180,6 +184,25 @@ def collect(target, out: Path, cfg: CollectConfig, quiet: bool = False) -> Path:
             bar.update(len(chunk[j : j + cfg.chat_batch]))
         torch.save(rows, p)
     bar.close()
+
+    # open-ended chat and raw code completion, in shards of their own (added to the recipe
+    # later, so they must not shift the numbering of the shards above)
+    for prefix, extra, chat in (("g", corpus.generic_prompts(cfg.seed, cfg.generic_prompts), None),
+                                ("c", corpus.code_completion_prompts(cfg.seed, cfg.code_prompts), False)):
+        bar = _progress(len(extra), f"collect {'chat (open)' if prefix == 'g' else 'code'}", quiet)
+        for n, s in enumerate(range(0, len(extra), cfg.shard_rows)):
+            p = data / f"shard_{prefix}{n:04d}.pt"
+            chunk = extra[s : s + cfg.shard_rows]
+            if p.exists():
+                bar.update(len(chunk))
+                continue
+            rows = []
+            for j in range(0, len(chunk), cfg.chat_batch):
+                greedy = (j // cfg.chat_batch) % 2 == 0
+                rows += list(_chat_rows(target, chunk[j : j + cfg.chat_batch], greedy, cfg, gen, chat))
+                bar.update(len(chunk[j : j + cfg.chat_batch]))
+            torch.save(rows, p)
+        bar.close()
 
     windows = _text_windows(target.tokenizer, cfg, rng)
     bar = _progress(len(windows), "collect text", quiet)
