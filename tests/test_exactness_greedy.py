@@ -80,7 +80,7 @@ def make_drafter(name: str):
         return DraftModelDrafter(target, vocab_subset=list(range(0, VOCAB, 2)))
     if name == "hybrid":
         # prompt lookup (n >= 2) where the context repeats, the small draft model elsewhere
-        return HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3)
+        return HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3, gate=False)
     if name == "random_guesses":
         return RandomGuessDrafter(VOCAB, seed=7, mode="random")
     if name == "corrupted_truth":
@@ -245,3 +245,44 @@ def test_adaptive_k_greedy_equals_transformers(drafter_name, batch):
         batch_prompts, SamplingParams(max_new_tokens=N_NEW))
     assert [r.tokens for r in res] == expected(batch_prompts)
     assert policy.t_fwd, "the policy never observed a step"
+
+
+def test_hybrid_gate_turns_off_a_draft_that_does_not_pay():
+    """A draft that is never right (alpha 0) and not free stops being run, except probes,
+    and the output is still the oracle's."""
+    _, target, _ = models()
+    wrong = RandomGuessDrafter(VOCAB, seed=9, mode="random")
+
+    class Slow:  # the draft-model interface the hybrid needs, always wrong, measurably slow
+        vocab_size = VOCAB
+
+        def __init__(self):
+            self.calls, self.fed = 0, []
+
+        def begin(self, prompts, params, max_len):
+            self.fed = [list(p) for p in prompts]
+            wrong.begin(prompts, params, max_len)
+
+        def propose(self, ctx, k):
+            import time as _t
+
+            self.calls += 1
+            self.fed = [list(t) for t in ctx.tokens]
+            _t.sleep(0.002 * k)
+            return wrong.propose(ctx, k)
+
+        def commit(self, n):
+            wrong.commit(n)
+
+        def keep_rows(self, rows):
+            self.fed = [self.fed[r] for r in rows]
+            wrong.keep_rows(rows)
+
+    slow = Slow()
+    hybrid = HybridDrafter(slow, min_n=5, max_n=6, probe_every=8)  # lookups (n >= 5) are rare here
+    p = prompts()[0]
+    res = Engine(target, hybrid, k=3).generate([p], SamplingParams(max_new_tokens=N_NEW))[0]
+    assert res.tokens == oracle(tuple(p))
+    steps = res.stats.target_forwards
+    assert slow.calls < steps / 2, (slow.calls, steps)  # gated off after measuring, probes remain
+    assert slow.calls >= 2

@@ -106,7 +106,7 @@ def make_drafter(name: str, temperature: float, top_k: int, top_p: float):
         "confidently_wrong": lambda: ConfidentlyWrongDrafter(target_hf, temperature, top_k, top_p),
         "random_guesses": lambda: RandomGuessDrafter(V, seed=5, mode="random"),
         # lookup rows carry one-hot q, draft rows the draft's q, mixed within a batch
-        "hybrid": lambda: HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3),
+        "hybrid": lambda: HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3, gate=False),
     }[name]()
 
 

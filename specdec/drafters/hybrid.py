@@ -7,6 +7,14 @@ guesses. If every row has a lookup, the draft model is not run at all. The draft
 keeps its cache lazily in step (it feeds whatever committed tokens it has not seen), so
 skipping it for a step needs no extra work.
 
+The draft model is only worth running while its guesses pay for themselves: drafting one
+token costs c target steps and gains alpha_d tokens on average, so it pays iff
+alpha_d > c (the k = 1 case of DESIGN.md's formula). The drafter measures both itself:
+alpha_d from the rows the draft model proposed for, the draft time per token from its own
+propose calls, and the target step time as the wall time between two propose calls.
+While it does not pay, rows without a lookup get no guesses (plain decoding) and the draft
+model is probed once every `probe_every` steps.
+
 Both sources give deterministic guesses in greedy mode; with sampling, lookup guesses are
 one-hot (q = 1 at the guess) and draft guesses carry the draft's q. A row's q must match
 how its tokens were drawn, so rows are mixed per row: the probabilities of lookup rows
@@ -17,28 +25,59 @@ from __future__ import annotations
 
 import torch
 
+import time
+
 from .base import Draft, DraftContext, register
 from .ngram import lookup
 
 
 class HybridDrafter:
-    def __init__(self, draft, min_n: int = 2, max_n: int = 4) -> None:
+    def __init__(self, draft, min_n: int = 2, max_n: int = 4, probe_every: int = 16, gate: bool = True) -> None:
+        """gate=False always runs the draft model for rows without a lookup."""
         self.draft = draft  # a DraftModelDrafter
         self.min_n, self.max_n = min_n, max_n
+        self.gate = gate
         self.cost_hint = None
+        self.probe_every = probe_every
         self._used_draft: list[bool] | None = None
+        self._counts: list[int] = []
+        self.acc, self.prop = 1.0, 2.0  # draft-model acceptance, decayed counts (prior 0.5)
+        self.t_tok: float | None = None  # seconds to draft one token
+        self.t_step: float | None = None  # seconds of one target step (between proposals)
+        self._t_end: float | None = None
+        self._skipped = 0
+
+    def draft_pays(self) -> bool:
+        if not self.gate or self.t_tok is None or not self.t_step:
+            return True  # ungated, or not measured yet
+        return self.acc / self.prop > self.t_tok / self.t_step
 
     def begin(self, prompts, params, max_len) -> None:
         self.draft.begin(prompts, params, max_len)
         self._used_draft = None
+        self._t_end = None
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        t0 = time.perf_counter()
+        if self._t_end is not None:
+            step = t0 - self._t_end
+            self.t_step = step if self.t_step is None else 0.8 * self.t_step + 0.2 * step
+        try:
+            return self._propose(ctx, max_tokens)
+        finally:
+            self._t_end = time.perf_counter()
+
+    def _propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         B = len(ctx.tokens)
         if max_tokens <= 0:
             self._used_draft = None
             return Draft.empty(B)
         looked = [lookup(t, max_tokens, self.min_n, self.max_n) for t in ctx.tokens]
         need_draft = [not g for g in looked]
+        if any(need_draft) and not self.draft_pays():
+            self._skipped += 1
+            if self._skipped % self.probe_every:
+                need_draft = [False] * B  # rows without a lookup decode plainly this step
         if not any(need_draft):
             self._used_draft = None
             N = max(len(g) for g in looked)
@@ -49,8 +88,14 @@ class HybridDrafter:
             if not ctx.params.greedy:
                 probs = _one_hot(tokens, self.draft.vocab_size)
             return Draft(tokens, torch.tensor([len(g) for g in looked]), probs)
+        catch_up = max(len(t) - len(f) for t, f in zip(ctx.tokens, self.draft.fed))
+        t1 = time.perf_counter()
         d = self.draft.propose(ctx, max_tokens)
+        if catch_up <= max_tokens + 1:  # steady state (not a prompt's prefill): time it
+            per_tok = (time.perf_counter() - t1) / max_tokens
+            self.t_tok = per_tok if self.t_tok is None else 0.8 * self.t_tok + 0.2 * per_tok
         self._used_draft = need_draft
+        self._counts = d.counts.tolist()
         tokens, counts, probs = d.tokens.clone(), d.counts.clone(), d.probs
         if probs is not None:
             probs = probs.clone()
@@ -67,7 +112,12 @@ class HybridDrafter:
     def commit(self, num_accepted) -> None:
         if self._used_draft is None:
             return  # the draft model did not run this step; it catches up lazily
-        self.draft.commit([n if used else 0 for n, used in zip(num_accepted, self._used_draft)])
+        used = self._used_draft
+        acc = sum(n for n, u in zip(num_accepted, used) if u)
+        prop = sum(c for c, u in zip(self._counts, used) if u)
+        if prop:
+            self.acc, self.prop = 0.9 * self.acc + acc, 0.9 * self.prop + prop
+        self.draft.commit([n if u else 0 for n, u in zip(num_accepted, used)])
         self._used_draft = None
 
     def keep_rows(self, rows) -> None:
