@@ -198,7 +198,9 @@ def code_completion_prompts(seed: int, n: int) -> list[str]:
     """Raw (no chat template) completion prompts: a standard-library function's signature and
     docstring, for the target to continue as code."""
     rng = random.Random(seed)
-    out = []
+    out: list[str] = []
+    if n <= 0:
+        return out
     for p in rng.sample(stdlib_files(), len(stdlib_files())):
         if "test" in p.parts:
             continue
