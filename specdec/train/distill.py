@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..types import SpecdecError
 from . import corpus
@@ -163,37 +162,17 @@ def collect(target, out: Path, cfg: CollectConfig, quiet: bool = False) -> Path:
     rng = random.Random(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     prompts = corpus.instruction_prompts(cfg.seed, cfg.chat_prompts)
-    shard_id = 0
 
     def shard_path(i):
         return data / f"shard_{i:04d}.pt"
 
-    # chat shards: shard_rows prompts each, alternating greedy / sampled batches
-    bar = _progress(len(prompts), "collect chat", quiet)
-    for s in range(0, len(prompts), cfg.shard_rows):
-        p = shard_path(shard_id)
-        shard_id += 1
-        chunk = prompts[s : s + cfg.shard_rows]
-        if p.exists():
-            bar.update(len(chunk))
-            continue
-        rows = []
-        for j in range(0, len(chunk), cfg.chat_batch):
-            greedy = (j // cfg.chat_batch) % 2 == 0
-            rows += list(_chat_rows(target, chunk[j : j + cfg.chat_batch], greedy, cfg, gen))
-            bar.update(len(chunk[j : j + cfg.chat_batch]))
-        torch.save(rows, p)
-    bar.close()
-
-    # open-ended chat and raw code completion, in shards of their own (added to the recipe
-    # later, so they must not shift the numbering of the shards above)
-    for prefix, extra, chat in (("g", corpus.generic_prompts(cfg.seed, cfg.generic_prompts), None),
-                                ("c", corpus.code_completion_prompts(cfg.seed, cfg.code_prompts), False)):
-        bar = _progress(len(extra), f"collect {'chat (open)' if prefix == 'g' else 'code'}", quiet)
-        for n, s in enumerate(range(0, len(extra), cfg.shard_rows)):
-            p = data / f"shard_{prefix}{n:04d}.pt"
-            chunk = extra[s : s + cfg.shard_rows]
-            if p.exists():
+    def answer(prompts: list[str], names: list[str], desc: str, chat: bool | None) -> None:
+        """Shards of the target's answers, shard_rows prompts each, alternating greedy and
+        sampled batches; a shard that exists is skipped."""
+        bar = _progress(len(prompts), desc, quiet)
+        for name, s in zip(names, range(0, len(prompts), cfg.shard_rows)):
+            chunk = prompts[s : s + cfg.shard_rows]
+            if (data / name).exists():
                 bar.update(len(chunk))
                 continue
             rows = []
@@ -201,8 +180,21 @@ def collect(target, out: Path, cfg: CollectConfig, quiet: bool = False) -> Path:
                 greedy = (j // cfg.chat_batch) % 2 == 0
                 rows += list(_chat_rows(target, chunk[j : j + cfg.chat_batch], greedy, cfg, gen, chat))
                 bar.update(len(chunk[j : j + cfg.chat_batch]))
-            torch.save(rows, p)
+            torch.save(rows, data / name)
         bar.close()
+
+    def n_shards(n: int) -> int:
+        return -(-n // cfg.shard_rows)
+
+    answer(prompts, [shard_path(i).name for i in range(n_shards(len(prompts)))], "collect chat", None)
+    shard_id = n_shards(len(prompts))
+    # open-ended chat and raw code completion, in shards of their own (added to the recipe
+    # later, so they must not shift the numbering of the other shards)
+    for prefix, extra, chat, desc in (
+        ("g", corpus.generic_prompts(cfg.seed, cfg.generic_prompts), None, "collect chat (open)"),
+        ("c", corpus.code_completion_prompts(cfg.seed, cfg.code_prompts), False, "collect code"),
+    ):
+        answer(extra, [f"shard_{prefix}{n:04d}.pt" for n in range(n_shards(len(extra)))], desc, chat)
 
     windows = _text_windows(target.tokenizer, cfg, rng)
     bar = _progress(len(windows), "collect text", quiet)
