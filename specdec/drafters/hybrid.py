@@ -12,8 +12,9 @@ token costs c target steps and gains alpha_d tokens on average, so it pays iff
 alpha_d > c (the k = 1 case of DESIGN.md's formula). The drafter measures both itself:
 alpha_d from the rows the draft model proposed for, the draft time per token from its own
 propose calls, and the target step time as the wall time between two propose calls.
-While it does not pay, rows without a lookup get no guesses (plain decoding) and the draft
-model is probed once every `probe_every` steps.
+While it does not pay, rows without a long match fall back to a 1-token lookup (as
+`--method ngram` does) or get no guesses, and the draft model is probed once every
+`probe_every` steps.
 
 Both sources give deterministic guesses in greedy mode; with sampling, lookup guesses are
 one-hot (q = 1 at the guess) and draft guesses carry the draft's q. A row's q must match
@@ -77,7 +78,10 @@ class HybridDrafter:
         if any(need_draft) and not self.draft_pays():
             self._skipped += 1
             if self._skipped % self.probe_every:
-                need_draft = [False] * B  # rows without a lookup decode plainly this step
+                # the draft model does not pay: rows without a long match fall back to a
+                # 1-token lookup (what --method ngram does), or decode plainly
+                looked = [g or lookup(t, max_tokens, 1, 1) for g, t in zip(looked, ctx.tokens)]
+                need_draft = [False] * B
         if not any(need_draft):
             self._used_draft = None
             N = max(len(g) for g in looked)
