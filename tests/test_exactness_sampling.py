@@ -32,32 +32,18 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.types import SamplingParams
 
-try:  # tests/ is on sys.path (rootdir conftest) or is a package
-    from oracle import (
-        ConfidentlyWrongDrafter,
-        RandomGuessDrafter,
-        UniformDrafter,
-        broken_verify_stochastic,
-        chi2_test,
-        exact_joint,
-        histogram,
-        native_of,
-        one_thread,
-        tiny_hf_llama,
-    )
-except ImportError:  # pragma: no cover
-    from tests.oracle import (
-        ConfidentlyWrongDrafter,
-        RandomGuessDrafter,
-        UniformDrafter,
-        broken_verify_stochastic,
-        chi2_test,
-        exact_joint,
-        histogram,
-        native_of,
-        one_thread,
-        tiny_hf_llama,
-    )
+from oracle import (
+    ConfidentlyWrongDrafter,
+    RandomGuessDrafter,
+    UniformDrafter,
+    broken_verify_stochastic,
+    chi2_test,
+    exact_joint,
+    histogram,
+    native_of,
+    one_thread,
+    tiny_hf_llama,
+)
 
 ALPHA = 1e-3  # family-wise per setting: split (Bonferroni) over its 2 contexts x 3 views
 V = 16
