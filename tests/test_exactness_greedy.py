@@ -20,10 +20,7 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.types import SamplingParams
 
-try:  # tests/ is on sys.path (rootdir conftest) or is a package
-    from oracle import RandomGuessDrafter, greedy_margins, hf_greedy, native_of, one_thread, tiny_hf_llama
-except ImportError:  # pragma: no cover
-    from tests.oracle import RandomGuessDrafter, greedy_margins, hf_greedy, native_of, one_thread, tiny_hf_llama
+from oracle import RandomGuessDrafter, greedy_margins, hf_greedy, native_of, one_thread, tiny_hf_llama
 
 VOCAB = 64
 N_NEW = 20

@@ -14,10 +14,7 @@ import torch
 
 from specdec.verify import verify_greedy, verify_stochastic
 
-try:  # tests/ is on sys.path (rootdir conftest) or is a package
-    from oracle import broken_verify_stochastic, chi2_critical, chi2_test, histogram, one_thread
-except ImportError:  # pragma: no cover
-    from tests.oracle import broken_verify_stochastic, chi2_critical, chi2_test, histogram, one_thread
+from oracle import broken_verify_stochastic, chi2_critical, chi2_test, histogram, one_thread
 
 ALPHA = 1e-3
 V = 6
