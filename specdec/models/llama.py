@@ -149,18 +149,17 @@ class Linear(nn.Linear):
     memory bandwidth that oneDNN's prepacked kernels reach, and batch-1 decoding is
     nothing but matrix-vector products; packing makes decode ~2x faster. Results differ
     from F.linear only by float summation order (~1e-6 relative). After packing, the
-    plain weight is released (the packed copy is the only one) unless keep_weight.
+    plain weight is released (the packed copy is the only one).
     """
 
     packed: torch.Tensor | None = None
 
-    def pack(self, keep_weight: bool = False) -> None:
+    def pack(self) -> None:
         w = self.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
         self.packed_bias = None if self.bias is None else self.bias.detach()
-        if not keep_weight:
-            self.weight = None  # (the module's other code never reads it again)
-            self.bias = None
+        self.weight = None  # (the module's other code never reads it again)
+        self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -296,10 +295,11 @@ class LlamaModel(nn.Module):
                 lin.pack()
         # the head keeps its plain weight too: drafters read it (vocabulary subsets, EAGLE)
         self.head_packed = torch.ops.mkldnn._reorder_linear_weight(self.lm_head_weight().detach(), PACK_BATCH_HINT)
-        self.packed = True
         return self
 
-    packed = False
+    @property
+    def packed(self) -> bool:
+        return self.head_packed is not None
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, T, Dh/2], fp32 as in transformers
