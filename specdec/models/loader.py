@@ -100,8 +100,8 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def gguf_cache_dir(path: Path) -> Path:
-    return cache_root() / "gguf" / _file_sha256(path)[:24]
+def gguf_cache_dir(digest: str) -> Path:
+    return cache_root() / "gguf" / digest[:24]
 
 
 def convert_gguf(path: Path, quiet: bool = False) -> Path:
@@ -110,7 +110,8 @@ def convert_gguf(path: Path, quiet: bool = False) -> Path:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise SpecdecError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-    out = gguf_cache_dir(path)
+    digest = _file_sha256(path)
+    out = gguf_cache_dir(digest)
     if (out / "specdec-complete.json").is_file():
         return out
     _log(f"converting {path.name} to fp32 safetensors once (cached in {out}) ...", quiet)
@@ -145,7 +146,7 @@ def convert_gguf(path: Path, quiet: bool = False) -> Path:
     cfg.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
     (tmp / "specdec-complete.json").write_text(
-        json.dumps({"source": str(path), "sha256": _file_sha256(path), "converted_s": round(time.perf_counter() - t0, 2)})
+        json.dumps({"source": str(path), "sha256": digest, "converted_s": round(time.perf_counter() - t0, 2)})
     )
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
