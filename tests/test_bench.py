@@ -1,5 +1,6 @@
-"""specdec bench: task files (errors name the line), category selection, and a small end-to-end
-run on the default model whose JSON (last stdout line) holds every method and category."""
+"""specdec bench: task files (errors name the line), category selection, runners that are
+skipped or fail mid-run (marked, not dropped), the report files, and a small end-to-end run on
+the default model whose JSON (last stdout line) holds every runner and category."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import json
 
 import pytest
 
-from specdec.bench.tasks import load_humaneval, load_jsonl, select
+from specdec.bench import peers as peers_mod
+from specdec.bench.report import format_table, write
+from specdec.bench.runner import Runner, run
+from specdec.bench.tasks import Task, load_humaneval, load_jsonl, select
 from specdec.cli import main
 from specdec.types import SpecdecError
 
@@ -47,21 +51,86 @@ def test_select_limits_per_category_and_rejects_unknown():
         select(tasks, ["poetry"], None)
 
 
-def test_unknown_method_is_a_clear_error(capsys):
+def test_unknown_method_or_peer_is_a_clear_error(capsys):
     assert main(["bench", "--methods", "none,warp"]) == 2
     assert "unknown method" in capsys.readouterr().err
+    assert main(["bench", "--peers", "vllm"]) == 2
+    assert "unknown peer" in capsys.readouterr().err
+
+
+def _fake_tasks():
+    return [Task("a1", "a", "x", False), Task("b1", "b", "y", False), Task("b2", "b", "z", False)]
+
+
+def test_failing_and_skipped_runners_are_marked_and_the_rest_completes(tmp_path):
+    from specdec.types import SamplingParams
+
+    calls = {"boom": 0}
+
+    def good(ids, params):
+        return [1, 2, 3], None
+
+    def boom(ids, params):
+        calls["boom"] += 1
+        if calls["boom"] == 2:
+            raise RuntimeError("peer crashed")
+        return [1, 2, 3], None
+
+    def differs(ids, params):
+        return [1, 2, 4] if ids == [2] else [1, 2, 3], None
+
+    runners = [Runner("none", "specdec", None, "cannot build"), Runner("good", "peer", good),
+               Runner("boom", "peer", boom), Runner("differs", "peer", differs), Runner("gone", "peer", None, "not installed")]
+    # "none" is skipped here, so equality is not reported; rename the reference to test it below
+    result = run(runners, _fake_tasks(), [[1], [2], [3]], SamplingParams(max_new_tokens=3), repeats=2, quiet=True)
+    assert result["status"]["none"] == "skipped: cannot build"
+    assert result["status"]["gone"] == "skipped: not installed"
+    assert result["status"]["boom"].startswith("failed on b1: RuntimeError: peer crashed")
+    assert calls["boom"] == 2  # not called again after the failure
+    assert result["table"]["good"]["all"]["tokens_per_s"] > 0 and result["table"]["good"]["all"]["new_tokens"] == 9
+    assert "tokens_per_s" not in result["table"]["boom"]["all"]  # a failed row is marked, not half-filled
+    assert result["table"]["good"]["all"]["peak_rss_mb"] > 0
+    text = format_table(result)
+    assert "failed on b1" in text and "skipped: not installed" in text
+    result.update({"machine": {"cpu": "test"}, "k": 4, "max_new_tokens": 3, "temperature": 0.0, "repeats": 2, "prompts": 3})
+    write(result, tmp_path, "specdec bench --test")
+    report = (tmp_path / "report.md").read_text()
+    assert "`boom`: failed on b1" in report and "| good |" in report
+    runners[0] = Runner("none", "specdec", good)
+    result = run(runners, _fake_tasks(), [[1], [2], [3]], SamplingParams(max_new_tokens=3), repeats=1, quiet=True)
+    assert result["table"]["differs"]["b"]["equal_to_none"] == "1/2"
+    assert result["table"]["differs"]["all"]["equal_to_none"] == "2/3"
+    assert result["table"]["good"]["all"]["speedup_vs_none"] > 0
+    result.update({"machine": {"cpu": "test"}, "k": 4, "max_new_tokens": 3, "temperature": 0.0, "repeats": 1, "prompts": 3})
+    files = write(result, tmp_path / "second", "specdec bench --test")
+    assert "speedup.png" in files
+    for f in files:
+        assert (tmp_path / "second" / f).stat().st_size > 0
+    assert "| differs |" in (tmp_path / "second" / "report.md").read_text()
+
+
+def test_llamacpp_peer_without_the_package_is_skipped_with_a_note(monkeypatch):
+    real = peers_mod.importlib.util.find_spec
+    monkeypatch.setattr(peers_mod.importlib.util, "find_spec", lambda n: None if n == "llama_cpp" else real(n))
+    [p] = peers_mod.build_peers(["llamacpp"], target=None, draft_dir=None, k=4, threads=1, n_ctx=64)
+    assert "not installed" in p.error and ".[peers]" in p.error
 
 
 @pytest.mark.default_model
 def test_bench_end_to_end(default_model, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["bench", "--tasks", "humaneval", "--limit", "2", "--methods", "ngram", "--max-new-tokens", "8",
-                 "--out", str(out), "--quiet"]) == 0
+                 "--peers", "hf,hf-lookup", "--out", str(out), "--quiet"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     result = json.loads(lines[-1])
-    assert result["methods"] == ["none", "ngram"]
+    assert result["runners"] == ["none", "ngram", "hf", "hf-lookup"]
     row = result["table"]["ngram"]["all"]
     assert row["prompts"] == 2 and row["new_tokens"] > 0 and row["tokens_per_s"] > 0
     assert row["equal_to_none"] == "2/2"  # greedy speculation reproduces plain decoding
     assert result["table"]["none"]["all"]["speedup_vs_none"] == 1.0
-    assert (out / "results.json").is_file() and (out / "report.md").is_file()
+    # transformers on the same fp32 weights agrees with specdec token for token (an independent engine)
+    assert result["table"]["hf"]["all"]["equal_to_none"] == "2/2"
+    assert result["table"]["hf-lookup"]["all"]["equal_to_none"] == "2/2"
+    assert result["table"]["hf"]["all"]["speedup_vs_hf"] == 1.0
+    for f in ("results.json", "report.md", "speedup.png", "acceptance.png"):
+        assert (out / f).is_file()

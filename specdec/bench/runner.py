@@ -1,27 +1,46 @@
-"""Side-by-side benchmark of decoding methods on task sets (`specdec bench`).
+"""Side-by-side benchmark of decoders on task sets (`specdec bench`).
 
-Every method runs on the same weights, prompts and settings in one process, interleaved
-per prompt (prompt 1: none, ngram, draft, auto; prompt 2: ...), so machine drift hits all
-methods alike. Each (prompt, method) pair runs `repeats` times; per category a method's
-speed is total new tokens / total wall seconds (prefill + decode) per repeat, and the
-median over repeats is reported. Greedy runs also report the share of prompts whose
-output equals specdec `none` token for token.
+Every runner (specdec with each method, and the peers of `peers.py`) runs on the same
+prompts and settings in one process, interleaved per prompt (prompt 1: none, ngram, ...,
+hf, llamacpp; prompt 2: ...), so machine drift hits all of them alike. Each (prompt,
+runner) pair runs `repeats` times; per category a runner's speed is total new tokens /
+total wall seconds (prefill + decode, one `generate` call each) per repeat, and the median
+over repeats is reported.
 
-Peers (transformers `generate`, llama.cpp) are not part of this runner yet.
-Prints a table per category; the caller prints the JSON document.
+Also per runner: whether its greedy outputs equal specdec `none` token for token (share
+of prompts), acceptance figures (specdec runners only: peers do not report them), and
+memory: the process's peak resident memory while the runner ran, and the most it grew
+above its level just before a call (the runner's working memory: KV cache, activations).
+All runners live in one process, so the peak includes every loaded model.
+
+A runner that cannot be built is reported as skipped with the reason; one that raises is
+reported as failed with the error and not called again; the rest of the benchmark goes on.
+This module does the running and the arithmetic; `report.py` writes tables and plots.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
+import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..metrics import summarize
 from .tasks import Task
+
+
+@dataclass
+class Runner:
+    name: str
+    kind: str  # "specdec" or "peer"
+    call: Callable | None  # (ids, params) -> (new token ids, GenerationResult or None)
+    error: str | None = None  # set: skipped with this reason
 
 
 def machine_info(threads: int) -> dict:
@@ -33,80 +52,123 @@ def machine_info(threads: int) -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "threads": threads, "torch": torch.__version__, "python": platform.python_version()}
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
+            "python": platform.python_version()}
 
 
-def run(engines: dict, tasks: list[Task], encoded: list[list[int]], params, repeats: int, quiet: bool = False) -> dict:
-    """engines: method -> Engine. Returns per-method, per-category results."""
+def rss_bytes() -> int:
+    """Resident memory of this process (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class PeakMemory:
+    """Samples RSS in a background thread while active: `with pm: ...` then pm.peak."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        self.peak = rss_bytes()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self):
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def run(runners: list[Runner], tasks: list[Task], encoded: list[list[int]], params, repeats: int,
+        quiet: bool = False) -> dict:
+    """Returns per-runner, per-category results (see the module docstring)."""
     from tqdm import tqdm
 
-    methods = list(engines)
-    # results[method][category] = list over repeats of (tokens, seconds), plus the stats
-    totals = {m: defaultdict(lambda: [[0, 0.0] for _ in range(repeats)]) for m in methods}
-    stats = {m: defaultdict(list) for m in methods}
-    outputs = {m: {} for m in methods}
-    bar = tqdm(total=repeats * len(tasks) * len(methods), desc="bench", unit="run", disable=quiet, dynamic_ncols=True)
-    for r in range(repeats):
+    names = [r.name for r in runners]
+    status = {r.name: ("skipped: " + r.error) if r.error else "ok" for r in runners}
+    live = [r for r in runners if not r.error]
+    totals = {n: defaultdict(lambda: [[0, 0.0] for _ in range(repeats)]) for n in names}
+    stats = {n: defaultdict(list) for n in names}
+    outputs: dict[str, dict[int, list[int]]] = {n: {} for n in names}
+    peak = {n: 0 for n in names}
+    grow = {n: 0 for n in names}
+    bar = tqdm(total=repeats * len(tasks) * len(live), desc="bench", unit="run", disable=quiet, dynamic_ncols=True)
+    pm = PeakMemory()
+    for rep in range(repeats):
         for i, (task, ids) in enumerate(zip(tasks, encoded)):
-            for m in methods:
-                t0 = time.perf_counter()
-                [res] = engines[m].generate([ids], params)
-                dt = time.perf_counter() - t0
-                acc = totals[m][task.category][r]
-                acc[0] += len(res.tokens)
+            for r in live:
+                if status[r.name] != "ok":
+                    bar.update(1)
+                    continue
+                before = rss_bytes()
+                try:
+                    with pm:
+                        t0 = time.perf_counter()
+                        tokens, res = r.call(ids, params)
+                        dt = time.perf_counter() - t0
+                except Exception as e:  # a failing runner is marked, the others go on
+                    status[r.name] = f"failed on {task.task_id}: {type(e).__name__}: {e}"
+                    bar.update(1)
+                    continue
+                peak[r.name] = max(peak[r.name], pm.peak)
+                grow[r.name] = max(grow[r.name], pm.peak - before)
+                acc = totals[r.name][task.category][rep]
+                acc[0] += len(tokens)
                 acc[1] += dt
-                if r == 0:
-                    stats[m][task.category].append(res)
-                    outputs[m][i] = res.tokens
+                if rep == 0:
+                    outputs[r.name][i] = tokens
+                    if res is not None:
+                        stats[r.name][task.category].append(res)
                 bar.update(1)
     bar.close()
 
     cats = sorted({t.category for t in tasks})
-    table = {}
-    for m in methods:
-        table[m] = {}
+    table: dict[str, dict] = {}
+    ref = outputs.get("none", {})
+    for r in runners:
+        n = r.name
+        table[n] = {}
         for c in cats + ["all"]:
-            per_rep = []
-            for r in range(repeats):
-                if c == "all":
-                    tok = sum(totals[m][k][r][0] for k in cats)
-                    sec = sum(totals[m][k][r][1] for k in cats)
-                else:
-                    tok, sec = totals[m][c][r]
-                per_rep.append(tok / sec if sec else 0.0)
-            res_list = [x for k in cats for x in stats[m][k]] if c == "all" else stats[m][c]
-            s = summarize(res_list)
             idx = [i for i, t in enumerate(tasks) if c == "all" or t.category == c]
-            same = sum(outputs[m][i] == outputs.get("none", outputs[m])[i] for i in idx)
-            table[m][c] = {
-                "tokens_per_s": statistics.median(per_rep),
-                "alpha": s["alpha"],
-                "tau": s["tau"],
-                "acceptance_by_pos": s["acceptance_by_pos"],
-                "draft_s": s["draft_s"],
-                "verify_s": s["verify_s"],
-                "draft_cost": s["draft_cost"],
-                "new_tokens": s["new_tokens"],
-                "prompts": len(idx),
-                "equal_to_none": f"{same}/{len(idx)}",
-            }
-    if "none" in table:
-        for m in methods:
-            for c, row in table[m].items():
-                base = table["none"][c]["tokens_per_s"]
-                row["speedup_vs_none"] = row["tokens_per_s"] / base if base else 0.0
-    return {"methods": methods, "categories": cats + ["all"], "table": table}
-
-
-def format_table(result: dict) -> str:
-    lines = []
-    head = f"{'category':<16}{'method':<8}{'tok/s':>8}{'x none':>8}{'alpha':>7}{'tau':>6}{'draft s':>9}{'verify s':>9}{'= none':>9}"
-    for c in result["categories"]:
-        lines.append(head)
-        for m in result["methods"]:
-            r = result["table"][m][c]
-            lines.append(f"{c:<16}{m:<8}{r['tokens_per_s']:>8.1f}{r.get('speedup_vs_none', 0):>8.2f}"
-                         f"{r['alpha']:>7.2f}{r['tau']:>6.2f}{r['draft_s']:>9.2f}{r['verify_s']:>9.2f}"
-                         f"{r['equal_to_none']:>9}")
-        lines.append("")
-    return "\n".join(lines)
+            row = {"prompts": len(idx), "status": status[n]}
+            table[n][c] = row
+            if status[n] != "ok":
+                continue
+            per_rep = []
+            for rep in range(repeats):
+                keys = cats if c == "all" else [c]
+                tok = sum(totals[n][k][rep][0] for k in keys)
+                sec = sum(totals[n][k][rep][1] for k in keys)
+                per_rep.append(tok / sec if sec else 0.0)
+            row["tokens_per_s"] = statistics.median(per_rep)
+            row["new_tokens"] = sum(len(outputs[n][i]) for i in idx)
+            if ref:
+                row["equal_to_none"] = f"{sum(outputs[n][i] == ref.get(i) for i in idx)}/{len(idx)}"
+            row["peak_rss_mb"] = peak[n] / 2**20
+            row["working_mb"] = grow[n] / 2**20
+            if r.kind == "specdec":
+                s = summarize([x for k in cats for x in stats[n][k]] if c == "all" else stats[n][c])
+                for key in ("alpha", "tau", "acceptance_by_pos", "draft_s", "verify_s", "draft_cost"):
+                    row[key] = s[key]
+    for base_name, key in (("none", "speedup_vs_none"), ("hf", "speedup_vs_hf")):
+        if base_name not in table or status[base_name] != "ok":
+            continue
+        for n in names:
+            for c, row in table[n].items():
+                base = table[base_name][c].get("tokens_per_s")
+                if "tokens_per_s" in row and base:
+                    row[key] = row["tokens_per_s"] / base
+    return {"runners": names, "kinds": {r.name: r.kind for r in runners}, "status": status,
+            "categories": cats + ["all"], "table": table}

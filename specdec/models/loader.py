@@ -48,6 +48,7 @@ class LoadedModel:
     eos_ids: list[int] = field(default_factory=list)
     load_s: float = 0.0
     draft_meta: dict | None = None  # specdec_draft.json of a draft trained by `specdec train draft`
+    gguf: str | None = None  # the GGUF file the weights came from, if any (llama.cpp peers run it)
 
     @property
     def backend(self) -> str:
@@ -271,12 +272,12 @@ def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None
     if spec in (None, "", "default"):
         path = default_model_path()
         lm = load_hf_dir(convert_gguf(path, quiet), dtype, "default", native, quiet, with_tokenizer)
-        lm.name = DEFAULT_MODEL_NAME
+        lm.name, lm.gguf = DEFAULT_MODEL_NAME, str(path)
     else:
         p = Path(os.path.expanduser(spec))
         if p.is_file():
             lm = load_hf_dir(convert_gguf(p, quiet), dtype, spec, native, quiet, with_tokenizer)
-            lm.name = p.stem
+            lm.name, lm.gguf = p.stem, str(p)
         elif p.is_dir():
             lm = load_hf_dir(p, dtype, spec, native, quiet, with_tokenizer)
         elif _looks_like_hub_id(spec):
