@@ -17,6 +17,12 @@ import time
 from .types import SpecdecError
 
 METHODS = ("none", "ngram", "draft", "auto")
+DEFAULT_K = {"ngram": 8, "draft": 4, "auto": 8}  # measured on the Spec-Bench dev set (README)
+
+
+def method_k(args, method: str | None = None) -> int:
+    """-k if given, else the method's default."""
+    return args.k if args.k is not None else DEFAULT_K.get(method or args.method, 4)
 
 
 def _int_at_least(lowest: int):
@@ -50,8 +56,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="speculative method: none (plain decoding), ngram (prompt lookup), draft (draft model), "
                         "auto (prompt lookup where the text repeats, the draft model elsewhere if there is one, "
                         "with k adapted to the measured acceptance and cost). Default: none")
-    g.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=4,
-                   help="tokens drafted per step (the maximum for auto). Default: 4")
+    g.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=None,
+                   help="most tokens drafted per step. ngram and auto propose fewer where their guesses tend not "
+                        f"to hold (adaptive). Default: {', '.join(f'{m} {k}' for m, k in DEFAULT_K.items())}")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights and activations dtype. Default: float32")
     g.add_argument("--threads", type=_positive_int, default=None,
@@ -179,15 +186,16 @@ def cmd_bench(args) -> int:
             continue
         runners.append(Runner(m, "specdec", lambda ids, p, eng=eng: _one(eng, ids, p)))
     encoded = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
-    n_ctx = min(target.model.max_context, max(len(e) for e in encoded) + args.max_new_tokens + args.k + 8)
+    n_ctx = min(target.model.max_context, max(len(e) for e in encoded) + args.max_new_tokens + max(DEFAULT_K.values()) + 8)
     draft_dir = args.draft or default_draft_for(target)
-    for p in build_peers(peers, target, draft_dir, args.k, torch.get_num_threads(), n_ctx):
+    for p in build_peers(peers, target, draft_dir, method_k(args, "ngram"), torch.get_num_threads(), n_ctx):
         runners.append(Runner(p.name, "peer", None if p.error else (lambda ids, prm, p=p: (p.generate(ids, prm), None)),
                               p.error))
     result = run(runners, tasks, encoded, params, args.repeats, args.quiet)
     cmd = "specdec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("specdec") else "specdec bench ..."
     result.update({
-        "benchmark": "specdec bench", "command": cmd, "model": target.name, "k": args.k,
+        "benchmark": "specdec bench", "command": cmd, "model": target.name,
+        "k": {m: method_k(args, m) for m in methods if m != "none"},
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "repeats": args.repeats,
         "machine": machine_info(torch.get_num_threads()), "tasks": args.tasks or ["humaneval"], "prompts": len(tasks),
     })
@@ -343,14 +351,12 @@ def build_engine(args, target, quiet: bool):
     if method == "none":
         return Engine(target.model, eos_ids=target.eos_ids), None
     if method == "auto":
-        from .adaptive import AdaptiveK
-
-        # prompt lookup where the context repeats itself, the draft model elsewhere
+        # prompt lookup (adaptive length) where the context repeats itself; the draft model
+        # elsewhere, while it pays, with its draft length chosen per step (adaptive.py)
         drafter = REGISTRY["hybrid" if draft_lm is not None else "ngram"](target=target, draft=draft_lm)
-        return Engine(target.model, drafter, k=max(args.k, 1), eos_ids=target.eos_ids,
-                      k_policy=AdaptiveK(drafter.cost_hint)), draft_lm
+        return Engine(target.model, drafter, k=max(method_k(args), 1), eos_ids=target.eos_ids), draft_lm
     drafter = REGISTRY[method](target=target, draft=draft_lm)
-    return Engine(target.model, drafter, k=args.k, eos_ids=target.eos_ids), draft_lm
+    return Engine(target.model, drafter, k=method_k(args), eos_ids=target.eos_ids), draft_lm
 
 
 def cmd_generate(args) -> int:
@@ -437,7 +443,7 @@ def print_summary(results, args, wall: float) -> None:
             f"prefill {s['prefill_s']:.2f} s for {s['prompt_tokens']} prompt tokens, wall {wall:.2f} s; "
             f"method {args.method}")
     if args.method != "none":
-        line += (f", k={args.k}: acceptance {s['alpha']:.2f}, {s['tau']:.2f} tokens/forward, "
+        line += (f", k={method_k(args)}: acceptance {s['alpha']:.2f}, {s['tau']:.2f} tokens/forward, "
                  f"draft {s['draft_s']:.2f} s vs verify {s['verify_s']:.2f} s")
     reasons = sorted({r.stats.finish_reason for r in results})
     line += f"; finished: {', '.join(reasons)}"

@@ -67,7 +67,9 @@ def make_drafter(name: str):
     if name == "none":
         return None
     if name == "ngram":
-        return NgramDrafter()
+        return NgramDrafter()  # adaptive lengths, as shipped
+    if name == "ngram_fixed":
+        return NgramDrafter(adaptive=False)  # always proposes the whole continuation
     if name == "draft_other":
         return DraftModelDrafter(draft)
     if name == "draft_self":
@@ -85,7 +87,7 @@ def make_drafter(name: str):
     raise KeyError(name)
 
 
-DRAFTERS = ("none", "ngram", "draft_other", "draft_self", "draft_self_subset", "hybrid", "random_guesses",
+DRAFTERS = ("none", "ngram", "ngram_fixed", "draft_other", "draft_self", "draft_self_subset", "hybrid", "random_guesses",
             "corrupted_truth")
 
 

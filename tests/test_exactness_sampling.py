@@ -82,7 +82,8 @@ def exact(ctx: tuple[int, ...], temperature: float, top_k: int, top_p: float) ->
 def make_drafter(name: str, temperature: float, top_k: int, top_p: float):
     target_hf, target, draft = models()
     return {
-        "ngram": lambda: NgramDrafter(),
+        # fixed lengths: the adaptive rule would learn to stop guessing on a random model
+        "ngram": lambda: NgramDrafter(adaptive=False),
         "draft_model": lambda: DraftModelDrafter(draft),
         "draft_self": lambda: DraftModelDrafter(target),
         # q = the target's p restricted to even ids and renormalised: the residual lives

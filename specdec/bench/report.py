@@ -18,6 +18,8 @@ COLUMNS = [  # header, key, format
     ("tok/s", "tokens_per_s", ".1f"),
     ("x none", "speedup_vs_none", ".2f"),
     ("x hf", "speedup_vs_hf", ".2f"),
+    ("dec tok/s", "decode_tokens_per_s", ".1f"),
+    ("dec x none", "decode_speedup_vs_none", ".2f"),
     ("alpha", "alpha", ".2f"),
     ("tau", "tau", ".2f"),
     ("draft s", "draft_s", ".2f"),
@@ -31,7 +33,7 @@ COLUMNS = [  # header, key, format
 def format_table(result: dict) -> str:
     """Plain-text table: one block per category, one line per runner."""
     lines = []
-    head = f"{'category':<16}{'runner':<17}" + "".join(f"{h:>9}" for h, _, _ in COLUMNS)
+    head = f"{'category':<16}{'runner':<17}" + "".join(f"{h:>11}" for h, _, _ in COLUMNS)
     for c in result["categories"]:
         lines.append(head)
         for n in result["runners"]:
@@ -39,7 +41,7 @@ def format_table(result: dict) -> str:
             if row["status"] != "ok":
                 lines.append(f"{c:<16}{n:<17}  {row['status'][:100]}")
                 continue
-            lines.append(f"{c:<16}{n:<17}" + "".join(f"{_f(row.get(k), fm):>9}" for _, k, fm in COLUMNS))
+            lines.append(f"{c:<16}{n:<17}" + "".join(f"{_f(row.get(k), fm):>11}" for _, k, fm in COLUMNS))
         lines.append("")
     return "\n".join(lines)
 
@@ -69,7 +71,8 @@ def markdown(result: dict, command: str, plots: list[str]) -> str:
             out.append(f"| {n} | " + " | ".join(_f(row.get(k), fm) for _, k, fm in COLUMNS) + " |")
         out.append("")
     out.append("tok/s: new tokens / wall seconds of whole `generate` calls (prefill included). x none, x hf: "
-               "speedup over specdec `none` and over transformers' plain `generate`. alpha: accepted / proposed "
+               "speedup over specdec `none` and over transformers' plain `generate`. dec tok/s, dec x none: the same "
+               "for specdec's decode phase alone (prefill excluded; it is the same work for every method). alpha: accepted / proposed "
                "drafts; tau: tokens per target forward (specdec only). peak MB: the process's peak resident "
                "memory while the runner ran (all runners share one process); work MB: the most it grew during "
                "one call. = none: prompts whose output equals specdec `none` token for token.\n")

@@ -5,7 +5,9 @@ prompts and settings in one process, interleaved per prompt (prompt 1: none, ngr
 hf, llamacpp; prompt 2: ...), so machine drift hits all of them alike. Each (prompt,
 runner) pair runs `repeats` times; per category a runner's speed is total new tokens /
 total wall seconds (prefill + decode, one `generate` call each) per repeat, and the median
-over repeats is reported.
+over repeats is reported. For specdec runners the decode-only speed (prefill excluded, which
+is the same work for every method and, on a CPU with long prompts, a large share of the
+wall time) is reported too.
 
 Also per runner: whether its greedy outputs equal specdec `none` token for token (share
 of prompts), acceptance figures (specdec runners only: peers do not report them), and
@@ -99,7 +101,8 @@ def run(runners: list[Runner], tasks: list[Task], encoded: list[list[int]], para
     names = [r.name for r in runners]
     status = {r.name: ("skipped: " + r.error) if r.error else "ok" for r in runners}
     live = [r for r in runners if not r.error]
-    totals = {n: defaultdict(lambda: [[0, 0.0] for _ in range(repeats)]) for n in names}
+    # per runner, category, repeat: [new tokens, wall seconds, decode seconds (specdec only)]
+    totals = {n: defaultdict(lambda: [[0, 0.0, 0.0] for _ in range(repeats)]) for n in names}
     stats = {n: defaultdict(list) for n in names}
     outputs: dict[str, dict[int, list[int]]] = {n: {} for n in names}
     peak = {n: 0 for n in names}
@@ -127,6 +130,8 @@ def run(runners: list[Runner], tasks: list[Task], encoded: list[list[int]], para
                 acc = totals[r.name][task.category][rep]
                 acc[0] += len(tokens)
                 acc[1] += dt
+                if res is not None:
+                    acc[2] += res.stats.decode_s
                 if rep == 0:
                     outputs[r.name][i] = tokens
                     if res is not None:
@@ -146,13 +151,17 @@ def run(runners: list[Runner], tasks: list[Task], encoded: list[list[int]], para
             table[n][c] = row
             if status[n] != "ok":
                 continue
-            per_rep = []
+            per_rep, dec_rep = [], []
             for rep in range(repeats):
                 keys = cats if c == "all" else [c]
                 tok = sum(totals[n][k][rep][0] for k in keys)
                 sec = sum(totals[n][k][rep][1] for k in keys)
+                dec = sum(totals[n][k][rep][2] for k in keys)
                 per_rep.append(tok / sec if sec else 0.0)
+                dec_rep.append((tok - len(idx)) / dec if dec else 0.0)  # the prefill's token excluded
             row["tokens_per_s"] = statistics.median(per_rep)
+            if r.kind == "specdec":
+                row["decode_tokens_per_s"] = statistics.median(dec_rep)
             row["new_tokens"] = sum(len(outputs[n][i]) for i in idx)
             if ref:
                 row["equal_to_none"] = f"{sum(outputs[n][i] == ref.get(i) for i in idx)}/{len(idx)}"
@@ -162,13 +171,14 @@ def run(runners: list[Runner], tasks: list[Task], encoded: list[list[int]], para
                 s = summarize([x for k in cats for x in stats[n][k]] if c == "all" else stats[n][c])
                 for key in ("alpha", "tau", "acceptance_by_pos", "draft_s", "verify_s", "draft_cost"):
                     row[key] = s[key]
-    for base_name, key in (("none", "speedup_vs_none"), ("hf", "speedup_vs_hf")):
+    for base_name, field, key in (("none", "tokens_per_s", "speedup_vs_none"), ("hf", "tokens_per_s", "speedup_vs_hf"),
+                                  ("none", "decode_tokens_per_s", "decode_speedup_vs_none")):
         if base_name not in table or status[base_name] != "ok":
             continue
         for n in names:
             for c, row in table[n].items():
-                base = table[base_name][c].get("tokens_per_s")
-                if "tokens_per_s" in row and base:
-                    row[key] = row["tokens_per_s"] / base
+                base = table[base_name][c].get(field)
+                if field in row and base:
+                    row[key] = row[field] / base
     return {"runners": names, "kinds": {r.name: r.kind for r in runners}, "status": status,
             "categories": cats + ["all"], "table": table}

@@ -1,9 +1,10 @@
 """Prompt lookup first, draft model otherwise (used by `--method auto`).
 
-Per step: rows whose context ends in an n-gram seen before (n >= min_n) take the
-prompt-lookup continuation, which costs nothing and is long and accurate when the answer
-copies its input (summaries, RAG, code edits); the other rows take the draft model's
-guesses. If every row has a lookup, the draft model is not run at all. The draft model
+Per step: rows for which prompt lookup (the adaptive `NgramDrafter`: it proposes a match's
+continuation only as far as such guesses tend to hold) has guesses take them; they cost
+nothing to make and are long and accurate when the answer copies its input (summaries,
+RAG, code edits). The other rows take the draft model's guesses. If every row has a
+lookup, the draft model is not run at all. The draft model
 keeps its cache lazily in step (it feeds whatever committed tokens it has not seen), so
 skipping it for a step needs no extra work.
 
@@ -12,9 +13,10 @@ token costs c target steps and gains alpha_d tokens on average, so it pays iff
 alpha_d > c (the k = 1 case of DESIGN.md's formula). The drafter measures both itself:
 alpha_d from the rows the draft model proposed for, the draft time per token from its own
 propose calls, and the target step time as the wall time between two propose calls.
-While it does not pay, rows without a long match fall back to a 1-token lookup (as
-`--method ngram` does) or get no guesses, and the draft model is probed once every
-`probe_every` steps.
+While it does not pay, rows without lookup guesses get none (as with `--method ngram`),
+and the draft model is probed once every `probe_every` steps. With a `k_policy`
+(adaptive.AdaptiveK) the draft model's own draft length is chosen per step from its
+measured acceptance and cost; lookup rows are not capped by it.
 
 Both sources give deterministic guesses in greedy mode; with sampling, lookup guesses are
 one-hot (q = 1 at the guess) and draft guesses carry the draft's q. A row's q must match
@@ -24,19 +26,22 @@ are set to one-hot vectors.
 
 from __future__ import annotations
 
-import torch
-
 import time
 
+import torch
+
 from .base import Draft, DraftContext, register
-from .ngram import lookup
+from .ngram import NgramDrafter
 
 
 class HybridDrafter:
-    def __init__(self, draft, min_n: int = 2, max_n: int = 4, probe_every: int = 16, gate: bool = True) -> None:
+    def __init__(self, draft, min_n: int = 1, max_n: int = 4, probe_every: int = 16, gate: bool = True,
+                 k_policy=None) -> None:
         """gate=False always runs the draft model for rows without a lookup."""
         self.draft = draft  # a DraftModelDrafter
-        self.min_n, self.max_n = min_n, max_n
+        self.k_policy = k_policy
+        self._pending = None  # (k, draft seconds, end of propose) for k_policy.observe
+        self.ngram = NgramDrafter(min_n, max_n)
         self.gate = gate
         self.cost_hint = None
         self.probe_every = probe_every
@@ -55,6 +60,7 @@ class HybridDrafter:
 
     def begin(self, prompts, params, max_len) -> None:
         self.draft.begin(prompts, params, max_len)
+        self.ngram.begin(prompts, params, max_len)
         self._used_draft = None
         self._t_end = None
 
@@ -73,15 +79,13 @@ class HybridDrafter:
         if max_tokens <= 0:
             self._used_draft = None
             return Draft.empty(B)
-        looked = [lookup(t, max_tokens, self.min_n, self.max_n) for t in ctx.tokens]
+        ng = self.ngram.propose(ctx, max_tokens)
+        looked = [ng.tokens[b, : int(ng.counts[b])].tolist() for b in range(B)]
         need_draft = [not g for g in looked]
         if any(need_draft) and not self.draft_pays():
             self._skipped += 1
             if self._skipped % self.probe_every:
-                # the draft model does not pay: rows without a long match fall back to a
-                # 1-token lookup (what --method ngram does), or decode plainly
-                looked = [g or lookup(t, max_tokens, 1, 1) for g, t in zip(looked, ctx.tokens)]
-                need_draft = [False] * B
+                need_draft = [False] * B  # the draft model does not pay: lookup rows only
         if not any(need_draft):
             self._used_draft = None
             N = max(len(g) for g in looked)
@@ -92,17 +96,27 @@ class HybridDrafter:
             if not ctx.params.greedy:
                 probs = _one_hot(tokens, self.draft.vocab_size)
             return Draft(tokens, torch.tensor([len(g) for g in looked]), probs)
+        kd = max_tokens if self.k_policy is None else max(1, self.k_policy.choose_k(max_tokens))
         catch_up = max(len(t) - len(f) for t, f in zip(ctx.tokens, self.draft.fed))
         t1 = time.perf_counter()
-        d = self.draft.propose(ctx, max_tokens)
-        if catch_up <= max_tokens + 1:  # steady state (not a prompt's prefill): time it
-            per_tok = (time.perf_counter() - t1) / max_tokens
+        d = self.draft.propose(ctx, kd)
+        t2 = time.perf_counter()
+        if catch_up <= kd + 1:  # steady state (not a prompt's prefill): time it
+            per_tok = (t2 - t1) / kd
             self.t_tok = per_tok if self.t_tok is None else 0.8 * self.t_tok + 0.2 * per_tok
+            self._pending = (kd, t2 - t1)
         self._used_draft = need_draft
         self._counts = d.counts.tolist()
-        tokens, counts, probs = d.tokens.clone(), d.counts.clone(), d.probs
-        if probs is not None:
-            probs = probs.clone()
+        Kd = d.tokens.shape[1]
+        K = max(Kd, max(len(g) for g in looked))
+        self.ngram.step_tokens = K  # the target verifies the draft model's guesses too
+        tokens = torch.zeros(B, K, dtype=torch.long)
+        tokens[:, :Kd] = d.tokens
+        counts = d.counts.clone()
+        probs = None
+        if d.probs is not None:
+            probs = torch.zeros(B, K, d.probs.shape[-1])
+            probs[:, :Kd] = d.probs
         for b, g in enumerate(looked):
             if g:
                 n = len(g)
@@ -114,6 +128,7 @@ class HybridDrafter:
         return Draft(tokens, counts, probs)
 
     def commit(self, num_accepted) -> None:
+        self.ngram.commit(num_accepted)  # it learns only from the rows it proposed for
         if self._used_draft is None:
             return  # the draft model did not run this step; it catches up lazily
         used = self._used_draft
@@ -121,11 +136,18 @@ class HybridDrafter:
         prop = sum(c for c, u in zip(self._counts, used) if u)
         if prop:
             self.acc, self.prop = 0.9 * self.acc + acc, 0.9 * self.prop + prop
+        if self.k_policy is not None and self._pending is not None:
+            kd, draft_s = self._pending
+            verify_s = time.perf_counter() - self._t_end
+            self.k_policy.observe(kd, [c for c, u in zip(self._counts, used) if u],
+                                  [n for n, u in zip(num_accepted, used) if u], draft_s, verify_s)
+        self._pending = None
         self.draft.commit([n if u else 0 for n, u in zip(num_accepted, used)])
         self._used_draft = None
 
     def keep_rows(self, rows) -> None:
         self.draft.keep_rows(rows)
+        self.ngram.keep_rows(rows)
 
 
 def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -137,4 +159,6 @@ def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 def _make(target=None, draft=None, **_):
     from .draft_model import _make as make_draft
 
-    return HybridDrafter(make_draft(target=target, draft=draft))
+    from ..adaptive import AdaptiveK
+
+    return HybridDrafter(make_draft(target=target, draft=draft), k_policy=AdaptiveK(cost_hint=None))

@@ -1,0 +1,58 @@
+"""Prompt lookup: the match itself, and the adaptive length rule (how many of a match's
+tokens to propose from measured acceptance and measured verification cost)."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters.base import DraftContext
+from specdec.drafters.ngram import LengthPolicy, NgramDrafter, lookup, lookup_match
+from specdec.types import SamplingParams
+
+
+def test_lookup_prefers_the_longest_and_most_recent_match():
+    toks = [1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3]
+    assert lookup_match(toks, 4, 1, 3) == (3, [9, 2, 3, 7])  # [1 2 3] occurred at the start
+    assert lookup([5, 2, 3, 6, 4, 3], 2, 1, 3) == [6, 4]  # only the 1-gram [3] matches
+    assert lookup([1, 2, 3, 4], 3, 1, 3) == []
+    assert lookup([4, 4], 3, 2, 3) == []  # min_n respected
+    assert lookup([7, 1, 7, 2, 7], 1, 1, 1) == [2]  # the most recent earlier match wins
+
+
+def test_length_policy_learns_to_stop_and_to_go_long():
+    pol = LengthPolicy(max_n=3, max_k=8)
+    for _ in range(200):  # 1-gram matches never hold
+        pol.observe(1, 4, 0)
+    for _ in range(200):  # 3-gram matches hold for 6 tokens
+        pol.observe(3, 8, 6)
+    assert pol.choose(1, 8) == 0
+    assert pol.choose(3, 8) >= 6
+    assert pol.choose(3, 2) == 2  # never more than the continuation has
+
+
+def test_length_policy_measures_the_cost_of_a_verified_token():
+    pol = LengthPolicy(max_n=2, max_k=8)
+    assert pol.r == pol.r_prior
+    for i in range(100):
+        j = i % 5
+        pol.observe_time(j, 0.010 * (1 + 0.25 * j))
+    assert abs(pol.r - 0.25) < 1e-6
+    # at that cost a guess that holds half the time is worth one token but not many
+    for _ in range(300):
+        pol.observe(2, 1, 0)
+        pol.observe(2, 1, 1)
+    assert pol.choose(2, 8) <= 2
+
+
+def test_adaptive_drafter_proposes_nothing_where_guesses_fail():
+    d = NgramDrafter(max_n=2)
+    d.begin(None, SamplingParams(), 0)
+    ctx = [3, 4, 5, 3, 4]  # the 2-gram [3 4] matches: continuation [5 3 4]
+    first = d.propose(DraftContext([ctx], SamplingParams(), None), 4)
+    assert first.counts.tolist() == [3]
+    for _ in range(100):
+        d.propose(DraftContext([ctx], SamplingParams(), None), 4)
+        d.commit([0])
+    assert d.propose(DraftContext([ctx], SamplingParams(), None), 4).counts.tolist() == [0]
+    fixed = NgramDrafter(max_n=2, adaptive=False)
+    assert fixed.propose(DraftContext([ctx], SamplingParams(), None), 4).tokens.tolist() == [[5, 3, 4]]
