@@ -1,7 +1,9 @@
 """The decode loop: prefill -> (propose -> score -> verify -> commit -> record)*.
 
 One loop serves plain and speculative decoding: with no drafter (or k = 0) every step
-scores just the pending token. Rows of a batch may have different prompt lengths, draft
+scores just the pending token. A drafter may return a chain (k tokens in a row) or a tree
+(Draft.parents, see tree.py): a tree is scored in one forward with an ancestor mask, the
+accepted path is kept in the KV cache (compact) and the drafter is told the path. Rows of a batch may have different prompt lengths, draft
 counts and accepted counts; rows that finish leave the batch at once.
 
 The engine yields token ids through a callback and knows nothing about tokenization,
@@ -15,10 +17,11 @@ from typing import Callable
 
 import torch
 
+from . import tree as tree_mod
 from .drafters.base import Draft, DraftContext
 from .sampling import choose, make_generator, warp
 from .types import GenerationResult, SamplingParams, SpecdecError
-from .verify import verify_greedy, verify_stochastic
+from .verify import verify_greedy, verify_stochastic, verify_tree_greedy, verify_tree_stochastic
 
 OnTokens = Callable[[int, list[int]], None]  # (row, newly committed ids)
 StopFn = Callable[[int, list[int]], bool]  # (row, all generated ids) -> stop now?
@@ -72,7 +75,9 @@ class Engine:
         B = len(prompts)
         gen = make_generator(params.seed)
         k_max = self.k
-        max_len = min(model.max_context, max(len(p) for p in prompts) + params.max_new_tokens + k_max + 1)
+        # room for the longest draft: k tokens, or a tree drafter's node budget
+        width = max(k_max, int(getattr(drafter, "max_nodes", 0) or 0)) if drafter is not None else 0
+        max_len = min(model.max_context, max(len(p) for p in prompts) + params.max_new_tokens + width + 1)
         results = [GenerationResult() for _ in range(B)]
         self._batches += 1
         for r, p in zip(results, prompts):
@@ -124,10 +129,17 @@ class Engine:
             k_step = max(0, min(k_now, max(room)))
             if drafter is not None and k_step > 0:
                 draft = drafter.propose(DraftContext([context[r] for r in rows], params, gen), k_step)
-                draft.counts = torch.minimum(draft.counts, torch.tensor(room).clamp_min(0))
+                if draft.parents is None:
+                    draft.counts = torch.minimum(draft.counts, torch.tensor(room).clamp_min(0))
             else:
                 draft = Draft.empty(A)
             K = draft.tokens.shape[1]
+            is_tree = draft.parents is not None and K > 0
+            if is_tree and K + 1 > max_len - int(cache.lengths.max()):
+                # near the end of the context a tree may not fit: score the pending token alone
+                # (the drafter is told nothing was accepted)
+                drafter.commit([0] * A, paths=[[] for _ in range(A)])
+                draft, K, is_tree = Draft.empty(A), 0, False
             t2 = time.perf_counter()
 
             # 2 score: the pending token and the drafts in one target forward
@@ -135,10 +147,22 @@ class Engine:
             inp[:, 0] = torch.tensor([context[r][-1] for r in rows])
             inp[:, 1:] = draft.tokens
             base = cache.lengths.clone()
-            logits, _ = model(inp, base[:, None] + torch.arange(K + 1)[None, :], cache)  # [A, K+1, V]
+            if is_tree:
+                parents, mask, depth = tree_mod.masks(draft.parents, draft.counts)
+                logits, _ = model(inp, base[:, None] + depth, cache, attn_mask=mask)  # [A, K+1, V]
+            else:
+                logits, _ = model(inp, base[:, None] + torch.arange(K + 1)[None, :], cache)  # [A, K+1, V]
 
             # 3 verify
-            if params.greedy:
+            paths = None
+            if is_tree:
+                if params.greedy:
+                    paths, nxt = verify_tree_greedy(logits, draft.tokens, parents, draft.counts, room)
+                else:
+                    paths, nxt = verify_tree_stochastic(warp(logits, params), draft.tokens, parents, draft.probs,
+                                                        draft.counts, gen, room)
+                n_acc = torch.tensor([len(p) for p in paths], dtype=torch.long)
+            elif params.greedy:
                 n_acc, nxt = verify_greedy(logits, draft.tokens, draft.counts)
             else:
                 target_probs = warp(logits, params)
@@ -146,20 +170,34 @@ class Engine:
 
             # 4 commit / roll back: keep pending + accepted drafts in the cache
             # e.g. cache [a b], pending c, drafts [d e f], 2 accepted -> cache [a b c d e], pending r
-            cache.truncate(base + 1 + n_acc)
+            if is_tree:
+                P = 1 + int(n_acc.max())
+                keep_nodes = torch.zeros(A, P, dtype=torch.long)
+                for i, p in enumerate(paths):
+                    keep_nodes[i, 1 : 1 + len(p)] = torch.tensor(p, dtype=torch.long)
+                cache.compact(base, keep_nodes, 1 + n_acc)
+            else:
+                cache.truncate(base + 1 + n_acc)
             if drafter is not None and K > 0:
-                drafter.commit(n_acc.tolist())
+                if is_tree:
+                    drafter.commit(n_acc.tolist(), paths=paths)
+                else:
+                    drafter.commit(n_acc.tolist())
             t3 = time.perf_counter()
 
             # 5 record
             new = []
             for i, r in enumerate(rows):
                 a = int(n_acc[i])
-                ids = draft.tokens[i, :a].tolist() + [int(nxt[i])]
+                if is_tree:
+                    ids = [int(draft.tokens[i, j - 1]) for j in paths[i]] + [int(nxt[i])]
+                else:
+                    ids = draft.tokens[i, :a].tolist() + [int(nxt[i])]
                 context[r].extend(ids)
                 st = results[r].stats
                 st.target_forwards += 1
-                c = int(draft.counts[i])
+                # a tree counts as a chain as deep as the tree: acceptance by depth
+                c = int(depth[i, : 1 + int(draft.counts[i])].max()) if is_tree else int(draft.counts[i])
                 st.proposed += c
                 st.accepted += a
                 if c:

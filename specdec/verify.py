@@ -1,4 +1,4 @@
-"""Pure verification rules for speculative decoding (chains).
+"""Pure verification rules for speculative decoding (chains and trees).
 
 Given the target's logits/probabilities at the K+1 positions [pending, d1 .. dK] and the
 drafter's K guesses, decide per row how many guesses to accept and which token to emit
@@ -11,6 +11,19 @@ next (the *recovered* token after a rejection, the *bonus* token after a full ac
               norm(max(0, p_i - q_i)); after a full accept a bonus sample of p_K.
               q = None means deterministic guesses (q one-hot at d_i): accept with
               probability p_i(d_i), on rejection sample p_i with d_i removed.
+
+Trees (tree.py: node 0 is the pending token, draft node i has a parent among 0..i-1):
+
+  greedy      from the root, follow the child whose token is argmax p at the current node;
+              emit argmax p where no child matches.
+  stochastic  multi-candidate rejection (SpecInfer; EAGLE): at the current node try its
+              children in order; child x with draft distribution q_x is accepted with
+              probability min(1, p(x) / q_x(x)); on rejection p <- norm(max(0, p - q_x))
+              and the next sibling is tried against that residual. If no child is
+              accepted, emit a sample of the residual; at an accepted leaf, a bonus sample
+              of p there. Exact when each child was drawn from its q independently given
+              the earlier siblings (i.i.d. samples of q, or deterministic candidates with
+              q one-hot, where rejecting x just removes x from p).
 
 Both p and q must be *warped the same way* (sampling.warp) before they arrive here.
 All randomness comes from the explicit generator. This module knows nothing about models.
@@ -79,3 +92,82 @@ def verify_stochastic(
             p = resid / total if float(total) > 0 else p
         next_token[b] = torch.multinomial(p, 1, generator=generator)[0]
     return n_acc, next_token
+
+
+def _tree_children(parents_row: list[int], count: int) -> list[list[int]]:
+    ch: list[list[int]] = [[] for _ in range(count + 1)]
+    for i in range(count):
+        ch[parents_row[i]].append(i + 1)
+    return ch
+
+
+def verify_tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, counts: torch.Tensor,
+                       max_depth: list[int] | None = None):
+    """target_logits [B, N+1, V] (root first), tokens/parents [B, N], counts [B] ->
+    (paths: per row the accepted draft nodes root excluded, next_token [B]).
+    max_depth [B] (optional): accept at most this many nodes per row."""
+    best = target_logits.argmax(-1).tolist()  # [B, N+1]
+    toks, pars, cnt = tokens.tolist(), parents.tolist(), counts.tolist()
+    paths, nxt = [], []
+    for b in range(len(toks)):
+        ch = _tree_children(pars[b], cnt[b])
+        node, path = 0, []
+        while max_depth is None or len(path) < max_depth[b]:
+            want = best[b][node]
+            child = next((c for c in ch[node] if toks[b][c - 1] == want), None)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        paths.append(path)
+        nxt.append(best[b][node])
+    return paths, torch.tensor(nxt, dtype=torch.long)
+
+
+def verify_tree_stochastic(
+    target_probs: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    counts: torch.Tensor,
+    generator: torch.Generator | None,
+    max_depth: list[int] | None = None,
+):
+    """Exact multi-candidate rejection sampling over trees.
+
+    target_probs [B, N+1, V] (warped, root first), tokens/parents [B, N], draft_probs
+    [B, N, V] (node i's q, the distribution it was drawn from at its parent) or None
+    (deterministic candidates), counts [B] -> (paths, next_token [B]). max_depth as in
+    verify_tree_greedy (a node past it is never tried, as if it were not drafted).
+    """
+    toks, pars, cnt = tokens.tolist(), parents.tolist(), counts.tolist()
+    paths, nxt = [], []
+    for b in range(len(toks)):
+        ch = _tree_children(pars[b], cnt[b])
+        node, path = 0, []
+        while True:
+            p = target_probs[b, node]
+            accepted = None
+            tried = ch[node] if max_depth is None or len(path) < max_depth[b] else []
+            for c in tried:
+                x = toks[b][c - 1]
+                qx = 1.0 if draft_probs is None else float(draft_probs[b, c - 1, x])
+                u = float(torch.rand((), generator=generator))
+                if u * qx < float(p[x]):
+                    accepted = c
+                    break
+                if draft_probs is None:
+                    resid = p.clone()
+                    resid[x] = 0.0
+                else:
+                    resid = (p - draft_probs[b, c - 1]).clamp_min(0.0)
+                total = resid.sum()
+                if float(total) > 0:  # 0 only if p == q up to rounding (rejection had probability ~0)
+                    p = resid / total
+            if accepted is None:
+                nxt.append(int(torch.multinomial(p, 1, generator=generator)[0]))
+                break
+            path.append(accepted)
+            node = accepted
+        paths.append(path)
+    return paths, torch.tensor(nxt, dtype=torch.long)

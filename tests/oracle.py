@@ -393,3 +393,83 @@ class ConfidentlyWrongDrafter(_Base):
         if not toks:
             return _draft([[] for _ in rows], None)
         return _draft(torch.stack(toks, 1).tolist(), torch.stack(probs, 1))
+
+
+class TreeDrafter(_Base):
+    """Proposes token trees (Draft.parents) built from an independent draft model run by
+    transformers without a cache, per node. `branching[d]` children per node at depth d.
+
+    mode "iid": children are i.i.d. samples of the draft's warped q at their parent (the
+      same token may appear twice under one parent), probs carry that q per node;
+    mode "topk": children are the draft's top tokens at their parent, deterministic
+      (probs None), so sibling tokens differ; greedy-mode trees always use this;
+    mode "corrupt": like "topk" (draft with the target itself) but at every node the
+      best child is left out at every third node expanded and the others come in reverse order,
+      so the right token is often a later sibling or missing: accepted paths of every
+      length occur; the same token also appears under two different parents.
+    """
+
+    def __init__(self, hf, branching=(2, 2), mode: str = "iid", warp_args=(1.0, 0, 1.0)) -> None:
+        super().__init__()
+        self.hf, self.branching, self.mode, self.warp_args = hf, tuple(branching), mode, warp_args
+        self.max_nodes = 0
+        n = 1
+        for b in self.branching:
+            n *= b
+            self.max_nodes += n
+        self.paths_seen: list[list[list[int]]] = []
+        self.nodes_expanded = 0
+
+    def _q(self, seqs: list[list[int]], greedy: bool) -> torch.Tensor:
+        logits = hf_last_logits(self.hf, seqs)
+        return torch.softmax(logits.float(), -1) if greedy else hf_warp(logits, *self.warp_args)
+
+    def propose(self, ctx, max_tokens: int):
+        from specdec.drafters.base import Draft
+
+        assert len(ctx.tokens) == self.rows
+        greedy = ctx.params.greedy
+        trees, probs = [], []
+        for row in ctx.tokens:
+            toks, pars, qs = [], [], []
+            frontier = [(0, list(row))]  # (node, sequence ending in that node's token)
+            for depth, b in enumerate(self.branching[: max(0, max_tokens)]):
+                nxt = []
+                for node, seq in frontier:
+                    q = self._q([seq], greedy)[0]
+                    if self.mode == "iid" and not greedy:
+                        kids = torch.multinomial(q, b, replacement=True, generator=ctx.generator).tolist()
+                    else:
+                        kids = q.topk(b).indices.tolist()
+                        if self.mode == "corrupt":
+                            ranked = q.topk(b + 1).indices.tolist()
+                            self.nodes_expanded += 1
+                            drop = self.nodes_expanded % 3 == 0
+                            kids = (ranked[1:] if drop else ranked[:b])[::-1]
+                    for x in kids:
+                        toks.append(int(x))
+                        pars.append(node)
+                        qs.append(q if (self.mode == "iid" and not greedy) else None)
+                        nxt.append((len(toks), seq + [int(x)]))
+                frontier = nxt
+            trees.append((toks, pars))
+            probs.append(qs)
+        B, N = len(trees), max(len(t) for t, _ in trees)
+        tokens = torch.zeros(B, N, dtype=torch.long)
+        parents = torch.zeros(B, N, dtype=torch.long)
+        for b, (t, p) in enumerate(trees):
+            tokens[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+            parents[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        P = None
+        if self.mode == "iid" and not greedy and N:
+            V = self.hf.config.vocab_size
+            P = torch.zeros(B, N, V)
+            for b, qs in enumerate(probs):
+                for i, q in enumerate(qs):
+                    P[b, i] = q
+        return Draft(tokens, torch.tensor([len(t) for t, _ in trees], dtype=torch.long), P, parents)
+
+    def commit(self, num_accepted, paths=None) -> None:
+        assert paths is not None and [len(p) for p in paths] == list(num_accepted)
+        self.commits.append(list(num_accepted))
+        self.paths_seen.append(paths)
