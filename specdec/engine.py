@@ -95,8 +95,11 @@ class Engine:
         for b, p in enumerate(prompts):
             toks[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         pos = torch.arange(T)[None, :].expand(B, T)
-        logits, _ = model(toks, pos, cache, logits_at=(lens - 1)[:, None])
+        logits, hidden = model(toks, pos, cache, logits_at=(lens - 1)[:, None])
         cache.truncate(lens)
+        # target features of committed positions not yet handed to a drafter that reads them (EAGLE)
+        wants_hidden = drafter is not None and getattr(drafter, "needs_hidden", False)
+        feats = [[hidden[b, : len(p)]] if wants_hidden else [] for b, p in enumerate(prompts)]
         first = choose(logits[:, 0], params, gen)
         prefill_s = time.perf_counter() - t0
         for r in results:
@@ -128,7 +131,12 @@ class Engine:
             room = [min(params.max_new_tokens - len(results[r].tokens) - 1, max_len - len(context[r]) - 1) for r in rows]
             k_step = max(0, min(k_now, max(room)))
             if drafter is not None and k_step > 0:
-                draft = drafter.propose(DraftContext([context[r] for r in rows], params, gen), k_step)
+                hid = None
+                if wants_hidden:
+                    hid = [torch.cat(feats[r]) if feats[r] else None for r in rows]
+                    for r in rows:
+                        feats[r] = []
+                draft = drafter.propose(DraftContext([context[r] for r in rows], params, gen, hid), k_step)
                 if draft.parents is None:
                     draft.counts = torch.minimum(draft.counts, torch.tensor(room).clamp_min(0))
             else:
@@ -149,9 +157,9 @@ class Engine:
             base = cache.lengths.clone()
             if is_tree:
                 parents, mask, depth = tree_mod.masks(draft.parents, draft.counts)
-                logits, _ = model(inp, base[:, None] + depth, cache, attn_mask=mask)  # [A, K+1, V]
+                logits, hidden = model(inp, base[:, None] + depth, cache, attn_mask=mask)  # [A, K+1, V]
             else:
-                logits, _ = model(inp, base[:, None] + torch.arange(K + 1)[None, :], cache)  # [A, K+1, V]
+                logits, hidden = model(inp, base[:, None] + torch.arange(K + 1)[None, :], cache)  # [A, K+1, V]
 
             # 3 verify
             paths = None
@@ -194,6 +202,8 @@ class Engine:
                 else:
                     ids = draft.tokens[i, :a].tolist() + [int(nxt[i])]
                 context[r].extend(ids)
+                if wants_hidden:  # features of the pending token and the accepted drafts
+                    feats[r].append(hidden[i, [0] + paths[i]] if is_tree else hidden[i, : 1 + a])
                 st = results[r].stats
                 st.target_forwards += 1
                 # a tree counts as a chain as deep as the tree: acceptance by depth

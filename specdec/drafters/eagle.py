@@ -1,0 +1,409 @@
+"""EAGLE drafting head (Li et al. 2024, EAGLE; EAGLE-2's dynamic tree).
+
+The head is one decoder layer that runs over the target's *feature* sequence: at position
+t it reads fc([embed(x_{t+1}); f_t]), where f_t is the target's final (normed) hidden
+state at t and x_{t+1} the token that actually followed, and predicts f_{t+1}; the target's
+own LM head (restricted to a frequency-ranked vocabulary subset, still exact: q is 0
+elsewhere) turns that prediction into a distribution over x_{t+2}. Drafting continues on
+the head's own predicted features.
+
+Proposals are either a chain (k steps, argmax or sampled with the head's q) or, with
+`tree=True`, an EAGLE-2 style dynamic tree: at each of `depth` steps the `width` frontier
+nodes with the highest cumulative draft log-probability are expanded by their `width` best
+tokens, and finally the `nodes` best nodes overall (an ancestor-closed set, since scores
+only fall along a path) are sent for verification as deterministic candidates (q one-hot,
+exact with tree verification in both greedy and sampling modes).
+
+The engine supplies the target's features of newly committed positions (DraftContext.hidden,
+since this drafter sets `needs_hidden`). The head keeps its own small KV cache: committed
+pairs stay, speculative positions are dropped after each step.
+
+Files: `eagle.safetensors` (fc, layer; the target's embedding and head are not stored) and
+`specdec_eagle.json` (target name, hidden size, vocabulary size, a hash of the target's
+head weights, the vocabulary subset, the recipe). A head trained for another target is
+refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..types import SpecdecError
+from .base import Draft, DraftContext, register
+
+EAGLE_META = "specdec_eagle.json"
+EAGLE_WEIGHTS = "eagle.safetensors"
+
+
+DEFAULT_EAGLE_DIR = Path(__file__).resolve().parents[1] / "assets" / "eagle" / "smollm2-135m-instruct"
+
+
+def default_eagle_for(target) -> Path | None:
+    """The head shipped for the embedded default target, if this is that target."""
+    if getattr(target, "source", None) == "default" and is_eagle_dir(DEFAULT_EAGLE_DIR):
+        return DEFAULT_EAGLE_DIR
+    return None
+
+
+def target_fingerprint(model) -> str:
+    """A short hash of the target's LM head (a head trained for it must see the same one)."""
+    w = model.lm_head_weight().detach().float()
+    sample = w[:: max(1, w.shape[0] // 256)].contiguous()
+    return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
+
+
+class EagleHead(nn.Module):
+    """fc + one Llama decoder layer over [embedding; feature] pairs."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                 rope_theta: float = 10000.0, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
+        self.intermediate, self.rope_theta, self.eps = intermediate, rope_theta, eps
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.attn_norm = nn.Parameter(torch.ones(hidden))
+        self.mlp_norm = nn.Parameter(torch.ones(hidden))
+        self.wqkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=False)
+        self.wo = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.w_gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.w_down = nn.Linear(intermediate, hidden, bias=False)
+        inv = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def config(self) -> dict:
+        return dict(hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                    intermediate=self.intermediate, rope_theta=self.rope_theta, eps=self.eps)
+
+    def _rope(self, x, positions):
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, Dh/2]
+        cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]  # [B, 1, T, Dh/2]
+        x1, x2 = x[..., : self.head_dim // 2], x[..., self.head_dim // 2 :]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def qkv(self, emb, feat, positions):
+        """-> (x [B,T,D] residual stream, q [B,H,T,Dh], k, v [B,Hkv,T,Dh])."""
+        B, T, _ = emb.shape
+        x = self.fc(torch.cat((emb, feat), dim=-1))
+        h = F.rms_norm(x, (self.hidden,), self.attn_norm, self.eps)
+        qkv = self.wqkv(h).view(B, T, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self._rope(qkv[:, : self.heads], positions)
+        k = self._rope(qkv[:, self.heads : self.heads + self.kv_heads], positions)
+        v = qkv[:, self.heads + self.kv_heads :]
+        return x, q, k, v
+
+    def finish(self, x, q, keys, vals, mask=None, causal=False):
+        B, _, T, _ = q.shape
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, is_causal=causal,
+                                           enable_gqa=self.kv_heads != self.heads)
+        x = x + self.wo(o.transpose(1, 2).reshape(B, T, -1))
+        h = F.rms_norm(x, (self.hidden,), self.mlp_norm, self.eps)
+        gate, up = self.w_gate_up(h).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+    def forward(self, emb, feat, positions):
+        """Training: whole sequences, causal. emb = embed(x_{1..T}), feat = f_{0..T-1} -> f^_{1..T}."""
+        x, q, k, v = self.qkv(emb, feat, positions)
+        return self.finish(x, q, k, v, causal=True)
+
+
+def head_from_target(cfg) -> EagleHead:
+    """An EAGLE head shaped like one layer of the target (native LlamaConfig)."""
+    return EagleHead(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                     cfg.rope_theta, cfg.rms_norm_eps)
+
+
+def save_eagle(head: EagleHead, out: Path, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, str(out / EAGLE_WEIGHTS))
+    (out / EAGLE_META).write_text(json.dumps({**meta, "config": head.config()}, indent=1))
+
+
+def is_eagle_dir(path) -> bool:
+    return path is not None and (Path(path) / EAGLE_META).is_file()
+
+
+def load_eagle(path, target) -> tuple[EagleHead, dict]:
+    """Load a head and check that it was trained for this target."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not is_eagle_dir(path):
+        raise SpecdecError(f"{path} is not an EAGLE head folder (no {EAGLE_META}); train one with "
+                           "`specdec train eagle --out DIR`")
+    meta = json.loads((path / EAGLE_META).read_text())
+    model = target.model
+    cfg = getattr(model, "cfg", None)
+    if cfg is None:
+        raise SpecdecError("EAGLE needs a native target model (Llama family); this target runs through the "
+                           "transformers adapter")
+    problems = []
+    if meta["config"]["hidden"] != cfg.hidden_size:
+        problems.append(f"hidden size {meta['config']['hidden']} vs the target's {cfg.hidden_size}")
+    if meta.get("target_vocab_size") != cfg.vocab_size:
+        problems.append(f"vocabulary {meta.get('target_vocab_size')} vs the target's {cfg.vocab_size}")
+    if not problems and meta.get("target_fingerprint") != target_fingerprint(model):
+        problems.append("the target's weights differ from those it was trained on (LM-head hash "
+                        f"{meta.get('target_fingerprint')} vs {target_fingerprint(model)})")
+    if problems:
+        raise SpecdecError(f"the EAGLE head in {path} was trained for another target ({meta.get('target')}): "
+                           + "; ".join(problems) + ". Train one for this model with `specdec train eagle`")
+    head = EagleHead(**meta["config"])
+    head.load_state_dict(load_file(str(path / EAGLE_WEIGHTS)))
+    return head.to(model.dtype).eval(), meta
+
+
+class EagleDrafter:
+    """Chain or dynamic-tree drafting with an EagleHead (see the module docstring)."""
+
+    needs_hidden = True
+
+    def __init__(self, head: EagleHead, target_model, vocab_subset=None, tree: bool = True, depth: int = 5,
+                 width: int = 4, nodes: int = 24) -> None:
+        if depth < 1 or width < 1 or nodes < 1:
+            raise SpecdecError(f"EAGLE tree settings must be >= 1 (depth {depth}, width {width}, nodes {nodes})")
+        self.head = head
+        self.target = target_model
+        self.embed = target_model.embed.weight.detach()
+        W = target_model.lm_head_weight().detach()
+        self.subset = None
+        if vocab_subset is not None:
+            self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
+            W = W[self.subset]
+        self.W = W.contiguous()  # [S, D]
+        self.vocab_size = target_model.vocab_size
+        self.tree, self.depth, self.width, self.nodes = tree, depth, width, nodes
+        self.max_nodes = nodes if tree else 0
+        self.cost_hint = None
+
+    # -- cache ------------------------------------------------------------------------
+    def begin(self, prompts, params, max_len) -> None:
+        B = len(prompts)
+        h = self.head
+        if self.tree and self.nodes + 1 >= max_len:
+            raise SpecdecError(f"an EAGLE tree of {self.nodes} nodes does not fit in a context of {max_len}")
+        size = max_len + max(self.nodes, self.depth) + 2
+        self.k = torch.zeros(B, h.kv_heads, size, h.head_dim, dtype=self.embed.dtype)
+        self.v = torch.zeros_like(self.k)
+        self.n = [0] * B  # committed pairs in the cache per row (pair t sits at slot t)
+        self.feat: list[list[torch.Tensor]] = [[] for _ in range(B)]  # known target features, per row
+        self.last_h: torch.Tensor | None = None
+
+    def _write(self, k, v, slots):
+        """k, v [B, Hkv, T, Dh] into per-row slots [B, T]."""
+        B, T = slots.shape
+        rows = torch.arange(B)[:, None].expand(B, T)
+        self.k[rows, :, slots] = k.transpose(1, 2)
+        self.v[rows, :, slots] = v.transpose(1, 2)
+
+    def _step(self, tokens, feats, positions, slots, visible):
+        """Run the head on [B, T] new pairs written at `slots`; visible [B, T, S] bool over
+        cache slots 0..S-1. Returns the head's output features [B, T, D]."""
+        emb = F.embedding(tokens, self.embed)
+        x, q, k, v = self.head.qkv(emb, feats, positions)
+        self._write(k, v, slots)
+        S = visible.shape[-1]
+        return self.head.finish(x, q, self.k[:, :, :S], self.v[:, :, :S], mask=visible[:, None])
+
+    def _logits(self, h):
+        return h.float() @ self.W.float().T  # [.., S] over the subset (or the full vocabulary)
+
+    def _ids(self, idx):
+        return self.subset[idx] if self.subset is not None else idx
+
+    @torch.inference_mode()
+    def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
+        """Feed every committed (f_t, x_{t+1}) pair not yet in the cache; return the head's
+        output at each row's last pair: the predicted feature for the pending token [B, D]."""
+        B = len(ctx.tokens)
+        for b in range(B):
+            if ctx.hidden is not None and ctx.hidden[b] is not None:
+                self.feat[b].extend(ctx.hidden[b].unbind(0))
+        want = [len(t) - 1 for t in ctx.tokens]  # pairs t = 0 .. len-2 are known
+        for b in range(B):
+            if len(self.feat[b]) < want[b]:
+                raise RuntimeError("EAGLE drafter is missing target features (the engine did not pass hidden states)")
+        new = [list(range(self.n[b], want[b])) for b in range(B)]
+        T = max(len(x) for x in new)
+        D = self.embed.shape[1]
+        toks = torch.zeros(B, T, dtype=torch.long)
+        feats = torch.zeros(B, T, D, dtype=self.embed.dtype)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        slots = torch.zeros(B, T, dtype=torch.long)
+        for b, idx in enumerate(new):
+            for j, t in enumerate(idx):
+                toks[b, j] = ctx.tokens[b][t + 1]
+                feats[b, j] = self.feat[b][t]
+                pos[b, j] = slots[b, j] = t
+            for j in range(len(idx), T):  # padding: rewrite the row's last slot harmlessly later
+                pos[b, j] = slots[b, j] = want[b] + j  # beyond the committed region, dropped below
+        S = max(want) + T
+        key = torch.arange(S)
+        visible = (key[None, None, :] <= slots[:, :, None])  # causal over committed pairs
+        out = self._step(toks, feats, pos, slots, visible)
+        last = torch.tensor([max(len(idx) - 1, 0) for idx in new])
+        h = out[torch.arange(B), last]
+        for b, idx in enumerate(new):
+            if not idx:  # nothing new for this row (cannot happen after a step, kept for safety)
+                h[b] = self.last_h[b] if self.last_h is not None else h[b]
+        self.n = want
+        self.last_h = h
+        return h  # [B, D]
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        B = len(ctx.tokens)
+        if max_tokens <= 0:
+            return Draft.empty(B)
+        h = self._catch_up(ctx)
+        if self.tree:
+            return self._propose_tree(ctx, h, min(self.depth, max_tokens))
+        return self._propose_chain(ctx, h, max_tokens)
+
+    def _propose_chain(self, ctx, h, k):
+        from ..sampling import sample, warp
+
+        B = len(ctx.tokens)
+        toks, probs = [], []
+        n0 = torch.tensor(self.n)
+        for i in range(k):
+            lg = self._logits(h)
+            if ctx.params.greedy:
+                idx = lg.argmax(-1)
+            else:
+                q_head = warp(lg, ctx.params)
+                idx = sample(q_head, ctx.generator)
+                q = torch.zeros(B, self.vocab_size)
+                if self.subset is None:
+                    q[:, : q_head.shape[-1]] = q_head
+                else:
+                    q[:, self.subset] = q_head
+                probs.append(q)
+            tok = self._ids(idx)
+            toks.append(tok)
+            if i + 1 < k:
+                slot = (n0 + i)[:, None]  # speculative pairs after the committed ones
+                S = int(slot.max()) + 1
+                visible = torch.arange(S)[None, None, :] <= slot[:, :, None]
+                h = self._step(tok[:, None], h[:, None].to(self.embed.dtype), slot, slot, visible)[:, 0]
+        return Draft(torch.stack(toks, 1), torch.full((B,), k, dtype=torch.long),
+                     torch.stack(probs, 1) if probs else None)
+
+    def _propose_tree(self, ctx, h, depth):
+        """EAGLE-2: expand the best `width` nodes per depth, keep the best `nodes` overall."""
+        B = len(ctx.tokens)
+        W, N = self.width, self.nodes
+        n0 = torch.tensor(self.n)
+        all_tok, all_par, all_score = [], [], []  # per depth: [B, W*W] candidates
+        # root: the head's distribution after the pending token
+        lp = torch.log_softmax(self._logits(h), -1)  # [B, S]
+        top = lp.topk(W, dim=-1)
+        front_tok = self._ids(top.indices)  # [B, W]
+        front_score = top.values  # [B, W]
+        front_node = torch.arange(1, W + 1)[None].expand(B, W)  # node ids (1-based) of the frontier
+        tokens = [front_tok]
+        parents = [torch.zeros(B, W, dtype=torch.long)]
+        scores = [front_score]
+        front_h = h[:, None].expand(B, W, h.shape[-1])  # the feature each frontier node is paired with
+        anc = torch.zeros(B, 0, 0, dtype=torch.bool)  # ancestry among speculative slots so far
+        used = 0  # speculative slots written so far (after the committed pairs)
+        next_id = W + 1
+        for d in range(1, depth):
+            # run the head on the frontier: pair (feature of the parent's prediction, token)
+            T = front_tok.shape[1]
+            base = used
+            slots = n0[:, None] + base + torch.arange(T)[None]
+            pos = n0[:, None] + d - 1 + 0 * slots  # all frontier nodes sit at the same depth
+            # visibility: committed pairs, plus ancestors among earlier speculative slots, plus self
+            S = int(slots.max()) + 1
+            key = torch.arange(S)
+            vis = key[None, None, :] < n0[:, None, None]  # [B, 1, S]
+            vis = vis.expand(B, T, S).clone()
+            if base:
+                # frontier node's ancestors = its parent's slot and the parent's ancestors
+                par_slot = front_parent_slot  # [B, T] index into the spec region
+                rows = torch.arange(B)[:, None].expand(B, T)
+                spec_vis = anc[rows, par_slot]  # [B, T, base]
+                spec_vis[rows, torch.arange(T)[None].expand(B, T), par_slot] = True
+                for b in range(B):
+                    vis[b, :, int(n0[b]) : int(n0[b]) + base] = spec_vis[b]
+            rows = torch.arange(B)[:, None]
+            vis[rows, torch.arange(T)[None], slots] = True
+            out = self._step(front_tok, front_h.to(self.embed.dtype), pos, slots, vis)  # [B, T, D]
+            # record ancestry for these new slots
+            new_anc = torch.zeros(B, base + T, base + T, dtype=torch.bool)
+            if base:
+                new_anc[:, :base, :base] = anc
+                new_anc[:, base:, :base] = spec_vis
+            new_anc[:, torch.arange(base, base + T), torch.arange(base, base + T)] = True
+            anc = new_anc
+            used += T
+            # expand: each frontier node's top W children, keep the W best by cumulative score
+            lp = torch.log_softmax(self._logits(out), -1)  # [B, T, S]
+            top = lp.topk(W, dim=-1)
+            cand_score = (front_score[:, :, None] + top.values).reshape(B, T * W)
+            cand_tok = self._ids(top.indices).reshape(B, T * W)
+            cand_par = front_node[:, :, None].expand(B, T, W).reshape(B, T * W)
+            cand_slot = (base + torch.arange(T))[None, :, None].expand(B, T, W).reshape(B, T * W)
+            cand_h = out[:, :, None].expand(B, T, W, out.shape[-1]).reshape(B, T * W, -1)
+            cand_id = next_id + torch.arange(T * W)[None].expand(B, T * W)
+            next_id += T * W
+            tokens.append(cand_tok)
+            parents.append(cand_par)
+            scores.append(cand_score)
+            best = cand_score.topk(min(W, T * W), dim=-1).indices
+            front_tok = cand_tok.gather(1, best)
+            front_score = cand_score.gather(1, best)
+            front_node = cand_id.gather(1, best)
+            front_parent_slot = cand_slot.gather(1, best)
+            front_h = cand_h.gather(1, best[:, :, None].expand(-1, -1, cand_h.shape[-1]))
+        # choose the N best nodes overall (ancestor-closed: a child never outscores its parent)
+        tok_all = torch.cat(tokens, 1)
+        par_all = torch.cat(parents, 1)  # parent node ids (0 = root) in "id space"
+        sc_all = torch.cat(scores, 1)
+        n_keep = min(N, tok_all.shape[1])
+        keep = sc_all.topk(n_keep, dim=-1).indices.sort(dim=-1).values  # id order = topological order
+        ids_all = torch.arange(1, tok_all.shape[1] + 1)
+        out_tok = torch.zeros(B, n_keep, dtype=torch.long)
+        out_par = torch.zeros(B, n_keep, dtype=torch.long)
+        counts = torch.zeros(B, dtype=torch.long)
+        for b in range(B):
+            index: dict[int, int] = {}  # node id -> position in the proposal (1-based)
+            for i in keep[b].tolist():
+                nid, p = int(ids_all[i]), int(par_all[b, i])
+                if p != 0 and p not in index:
+                    continue  # an orphan (a tie in scores kept a child without its parent)
+                n = len(index)
+                out_tok[b, n] = tok_all[b, i]
+                out_par[b, n] = 0 if p == 0 else index[p]
+                index[nid] = n + 1
+            counts[b] = len(index)
+        return Draft(out_tok, counts, None, out_par)
+
+    def commit(self, num_accepted, paths=None) -> None:
+        pass  # speculative slots are simply overwritten next time; committed pairs come with features
+
+    def keep_rows(self, rows) -> None:
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        self.k, self.v = self.k[idx], self.v[idx]
+        self.n = [self.n[r] for r in rows]
+        self.feat = [self.feat[r] for r in rows]
+        if self.last_h is not None:
+            self.last_h = self.last_h[idx]
+
+
+@register("eagle")
+def _make(target=None, draft=None, tree: bool = True, depth: int = 5, width: int = 4, nodes: int = 24, **_):
+    """draft: a path to an EAGLE head folder."""
+    if draft is None:
+        raise SpecdecError("--method eagle needs an EAGLE head: pass --draft DIR (from `specdec train eagle`)")
+    head, meta = load_eagle(draft, target)
+    return EagleDrafter(head, target.model, meta.get("vocab_subset"), tree=tree, depth=depth, width=width, nodes=nodes)

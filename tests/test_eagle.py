@@ -1,0 +1,192 @@
+"""EAGLE heads on tiny random targets: greedy output equals transformers' plain greedy output
+(chain and dynamic tree, batch 1 and 3), sampled output follows the exact target distribution
+(chi-square; chain with the head's q, tree with deterministic candidates), a head made for
+another target is refused, and `specdec train eagle`'s pipeline runs end to end (features,
+training, save, load) on local data shards. Head quality does not matter for exactness, so
+the heads here are small random perturbations of the initialisation or a few training steps."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from specdec.drafters import REGISTRY
+from specdec.drafters.eagle import EagleDrafter, load_eagle, save_eagle, target_fingerprint
+from specdec.engine import Engine
+from specdec.models.loader import load_model
+from specdec.train.eagle import EagleTrainConfig, init_head, train_eagle
+from specdec.types import SamplingParams, SpecdecError
+
+from oracle import exact_joint, hf_greedy, one_thread, tiny_hf_llama
+from test_tree import chi2_views
+
+V = 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@functools.lru_cache(maxsize=None)
+def target_dir(seed: int, vocab: int = V, tmp=None):
+    import tempfile
+    from pathlib import Path
+
+    d = Path(tempfile.mkdtemp(prefix=f"specdec-eagle-target{seed}-"))
+    tiny_hf_llama(seed, vocab=vocab, logit_scale=1.5).save_pretrained(str(d))
+    return d
+
+
+@functools.lru_cache(maxsize=None)
+def target(seed: int = 0, vocab: int = V):
+    return load_model(str(target_dir(seed, vocab)), quiet=True, with_tokenizer=False)
+
+
+@functools.lru_cache(maxsize=None)
+def head_dir(seed: int = 0, vocab: int = V, noise: float = 0.05):
+    import tempfile
+    from pathlib import Path
+
+    tg = target(seed, vocab)
+    head = init_head(tg)
+    g = torch.Generator().manual_seed(42)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=g))
+    d = Path(tempfile.mkdtemp(prefix="specdec-eagle-head-"))
+    save_eagle(head, d, {"target": "tiny", "target_vocab_size": vocab, "target_fingerprint": target_fingerprint(tg.model),
+                         "vocab_subset": None})
+    return d
+
+
+def drafter(tree: bool, seed: int = 0, vocab: int = V, **kw):
+    return REGISTRY["eagle"](target=target(seed, vocab), draft=head_dir(seed, vocab), tree=tree, **kw)
+
+
+def prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in (6, 11, 8)]
+
+
+@pytest.mark.parametrize("tree,kw", [(False, {}), (True, dict(depth=3, width=2, nodes=5)),
+                                     (True, dict(depth=4, width=3, nodes=12))])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_eagle_greedy_equals_transformers(tree, kw, batch):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+    hf.generation_config.pad_token_id = 0
+    ps = prompts()[:batch]
+    want = [hf_greedy(hf, p, 14) for p in ps]
+    d = drafter(tree, **kw)
+    res = Engine(target().model, d, k=kw.get("depth", 3)).generate(ps, SamplingParams(max_new_tokens=14))
+    assert [r.tokens for r in res] == want
+    assert sum(r.stats.proposed for r in res) > 0
+
+
+def test_eagle_needs_the_targets_features():
+    """Without the target's hidden states the drafter refuses rather than guessing blind;
+    through the engine it receives one feature per committed position."""
+    from specdec.drafters.base import DraftContext
+
+    d = drafter(True, depth=2, width=2, nodes=3)
+    p = prompts()[0]
+    d.begin([p], SamplingParams(), 64)
+    with pytest.raises(RuntimeError, match="missing target features"):
+        d.propose(DraftContext([p + [1]], SamplingParams(), None), 2)
+    d = drafter(False)
+    [r] = Engine(target().model, d, k=2).generate([p], SamplingParams(max_new_tokens=9))
+    committed = len(p) + len(r.tokens)
+    # features arrive for every scored position; the last step's are handed over at the next proposal
+    assert d.n[0] <= len(d.feat[0]) < committed
+    assert len(d.feat[0]) >= committed - 1 - 3
+
+
+SV = 12
+CTX = (tuple(range(SV)) + (3, 1, 4), tuple(reversed(range(SV))) + (5,))
+
+
+@pytest.mark.parametrize("tree,params", [(False, dict(temperature=1.0)), (False, dict(temperature=0.7, top_k=6)),
+                                         (True, dict(temperature=0.8, top_p=0.9))])
+def test_eagle_sampling_matches_exact_distribution(tree, params):
+    from transformers import AutoModelForCausalLM
+
+    tg = target(3, SV)
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(3, SV)), dtype=torch.float32).eval()
+    rows = [list(CTX[i % 2]) for i in range(800)]
+    out = {c: [] for c in CTX}
+    proposed = accepted = 0
+    for s in range(5):
+        d = drafter(tree, 3, SV, depth=2, width=3, nodes=6)
+        res = Engine(tg.model, d, k=2).generate(rows, SamplingParams(max_new_tokens=4, seed=700 + s, **params))
+        for p, r in zip(rows, res):
+            out[tuple(p)].append(r.tokens[:3])
+            proposed += r.stats.proposed
+            accepted += r.stats.accepted
+    assert proposed > 0 and 0 < accepted < proposed
+
+    # chi2_views reads exact distributions from test_tree's models: compute ours here instead
+    import test_tree
+
+    key = lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p)  # noqa: E731
+    orig = test_tree.exact
+    test_tree.exact = functools.lru_cache(maxsize=None)(key)
+    try:
+        results = chi2_views({c: torch.tensor(v) for c, v in out.items()}, params)
+    finally:
+        test_tree.exact = orig
+    for label, res in results:
+        assert not res.rejected, f"eagle tree={tree} {params} {label}: {res}"
+
+
+def test_head_for_another_target_is_refused():
+    other = target(7)  # same shapes, other weights
+    with pytest.raises(SpecdecError, match="trained for another target"):
+        load_eagle(head_dir(0), other)
+    bigger = target(0, 48)  # another vocabulary
+    with pytest.raises(SpecdecError, match="vocabulary"):
+        load_eagle(head_dir(0), bigger)
+    with pytest.raises(SpecdecError, match="not an EAGLE head"):
+        load_eagle(target_dir(0), target(0))
+
+
+def test_bad_tree_settings_are_refused():
+    with pytest.raises(SpecdecError, match=">= 1"):
+        drafter(True, depth=0)
+    d = drafter(True, depth=2, width=2, nodes=300)
+    with pytest.raises(SpecdecError, match="does not fit"):
+        Engine(target().model, d, k=2).generate([prompts()[0]], SamplingParams(max_new_tokens=4))
+
+
+def test_train_eagle_pipeline_end_to_end(tmp_path):
+    tg = target(0)
+    data = tmp_path / "data"
+    data.mkdir()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(24):
+        toks = torch.randint(0, V, (40,), generator=g).tolist()
+        rows.append((toks, 10, torch.randint(0, V, (30, 4), generator=g), torch.zeros(30, 4)))
+    torch.save(rows[:12], data / "shard_0000.pt")
+    torch.save(rows[12:], data / "shard_0001.pt")
+    out = tmp_path / "head"
+    cfg = EagleTrainConfig(steps=6, batch_rows=4, seq_len=16, head_vocab=20, save_every=3)
+    train_eagle(tg, out, cfg, data=data, quiet=True)
+    assert (out / "features" / "shard_0001.pt").is_file() and (out / "checkpoint.pt").is_file()
+    head, meta = load_eagle(out, tg)
+    assert meta["train"]["steps"] == 6 and len(meta["vocab_subset"]) == 20
+    d = EagleDrafter(head, tg.model, meta["vocab_subset"], tree=True, depth=3, width=2, nodes=6)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+    hf.generation_config.pad_token_id = 0
+    p = prompts()[1]
+    [r] = Engine(tg.model, d, k=3).generate([p], SamplingParams(max_new_tokens=10))
+    assert r.tokens == hf_greedy(hf, p, 10)
+    # resuming a finished run trains nothing more and leaves the head loadable
+    train_eagle(tg, out, cfg, data=data, quiet=True)
+    load_eagle(out, tg)
