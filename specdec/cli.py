@@ -16,8 +16,8 @@ import time
 
 from .types import SpecdecError
 
-METHODS = ("none", "ngram", "draft", "auto", "eagle")
-DEFAULT_K = {"ngram": 8, "draft": 4, "auto": 8, "eagle": 5}  # measured on the Spec-Bench dev set (README)
+METHODS = ("none", "ngram", "draft", "auto", "eagle", "medusa")
+DEFAULT_K = {"ngram": 8, "draft": 4, "auto": 8, "eagle": 5, "medusa": 4}  # measured on the Spec-Bench dev set (README)
 
 
 def method_k(args, method: str | None = None) -> int:
@@ -56,20 +56,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="speculative method: none (plain decoding), ngram (prompt lookup), draft (draft model), "
                         "auto (prompt lookup where the text repeats, the draft model elsewhere if there is one, "
                         "with k adapted to the measured acceptance and cost), eagle (an EAGLE head reading the "
-                        "target's hidden states; a dynamic token tree by default). Default: none")
+                        "target's hidden states; a dynamic token tree by default), medusa (Medusa heads; a static "
+                        "tree chosen from their measured accuracies). Default: none")
     g.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=None,
                    help="most tokens drafted per step. ngram and auto propose fewer where their guesses tend not "
                         f"to hold (adaptive). Default: {', '.join(f'{m} {k}' for m, k in DEFAULT_K.items())}")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights and activations dtype. Default: float32")
     g.add_argument("--tree", action=argparse.BooleanOptionalAction, default=True,
-                   help="eagle: draft a dynamic token tree (EAGLE-2) verified in one forward; --no-tree drafts a "
-                        "chain of -k tokens. Default: tree")
+                   help="eagle, medusa: draft a token tree verified in one forward (eagle: dynamic, EAGLE-2; medusa: "
+                        "static); --no-tree drafts a chain. Default: tree")
     g.add_argument("--tree-depth", type=_positive_int, default=5, help="eagle tree: expansion steps (deepest path). Default: 5")
     g.add_argument("--tree-width", type=_positive_int, default=4,
                    help="eagle tree: nodes expanded per step and children per node. Default: 4")
     g.add_argument("--tree-nodes", type=_positive_int, default=16,
-                   help="eagle tree: best nodes (by cumulative draft probability) sent for verification. Default: 16")
+                   help="tree nodes sent for verification (eagle: the best by cumulative draft probability; medusa: "
+                        "the most probable from the heads' measured accuracies). Default: 16")
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="torch CPU threads. Default: torch's choice (the number of cores)")
 
@@ -227,7 +229,7 @@ def add_train_parser(sub) -> None:
     from .train.distill import CollectConfig, StudentConfig, TrainConfig
 
     c, s, t = CollectConfig(), StudentConfig(), TrainConfig()
-    tr = sub.add_parser("train", help="train a drafter for a target (draft, eagle)",
+    tr = sub.add_parser("train", help="train a drafter for a target (draft, eagle, medusa)",
                         description="Train drafters for a target model.")
     tsub = tr.add_subparsers(dest="what", metavar="WHAT")
     d = tsub.add_parser(
@@ -311,24 +313,66 @@ def add_train_parser(sub) -> None:
     e.add_argument("--seed", type=int, default=0, help="seed for collection and shuffling. Default: 0")
     e.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_train_medusa_parser(tsub, c)
 
 
-def cmd_train_eagle(args) -> int:
+def add_train_medusa_parser(tsub, c) -> None:
+    from .train.medusa import MedusaTrainConfig
+
+    m_cfg = MedusaTrainConfig()
+    m = tsub.add_parser(
+        "medusa",
+        help="train Medusa heads on the target's hidden states",
+        description="Train Medusa heads (head i guesses the token i+1 places ahead from the target's last feature; "
+                    "residual blocks over the target's frozen LM head). Data and features as for `specdec train "
+                    "eagle` (--features reuses an EAGLE run's OUT/features). After training, per-head top-k "
+                    "accuracies are measured on held-out rows and the static tree is chosen from them. Resumable. "
+                    "The result loads with --method medusa --draft OUT.",
+    )
+    m.add_argument("--model", metavar="PATH", default=None, help="the target (default: the embedded default model)")
+    m.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    m.add_argument("--data", metavar="DIR", default=None,
+                   help="data shards from `specdec train draft` (its OUT/data). Default: collect into OUT/data")
+    m.add_argument("--features", metavar="DIR", default=None,
+                   help="reuse feature shards (e.g. an EAGLE run's OUT/features) instead of extracting them again")
+    m.add_argument("--chat-prompts", type=_nonneg_int, default=c.chat_prompts,
+                   help=f"when collecting: instruction prompts the target answers. Default: {c.chat_prompts}")
+    m.add_argument("--text-windows", type=_nonneg_int, default=c.text_windows,
+                   help=f"when collecting: windows of local text. Default: {c.text_windows}")
+    m.add_argument("--heads", dest="num_heads", type=_positive_int, default=m_cfg.num_heads,
+                   help=f"Medusa heads (tokens guessed ahead). Default: {m_cfg.num_heads}")
+    m.add_argument("--steps", type=_positive_int, default=m_cfg.steps, help=f"optimizer steps. Default: {m_cfg.steps}")
+    m.add_argument("--batch-rows", type=_positive_int, default=m_cfg.batch_rows, help=f"rows per step. Default: {m_cfg.batch_rows}")
+    m.add_argument("--lr", type=float, default=m_cfg.lr, help=f"peak learning rate. Default: {m_cfg.lr}")
+    m.add_argument("--head-vocab", type=_positive_int, default=m_cfg.head_vocab,
+                   help=f"tokens the heads draft from. Default: {m_cfg.head_vocab}")
+    m.add_argument("--tree-nodes", type=_positive_int, default=m_cfg.tree_nodes,
+                   help=f"nodes of the static tree stored with the heads. Default: {m_cfg.tree_nodes}")
+    m.add_argument("--max-rows", type=_nonneg_int, default=0, help="use at most this many data rows (0 = all)")
+    m.add_argument("--seed", type=int, default=0, help="seed. Default: 0")
+    m.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    m.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _train_target_and_data(args):
+    """Shared by train eagle / medusa: load the target, find or collect the data shards."""
     from pathlib import Path
 
     import torch
 
     from .models.loader import load_model
     from .train.distill import CollectConfig, collect
-    from .train.eagle import EagleTrainConfig, train_eagle
 
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     target = load_model(args.model, quiet=args.quiet)
     if not getattr(target.model, "native", False):
-        raise SpecdecError("EAGLE heads need a native (Llama-family) target; this one runs through the transformers adapter")
+        raise SpecdecError("drafting heads need a native (Llama-family) target; this one runs through the "
+                           "transformers adapter")
     data = Path(args.data) if args.data else out / "data"
+    if getattr(args, "features", None) and args.data is None:
+        raise SpecdecError("--features needs --data too: the data shards the features were made from")
     if args.data is None:
         if target.tokenizer is None:
             raise SpecdecError("the target has no tokenizer; collecting training text needs one")
@@ -336,6 +380,27 @@ def cmd_train_eagle(args) -> int:
                                            seed=args.seed), quiet=args.quiet)
     elif not data.is_dir():
         raise SpecdecError(f"--data {data} is not a folder of data shards (expected OUT/data of `specdec train draft`)")
+    return target, out, data
+
+
+def cmd_train_medusa(args) -> int:
+    from pathlib import Path
+
+    from .train.medusa import MedusaTrainConfig, train_medusa
+
+    target, out, data = _train_target_and_data(args)
+    cfg = MedusaTrainConfig(num_heads=args.num_heads, steps=args.steps, batch_rows=args.batch_rows, lr=args.lr,
+                            head_vocab=args.head_vocab, tree_nodes=args.tree_nodes, max_rows=args.max_rows, seed=args.seed)
+    train_medusa(target, out, cfg, data, Path(args.features) if args.features else None, quiet=args.quiet)
+    if not args.quiet:
+        print(f"[specdec] Medusa heads saved to {out}; use them with --method medusa --draft {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_train_eagle(args) -> int:
+    from .train.eagle import EagleTrainConfig, train_eagle
+
+    target, out, data = _train_target_and_data(args)
     cfg = EagleTrainConfig(steps=args.steps, batch_rows=args.batch_rows, seq_len=args.seq_len, lr=args.lr,
                            cls_weight=args.cls_weight, head_vocab=args.head_vocab, max_rows=args.max_rows, seed=args.seed)
     train_eagle(target, out, cfg, data=data, quiet=args.quiet)
@@ -354,8 +419,10 @@ def cmd_train(args) -> int:
 
     if args.what == "eagle":
         return cmd_train_eagle(args)
+    if args.what == "medusa":
+        return cmd_train_medusa(args)
     if args.what != "draft":
-        raise SpecdecError("say what to train: specdec train draft|eagle --out DIR (see specdec train draft --help)")
+        raise SpecdecError("say what to train: specdec train draft|eagle|medusa --out DIR (see --help of each)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.hidden_size % args.heads or args.heads % args.kv_heads:
@@ -419,7 +486,7 @@ def build_engine(args, target, quiet: bool):
 
     method = args.method
     if args.draft and method in ("none", "ngram"):
-        raise SpecdecError(f"--draft is only used with --method draft, auto or eagle (got --method {method})")
+        raise SpecdecError(f"--draft is only used with --method draft, auto, eagle or medusa (got --method {method})")
     if method == "eagle":
         from .drafters.eagle import default_eagle_for, is_eagle_dir
 
@@ -439,6 +506,16 @@ def build_engine(args, target, quiet: bool):
         # a tree's depth is its own setting; a chain drafts -k tokens
         return Engine(target.model, drafter, k=args.tree_depth if tree else method_k(args),
                       eos_ids=target.eos_ids), None
+    if method == "medusa":
+        from .drafters.medusa import default_medusa_for, is_medusa_dir
+
+        path = args.draft or default_medusa_for(target)
+        if path is None or not is_medusa_dir(path):
+            raise SpecdecError("--method medusa needs Medusa heads trained for this target: pass --draft DIR "
+                               "(make them with `specdec train medusa --out DIR`); only the default target ships them")
+        tree = getattr(args, "tree", True)
+        drafter = REGISTRY["medusa"](target=target, draft=path, tree=tree, nodes=args.tree_nodes)
+        return Engine(target.model, drafter, k=method_k(args), eos_ids=target.eos_ids), None
     draft_lm = None
     if method in ("draft", "auto"):
         path = args.draft or default_draft_for(target)

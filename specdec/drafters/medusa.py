@@ -1,0 +1,183 @@
+"""Medusa heads (Cai et al. 2024): a few heads that each guess one token further ahead.
+
+Head i (1..H) maps the target's final feature f_t at the last scored position to a guess of
+x_{t+1+i}: a residual block f + SiLU(W_i f + b_i) followed by the target's own LM head
+(restricted to a frequency-ranked vocabulary subset; exact, q is 0 elsewhere). The token
+x_{t+1} itself is the target's (the pending token), so the heads draft the tokens after it.
+One pass over the heads per step, no autoregression.
+
+The candidates form a *static tree* chosen from measured per-head top-k accuracies
+(`choose_tree`): a node is a tuple of ranks (r_1, .., r_d) meaning "head 1's r_1-th guess,
+then head 2's r_2-th guess, ..."; assuming heads are right independently, the node is on
+the accepted path with probability prod_i acc_i(r_i), and the expected number of accepted
+tokens is the sum of those probabilities over the tree. Greedily keeping the N most
+probable tuples maximises it (a tuple is never more probable than its prefix, so the set is
+a tree). Candidates are deterministic (q one-hot), exact under tree verification; with
+`tree=False` the heads' top-1 guesses form a chain.
+
+Files: `medusa.safetensors` and `specdec_medusa.json` (target, hidden size, vocabulary, a
+hash of the target's head, the subset, the accuracies and the tree).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..types import SpecdecError
+from .base import Draft, DraftContext, register
+from .eagle import target_fingerprint
+
+MEDUSA_META = "specdec_medusa.json"
+MEDUSA_WEIGHTS = "medusa.safetensors"
+DEFAULT_MEDUSA_DIR = Path(__file__).resolve().parents[1] / "assets" / "medusa" / "smollm2-135m-instruct"
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, hidden: int, num_heads: int) -> None:
+        super().__init__()
+        self.hidden, self.num_heads = hidden, num_heads
+        self.proj = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(num_heads))
+        for p in self.proj:  # start as the identity block: every head begins as "the target's next token"
+            nn.init.zeros_(p.weight)
+            nn.init.zeros_(p.bias)
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        """f [..., D] -> per-head features [..., H, D]."""
+        return torch.stack([f + F.silu(p(f)) for p in self.proj], dim=-2)
+
+
+def choose_tree(acc: list[list[float]], nodes: int) -> list[tuple[int, ...]]:
+    """The `nodes` most probable rank tuples given acc[head][rank] (see the module docstring),
+    in an order where every prefix comes before its extensions."""
+    import heapq
+
+    H = len(acc)
+    heap = [(-acc[0][r], (r,)) for r in range(len(acc[0]))]
+    heapq.heapify(heap)
+    out = []
+    while heap and len(out) < nodes:
+        negp, t = heapq.heappop(heap)
+        out.append(t)
+        if len(t) < H:
+            for r in range(len(acc[len(t)])):
+                heapq.heappush(heap, (negp * acc[len(t)][r], t + (r,)))
+    out.sort(key=lambda t: (len(t), t))
+    return out
+
+
+def is_medusa_dir(path) -> bool:
+    return path is not None and (Path(path) / MEDUSA_META).is_file()
+
+
+def default_medusa_for(target) -> Path | None:
+    if getattr(target, "source", None) == "default" and is_medusa_dir(DEFAULT_MEDUSA_DIR):
+        return DEFAULT_MEDUSA_DIR
+    return None
+
+
+def save_medusa(heads: MedusaHeads, out: Path, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in heads.state_dict().items()}, str(out / MEDUSA_WEIGHTS))
+    (out / MEDUSA_META).write_text(json.dumps({**meta, "hidden": heads.hidden, "num_heads": heads.num_heads}, indent=1))
+
+
+def load_medusa(path, target) -> tuple[MedusaHeads, dict]:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not is_medusa_dir(path):
+        raise SpecdecError(f"{path} is not a Medusa heads folder (no {MEDUSA_META}); train one with "
+                           "`specdec train medusa --out DIR`")
+    meta = json.loads((path / MEDUSA_META).read_text())
+    model = target.model
+    cfg = getattr(model, "cfg", None)
+    if cfg is None:
+        raise SpecdecError("Medusa needs a native target model (Llama family)")
+    problems = []
+    if meta["hidden"] != cfg.hidden_size:
+        problems.append(f"hidden size {meta['hidden']} vs the target's {cfg.hidden_size}")
+    if meta.get("target_vocab_size") != cfg.vocab_size:
+        problems.append(f"vocabulary {meta.get('target_vocab_size')} vs the target's {cfg.vocab_size}")
+    if not problems and meta.get("target_fingerprint") != target_fingerprint(model):
+        problems.append("the target's weights differ from those it was trained on")
+    if problems:
+        raise SpecdecError(f"the Medusa heads in {path} were trained for another target ({meta.get('target')}): "
+                           + "; ".join(problems) + ". Train heads for this model with `specdec train medusa`")
+    heads = MedusaHeads(meta["hidden"], meta["num_heads"])
+    heads.load_state_dict(load_file(str(path / MEDUSA_WEIGHTS)))
+    return heads.to(model.dtype).eval(), meta
+
+
+class MedusaDrafter:
+    needs_hidden = True
+    cost_hint = None
+
+    def __init__(self, heads: MedusaHeads, target_model, vocab_subset=None, tree: list[tuple[int, ...]] | None = None) -> None:
+        self.heads = heads
+        W = target_model.lm_head_weight().detach()
+        self.subset = None
+        if vocab_subset is not None:
+            self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
+            W = W[self.subset]
+        self.W = W.contiguous()
+        self.tree = tree  # rank tuples (static tree) or None for a chain of top-1 guesses
+        self.max_nodes = len(tree) if tree else 0
+        self.topk = 1 + max((max(t) for t in tree), default=0) if tree else 1
+        if tree:
+            index = {t: i + 1 for i, t in enumerate(tree)}
+            self.parents = [index.get(t[:-1], 0) if len(t) > 1 else 0 for t in tree]
+            if any(len(t) > 1 and t[:-1] not in index for t in tree):
+                raise SpecdecError("a Medusa tree must contain every prefix of its nodes")
+        self.last: list[torch.Tensor | None] = []
+
+    def begin(self, prompts, params, max_len) -> None:
+        if self.tree and len(self.tree) + 2 >= max_len:
+            raise SpecdecError(f"a Medusa tree of {len(self.tree)} nodes does not fit in a context of {max_len}")
+        self.last = [None] * len(prompts)
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        B = len(ctx.tokens)
+        if max_tokens <= 0:
+            return Draft.empty(B)
+        for b in range(B):
+            if ctx.hidden is not None and ctx.hidden[b] is not None and len(ctx.hidden[b]):
+                self.last[b] = ctx.hidden[b][-1]
+        if any(x is None for x in self.last):
+            raise RuntimeError("Medusa drafter is missing target features (the engine did not pass hidden states)")
+        f = torch.stack(self.last)  # [B, D]: the feature of the last scored token
+        H = min(self.heads.num_heads, max_tokens)
+        hf = self.heads(f)[:, :H]  # [B, H, D]
+        logits = hf.float() @ self.W.float().T  # [B, H, S]
+        top = logits.topk(self.topk, dim=-1).indices  # [B, H, topk]
+        ids = self.subset[top] if self.subset is not None else top
+        if not self.tree:
+            return Draft(ids[:, :, 0], torch.full((B,), H, dtype=torch.long))
+        nodes = [t for t in self.tree if len(t) <= H]
+        toks = torch.stack([ids[:, len(t) - 1, t[-1]] for t in nodes], 1)  # [B, N]
+        parents = torch.tensor(self.parents[: len(nodes)], dtype=torch.long)[None].expand(B, -1).clone()
+        return Draft(toks, torch.full((B,), len(nodes), dtype=torch.long), None, parents)
+
+    def commit(self, num_accepted, paths=None) -> None:
+        pass
+
+    def keep_rows(self, rows) -> None:
+        self.last = [self.last[r] for r in rows]
+
+
+@register("medusa")
+def _make(target=None, draft=None, tree: bool = True, nodes: int | None = None, **_):
+    if draft is None:
+        raise SpecdecError("--method medusa needs Medusa heads: pass --draft DIR (from `specdec train medusa`)")
+    heads, meta = load_medusa(draft, target)
+    t = None
+    if tree:
+        t = choose_tree(meta["accuracy"], nodes) if nodes else [tuple(x) for x in meta["tree"]]
+    return MedusaDrafter(heads, target.model, meta.get("vocab_subset"), t)
