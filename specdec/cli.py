@@ -141,8 +141,12 @@ def add_bench_parser(sub) -> None:
                         "(Spec-Bench rows with 'turns', or rows with 'prompt'/'messages'). Repeatable. "
                         "Default: humaneval")
     b.add_argument("--methods", default="none,ngram,draft,auto",
-                   help="comma-separated specdec methods; 'none' is always included as the baseline. "
-                        "Default: none,ngram,draft,auto")
+                   help="comma-separated specdec methods (eagle-chain and medusa-chain: the heads without a tree); "
+                        "'none' is always included as the baseline. Default: none,ngram,draft,auto")
+    b.add_argument("--eagle", metavar="DIR", default=None,
+                   help="EAGLE head for eagle / eagle-chain. Default: the head shipped for the default target")
+    b.add_argument("--medusa", metavar="DIR", default=None,
+                   help="Medusa heads for medusa / medusa-chain. Default: the heads shipped for the default target")
     b.add_argument("--peers", default=",".join(PEERS),
                    help=f"comma-separated peer engines from {', '.join(PEERS)}, or 'none'. llama.cpp rows need "
                         "the optional extra (pip install -e '.[peers]') and are skipped with a note without it. "
@@ -169,9 +173,10 @@ def cmd_bench(args) -> int:
 
     params = sampling_params(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
+    bench_methods = METHODS + ("eagle-chain", "medusa-chain")
+    bad = [m for m in methods if m not in bench_methods]
     if bad:
-        raise SpecdecError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}")
+        raise SpecdecError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(bench_methods)}")
     if "none" not in methods:
         methods.insert(0, "none")
     peers = [] if args.peers.strip() in ("", "none") else [p.strip() for p in args.peers.split(",") if p.strip()]
@@ -189,7 +194,9 @@ def cmd_bench(args) -> int:
     target = load_model(args.model, dtype=dtype, quiet=args.quiet)
     runners = []
     for m in methods:
-        ns = argparse.Namespace(**{**vars(args), "method": m, "draft": args.draft if m in ("draft", "auto") else None})
+        base = m.removesuffix("-chain")
+        draft = {"draft": args.draft, "auto": args.draft, "eagle": args.eagle, "medusa": args.medusa}.get(base)
+        ns = argparse.Namespace(**{**vars(args), "method": base, "draft": draft, "tree": not m.endswith("-chain")})
         try:
             eng, _ = build_engine(ns, target, args.quiet)
         except SpecdecError as e:

@@ -190,3 +190,18 @@ def test_train_eagle_pipeline_end_to_end(tmp_path):
     # resuming a finished run trains nothing more and leaves the head loadable
     train_eagle(tg, out, cfg, data=data, quiet=True)
     load_eagle(out, tg)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_eagle_long_prompt_short_answer_ragged_batch(tree):
+    """The first catch-up feeds a whole prompt; short rows are padded past their own pairs
+    (a regression: the padding once ran past the head's cache)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+    hf.generation_config.pad_token_id = 0
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.randint(0, V, (90,), generator=g).tolist(), torch.randint(0, V, (7,), generator=g).tolist()]
+    d = drafter(tree, depth=2, width=2, nodes=4) if tree else drafter(False)
+    res = Engine(target().model, d, k=2).generate(ps, SamplingParams(max_new_tokens=3))
+    assert [r.tokens for r in res] == [hf_greedy(hf, p, 3) for p in ps]

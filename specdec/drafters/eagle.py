@@ -243,9 +243,9 @@ class EagleDrafter:
                 toks[b, j] = ctx.tokens[b][t + 1]
                 feats[b, j] = self.feat[b][t]
                 pos[b, j] = slots[b, j] = t
-            for j in range(len(idx), T):  # padding: rewrite the row's last slot harmlessly later
-                pos[b, j] = slots[b, j] = want[b] + j  # beyond the committed region, dropped below
-        S = max(want) + T
+            for j in range(len(idx), T):  # padding: garbage written past the committed pairs, never read
+                pos[b, j] = slots[b, j] = min(want[b] + j, self.k.shape[2] - 1)
+        S = int(slots.max()) + 1
         key = torch.arange(S)
         visible = (key[None, None, :] <= slots[:, :, None])  # causal over committed pairs
         out = self._step(toks, feats, pos, slots, visible)
