@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..models.llama import PACK_BATCH_HINT, Linear, mkldnn_packing_available
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
 
@@ -67,15 +68,22 @@ class EagleHead(nn.Module):
         super().__init__()
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
         self.intermediate, self.rope_theta, self.eps = intermediate, rope_theta, eps
-        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.fc = Linear(2 * hidden, hidden, bias=True)
         self.attn_norm = nn.Parameter(torch.ones(hidden))
         self.mlp_norm = nn.Parameter(torch.ones(hidden))
-        self.wqkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=False)
-        self.wo = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.w_gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.w_down = nn.Linear(intermediate, hidden, bias=False)
+        self.wqkv = Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=False)
+        self.wo = Linear(heads * head_dim, hidden, bias=False)
+        self.w_gate_up = Linear(hidden, 2 * intermediate, bias=False)
+        self.w_down = Linear(intermediate, hidden, bias=False)
         inv = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+
+    def pack(self) -> "EagleHead":
+        """oneDNN-prepacked projections for CPU inference (see models.llama.Linear)."""
+        if mkldnn_packing_available() and self.fc.weight is not None and self.fc.weight.dtype == torch.float32:
+            for lin in (self.fc, self.wqkv, self.wo, self.w_gate_up, self.w_down):
+                lin.pack()
+        return self
 
     def config(self) -> dict:
         return dict(hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
@@ -179,6 +187,10 @@ class EagleDrafter:
             self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
             W = W[self.subset]
         self.W = W.contiguous()  # [S, D]
+        self.W_packed = None
+        if mkldnn_packing_available() and self.W.dtype == torch.float32 and self.W.device.type == "cpu":
+            self.W_packed = torch.ops.mkldnn._reorder_linear_weight(self.W, PACK_BATCH_HINT)
+            head.pack()
         self.vocab_size = target_model.vocab_size
         self.tree, self.depth, self.width, self.nodes = tree, depth, width, nodes
         self.max_nodes = nodes if tree else 0
@@ -214,7 +226,10 @@ class EagleDrafter:
         return self.head.finish(x, q, self.k[:, :, :S], self.v[:, :, :S], mask=visible[:, None])
 
     def _logits(self, h):
-        return h.float() @ self.W.float().T  # [.., S] over the subset (or the full vocabulary)
+        """[..., D] -> [..., S] scores over the subset (or the full vocabulary)."""
+        if self.W_packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(h.float(), self.W_packed, None, "none", [], "")
+        return h.float() @ self.W.float().T
 
     def _ids(self, idx):
         return self.subset[idx] if self.subset is not None else idx
