@@ -27,7 +27,7 @@ class MedusaTrainConfig:
     num_heads: int = 4
     steps: int = 400
     batch_rows: int = 16
-    seq_len: int = 256
+    seq_len: int = 64  # positions per row and step (x heads x subset: the soft labels' memory)
     lr: float = 1e-3
     warmup: int = 20
     head_vocab: int = 8192

@@ -1,0 +1,373 @@
+"""OpenAI-compatible HTTP API over the continuous batcher (`specdec serve`).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
+server-sent events, `n`, `max_tokens`, `temperature`, `top_p`, `seed`, `stop`), GET
+/v1/models, GET /health, GET /metrics (Prometheus text). Per-request speculation in an
+extra body field: `"speculative": {"k": 0..k_max}` (0 turns it off for that request).
+Errors are OpenAI-style JSON: 400 for invalid parameters, 401 for a wrong API key, 404 for
+an unknown model, 429 with Retry-After when the queue is full, 408 on a request timeout.
+A client that disconnects mid-stream cancels its request (its batch row is freed).
+
+Text lives here (tokenizer, chat template, stop strings); the batcher sees only token ids.
+`logprobs` is not supported (a 400 says so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..text import find_stop
+from ..types import SamplingParams, SpecdecError
+from .batcher import ContinuousBatcher, Request
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    def __init__(self, buckets=LATENCY_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self.n = 0
+        self.lock = threading.Lock()
+
+    def observe(self, v: float) -> None:
+        with self.lock:
+            self.n += 1
+            self.sum += v
+            for i, b in enumerate(self.buckets):
+                if v <= b:
+                    self.counts[i] += 1
+                    break
+            else:
+                self.counts[-1] += 1
+
+    def prometheus(self, name: str) -> list[str]:
+        out, cum = [], 0
+        with self.lock:
+            for b, c in zip(self.buckets, self.counts):
+                cum += c
+                out.append(f'{name}_bucket{{le="{b}"}} {cum}')
+            out.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
+            out.append(f"{name}_sum {self.sum:.6f}")
+            out.append(f"{name}_count {self.n}")
+        return out
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers or {}
+
+
+def _num(body: dict, key: str, kind, default, lo=None, hi=None, lo_open=False):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
+        raise APIError(400, f"'{key}' must be an integer, got {json.dumps(v)}", param=key)
+    if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        raise APIError(400, f"'{key}' must be a number, got {json.dumps(v)}", param=key)
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise APIError(400, f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {v}", param=key)
+    if hi is not None and v > hi:
+        raise APIError(400, f"'{key}' must be <= {hi}, got {v}", param=key)
+    return v
+
+
+def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | None = None,
+               request_timeout: float = 600.0, max_n: int = 16):
+    app = FastAPI(title="specdec", version="0.1.0")
+    tok = lm.tokenizer
+    ttft = Histogram()
+    per_token = Histogram()
+    e2e = Histogram()
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req, exc: APIError):
+        return JSONResponse({"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": None}},
+                            status_code=exc.status, headers=exc.headers)
+
+    def check_key(req: HTTPRequest) -> None:
+        if api_key is None:
+            return
+        auth = req.headers.get("authorization", "")
+        if auth != f"Bearer {api_key}":
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", "authentication_error")
+
+    async def read_body(req: HTTPRequest) -> dict:
+        try:
+            body = json.loads(await req.body() or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != model_name:
+            raise APIError(404, f"model {model!r} not found; this server serves {model_name!r}", "not_found_error", "model")
+        return body
+
+    def sampling(body: dict) -> tuple[SamplingParams, int, list[str], int | None]:
+        if body.get("logprobs") not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported by this server", param="logprobs")
+        max_tokens = _num(body, "max_tokens", int, 256, lo=1)
+        if "max_completion_tokens" in body:
+            max_tokens = _num(body, "max_completion_tokens", int, max_tokens, lo=1)
+        temperature = _num(body, "temperature", float, 1.0, lo=0)
+        top_p = _num(body, "top_p", float, 1.0, lo=0, hi=1, lo_open=True)
+        n = _num(body, "n", int, 1, lo=1, hi=max_n)
+        seed = _num(body, "seed", int, None)
+        stop = body.get("stop")
+        if stop is None:
+            stops = []
+        elif isinstance(stop, str):
+            stops = [stop]
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
+            stops = stop
+        else:
+            raise APIError(400, "'stop' must be a string or a list of at most 4 strings", param="stop")
+        spec = body.get("speculative")
+        spec_k = None
+        if spec is not None:
+            if not isinstance(spec, dict):
+                raise APIError(400, "'speculative' must be an object like {\"k\": 4}", param="speculative")
+            spec_k = _num(spec, "k", int, None, lo=0)
+            if spec.get("method") not in (None, batcher.method, "none"):
+                raise APIError(400, f"this server drafts with {batcher.method!r}; 'speculative.method' may be that or "
+                                    "'none'", param="speculative")
+            if spec.get("method") == "none":
+                spec_k = 0
+        try:
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                                    seed=seed)
+        except SpecdecError as e:
+            raise APIError(400, str(e))
+        return params, n, stops, spec_k
+
+    def run(ids: list[int], params: SamplingParams, stops: list[str], spec_k, n: int):
+        """Submit n requests; returns (requests, an asyncio queue of (index, kind, payload))."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        reqs = []
+        for i in range(n):
+            p = params if params.seed is None or n == 1 else SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            def on_tokens(new, i=i):
+                loop.call_soon_threadsafe(out.put_nowait, (i, "tokens", list(new)))
+
+            def on_done(reason, stats, i=i):
+                loop.call_soon_threadsafe(out.put_nowait, (i, "done", (reason, stats)))
+
+            stop_fn = None
+            if stops:
+                def stop_fn(tokens):
+                    return find_stop(tok.decode(tokens, skip_special_tokens=True), stops) is not None
+
+            r = Request(list(ids), p, on_tokens, on_done, stop_fn=stop_fn, spec_k=spec_k)
+            try:
+                batcher.submit(r)
+            except queue.Full:
+                for q in reqs:
+                    q.cancel()
+                raise APIError(429, "the server is busy (request queue full); retry later", "rate_limit_error",
+                               headers={"Retry-After": "1"})
+            except SpecdecError as e:
+                raise APIError(400, str(e), param="max_tokens")
+            reqs.append(r)
+        return reqs, out
+
+    def finish_text(tokens: list[int], stops: list[str], reason: str) -> tuple[str, str]:
+        text = tok.decode(tokens, skip_special_tokens=True)
+        cut = find_stop(text, stops) if stops else None
+        if cut is not None:
+            return text[:cut], "stop"
+        return text, {"eos": "stop", "stop": "stop", "length": "length"}.get(reason, reason)
+
+    def encode(body: dict, chat: bool) -> list[int]:
+        from ..text import encode_prompt
+
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs or not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+                    for m in msgs):
+                raise APIError(400, "'messages' must be a non-empty list of {role, content} objects with string "
+                                    "content", param="messages")
+            try:
+                return encode_prompt(tok, msgs, True)
+            except SpecdecError as e:
+                raise APIError(400, str(e), param="messages")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise APIError(400, "'prompt' must be a non-empty string", param="prompt")
+        return encode_prompt(tok, prompt, False)
+
+    async def handle(req: HTTPRequest, chat: bool):
+        check_key(req)
+        body = await read_body(req)
+        params, n, stops, spec_k = sampling(body)
+        ids = encode(body, chat)
+        if len(ids) + params.max_new_tokens + 2 > batcher.max_context:
+            raise APIError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_new_tokens}) exceeds "
+                                f"the context of {batcher.max_context} tokens", param="max_tokens")
+        t0 = time.perf_counter()
+        reqs, out = run(ids, params, stops, spec_k, n)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        if body.get("stream"):
+            return StreamingResponse(stream(req, reqs, out, stops, rid, created, chat, t0, len(ids)),
+                                     media_type="text/event-stream")
+        toks = [[] for _ in range(n)]
+        done = [None] * n
+        try:
+            while any(d is None for d in done):
+                try:
+                    i, kind, payload = await asyncio.wait_for(out.get(), timeout=request_timeout)
+                except asyncio.TimeoutError:
+                    raise APIError(408, f"the request took longer than {request_timeout:.0f} s", "timeout_error")
+                if kind == "tokens":
+                    toks[i].extend(payload)
+                else:
+                    done[i] = payload
+        finally:
+            for r, d in zip(reqs, done):
+                if d is None:  # timed out or failed: free the batch row
+                    r.cancel()
+        choices = []
+        for i in range(n):
+            text, reason = finish_text(toks[i], stops, done[i][0])
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason})
+            else:
+                choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
+        comp = sum(len(t) for t in toks)
+        dt = time.perf_counter() - t0
+        e2e.observe(dt)
+        for d in done:
+            if d[1].get("first_token_s") is not None:
+                ttft.observe(d[1]["first_token_s"])
+        if comp:
+            per_token.observe(dt / max(1, comp // n))
+        return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": comp, "total_tokens": len(ids) + comp}}
+
+    async def stream(req, reqs, out, stops, rid, created, chat, t0, n_prompt):
+        n = len(reqs)
+        toks = [[] for _ in range(n)]
+        sent = [0] * n  # characters of text already sent
+        done = [False] * n
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        first = True
+        last = time.perf_counter()
+
+        def chunk(i, text, reason=None):
+            if chat:
+                delta = {"content": text} if text else {}
+                c = {"index": i, "delta": delta, "finish_reason": reason}
+            else:
+                c = {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
+                                          "choices": [c]}) + "\n\n"
+
+        try:
+            if chat:
+                for i in range(n):
+                    yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
+                                                 "choices": [{"index": i, "delta": {"role": "assistant"},
+                                                              "finish_reason": None}]}) + "\n\n"
+            while not all(done):
+                try:
+                    i, kind, payload = await asyncio.wait_for(out.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await req.is_disconnected():
+                        return
+                    if time.perf_counter() - t0 > request_timeout:
+                        yield "data: " + json.dumps({"error": {"message": "request timed out", "type": "timeout_error"}}) + "\n\n"
+                        return
+                    continue
+                if kind == "tokens":
+                    toks[i].extend(payload)
+                    now = time.perf_counter()
+                    if first:
+                        first = False
+                    else:
+                        per_token.observe((now - last) / max(1, len(payload)))
+                    last = now
+                    text = tok.decode(toks[i], skip_special_tokens=True)
+                    cut = find_stop(text, stops) if stops else None
+                    safe = cut if cut is not None else len(text)
+                    if stops:  # hold back a possible partial stop string
+                        hold = max(len(s) for s in stops) - 1
+                        safe = cut if cut is not None else max(sent[i], len(text) - hold)
+                    if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+                        safe = min(safe, len(text) - 1)
+                    if safe > sent[i]:
+                        yield chunk(i, text[sent[i]:safe])
+                        sent[i] = safe
+                else:
+                    reason, stats = payload
+                    text, fr = finish_text(toks[i], stops, reason)
+                    if len(text) > sent[i]:
+                        yield chunk(i, text[sent[i]:])
+                    yield chunk(i, "", fr)
+                    done[i] = True
+                    if stats.get("first_token_s") is not None:
+                        ttft.observe(stats["first_token_s"])
+            e2e.observe(time.perf_counter() - t0)
+            yield "data: [DONE]\n\n"
+        finally:
+            for r, d in zip(reqs, done):
+                if not d:
+                    r.cancel()  # the client went away: free the batch row
+
+    @app.post("/v1/completions")
+    async def completions(req: HTTPRequest):
+        return await handle(req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: HTTPRequest):
+        return await handle(req, chat=True)
+
+    @app.get("/v1/models")
+    async def models(req: HTTPRequest):
+        check_key(req)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specdec"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "batch": len(batcher.rows), "queued": batcher.waiting.qsize()}
+
+    @app.get("/metrics")
+    async def metrics():
+        s = batcher.stats()
+        lines = [
+            "# TYPE specdec_requests_total counter", f"specdec_requests_total {s['requests']}",
+            "# TYPE specdec_requests_finished_total counter", f"specdec_requests_finished_total {s['finished']}",
+            "# TYPE specdec_requests_cancelled_total counter", f"specdec_requests_cancelled_total {s['cancelled']}",
+            "# TYPE specdec_generated_tokens_total counter", f"specdec_generated_tokens_total {s['tokens']}",
+            "# TYPE specdec_draft_tokens_proposed_total counter", f"specdec_draft_tokens_proposed_total {s['proposed']}",
+            "# TYPE specdec_draft_tokens_accepted_total counter", f"specdec_draft_tokens_accepted_total {s['accepted']}",
+            "# TYPE specdec_acceptance_rate gauge", f"specdec_acceptance_rate {s['alpha']:.6f}",
+            "# TYPE specdec_mean_accepted_length gauge", f"specdec_mean_accepted_length {s['tau']:.6f}",
+            "# TYPE specdec_batch_size gauge", f"specdec_batch_size {s['batch']}",
+            "# TYPE specdec_queue_size gauge", f"specdec_queue_size {s['queued']}",
+            "# TYPE specdec_draft_length gauge", f"specdec_draft_length {s['draft_k']}",
+            "# TYPE specdec_time_to_first_token_seconds histogram", *ttft.prometheus("specdec_time_to_first_token_seconds"),
+            "# TYPE specdec_time_per_output_token_seconds histogram", *per_token.prometheus("specdec_time_per_output_token_seconds"),
+            "# TYPE specdec_request_seconds histogram", *e2e.prometheus("specdec_request_seconds"),
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return app

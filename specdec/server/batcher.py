@@ -1,0 +1,340 @@
+"""Continuous batching with load-aware speculation (the engine behind `specdec serve`).
+
+One worker thread owns the model. Between steps, waiting requests join the running batch
+(each is prefilled on its own, then its KV rows are copied into the shared cache) and
+finished or cancelled ones leave it at once (the last active row moves into the freed
+slot, so active rows are always 0..A-1). Each step drafts for every row with prompt lookup
+(the adaptive `NgramDrafter`), scores all rows' pending tokens and guesses in one target
+forward, verifies each row with its own sampling settings, and streams the committed tokens.
+
+Load-aware speculation: verifying guesses is nearly free while decoding is bound by
+reading the weights, but as the batch grows the step becomes compute-bound and every
+guessed token costs real time. The step time is modelled as t(A, K) = a + b * A * (K + 1)
+(A rows, K guess slots), fitted online by decayed least squares from measured steps; each
+step picks the cap K in 0..k_max that maximises expected committed tokens per second,
+sum over rows of (1 + expected accepted guesses under cap K) / t(A, K), using the
+drafter's per-position acceptance estimates. K = 0 is plain decoding. The decision is
+exposed in `stats()` (and so in /metrics).
+
+This module knows nothing about HTTP or text: it takes token ids and sampling settings and
+calls back with token ids. Stop strings are the caller's `stop_fn`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..drafters.base import DraftContext
+from ..drafters.ngram import NgramDrafter
+from ..sampling import choose, make_generator, warp
+from ..types import SamplingParams, SpecdecError
+from ..verify import verify_greedy, verify_stochastic
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    on_tokens: Callable[[list[int]], None]  # newly committed ids (called from the worker thread)
+    on_done: Callable[[str, dict], None]  # (finish reason, stats) when the request ends
+    stop_fn: Callable[[list[int]], bool] | None = None
+    spec_k: int | None = None  # per-request cap on guesses (None: the server's policy; 0: off)
+    cancelled: bool = False
+    tokens: list[int] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    proposed: int = 0
+    accepted: int = 0
+    forwards: int = 0
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class StepModel:
+    """t(A, K) = a + b * A * (K + 1), fitted by decayed least squares on (A*(K+1), seconds)."""
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.s = [0.0] * 5  # w, x, y, xx, xy
+
+    def observe(self, rows: int, k: int, seconds: float) -> None:
+        x, d = rows * (k + 1), self.decay
+        w, sx, sy, sxx, sxy = self.s
+        self.s = [d * w + 1, d * sx + x, d * sy + seconds, d * sxx + x * x, d * sxy + x * seconds]
+
+    def predict(self, rows: int, k: int) -> float | None:
+        w, sx, sy, sxx, sxy = self.s
+        if w < 4:
+            return None
+        var = w * sxx - sx * sx
+        if var <= 1e-9 * max(w * w, 1.0):
+            b = 0.0
+        else:
+            b = max(0.0, (w * sxy - sx * sy) / var)
+        a = max(1e-6, (sy - b * sx) / w)
+        return a + b * rows * (k + 1)
+
+
+class ContinuousBatcher:
+    def __init__(self, model, eos_ids=(), method: str = "ngram", k_max: int = 8, max_batch: int = 16,
+                 max_queue: int = 256, max_context: int | None = None, adaptive: bool = True) -> None:
+        if method not in ("none", "ngram"):
+            raise SpecdecError(f"the server drafts with 'none' or 'ngram' (got {method!r})")
+        self.model = model
+        self.eos = set(int(e) for e in eos_ids)
+        self.method = method
+        self.k_max = k_max if method != "none" else 0
+        self.adaptive = adaptive
+        self.max_batch = max_batch
+        self.max_context = min(max_context or model.max_context, model.max_context)
+        self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
+        self.rows: list[Request] = []
+        self.cache = model.new_cache(max_batch, self.max_context)
+        self.drafter = NgramDrafter() if method == "ngram" else None
+        self.steps = StepModel()
+        self.last_k = 0
+        self.lock = threading.Lock()
+        self.totals = dict(requests=0, finished=0, cancelled=0, tokens=0, proposed=0, accepted=0, forwards=0,
+                           steps=0)
+        self.log = None  # a logging.Logger: one debug line per step (batch size, chosen draft length)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="specdec-batcher", daemon=True)
+        self.thread.start()
+
+    # -- public -----------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        """Queue a request; raises queue.Full when the queue is full (the caller answers 429)."""
+        if len(req.prompt) + req.params.max_new_tokens + self.k_max + 2 > self.max_context:
+            raise SpecdecError(f"prompt ({len(req.prompt)} tokens) plus max_tokens ({req.params.max_new_tokens}) "
+                               f"exceeds the context of {self.max_context} tokens")
+        req.generator = make_generator(req.params.seed)
+        self.waiting.put_nowait(req)
+        with self.lock:
+            self.totals["requests"] += 1
+        self._wake.set()
+
+    def stats(self) -> dict:
+        with self.lock:
+            t = dict(self.totals)
+        t.update(batch=len(self.rows), queued=self.waiting.qsize(), draft_k=self.last_k,
+                 alpha=t["accepted"] / t["proposed"] if t["proposed"] else 0.0,
+                 tau=(t["tokens"] - t["finished"] - t["cancelled"]) / t["forwards"] if t["forwards"] else 0.0)
+        return t
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.thread.join(timeout=10)
+
+    # -- worker -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._admit()
+                if not self.rows:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                self._step()
+            except Exception as e:  # never let one bad step kill the server: fail the rows in it
+                for r in list(self.rows):
+                    self._finish(r, f"error: {type(e).__name__}: {e}")
+                self.rows = []
+                self.cache.lengths.zero_()
+
+    def _admit(self) -> None:
+        while len(self.rows) < self.max_batch:
+            try:
+                req = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            if req.cancelled:
+                self._finish(req, "cancelled", active=False)
+                continue
+            self._prefill(req)
+
+    @torch.inference_mode()
+    def _prefill(self, req: Request) -> None:
+        L = len(req.prompt)
+        one = self.model.new_cache(1, L + 1)
+        logits, _ = self.model(torch.tensor([req.prompt]), torch.arange(L)[None], one, logits_at=torch.tensor([[L - 1]]))
+        first = int(choose(logits[:, 0], req.params, req.generator)[0])
+        slot = len(self.rows)
+        for layer in range(len(self.cache.k)):
+            self.cache.k[layer][slot, :, :L] = one.k[layer][0, :, :L]
+            self.cache.v[layer][slot, :, :L] = one.v[layer][0, :, :L]
+        self.cache.lengths[slot] = L
+        req.context = list(req.prompt) + [first]
+        req.first_token_s = time.perf_counter() - req.submitted
+        self.rows.append(req)
+        self._emit(req, [first])
+        if self._done_reason(req):
+            self._remove(self.rows.index(req), self._done_reason(req))
+
+    def _emit(self, req: Request, ids: list[int]) -> None:
+        room = req.params.max_new_tokens - len(req.tokens)
+        cut = []
+        for t in ids[:room]:
+            cut.append(t)
+            if t in self.eos:
+                break
+        req.tokens.extend(cut)
+        with self.lock:
+            self.totals["tokens"] += len(cut)
+        if cut:
+            req.on_tokens(cut)
+
+    def _done_reason(self, req: Request) -> str:
+        if req.cancelled:
+            return "cancelled"
+        if req.tokens and req.tokens[-1] in self.eos:
+            return "eos"
+        if len(req.tokens) >= req.params.max_new_tokens:
+            return "length"
+        if req.stop_fn is not None and req.stop_fn(req.tokens):
+            return "stop"
+        if len(req.context) + self.k_max + 2 >= self.max_context:
+            return "length"
+        return ""
+
+    def _finish(self, req: Request, reason: str, active: bool = True) -> None:
+        with self.lock:
+            self.totals["cancelled" if reason == "cancelled" else "finished"] += 1
+        req.on_done(reason, dict(prompt_tokens=len(req.prompt), completion_tokens=len(req.tokens),
+                                 proposed=req.proposed, accepted=req.accepted, forwards=req.forwards,
+                                 first_token_s=req.first_token_s))
+
+    def _remove(self, i: int, reason: str) -> None:
+        """Row i leaves; the last active row moves into its slot."""
+        req = self.rows[i]
+        last = len(self.rows) - 1
+        if i != last:
+            n = int(self.cache.lengths[last])
+            for layer in range(len(self.cache.k)):
+                self.cache.k[layer][i, :, :n] = self.cache.k[layer][last, :, :n]
+                self.cache.v[layer][i, :, :n] = self.cache.v[layer][last, :, :n]
+            self.cache.lengths[i] = n
+            self.rows[i] = self.rows[last]
+        self.cache.lengths[last] = 0
+        self.rows.pop()
+        self._finish(req, reason)
+
+    def _choose_k(self, guesses: list[list[int]], matches: list[int]) -> int:
+        """The cap on guesses per row that maximises expected committed tokens per second."""
+        A = len(guesses)
+        if not self.adaptive or self.drafter is None or self.drafter.policy is None:
+            return self.k_max
+        best_k, best = 0, None
+        pol = self.drafter.policy
+        for k in range(0, self.k_max + 1):
+            t = self.steps.predict(A, k)
+            if t is None:
+                return self.k_max if self.totals["steps"] % 2 else 0  # measure both ends first
+            tokens = 0.0
+            for g, n in zip(guesses, matches):
+                p, e = 1.0, 1.0
+                for i in range(min(k, len(g))):
+                    p *= pol.acc[min(n, len(pol.acc) - 1)][i] / pol.seen[min(n, len(pol.acc) - 1)][i]
+                    e += p
+                tokens += e
+            rate = tokens / t
+            if best is None or rate > best * 1.0001:
+                best, best_k = rate, k
+        return best_k
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        # drop cancelled rows first
+        for i in reversed(range(len(self.rows))):
+            if self.rows[i].cancelled:
+                self._remove(i, "cancelled")
+        A = len(self.rows)
+        if A == 0:
+            return
+        t0 = time.perf_counter()
+        cache = _RowsView(self.cache, A)
+        room = [min(r.params.max_new_tokens - len(r.tokens) - 1, self.max_context - len(r.context) - 2) for r in self.rows]
+        guesses, matches = [[] for _ in range(A)], [0] * A
+        if self.drafter is not None and self.k_max > 0:
+            d = self.drafter.propose(DraftContext([r.context for r in self.rows], self.rows[0].params, None), self.k_max)
+            guesses = [d.tokens[b, : int(d.counts[b])].tolist() for b in range(A)]
+            matches = [n for n, _ in self.drafter._last]
+        k = self._choose_k(guesses, matches)
+        caps = [max(0, min(k, room[b], self.rows[b].spec_k if self.rows[b].spec_k is not None else k)) for b in range(A)]
+        guesses = [g[:c] for g, c in zip(guesses, caps)]
+        K = max((len(g) for g in guesses), default=0)
+        self.last_k = K
+        inp = torch.zeros(A, K + 1, dtype=torch.long)
+        for b, r in enumerate(self.rows):
+            inp[b, 0] = r.context[-1]
+            inp[b, 1 : 1 + len(guesses[b])] = torch.tensor(guesses[b], dtype=torch.long)
+        base = cache.lengths.clone()
+        logits, _ = self.model(inp, base[:, None] + torch.arange(K + 1)[None], cache)
+        counts = torch.tensor([len(g) for g in guesses], dtype=torch.long)
+        n_acc = torch.zeros(A, dtype=torch.long)
+        nxt = torch.zeros(A, dtype=torch.long)
+        for b, r in enumerate(self.rows):  # each row verifies with its own sampling settings
+            lg, gt, c = logits[b : b + 1], inp[b : b + 1, 1:], counts[b : b + 1]
+            if r.params.greedy:
+                a, n = verify_greedy(lg, gt, c)
+            else:
+                a, n = verify_stochastic(warp(lg, r.params), gt, None, c, r.generator)
+            n_acc[b], nxt[b] = a[0], n[0]
+        cache.truncate(base + 1 + n_acc)
+        cache.sync()
+        if self.drafter is not None and K > 0:
+            self.drafter._last = [(n, len(g)) for n, g in zip(matches, guesses)]
+            self.drafter.commit(n_acc.tolist())
+        dt = time.perf_counter() - t0
+        self.steps.observe(A, K, dt)
+        if self.log is not None:
+            self.log.debug("step: batch %d, draft cap %d, guesses %d, accepted %d, %.1f ms", A, k,
+                           int(counts.sum()), int(n_acc.sum()), dt * 1e3)
+        with self.lock:
+            self.totals["steps"] += 1
+            self.totals["forwards"] += A
+            self.totals["proposed"] += int(counts.sum())
+            self.totals["accepted"] += int(n_acc.sum())
+        for b, r in enumerate(self.rows):
+            a = int(n_acc[b])
+            ids = guesses[b][:a] + [int(nxt[b])]
+            r.context.extend(ids)
+            r.proposed += len(guesses[b])
+            r.accepted += a
+            r.forwards += 1
+            self._emit(r, ids)
+        for i in reversed(range(len(self.rows))):
+            reason = self._done_reason(self.rows[i])
+            if reason:
+                self._remove(i, reason)
+
+
+class _RowsView:
+    """The first A rows of a KVCache as a cache object for one forward (storage shared);
+    `sync()` writes the row lengths back to the full cache."""
+
+    def __init__(self, cache, rows: int) -> None:
+        self.base, self.A = cache, rows
+        self.k = [k[:rows] for k in cache.k]
+        self.v = [v[:rows] for v in cache.v]
+        self.lengths = cache.lengths[:rows].clone()
+        self.max_len = cache.max_len
+        self.batch_size = rows
+
+    def __getattr__(self, name):  # reserve, write, truncate: the KVCache methods on this view
+        from ..kv_cache import KVCache
+
+        return getattr(KVCache, name).__get__(self)
+
+    def sync(self) -> None:
+        self.base.lengths[: self.A] = self.lengths

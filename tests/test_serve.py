@@ -1,0 +1,210 @@
+"""`specdec serve` through the real `openai` client against a server started here on loopback
+(the default model): completions and chat, streaming and not, n > 1, stop strings, the
+error statuses, metrics, greedy output equal to the engine's plain greedy output, and a
+bounded load test (many concurrent streaming clients with mixed lengths: none fails, every
+response is complete and is exactly what that prompt gives alone, memory back to idle)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+pytestmark = pytest.mark.default_model
+
+MAX_CONTEXT = 640
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    import uvicorn
+
+    from specdec.server.app import create_app
+    from specdec.server.batcher import ContinuousBatcher
+
+    batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, method="ngram", k_max=8, max_batch=8,
+                                max_queue=200, max_context=MAX_CONTEXT)
+    app = create_app(default_model, batcher, "smol", api_key="sekrit", request_timeout=120)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", batcher
+    srv.should_exit = True
+    th.join(timeout=10)
+    batcher.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[0] + "/v1", api_key="sekrit", max_retries=0, timeout=120)
+
+
+def http(url, body=None, raw: bytes | None = None, key: str | None = "sekrit"):
+    """(status, text) of a GET (no body) or POST, with the standard library only."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
+    req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def plain_greedy(lm, prompt, chat: bool, n: int) -> str:
+    from specdec.engine import Engine
+    from specdec.text import encode_prompt
+    from specdec.types import SamplingParams
+
+    ids = encode_prompt(lm.tokenizer, prompt, chat)
+    [r] = Engine(lm.model, None, eos_ids=lm.eos_ids).generate([ids], SamplingParams(max_new_tokens=n))
+    return lm.tokenizer.decode(r.tokens, skip_special_tokens=True)
+
+
+def test_models_health_and_metrics(client, server):
+    import json
+
+    assert [m.id for m in client.models.list().data] == ["smol"]
+    assert json.loads(http(server[0] + "/health")[1])["status"] == "ok"
+    text = http(server[0] + "/metrics")[1]
+    for name in ("specdec_requests_total", "specdec_acceptance_rate", "specdec_mean_accepted_length",
+                 "specdec_batch_size", "specdec_draft_length", "specdec_time_to_first_token_seconds_bucket"):
+        assert name in text
+
+
+def test_completion_and_chat_equal_plain_greedy(client, default_model):
+    r = client.completions.create(model="smol", prompt="def add(a, b):\n", max_tokens=24, temperature=0)
+    assert r.choices[0].text == plain_greedy(default_model, "def add(a, b):\n", False, 24)
+    assert r.usage.completion_tokens > 0
+    q = "Name three colours."
+    c = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": q}], max_tokens=20, temperature=0)
+    assert c.choices[0].message.content == plain_greedy(default_model, q, True, 20)
+    assert c.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streaming_equals_non_streaming(client):
+    msgs = [{"role": "user", "content": "Count from one to ten in words."}]
+    whole = client.chat.completions.create(model="smol", messages=msgs, max_tokens=30, temperature=0)
+    parts, reasons = [], []
+    for ev in client.chat.completions.create(model="smol", messages=msgs, max_tokens=30, temperature=0, stream=True):
+        for ch in ev.choices:
+            parts.append(ch.delta.content or "")
+            reasons.append(ch.finish_reason)
+    assert "".join(parts) == whole.choices[0].message.content
+    assert reasons[-1] == whole.choices[0].finish_reason
+    text = "".join(e.choices[0].text for e in client.completions.create(
+        model="smol", prompt="The sky is", max_tokens=12, temperature=0, stream=True))
+    assert text == client.completions.create(model="smol", prompt="The sky is", max_tokens=12, temperature=0).choices[0].text
+
+
+def test_n_and_seed_and_stop(client):
+    r = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=16, temperature=0.9, n=3, seed=5)
+    assert len(r.choices) == 3 and sorted(c.index for c in r.choices) == [0, 1, 2]
+    again = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=16, temperature=0.9, n=3, seed=5)
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]  # seeds reproduce
+    full = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0).choices[0].text
+    stop = full.strip()[:3] if len(full.strip()) > 3 else None
+    assert stop, full
+    cut = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[stop])
+    assert stop not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
+    assert full.startswith(cut.choices[0].text)
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "hi", "max_tokens": "ten"}, 400, "integer"),
+    ({"prompt": 42}, 400, "prompt"),
+    ({"prompt": "hi", "stop": 7}, 400, "stop"),
+    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "word " * 700, "max_tokens": 8}, 400, "context"),
+    ({"prompt": "hi", "model": "gpt-9"}, 404, "not found"),
+])
+def test_bad_requests_get_openai_style_errors(server, body, status, needle):
+    import json
+
+    code, text = http(server[0] + "/v1/completions", {"model": "smol", **body} if "model" not in body else body)
+    assert code == status, text
+    err = json.loads(text)["error"]
+    assert needle in err["message"] and err["type"]
+
+
+def test_malformed_json_and_wrong_key(server):
+    import json
+
+    code, text = http(server[0] + "/v1/chat/completions", raw=b"{not json")
+    assert code == 400 and "JSON" in json.loads(text)["error"]["message"]
+    assert http(server[0] + "/v1/completions", {"prompt": "hi"}, key="nope")[0] == 401
+    assert http(server[0] + "/v1/completions", {"prompt": "hi"}, key=None)[0] == 401
+    code, text = http(server[0] + "/v1/chat/completions", {"messages": "hi"})
+    assert code == 400 and "messages" in json.loads(text)["error"]["message"]
+
+
+def test_load_many_concurrent_streams(client, server, default_model):
+    """64 concurrent streaming clients, mixed lengths, over a batch of 8: no failures, every
+    response complete and exactly its prompt's greedy output (no text leaks between rows)."""
+    from specdec.bench.runner import rss_bytes
+
+    prompts = [f"Write one sentence about the number {i}." for i in range(8)]
+    lengths = [4, 9, 16, 24]
+    expected = {}
+    for p in prompts:
+        expected[p] = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": p}],
+                                                     max_tokens=max(lengths), temperature=0)
+    idle = rss_bytes()
+    results, errors = {}, []
+
+    def one(j):
+        p, n = prompts[j % len(prompts)], lengths[j % len(lengths)]
+        try:
+            parts, reason = [], None
+            for ev in client.chat.completions.create(model="smol", messages=[{"role": "user", "content": p}],
+                                                     max_tokens=n, temperature=0, stream=True):
+                for ch in ev.choices:
+                    parts.append(ch.delta.content or "")
+                    reason = ch.finish_reason or reason
+            results[j] = ("".join(parts), reason, p, n)
+        except Exception as e:  # noqa: BLE001 - the test reports every failure
+            errors.append(f"{j}: {type(e).__name__}: {e}")
+
+    t0 = time.time()
+    threads = [threading.Thread(target=one, args=(j,)) for j in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors[:5]
+    assert len(results) == 64 and time.time() - t0 < 300
+    for j, (text, reason, p, n) in results.items():
+        assert reason in ("stop", "length"), (j, reason)
+        full = expected[p].choices[0].message.content
+        # a shorter answer is a prefix of the longer greedy answer (both token-exact greedy runs)
+        assert full.startswith(text) or text == full, (j, p, n, text, full)
+    s = server[1].stats()
+    assert s["batch"] == 0 and s["queued"] == 0
+    assert s["proposed"] > 0  # speculation ran at some point
+    time.sleep(0.5)
+    assert rss_bytes() < idle + 200 * 2**20  # back near the idle level (the cache is preallocated)
