@@ -1,0 +1,176 @@
+"""`specdec serve` under load: throughput and latency vs concurrency, speculation off / fixed k /
+load-aware (adaptive), same run, same prompts.
+
+For each server setting the server is started in this process on loopback, and at each
+concurrency level C, C client threads each send `--requests-per-client` streaming chat
+requests back to back (prompts: first turns of Spec-Bench dev, spread over categories;
+greedy, max_tokens fixed; answers may end early at EOS, so tokens are counted as received,
+by re-tokenizing each streamed chunk). Measured per level: throughput (completion tokens / wall seconds), time to
+first token (p50), per-token latency (gaps between streamed chunks divided by the tokens
+they carried; p50 and p95). Settings are run in turn per concurrency level (off, fixed,
+adaptive, off, ...) for `--repeats` rounds and the median is reported.
+
+    python benchmarks/serve_load.py --concurrency 1,2,4,8,16,32 --out /tmp/serve-bench
+
+Prints a table and, as the last line, one JSON document; `--out` also gets a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "spec_bench" / "dev.jsonl"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(lm, method: str, adaptive: bool, k: int, max_batch: int, max_context: int):
+    import uvicorn
+
+    from specdec.server.app import create_app
+    from specdec.server.batcher import ContinuousBatcher
+
+    b = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=k, max_batch=max_batch, max_context=max_context,
+                          adaptive=adaptive)
+    app = create_app(lm, b, "m")
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    while not srv.started:
+        time.sleep(0.02)
+    return srv, th, b, f"http://127.0.0.1:{port}/v1"
+
+
+def drive(url: str, prompts: list[str], conc: int, per_client: int, max_tokens: int, tok) -> dict:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url, api_key="x", max_retries=0, timeout=600)
+    ttft, gaps, tokens, errors = [], [], [0], []
+    lock = threading.Lock()
+
+    def one(c: int):
+        for j in range(per_client):
+            p = prompts[(c * per_client + j) % len(prompts)]
+            t0 = time.perf_counter()
+            last, first = t0, True
+            try:
+                for ev in client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}],
+                                                         max_tokens=max_tokens, temperature=0, stream=True):
+                    if not ev.choices or not ev.choices[0].delta.content:
+                        continue
+                    now = time.perf_counter()
+                    n = max(1, len(tok.encode(ev.choices[0].delta.content, add_special_tokens=False)))
+                    with lock:
+                        if first:
+                            ttft.append(now - t0)
+                            first = False
+                        else:
+                            gaps.append((now - last) / n)
+                        tokens[0] += n
+                    last = now
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                with lock:
+                    errors.append(f"{type(e).__name__}: {e}")
+
+    t0 = time.perf_counter()
+    ths = [threading.Thread(target=one, args=(c,)) for c in range(conc)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    wall = time.perf_counter() - t0
+    q = lambda xs, f: statistics.quantiles(xs, n=100)[int(f * 100) - 1] if len(xs) >= 2 else (xs[0] if xs else 0.0)  # noqa: E731
+    return {"throughput": tokens[0] / wall, "ttft_p50": statistics.median(ttft) if ttft else 0.0,
+            "token_p50": q(gaps, 0.5), "token_p95": q(gaps, 0.95), "errors": len(errors), "wall": wall}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--data", default=str(DEFAULT_DATA))
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32")
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from specdec.models.loader import load_model
+
+    lm = load_model(args.model, quiet=True)
+    rows = [json.loads(line) for line in open(args.data)]
+    fits = [r["turns"][0] for r in rows if len(lm.tokenizer.encode(r["turns"][0])) < 1024 - args.max_tokens - 64]
+    prompts = fits[:: max(1, len(fits) // 32)][:32]  # spread over categories, each fits the 1024-token rows
+    settings = {"off": ("none", False), "fixed": ("ngram", False), "adaptive": ("ngram", True)}
+    servers = {name: start(lm, m, ad, args.k, args.max_batch, 1024) for name, (m, ad) in settings.items()}
+    levels = [int(c) for c in args.concurrency.split(",")]
+    raw = {name: {c: [] for c in levels} for name in settings}
+    for rep in range(args.repeats):
+        for c in levels:
+            for name in settings:
+                res = drive(servers[name][3], prompts, c, args.requests_per_client, args.max_tokens, lm.tokenizer)
+                raw[name][c].append(res)
+                print(f"rep {rep} c={c:<3} {name:<9} {res['throughput']:7.1f} tok/s  ttft {res['ttft_p50']*1e3:7.0f} ms  "
+                      f"token p50 {res['token_p50']*1e3:6.1f} ms  p95 {res['token_p95']*1e3:6.1f} ms  errors {res['errors']}",
+                      file=sys.stderr)
+    table = {name: {c: {k: statistics.median(r[k] for r in raw[name][c]) for k in raw[name][c][0]} for c in levels}
+             for name in settings}
+    print(f"{'conc':>5} " + "".join(f"{n + ' tok/s':>16}{n + ' p50 ms':>16}" for n in settings) + f"{'adaptive/off':>14}")
+    for c in levels:
+        line = f"{c:>5} "
+        for n in settings:
+            line += f"{table[n][c]['throughput']:>16.1f}{table[n][c]['token_p50'] * 1e3:>16.1f}"
+        line += f"{table['adaptive'][c]['throughput'] / table['off'][c]['throughput']:>14.2f}"
+        print(line)
+    result = {"benchmark": "serve_load", "threads": args.threads, "max_tokens": args.max_tokens, "k": args.k,
+              "requests_per_client": args.requests_per_client, "repeats": args.repeats, "table": table,
+              "draft_k_last": {n: servers[n][2].stats()["draft_k"] for n in settings}}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "serve_load.json").write_text(json.dumps(result, indent=1))
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axs = plt.subplots(1, 2, figsize=(10, 4))
+        for n in settings:
+            axs[0].plot(levels, [table[n][c]["throughput"] for c in levels], marker="o", label=n)
+            axs[1].plot(levels, [table[n][c]["token_p50"] * 1e3 for c in levels], marker="o", label=n)
+        for ax, lab in zip(axs, ("throughput (tokens/s)", "per-token latency p50 (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent clients")
+            ax.set_ylabel(lab)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "serve_load.png", dpi=110)
+    for srv, th, b, _ in servers.values():
+        srv.should_exit = True
+        th.join(timeout=10)
+        b.close()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
