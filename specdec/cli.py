@@ -435,6 +435,11 @@ def _train_target_and_data(args):
     from .models.loader import load_model
     from .train.distill import CollectConfig, collect
 
+    if getattr(args, "features", None) and args.data is None:
+        raise SpecdecError("--features needs --data too: the data shards the features were made from")
+    if args.data is not None and not Path(args.data).is_dir():
+        raise SpecdecError(f"--data {args.data} is not a folder of data shards (expected OUT/data of "
+                           "`specdec train draft`)")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -443,15 +448,11 @@ def _train_target_and_data(args):
         raise SpecdecError("drafting heads need a native (Llama-family) target; this one runs through the "
                            "transformers adapter")
     data = Path(args.data) if args.data else out / "data"
-    if getattr(args, "features", None) and args.data is None:
-        raise SpecdecError("--features needs --data too: the data shards the features were made from")
     if args.data is None:
         if target.tokenizer is None:
             raise SpecdecError("the target has no tokenizer; collecting training text needs one")
         collect(target, out, CollectConfig(chat_prompts=args.chat_prompts, text_windows=args.text_windows,
                                            seed=args.seed), quiet=args.quiet)
-    elif not data.is_dir():
-        raise SpecdecError(f"--data {data} is not a folder of data shards (expected OUT/data of `specdec train draft`)")
     return target, out, data
 
 

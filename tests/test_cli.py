@@ -77,6 +77,24 @@ def test_draft_flag_needs_a_draft_method(capsys):
     assert "--draft" in one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.default_model
+@pytest.mark.parametrize("method, needle", [("eagle", "not an EAGLE head"), ("medusa", "Medusa heads")])
+def test_head_method_with_a_non_head_folder(default_model, tmp_path, method, needle, capsys):
+    assert main(["generate", "hi", "--method", method, "--draft", str(tmp_path)]) == 2
+    assert needle in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.default_model
+def test_eagle_tree_larger_than_the_context(default_model, capsys):
+    assert main(["generate", "hi", "--method", "eagle", "--tree-nodes", "100000"]) == 2
+    assert "does not fit" in one_error_line(capsys.readouterr().err)
+
+
+def test_train_medusa_features_need_data(tmp_path, capsys):
+    assert main(["train", "medusa", "--out", str(tmp_path / "o"), "--features", str(tmp_path)]) == 2
+    assert "--data" in one_error_line(capsys.readouterr().err)
+
+
 # -- integration on the default model ---------------------------------------------------
 @pytest.mark.default_model
 def test_generate_json_matches_transformers_greedy(default_model, capsys):

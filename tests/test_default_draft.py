@@ -1,6 +1,7 @@
-"""The draft shipped for the default model: it loads as the default --draft, shares the
-target's vocabulary, and greedy speculation reproduces plain greedy decoding token for
-token on the default model (batch 1 and a ragged batch), for draft and auto."""
+"""The drafters shipped for the default model (the distilled draft, the EAGLE head, the
+Medusa heads): they load as the defaults, and greedy speculation reproduces plain greedy
+decoding token for token on the default model (batch 1 and a ragged batch), for draft,
+auto, eagle (tree and chain) and medusa (tree and chain)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import argparse
 import pytest
 
 from specdec.cli import build_engine
+from specdec.drafters.eagle import DEFAULT_EAGLE_DIR, default_eagle_for
+from specdec.drafters.medusa import DEFAULT_MEDUSA_DIR, default_medusa_for
 from specdec.models.loader import DEFAULT_DRAFT_DIR, default_draft_for
 from specdec.text import encode_prompt
 from specdec.types import SamplingParams
@@ -24,19 +27,26 @@ PROMPTS = [
 def test_default_draft_ships_and_loads(default_model):
     assert (DEFAULT_DRAFT_DIR / "config.json").is_file(), "the default draft is missing from the package"
     assert default_draft_for(default_model) == DEFAULT_DRAFT_DIR
+    assert default_eagle_for(default_model) == DEFAULT_EAGLE_DIR, "the default EAGLE head is missing"
+    assert default_medusa_for(default_model) == DEFAULT_MEDUSA_DIR, "the default Medusa heads are missing"
+
+
+def _args(method, tree=True):
+    return argparse.Namespace(method=method, draft=None, k=None, tree=tree, tree_depth=5, tree_width=4, tree_nodes=16)
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("method", ["draft", "auto"])
-def test_greedy_speculation_equals_plain_on_default_model(default_model, method):
+@pytest.mark.parametrize("method,tree", [("draft", True), ("auto", True), ("eagle", True), ("eagle", False),
+                                         ("medusa", True), ("medusa", False)])
+def test_greedy_speculation_equals_plain_on_default_model(default_model, method, tree):
     tok = default_model.tokenizer
     ids = [encode_prompt(tok, p, chat) for p, chat in PROMPTS]
     params = SamplingParams(max_new_tokens=48)
-    ns = argparse.Namespace(method="none", draft=None, k=4)
-    plain_engine, _ = build_engine(ns, default_model, quiet=True)
+    plain_engine, _ = build_engine(_args("none"), default_model, quiet=True)
     plain = [plain_engine.generate([x], params)[0].tokens for x in ids]
-    engine, draft = build_engine(argparse.Namespace(method=method, draft=None, k=4), default_model, quiet=True)
-    assert draft is not None and draft.draft_meta and len(draft.draft_meta["vocab_subset"]) > 0
+    engine, draft = build_engine(_args(method, tree), default_model, quiet=True)
+    if method in ("draft", "auto"):
+        assert draft is not None and draft.draft_meta and len(draft.draft_meta["vocab_subset"]) > 0
     one_by_one = [engine.generate([x], params)[0] for x in ids]
     assert [r.tokens for r in one_by_one] == plain
     assert sum(r.stats.accepted for r in one_by_one) > 0  # the draft is right some of the time
