@@ -18,6 +18,7 @@ from .types import SpecdecError
 
 METHODS = ("none", "ngram", "draft", "auto", "eagle", "medusa")
 DEFAULT_K = {"ngram": 8, "draft": 4, "auto": 8, "eagle": 5, "medusa": 4}  # measured on the Spec-Bench dev set (README)
+DEFAULT_TREE_NODES = {"eagle": 8, "medusa": 4}
 
 
 def method_k(args, method: str | None = None) -> int:
@@ -69,9 +70,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-depth", type=_positive_int, default=5, help="eagle tree: expansion steps (deepest path). Default: 5")
     g.add_argument("--tree-width", type=_positive_int, default=4,
                    help="eagle tree: nodes expanded per step and children per node. Default: 4")
-    g.add_argument("--tree-nodes", type=_positive_int, default=16,
+    g.add_argument("--tree-nodes", type=_positive_int, default=None,
                    help="tree nodes sent for verification (eagle: the best by cumulative draft probability; medusa: "
-                        "the most probable from the heads' measured accuracies). Default: 16")
+                        "the most probable from the heads' measured accuracies). On a CPU every verified node costs "
+                        "compute, so small trees win. Default: "
+                        f"{', '.join(f'{m} {n}' for m, n in DEFAULT_TREE_NODES.items())} (measured on the dev set)")
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="torch CPU threads. Default: torch's choice (the number of cores)")
 
@@ -570,12 +573,13 @@ def build_engine(args, target, quiet: bool):
         if not is_eagle_dir(path):
             raise SpecdecError(f"{path} is not an EAGLE head folder (no specdec_eagle.json); --method eagle needs "
                                "one from `specdec train eagle`")
-        if getattr(args, "tree", True) and args.tree_nodes + 2 > target.model.max_context:
-            raise SpecdecError(f"--tree-nodes {args.tree_nodes} does not fit in the model's context "
+        nodes = args.tree_nodes or DEFAULT_TREE_NODES["eagle"]
+        if getattr(args, "tree", True) and nodes + 2 > target.model.max_context:
+            raise SpecdecError(f"--tree-nodes {nodes} does not fit in the model's context "
                                f"({target.model.max_context})")
         tree = getattr(args, "tree", True)
         drafter = REGISTRY["eagle"](target=target, draft=path, tree=tree, depth=args.tree_depth,
-                                    width=args.tree_width, nodes=args.tree_nodes)
+                                    width=args.tree_width, nodes=nodes)
         # a tree's depth is its own setting; a chain drafts -k tokens
         return Engine(target.model, drafter, k=args.tree_depth if tree else method_k(args),
                       eos_ids=target.eos_ids), None
@@ -587,7 +591,8 @@ def build_engine(args, target, quiet: bool):
             raise SpecdecError("--method medusa needs Medusa heads trained for this target: pass --draft DIR "
                                "(make them with `specdec train medusa --out DIR`); only the default target ships them")
         tree = getattr(args, "tree", True)
-        drafter = REGISTRY["medusa"](target=target, draft=path, tree=tree, nodes=args.tree_nodes)
+        drafter = REGISTRY["medusa"](target=target, draft=path, tree=tree,
+                                     nodes=args.tree_nodes or DEFAULT_TREE_NODES["medusa"])
         return Engine(target.model, drafter, k=method_k(args), eos_ids=target.eos_ids), None
     draft_lm = None
     if method in ("draft", "auto"):

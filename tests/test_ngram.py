@@ -3,8 +3,6 @@ tokens to propose from measured acceptance and measured verification cost)."""
 
 from __future__ import annotations
 
-import torch
-
 from specdec.drafters.base import DraftContext
 from specdec.drafters.ngram import LengthPolicy, NgramDrafter, lookup, lookup_match
 from specdec.types import SamplingParams

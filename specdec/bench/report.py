@@ -47,7 +47,7 @@ def format_table(result: dict) -> str:
 
 
 def markdown(result: dict, command: str, plots: list[str]) -> str:
-    out = [f"# specdec bench\n", f"Command: `{command}`\n", f"Machine: {json.dumps(result.get('machine', {}))}\n",
+    out = ["# specdec bench\n", f"Command: `{command}`\n", f"Machine: {json.dumps(result.get('machine', {}))}\n",
            f"Settings: max_new_tokens={result.get('max_new_tokens')}, k={result.get('k')}, "
            f"temperature={result.get('temperature')}, repeats={result.get('repeats')} (median reported), "
            f"{result.get('prompts')} prompts, runners interleaved per prompt.\n"]

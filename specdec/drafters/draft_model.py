@@ -18,6 +18,22 @@ from ..types import SpecdecError
 from .base import Draft, DraftContext, register
 
 
+def draw(scores: torch.Tensor, params, generator, subset: torch.Tensor | None, vocab_size: int):
+    """One draft step from scores [B, S] (over `subset` ids if given): (token ids [B], q [B, V]
+    padded to the target's vocabulary, or None for greedy argmax guesses)."""
+    if params.greedy:
+        idx, q = scores.argmax(-1), None
+    else:
+        q_head = warp(scores, params)  # scores over the subset warp like the full vocabulary with -inf outside it
+        idx = sample(q_head, generator)
+        q = torch.zeros(scores.shape[0], vocab_size)
+        if subset is None:
+            q[:, : q_head.shape[-1]] = q_head
+        else:
+            q[:, subset] = q_head
+    return (subset[idx] if subset is not None else idx), q
+
+
 class DraftModelDrafter:
     def __init__(self, model, vocab_size: int | None = None, vocab_subset: list[int] | None = None) -> None:
         """vocab_subset: token ids the draft may propose (a frequency-ranked head: reading
@@ -78,21 +94,9 @@ class DraftModelDrafter:
         self.ctx_len = [len(f) for f in self.fed]
         toks, probs = [], []
         for i in range(max_tokens):
-            # scores over the subset (if any) warp like the full vocabulary with -inf outside it
-            lg = logits[:, : self.vocab_size].float()
-            if ctx.params.greedy:
-                nxt = lg.argmax(-1)
-            else:
-                q_head = warp(lg, ctx.params)  # [B, S] or [B, V_draft]
-                nxt = sample(q_head, ctx.generator)
-                q = torch.zeros(B, self.vocab_size)
-                if self.subset is None:
-                    q[:, : q_head.shape[-1]] = q_head
-                else:
-                    q[:, self.subset] = q_head
+            nxt, q = draw(logits[:, : self.vocab_size].float(), ctx.params, ctx.generator, self.subset, self.vocab_size)
+            if q is not None:
                 probs.append(q)
-            if self.subset is not None:
-                nxt = self.subset[nxt]
             toks.append(nxt)
             if i + 1 < max_tokens:
                 logits = self._feed([[int(x)] for x in nxt])

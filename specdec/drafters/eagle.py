@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -135,6 +134,26 @@ def save_eagle(head: EagleHead, out: Path, meta: dict) -> None:
     (out / EAGLE_META).write_text(json.dumps({**meta, "config": head.config()}, indent=1))
 
 
+def check_trained_for(meta: dict, hidden: int, target, path, what: str, command: str) -> None:
+    """Refuse a head whose recorded target differs from `target` (hidden size, vocabulary,
+    or the hash of the LM head it was trained against)."""
+    cfg = getattr(target.model, "cfg", None)
+    if cfg is None:
+        raise SpecdecError(f"a {what} needs a native target model (Llama family); this target runs through the "
+                           "transformers adapter")
+    problems = []
+    if hidden != cfg.hidden_size:
+        problems.append(f"hidden size {hidden} vs the target's {cfg.hidden_size}")
+    if meta.get("target_vocab_size") != cfg.vocab_size:
+        problems.append(f"vocabulary {meta.get('target_vocab_size')} vs the target's {cfg.vocab_size}")
+    if not problems and meta.get("target_fingerprint") != target_fingerprint(target.model):
+        problems.append("the target's weights differ from those it was trained on (LM-head hash "
+                        f"{meta.get('target_fingerprint')} vs {target_fingerprint(target.model)})")
+    if problems:
+        raise SpecdecError(f"the {what} in {path} was trained for another target ({meta.get('target')}): "
+                           + "; ".join(problems) + f". Train one for this model with `{command}`")
+
+
 def is_eagle_dir(path) -> bool:
     return path is not None and (Path(path) / EAGLE_META).is_file()
 
@@ -148,25 +167,10 @@ def load_eagle(path, target) -> tuple[EagleHead, dict]:
         raise SpecdecError(f"{path} is not an EAGLE head folder (no {EAGLE_META}); train one with "
                            "`specdec train eagle --out DIR`")
     meta = json.loads((path / EAGLE_META).read_text())
-    model = target.model
-    cfg = getattr(model, "cfg", None)
-    if cfg is None:
-        raise SpecdecError("EAGLE needs a native target model (Llama family); this target runs through the "
-                           "transformers adapter")
-    problems = []
-    if meta["config"]["hidden"] != cfg.hidden_size:
-        problems.append(f"hidden size {meta['config']['hidden']} vs the target's {cfg.hidden_size}")
-    if meta.get("target_vocab_size") != cfg.vocab_size:
-        problems.append(f"vocabulary {meta.get('target_vocab_size')} vs the target's {cfg.vocab_size}")
-    if not problems and meta.get("target_fingerprint") != target_fingerprint(model):
-        problems.append("the target's weights differ from those it was trained on (LM-head hash "
-                        f"{meta.get('target_fingerprint')} vs {target_fingerprint(model)})")
-    if problems:
-        raise SpecdecError(f"the EAGLE head in {path} was trained for another target ({meta.get('target')}): "
-                           + "; ".join(problems) + ". Train one for this model with `specdec train eagle`")
+    check_trained_for(meta, meta["config"]["hidden"], target, path, "EAGLE head", "specdec train eagle")
     head = EagleHead(**meta["config"])
     head.load_state_dict(load_file(str(path / EAGLE_WEIGHTS)))
-    return head.to(model.dtype).eval(), meta
+    return head.to(target.model.dtype).eval(), meta
 
 
 class EagleDrafter:
@@ -284,25 +288,15 @@ class EagleDrafter:
         return self._propose_chain(ctx, h, max_tokens)
 
     def _propose_chain(self, ctx, h, k):
-        from ..sampling import sample, warp
+        from .draft_model import draw
 
         B = len(ctx.tokens)
         toks, probs = [], []
         n0 = torch.tensor(self.n)
         for i in range(k):
-            lg = self._logits(h)
-            if ctx.params.greedy:
-                idx = lg.argmax(-1)
-            else:
-                q_head = warp(lg, ctx.params)
-                idx = sample(q_head, ctx.generator)
-                q = torch.zeros(B, self.vocab_size)
-                if self.subset is None:
-                    q[:, : q_head.shape[-1]] = q_head
-                else:
-                    q[:, self.subset] = q_head
+            tok, q = draw(self._logits(h), ctx.params, ctx.generator, self.subset, self.vocab_size)
+            if q is not None:
                 probs.append(q)
-            tok = self._ids(idx)
             toks.append(tok)
             if i + 1 < k:
                 slot = (n0 + i)[:, None]  # speculative pairs after the committed ones
@@ -317,7 +311,6 @@ class EagleDrafter:
         B = len(ctx.tokens)
         W, N = self.width, self.nodes
         n0 = torch.tensor(self.n)
-        all_tok, all_par, all_score = [], [], []  # per depth: [B, W*W] candidates
         # root: the head's distribution after the pending token
         lp = torch.log_softmax(self._logits(h), -1)  # [B, S]
         top = lp.topk(W, dim=-1)
@@ -329,6 +322,7 @@ class EagleDrafter:
         scores = [front_score]
         front_h = h[:, None].expand(B, W, h.shape[-1])  # the feature each frontier node is paired with
         anc = torch.zeros(B, 0, 0, dtype=torch.bool)  # ancestry among speculative slots so far
+        front_parent_slot = torch.zeros(B, W, dtype=torch.long)  # spec slot of each frontier node's parent
         used = 0  # speculative slots written so far (after the committed pairs)
         next_id = W + 1
         for d in range(1, depth):

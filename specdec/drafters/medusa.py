@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
-from .eagle import target_fingerprint
+from .eagle import check_trained_for
 
 MEDUSA_META = "specdec_medusa.json"
 MEDUSA_WEIGHTS = "medusa.safetensors"
@@ -96,23 +96,10 @@ def load_medusa(path, target) -> tuple[MedusaHeads, dict]:
         raise SpecdecError(f"{path} is not a Medusa heads folder (no {MEDUSA_META}); train one with "
                            "`specdec train medusa --out DIR`")
     meta = json.loads((path / MEDUSA_META).read_text())
-    model = target.model
-    cfg = getattr(model, "cfg", None)
-    if cfg is None:
-        raise SpecdecError("Medusa needs a native target model (Llama family)")
-    problems = []
-    if meta["hidden"] != cfg.hidden_size:
-        problems.append(f"hidden size {meta['hidden']} vs the target's {cfg.hidden_size}")
-    if meta.get("target_vocab_size") != cfg.vocab_size:
-        problems.append(f"vocabulary {meta.get('target_vocab_size')} vs the target's {cfg.vocab_size}")
-    if not problems and meta.get("target_fingerprint") != target_fingerprint(model):
-        problems.append("the target's weights differ from those it was trained on")
-    if problems:
-        raise SpecdecError(f"the Medusa heads in {path} were trained for another target ({meta.get('target')}): "
-                           + "; ".join(problems) + ". Train heads for this model with `specdec train medusa`")
+    check_trained_for(meta, meta["hidden"], target, path, "Medusa heads", "specdec train medusa")
     heads = MedusaHeads(meta["hidden"], meta["num_heads"])
     heads.load_state_dict(load_file(str(path / MEDUSA_WEIGHTS)))
-    return heads.to(model.dtype).eval(), meta
+    return heads.to(target.model.dtype).eval(), meta
 
 
 class MedusaDrafter:

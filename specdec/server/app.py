@@ -167,12 +167,10 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
             def on_done(reason, stats, i=i):
                 loop.call_soon_threadsafe(out.put_nowait, (i, "done", (reason, stats)))
 
-            stop_fn = None
-            if stops:
-                def stop_fn(tokens):
-                    return find_stop(tok.decode(tokens, skip_special_tokens=True), stops) is not None
+            def stop_fn(tokens):
+                return find_stop(tok.decode(tokens, skip_special_tokens=True), stops) is not None
 
-            r = Request(list(ids), p, on_tokens, on_done, stop_fn=stop_fn, spec_k=spec_k)
+            r = Request(list(ids), p, on_tokens, on_done, stop_fn=stop_fn if stops else None, spec_k=spec_k)
             try:
                 batcher.submit(r)
             except queue.Full:

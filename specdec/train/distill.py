@@ -24,7 +24,6 @@ Never trains on the evaluation sets (corpus.check_not_eval guards the paths).
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -34,6 +33,7 @@ import torch
 
 from ..types import SpecdecError
 from . import corpus
+from .common import cosine_lr, load_checkpoint, save_checkpoint
 
 DRAFT_META = "specdec_draft.json"
 
@@ -323,12 +323,7 @@ def train(target, out: Path, scfg: StudentConfig, tcfg: TrainConfig, seq_len: in
     student = build_student(target, scfg)
     opt = torch.optim.AdamW(student.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.98))
     ckpt = out / "checkpoint.pt"
-    step, ema, before = 0, None, 0.0
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        student.load_state_dict(state["student"])
-        opt.load_state_dict(state["opt"])
-        step, ema, before = state["step"], state.get("ema"), state.get("seconds", 0.0)
+    step, ema, before = load_checkpoint(ckpt, "student", student, opt)
     rng = random.Random(tcfg.seed + step)
     stream = _batches(rows, tcfg.batch_rows, seq_len, rng)
     student.train()
@@ -336,7 +331,7 @@ def train(target, out: Path, scfg: StudentConfig, tcfg: TrainConfig, seq_len: in
     t0 = time.perf_counter()
     while step < tcfg.steps:
         toks, lab_i, lab_v, mask = next(stream)
-        lr = tcfg.lr * min(1.0, (step + 1) / tcfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / tcfg.steps))
+        lr = cosine_lr(step, tcfg.steps, tcfg.warmup, tcfg.lr)
         for g in opt.param_groups:
             g["lr"] = lr
         hidden = student.model(input_ids=toks).last_hidden_state  # [B, T, H]
@@ -359,8 +354,7 @@ def train(target, out: Path, scfg: StudentConfig, tcfg: TrainConfig, seq_len: in
         bar.set_postfix(loss=f"{ema[0]:.3f}", top1=f"{ema[1]:.3f}", lr=f"{lr:.1e}")
         bar.update(1)
         if step % tcfg.save_every == 0 or step == tcfg.steps:
-            torch.save({"student": student.state_dict(), "opt": opt.state_dict(), "step": step, "ema": ema,
-                        "seconds": before + time.perf_counter() - t0}, ckpt)
+            save_checkpoint(ckpt, "student", student, opt, step, ema, before + time.perf_counter() - t0)
     bar.close()
     save_draft(student, target, out, subset, scfg, tcfg, ema, before + time.perf_counter() - t0, save_dtype)
     return out

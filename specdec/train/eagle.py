@@ -21,7 +21,6 @@ Never trains on the evaluation sets: the data come from corpus.py, which refuses
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..types import SpecdecError
+from .common import cosine_lr, load_checkpoint, save_checkpoint
 
 
 @dataclass
@@ -179,12 +179,7 @@ def train_eagle(target, out: Path, cfg: EagleTrainConfig, data: Path | None = No
     head = init_head(target)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = out / "checkpoint.pt"
-    step, ema, before = 0, None, 0.0
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        step, ema, before = state["step"], state.get("ema"), state.get("seconds", 0.0)
+    step, ema, before = load_checkpoint(ckpt, "head", head, opt)
     rng = random.Random(cfg.seed + step)
     gen = torch.Generator().manual_seed(cfg.seed + step)
     stream = _batches(rows, cfg.batch_rows, cfg.seq_len, rng)
@@ -193,7 +188,7 @@ def train_eagle(target, out: Path, cfg: EagleTrainConfig, data: Path | None = No
     t0 = time.perf_counter()
     while step < cfg.steps:
         x_next, f_in, f_out, mask = next(stream)
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        lr = cosine_lr(step, cfg.steps, cfg.warmup, cfg.lr)
         for g in opt.param_groups:
             g["lr"] = lr
         B, T = x_next.shape
@@ -218,8 +213,7 @@ def train_eagle(target, out: Path, cfg: EagleTrainConfig, data: Path | None = No
         bar.set_postfix(reg=f"{ema[0]:.3f}", ce=f"{ema[1]:.3f}", top1=f"{ema[2]:.3f}", lr=f"{lr:.1e}")
         bar.update(1)
         if step % cfg.save_every == 0 or step == cfg.steps:
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "ema": ema,
-                        "seconds": before + time.perf_counter() - t0}, ckpt)
+            save_checkpoint(ckpt, "head", head, opt, step, ema, before + time.perf_counter() - t0)
     bar.close()
     head.eval()
     n_tokens = sum(len(t) for t, _ in rows)

@@ -11,7 +11,6 @@ held-out rows (the last 5% of the data) and the static tree is chosen from them
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..types import SpecdecError
+from .common import cosine_lr, load_checkpoint, save_checkpoint
 
 
 @dataclass
@@ -69,19 +69,14 @@ def train_medusa(target, out: Path, cfg: MedusaTrainConfig, data: Path, features
     heads = MedusaHeads(target.model.cfg.hidden_size, H)
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
     ckpt = out / "checkpoint.pt"
-    step, ema, before = 0, None, 0.0
     out.mkdir(parents=True, exist_ok=True)
-    if ckpt.exists():
-        st = torch.load(ckpt, weights_only=False)
-        heads.load_state_dict(st["heads"])
-        opt.load_state_dict(st["opt"])
-        step, ema, before = st["step"], st.get("ema"), st.get("seconds", 0.0)
+    step, ema, before = load_checkpoint(ckpt, "heads", heads, opt)
     rng = random.Random(cfg.seed + step)
     bar = tqdm(total=cfg.steps, initial=step, desc="train medusa", disable=quiet, dynamic_ncols=True)
     t0 = time.perf_counter()
     heads.train()
     while step < cfg.steps:
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        lr = cosine_lr(step, cfg.steps, cfg.warmup, cfg.lr)
         for g in opt.param_groups:
             g["lr"] = lr
         fs, ps = [], []
@@ -105,8 +100,7 @@ def train_medusa(target, out: Path, cfg: MedusaTrainConfig, data: Path, features
         bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.1e}")
         bar.update(1)
         if step % cfg.save_every == 0 or step == cfg.steps:
-            torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step, "ema": ema,
-                        "seconds": before + time.perf_counter() - t0}, ckpt)
+            save_checkpoint(ckpt, "heads", heads, opt, step, ema, before + time.perf_counter() - t0)
     bar.close()
     heads.eval()
     acc = measure_accuracy(heads, val_rows, W, cfg.topk)
