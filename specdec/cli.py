@@ -18,7 +18,7 @@ from .types import SpecdecError
 
 METHODS = ("none", "ngram", "draft", "auto", "eagle", "medusa")
 DEFAULT_K = {"ngram": 8, "draft": 4, "auto": 8, "eagle": 5, "medusa": 4}  # measured on the Spec-Bench dev set (README)
-DEFAULT_TREE_NODES = {"eagle": 8, "medusa": 4}
+DEFAULT_TREE_NODES = {"eagle": 5, "medusa": 4}
 
 
 def method_k(args, method: str | None = None) -> int:
@@ -67,9 +67,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree", action=argparse.BooleanOptionalAction, default=True,
                    help="eagle, medusa: draft a token tree verified in one forward (eagle: dynamic, EAGLE-2; medusa: "
                         "static); --no-tree drafts a chain. Default: tree")
-    g.add_argument("--tree-depth", type=_positive_int, default=5, help="eagle tree: expansion steps (deepest path). Default: 5")
-    g.add_argument("--tree-width", type=_positive_int, default=4,
-                   help="eagle tree: nodes expanded per step and children per node. Default: 4")
+    g.add_argument("--tree-depth", type=_positive_int, default=4, help="eagle tree: expansion steps (deepest path). Default: 4")
+    g.add_argument("--tree-width", type=_positive_int, default=2,
+                   help="eagle tree: nodes expanded per step and children per node. Default: 2")
     g.add_argument("--tree-nodes", type=_positive_int, default=None,
                    help="tree nodes sent for verification (eagle: the best by cumulative draft probability; medusa: "
                         "the most probable from the heads' measured accuracies). On a CPU every verified node costs "

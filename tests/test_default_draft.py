@@ -32,7 +32,7 @@ def test_default_draft_ships_and_loads(default_model):
 
 
 def _args(method, tree=True):
-    return argparse.Namespace(method=method, draft=None, k=None, tree=tree, tree_depth=5, tree_width=4, tree_nodes=None)
+    return argparse.Namespace(method=method, draft=None, k=None, tree=tree, tree_depth=4, tree_width=2, tree_nodes=None)
 
 
 @pytest.mark.default_model
