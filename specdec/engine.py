@@ -3,8 +3,10 @@
 One loop serves plain and speculative decoding: with no drafter (or k = 0) every step
 scores just the pending token. A drafter may return a chain (k tokens in a row) or a tree
 (Draft.parents, see tree.py): a tree is scored in one forward with an ancestor mask, the
-accepted path is kept in the KV cache (compact) and the drafter is told the path. Rows of a batch may have different prompt lengths, draft
-counts and accepted counts; rows that finish leave the batch at once.
+accepted path is kept in the KV cache (compact) and the drafter is told the path. Drafters
+that read the target's hidden states (needs_hidden) get those of every committed position.
+Rows of a batch may have different prompt lengths, draft counts and accepted counts; rows
+that finish leave the batch at once.
 
 The engine yields token ids through a callback and knows nothing about tokenization,
 text, files or HTTP. Stop strings are the caller's business (`stop_fn`).
