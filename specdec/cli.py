@@ -697,7 +697,13 @@ def print_summary(results, args, wall: float) -> None:
             f"prefill {s['prefill_s']:.2f} s for {s['prompt_tokens']} prompt tokens, wall {wall:.2f} s; "
             f"method {args.method}")
     if args.method != "none":
-        line += (f", k={method_k(args)}: acceptance {s['alpha']:.2f}, {s['tau']:.2f} tokens/forward, "
+        if args.method in DEFAULT_TREE_NODES and getattr(args, "tree", True):
+            nodes = args.tree_nodes or DEFAULT_TREE_NODES[args.method]
+            shape = f"tree of {nodes} nodes" + (f", depth {args.tree_depth}" if args.method == "eagle" else "")
+            accept = "acceptance by depth"
+        else:
+            shape, accept = f"k={method_k(args)}", "acceptance"
+        line += (f", {shape}: {accept} {s['alpha']:.2f}, {s['tau']:.2f} tokens/forward, "
                  f"draft {s['draft_s']:.2f} s vs verify {s['verify_s']:.2f} s")
     reasons = sorted({r.stats.finish_reason for r in results})
     line += f"; finished: {', '.join(reasons)}"
