@@ -71,3 +71,33 @@ class AdaptiveK:
             self.t_draft = per_token if not self.t_draft else 0.8 * self.t_draft + 0.2 * per_token
         prev = self.t_fwd.get(kk)
         self.t_fwd[kk] = verify_s if prev is None else 0.8 * prev + 0.2 * verify_s
+
+
+class DecayedLine:
+    """y ~ a + b x, fitted by exponentially decayed least squares (recent points count most).
+    Used for step times: per guessed token (prompt lookup) and per scored token (the server)."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.s = [0.0] * 5  # decayed sums: w, x, y, xx, xy
+
+    def observe(self, x: float, y: float) -> None:
+        d = self.decay
+        w, sx, sy, sxx, sxy = self.s
+        self.s = [d * w + 1, d * sx + x, d * sy + y, d * sxx + x * x, d * sxy + x * y]
+
+    @property
+    def weight(self) -> float:
+        return self.s[0]
+
+    def slope(self) -> float | None:
+        """b, or None while the x values do not vary enough to tell it."""
+        w, sx, sy, sxx, sxy = self.s
+        var = w * sxx - sx * sx
+        if var <= 1e-9 * max(w * w, 1.0):
+            return None
+        return (w * sxy - sx * sy) / var
+
+    def intercept(self, slope: float) -> float:
+        w, sx, sy, _, _ = self.s
+        return (sy - slope * sx) / w

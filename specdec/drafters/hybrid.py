@@ -40,7 +40,7 @@ class HybridDrafter:
         """gate=False always runs the draft model for rows without a lookup."""
         self.draft = draft  # a DraftModelDrafter
         self.k_policy = k_policy
-        self._pending = None  # (k, draft seconds, end of propose) for k_policy.observe
+        self._pending = None  # (draft length, draft seconds) of this step, for k_policy.observe
         self.ngram = NgramDrafter(min_n, max_n)
         self.gate = gate
         self.cost_hint = None

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from ..adaptive import DecayedLine
 from .base import Draft, DraftContext, register
 
 
@@ -58,31 +59,35 @@ class LengthPolicy:
         self.acc = [[1.0] * max_k for _ in range(max_n + 1)]  # prior 0.5 at every position
         self.seen = [[2.0] * max_k for _ in range(max_n + 1)]
         self.r_prior = r_prior
-        self._ls = [0.0] * 5  # decayed sums for t = t0 + slope * j: w, j, t, jj, jt
+        self.times = DecayedLine(0.99)  # step seconds vs guesses verified in the step
 
     @property
     def r(self) -> float:
-        w, sj, st, sjj, sjt = self._ls
-        var = w * sjj - sj * sj
-        if w < 8 or var <= 1e-9 * max(w * w, 1.0):
+        slope = self.times.slope() if self.times.weight >= 8 else None
+        if slope is None:
             return self.r_prior
-        slope = (w * sjt - sj * st) / var
-        t0 = (st - slope * sj) / w
+        t0 = self.times.intercept(slope)
         if t0 <= 0:
             return self.r_prior
         return min(max(slope / t0, 0.005), 1.0)
 
-    def choose(self, n: int, available: int) -> int:
-        if n >= len(self.acc):
-            n = len(self.acc) - 1
-        r = self.r
-        best, best_j, p, e = 1.0, 0, 1.0, 1.0
-        for i in range(min(available, len(self.acc[n]))):
+    def expected(self, n: int, k: int) -> list[float]:
+        """[E(0), .., E(k')]: expected committed tokens (1 + accepted guesses) when j of a
+        match-length-n continuation are proposed, j = 0 .. k' = min(k, positions tracked)."""
+        n = min(n, len(self.acc) - 1)
+        out, p = [1.0], 1.0
+        for i in range(min(k, len(self.acc[n]))):
             p *= self.acc[n][i] / self.seen[n][i]
-            e += p
-            v = e / (1.0 + r * (i + 1))
+            out.append(out[-1] + p)
+        return out
+
+    def choose(self, n: int, available: int) -> int:
+        r = self.r
+        best, best_j = 1.0, 0
+        for j, e in enumerate(self.expected(n, available)[1:], start=1):
+            v = e / (1.0 + r * j)
             if v > best:
-                best, best_j = v, i + 1
+                best, best_j = v, j
         return best_j
 
     def observe(self, n: int, proposed: int, accepted: int) -> None:
@@ -94,9 +99,7 @@ class LengthPolicy:
             self.seen[n][i] = d * self.seen[n][i] + 1.0
 
     def observe_time(self, j: int, seconds: float) -> None:
-        d = 0.99
-        w, sj, st, sjj, sjt = self._ls
-        self._ls = [d * w + 1, d * sj + j, d * st + seconds, d * sjj + j * j, d * sjt + j * seconds]
+        self.times.observe(j, seconds)
 
 
 class NgramDrafter:

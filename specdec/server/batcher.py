@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from ..adaptive import DecayedLine
 from ..drafters.base import DraftContext
 from ..drafters.ngram import NgramDrafter
 from ..sampling import choose, make_generator, warp
@@ -63,24 +64,16 @@ class StepModel:
     """t(A, K) = a + b * A * (K + 1), fitted by decayed least squares on (A*(K+1), seconds)."""
 
     def __init__(self, decay: float = 0.98) -> None:
-        self.decay = decay
-        self.s = [0.0] * 5  # w, x, y, xx, xy
+        self.line = DecayedLine(decay)
 
     def observe(self, rows: int, k: int, seconds: float) -> None:
-        x, d = rows * (k + 1), self.decay
-        w, sx, sy, sxx, sxy = self.s
-        self.s = [d * w + 1, d * sx + x, d * sy + seconds, d * sxx + x * x, d * sxy + x * seconds]
+        self.line.observe(rows * (k + 1), seconds)
 
     def predict(self, rows: int, k: int) -> float | None:
-        w, sx, sy, sxx, sxy = self.s
-        if w < 4:
+        if self.line.weight < 4:
             return None
-        var = w * sxx - sx * sx
-        if var <= 1e-9 * max(w * w, 1.0):
-            b = 0.0
-        else:
-            b = max(0.0, (w * sxy - sx * sy) / var)
-        a = max(1e-6, (sy - b * sx) / w)
+        b = max(0.0, self.line.slope() or 0.0)
+        a = max(1e-6, self.line.intercept(b))
         return a + b * rows * (k + 1)
 
 
@@ -240,13 +233,7 @@ class ContinuousBatcher:
             t = self.steps.predict(A, k)
             if t is None:
                 return self.k_max if self.totals["steps"] % 2 else 0  # measure both ends first
-            tokens = 0.0
-            for g, n in zip(guesses, matches):
-                p, e = 1.0, 1.0
-                for i in range(min(k, len(g))):
-                    p *= pol.acc[min(n, len(pol.acc) - 1)][i] / pol.seen[min(n, len(pol.acc) - 1)][i]
-                    e += p
-                tokens += e
+            tokens = sum(pol.expected(n, min(k, len(g)))[-1] for g, n in zip(guesses, matches))
             rate = tokens / t
             if best is None or rate > best * 1.0001:
                 best, best_k = rate, k
