@@ -1,4 +1,4 @@
-"""The `specdec` command line. Subcommands: generate, train draft, bench.
+"""The `specdec` command line. Subcommands: generate, train (draft, eagle, medusa), bench, serve, validate.
 
 The CLI does the I/O (prompts, files, terminal, JSON); the engine does the decoding.
 Every user mistake ends in one `specdec: error: ...` line and exit status 2, never a
@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)
+    add_validate_parser(sub)
     return parser
 
 
@@ -293,6 +294,191 @@ def cmd_bench(args) -> int:
         print(f"wrote {', '.join(files)} to {args.out}", file=sys.stderr)
     print(json.dumps(result))
     return 0
+
+
+def add_validate_parser(sub) -> None:
+    v = sub.add_parser(
+        "validate",
+        help="pre-launch check: should speculation be on for your prompts, with which settings?",
+        description="Measure speculative decoding on your own prompts and write a report a team can attach to its "
+                    "decision: (1) acceptance alpha, tokens per forward tau and acceptance by position for each "
+                    "method and k, per sample and overall with the spread; (2) throughput and latency (TTFT, "
+                    "per-token p50/p95) with speculation off, at a fixed k and load-aware, at each concurrency, "
+                    "through the batched engine `specdec serve` uses, and where speculation stops paying; "
+                    "(3) the speedup DESIGN.md's formula predicts from alpha and the draft cost c next to the "
+                    "measured one, with the measured factors that explain the gap; (4) exactness: greedy outputs "
+                    "equal with and without speculation on every sample, and a seeded chi-square check of the "
+                    "first sampled tokens against the target's exact probabilities; (5) a verdict (enable or not, "
+                    "method, k, up to which concurrency) and the equivalent settings for vLLM, llama.cpp's server, "
+                    "TGI and specdec serve. Writes report.html and report.json to --out; prints a summary.",
+    )
+    v.add_argument("--data", required=True, metavar="FILE",
+                   help="your samples: a text file (one prompt per line), a JSONL file (one object per line with "
+                        "'prompt', OpenAI-style 'messages', or Spec-Bench 'turns'; optional 'id', 'category'), or "
+                        "'humaneval' (raw code completion)")
+    v.add_argument("--methods", default=None,
+                   help="comma-separated methods to test, from ngram, draft, auto, eagle, eagle-chain, medusa, "
+                        "medusa-chain. Default: every method that has what it needs for this target (the default "
+                        "target ships a draft, an EAGLE head and Medusa heads); --quick: ngram,auto,eagle")
+    v.add_argument("--k", dest="k_list", default=None, metavar="LIST",
+                   help="comma-separated draft lengths to try for chain methods (ngram, draft, auto, *-chain); "
+                        "trees use --tree-* instead. Default: each method's default k, and for ngram and draft "
+                        "also half of it (--quick: the default only)")
+    v.add_argument("--concurrency", default=None, metavar="LIST",
+                   help="concurrency levels for the load test (comma-separated; 'none' skips it). "
+                        "Default: 1,2,4,8,16 (--quick: 1,4)")
+    v.add_argument("--max-samples", type=_nonneg_int, default=None,
+                   help="use at most this many samples, spread over categories (0 = all). Default: 24 (--quick: 8)")
+    v.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                   help="tokens generated per sample. Default: 128 (--quick: 64)")
+    v.add_argument("--repeats", type=_positive_int, default=None,
+                   help="timed runs per measurement; medians reported. Default: 2 (--quick: 1)")
+    v.add_argument("--min-requests", type=_positive_int, default=None,
+                   help="requests per concurrency level at least. Default: 8 (--quick: 4)")
+    v.add_argument("--dist-samples", type=_nonneg_int, default=None,
+                   help="samples (the shortest) with a distribution check, per method; 0 skips it. "
+                        "Default: 2 (--quick: 1)")
+    v.add_argument("--dist-draws", type=_positive_int, default=None,
+                   help="seeded sampled continuations per distribution check. Default: 400 (--quick: 200)")
+    v.add_argument("--dist-tokens", type=_positive_int, default=3,
+                   help="tokens per sampled continuation in the distribution check. Default: 3")
+    v.add_argument("--dist-temperature", type=float, default=1.0,
+                   help="sampling temperature of the distribution check (> 0). Default: 1.0")
+    v.add_argument("--seed", type=int, default=0, help="seed of the distribution check. Default: 0")
+    v.add_argument("--raw", action="store_true",
+                   help="send text prompts as they are, without the chat template (messages always use it)")
+    v.add_argument("--quick", action="store_true",
+                   help="a minutes-long run: fewer samples, methods, levels and draws (explicit flags still win)")
+    v.add_argument("--out", metavar="DIR", default="validate-report",
+                   help="where report.html and report.json go. Default: ./validate-report")
+    v.add_argument("--quiet", action="store_true", help="no progress bars")
+    v.add_argument("--model", metavar="PATH", default=None,
+                   help="target model (a .gguf, a Hugging Face folder, or a hub id). Default: the embedded default")
+    v.add_argument("--draft", metavar="PATH", default=None,
+                   help="draft model for draft/auto. Default: the draft shipped for the default target")
+    v.add_argument("--eagle", metavar="DIR", default=None, help="EAGLE head. Default: the one shipped for the default target")
+    v.add_argument("--medusa", metavar="DIR", default=None,
+                   help="Medusa heads. Default: the ones shipped for the default target")
+    v.add_argument("--tree-depth", type=_positive_int, default=4, help="eagle tree depth. Default: 4")
+    v.add_argument("--tree-width", type=_positive_int, default=2, help="eagle tree width. Default: 2")
+    v.add_argument("--tree-nodes", type=_positive_int, default=None, help="tree nodes verified. Default: per method")
+    v.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Default: float32")
+    v.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads. Default: all cores")
+
+
+def _always_drafting(engine, method: str, k: int):
+    """An engine with the same drafter as `engine` but guessing every step (prompt lookup without its
+    adaptive length, the hybrid without its gate), so the distribution check has guesses to verify."""
+    from .drafters.hybrid import HybridDrafter
+    from .drafters.ngram import NgramDrafter
+    from .engine import Engine
+
+    d = engine.drafter
+    if method == "ngram" and isinstance(d, NgramDrafter):
+        return Engine(engine.model, NgramDrafter(d.min_n, d.max_n, adaptive=False), k=k, eos_ids=engine.eos_ids)
+    if method == "auto" and isinstance(d, HybridDrafter):
+        return Engine(engine.model, HybridDrafter(d.draft, gate=False), k=k, eos_ids=engine.eos_ids)
+    return None
+
+
+VALIDATE_METHODS = ("ngram", "draft", "auto", "eagle", "eagle-chain", "medusa", "medusa-chain")
+
+
+def _csv_ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecdecError(f"{flag} takes comma-separated whole numbers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise SpecdecError(f"{flag} needs numbers >= 1, got {text!r}")
+    return vals
+
+
+def cmd_validate(args) -> int:
+    import platform
+    from pathlib import Path
+
+    import torch
+
+    from .bench.runner import machine_info
+    from .engine import Engine
+    from .models.loader import load_model
+    from .validate import measure, pipeline, report
+    from .validate.samples import load_samples, read_samples
+
+    q = args.quick
+    pick = lambda v, full, quick: v if v is not None else (quick if q else full)  # noqa: E731
+    max_new = pick(args.max_new_tokens, 128, 64)
+    if args.dist_temperature <= 0:
+        raise SpecdecError(f"--dist-temperature must be > 0 (the check samples), got {args.dist_temperature}")
+    explicit = args.methods is not None
+    methods = [m.strip() for m in (args.methods or ("ngram,auto,eagle" if q else ",".join(VALIDATE_METHODS))).split(",")
+               if m.strip()]
+    bad = [m for m in methods if m not in VALIDATE_METHODS]
+    if bad:
+        raise SpecdecError(f"unknown method(s) {', '.join(bad)} for validate; choose from {', '.join(VALIDATE_METHODS)}")
+    k_list = _csv_ints(args.k_list, "--k") if args.k_list else None
+    conc_text = args.concurrency or ("1,4" if q else "1,2,4,8,16")
+    levels = [] if conc_text.strip() == "none" else _csv_ints(conc_text, "--concurrency")
+    read_samples(args.data)  # a malformed file fails before the model loads
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_model(args.model, dtype=torch.float32 if args.dtype == "float32" else torch.bfloat16,
+                        quiet=args.quiet)
+    if target.tokenizer is None:
+        raise SpecdecError(f"{target.path} has no tokenizer; validate needs one to read your samples")
+    max_k = max(k_list or [max(DEFAULT_K.values())])
+    reserve = max_new + max_k + (args.tree_nodes or max(DEFAULT_TREE_NODES.values())) + 8
+    limit = pick(args.max_samples, 24, 8) or None
+    samples = load_samples(args.data, target.tokenizer, target.model.max_context, reserve, limit,
+                           chat=False if args.raw else None)
+    if samples.skipped and not args.quiet:
+        print(f"[specdec] skipped {len(samples.skipped)} sample(s) too long for the context "
+              f"(listed in the report)", file=sys.stderr)
+
+    configs, skipped = [], {}
+    for m in methods:
+        base = m.removesuffix("-chain")
+        tree = base in ("eagle", "medusa") and not m.endswith("-chain")
+        if tree:
+            ks = [args.tree_depth if base == "eagle" else None]
+        elif k_list:
+            ks = k_list
+        elif base in ("ngram", "draft") and not q:
+            ks = sorted({max(1, DEFAULT_K[base] // 2), DEFAULT_K[base]})
+        else:
+            ks = [DEFAULT_K[base]]
+        for k in ks:
+            draft = {"draft": args.draft, "auto": args.draft, "eagle": args.eagle, "medusa": args.medusa}.get(base)
+            ns = argparse.Namespace(method=base, draft=draft, k=k, tree=tree, tree_depth=args.tree_depth,
+                                    tree_width=args.tree_width, tree_nodes=args.tree_nodes)
+            try:
+                eng, _ = build_engine(ns, target, True)
+            except SpecdecError as e:
+                if explicit or (args.draft and base in ("draft", "auto")):
+                    raise SpecdecError(f"method {m}: {e}") from None
+                skipped[m] = str(e)
+                break
+            name = f"{base} tree" if tree else f"{m} k={k}"
+            configs.append(measure.Config(name, base, k, tree, eng, _always_drafting(eng, base, k)))
+    if not configs:
+        raise SpecdecError("no method could be set up: " + "; ".join(f"{m}: {r}" for m, r in skipped.items()))
+    ngram_ks = [c.k for c in configs if c.method == "ngram"]
+    opts = pipeline.Options(
+        max_new_tokens=max_new, repeats=pick(args.repeats, 2, 1), concurrency=tuple(levels),
+        load_k=max(ngram_ks) if ngram_ks else DEFAULT_K["ngram"], min_requests=pick(args.min_requests, 8, 4),
+        dist_samples=pick(args.dist_samples, 2, 1), dist_draws=pick(args.dist_draws, 400, 200),
+        dist_tokens=args.dist_tokens, dist_temperature=args.dist_temperature, seed=args.seed, quiet=args.quiet)
+    cmd = "specdec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("specdec") else "specdec validate ..."
+    machine = machine_info(torch.get_num_threads()) | {"platform": platform.platform()}
+    drafts = {"draft": args.draft, "auto": args.draft, "eagle": args.eagle, "medusa": args.medusa}
+    result = pipeline.run(target, samples, configs, Engine(target.model, eos_ids=target.eos_ids), opts, skipped,
+                          cmd, machine, drafts)
+    out = Path(args.out)
+    files = report.write(result, out)
+    print(report.terminal_summary(result))
+    print(f"report: {', '.join(str(out / f) for f in files)}")
+    return 0 if not result["verdict"]["exactness_failures"] else 3
 
 
 def _one(engine, ids, params):
@@ -718,7 +904,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"generate": cmd_generate, "train": cmd_train, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
+        return {"generate": cmd_generate, "train": cmd_train, "bench": cmd_bench, "serve": cmd_serve,
+                "validate": cmd_validate}[args.command](args)
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2

@@ -137,5 +137,10 @@ def _make(target=None, draft=None, **_):
     if draft is None:
         raise SpecdecError("--method draft needs a draft model: pass --draft PATH (a folder or .gguf with the same tokenizer)")
     check_same_vocabulary(getattr(target, "tokenizer", None), draft.tokenizer)
+    t_vocab, d_vocab = target.model.vocab_size, getattr(draft.model, "vocab_size", None)
+    if (draft.tokenizer is None or getattr(target, "tokenizer", None) is None) and d_vocab != t_vocab:
+        raise SpecdecError(f"the draft's vocabulary has {d_vocab} tokens, the target's {t_vocab}: a draft model must "
+                           "share the target's vocabulary (and should come with its tokenizer, so the ids can be "
+                           "checked)")
     meta = getattr(draft, "draft_meta", None) or {}
     return DraftModelDrafter(draft.model, vocab_size=target.model.vocab_size, vocab_subset=meta.get("vocab_subset"))

@@ -1,0 +1,350 @@
+"""The measurements behind `specdec validate`, on the user's samples.
+
+1. `acceptance`: every sample decoded greedily at batch 1 with plain decoding (`none`, the
+   oracle) and with each speculative configuration, interleaved per sample; per sample and
+   overall: acceptance alpha, tokens per target forward tau, acceptance by draft position,
+   draft / verify / other time, and whether the output equals plain decoding token for token.
+2. `load`: the batched engine the server uses (`server.batcher.ContinuousBatcher`) with
+   speculation off, at a fixed draft length, and load-aware, driven by C client threads at
+   each concurrency C: time to first token, per-token latency p50/p95, throughput, and
+   whether each greedy answer equals plain decoding.
+3. `distribution`: for a few samples, many seeded sampled continuations of the first tokens
+   with speculation, compared with the target's exact probabilities from plain forwards
+   (chi-square over the frequent prefixes, and a probability-integral-transform test over
+   every token speculation produced).
+
+This module runs models and counts; `analysis.py` turns the counts into figures and a
+verdict, `report.py` writes them. It knows nothing about files or the command line.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..types import SamplingParams
+
+
+@dataclass
+class Config:
+    """One speculative configuration under test."""
+
+    name: str  # e.g. "ngram k=8", "eagle tree"
+    method: str
+    k: int | None  # draft length (chains) or tree depth (trees)
+    tree: bool
+    engine: object  # engine.Engine
+    check_engine: object = None  # for the distribution check: the same drafter without adaptive
+    # switching-off (an adaptive drafter may stop guessing where guesses rarely hold, leaving nothing to check)
+
+
+def _row(res) -> dict:
+    s = res.stats
+    return {"new_tokens": s.new_tokens, "forwards": s.target_forwards, "proposed": s.proposed,
+            "accepted": s.accepted, "proposed_by_pos": list(s.proposed_by_pos),
+            "accepted_by_pos": list(s.accepted_by_pos), "prefill_s": s.prefill_s, "decode_s": s.decode_s,
+            "draft_s": s.draft_s, "verify_s": s.verify_s, "alpha": s.alpha, "tau": s.tau,
+            "finish": s.finish_reason}
+
+
+def acceptance(configs: list[Config], none_engine, encoded: list[list[int]], params: SamplingParams,
+               repeats: int, bar=None) -> dict:
+    """Greedy runs of `none` and every config on every sample, `repeats` times, interleaved.
+
+    Returns {"none": {...}, config name: {...}} where each entry holds `samples` (per sample,
+    from the first repeat: counts, times, tokens) and `reps` (per repeat: summed new tokens,
+    prefill, decode, draft and verify seconds)."""
+    runs = [("none", none_engine)] + [(c.name, c.engine) for c in configs]
+    out = {name: {"samples": [], "reps": [dict(new_tokens=0, prefill_s=0.0, decode_s=0.0, draft_s=0.0, verify_s=0.0)
+                                          for _ in range(repeats)]} for name, _ in runs}
+    for rep in range(repeats):
+        for ids in encoded:
+            for name, eng in runs:
+                [res] = eng.generate([ids], params)
+                acc = out[name]["reps"][rep]
+                acc["new_tokens"] += res.stats.new_tokens
+                for key in ("prefill_s", "decode_s", "draft_s", "verify_s"):
+                    acc[key] += getattr(res.stats, key)
+                if rep == 0:
+                    row = _row(res)
+                    row["tokens"] = list(res.tokens)
+                    out[name]["samples"].append(row)
+                if bar is not None:
+                    bar.update(1)
+    ref = [r["tokens"] for r in out["none"]["samples"]]
+    for name, _ in runs:
+        for r, want in zip(out[name]["samples"], ref):
+            r["equal"] = r["tokens"] == want
+            if not r["equal"]:
+                r["first_difference"] = next((i for i, (a, b) in enumerate(zip(r["tokens"], want)) if a != b),
+                                             min(len(r["tokens"]), len(want)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+def _quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    i = q * (len(s) - 1)
+    lo = int(i)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (i - lo)
+
+
+def drive(batcher, prompts: list[list[int]], conc: int, per_client: int, params: SamplingParams,
+          reference: list[list[int]] | None = None, timeout: float = 600.0) -> dict:
+    """C client threads, each submitting `per_client` requests back to back (prompts taken in
+    turn); returns throughput, TTFT p50, per-token latency p50/p95, failures, and how many
+    answers equal `reference` (the plain greedy outputs of the same prompts)."""
+    from ..server.batcher import Request
+
+    lock = threading.Lock()
+    ttft, gaps, tokens, failures, equal, checked = [], [], [0], [], [0], [0]
+
+    def client(c: int) -> None:
+        for j in range(per_client):
+            idx = (c * per_client + j) % len(prompts)
+            done = threading.Event()
+            state = {"t0": time.perf_counter(), "last": None, "reason": None, "ids": []}
+
+            def on_tokens(ids, state=state):
+                now = time.perf_counter()
+                with lock:
+                    if state["last"] is None:
+                        ttft.append(now - state["t0"])
+                    else:
+                        gaps.extend([(now - state["last"]) / len(ids)] * len(ids))
+                    tokens[0] += len(ids)
+                state["last"] = now
+                state["ids"].extend(ids)
+
+            def on_done(reason, stats, state=state, done=done):
+                state["reason"] = reason
+                done.set()
+
+            req = Request(list(prompts[idx]), params, on_tokens, on_done)
+            try:
+                batcher.submit(req)
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                with lock:
+                    failures.append(f"submit: {type(e).__name__}: {e}")
+                continue
+            if not done.wait(timeout):
+                req.cancel()
+                with lock:
+                    failures.append("timed out")
+                continue
+            with lock:
+                if state["reason"] not in ("eos", "length", "stop"):
+                    failures.append(str(state["reason"]))
+                elif reference is not None:
+                    checked[0] += 1
+                    equal[0] += state["ids"] == reference[idx]
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(conc)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"throughput": tokens[0] / wall if wall else 0.0, "ttft_p50": statistics.median(ttft) if ttft else 0.0,
+            "token_p50": _quantile(gaps, 0.5), "token_p95": _quantile(gaps, 0.95), "tokens": tokens[0],
+            "requests": conc * per_client, "failures": failures, "equal": equal[0], "checked": checked[0],
+            "wall": wall}
+
+
+LOAD_SETTINGS = ("off", "fixed", "adaptive")
+
+
+def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, levels: list[int], k: int,
+         min_requests: int, repeats: int, reference: list[list[int]] | None = None, bar=None) -> dict:
+    """Off / fixed-k / load-aware prompt-lookup speculation through the server's batcher, each
+    concurrency level run for every setting in turn (off, fixed, adaptive, off, ...), `repeats`
+    rounds; medians per (setting, level). Each level sends at least `min_requests` requests."""
+    from ..server.batcher import ContinuousBatcher
+
+    ctx = min(model.max_context, max(len(p) for p in encoded) + params.max_new_tokens + k + 8)
+    spec = {"off": ("none", False), "fixed": ("ngram", False), "adaptive": ("ngram", True)}
+    batchers = {name: ContinuousBatcher(model, eos_ids, method=m, k_max=k, max_batch=max(levels), max_context=ctx,
+                                        adaptive=ad) for name, (m, ad) in spec.items()}
+    raw = {name: {c: [] for c in levels} for name in spec}
+    chosen_k = {name: {c: [] for c in levels} for name in spec}
+    try:
+        for _ in range(repeats):
+            for c in levels:
+                per_client = max(1, -(-min_requests // c))
+                for name, b in batchers.items():
+                    before = b.stats()
+                    res = drive(b, encoded, c, per_client, params, reference)
+                    after = b.stats()
+                    guesses = after["proposed"] - before["proposed"]
+                    rows = after["forwards"] - before["forwards"]
+                    res["mean_guesses"] = guesses / rows if rows else 0.0
+                    res["alpha"] = ((after["accepted"] - before["accepted"]) / guesses) if guesses else 0.0
+                    raw[name][c].append(res)
+                    chosen_k[name][c].append(res["mean_guesses"])
+                    if bar is not None:
+                        bar.update(1)
+    finally:
+        for b in batchers.values():
+            b.close()
+    table = {}
+    for name in spec:
+        table[name] = {}
+        for c in levels:
+            rs = raw[name][c]
+            row = {key: statistics.median(r[key] for r in rs)
+                   for key in ("throughput", "ttft_p50", "token_p50", "token_p95", "mean_guesses", "alpha")}
+            row["failures"] = sum(len(r["failures"]) for r in rs)
+            row["failure_examples"] = [f for r in rs for f in r["failures"]][:3]
+            row["requests"] = sum(r["requests"] for r in rs)
+            row["equal"] = sum(r["equal"] for r in rs)
+            row["checked"] = sum(r["checked"] for r in rs)
+            table[name][c] = row
+    return {"k": k, "levels": levels, "repeats": repeats, "min_requests": min_requests, "table": table}
+
+
+# ---------------------------------------------------------------------------------------------
+def exact_probs(model, seqs: list[list[int]], temperature: float, batch: int = 32) -> torch.Tensor:
+    """The target's next-token distributions after each sequence (all of one length) at
+    `temperature`: plain forwards over the whole sequences (no speculation, no cache reuse),
+    softmax(logits / T) in float64. [len(seqs), V]."""
+    out = []
+    for i in range(0, len(seqs), batch):
+        chunk = seqs[i:i + batch]
+        n, L = len(chunk), len(chunk[0])
+        cache = model.new_cache(n, L + 1)
+        with torch.inference_mode():
+            logits, _ = model(torch.tensor(chunk), torch.arange(L)[None].expand(n, L), cache,
+                              logits_at=torch.full((n, 1), L - 1))
+        out.append(torch.softmax(logits[:, 0].double() / temperature, dim=-1))
+    return torch.cat(out)
+
+
+def chi_square(counts: dict[int, int], probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson chi-square of observed token counts against exact probabilities: tokens expected
+    at least `min_expected` times are their own cells, the rest share one cell."""
+    n = sum(counts.values())
+    expected = probs * n
+    big = torch.nonzero(expected >= min_expected).flatten().tolist()
+    cells_e = [float(expected[i]) for i in big]
+    cells_o = [counts.get(i, 0) for i in big]
+    rest_e = n - sum(cells_e)
+    rest_o = n - sum(cells_o)
+    if rest_e >= min_expected or (rest_e > 1e-9 and not cells_e):
+        cells_e.append(rest_e)
+        cells_o.append(rest_o)
+    elif cells_e and rest_e > 1e-12:  # too small for a cell of its own: fold into the smallest
+        j = min(range(len(cells_e)), key=lambda i: cells_e[i])
+        cells_e[j] += rest_e
+        cells_o[j] += rest_o
+    elif rest_o > 0:  # tokens observed that the target gives (almost) no mass: certain failure
+        return float("inf"), max(1, len(cells_e))
+    stat = sum((o - e) ** 2 / e for o, e in zip(cells_o, cells_e) if e > 0)
+    return stat, max(0, len(cells_e) - 1)
+
+
+def chi2_pvalue(stat: float, dof: int) -> float:
+    if dof <= 0:
+        return 1.0
+    if stat == float("inf"):
+        return 0.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def pit(token: int, probs: torch.Tensor, u: float) -> float:
+    """Randomised probability integral transform of a sampled token: with the tokens ordered
+    from most to least probable, F(before token) + u * p(token). Uniform on (0, 1) exactly when
+    the token was drawn from `probs`; mass moved towards likely tokens (a typical broken
+    rejection rule over-accepts the draft's favourites) pushes it towards 0."""
+    p = probs[token]
+    ties = (probs == p) & (torch.arange(len(probs)) < token)  # equal probabilities: lower ids first
+    before = float(probs[probs > p].sum()) + float(probs[ties].sum())
+    return min(1.0, before + u * float(p))
+
+
+def check_sequences(model, prompt: list[int], seqs: list[list[int]], temperature: float, seed: int = 0,
+                    min_group: int = 30, bins: int = 10) -> dict:
+    """Compare sampled continuations with the target's exact conditionals p(. | prompt, prefix),
+    from plain forwards over every distinct prefix that was sampled.
+
+    Two tests, each must hold: (1) grouped chi-square: for each position t, sequences grouped
+    by their first t tokens, every group of at least `min_group` tested cell by cell, the
+    statistics and degrees of freedom summed; (2) for the tokens after the first (the ones
+    speculation produced; the first comes from the prefill), the randomised PIT values of all
+    of them, binned, against the uniform distribution. (2) uses every speculated token even
+    where prefixes are too diverse for (1)."""
+    gen = torch.Generator().manual_seed(seed)
+    stat, dof, groups, tested = 0.0, 0, 0, 0
+    tv_first = None
+    u_values: list[float] = []
+    depth = max((len(s) for s in seqs), default=0)
+    for t in range(depth):
+        by_prefix: dict[tuple, dict[int, int]] = {}
+        for s in seqs:
+            if len(s) > t:
+                cell = by_prefix.setdefault(tuple(s[:t]), {})
+                cell[s[t]] = cell.get(s[t], 0) + 1
+        prefixes = list(by_prefix)
+        probs = exact_probs(model, [list(prompt) + list(pf) for pf in prefixes], temperature)
+        for pf, p in zip(prefixes, probs):
+            counts = by_prefix[pf]
+            n = sum(counts.values())
+            if t >= 1:
+                for tok, c in counts.items():
+                    u_values += [pit(tok, p, float(x)) for x in torch.rand(c, generator=gen, dtype=torch.float64)]
+            if n < min_group:
+                continue
+            s_, d_ = chi_square(counts, p)
+            stat += s_
+            dof += d_
+            groups += 1
+            tested += n
+            if t == 0:
+                emp = torch.zeros_like(p)
+                for tok, c in counts.items():
+                    emp[tok] = c / n
+                tv_first = float(0.5 * (emp - p).abs().sum())
+    out = {"chi2": stat, "dof": dof, "p_value_grouped": chi2_pvalue(stat, dof), "groups": groups,
+           "tokens_tested": tested, "tv_first_token": tv_first, "speculated_tokens": len(u_values)}
+    if len(u_values) >= 5 * bins:
+        hist = torch.histc(torch.tensor(u_values), bins=bins, min=0.0, max=1.0)
+        e = len(u_values) / bins
+        pit_stat = float(((hist - e) ** 2 / e).sum())
+        out.update(pit_chi2=pit_stat, pit_p_value=chi2_pvalue(pit_stat, bins - 1), pit_histogram=hist.tolist())
+    else:
+        out.update(pit_chi2=None, pit_p_value=None, pit_histogram=None)
+    ps = [x for x in (out["p_value_grouped"] if dof else None, out["pit_p_value"]) if x is not None]
+    out["p_value"] = min(ps) if ps else 1.0
+    out["tests"] = len(ps)
+    return out
+
+
+def distribution(config: Config, model, prompt: list[int], draws: int, tokens: int, temperature: float, seed: int,
+                 batch: int = 32, alpha_level: float = 1e-3) -> dict:
+    """`draws` seeded sampled continuations of `tokens` tokens with speculation (rows of `batch`),
+    checked against the exact conditionals. The first token comes from the prefill; speculation
+    acts from the second on, so `proposed` says how many guesses were actually verified."""
+    seqs, proposed, accepted = [], 0, 0
+    params = SamplingParams(temperature=temperature, max_new_tokens=tokens)
+    for start in range(0, draws, batch):
+        n = min(batch, draws - start)
+        res = (config.check_engine or config.engine).generate([prompt] * n, replace(params, seed=seed + start))
+        for r in res:
+            seqs.append(list(r.tokens))
+            proposed += r.stats.proposed
+            accepted += r.stats.accepted
+    out = check_sequences(model, prompt, seqs, temperature, seed)
+    # each of the (at most two) tests at alpha_level / tests (Bonferroni)
+    level = alpha_level / max(1, out["tests"])
+    out.update(draws=draws, tokens=tokens, temperature=temperature, seed=seed, proposed=proposed, accepted=accepted,
+               alpha_level=alpha_level, tested=out["tests"] > 0, passed=out["p_value"] >= level,
+               exercised=proposed > 0 and out["pit_p_value"] is not None)
+    return out

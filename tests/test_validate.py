@@ -1,0 +1,264 @@
+"""`specdec validate`: sample files, the distribution check (it passes exact samples and
+catches broken ones, including a broken engine), greedy exactness against an independent
+oracle, the load test through the server's batcher, the predicted-vs-measured arithmetic,
+the verdict, and the command end to end on the default model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from oracle import broken_verify_stochastic, hf_greedy, native_of, one_thread, tiny_hf_llama  # noqa: F401
+
+import specdec.engine
+from specdec.drafters.ngram import NgramDrafter
+from specdec.engine import Engine
+from specdec.types import SamplingParams, SpecdecError
+from specdec.validate import analysis, measure
+from specdec.validate.samples import load_samples, read_samples, spread
+
+
+# ------------------------------------------------------------------------------ samples
+class CharTok:
+    """A tokenizer without a chat template: one id per character."""
+
+    chat_template = None
+
+    def encode(self, text):
+        return [ord(c) % 64 for c in text]
+
+
+def test_text_lines_and_jsonl(tmp_path):
+    p = tmp_path / "s.txt"
+    p.write_text("first prompt\n\n{not json} but text\nthird\n")
+    tasks, fmt = read_samples(str(p))
+    assert fmt == "text lines" and [t.prompt for t in tasks] == ["first prompt", "{not json} but text", "third"]
+    j = tmp_path / "s.jsonl"
+    j.write_text(json.dumps({"prompt": "a", "category": "x"}) + "\n" +
+                 json.dumps({"messages": [{"role": "user", "content": "b"}]}) + "\n")
+    tasks, fmt = read_samples(str(j))
+    assert fmt == "jsonl" and tasks[0].prompt == "a" and tasks[0].category == "x" and isinstance(tasks[1].prompt, list)
+
+
+@pytest.mark.parametrize("content, match", [
+    ("", "empty"),
+    ("\n  \n", "empty"),
+    ('{"prompt": "a"}\n{"prompt": \n', r"s\.jsonl:2: not valid JSON"),
+    ('{"prompt": "a"}\n{"text": "b"}\n', r"s\.jsonl:2: needs"),
+])
+def test_bad_sample_files_name_the_line(tmp_path, content, match):
+    p = tmp_path / "s.jsonl"
+    p.write_text(content)
+    with pytest.raises(SpecdecError, match=match):
+        read_samples(str(p))
+
+
+def test_missing_file():
+    with pytest.raises(SpecdecError, match="no such file"):
+        read_samples("/nonexistent/samples.jsonl")
+
+
+def test_too_long_samples_are_skipped_and_counted(tmp_path):
+    p = tmp_path / "s.txt"
+    p.write_text("short\n" + "x" * 200 + "\nalso short\n")
+    s = load_samples(str(p), CharTok(), max_context=100, reserve=20)
+    assert [t.prompt for t in s.tasks] == ["short", "also short"]
+    assert len(s.skipped) == 1 and s.skipped[0]["id"] == "2" and "exceed the context" in s.skipped[0]["reason"]
+    with pytest.raises(SpecdecError, match="no sample .* fits"):
+        load_samples(str(p), CharTok(), max_context=10, reserve=20)
+
+
+def test_spread_keeps_every_category():
+    from specdec.bench.tasks import Task
+
+    tasks = [Task(str(i), "a", "p", True) for i in range(10)] + [Task("b1", "b", "p", True)]
+    kept = spread(tasks, 4)
+    assert len(kept) == 4 and {t.category for t in kept} == {"a", "b"}
+
+
+# ------------------------------------------------------------------------------ tiny models
+@pytest.fixture(scope="module")
+def tiny():
+    hf = tiny_hf_llama(5, vocab=32, logit_scale=2.5)
+    return hf, native_of(hf)
+
+
+def oracle_sample(hf, prompt, n, tokens, temperature, seed, distort=1.0):
+    """Draws from the exact conditionals of the transformers model (independent of specdec);
+    distort != 1 raises the probabilities of the tokens after the first to that power."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            seq = []
+            for t in range(tokens):
+                p = torch.softmax(hf(torch.tensor([prompt + seq])).logits[0, -1].double() / temperature, -1)
+                if t >= 1 and distort != 1.0:
+                    p = p ** distort / (p ** distort).sum()
+                seq.append(int(torch.multinomial(p, 1, generator=g)))
+            out.append(seq)
+    return out
+
+
+PROMPT = [3, 7, 1, 9, 3, 7, 1, 9, 3, 7, 1]  # repeats itself: prompt lookup always has a match
+
+
+def test_check_passes_exact_samples_and_catches_distorted_ones(tiny):
+    hf, model = tiny
+    good = measure.check_sequences(model, PROMPT, oracle_sample(hf, PROMPT, 300, 3, 1.0, 1), 1.0)
+    assert good["tests"] == 2 and good["p_value"] > 1e-3, good
+    # only the tokens after the first are off (what a broken speculative step would do)
+    bad = measure.check_sequences(model, PROMPT, oracle_sample(hf, PROMPT, 300, 3, 1.0, 1, distort=1.6), 1.0)
+    assert bad["pit_p_value"] < 1e-4, bad
+
+
+def _ngram_config(model, k=3):
+    eng = Engine(model, NgramDrafter(adaptive=False), k=k)
+    return measure.Config("ngram k=3", "ngram", k, False, eng)
+
+
+def test_distribution_check_passes_the_engine_and_catches_a_broken_one(tiny, monkeypatch):
+    _, model = tiny
+    ok = measure.distribution(_ngram_config(model), model, PROMPT, draws=400, tokens=4, temperature=1.0, seed=3)
+    assert ok["passed"] and ok["exercised"] and ok["proposed"] > 0 and ok["accepted"] > 0, ok
+    monkeypatch.setattr(specdec.engine, "verify_stochastic", broken_verify_stochastic)
+    bad = measure.distribution(_ngram_config(model), model, PROMPT, draws=400, tokens=4, temperature=1.0, seed=3)
+    assert not bad["passed"], bad
+
+
+def test_acceptance_greedy_equals_the_oracle_and_a_broken_engine_fails_the_verdict(tiny, monkeypatch):
+    hf, model = tiny
+    prompts = [PROMPT, [5, 2, 8, 5, 2, 8, 5], [1, 2, 3, 4]]
+    params = SamplingParams(max_new_tokens=12)
+    raw = measure.acceptance([_ngram_config(model)], Engine(model), prompts, params, repeats=2)
+    for r, p in zip(raw["none"]["samples"], prompts):
+        assert r["tokens"] == hf_greedy(hf, p, 12)
+    s = analysis.summarize_config(raw["ngram k=3"], raw["none"])
+    assert s["equal"] == 3 and not s["not_equal"] and s["proposed"] > 0 and 0 <= s["alpha"] <= 1
+    assert s["prediction"]["factored"] == pytest.approx(s["prediction"]["measured"], rel=1e-9)
+
+    def accept_all(logits, draft_tokens, counts):  # a broken greedy rule: every guess holds
+        return counts.clone(), logits[torch.arange(len(counts)), counts].argmax(-1)
+
+    monkeypatch.setattr(specdec.engine, "verify_greedy", accept_all)
+    raw = measure.acceptance([_ngram_config(model)], Engine(model), prompts, params, repeats=1)
+    bad = analysis.summarize_config(raw["ngram k=3"], raw["none"])
+    assert bad["not_equal"]
+    v = analysis.verdict({"ngram k=3": bad}, None, [], {})
+    assert not v["enable"] and v["headline"].startswith("DO NOT ENABLE") and v["exactness_failures"]
+
+
+def test_load_through_the_batcher_is_exact(tiny):
+    hf, model = tiny
+    prompts = [PROMPT, [5, 2, 8, 5, 2, 8, 5], [1, 2, 3, 4]]
+    params = SamplingParams(max_new_tokens=10)
+    ref = [hf_greedy(hf, p, 10) for p in prompts]
+    load = measure.load(model, [], prompts, params, levels=[1, 3], k=4, min_requests=3, repeats=1, reference=ref)
+    for name in measure.LOAD_SETTINGS:
+        for c in (1, 3):
+            row = load["table"][name][c]
+            assert row["failures"] == 0 and row["checked"] == row["requests"] == 3 and row["equal"] == 3, row
+            assert row["throughput"] > 0 and row["token_p50"] > 0
+    assert load["table"]["off"][1]["mean_guesses"] == 0 and load["table"]["fixed"][1]["mean_guesses"] > 0
+
+
+# ------------------------------------------------------------------------------ arithmetic
+def _entry(F, k, alpha_pos, draft_s, verify_s, decode_s, new):
+    """One sample that drafted k tokens at each of F steps."""
+    P = [F] * k
+    A = [round(F * a) for a in alpha_pos]
+    row = dict(new_tokens=new, forwards=F, proposed=sum(P), accepted=sum(A), proposed_by_pos=P, accepted_by_pos=A,
+               prefill_s=0.1, decode_s=decode_s, draft_s=draft_s, verify_s=verify_s, alpha=sum(A) / max(1, sum(P)),
+               tau=(new - 1) / F, equal=True)
+    reps = [dict(new_tokens=new, prefill_s=0.1, decode_s=decode_s, draft_s=draft_s, verify_s=verify_s)]
+    return {"samples": [row], "reps": reps}
+
+
+def test_prediction_is_the_design_formula_and_the_factors_multiply_to_the_measurement():
+    none = _entry(100, 0, [], 0.0, 1.0, 1.0, 101)
+    none["samples"][0].update(proposed=0, accepted=0, proposed_by_pos=[], accepted_by_pos=[])
+    e = _entry(50, 4, [0.6, 0.5, 0.4, 0.3], draft_s=0.1, verify_s=0.55, decode_s=0.7, new=101)
+    s = analysis.summarize_config(e, none)
+    a, k = s["alpha"], 4
+    c = (0.1 / 200) / (0.55 / 50)
+    want = (1 - a ** (k + 1)) / ((1 - a) * (1 + c * k))
+    p = s["prediction"]
+    assert p["draft_cost_c"] == pytest.approx(c) and p["predicted"] == pytest.approx(want)
+    assert p["measured"] == pytest.approx((100 / 0.7) / (100 / 1.0))
+    assert p["factored"] == pytest.approx(p["measured"])
+    assert p["verify_per_step"] == pytest.approx(0.55 / (50 * 0.01))
+    assert "verification forward costs" in p["explanation"]
+
+
+def _load(levels, off, fixed, adaptive, p50_off, p50_fixed, p50_ad):
+    t = {}
+    for name, thr, lat in (("off", off, p50_off), ("fixed", fixed, p50_fixed), ("adaptive", adaptive, p50_ad)):
+        t[name] = {c: dict(throughput=thr[i], token_p50=lat[i], failures=0, checked=1, equal=1)
+                   for i, c in enumerate(levels)}
+    return {"levels": levels, "table": t}
+
+
+def test_load_findings_and_verdict():
+    levels = [1, 2, 4, 8]
+    ld = _load(levels, off=[10, 18, 30, 40], fixed=[14, 22, 29, 30], adaptive=[14, 21, 30, 40],
+               p50_off=[0.1, 0.11, 0.13, 0.2], p50_fixed=[0.07, 0.09, 0.13, 0.26], p50_ad=[0.07, 0.09, 0.13, 0.2])
+    f = analysis.load_findings(ld)
+    assert f["fixed"]["max_pays"] == 2 and f["fixed"]["stops_paying_at"] == 4 and f["fixed"]["hurts_at"] == [8]
+    assert f["adaptive"]["hurts_at"] == []
+    good = {"speedup": 1.4, "e2e_speedup": 1.3, "not_equal": [], "samples": 3}
+    v = analysis.verdict({"ngram k=8": good}, f, [], {})
+    assert v["enable"] and v["recommended"] == "ngram k=8" and v["max_concurrency"] == 2
+    slow = {"speedup": 1.02, "e2e_speedup": 1.0, "not_equal": [], "samples": 3}
+    assert not analysis.verdict({"ngram k=8": slow}, f, [], {})["enable"]
+    failed = [{"config": "ngram k=8", "sample": "1", "status": "FAIL", "p_value": 1e-6}]
+    v = analysis.verdict({"ngram k=8": good}, f, failed, {})
+    assert not v["enable"] and "distribution" in v["headline"]
+
+
+# ------------------------------------------------------------------------------ the command
+@pytest.mark.default_model
+def test_validate_command_end_to_end(tmp_path, capsys):
+    from specdec.cli import main
+
+    data = tmp_path / "samples.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "category": c}) for p, c in [
+        ("Repeat this list: apple, banana, cherry, apple, banana, cherry.", "copy"),
+        ("What is 2 + 2?", "qa"),
+        ("x" * 40000, "huge"),
+    ]) + "\n")
+    out = tmp_path / "rep"
+    rc = main(["validate", "--data", str(data), "--quick", "--methods", "ngram", "--max-new-tokens", "24",
+               "--concurrency", "1,2", "--min-requests", "2", "--dist-draws", "64", "--out", str(out), "--quiet"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    r = json.loads((out / "report.json").read_text())
+    assert r["samples"]["kept"] == 2 and len(r["samples"]["skipped"]) == 1
+    cfg = r["configs"]["ngram k=8"]
+    assert cfg["equal"] == 2 and cfg["samples"] == 2 and "prediction" in cfg
+    assert r["load"]["levels"] == [1, 2] and r["load_findings"]["failures"] == 0
+    assert r["load_findings"]["equal"] == r["load_findings"]["checked"] > 0
+    assert r["distribution"] and r["distribution"][0]["status"] != "FAIL"
+    assert {s["framework"] for s in r["settings"]} == {"specdec", "vllm", "llama.cpp", "tgi"}
+    assert isinstance(r["verdict"]["enable"], bool) and r["verdict"]["headline"] in text
+    html = (out / "report.html").read_text()
+    assert "data:image/png;base64," in html and "Predicted vs measured" in html and "<script" not in html
+
+
+@pytest.mark.default_model
+def test_validate_bad_input(tmp_path, capsys):
+    from specdec.cli import main
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main(["validate", "--data", str(empty), "--quick"]) == 2
+    assert "is empty" in capsys.readouterr().err
+    assert main(["validate", "--data", str(empty), "--methods", "warp"]) == 2
+    assert "unknown method" in capsys.readouterr().err
+    other = tmp_path / "other-vocab"
+    tiny_hf_llama(0, vocab=64).save_pretrained(other)
+    data = tmp_path / "s.txt"
+    data.write_text("hello\n")
+    assert main(["validate", "--data", str(data), "--methods", "draft", "--draft", str(other), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "method draft" in err and "vocabular" in err.lower()
