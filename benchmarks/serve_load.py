@@ -6,8 +6,11 @@ concurrency level C, C client threads each send `--requests-per-client` streamin
 requests back to back (prompts: first turns of Spec-Bench dev, spread over categories;
 greedy, max_tokens fixed; answers may end early at EOS, so tokens are counted as received,
 by re-tokenizing each streamed chunk). Measured per level: throughput (completion tokens / wall seconds), time to
-first token (p50), per-token latency (gaps between streamed chunks divided by the tokens
-they carried; p50 and p95). Settings are run in turn per concurrency level (off, fixed,
+first token (p50), time per output token (TPOT: a request's time from its first to its last
+chunk / its tokens after the first; p50 and p95 over requests), the per-token latency a
+reader of the stream sees, and inter-token latency (ITL: gaps between streamed chunks divided
+by the tokens they carried; p50 and p95; its median hides speculation's gain, since most
+chunks still carry one token). Settings are run in turn per concurrency level (off, fixed,
 adaptive, off, ...) for `--repeats` rounds and the median is reported.
 
     python benchmarks/serve_load.py --concurrency 1,2,4,8,16,32 --out /tmp/serve-bench
@@ -60,14 +63,14 @@ def drive(url: str, prompts: list[str], conc: int, per_client: int, max_tokens: 
     from openai import OpenAI
 
     client = OpenAI(base_url=url, api_key="x", max_retries=0, timeout=600)
-    ttft, gaps, tokens, errors = [], [], [0], []
+    ttft, tpot, gaps, tokens, errors = [], [], [], [0], []
     lock = threading.Lock()
 
     def one(c: int):
         for j in range(per_client):
             p = prompts[(c * per_client + j) % len(prompts)]
             t0 = time.perf_counter()
-            last, first = t0, True
+            last, first, t_first, n_req, n_first = t0, True, t0, 0, 0
             try:
                 for ev in client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}],
                                                          max_tokens=max_tokens, temperature=0, stream=True):
@@ -78,11 +81,15 @@ def drive(url: str, prompts: list[str], conc: int, per_client: int, max_tokens: 
                     with lock:
                         if first:
                             ttft.append(now - t0)
-                            first = False
+                            first, t_first, n_first = False, now, n
                         else:
                             gaps.append((now - last) / n)
                         tokens[0] += n
                     last = now
+                    n_req += n
+                if n_req > n_first:
+                    with lock:
+                        tpot.append((last - t_first) / (n_req - n_first))
             except Exception as e:  # noqa: BLE001 - counted and reported
                 with lock:
                     errors.append(f"{type(e).__name__}: {e}")
@@ -96,7 +103,8 @@ def drive(url: str, prompts: list[str], conc: int, per_client: int, max_tokens: 
     wall = time.perf_counter() - t0
     q = lambda xs, f: statistics.quantiles(xs, n=100)[int(f * 100) - 1] if len(xs) >= 2 else (xs[0] if xs else 0.0)  # noqa: E731
     return {"throughput": tokens[0] / wall, "ttft_p50": statistics.median(ttft) if ttft else 0.0,
-            "token_p50": q(gaps, 0.5), "token_p95": q(gaps, 0.95), "errors": len(errors), "wall": wall}
+            "token_p50": q(tpot, 0.5), "token_p95": q(tpot, 0.95), "itl_p50": q(gaps, 0.5), "itl_p95": q(gaps, 0.95),
+            "errors": len(errors), "wall": wall}
 
 
 def main() -> int:
@@ -130,16 +138,19 @@ def main() -> int:
                 res = drive(servers[name][3], prompts, c, args.requests_per_client, args.max_tokens, lm.tokenizer)
                 raw[name][c].append(res)
                 print(f"rep {rep} c={c:<3} {name:<9} {res['throughput']:7.1f} tok/s  ttft {res['ttft_p50']*1e3:7.0f} ms  "
-                      f"token p50 {res['token_p50']*1e3:6.1f} ms  p95 {res['token_p95']*1e3:6.1f} ms  errors {res['errors']}",
+                      f"TPOT p50 {res['token_p50']*1e3:6.1f} ms  p95 {res['token_p95']*1e3:6.1f} ms  "
+                      f"ITL p50 {res['itl_p50']*1e3:6.1f} ms  errors {res['errors']}",
                       file=sys.stderr)
     table = {name: {c: {k: statistics.median(r[k] for r in raw[name][c]) for k in raw[name][c][0]} for c in levels}
              for name in settings}
-    print(f"{'conc':>5} " + "".join(f"{n + ' tok/s':>16}{n + ' p50 ms':>16}" for n in settings) + f"{'adaptive/off':>14}")
+    print(f"{'conc':>5} " + "".join(f"{n + ' tok/s':>16}{n + ' TPOT ms':>16}" for n in settings)
+          + f"{'adaptive/off':>14}{'TPOT off/adaptive':>19}")
     for c in levels:
         line = f"{c:>5} "
         for n in settings:
             line += f"{table[n][c]['throughput']:>16.1f}{table[n][c]['token_p50'] * 1e3:>16.1f}"
         line += f"{table['adaptive'][c]['throughput'] / table['off'][c]['throughput']:>14.2f}"
+        line += f"{table['off'][c]['token_p50'] / table['adaptive'][c]['token_p50']:>19.2f}"
         print(line)
     result = {"benchmark": "serve_load", "threads": args.threads, "max_tokens": args.max_tokens, "k": args.k,
               "requests_per_client": args.requests_per_client, "repeats": args.repeats, "table": table,
@@ -157,7 +168,7 @@ def main() -> int:
         for n in settings:
             axs[0].plot(levels, [table[n][c]["throughput"] for c in levels], marker="o", label=n)
             axs[1].plot(levels, [table[n][c]["token_p50"] * 1e3 for c in levels], marker="o", label=n)
-        for ax, lab in zip(axs, ("throughput (tokens/s)", "per-token latency p50 (ms)")):
+        for ax, lab in zip(axs, ("throughput (tokens/s)", "time per output token p50 (ms)")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrent clients")
             ax.set_ylabel(lab)

@@ -310,7 +310,9 @@ def add_validate_parser(sub) -> None:
                     "equal with and without speculation on every sample, and a seeded chi-square check of the "
                     "first sampled tokens against the target's exact probabilities; (5) a verdict (enable or not, "
                     "method, k, up to which concurrency) and the equivalent settings for vLLM, llama.cpp's server, "
-                    "TGI and specdec serve. Writes report.html and report.json to --out; prints a summary.",
+                    "TGI and specdec serve. Writes report.html and report.json to --out; prints a summary. Exit status: "
+                    "0 when every exactness check passed (whatever the verdict), 3 when one failed, 2 for bad "
+                    "input. Ctrl-C during the load test or the distribution check still writes a partial report.",
     )
     v.add_argument("--data", required=True, metavar="FILE",
                    help="your samples: a text file (one prompt per line), a JSONL file (one object per line with "
@@ -336,12 +338,12 @@ def add_validate_parser(sub) -> None:
     v.add_argument("--min-requests", type=_positive_int, default=None,
                    help="requests per concurrency level at least. Default: 8 (--quick: 4)")
     v.add_argument("--dist-samples", type=_nonneg_int, default=None,
-                   help="samples (the shortest) with a distribution check, per method; 0 skips it. "
-                        "Default: 2 (--quick: 1)")
+                   help="samples with a distribution check, per method (from the shorter half, those where the "
+                        "method guessed most); 0 skips it. Default: 2 (--quick: 1)")
     v.add_argument("--dist-draws", type=_positive_int, default=None,
                    help="seeded sampled continuations per distribution check. Default: 400 (--quick: 200)")
-    v.add_argument("--dist-tokens", type=_positive_int, default=3,
-                   help="tokens per sampled continuation in the distribution check. Default: 3")
+    v.add_argument("--dist-tokens", type=_positive_int, default=4,
+                   help="tokens per sampled continuation in the distribution check. Default: 4")
     v.add_argument("--dist-temperature", type=float, default=1.0,
                    help="sampling temperature of the distribution check (> 0). Default: 1.0")
     v.add_argument("--seed", type=int, default=0, help="seed of the distribution check. Default: 0")

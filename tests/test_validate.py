@@ -262,3 +262,26 @@ def test_validate_bad_input(tmp_path, capsys):
     assert main(["validate", "--data", str(data), "--methods", "draft", "--draft", str(other), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "method draft" in err and "vocabular" in err.lower()
+
+
+def test_an_interrupted_run_still_reports_what_was_measured(tiny, monkeypatch):
+    from types import SimpleNamespace
+
+    from specdec.bench.tasks import Task
+    from specdec.validate import pipeline
+    from specdec.validate.samples import Samples
+
+    _, model = tiny
+    target = SimpleNamespace(model=model, eos_ids=[], name="tiny", source="tiny-dir", gguf=None)
+    prompts = [PROMPT, [5, 2, 8, 5, 2, 8, 5]]
+    samples = Samples([Task(str(i), "c", "p", False) for i in range(2)], prompts, source="mem", fmt="jsonl", total=2)
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(measure, "load", stop)
+    opts = pipeline.Options(max_new_tokens=8, repeats=1, concurrency=(1,), dist_samples=1, dist_draws=40, quiet=True)
+    r = pipeline.run(target, samples, [_ngram_config(model)], Engine(model), opts, {}, "test", {})
+    assert r["interrupted"] == "the load test" and r["verdict"]["headline"].startswith("PARTIAL")
+    assert r["configs"]["ngram k=3"]["equal"] == 2 and r["load"] is None and r["distribution"] == []
+    assert {e["framework"] for e in r["settings"]} == {"specdec", "vllm", "llama.cpp", "tgi"}

@@ -105,11 +105,16 @@ class LengthPolicy:
 class NgramDrafter:
     cost_hint = 0.0
 
-    def __init__(self, min_n: int = 1, max_n: int = 4, adaptive: bool = True, max_k: int = 16) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4, adaptive: bool = True, max_k: int = 16,
+                 choose_length: bool = True) -> None:
+        """adaptive: learn acceptance per (match length, position); choose_length: also cut each
+        lookup to the length that pays (False: propose whole lookups and let the caller cap them,
+        as the server's batcher does with its own cost model)."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.policy = LengthPolicy(max_n, max_k) if adaptive else None
+        self.choose_length = choose_length
         self._last: list[tuple[int, int]] | None = None  # per row (n, proposed) of the last proposal
         self._t_end: float | None = None  # when the last proposal was handed over
         self.step_tokens = 0  # guesses the target verifies this step (a wrapping drafter may raise it)
@@ -125,7 +130,7 @@ class NgramDrafter:
         guesses, last = [], []
         for t in ctx.tokens:
             n, g = lookup_match(t, max_tokens, self.min_n, self.max_n) if max_tokens > 0 else (0, [])
-            if g and self.policy is not None:
+            if g and self.policy is not None and self.choose_length:
                 g = g[: self.policy.choose(n, len(g))]
             guesses.append(g)
             last.append((n, len(g)))
@@ -137,6 +142,17 @@ class NgramDrafter:
             tokens[b, : len(g)] = torch.tensor(g, dtype=torch.long)
         self._t_end = time.perf_counter()
         return Draft(tokens, torch.tensor([len(g) for g in guesses], dtype=torch.long))
+
+    @property
+    def matches(self) -> list[int]:
+        """Per row, the length of the match behind the last proposal (0: none)."""
+        return [n for n, _ in self._last or []]
+
+    def verified(self, lengths: list[int]) -> None:
+        """Only the first lengths[b] guesses of row b's last proposal were verified (a caller
+        capped them): acceptance is then learnt from those alone."""
+        if self._last is not None:
+            self._last = [(n, min(p, int(m))) for (n, p), m in zip(self._last, lengths)]
 
     def commit(self, num_accepted) -> None:
         if self.policy is None or self._last is None:

@@ -9,12 +9,14 @@ forward, verifies each row with its own sampling settings, and streams the commi
 
 Load-aware speculation: verifying guesses is nearly free while decoding is bound by
 reading the weights, but as the batch grows the step becomes compute-bound and every
-guessed token costs real time. The step time is modelled as t(A, K) = a + b * A * (K + 1)
-(A rows, K guess slots), fitted online by decayed least squares from measured steps; each
-step picks the cap K in 0..k_max that maximises expected committed tokens per second,
-sum over rows of (1 + expected accepted guesses under cap K) / t(A, K), using the
-drafter's per-position acceptance estimates. K = 0 is plain decoding. The decision is
-exposed in `stats()` (and so in /metrics).
+guessed token costs real time. The step time is modelled as t(A, K) = a + r * A + b * A * K
+(A rows, K guess slots), fitted online by decayed least squares per batch-size band (a
+guess costs little at one row and much in a full batch; see StepModel); each step picks the cap K in 0..k_max
+that maximises expected committed tokens per second, sum over rows of (1 + expected
+accepted guesses under cap K) / t(A, K), using the drafter's per-position acceptance
+estimates. K = 0 is plain decoding; every 16th step tries one guess more than the best cap
+so the cost of guesses stays measured at the current load. The decision is exposed in
+`stats()` (and so in /metrics).
 
 This module knows nothing about HTTP or text: it takes token ids and sampling settings and
 calls back with token ids. Stop strings are the caller's `stop_fn`.
@@ -30,7 +32,6 @@ from typing import Callable
 
 import torch
 
-from ..adaptive import DecayedLine
 from ..drafters.base import DraftContext
 from ..drafters.ngram import NgramDrafter
 from ..sampling import choose, make_generator, warp
@@ -60,21 +61,71 @@ class Request:
         self.cancelled = True
 
 
-class StepModel:
-    """t(A, K) = a + b * A * (K + 1), fitted by decayed least squares on (A*(K+1), seconds)."""
+class _Fit:
+    """t ~ a + r * A + b * A * K by exponentially decayed least squares (recent steps count most)."""
 
-    def __init__(self, decay: float = 0.98) -> None:
-        self.line = DecayedLine(decay)
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.m = torch.zeros(3, 3, dtype=torch.float64)  # decayed sums of f f^T, f = (1, A, A*K)
+        self.v = torch.zeros(3, dtype=torch.float64)  # decayed sums of f * t
+        self.weight = 0.0
+        self.ks: dict[int, float] = {}  # decayed count of steps per draft length
 
     def observe(self, rows: int, k: int, seconds: float) -> None:
-        self.line.observe(rows * (k + 1), seconds)
+        f = torch.tensor([1.0, rows, rows * k], dtype=torch.float64)
+        self.m = self.decay * self.m + torch.outer(f, f)
+        self.v = self.decay * self.v + f * seconds
+        self.weight = self.decay * self.weight + 1
+        self.ks = {kk: w * self.decay for kk, w in self.ks.items() if w > 0.05}
+        self.ks[k] = self.ks.get(k, 0.0) + 1
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(a, r, b), or None until there are 4 steps and two draft lengths to tell b."""
+        if self.weight < 4 or len(self.ks) < 2:
+            return None
+        ridge = 1e-9 * float(self.m.diagonal().max()) * torch.eye(3, dtype=torch.float64)
+        a, r, b = torch.linalg.solve(self.m + ridge, self.v).tolist()
+        if a < 0 or r < 0:  # one batch size only (or noise): a and r cannot be told apart
+            keep = [0, 2]
+            a, b = torch.linalg.solve(self.m[keep][:, keep] + ridge[:2, :2], self.v[keep]).tolist()
+            r = 0.0
+        return max(a, 1e-6), max(r, 0.0), max(b, 0.0)
+
+
+class StepModel:
+    """Step time t(A, K) = a + r * A + b * A * K for A rows with K guess slots each: a fixed cost,
+    a cost per row (its own token, reading its KV cache) and a cost per guessed token. The cost
+    of a guess depends on the load: while a step is bound by reading the weights an extra token
+    is nearly free, once the batch makes it compute-bound it costs its full matmul share. So the
+    coefficients are fitted per batch-size band (1, 2, 3-4, 5-8, ...), each by decayed least
+    squares over its own steps, with a fit over all steps for bands not measured yet. (One line
+    over all steps learnt the steep cost of a full batch and then, back at one row, priced
+    guesses at it and stopped guessing.)"""
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.all = _Fit(decay)
+        self.bands: dict[int, _Fit] = {}
+
+    @staticmethod
+    def band(rows: int) -> int:
+        return max(1, rows - 1).bit_length() if rows > 1 else 0
+
+    def observe(self, rows: int, k: int, seconds: float) -> None:
+        self.all.observe(rows, k, seconds)
+        self.bands.setdefault(self.band(rows), _Fit(self.decay)).observe(rows, k, seconds)
+
+    def coefficients(self, rows: int | None = None) -> tuple[float, float, float] | None:
+        fit = self.bands.get(self.band(rows)) if rows is not None else None
+        c = fit.coefficients() if fit is not None else None
+        return c if c is not None else self.all.coefficients()
 
     def predict(self, rows: int, k: int) -> float | None:
-        if self.line.weight < 4:
+        c = self.coefficients(rows)
+        if c is None:
             return None
-        b = max(0.0, self.line.slope() or 0.0)
-        a = max(1e-6, self.line.intercept(b))
-        return a + b * rows * (k + 1)
+        a, r, b = c
+        return a + r * rows + b * rows * k
 
 
 class ContinuousBatcher:
@@ -92,7 +143,8 @@ class ContinuousBatcher:
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
         self.rows: list[Request] = []
         self.cache = model.new_cache(max_batch, self.max_context)
-        self.drafter = NgramDrafter() if method == "ngram" else None
+        # load-aware: whole lookups, capped per step by _choose_k; fixed: the drafter's own length choice
+        self.drafter = NgramDrafter(choose_length=not adaptive) if method == "ngram" else None
         self.steps = StepModel()
         self.last_k = 0
         self.lock = threading.Lock()
@@ -222,8 +274,12 @@ class ContinuousBatcher:
         self.rows.pop()
         self._finish(req, reason)
 
+    EXPLORE_EVERY = 16
+
     def _choose_k(self, guesses: list[list[int]], matches: list[int]) -> int:
-        """The cap on guesses per row that maximises expected committed tokens per second."""
+        """The cap on guesses per row that maximises expected committed tokens per second. Every
+        EXPLORE_EVERY-th step allows one guess more than the best cap, so the cost of guesses keeps
+        being measured at the current batch size even while the best cap is 0."""
         A = len(guesses)
         if not self.adaptive or self.drafter is None or self.drafter.policy is None:
             return self.k_max
@@ -237,6 +293,8 @@ class ContinuousBatcher:
             rate = tokens / t
             if best is None or rate > best * 1.0001:
                 best, best_k = rate, k
+        if self.totals["steps"] % self.EXPLORE_EVERY == 0 and best_k < self.k_max:
+            return best_k + 1
         return best_k
 
     @torch.inference_mode()
@@ -255,7 +313,7 @@ class ContinuousBatcher:
         if self.drafter is not None and self.k_max > 0:
             d = self.drafter.propose(DraftContext([r.context for r in self.rows], self.rows[0].params, None), self.k_max)
             guesses = [d.tokens[b, : int(d.counts[b])].tolist() for b in range(A)]
-            matches = [n for n, _ in self.drafter._last]
+            matches = self.drafter.matches
         k = self._choose_k(guesses, matches)
         caps = [max(0, min(k, room[b], self.rows[b].spec_k if self.rows[b].spec_k is not None else k)) for b in range(A)]
         guesses = [g[:c] for g, c in zip(guesses, caps)]
@@ -280,7 +338,7 @@ class ContinuousBatcher:
         cache.truncate(base + 1 + n_acc)
         cache.sync()
         if self.drafter is not None and K > 0:
-            self.drafter._last = [(n, len(g)) for n, g in zip(matches, guesses)]
+            self.drafter.verified([len(g) for g in guesses])
             self.drafter.commit(n_acc.tolist())
         dt = time.perf_counter() - t0
         self.steps.observe(A, K, dt)

@@ -6,7 +6,8 @@
    draft / verify / other time, and whether the output equals plain decoding token for token.
 2. `load`: the batched engine the server uses (`server.batcher.ContinuousBatcher`) with
    speculation off, at a fixed draft length, and load-aware, driven by C client threads at
-   each concurrency C: time to first token, per-token latency p50/p95, throughput, and
+   each concurrency C: time to first token, time per output token p50/p95 (over requests),
+   inter-token latency p50/p95 (over deliveries), throughput, and
    whether each greedy answer equals plain decoding.
 3. `distribution`: for a few samples, many seeded sampled continuations of the first tokens
    with speculation, compared with the target's exact probabilities from plain forwards
@@ -99,24 +100,29 @@ def _quantile(xs: list[float], q: float) -> float:
 def drive(batcher, prompts: list[list[int]], conc: int, per_client: int, params: SamplingParams,
           reference: list[list[int]] | None = None, timeout: float = 600.0) -> dict:
     """C client threads, each submitting `per_client` requests back to back (prompts taken in
-    turn); returns throughput, TTFT p50, per-token latency p50/p95, failures, and how many
-    answers equal `reference` (the plain greedy outputs of the same prompts)."""
+    turn). Returns throughput; time to first token (p50); time per output token (TPOT: a
+    request's time from its first to its last token / its tokens after the first; p50 and p95
+    over requests), the latency a reader of the stream sees; inter-token latency (ITL: each gap
+    between deliveries / the tokens delivered; p50, p95), which hides speculation's gain since
+    most deliveries still carry one token; failures; and how many answers equal `reference`
+    (the plain greedy outputs of the same prompts)."""
     from ..server.batcher import Request
 
     lock = threading.Lock()
-    ttft, gaps, tokens, failures, equal, checked = [], [], [0], [], [0], [0]
+    ttft, tpot, gaps, tokens, failures, equal, checked = [], [], [], [0], [], [0], [0]
 
     def client(c: int) -> None:
         for j in range(per_client):
             idx = (c * per_client + j) % len(prompts)
             done = threading.Event()
-            state = {"t0": time.perf_counter(), "last": None, "reason": None, "ids": []}
+            state = {"t0": time.perf_counter(), "first": None, "last": None, "reason": None, "ids": []}
 
             def on_tokens(ids, state=state):
                 now = time.perf_counter()
                 with lock:
                     if state["last"] is None:
                         ttft.append(now - state["t0"])
+                        state["first"] = now
                     else:
                         gaps.extend([(now - state["last"]) / len(ids)] * len(ids))
                     tokens[0] += len(ids)
@@ -142,7 +148,10 @@ def drive(batcher, prompts: list[list[int]], conc: int, per_client: int, params:
             with lock:
                 if state["reason"] not in ("eos", "length", "stop"):
                     failures.append(str(state["reason"]))
-                elif reference is not None:
+                    continue
+                if len(state["ids"]) > 1:
+                    tpot.append((state["last"] - state["first"]) / (len(state["ids"]) - 1))
+                if reference is not None:
                     checked[0] += 1
                     equal[0] += state["ids"] == reference[idx]
 
@@ -154,7 +163,8 @@ def drive(batcher, prompts: list[list[int]], conc: int, per_client: int, params:
         t.join()
     wall = time.perf_counter() - t0
     return {"throughput": tokens[0] / wall if wall else 0.0, "ttft_p50": statistics.median(ttft) if ttft else 0.0,
-            "token_p50": _quantile(gaps, 0.5), "token_p95": _quantile(gaps, 0.95), "tokens": tokens[0],
+            "token_p50": _quantile(tpot, 0.5), "token_p95": _quantile(tpot, 0.95),
+            "itl_p50": _quantile(gaps, 0.5), "itl_p95": _quantile(gaps, 0.95), "tokens": tokens[0],
             "requests": conc * per_client, "failures": failures, "equal": equal[0], "checked": checked[0],
             "wall": wall}
 
@@ -200,7 +210,8 @@ def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, level
         for c in levels:
             rs = raw[name][c]
             row = {key: statistics.median(r[key] for r in rs)
-                   for key in ("throughput", "ttft_p50", "token_p50", "token_p95", "mean_guesses", "alpha")}
+                   for key in ("throughput", "ttft_p50", "token_p50", "token_p95", "itl_p50", "itl_p95",
+                               "mean_guesses", "alpha")}
             row["failures"] = sum(len(r["failures"]) for r in rs)
             row["failure_examples"] = [f for r in rs for f in r["failures"]][:3]
             row["requests"] = sum(r["requests"] for r in rs)

@@ -9,6 +9,7 @@ job (it owns the flags); this module only orchestrates and shows progress.
 from __future__ import annotations
 
 import datetime
+import sys
 from dataclasses import dataclass
 
 from ..types import SamplingParams
@@ -23,9 +24,9 @@ class Options:
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
     load_k: int = 8  # prompt lookup's draft length in the load test (fixed, and the load-aware cap)
     min_requests: int = 8  # requests per concurrency level at least
-    dist_samples: int = 2  # samples with a distribution check (the shortest prompts)
+    dist_samples: int = 2  # samples with a distribution check per method
     dist_draws: int = 400
-    dist_tokens: int = 3
+    dist_tokens: int = 4
     dist_temperature: float = 1.0
     seed: int = 0
     quiet: bool = False
@@ -61,42 +62,56 @@ def run(target, samples: Samples, configs: list[measure.Config], none_engine, op
         s["by_category"] = by_category(samples, raw[c.name]["samples"], raw["none"]["samples"])
         summaries[c.name] = s
 
-    # 2. under load, through the server's batcher
+    # 2 and 3 may be interrupted (Ctrl-C): what was measured so far is still reported
+    interrupted = None
     load = findings = None
-    if opts.concurrency:
-        levels = sorted(set(opts.concurrency))
-        reference = [r["tokens"] for r in raw["none"]["samples"]]
-        bar = _bar(opts.repeats * len(levels) * len(measure.LOAD_SETTINGS), "under load", opts.quiet)
-        load = measure.load(target.model, target.eos_ids, enc, params, levels, opts.load_k, opts.min_requests,
-                            opts.repeats, reference, bar)
-        bar.close()
-        findings = analysis.load_findings(load)
+    dist: list[dict] = []
+    try:
+        # 2. under load, through the server's batcher
+        if opts.concurrency:
+            interrupted = "the load test"
+            levels = sorted(set(opts.concurrency))
+            reference = [r["tokens"] for r in raw["none"]["samples"]]
+            bar = _bar(opts.repeats * len(levels) * len(measure.LOAD_SETTINGS), "under load", opts.quiet)
+            load = measure.load(target.model, target.eos_ids, enc, params, levels, opts.load_k, opts.min_requests,
+                                opts.repeats, reference, bar)
+            bar.close()
+            findings = analysis.load_findings(load)
 
-    # 3. distribution checks on the shortest samples, one configuration per method
-    dist = []
-    per_method = {}
-    for c in configs:
-        per_method.setdefault(c.method, c)
-    chosen = sorted(range(len(enc)), key=lambda i: len(enc[i]))[: opts.dist_samples]
-    if opts.dist_draws > 0 and chosen and per_method:
-        bar = _bar(len(chosen) * len(per_method), "distribution", opts.quiet)
-        for i in chosen:
+        # 3. distribution checks on the shortest samples, one configuration per method (chain / tree)
+        interrupted = "the distribution check"
+        per_method: dict[tuple, measure.Config] = {}
+        for c in configs:
+            per_method.setdefault((c.method, c.tree), c)
+        # among the shorter half of the samples (cheap to prefill hundreds of times), those where the
+        # method guessed most often at concurrency 1, so the check sees guesses verified
+        shorter = sorted(range(len(enc)), key=lambda i: len(enc[i]))[: max(opts.dist_samples, (len(enc) + 1) // 2)]
+        if opts.dist_draws > 0 and opts.dist_samples > 0 and per_method:
+            bar = _bar(opts.dist_samples * len(per_method), "distribution", opts.quiet)
             for c in per_method.values():
-                d = measure.distribution(c, target.model, enc[i], opts.dist_draws, opts.dist_tokens,
-                                         opts.dist_temperature, opts.seed + 1000 * i)
-                d.update(config=c.name, sample=samples.tasks[i].task_id)
-                d["status"] = ("inconclusive" if not d["tested"] else "FAIL" if not d["passed"] else
-                               "pass" if d["exercised"] else "pass (no guesses verified)")
-                dist.append(d)
-                bar.update(1)
-        bar.close()
+                rows = raw[c.name]["samples"]
+                chosen = sorted(shorter, key=lambda i: -rows[i]["proposed"] / max(1, rows[i]["forwards"]))
+                for i in chosen[: opts.dist_samples]:
+                    d = measure.distribution(c, target.model, enc[i], opts.dist_draws, opts.dist_tokens,
+                                             opts.dist_temperature, opts.seed + 1000 * i)
+                    d.update(config=c.name, sample=samples.tasks[i].task_id)
+                    d["status"] = ("inconclusive" if not d["tested"] else "FAIL" if not d["passed"] else
+                                   "pass" if d["exercised"] else "pass (no guesses verified)")
+                    dist.append(d)
+                    bar.update(1)
+            bar.close()
+        interrupted = None
+    except KeyboardInterrupt:
+        print(f"\n[specdec] interrupted during {interrupted}: writing a partial report", file=sys.stderr)
 
     verdict = analysis.verdict(summaries, findings, dist, skipped_methods)
     if verdict.get("recommended"):
         best = next(c for c in configs if c.name == verdict["recommended"])
         verdict["recommended_method"], verdict["recommended_k"] = best.method, best.k
+    if interrupted:
+        verdict["headline"] = f"PARTIAL (interrupted during {interrupted}): " + verdict["headline"]
     result = {
-        "command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "interrupted": interrupted, "command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "model": target.name, "machine": machine,
         "samples": {"source": samples.source, "format": samples.fmt, "read": samples.total, "kept": len(enc),
                     "skipped": samples.skipped, "ids": [t.task_id for t in samples.tasks],
