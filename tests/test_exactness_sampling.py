@@ -19,6 +19,7 @@ by the same check.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -235,3 +236,33 @@ def test_draft_probs_carry_no_autograd_graph(drafter_name):
     draft = d.propose(DraftContext(ctx, params, torch.Generator().manual_seed(0)), 2)
     assert draft.probs is not None
     assert not draft.probs.requires_grad
+
+
+@pytest.mark.parametrize("drafter_name", ["ngram_adaptive", "hybrid_adaptive"])
+def test_same_seed_same_sample_whatever_the_timing(monkeypatch, drafter_name):
+    """Adaptive drafters choose lengths (and the hybrid whether to run its draft model) from
+    measured times; with a seed, a sampled request must not depend on them, or the same seed
+    would give another sample. Timing is replaced by noise here, differently in each run."""
+    import random
+
+    from specdec.adaptive import AdaptiveK
+    from specdec.drafters.ngram import LengthPolicy
+
+    _, target, draft = models()
+    noise = random.Random(0)
+    monkeypatch.setattr(LengthPolicy, "r", property(lambda self: noise.uniform(0.0, 2.0)))
+    monkeypatch.setattr(HybridDrafter, "draft_pays", lambda self: noise.random() < 0.5)
+    monkeypatch.setattr(AdaptiveK, "choose_k", lambda self, k_max: noise.randint(1, k_max))
+    prompts = [list(c) for c in contexts()] * 2
+    params = SamplingParams(max_new_tokens=20, seed=11, temperature=0.9, top_p=0.95)
+
+    def run():
+        d = (NgramDrafter() if drafter_name == "ngram_adaptive" else
+             HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3, k_policy=AdaptiveK()))
+        return [r.tokens for r in Engine(target, d, k=4).generate(prompts, params)]
+
+    first = run()
+    assert all(run() == first for _ in range(2))
+    # and the draws still depend on the seed
+    other = Engine(target, NgramDrafter(), k=4).generate(prompts, dataclasses.replace(params, seed=12))
+    assert [r.tokens for r in other] != first

@@ -47,6 +47,14 @@ class Drafter(Protocol):
 
 
 #: method name -> factory(target LoadedModel-like object, draft spec, options) -> Drafter
+def timing_free(params) -> bool:
+    """A seeded sampled request. How many guesses a step verifies decides which random numbers
+    the stochastic verification draws, so for the same seed to give the same sample, drafting
+    for it must not depend on measured times (or on other requests): adaptive lengths, gates and
+    load-aware caps stand aside, and lookups are proposed whole up to k."""
+    return params is not None and params.seed is not None and not params.greedy
+
+
 REGISTRY: dict[str, Callable[..., Drafter]] = {}
 
 

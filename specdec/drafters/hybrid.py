@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from .base import Draft, DraftContext, register
+from .base import Draft, DraftContext, register, timing_free
 from .ngram import NgramDrafter
 
 
@@ -82,7 +82,8 @@ class HybridDrafter:
         ng = self.ngram.propose(ctx, max_tokens)
         looked = [ng.tokens[b, : int(ng.counts[b])].tolist() for b in range(B)]
         need_draft = [not g for g in looked]
-        if any(need_draft) and not self.draft_pays():
+        fixed = timing_free(ctx.params)  # a seeded sample: no timing-based gate or length
+        if any(need_draft) and not fixed and not self.draft_pays():
             self._skipped += 1
             if self._skipped % self.probe_every:
                 need_draft = [False] * B  # the draft model does not pay: lookup rows only
@@ -96,7 +97,7 @@ class HybridDrafter:
             if not ctx.params.greedy:
                 probs = _one_hot(tokens, self.draft.vocab_size)
             return Draft(tokens, torch.tensor([len(g) for g in looked]), probs)
-        kd = max_tokens if self.k_policy is None else max(1, self.k_policy.choose_k(max_tokens))
+        kd = max_tokens if self.k_policy is None or fixed else max(1, self.k_policy.choose_k(max_tokens))
         catch_up = max(len(t) - len(f) for t, f in zip(ctx.tokens, self.draft.fed))
         t1 = time.perf_counter()
         d = self.draft.propose(ctx, kd)

@@ -26,7 +26,7 @@ import time
 import torch
 
 from ..adaptive import DecayedLine
-from .base import Draft, DraftContext, register
+from .base import Draft, DraftContext, register, timing_free
 
 
 def lookup_match(tokens: list[int], max_tokens: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
@@ -130,7 +130,7 @@ class NgramDrafter:
         guesses, last = [], []
         for t in ctx.tokens:
             n, g = lookup_match(t, max_tokens, self.min_n, self.max_n) if max_tokens > 0 else (0, [])
-            if g and self.policy is not None and self.choose_length:
+            if g and self.policy is not None and self.choose_length and not timing_free(ctx.params):
                 g = g[: self.policy.choose(n, len(g))]
             guesses.append(g)
             last.append((n, len(g)))

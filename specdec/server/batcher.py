@@ -32,8 +32,8 @@ from typing import Callable
 
 import torch
 
-from ..drafters.base import DraftContext
-from ..drafters.ngram import NgramDrafter
+from ..drafters.base import DraftContext, timing_free
+from ..drafters.ngram import NgramDrafter, lookup_match
 from ..sampling import choose, make_generator, warp
 from ..types import SamplingParams, SpecdecError
 from ..verify import verify_greedy, verify_stochastic
@@ -315,7 +315,16 @@ class ContinuousBatcher:
             guesses = [d.tokens[b, : int(d.counts[b])].tolist() for b in range(A)]
             matches = self.drafter.matches
         k = self._choose_k(guesses, matches)
-        caps = [max(0, min(k, room[b], self.rows[b].spec_k if self.rows[b].spec_k is not None else k)) for b in range(A)]
+        caps = []
+        for b, r in enumerate(self.rows):
+            own = r.spec_k if r.spec_k is not None else self.k_max
+            if timing_free(r.params) and self.drafter is not None:
+                # a seeded sample: its whole lookup up to its own cap, whatever the load, so the
+                # same seed draws the same random numbers and gives the same text
+                matches[b], guesses[b] = lookup_match(r.context, self.k_max, self.drafter.min_n, self.drafter.max_n)
+                caps.append(max(0, min(self.k_max, own, room[b])))
+            else:
+                caps.append(max(0, min(k, own, room[b])))
         guesses = [g[:c] for g, c in zip(guesses, caps)]
         K = max((len(g) for g in guesses), default=0)
         self.last_k = K
