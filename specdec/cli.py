@@ -423,6 +423,14 @@ def cmd_validate(args) -> int:
     conc_text = args.concurrency or ("1,4" if q else "1,2,4,8,16")
     levels = [] if conc_text.strip() == "none" else _csv_ints(conc_text, "--concurrency")
     read_samples(args.data)  # a malformed file fails before the model loads
+    out = Path(args.out)
+    try:  # an unwritable --out fails now, not after the measurements
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".specdec-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SpecdecError(f"cannot write the report to {out}: {e.strerror or e}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_model(args.model, dtype=torch.float32 if args.dtype == "float32" else torch.bfloat16,
@@ -438,6 +446,7 @@ def cmd_validate(args) -> int:
         print(f"[specdec] skipped {len(samples.skipped)} sample(s) too long for the context "
               f"(listed in the report)", file=sys.stderr)
 
+    drafts = {"draft": args.draft, "auto": args.draft, "eagle": args.eagle, "medusa": args.medusa}
     configs, skipped = [], {}
     for m in methods:
         base = m.removesuffix("-chain")
@@ -451,8 +460,7 @@ def cmd_validate(args) -> int:
         else:
             ks = [DEFAULT_K[base]]
         for k in ks:
-            draft = {"draft": args.draft, "auto": args.draft, "eagle": args.eagle, "medusa": args.medusa}.get(base)
-            ns = argparse.Namespace(method=base, draft=draft, k=k, tree=tree, tree_depth=args.tree_depth,
+            ns = argparse.Namespace(method=base, draft=drafts.get(base), k=k, tree=tree, tree_depth=args.tree_depth,
                                     tree_width=args.tree_width, tree_nodes=args.tree_nodes)
             try:
                 eng, _ = build_engine(ns, target, True)
@@ -473,10 +481,8 @@ def cmd_validate(args) -> int:
         dist_tokens=args.dist_tokens, dist_temperature=args.dist_temperature, seed=args.seed, quiet=args.quiet)
     cmd = "specdec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("specdec") else "specdec validate ..."
     machine = machine_info(torch.get_num_threads()) | {"platform": platform.platform()}
-    drafts = {"draft": args.draft, "auto": args.draft, "eagle": args.eagle, "medusa": args.medusa}
     result = pipeline.run(target, samples, configs, Engine(target.model, eos_ids=target.eos_ids), opts, skipped,
                           cmd, machine, drafts)
-    out = Path(args.out)
     files = report.write(result, out)
     print(report.terminal_summary(result))
     print(f"report: {', '.join(str(out / f) for f in files)}")

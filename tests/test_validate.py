@@ -255,6 +255,12 @@ def test_validate_bad_input(tmp_path, capsys):
     assert "is empty" in capsys.readouterr().err
     assert main(["validate", "--data", str(empty), "--methods", "warp"]) == 2
     assert "unknown method" in capsys.readouterr().err
+    ok = tmp_path / "ok.txt"
+    ok.write_text("hello\n")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["validate", "--data", str(ok), "--out", str(blocker / "rep")]) == 2
+    assert "cannot write the report" in capsys.readouterr().err
     other = tmp_path / "other-vocab"
     tiny_hf_llama(0, vocab=64).save_pretrained(other)
     data = tmp_path / "s.txt"

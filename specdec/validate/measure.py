@@ -39,8 +39,9 @@ class Config:
     k: int | None  # draft length (chains) or tree depth (trees)
     tree: bool
     engine: object  # engine.Engine
-    check_engine: object = None  # for the distribution check: the same drafter without adaptive
-    # switching-off (an adaptive drafter may stop guessing where guesses rarely hold, leaving nothing to check)
+    # for the distribution check: the same drafter guessing at every step (an adaptive one may stop
+    # guessing where guesses rarely hold, which would leave nothing to check); None: `engine`
+    check_engine: object = None
 
 
 def _row(res) -> dict:
