@@ -132,7 +132,7 @@ def add_serve_parser(sub) -> None:
         "serve",
         help="OpenAI-compatible HTTP server with speculative continuous batching",
         description="Serve the model over an OpenAI-compatible API (/v1/completions, /v1/chat/completions with "
-                    "streaming, /v1/models, /health, /metrics). Requests join and leave the running batch between "
+                    "streaming and logprobs, /v1/models, /health, /metrics). Requests join and leave the running batch between "
                     "steps; prompt-lookup speculation adapts its draft length to the load (down to none when the "
                     "batch is compute-bound). Per request: \"speculative\": {\"k\": N} (0 = off).",
     )

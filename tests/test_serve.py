@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.default_model
 
@@ -139,7 +140,8 @@ def test_n_and_seed_and_stop(client):
     ({"prompt": "hi", "max_tokens": "ten"}, 400, "integer"),
     ({"prompt": 42}, 400, "prompt"),
     ({"prompt": "hi", "stop": 7}, 400, "stop"),
-    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": "yes"}, 400, "logprobs"),
     ({"prompt": "word " * 700, "max_tokens": 8}, 400, "context"),
     ({"prompt": "hi", "model": "gpt-9"}, 404, "not found"),
 ])
@@ -150,6 +152,54 @@ def test_bad_requests_get_openai_style_errors(server, body, status, needle):
     assert code == status, text
     err = json.loads(text)["error"]
     assert needle in err["message"] and err["type"]
+
+
+def _oracle_logprobs(lm, ids: list[int], new: list[int]):
+    """log_softmax of the target's logits at each new token, from one plain forward (no cache reuse)."""
+    import torch
+
+    seq = ids + new
+    cache = lm.model.new_cache(1, len(seq) + 1)
+    with torch.inference_mode():
+        logits, _ = lm.model(torch.tensor([seq]), torch.arange(len(seq))[None], cache)
+    return torch.log_softmax(logits[0, len(ids) - 1: len(seq) - 1].double(), -1)
+
+
+def test_logprobs_match_the_target_with_and_without_speculation(client, default_model):
+    from specdec.engine import Engine
+    from specdec.text import encode_prompt
+    from specdec.types import SamplingParams
+
+    prompt = "List: red, green, blue, red, green, blue, red,"
+    ids = encode_prompt(default_model.tokenizer, prompt, False)
+    [plain] = Engine(default_model.model, None, eos_ids=default_model.eos_ids).generate(
+        [ids], SamplingParams(max_new_tokens=16))
+    new = plain.tokens
+    ref = _oracle_logprobs(default_model, ids, new)
+    outs = []
+    for k in (0, 8):
+        r = client.completions.create(model="smol", prompt=prompt, max_tokens=16, temperature=0, logprobs=3,
+                                      extra_body={"speculative": {"k": k}})
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
+        assert "".join(lp.tokens) == r.choices[0].text and all(len(t) == 3 for t in lp.top_logprobs)
+        got = torch.tensor(lp.token_logprobs, dtype=torch.float64)
+        want = ref[torch.arange(len(new)), torch.tensor(new)][: len(got)]
+        assert torch.allclose(got, want, atol=2e-3), (got, want)
+        # greedy: the chosen token is the most likely one
+        assert all(abs(max(t.values()) - v) < 1e-6 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+        outs.append(r.choices[0].text)
+    assert outs[0] == outs[1]
+    c = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert content and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
+    streamed = []
+    for ev in client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Say hi."}],
+                                             max_tokens=8, temperature=0, logprobs=True, stream=True):
+        if ev.choices and ev.choices[0].logprobs and ev.choices[0].logprobs.content:
+            streamed += [e.logprob for e in ev.choices[0].logprobs.content]
+    assert streamed == pytest.approx([e.logprob for e in content], abs=1e-4)
 
 
 def test_malformed_json_and_wrong_key(server):

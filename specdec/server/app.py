@@ -8,8 +8,12 @@ Errors are OpenAI-style JSON: 400 for invalid parameters, 401 for a wrong API ke
 an unknown model, 429 with Retry-After when the queue is full, 408 on a request timeout.
 A client that disconnects mid-stream cancels its request (its batch row is freed).
 
+Log-probabilities: completions `logprobs: N` (0..20: each token's and the N most likely),
+chat `logprobs: true` with `top_logprobs: N` (0..20), streamed or not. They are the target's
+raw log-probabilities (before temperature and top-p), from the forward that produced each
+token, the same with or without speculation.
+
 Text lives here (tokenizer, chat template, stop strings); the batcher sees only token ids.
-`logprobs` is not supported (a 400 says so).
 """
 
 from __future__ import annotations
@@ -117,9 +121,21 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
             raise APIError(404, f"model {model!r} not found; this server serves {model_name!r}", "not_found_error", "model")
         return body
 
+    def want_logprobs(body: dict, chat: bool) -> int | None:
+        """None: no logprobs; N: each token's and the N most likely alternatives."""
+        lp = body.get("logprobs")
+        if chat:
+            if lp is not None and not isinstance(lp, bool):
+                raise APIError(400, f"'logprobs' must be true or false, got {json.dumps(lp)}", param="logprobs")
+            top = _num(body, "top_logprobs", int, None, lo=0, hi=20)
+            if top is not None and not lp:
+                raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            return (top or 0) if lp else None
+        if lp is None or lp is False:
+            return None
+        return _num(body, "logprobs", int, None, lo=0, hi=20)
+
     def sampling(body: dict) -> tuple[SamplingParams, int, list[str], int | None]:
-        if body.get("logprobs") not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported by this server", param="logprobs")
         max_tokens = _num(body, "max_tokens", int, 256, lo=1)
         if "max_completion_tokens" in body:
             max_tokens = _num(body, "max_completion_tokens", int, max_tokens, lo=1)
@@ -154,15 +170,15 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
             raise APIError(400, str(e))
         return params, n, stops, spec_k
 
-    def run(ids: list[int], params: SamplingParams, stops: list[str], spec_k, n: int):
+    def run(ids: list[int], params: SamplingParams, stops: list[str], spec_k, n: int, top: int | None):
         """Submit n requests; returns (requests, an asyncio queue of (index, kind, payload))."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         reqs = []
         for i in range(n):
             p = params if params.seed is None or n == 1 else SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-            def on_tokens(new, i=i):
-                loop.call_soon_threadsafe(out.put_nowait, (i, "tokens", list(new)))
+            def on_tokens(new, lps=None, i=i):
+                loop.call_soon_threadsafe(out.put_nowait, (i, "tokens", (list(new), lps)))
 
             def on_done(reason, stats, i=i):
                 loop.call_soon_threadsafe(out.put_nowait, (i, "done", (reason, stats)))
@@ -170,7 +186,8 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
             def stop_fn(tokens):
                 return find_stop(tok.decode(tokens, skip_special_tokens=True), stops) is not None
 
-            r = Request(list(ids), p, on_tokens, on_done, stop_fn=stop_fn if stops else None, spec_k=spec_k)
+            r = Request(list(ids), p, on_tokens, on_done, stop_fn=stop_fn if stops else None, spec_k=spec_k,
+                        logprobs=top)
             try:
                 batcher.submit(r)
             except queue.Full:
@@ -189,6 +206,32 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         if cut is not None:
             return text[:cut], "stop"
         return text, {"eos": "stop", "stop": "stop", "length": "length"}.get(reason, reason)
+
+    def kept_tokens(tokens: list[int], chars: int, start: int = 0) -> int:
+        """How many leading tokens (at least `start`) decode within the first `chars` characters."""
+        n = start
+        while n < len(tokens) and len(tok.decode(tokens[: n + 1], skip_special_tokens=True)) <= chars:
+            n += 1
+        return n
+
+    def format_logprobs(tokens: list[int], lps: list, chat: bool, offset: int = 0):
+        """OpenAI's shapes: chat {"content": [{token, logprob, bytes, top_logprobs}]}; completions
+        {tokens, token_logprobs, top_logprobs, text_offset}."""
+        pieces = [tok.decode([t], skip_special_tokens=False) for t in tokens]
+        if chat:
+            def entry(s, v):
+                return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+            return {"content": [{**entry(s, lp), "top_logprobs": [entry(tok.decode([a], skip_special_tokens=False), v)
+                                                                for a, v in alts]}
+                                for s, (lp, alts) in zip(pieces, lps)]}
+        offsets, pos = [], offset
+        for s in pieces:
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": pieces, "token_logprobs": [lp for lp, _ in lps],
+                "top_logprobs": [{tok.decode([a], skip_special_tokens=False): v for a, v in alts} for _, alts in lps],
+                "text_offset": offsets}
 
     def encode(body: dict, chat: bool) -> list[int]:
         from ..text import encode_prompt
@@ -215,19 +258,21 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         check_key(req)
         body = await read_body(req)
         params, n, stops, spec_k = sampling(body)
+        top = want_logprobs(body, chat)
         ids = encode(body, chat)
         if len(ids) + params.max_new_tokens + 2 > batcher.max_context:
             raise APIError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_new_tokens}) exceeds "
                                 f"the context of {batcher.max_context} tokens", param="max_tokens")
         t0 = time.perf_counter()
-        reqs, out = run(ids, params, stops, spec_k, n)
+        reqs, out = run(ids, params, stops, spec_k, n, top)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if body.get("stream"):
-            return StreamingResponse(stream(req, reqs, out, stops, rid, created, chat, t0, len(ids)),
+            return StreamingResponse(stream(req, reqs, out, stops, rid, created, chat, t0, top),
                                      media_type="text/event-stream")
         toks = [[] for _ in range(n)]
+        lps = [[] for _ in range(n)]
         done = [None] * n
         try:
             while any(d is None for d in done):
@@ -236,7 +281,8 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
                 except asyncio.TimeoutError:
                     raise APIError(408, f"the request took longer than {request_timeout:.0f} s", "timeout_error")
                 if kind == "tokens":
-                    toks[i].extend(payload)
+                    toks[i].extend(payload[0])
+                    lps[i].extend(payload[1] or [])
                 else:
                     done[i] = payload
         finally:
@@ -246,10 +292,15 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         choices = []
         for i in range(n):
             text, reason = finish_text(toks[i], stops, done[i][0])
+            lp = None
+            if top is not None:
+                keep = kept_tokens(toks[i], len(text))
+                lp = format_logprobs(toks[i][:keep], lps[i][:keep], chat)
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason})
+                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                                "finish_reason": reason})
             else:
-                choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
+                choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": lp})
         comp = sum(len(t) for t in toks)
         dt = time.perf_counter() - t0
         e2e.observe(dt)
@@ -261,9 +312,11 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": comp, "total_tokens": len(ids) + comp}}
 
-    async def stream(req, reqs, out, stops, rid, created, chat, t0, n_prompt):
+    async def stream(req, reqs, out, stops, rid, created, chat, t0, top):
         n = len(reqs)
         toks = [[] for _ in range(n)]
+        lps = [[] for _ in range(n)]
+        lp_sent = [0] * n  # tokens whose logprobs were sent
         sent = [0] * n  # characters of text already sent
         done = [False] * n
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -271,11 +324,18 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         last = time.perf_counter()
 
         def chunk(i, text, reason=None):
+            lp = None
+            if top is not None:  # the tokens now wholly inside the text sent
+                start = lp_sent[i]
+                lp_sent[i] = kept_tokens(toks[i], sent[i] + len(text), start)
+                if lp_sent[i] > start:
+                    offset = len(tok.decode(toks[i][:start], skip_special_tokens=True))
+                    lp = format_logprobs(toks[i][start:lp_sent[i]], lps[i][start:lp_sent[i]], chat, offset)
             if chat:
                 delta = {"content": text} if text else {}
-                c = {"index": i, "delta": delta, "finish_reason": reason}
+                c = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
             else:
-                c = {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+                c = {"index": i, "text": text, "finish_reason": reason, "logprobs": lp}
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
                                           "choices": [c]}) + "\n\n"
 
@@ -296,12 +356,13 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
                         return
                     continue
                 if kind == "tokens":
-                    toks[i].extend(payload)
+                    toks[i].extend(payload[0])
+                    lps[i].extend(payload[1] or [])
                     now = time.perf_counter()
                     if first:
                         first = False
                     else:
-                        per_token.observe((now - last) / max(1, len(payload)))
+                        per_token.observe((now - last) / max(1, len(payload[0])))
                     last = now
                     text = tok.decode(toks[i], skip_special_tokens=True)
                     cut = find_stop(text, stops) if stops else None

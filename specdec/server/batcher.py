@@ -19,7 +19,10 @@ so the cost of guesses stays measured at the current load. The decision is expos
 `stats()` (and so in /metrics).
 
 This module knows nothing about HTTP or text: it takes token ids and sampling settings and
-calls back with token ids. Stop strings are the caller's `stop_fn`.
+calls back with token ids (and, when a request asks for them, each token's log-probability
+under the target's raw distribution, before temperature and top-p, with the N most likely
+alternatives: the rows of the verification forward that produced the tokens, the same
+distribution plain decoding computes). Stop strings are the caller's `stop_fn`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Request:
     on_done: Callable[[str, dict], None]  # (finish reason, stats) when the request ends
     stop_fn: Callable[[list[int]], bool] | None = None
     spec_k: int | None = None  # per-request cap on guesses (None: the server's policy; 0: off)
+    logprobs: int | None = None  # None: off; N >= 0: each token's log-probability and the N most likely
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)
     context: list[int] = field(default_factory=list)
@@ -222,11 +226,11 @@ class ContinuousBatcher:
         req.context = list(req.prompt) + [first]
         req.first_token_s = time.perf_counter() - req.submitted
         self.rows.append(req)
-        self._emit(req, [first])
+        self._emit(req, [first], _logprobs(logits[0, :1], [first], req.logprobs))
         if self._done_reason(req):
             self._remove(self.rows.index(req), self._done_reason(req))
 
-    def _emit(self, req: Request, ids: list[int]) -> None:
+    def _emit(self, req: Request, ids: list[int], lps: list | None = None) -> None:
         room = req.params.max_new_tokens - len(req.tokens)
         cut = []
         for t in ids[:room]:
@@ -237,7 +241,10 @@ class ContinuousBatcher:
         with self.lock:
             self.totals["tokens"] += len(cut)
         if cut:
-            req.on_tokens(cut)
+            if req.logprobs is None:
+                req.on_tokens(cut)
+            else:
+                req.on_tokens(cut, lps[: len(cut)])
 
     def _done_reason(self, req: Request) -> str:
         if req.cancelled:
@@ -366,11 +373,27 @@ class ContinuousBatcher:
             r.proposed += len(guesses[b])
             r.accepted += a
             r.forwards += 1
-            self._emit(r, ids)
+            self._emit(r, ids, _logprobs(logits[b, : a + 1], ids, r.logprobs))
         for i in reversed(range(len(self.rows))):
             reason = self._done_reason(self.rows[i])
             if reason:
                 self._remove(i, reason)
+
+
+def _logprobs(logits: torch.Tensor, ids: list[int], top: int | None) -> list | None:
+    """Per token: (its log-probability, [(id, log-probability) of the `top` most likely]) under
+    the raw distribution of its logits row; None when not asked for."""
+    if top is None:
+        return None
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    for row, t in zip(lp, ids):
+        alts = []
+        if top > 0:
+            v, i = row.topk(top)
+            alts = list(zip(i.tolist(), v.tolist()))
+        out.append((float(row[t]), alts))
+    return out
 
 
 class _RowsView:
