@@ -168,3 +168,10 @@ def test_llamacpp_uses_the_gguf_file_when_there_is_one():
     assert "vllm serve org/m" in by["vllm"]["command"]
     without = {e["framework"]: e for e in framework_settings("ngram", 6, model="org/m")}
     assert any("convert_hf_to_gguf" in n for n in without["llama.cpp"]["notes"])
+
+
+def test_llamacpp_asks_for_a_gguf_draft():
+    by = {e["framework"]: e for e in framework_settings("draft", 4, draft="/models/small-folder", model="org/m")}
+    assert any("convert /models/small-folder" in n for n in by["llama.cpp"]["notes"])
+    by = {e["framework"]: e for e in framework_settings("draft", 4, draft="/models/small.gguf", model="org/m")}
+    assert not any("convert /models/small.gguf" in n for n in by["llama.cpp"]["notes"])

@@ -150,11 +150,18 @@ def recommended_settings(verdict: dict, target, drafts: dict) -> list[dict]:
     # the name a serving framework loads: the hub id of the default model, else what the user gave
     model = "HuggingFaceTB/SmolLM2-135M-Instruct" if target.source == "default" else target.source
     on = bool(verdict.get("enable"))
-    out = framework_settings(method if on else "none", k if on else 0, draft=drafts.get(method),
+    draft = drafts.get(method)
+    if draft is None and method in ("draft", "auto"):  # the shipped draft: a plain model folder others can load
+        from ..models.loader import default_draft_for
+
+        shipped = default_draft_for(target)
+        draft = str(shipped) if shipped is not None else None
+    out = framework_settings(method if on else "none", k if on else 0, draft=draft,
                              max_concurrency=verdict.get("max_concurrency"), model=str(model),
                              gguf=getattr(target, "gguf", None))
     if target.source == "default":  # specdec loads its embedded default model without --model
         for e in out:
             if e["framework"] == "specdec":
                 e["command"] = e["command"].replace(f" --model {model}", "")
+                e["notes"] = [n.replace(f" --model {model}", "") for n in e["notes"]]
     return out

@@ -207,6 +207,8 @@ def _llamacpp(r: _Req) -> tuple[bool, str, list[str]]:
                                "convert_hf_to_gguf.py"]
     if r.base == "draft" and not r.draft:
         notes.append("DRAFT.gguf stands for the draft model")
+    elif r.base == "draft" and not r.draft.endswith(".gguf"):
+        notes.append(f"-md takes a GGUF file: convert {r.draft} with llama.cpp's convert_hf_to_gguf.py first")
     ngram_note = (f"ngram-simple matches exactly the last {r.ngram_max} tokens (size-n; no fallback to shorter "
                   f"n-grams down to {r.ngram_min}) and drafts up to k tokens that followed (size-m); ngram-map-k and "
                   "ngram-mod are other draftless types")
