@@ -46,7 +46,6 @@ class Drafter(Protocol):
     def keep_rows(self, rows: list[int]) -> None: ...
 
 
-#: method name -> factory(target LoadedModel-like object, draft spec, options) -> Drafter
 def timing_free(params) -> bool:
     """A seeded sampled request. How many guesses a step verifies decides which random numbers
     the stochastic verification draws, so for the same seed to give the same sample, drafting
@@ -55,6 +54,7 @@ def timing_free(params) -> bool:
     return params is not None and params.seed is not None and not params.greedy
 
 
+#: method name -> factory(target LoadedModel-like object, draft spec, options) -> Drafter
 REGISTRY: dict[str, Callable[..., Drafter]] = {}
 
 

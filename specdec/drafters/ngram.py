@@ -17,6 +17,9 @@ where r is the measured cost of one more verified token relative to a plain step
 between successive `propose` calls and fitted by decayed least squares; 0.08 until
 measured). A 1-token match that rarely holds is then not proposed at all, while a long
 match in copied text is proposed in full. `adaptive=False` gives the classic fixed rule.
+For a seeded sampled request the length is not cut (it would depend on measured times and
+so change which random numbers verification draws): the same seed gives the same text.
+`choose_length=False` leaves the cut to the caller (the server's batcher).
 """
 
 from __future__ import annotations
