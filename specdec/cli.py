@@ -132,8 +132,8 @@ def add_serve_parser(sub) -> None:
         "serve",
         help="OpenAI-compatible HTTP server with speculative continuous batching",
         description="Serve the model over an OpenAI-compatible API (/v1/completions, /v1/chat/completions with "
-                    "streaming and logprobs, /v1/models, /health, /metrics). Requests join and leave the running batch between "
-                    "steps; prompt-lookup speculation adapts its draft length to the load (down to none when the "
+                    "streaming and logprobs, /v1/models, /health, /metrics). Requests join and leave the running "
+                    "batch between steps; prompt-lookup speculation adapts its draft length to the load (down to none when the "
                     "batch is compute-bound). Per request: \"speculative\": {\"k\": N} (0 = off).",
     )
     v.add_argument("--model", metavar="PATH", default=None,
