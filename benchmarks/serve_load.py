@@ -3,7 +3,8 @@ load-aware (adaptive), same run, same prompts.
 
 For each server setting the server is started in this process on loopback, and at each
 concurrency level C, C client threads each send `--requests-per-client` streaming chat
-requests back to back (prompts: first turns of Spec-Bench dev, spread over categories;
+requests back to back (prompts: first turns of Spec-Bench dev, spread over categories, as chat;
+or with `--data humaneval` the HumanEval prompts as raw completions;
 greedy, max_tokens fixed; answers may end early at EOS, so tokens are counted as received,
 by re-tokenizing each streamed chunk). Measured per level: throughput (completion tokens / wall seconds), time to
 first token (p50), time per output token (TPOT: a request's time from its first to its last
@@ -59,7 +60,7 @@ def start(lm, method: str, adaptive: bool, k: int, max_batch: int, max_context: 
     return srv, th, b, f"http://127.0.0.1:{port}/v1"
 
 
-def drive(url: str, prompts: list[str], conc: int, per_client: int, max_tokens: int, tok) -> dict:
+def drive(url: str, prompts: list[str], conc: int, per_client: int, max_tokens: int, tok, chat: bool = True) -> dict:
     from openai import OpenAI
 
     client = OpenAI(base_url=url, api_key="x", max_retries=0, timeout=600)
@@ -72,12 +73,18 @@ def drive(url: str, prompts: list[str], conc: int, per_client: int, max_tokens: 
             t0 = time.perf_counter()
             last, first, t_first, n_req, n_first = t0, True, t0, 0, 0
             try:
-                for ev in client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}],
-                                                         max_tokens=max_tokens, temperature=0, stream=True):
-                    if not ev.choices or not ev.choices[0].delta.content:
+                if chat:
+                    events = client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}],
+                                                            max_tokens=max_tokens, temperature=0, stream=True)
+                else:
+                    events = client.completions.create(model="m", prompt=p, max_tokens=max_tokens, temperature=0,
+                                                       stream=True)
+                for ev in events:
+                    piece = (ev.choices[0].delta.content if chat else ev.choices[0].text) if ev.choices else None
+                    if not piece:
                         continue
                     now = time.perf_counter()
-                    n = max(1, len(tok.encode(ev.choices[0].delta.content, add_special_tokens=False)))
+                    n = max(1, len(tok.encode(piece, add_special_tokens=False)))
                     with lock:
                         if first:
                             ttft.append(now - t0)
@@ -110,7 +117,8 @@ def drive(url: str, prompts: list[str], conc: int, per_client: int, max_tokens: 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--data", default=str(DEFAULT_DATA))
+    ap.add_argument("--data", default=str(DEFAULT_DATA),
+                    help="Spec-Bench JSONL (chat requests) or 'humaneval' (raw completions)")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32")
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -125,9 +133,15 @@ def main() -> int:
     from specdec.models.loader import load_model
 
     lm = load_model(args.model, quiet=True)
-    rows = [json.loads(line) for line in open(args.data)]
-    fits = [r["turns"][0] for r in rows if len(lm.tokenizer.encode(r["turns"][0])) < 1024 - args.max_tokens - 64]
-    prompts = fits[:: max(1, len(fits) // 32)][:32]  # spread over categories, each fits the 1024-token rows
+    chat = args.data != "humaneval"
+    if chat:
+        texts = [json.loads(line)["turns"][0] for line in open(args.data)]
+    else:
+        from specdec.bench.tasks import load_humaneval
+
+        texts = [t.prompt for t in load_humaneval()]
+    fits = [t for t in texts if len(lm.tokenizer.encode(t)) < 1024 - args.max_tokens - 64]
+    prompts = fits[:: max(1, len(fits) // 32)][:32]  # spread over the file (categories), each fits the 1024-token rows
     settings = {"off": ("none", False), "fixed": ("ngram", False), "adaptive": ("ngram", True)}
     servers = {name: start(lm, m, ad, args.k, args.max_batch, 1024) for name, (m, ad) in settings.items()}
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -135,7 +149,7 @@ def main() -> int:
     for rep in range(args.repeats):
         for c in levels:
             for name in settings:
-                res = drive(servers[name][3], prompts, c, args.requests_per_client, args.max_tokens, lm.tokenizer)
+                res = drive(servers[name][3], prompts, c, args.requests_per_client, args.max_tokens, lm.tokenizer, chat)
                 raw[name][c].append(res)
                 print(f"rep {rep} c={c:<3} {name:<9} {res['throughput']:7.1f} tok/s  ttft {res['ttft_p50']*1e3:7.0f} ms  "
                       f"TPOT p50 {res['token_p50']*1e3:6.1f} ms  p95 {res['token_p95']*1e3:6.1f} ms  "
@@ -152,7 +166,7 @@ def main() -> int:
         line += f"{table['adaptive'][c]['throughput'] / table['off'][c]['throughput']:>14.2f}"
         line += f"{table['off'][c]['token_p50'] / table['adaptive'][c]['token_p50']:>19.2f}"
         print(line)
-    result = {"benchmark": "serve_load", "threads": args.threads, "max_tokens": args.max_tokens, "k": args.k,
+    result = {"benchmark": "serve_load", "data": args.data, "threads": args.threads, "max_tokens": args.max_tokens, "k": args.k,
               "requests_per_client": args.requests_per_client, "repeats": args.repeats, "table": table,
               "draft_k_last": {n: servers[n][2].stats()["draft_k"] for n in settings}}
     if args.out:
