@@ -131,9 +131,10 @@ class NgramDrafter:
         if self.policy is not None and self._t_end is not None and self._last is not None:
             self.policy.observe_time(self.step_tokens, now - self._t_end)
         guesses, last = [], []
+        cut = self.policy is not None and self.choose_length and not timing_free(ctx.params)
         for t in ctx.tokens:
             n, g = lookup_match(t, max_tokens, self.min_n, self.max_n) if max_tokens > 0 else (0, [])
-            if g and self.policy is not None and self.choose_length and not timing_free(ctx.params):
+            if g and cut:
                 g = g[: self.policy.choose(n, len(g))]
             guesses.append(g)
             last.append((n, len(g)))

@@ -327,8 +327,11 @@ class ContinuousBatcher:
             own = r.spec_k if r.spec_k is not None else self.k_max
             if timing_free(r.params) and self.drafter is not None:
                 # a seeded sample: its whole lookup up to its own cap, whatever the load, so the
-                # same seed draws the same random numbers and gives the same text
-                matches[b], guesses[b] = lookup_match(r.context, self.k_max, self.drafter.min_n, self.drafter.max_n)
+                # same seed draws the same random numbers and gives the same text (load-aware mode
+                # already proposed whole lookups; --fixed-k's drafter may have cut this one)
+                if self.drafter.choose_length:
+                    matches[b], guesses[b] = lookup_match(r.context, self.k_max, self.drafter.min_n,
+                                                          self.drafter.max_n)
                 caps.append(max(0, min(self.k_max, own, room[b])))
             else:
                 caps.append(max(0, min(k, own, room[b])))
