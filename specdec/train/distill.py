@@ -51,6 +51,8 @@ class CollectConfig:
     seed: int = 0
     generic_prompts: int = 0  # open-ended chat prompts (everyday topics), answered by the target
     code_prompts: int = 0  # raw code completions of standard-library signatures + docstrings
+    self_prompts: int = 0  # user turns the target writes itself (chat template only), then answers
+    self_prompt_tokens: int = 96  # longest self-written user turn
 
 
 @dataclass
@@ -134,7 +136,57 @@ def _chat_rows(target, prompts: list[str], greedy: bool, cfg: CollectConfig, gen
             yield enc[b] + outs[b], len(enc[b]), torch.stack(ids_k[b]), torch.stack(lp_k[b])
 
 
+def _self_prompts(target, n: int, cfg: CollectConfig, gen: torch.Generator) -> list[str]:
+    """User turns written by the target itself: the chat template up to where a user message
+    starts, sampled (temperature 1, top-p 0.95) until the turn ends (the idea of Magpie, Xu et
+    al. 2024: an instruction-tuned model's prompts follow the distribution it was tuned on, so
+    its answers to them cover what users ask without any outside data). Turns that do not end
+    within `self_prompt_tokens` or are shorter than 3 tokens are dropped, so fewer than n may
+    come back."""
+    from ..sampling import sample
+    from ..text import has_chat_template
+
+    model, tok = target.model, target.tokenizer
+    if not has_chat_template(tok):
+        raise SpecdecError("--self-prompts needs a target whose tokenizer has a chat template")
+    mark = "\x00USER\x00"
+    rendered = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=True)
+    if mark not in rendered:
+        raise SpecdecError("cannot find where a user turn starts in this tokenizer's chat template")
+    prefix, suffix = rendered.split(mark, 1)
+    pre = [int(i) for i in tok.encode(prefix, add_special_tokens=False)]
+    end_ids = set(target.eos_ids)
+    suffix_ids = tok.encode(suffix, add_special_tokens=False)
+    if suffix_ids:
+        end_ids.add(int(suffix_ids[0]))
+    B, T, L = n, len(pre), cfg.self_prompt_tokens
+    cache = model.new_cache(B, T + L + 1)
+    toks = torch.tensor(pre)[None].expand(B, T).contiguous()
+    logits, _ = model(toks, torch.arange(T)[None].expand(B, T), cache, logits_at=torch.full((B, 1), T - 1))
+    logits = logits[:, 0]
+    outs: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    for _ in range(L):
+        probs = logits.float().softmax(-1)
+        sp, si = probs.sort(-1, descending=True)
+        sp[(sp.cumsum(-1) - sp) > 0.95] = 0  # top-p 0.95
+        nxt = si.gather(-1, sample(sp / sp.sum(-1, keepdim=True), gen)[:, None])[:, 0]
+        for b in range(B):
+            if not done[b]:
+                t = int(nxt[b])
+                done[b] = t in end_ids
+                if not done[b]:
+                    outs[b].append(t)
+        if all(done):
+            break
+        logits, _ = model(nxt[:, None], cache.lengths[:, None].clone(), cache)
+        logits = logits[:, 0]
+    return [tok.decode(o).strip() for o, d in zip(outs, done) if d and len(o) >= 3]
+
+
 def _text_windows(tokenizer, cfg: CollectConfig, rng: random.Random) -> list[list[int]]:
+    if cfg.text_windows <= 0:
+        return []
     files = corpus.stdlib_files()
     docs = corpus.doc_files()
     pool = [(p, 0.7) for p in files] + [(p, 0.3) for p in docs]
@@ -195,6 +247,24 @@ def collect(target, out: Path, cfg: CollectConfig, quiet: bool = False) -> Path:
         ("c", corpus.code_completion_prompts(cfg.seed, cfg.code_prompts), False, "collect code"),
     ):
         answer(extra, [f"shard_{prefix}{n:04d}.pt" for n in range(n_shards(len(extra)))], desc, chat)
+    # self-written prompts: each shard's prompts come from a generator seeded by the shard's
+    # number, so a resumed run writes the same shards
+    todo = [n for n in range(n_shards(cfg.self_prompts)) if not (data / f"shard_m{n:04d}.pt").exists()]
+    bar = _progress(sum(min(cfg.shard_rows, cfg.self_prompts - n * cfg.shard_rows) for n in todo),
+                    "write prompts", quiet) if todo else None
+    for n in todo:
+        want = min(cfg.shard_rows, cfg.self_prompts - n * cfg.shard_rows)
+        g = torch.Generator().manual_seed(cfg.seed * 100_003 + n)
+        written: list[str] = []
+        for j in range(0, want, cfg.chat_batch):
+            written += _self_prompts(target, min(cfg.chat_batch, want - j), cfg, g)
+            bar.update(min(cfg.chat_batch, want - j))
+        if written:
+            answer(written, [f"shard_m{n:04d}.pt"], f"answer prompts {n + 1}/{n_shards(cfg.self_prompts)}", None)
+        else:  # no turn ended in time: an empty shard, so a resumed run does not retry it
+            torch.save([], data / f"shard_m{n:04d}.pt")
+    if bar is not None:
+        bar.close()
 
     windows = _text_windows(target.tokenizer, cfg, rng)
     bar = _progress(len(windows), "collect text", quiet)
