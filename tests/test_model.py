@@ -228,3 +228,30 @@ def test_packed_tiny_models_match_transformers(pair):
     a, _ = packed(x[:, :6], torch.arange(6)[None].expand(2, 6), cache)
     b, _ = packed(x[:, 6:], torch.arange(6, 9)[None].expand(2, 3), cache)
     assert maxdiff(torch.cat([a, b], 1), ref) <= TOL
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_packed_in_bfloat16(bias):
+    """Linear.pack(bfloat16) (drafting heads): fp32 in, fp32 out, the product of the
+    bf16-rounded weight and input; the plain weight is released."""
+    from specdec.models.llama import Linear
+
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(64, 96, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 64, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(96, generator=g))
+    w = lin.weight.detach().clone()
+    b = None if not bias else lin.bias.detach().clone()
+    x = torch.randn(3, 5, 64, generator=g)
+    lin.pack(torch.bfloat16)
+    assert lin.weight is None and lin.pack_dtype == torch.bfloat16
+    y = lin(x)
+    assert y.dtype == torch.float32 and y.shape == (3, 5, 96)
+    ref = torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float(),
+                                     None if b is None else b.bfloat16().float())
+    torch.testing.assert_close(y, ref, atol=0.1, rtol=0.02)  # bf16 output rounding
+    exact = torch.nn.functional.linear(x, w, b)
+    assert (y - exact).abs().max() > 0  # it did run in bf16, not silently in fp32

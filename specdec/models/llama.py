@@ -142,6 +142,16 @@ def mkldnn_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX). There bf16 matrix
+    products are ~3x faster than fp32 when compute-bound (training a head) and read half the
+    bytes when memory-bound (drafting)."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:
+        return False
+
+
 class Linear(nn.Linear):
     """nn.Linear that can swap its weight for a oneDNN-prepacked copy (`pack()`).
 
@@ -153,16 +163,25 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
+    pack_dtype: torch.dtype | None = None
 
-    def pack(self) -> None:
+    def pack(self, dtype: torch.dtype | None = None) -> None:
+        """dtype: pack the weight in this dtype (e.g. bfloat16 for a drafter, where half the
+        bytes read matter more than the last bits); inputs are cast to it and outputs back."""
         w = self.weight.detach()
+        if dtype is not None and dtype != w.dtype:
+            w, self.pack_dtype = w.to(dtype), dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
-        self.packed_bias = None if self.bias is None else self.bias.detach()
+        self.packed_bias = None if self.bias is None else self.bias.detach().to(w.dtype)
         self.weight = None  # (the module's other code never reads it again)
         self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            if self.pack_dtype is not None and x.dtype != self.pack_dtype:
+                y = torch.ops.mkldnn._linear_pointwise(x.to(self.pack_dtype), self.packed, self.packed_bias,
+                                                       "none", [], "")
+                return y.to(x.dtype)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

@@ -12,7 +12,11 @@ Three resumable stages, each with a progress bar:
    last layer) learns to predict f_{t+1} from (f_t, x_{t+1}): smooth-L1 on the feature plus
    `--cls-weight` x cross-entropy between the target head's distributions of the true and the
    predicted feature, over a frequency-ranked vocabulary subset. Input features get uniform
-   noise (EAGLE's trick against the drift of drafting on its own predictions). Checkpoints to
+   noise (EAGLE's trick against the drift of drafting on its own predictions). With
+   `--unroll N` (training-time test, as in HASS and EAGLE-3) the head is also trained the way
+   it drafts: steps 2..N feed its own predicted features back, each new pair attending to the
+   true pairs before it and to its own earlier predictions only, with the loss of step j
+   weighted `unroll_decay`^(j-1). `--init DIR` starts from a trained head. Checkpoints to
    OUT/checkpoint.pt; the result (eagle.safetensors + specdec_eagle.json) loads with
    `--method eagle --draft OUT`.
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,6 +51,10 @@ class EagleTrainConfig:
     max_rows: int = 0  # 0 = every data row
     save_every: int = 50
     seed: int = 0
+    unroll: int = 1  # training-time test: drafting steps trained on the head's own predictions
+    unroll_decay: float = 0.8
+    init: str | None = None  # an EAGLE head folder to start from (same target)
+    bf16: bool | None = None  # bfloat16 autocast for the matrix products; None: where the CPU has bf16 units
 
 
 def extract_features(target, data: Path, feats: Path, seq_len: int, max_rows: int = 0, quiet: bool = False) -> None:
@@ -127,6 +136,61 @@ def init_head(target):
     return head.float()
 
 
+def unrolled_predictions(head, E, x_next, f_in, unroll: int = 1):
+    """The head's predicted features for `unroll` drafting steps at every position at once.
+
+    x_next [B, T] = x_{t+1}, f_in [B, T, D] = f_t; E the target's embedding. Step 1 is plain
+    EAGLE: the pair (f_t, x_{t+1}) at position t, causal over the true pairs, predicts f_{t+1}.
+    Step j > 1 is what drafting does j-1 tokens later: the pair (step j-1's prediction at t,
+    x_{t+j}) at position t+j-1 attends to the true pairs 0..t and to the pairs of steps 2..j
+    made at t (its ancestors in a draft), and predicts f_{t+j}. Returns [pred_1, ..., pred_unroll],
+    each [B, T, D] (positions whose x_{t+j} lies past the end hold garbage)."""
+    B, T = x_next.shape
+    pos = torch.arange(T)[None].expand(B, T)
+    x, q, k, v = head.qkv(F.embedding(x_next, E), f_in, pos)
+    preds = [head.finish(x, q, k, v, causal=True)]
+    keys, vals = [k], [v]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    eye = torch.eye(T, dtype=torch.bool)
+    for j in range(2, unroll + 1):
+        tok = torch.zeros_like(x_next)
+        tok[:, : T - j + 1] = x_next[:, j - 1 :]  # x_{t+j}
+        x, q, k, v = head.qkv(F.embedding(tok, E), preds[-1], pos + j - 1)
+        keys.append(k)
+        vals.append(v)
+        allowed = torch.cat([causal] + [eye] * (j - 1), dim=1)  # [T, j*T]
+        preds.append(head.finish(x, q, torch.cat(keys, 2), torch.cat(vals, 2), mask=allowed[None, None]))
+    return preds
+
+
+def unrolled_loss(head, E, W, x_next, f_in, f_out, mask, unroll: int = 1, decay: float = 0.8):
+    """Feature regression and token cross-entropy of `unroll` drafting steps
+    (unrolled_predictions), step j weighted decay^(j-1); f_out = f_{t+1}, mask [B, T] valid
+    positions, W the target's LM head rows over the vocabulary subset [S, D].
+    Returns (regression, cross-entropy, [top-1 agreement with the target per step])."""
+    T = x_next.shape[1]
+    reg_sum = cls_sum = weight = 0.0
+    tops = []
+    for j, pred in enumerate(unrolled_predictions(head, E, x_next, f_in, unroll), start=1):
+        valid = torch.zeros_like(mask)
+        valid[:, : T - j + 1] = mask[:, j - 1 :]
+        if not valid.any():
+            break
+        t = torch.zeros_like(f_out)
+        t[:, : T - j + 1] = f_out[:, j - 1 :]
+        p, t = pred[valid], t[valid]  # prediction of f_{t+j}, and f_{t+j}
+        with torch.no_grad():
+            target_p = (t @ W.T).softmax(-1)
+        logq = (p @ W.T).log_softmax(-1)
+        w = decay ** (j - 1)
+        reg_sum = reg_sum + w * F.smooth_l1_loss(p, t)
+        cls_sum = cls_sum + w * -(target_p * logq).sum(-1).mean()
+        weight += w
+        with torch.no_grad():
+            tops.append((logq.argmax(-1) == target_p.argmax(-1)).float().mean().item())
+    return reg_sum / weight, cls_sum / weight, tops
+
+
 def _hf_state(target) -> dict:
     from ..models.loader import _read_state_dict
 
@@ -177,12 +241,22 @@ def train_eagle(target, out: Path, cfg: EagleTrainConfig, data: Path | None = No
     W = target.model.lm_head_weight().detach().float()[sub]  # [S, D], frozen
     E = target.model.embed.weight.detach().float()
     head = init_head(target)
+    if cfg.init:
+        from ..drafters.eagle import load_eagle
+
+        start, _ = load_eagle(cfg.init, target)
+        head.load_state_dict({k: v.float() for k, v in start.state_dict().items()})
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = out / "checkpoint.pt"
     step, ema, before = load_checkpoint(ckpt, "head", head, opt)
     rng = random.Random(cfg.seed + step)
     gen = torch.Generator().manual_seed(cfg.seed + step)
     stream = _batches(rows, cfg.batch_rows, cfg.seq_len, rng)
+    from ..models.llama import cpu_has_bf16
+
+    bf16 = cpu_has_bf16() if cfg.bf16 is None else cfg.bf16
+    if bf16:  # rms_norm's weight stays fp32 under autocast: correct, only not fused
+        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     head.train()
     bar = tqdm(total=cfg.steps, initial=step, desc="train eagle", disable=quiet, dynamic_ncols=True)
     t0 = time.perf_counter()
@@ -191,26 +265,21 @@ def train_eagle(target, out: Path, cfg: EagleTrainConfig, data: Path | None = No
         lr = cosine_lr(step, cfg.steps, cfg.warmup, cfg.lr)
         for g in opt.param_groups:
             g["lr"] = lr
-        B, T = x_next.shape
         noisy = f_in + (torch.rand(f_in.shape, generator=gen) - 0.5) * 2 * cfg.noise
-        pred = head(F.embedding(x_next, E), noisy, torch.arange(T)[None].expand(B, T))
-        p, t = pred[mask], f_out[mask]
-        reg = F.smooth_l1_loss(p, t)
-        with torch.no_grad():
-            target_p = (t @ W.T).softmax(-1)
-        logq = (p @ W.T).log_softmax(-1)
-        cls = -(target_p * logq).sum(-1).mean()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            reg, cls, tops = unrolled_loss(head, E, W, x_next, noisy, f_out, mask, cfg.unroll, cfg.unroll_decay)
         loss = reg + cfg.cls_weight * cls
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         opt.step()
         step += 1
-        with torch.no_grad():
-            top1 = (logq.argmax(-1) == target_p.argmax(-1)).float().mean().item()
-        cur = (reg.item(), cls.item(), top1)
+        cur = (reg.item(), cls.item(), tops[0], tops[-1])
+        if ema is not None and len(ema) != len(cur):  # a checkpoint from before the last-step figure
+            ema = tuple(ema) + (ema[-1],)
         ema = cur if ema is None else tuple(0.95 * a + 0.05 * b for a, b in zip(ema, cur))
-        bar.set_postfix(reg=f"{ema[0]:.3f}", ce=f"{ema[1]:.3f}", top1=f"{ema[2]:.3f}", lr=f"{lr:.1e}")
+        bar.set_postfix(reg=f"{ema[0]:.3f}", ce=f"{ema[1]:.3f}", top1=f"{ema[2]:.3f}",
+                        **({f"top1@{cfg.unroll}": f"{ema[3]:.3f}"} if cfg.unroll > 1 else {}), lr=f"{lr:.1e}")
         bar.update(1)
         if step % cfg.save_every == 0 or step == cfg.steps:
             save_checkpoint(ckpt, "head", head, opt, step, ema, before + time.perf_counter() - t0)
@@ -227,8 +296,10 @@ def train_eagle(target, out: Path, cfg: EagleTrainConfig, data: Path | None = No
         "data": str(data),
         "feature_rows": len(rows),
         "feature_tokens": n_tokens,
-        "final": {"reg": round(ema[0], 4), "ce": round(ema[1], 4), "top1": round(ema[2], 4)} if ema else None,
+        "final": {"reg": round(ema[0], 4), "ce": round(ema[1], 4), "top1": round(ema[2], 4),
+                  f"top1_step{cfg.unroll}": round(ema[-1], 4)} if ema else None,
         "train_seconds": round(before + time.perf_counter() - t0, 1),
         "saved_dtype": "bfloat16",
+        "trained_in": "bfloat16 autocast" if bf16 else "float32",
     })
     return out
