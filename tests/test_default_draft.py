@@ -1,7 +1,8 @@
 """The drafters shipped for the default model (the distilled draft, the EAGLE head, the
 Medusa heads): they load as the defaults, and greedy speculation reproduces plain greedy
 decoding token for token on the default model (batch 1 and a ragged batch), for draft,
-auto, eagle (tree and chain) and medusa (tree and chain)."""
+auto (lookup + EAGLE, and lookup + the draft with --draft), eagle (tree and chain) and
+medusa (tree and chain)."""
 
 from __future__ import annotations
 
@@ -31,22 +32,28 @@ def test_default_draft_ships_and_loads(default_model):
     assert default_medusa_for(default_model) == DEFAULT_MEDUSA_DIR, "the default Medusa heads are missing"
 
 
-def _args(method, tree=True):
-    return argparse.Namespace(method=method, draft=None, k=None, tree=tree, tree_depth=4, tree_width=2, tree_nodes=None)
+def _args(method, tree=True, draft=None):
+    return argparse.Namespace(method=method, draft=draft, k=None, tree=tree, tree_depth=4, tree_width=2,
+                              tree_nodes=None)
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("method,tree", [("draft", True), ("auto", True), ("eagle", True), ("eagle", False),
-                                         ("medusa", True), ("medusa", False)])
-def test_greedy_speculation_equals_plain_on_default_model(default_model, method, tree):
+@pytest.mark.parametrize("method,tree,draft", [("draft", True, None), ("auto", True, None),
+                                               ("auto", True, str(DEFAULT_DRAFT_DIR)), ("eagle", True, None),
+                                               ("eagle", False, None), ("medusa", True, None), ("medusa", False, None)])
+def test_greedy_speculation_equals_plain_on_default_model(default_model, method, tree, draft):
+    from specdec.drafters.hybrid import HybridDrafter, LookupEagleDrafter
+
     tok = default_model.tokenizer
     ids = [encode_prompt(tok, p, chat) for p, chat in PROMPTS]
     params = SamplingParams(max_new_tokens=48)
     plain_engine, _ = build_engine(_args("none"), default_model, quiet=True)
     plain = [plain_engine.generate([x], params)[0].tokens for x in ids]
-    engine, draft = build_engine(_args(method, tree), default_model, quiet=True)
-    if method in ("draft", "auto"):
-        assert draft is not None and draft.draft_meta and len(draft.draft_meta["vocab_subset"]) > 0
+    engine, draft_lm = build_engine(_args(method, tree, draft), default_model, quiet=True)
+    if method == "draft" or draft is not None:
+        assert draft_lm is not None and draft_lm.draft_meta and len(draft_lm.draft_meta["vocab_subset"]) > 0
+    if method == "auto":  # the default target's auto: lookup + the shipped EAGLE head; --draft MODEL: + the draft
+        assert isinstance(engine.drafter, HybridDrafter if draft else LookupEagleDrafter)
     one_by_one = [engine.generate([x], params)[0] for x in ids]
     assert [r.tokens for r in one_by_one] == plain
     assert sum(r.stats.accepted for r in one_by_one) > 0  # the draft is right some of the time

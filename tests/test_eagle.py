@@ -63,7 +63,10 @@ def head_dir(seed: int = 0, vocab: int = V, noise: float = 0.05):
     return d
 
 
-def drafter(tree: bool, seed: int = 0, vocab: int = V, **kw):
+def drafter(tree: bool | str, seed: int = 0, vocab: int = V, **kw):
+    """tree: False (chain), True (dynamic tree) or "lookup" (prompt lookup + tree, `auto`'s mix)."""
+    if tree == "lookup":
+        return REGISTRY["lookup-eagle"](target=target(seed, vocab), draft=head_dir(seed, vocab), **kw)
     return REGISTRY["eagle"](target=target(seed, vocab), draft=head_dir(seed, vocab), tree=tree, **kw)
 
 
@@ -73,7 +76,9 @@ def prompts():
 
 
 @pytest.mark.parametrize("tree,kw", [(False, {}), (True, dict(depth=3, width=2, nodes=5)),
-                                     (True, dict(depth=4, width=3, nodes=12))])
+                                     (True, dict(depth=4, width=3, nodes=12)),
+                                     ("lookup", dict(depth=3, width=2, nodes=5, min_lookup=1)),
+                                     ("lookup", dict(depth=2, width=2, nodes=4, min_lookup=2))])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_eagle_greedy_equals_transformers(tree, kw, batch):
     from transformers import AutoModelForCausalLM
@@ -86,6 +91,8 @@ def test_eagle_greedy_equals_transformers(tree, kw, batch):
     res = Engine(target().model, d, k=kw.get("depth", 3)).generate(ps, SamplingParams(max_new_tokens=14))
     assert [r.tokens for r in res] == want
     assert sum(r.stats.proposed for r in res) > 0
+    if tree == "lookup":
+        assert d.rows_drafted["lookup"] > 0 and d.rows_drafted["eagle"] > 0
 
 
 def test_eagle_needs_the_targets_features():
@@ -111,7 +118,8 @@ CTX = (tuple(range(SV)) + (3, 1, 4), tuple(reversed(range(SV))) + (5,))
 
 
 @pytest.mark.parametrize("tree,params", [(False, dict(temperature=1.0)), (False, dict(temperature=0.7, top_k=6)),
-                                         (True, dict(temperature=0.8, top_p=0.9))])
+                                         (True, dict(temperature=0.8, top_p=0.9)),
+                                         ("lookup", dict(temperature=0.9))])
 def test_eagle_sampling_matches_exact_distribution(tree, params):
     from transformers import AutoModelForCausalLM
 
@@ -121,13 +129,15 @@ def test_eagle_sampling_matches_exact_distribution(tree, params):
     out = {c: [] for c in CTX}
     proposed = accepted = 0
     for s in range(5):
-        d = drafter(tree, 3, SV, depth=2, width=3, nodes=6)
+        d = drafter(tree, 3, SV, depth=2, width=3, nodes=6, **({"min_lookup": 1, "min_n": 2} if tree == "lookup" else {}))
         res = Engine(tg.model, d, k=2).generate(rows, SamplingParams(max_new_tokens=4, seed=700 + s, **params))
         for p, r in zip(rows, res):
             out[tuple(p)].append(r.tokens[:3])
             proposed += r.stats.proposed
             accepted += r.stats.accepted
     assert proposed > 0 and 0 < accepted < proposed
+    if tree == "lookup":
+        assert d.rows_drafted["lookup"] > 0 and d.rows_drafted["eagle"] > 0
 
     # chi2_views reads exact distributions from test_tree's models: compute ours here instead
     import test_tree
@@ -205,3 +215,97 @@ def test_eagle_long_prompt_short_answer_ragged_batch(tree):
     d = drafter(tree, depth=2, width=2, nodes=4) if tree else drafter(False)
     res = Engine(target().model, d, k=2).generate(ps, SamplingParams(max_new_tokens=3))
     assert [r.tokens for r in res] == [hf_greedy(hf, p, 3) for p in ps]
+
+
+def test_unrolled_training_steps_match_drafting():
+    """Training-time test: step j's prediction at position t equals a plain causal forward of
+    the head over the true pairs 0..t followed by the head's own predicted pairs
+    (pred_{1..j-1} paired with the true next tokens), i.e. what drafting computes j-1 tokens on."""
+    from specdec.train.eagle import unrolled_predictions
+
+    tg = target(0)
+    head, _ = load_eagle(head_dir(0), tg)
+    head = head.float()
+    E = tg.model.embed.weight.detach().float()
+    g = torch.Generator().manual_seed(3)
+    B, T, D = 2, 9, E.shape[1]
+    x_next = torch.randint(0, V, (B, T), generator=g)
+    f_in = torch.randn(B, T, D, generator=g)
+    with torch.no_grad():
+        preds = unrolled_predictions(head, E, x_next, f_in, unroll=3)
+        for b in range(B):
+            for t in range(T - 2):
+                feats = [f_in[b, s] for s in range(t + 1)]
+                toks = [int(x_next[b, s]) for s in range(t + 1)]
+                for j in range(1, 4):
+                    n = len(toks)
+                    out = head(torch.nn.functional.embedding(torch.tensor([toks]), E), torch.stack(feats)[None],
+                               torch.arange(n)[None])[0, -1]
+                    torch.testing.assert_close(preds[j - 1][b, t], out, atol=1e-4, rtol=1e-4)
+                    if j < 3:
+                        feats.append(out)
+                        toks.append(int(x_next[b, t + j]))
+
+
+def test_train_eagle_unrolled_from_a_trained_head(tmp_path):
+    """--unroll and --init: the run starts from the given head and the result still drafts exactly."""
+    tg = target(0)
+    data = tmp_path / "data"
+    data.mkdir()
+    g = torch.Generator().manual_seed(1)
+    rows = [(torch.randint(0, V, (30,), generator=g).tolist(), 5, torch.zeros(25, 4, dtype=torch.long), torch.zeros(25, 4))
+            for _ in range(8)]
+    torch.save(rows, data / "shard_0000.pt")
+    out = tmp_path / "head"
+    cfg = EagleTrainConfig(steps=2, batch_rows=4, seq_len=12, head_vocab=20, unroll=3, init=str(head_dir(0)), lr=0.0)
+    train_eagle(tg, out, cfg, data=data, quiet=True)
+    head, meta = load_eagle(out, tg)
+    start, _ = load_eagle(head_dir(0), tg)
+    # lr 0: the saved head is the init head (to bf16 rounding)
+    for (name, a), b in zip(head.state_dict().items(), start.state_dict().values()):
+        torch.testing.assert_close(a.float(), b.float().to(torch.bfloat16).float(), msg=name)
+    assert meta["train"]["unroll"] == 3 and "top1_step3" in meta["final"]
+    d = EagleDrafter(head, tg.model, meta["vocab_subset"], tree=True, depth=3, width=2, nodes=6)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+    hf.generation_config.pad_token_id = 0
+    p = prompts()[0]
+    [r] = Engine(tg.model, d, k=3).generate([p], SamplingParams(max_new_tokens=8))
+    assert r.tokens == hf_greedy(hf, p, 8)
+
+
+def test_lookup_eagle_gate_falls_back_to_lookup_when_the_tree_does_not_pay(monkeypatch):
+    """auto's gate: the tree pays iff accepted tokens per tree step > draft time / step time +
+    r * nodes. While it does not, rows get plain lookups and the tree is probed every 16th
+    step; greedy output stays equal to plain decoding whatever the gate decides."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from specdec.drafters.hybrid import LookupEagleDrafter
+
+    d = drafter("lookup", depth=3, width=2, nodes=5)
+    assert d.tree_pays()  # nothing measured yet
+    d.t_draft, d.t_step, d.nodes = 0.002, 0.010, 5.0
+    r = d.ngram.policy.r
+    d.gain = 0.2 + r * 5 + 0.01
+    assert d.tree_pays()
+    d.gain = 0.2 + r * 5 - 0.01
+    assert not d.tree_pays()
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+    hf.generation_config.pad_token_id = 0
+    ps = prompts()
+    want = [hf_greedy(hf, p, 40) for p in ps]
+    monkeypatch.setattr(LookupEagleDrafter, "tree_pays", lambda self: False)
+    d = drafter("lookup", depth=3, width=2, nodes=5)
+    res = [Engine(target().model, d, k=3).generate([p], SamplingParams(max_new_tokens=40))[0] for p in ps]
+    assert [x.tokens for x in res] == want
+    steps = sum(x.stats.target_forwards for x in res)
+    assert 0 < d.rows_drafted["eagle"] <= steps // 16 + len(ps)  # probes only
+    noise = random.Random(0)
+    monkeypatch.setattr(LookupEagleDrafter, "tree_pays", lambda self: noise.random() < 0.5)
+    d = drafter("lookup", depth=3, width=2, nodes=5)
+    res = Engine(target().model, d, k=3).generate(ps, SamplingParams(max_new_tokens=40))
+    assert [x.tokens for x in res] == want

@@ -129,6 +129,18 @@ def test_auto_maps_to_draft_settings_or_ngram():
     assert without["tgi"]["supported"] is True
 
 
+def test_auto_with_an_eagle_head_maps_to_eagle_settings():
+    from specdec.drafters.eagle import DEFAULT_EAGLE_DIR
+
+    e = by_fw(framework_settings("auto", 4, draft=str(DEFAULT_EAGLE_DIR)))
+    assert vllm_config(e["vllm"]["command"])["method"] == "eagle"
+    assert any("auto's EAGLE settings" in n for n in e["vllm"]["notes"])
+    assert "draft-eagle3" in flag_value(e["llama.cpp"]["command"], "--spec-type")
+    assert any("auto's EAGLE settings" in n for n in e["llama.cpp"]["notes"])
+    assert e["tgi"]["supported"] is False and any("prompt-lookup half" in n for n in e["tgi"]["notes"])
+    assert flag_value(e["specdec"]["command"], "--method") == "auto"
+
+
 def test_heads_need_conversion_and_unsupported_where_absent():
     eagle = by_fw(framework_settings("eagle", 5, draft="heads/eagle"))
     assert any("specdec's own format" in n for n in eagle["vllm"]["notes"])

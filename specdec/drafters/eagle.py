@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models.llama import PACK_BATCH_HINT, Linear, mkldnn_packing_available
+from ..models.llama import PACK_BATCH_HINT, Linear, cpu_has_bf16, mkldnn_packing_available
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
 
@@ -77,11 +77,13 @@ class EagleHead(nn.Module):
         inv = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
 
-    def pack(self) -> "EagleHead":
-        """oneDNN-prepacked projections for CPU inference (see models.llama.Linear)."""
+    def pack(self, dtype: torch.dtype | None = None) -> "EagleHead":
+        """oneDNN-prepacked projections for CPU inference (see models.llama.Linear), optionally
+        packed in `dtype` (bfloat16: half the bytes per drafting step; drafting quality barely
+        moves and exactness does not depend on it)."""
         if mkldnn_packing_available() and self.fc.weight is not None and self.fc.weight.dtype == torch.float32:
             for lin in (self.fc, self.wqkv, self.wo, self.w_gate_up, self.w_down):
-                lin.pack()
+                lin.pack(dtype)
         return self
 
     def config(self) -> dict:
@@ -118,6 +120,14 @@ class EagleHead(nn.Module):
         """Training: whole sequences, causal. emb = embed(x_{1..T}), feat = f_{0..T-1} -> f^_{1..T}."""
         x, q, k, v = self.qkv(emb, feat, positions)
         return self.finish(x, q, k, v, causal=True)
+
+
+def bf16_drafting() -> bool:
+    """Whether drafting heads pack their weights in bfloat16: where the CPU has bf16 units
+    (AVX-512 BF16 or AMX), unless SPECDEC_DRAFT_FP32=1."""
+    import os
+
+    return os.environ.get("SPECDEC_DRAFT_FP32") != "1" and cpu_has_bf16()
 
 
 def head_from_target(cfg) -> EagleHead:
@@ -192,9 +202,13 @@ class EagleDrafter:
             W = W[self.subset]
         self.W = W.contiguous()  # [S, D]
         self.W_packed = None
+        # bfloat16 packing where the CPU multiplies bf16 natively: drafting reads its weights
+        # every step, right after the target's forward evicted them from the caches
+        self.pack_dtype = torch.bfloat16 if bf16_drafting() else None
         if mkldnn_packing_available() and self.W.dtype == torch.float32 and self.W.device.type == "cpu":
-            self.W_packed = torch.ops.mkldnn._reorder_linear_weight(self.W, PACK_BATCH_HINT)
-            head.pack()
+            self.W_packed = torch.ops.mkldnn._reorder_linear_weight(self.W.to(self.pack_dtype or self.W.dtype),
+                                                                    PACK_BATCH_HINT)
+            head.pack(self.pack_dtype)
         self.vocab_size = target_model.vocab_size
         self.tree, self.depth, self.width, self.nodes = tree, depth, width, nodes
         self.max_nodes = nodes if tree else 0
@@ -232,20 +246,28 @@ class EagleDrafter:
     def _logits(self, h):
         """[..., D] -> [..., S] scores over the subset (or the full vocabulary)."""
         if self.W_packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(h.float(), self.W_packed, None, "none", [], "")
+            x = h.to(self.pack_dtype or torch.float32)
+            return torch.ops.mkldnn._linear_pointwise(x, self.W_packed, None, "none", [], "").float()
         return h.float() @ self.W.float().T
 
     def _ids(self, idx):
         return self.subset[idx] if self.subset is not None else idx
+
+    def remember(self, ctx: DraftContext) -> None:
+        """Keep the target features the engine handed over (a wrapping drafter that skips this
+        head for a step must still call this: the engine passes each feature once)."""
+        if ctx.hidden is None:
+            return
+        for b, h in enumerate(ctx.hidden):
+            if h is not None:
+                self.feat[b].extend(h.unbind(0))
 
     @torch.inference_mode()
     def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
         """Feed every committed (f_t, x_{t+1}) pair not yet in the cache; return the head's
         output at each row's last pair: the predicted feature for the pending token [B, D]."""
         B = len(ctx.tokens)
-        for b in range(B):
-            if ctx.hidden is not None and ctx.hidden[b] is not None:
-                self.feat[b].extend(ctx.hidden[b].unbind(0))
+        self.remember(ctx)
         want = [len(t) - 1 for t in ctx.tokens]  # pairs t = 0 .. len-2 are known
         for b in range(B):
             if len(self.feat[b]) < want[b]:

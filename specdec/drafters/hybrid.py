@@ -1,4 +1,4 @@
-"""Prompt lookup first, draft model otherwise (used by `--method auto`).
+"""Prompt lookup first, a draft model or an EAGLE head otherwise (used by `--method auto`).
 
 Per step: rows for which prompt lookup (the adaptive `NgramDrafter`: it proposes a match's
 continuation only as far as such guesses tend to hold) has guesses take them; they cost
@@ -17,6 +17,10 @@ While it does not pay, rows without lookup guesses get none (as with `--method n
 and the draft model is probed once every `probe_every` steps. With a `k_policy`
 (adaptive.AdaptiveK) the draft model's own draft length is chosen per step from its
 measured acceptance and cost; lookup rows are not capped by it.
+
+`LookupEagleDrafter` (auto for a target with an EAGLE head, the default target's case)
+pairs lookup with an EAGLE tree instead; see its docstring. The rest of this text is about
+`HybridDrafter` (lookup + a draft model).
 
 Both sources give deterministic guesses in greedy mode; with sampling, lookup guesses are
 one-hot (q = 1 at the guess) and draft guesses carry the draft's q. A row's q must match
@@ -151,9 +155,163 @@ class HybridDrafter:
         self.ngram.keep_rows(rows)
 
 
+class LookupEagleDrafter:
+    """Prompt lookup where the text repeats, an EAGLE tree elsewhere (`--method auto` for a
+    target that has an EAGLE head).
+
+    Per step and row: a lookup of at least `min_lookup` guesses (the adaptive NgramDrafter
+    already cut it to what tends to hold) is proposed as a chain; other rows get the EAGLE
+    head's dynamic tree. A lookup of one token is usually a worse bet than the tree (the
+    head's first guess alone holds about as often, and the tree adds more). Both kinds of
+    guesses are deterministic (q one-hot), so rows mix freely in one tree-shaped proposal
+    (a chain is a tree whose node i hangs under node i-1) and the verification stays exact,
+    greedy or sampled. When every row has a lookup the head does not run; it still keeps the
+    target features it is handed and catches up lazily the next time it drafts.
+
+    The tree is only worth drafting while it pays: it costs the head's drafting time (c, in
+    target steps) plus r per verified node (r: the lookup's measured cost of one more
+    verified token), and gains the tokens it gets accepted. While accepted > c + r * nodes
+    fails (a head that guesses badly for this text, or long contexts that make verification
+    dear), rows without a long lookup fall back to plain prompt lookup, and the tree is
+    probed once every `probe_every` steps. Seeded sampled requests skip the gate (timing
+    must not decide which random numbers verification draws)."""
+
+    needs_hidden = True
+
+    def __init__(self, eagle, min_n: int = 1, max_n: int = 4, min_lookup: int = 2, probe_every: int = 16,
+                 gate: bool = True) -> None:
+        self.eagle = eagle
+        self.ngram = NgramDrafter(min_n, max_n)
+        self.min_lookup = min_lookup
+        self.probe_every, self.gate = probe_every, gate
+        self.max_nodes = eagle.max_nodes
+        self.vocab_size = eagle.vocab_size
+        self.cost_hint = None
+        self.rows_drafted = {"lookup": 0, "eagle": 0}  # row-steps each source drafted for
+        self.gain = 1.0  # accepted tokens per tree row-step (decayed; optimistic prior)
+        self.t_draft: float | None = None  # seconds the head drafts per step
+        self.t_step: float | None = None  # seconds of a target step (hand-over to next proposal)
+        self.nodes = float(eagle.max_nodes or eagle.depth)
+        self._t_end: float | None = None
+        self._tree_rows: list[bool] | None = None
+        self._skipped = 0
+
+    def tree_pays(self) -> bool:
+        if not self.gate or self.t_draft is None or not self.t_step:
+            return True
+        r = self.ngram.policy.r if self.ngram.policy is not None else 0.08
+        return self.gain > self.t_draft / self.t_step + r * self.nodes
+
+    def _prefer_lookup(self, looked: list[list[int]], fixed: bool) -> list[bool]:
+        """Per row, whether its lookup beats the tree: expected committed tokens per unit of
+        step time, E_lookup(j) / (1 + r j) against (1 + gain) / (1 + c + r nodes), from the
+        lookup's learnt acceptance and the tree's measured gain and cost. Until the tree is
+        timed, and for seeded samples (no timing-based choices), a lookup of at least
+        `min_lookup` guesses wins."""
+        policy = self.ngram.policy
+        if fixed or policy is None or self.t_draft is None or not self.t_step:
+            return [len(g) >= self.min_lookup for g in looked]
+        r = policy.r
+        tree = (1.0 + self.gain) / (1.0 + self.t_draft / self.t_step + r * self.nodes)
+        out = []
+        for g, n in zip(looked, self.ngram.matches):
+            j = len(g)
+            out.append(j > 0 and policy.expected(n, j)[-1] / (1.0 + r * j) >= tree)
+        return out
+
+    def begin(self, prompts, params, max_len) -> None:
+        self.eagle.begin(prompts, params, max_len)
+        self.ngram.begin(prompts, params, max_len)
+        self._t_end = None  # a prefill is not a step
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        t0 = time.perf_counter()
+        if self._t_end is not None:
+            step = t0 - self._t_end
+            self.t_step = step if self.t_step is None else 0.9 * self.t_step + 0.1 * step
+        B = len(ctx.tokens)
+        self._tree_rows = None
+        if max_tokens <= 0:
+            self.eagle.remember(ctx)
+            self._t_end = time.perf_counter()
+            return Draft.empty(B)
+        ng = self.ngram.propose(ctx, max_tokens)
+        looked = [ng.tokens[b, : int(ng.counts[b])].tolist() for b in range(B)]
+        fixed = timing_free(ctx.params)
+        use_lookup = self._prefer_lookup(looked, fixed)
+        run_tree = not all(use_lookup)
+        if run_tree and not fixed and not self.tree_pays():
+            self._skipped += 1
+            if self._skipped % self.probe_every:
+                run_tree = False
+                use_lookup = [bool(g) for g in looked]  # plain prompt lookup for every row
+        if not run_tree:
+            self.eagle.remember(ctx)
+            tree = None
+        else:
+            # pairs the head has not seen yet: a whole prompt right after a prefill (not a
+            # steady-state cost, so not timed), a few tokens in steady state
+            behind = max(len(t) - 1 - n for t, n in zip(ctx.tokens, self.eagle.n))
+            t1 = time.perf_counter()
+            tree = self.eagle.propose(ctx, min(self.eagle.depth, max_tokens))
+            dt = time.perf_counter() - t1
+            if behind <= max(self.ngram.max_n, self.eagle.depth) + 2:
+                self.t_draft = dt if self.t_draft is None else 0.9 * self.t_draft + 0.1 * dt
+            self._tree_rows = [not u for u in use_lookup]
+        self.rows_drafted["lookup"] += sum(1 for g, u in zip(looked, use_lookup) if u and g)
+        self.rows_drafted["eagle"] += B - sum(use_lookup) if tree is not None else 0
+        n_tree = 0 if tree is None else tree.tokens.shape[1]
+        N = max([n_tree] + [len(g) for g, u in zip(looked, use_lookup) if u])
+        tokens = torch.zeros(B, N, dtype=torch.long)
+        parents = torch.zeros(B, N, dtype=torch.long)
+        counts = torch.zeros(B, dtype=torch.long)
+        for b in range(B):
+            if use_lookup[b]:
+                n = len(looked[b])
+                tokens[b, :n] = torch.tensor(looked[b])
+                parents[b, :n] = torch.arange(n)  # node j (1-based j+1) hangs under node j
+                counts[b] = n
+            elif tree is not None:
+                tokens[b, :n_tree] = tree.tokens[b]
+                parents[b, :n_tree] = tree.parents[b]
+                counts[b] = tree.counts[b]
+        # the lookup learns only from rows that verify its guesses, and times the target step
+        # from here (the head's drafting is not part of it)
+        self.ngram.verified([len(g) if u else 0 for g, u in zip(looked, use_lookup)])
+        self.ngram.step_tokens = N
+        self.ngram.handed_over()
+        self._t_end = time.perf_counter()
+        if tree is not None:
+            self.nodes = 0.9 * self.nodes + 0.1 * n_tree
+        return Draft(tokens, counts, None, parents)
+
+    def commit(self, num_accepted, paths=None) -> None:
+        self.ngram.commit(num_accepted)
+        self.eagle.commit(num_accepted, paths)
+        if self._tree_rows is not None:
+            got = [int(n) for n, t in zip(num_accepted, self._tree_rows) if t]
+            if got:
+                self.gain = 0.9 * self.gain + 0.1 * (sum(got) / len(got))
+            self._tree_rows = None
+
+    def keep_rows(self, rows) -> None:
+        self.eagle.keep_rows(rows)
+        self.ngram.keep_rows(rows)
+
+
 def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, N] -> [B, N, V] one-hot draft distributions (deterministic guesses)."""
     return torch.nn.functional.one_hot(tokens, vocab).float()
+
+
+@register("lookup-eagle")
+def _make_lookup_eagle(target=None, draft=None, depth: int = 4, width: int = 2, nodes: int = 5,
+                       min_lookup: int = 2, min_n: int = 1, gate: bool = True, **_):
+    """draft: an EAGLE head folder."""
+    from .eagle import _make as make_eagle
+
+    return LookupEagleDrafter(make_eagle(target=target, draft=draft, tree=True, depth=depth, width=width, nodes=nodes),
+                              min_n=min_n, min_lookup=min_lookup, gate=gate)
 
 
 @register("hybrid")

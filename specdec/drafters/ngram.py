@@ -147,6 +147,11 @@ class NgramDrafter:
         self._t_end = time.perf_counter()
         return Draft(tokens, torch.tensor([len(g) for g in guesses], dtype=torch.long))
 
+    def handed_over(self) -> None:
+        """The proposal leaves for verification now (a wrapping drafter that did more work after
+        `propose` calls this, so that work is not timed as part of the target's step)."""
+        self._t_end = time.perf_counter()
+
     @property
     def matches(self) -> list[int]:
         """Per row, the length of the match behind the last proposal (0: none)."""

@@ -151,10 +151,12 @@ def recommended_settings(verdict: dict, target, drafts: dict) -> list[dict]:
     model = "HuggingFaceTB/SmolLM2-135M-Instruct" if target.source == "default" else target.source
     on = bool(verdict.get("enable"))
     draft = drafts.get(method)
-    if draft is None and method in ("draft", "auto"):  # the shipped draft: a plain model folder others can load
+    if draft is None and method in ("draft", "auto"):  # what specdec used: the shipped head or draft
+        from ..drafters.eagle import default_eagle_for
         from ..models.loader import default_draft_for
 
-        shipped = default_draft_for(target)
+        shipped = default_eagle_for(target) if method == "auto" and getattr(target.model, "native", False) else None
+        shipped = shipped or default_draft_for(target)
         draft = str(shipped) if shipped is not None else None
     out = framework_settings(method if on else "none", k if on else 0, draft=draft,
                              max_concurrency=verdict.get("max_concurrency"), model=str(model),

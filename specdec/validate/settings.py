@@ -81,7 +81,11 @@ def framework_settings(method: str, k: int, *, draft: str | None = None, max_con
     _check(method, k, draft, max_concurrency, ngram_min, ngram_max, model)
     if method == "none" or k == 0:
         return [_off(fw, gguf if fw == "llama.cpp" and gguf else model) for fw in FRAMEWORKS]
-    base = ("draft" if draft else "ngram") if method == "auto" else method
+    base = method
+    if method == "auto":  # auto = prompt lookup + (an EAGLE head | a draft model | nothing)
+        from ..drafters.eagle import is_eagle_dir
+
+        base = "eagle" if is_eagle_dir(draft) else "draft" if draft else "ngram"
     req = _Req(method, base, k, draft, max_concurrency, ngram_min, ngram_max, model, gguf)
     return [_entry(fw, *_BUILDERS[fw](req)) for fw in FRAMEWORKS]
 
@@ -235,6 +239,8 @@ def _llamacpp(r: _Req) -> tuple[bool, str, list[str]]:
                      "folder is specdec's own format and cannot be converted by specdec; a different head means "
                      "different acceptance, so re-measure")
         notes.append("llama-server drafts one chain of up to k tokens per step, not specdec's dynamic token tree")
+        if r.method == "auto":
+            notes.append(_auto_note(r, "llama-server"))
     notes.append("--draft/--draft-max and --draft-min were removed (llama-server now refuses them): use "
                  "--spec-draft-n-max/--spec-draft-n-min; --spec-ngram-size-n/-size-m became per-type options "
                  "such as --spec-ngram-simple-size-n/-size-m")
@@ -274,6 +280,9 @@ def _tgi(r: _Req) -> tuple[bool, str, list[str]]:
 
 
 def _auto_note(r: _Req, who: str) -> str:
+    if r.base == "eagle":
+        return (f"{who}: these are specdec auto's EAGLE settings; auto also uses prompt lookup where the text "
+                "repeats, which is dropped here")
     if r.draft:
         return (f"{who}: these are specdec auto's draft-model settings; auto also uses prompt lookup where the text "
                 "repeats, which is dropped here")
