@@ -172,6 +172,17 @@ def test_bad_tree_settings_are_refused():
         Engine(target().model, d, k=2).generate([prompts()[0]], SamplingParams(max_new_tokens=4))
 
 
+def assert_drafts_exactly(tg, head, meta, prompt, n):
+    """A trained head drafts a tree through the engine and greedy output equals transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    d = EagleDrafter(head, tg.model, meta["vocab_subset"], tree=True, depth=3, width=2, nodes=6)
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+    hf.generation_config.pad_token_id = 0
+    [r] = Engine(tg.model, d, k=3).generate([prompt], SamplingParams(max_new_tokens=n))
+    assert r.tokens == hf_greedy(hf, prompt, n)
+
+
 def test_train_eagle_pipeline_end_to_end(tmp_path):
     tg = target(0)
     data = tmp_path / "data"
@@ -189,14 +200,7 @@ def test_train_eagle_pipeline_end_to_end(tmp_path):
     assert (out / "features" / "shard_0001.pt").is_file() and (out / "checkpoint.pt").is_file()
     head, meta = load_eagle(out, tg)
     assert meta["train"]["steps"] == 6 and len(meta["vocab_subset"]) == 20
-    d = EagleDrafter(head, tg.model, meta["vocab_subset"], tree=True, depth=3, width=2, nodes=6)
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
-    hf.generation_config.pad_token_id = 0
-    p = prompts()[1]
-    [r] = Engine(tg.model, d, k=3).generate([p], SamplingParams(max_new_tokens=10))
-    assert r.tokens == hf_greedy(hf, p, 10)
+    assert_drafts_exactly(tg, head, meta, prompts()[1], 10)
     # resuming a finished run trains nothing more and leaves the head loadable
     train_eagle(tg, out, cfg, data=data, quiet=True)
     load_eagle(out, tg)
@@ -265,14 +269,7 @@ def test_train_eagle_unrolled_from_a_trained_head(tmp_path):
     for (name, a), b in zip(head.state_dict().items(), start.state_dict().values()):
         torch.testing.assert_close(a.float(), b.float().to(torch.bfloat16).float(), msg=name)
     assert meta["train"]["unroll"] == 3 and "top1_step3" in meta["final"]
-    d = EagleDrafter(head, tg.model, meta["vocab_subset"], tree=True, depth=3, width=2, nodes=6)
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
-    hf.generation_config.pad_token_id = 0
-    p = prompts()[0]
-    [r] = Engine(tg.model, d, k=3).generate([p], SamplingParams(max_new_tokens=8))
-    assert r.tokens == hf_greedy(hf, p, 8)
+    assert_drafts_exactly(tg, head, meta, prompts()[0], 8)
 
 
 def test_lookup_eagle_gate_falls_back_to_lookup_when_the_tree_does_not_pay(monkeypatch):

@@ -159,10 +159,13 @@ class LookupEagleDrafter:
     """Prompt lookup where the text repeats, an EAGLE tree elsewhere (`--method auto` for a
     target that has an EAGLE head).
 
-    Per step and row: a lookup of at least `min_lookup` guesses (the adaptive NgramDrafter
-    already cut it to what tends to hold) is proposed as a chain; other rows get the EAGLE
-    head's dynamic tree. A lookup of one token is usually a worse bet than the tree (the
-    head's first guess alone holds about as often, and the tree adds more). Both kinds of
+    Per step and row, the source with more expected committed tokens per unit of step time
+    drafts (`_prefer_lookup`): the lookup (the adaptive NgramDrafter already cut it to what
+    tends to hold; its value comes from its learnt per-position acceptance) as a chain, or
+    the EAGLE head's dynamic tree (its value from its measured accepted tokens, drafting time
+    and per-node verification cost). Until the tree has been timed, and for seeded samples, a
+    lookup of at least `min_lookup` guesses wins: one looked-up token is usually a worse bet
+    than the tree (the head's first guess alone holds about as often). Both kinds of
     guesses are deterministic (q one-hot), so rows mix freely in one tree-shaped proposal
     (a chain is a tree whose node i hangs under node i-1) and the verification stays exact,
     greedy or sampled. When every row has a lookup the head does not run; it still keeps the
