@@ -597,7 +597,7 @@ def add_train_parser(sub) -> None:
     e.add_argument("--unroll-decay", type=float, default=e_cfg.unroll_decay,
                    help=f"loss weight of step j is DECAY^(j-1). Default: {e_cfg.unroll_decay}")
     e.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="matrix products while training: bfloat16 autocast is ~3x faster where the CPU has bf16 "
+                   help="matrix products while training: bfloat16 autocast is 2.5-3x faster where the CPU has bf16 "
                         "units (AVX-512 BF16, AMX); auto uses it there. Default: auto")
     e.add_argument("--init", metavar="DIR", default=None,
                    help="start from this EAGLE head (trained for the same target) instead of the target's last layer")

@@ -144,7 +144,7 @@ def mkldnn_packing_available() -> bool:
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX). There bf16 matrix
-    products are ~3x faster than fp32 when compute-bound (training a head) and read half the
+    products are 2.5-3x faster than fp32 when compute-bound (training a head) and read half the
     bytes when memory-bound (drafting)."""
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
