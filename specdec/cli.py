@@ -528,7 +528,7 @@ def add_train_parser(sub) -> None:
     d.add_argument("--code-prompts", type=_nonneg_int, default=c.code_prompts,
                    help=f"standard-library signatures + docstrings the target completes as raw code. "
                         f"Default: {c.code_prompts}")
-    d.add_argument("--self-prompts", type=_nonneg_int, default=c.self_prompts,
+    d.add_argument("--self-prompts", type=_nonneg_int, default=c.self_prompts, metavar="N",
                    help=f"user turns the target writes itself from its chat template (sampled), then answers: "
                         f"broad chat data without outside text. Default: {c.self_prompts}")
     d.add_argument("--chat-batch", type=_positive_int, default=c.chat_batch, help=f"rows per generation batch. Default: {c.chat_batch}")
@@ -590,11 +590,11 @@ def add_train_parser(sub) -> None:
                    help=f"weight of the token cross-entropy next to the feature regression. Default: {e_cfg.cls_weight}")
     e.add_argument("--head-vocab", type=_positive_int, default=e_cfg.head_vocab,
                    help=f"tokens the head drafts from (most frequent in the data). Default: {e_cfg.head_vocab}")
-    e.add_argument("--unroll", type=_positive_int, default=e_cfg.unroll,
+    e.add_argument("--unroll", type=_positive_int, default=e_cfg.unroll, metavar="N",
                    help="drafting steps trained per position (training-time test): steps 2..N feed the head's own "
                         "predicted features back, as drafting does, so guesses deeper in a tree hold up better; "
                         f"costs about N times the compute per step. Default: {e_cfg.unroll}")
-    e.add_argument("--unroll-decay", type=float, default=e_cfg.unroll_decay,
+    e.add_argument("--unroll-decay", type=float, default=e_cfg.unroll_decay, metavar="DECAY",
                    help=f"loss weight of step j is DECAY^(j-1). Default: {e_cfg.unroll_decay}")
     e.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="matrix products while training: bfloat16 autocast is 2.5-3x faster where the CPU has bf16 "
