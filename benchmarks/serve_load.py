@@ -1,10 +1,13 @@
-"""`specdec serve` under load: throughput and latency vs concurrency, speculation off / fixed k /
+"""`specdec serve` under load: throughput and latency vs concurrency, speculation off / fixed /
 load-aware (adaptive), same run, same prompts.
 
-For each server setting the server is started in this process on loopback, and at each
-concurrency level C, C client threads each send `--requests-per-client` streaming chat
-requests back to back (prompts: first turns of Spec-Bench dev, spread over categories, as chat;
-or with `--data humaneval` the HumanEval prompts as raw completions;
+Settings (`--settings`): off (no speculation); fixed (prompt lookup + the shipped EAGLE head's
+trees on every step, up to k guesses: `serve --fixed-k`); adaptive (the same, load-aware: the
+server's default `serve --method auto`); adaptive-ngram and fixed-ngram (prompt lookup only,
+`serve --method ngram`). Each setting is a `specdec serve` process on loopback (started at
+once, idle while another is measured); the clients are threads in this process. At each concurrency level C, C client threads each send `--requests-per-client`
+streaming chat requests back to back (prompts: first turns of Spec-Bench dev, spread over
+categories, as chat; or with `--data humaneval` the HumanEval prompts as raw completions;
 greedy, max_tokens fixed; answers may end early at EOS, so tokens are counted as received,
 by re-tokenizing each streamed chunk). Measured per level: throughput (completion tokens / wall seconds), time to
 first token (p50), time per output token (TPOT: a request's time from its first to its last
@@ -36,28 +39,59 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "spec_bench" / "dev.jsonl"
 
 
+# name -> (server method, load-aware); auto = prompt lookup + the shipped EAGLE head's trees
+SETTINGS = {"off": ("none", False), "fixed": ("auto", False), "adaptive": ("auto", True),
+            "adaptive-ngram": ("ngram", True), "fixed-ngram": ("ngram", False)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start(lm, method: str, adaptive: bool, k: int, max_batch: int, max_context: int):
-    import uvicorn
+def start(setting: str, args) -> tuple:
+    """A `specdec serve` process for one setting; returns (process, base URL) once it answers."""
+    import subprocess
+    import urllib.request
 
-    from specdec.server.app import create_app
-    from specdec.server.batcher import ContinuousBatcher
-
-    b = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=k, max_batch=max_batch, max_context=max_context,
-                          adaptive=adaptive)
-    app = create_app(lm, b, "m")
+    method, adaptive = SETTINGS[setting]
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    while not srv.started:
-        time.sleep(0.02)
-    return srv, th, b, f"http://127.0.0.1:{port}/v1"
+    cmd = [sys.executable, "-c", "import sys; from specdec.cli import main; sys.exit(main())", "serve",
+           "--method", method, "-k", str(args.k), "--max-batch", str(args.max_batch), "--max-context", "1024",
+           "--port", str(port), "--threads", str(args.threads), "--log-level", "warning", "--served-model-name", "m"]
+    if not adaptive:
+        cmd.append("--fixed-k")
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url + "/v1"
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() - t0 > 300:
+            proc.kill()
+            raise SystemExit(f"the {setting} server did not start: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.5)
+
+
+def server_metrics(url: str) -> dict:
+    """The server's Prometheus counters and gauges, name -> value."""
+    import urllib.request
+
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.partition(" ")
+            out[name] = float(value)
+    return out
 
 
 def drive(url: str, prompts: list[str], conc: int, per_client: int, max_tokens: int, tok, chat: bool = True) -> dict:
@@ -126,6 +160,12 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--warmup", type=int, default=4,
+                    help="requests each server answers (one at a time, then all at once) before measuring, so its "
+                         "step-time model and acceptance estimates start warm. Default: 4")
+    ap.add_argument("--settings", default="off,fixed,adaptive,adaptive-ngram",
+                    help="server settings to compare (of " + ", ".join(SETTINGS) + "); off and adaptive are needed "
+                         "for the ratio columns")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -142,14 +182,24 @@ def main() -> int:
         texts = [t.prompt for t in load_humaneval()]
     fits = [t for t in texts if len(lm.tokenizer.encode(t)) < 1024 - args.max_tokens - 64]
     prompts = fits[:: max(1, len(fits) // 32)][:32]  # spread over the file (categories), each fits the 1024-token rows
-    settings = {"off": ("none", False), "fixed": ("ngram", False), "adaptive": ("ngram", True)}
-    servers = {name: start(lm, m, ad, args.k, args.max_batch, 1024) for name, (m, ad) in settings.items()}
+    settings = {}
+    for name in args.settings.split(","):
+        if name not in SETTINGS:
+            ap.error(f"unknown setting {name!r}; choose from {', '.join(SETTINGS)}")
+        settings[name] = SETTINGS[name]
+    if "off" not in settings or "adaptive" not in settings:
+        ap.error("--settings must include off and adaptive")
+    servers = {name: start(name, args) for name in settings}
+    for name in settings:  # warm up: first requests pay one-off costs and the load model's first measurements
+        if args.warmup:
+            drive(servers[name][1], prompts[::-1], 1, args.warmup, args.max_tokens, lm.tokenizer, chat)
+            drive(servers[name][1], prompts[::-1], args.warmup, 1, args.max_tokens, lm.tokenizer, chat)
     levels = [int(c) for c in args.concurrency.split(",")]
     raw = {name: {c: [] for c in levels} for name in settings}
     for rep in range(args.repeats):
         for c in levels:
             for name in settings:
-                res = drive(servers[name][3], prompts, c, args.requests_per_client, args.max_tokens, lm.tokenizer, chat)
+                res = drive(servers[name][1], prompts, c, args.requests_per_client, args.max_tokens, lm.tokenizer, chat)
                 raw[name][c].append(res)
                 print(f"rep {rep} c={c:<3} {name:<9} {res['throughput']:7.1f} tok/s  ttft {res['ttft_p50']*1e3:7.0f} ms  "
                       f"TPOT p50 {res['token_p50']*1e3:6.1f} ms  p95 {res['token_p95']*1e3:6.1f} ms  "
@@ -166,9 +216,12 @@ def main() -> int:
         line += f"{table['adaptive'][c]['throughput'] / table['off'][c]['throughput']:>14.2f}"
         line += f"{table['off'][c]['token_p50'] / table['adaptive'][c]['token_p50']:>19.2f}"
         print(line)
-    result = {"benchmark": "serve_load", "data": args.data, "threads": args.threads, "max_tokens": args.max_tokens, "k": args.k,
+    metrics = {n: server_metrics(servers[n][1]) for n in settings}
+    result = {"benchmark": "serve_load", "data": args.data, "threads": args.threads, "settings": settings, "max_tokens": args.max_tokens, "k": args.k,
               "requests_per_client": args.requests_per_client, "repeats": args.repeats, "table": table,
-              "draft_k_last": {n: servers[n][2].stats()["draft_k"] for n in settings}}
+              "draft_k_last": {n: metrics[n].get("specdec_draft_length") for n in settings},
+              "tree_rows": {n: metrics[n].get("specdec_tree_rows_total") for n in settings},
+              "tau": {n: metrics[n].get("specdec_mean_accepted_length") for n in settings}}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -189,10 +242,9 @@ def main() -> int:
             ax.legend()
         fig.tight_layout()
         fig.savefig(out / "serve_load.png", dpi=110)
-    for srv, th, b, _ in servers.values():
-        srv.should_exit = True
-        th.join(timeout=10)
-        b.close()
+    for proc, _ in servers.values():
+        proc.terminate()
+        proc.wait(timeout=30)
     print(json.dumps(result))
     return 0
 

@@ -135,13 +135,21 @@ def add_serve_parser(sub) -> None:
         help="OpenAI-compatible HTTP server with speculative continuous batching",
         description="Serve the model over an OpenAI-compatible API (/v1/completions, /v1/chat/completions with "
                     "streaming and logprobs, /v1/models, /health, /metrics). Requests join and leave the running "
-                    "batch between steps; prompt-lookup speculation adapts its draft length to the load (down to none when the "
-                    "batch is compute-bound). Per request: \"speculative\": {\"k\": N} (0 = off).",
+                    "batch between steps; speculation (prompt lookup, plus the EAGLE head's tree with --method auto) "
+                    "adapts to the load: from the measured step times each step picks the draft length, and which "
+                    "rows draft a tree, that commit the most tokens per second (down to none when the batch is "
+                    "compute-bound). Per request: \"speculative\": {\"k\": N} (0 = off).",
     )
     v.add_argument("--model", metavar="PATH", default=None,
                    help="target model (a .gguf, a Hugging Face folder, or a hub id). Default: the embedded default model")
-    v.add_argument("--method", choices=("none", "ngram"), default="ngram",
-                   help="speculation for the batch: ngram (prompt lookup, load-aware) or none. Default: ngram")
+    v.add_argument("--method", choices=("none", "ngram", "auto"), default="auto",
+                   help="speculation for the batch: auto (prompt lookup where the text repeats, the EAGLE head's tree "
+                        "elsewhere, at loads where it pays; needs a head: the default model ships one, else --draft), "
+                        "ngram (prompt lookup only) or none. Both load-aware. Default: auto (ngram when the model has "
+                        "no EAGLE head)")
+    v.add_argument("--draft", metavar="DIR", default=None,
+                   help="EAGLE head for --method auto (from `specdec train eagle`). Default: the shipped head of the "
+                        "default model")
     v.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=8,
                    help="most guesses per row and step. Default: 8")
     v.add_argument("--fixed-k", action="store_true",
@@ -165,6 +173,8 @@ def add_serve_parser(sub) -> None:
 
 def cmd_serve(args) -> int:
     import logging
+    import signal
+    import threading
 
     import torch
     import uvicorn
@@ -178,18 +188,47 @@ def cmd_serve(args) -> int:
     lm = load_model(args.model)
     if lm.tokenizer is None:
         raise SpecdecError("the model has no tokenizer; the server needs one to read text")
-    batcher = ContinuousBatcher(lm.model, lm.eos_ids, method=args.method, k_max=args.k, max_batch=args.max_batch,
-                                max_queue=args.max_queue, max_context=args.max_context, adaptive=not args.fixed_k)
+    method, drafter = args.method, None
+    if method != "auto" and args.draft:
+        raise SpecdecError(f"--draft is only used with --method auto (got --method {method})")
+    if method == "auto":
+        from .drafters.hybrid import lookup_eagle_for
+
+        drafter = lookup_eagle_for(lm, args.draft)
+        if drafter is None:
+            method = "ngram"
+            print("[specdec] no EAGLE head for this model: the server drafts with prompt lookup (ngram); "
+                  "pass --draft DIR with a head from `specdec train eagle` for auto", file=sys.stderr)
+    batcher = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=args.k, max_batch=args.max_batch,
+                                max_queue=args.max_queue, max_context=args.max_context, adaptive=not args.fixed_k,
+                                drafter=drafter, thread=False)
     if args.log_level == "debug":
         batcher.log = logging.getLogger("specdec.batcher")
     app = create_app(lm, batcher, args.served_model_name or lm.name, api_key=args.api_key,
                      request_timeout=args.request_timeout)
-    print(f"[specdec] serving {lm.name} on http://{args.host}:{args.port}/v1 (method {args.method}, "
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+
+    def serve_http():
+        try:
+            server.run()
+        finally:
+            batcher.close()  # the HTTP side ended (or never started): stop decoding
+
+    # the model runs in this (main) thread, HTTP in a second one: see ContinuousBatcher.run
+    http = threading.Thread(target=serve_http, name="specdec-http", daemon=True)
+    http.start()
+    signal.signal(signal.SIGTERM, lambda signum, frame: batcher.close())  # e.g. `docker stop`: finish the step, exit
+    print(f"[specdec] serving {lm.name} on http://{args.host}:{args.port}/v1 (method {method}, "
           f"max batch {args.max_batch})", file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        batcher.run()
+    except KeyboardInterrupt:
+        print("[specdec] stopping", file=sys.stderr)
     finally:
-        batcher.close()
+        server.should_exit = True
+        http.join(timeout=10)
+    if not server.started:
+        raise SpecdecError(f"could not serve on {args.host}:{args.port} (see the error above; is the port in use?)")
     return 0
 
 

@@ -3,6 +3,9 @@ the choice of cap (speculate when steps are weight-bound, stop when they are com
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from specdec.drafters.ngram import LengthPolicy
 from specdec.server.batcher import ContinuousBatcher, StepModel
 
@@ -26,7 +29,7 @@ def test_one_row_speculates_again_after_a_full_batch():
     pol = LengthPolicy(max_n=4, max_k=16)
     for i in range(400):  # after 1-gram matches one guess in 20 holds: worth it only if a guess is cheap
         pol.observe(1, 8, 8 if i % 20 == 0 else 0)
-    b.drafter = type("D", (), {"policy": pol})()
+    b.lookup = type("D", (), {"policy": pol})()
     b.steps = StepModel()
     truth = lambda A, K: 0.020 + 0.002 * A + 0.0005 * A * (K + 1)  # noqa: E731
     for _ in range(200):  # a long high-load period, mostly without guesses
@@ -35,20 +38,20 @@ def test_one_row_speculates_again_after_a_full_batch():
         b.steps.observe(16, K, truth(16, K))
     for _ in range(30):  # back to one row, plain steps only
         b.steps.observe(1, 0, truth(1, 0))
-    assert b._choose_k([[1] * 8], [1]) > 0
+    assert b._choose_k([[1] * 8], [1])[0] > 0
 
 
 def test_exploration_step_tries_one_guess_more():
     busy = _chooser(step_a=0.015, step_b=0.004)
     rows = [[1] * 8] * 32
-    assert busy._choose_k(rows, [3] * 32) == 0
+    assert busy._choose_k(rows, [3] * 32)[0] == 0
     busy.totals["steps"] = 16 * 7
-    assert busy._choose_k(rows, [3] * 32) == 1
+    assert busy._choose_k(rows, [3] * 32)[0] == 1
 
 
 def _chooser(step_a: float, step_b: float):
     b = object.__new__(ContinuousBatcher)  # no model, no worker thread: only the policy is under test
-    b.adaptive, b.k_max = True, 8
+    b.adaptive, b.k_max, b.trees = True, 8, False
     b.totals = {"steps": 100}
     b.steps = StepModel()
     for A in (1, 4, 16, 32):
@@ -58,15 +61,138 @@ def _chooser(step_a: float, step_b: float):
     for _ in range(300):  # after 3-gram matches: half the time all 8 guesses hold, half the time none
         pol.observe(3, 8, 8)
         pol.observe(3, 8, 0)
-    b.drafter = type("D", (), {"policy": pol})()
+    b.lookup = type("D", (), {"policy": pol})()
     return b
 
 
 def test_speculates_when_weight_bound_and_backs_off_when_compute_bound():
     b = _chooser(step_a=0.015, step_b=0.0002)  # reading weights dominates: guesses are nearly free
-    assert b._choose_k([[1] * 8], [3]) == 8
+    assert b._choose_k([[1] * 8], [3])[0] == 8
     busy = _chooser(step_a=0.015, step_b=0.004)  # 32 rows: every scored token costs compute
     rows = [[1] * 8] * 32
-    assert busy._choose_k(rows, [3] * 32) == 0
+    assert busy._choose_k(rows, [3] * 32)[0] == 0
     b.adaptive = False
-    assert b._choose_k(rows, [3] * 32) == 8  # --fixed-k
+    assert b._choose_k(rows, [3] * 32)[0] == 8  # --fixed-k
+
+
+# -- the batcher with an EAGLE head (method auto), on tiny random models ------------------
+
+
+def _run(batcher, jobs, timeout: float = 120.0):
+    """Submit (prompt, params) jobs at once (rows join and leave the batch as they
+    finish); returns each job's tokens."""
+    import threading
+
+    from specdec.server.batcher import Request
+
+    out, done, reqs = [None] * len(jobs), threading.Semaphore(0), []
+    for i, (prompt, params) in enumerate(jobs):
+        def on_done(reason, stats, i=i):
+            out[i] = reason
+            done.release()
+
+        r = Request(list(prompt), params, lambda new: None, on_done)
+        reqs.append(r)
+        batcher.submit(r)
+    for _ in jobs:
+        assert done.acquire(timeout=timeout), "a request did not finish"
+    assert all(o in ("eos", "length") for o in out), out
+    return [r.tokens for r in reqs]
+
+
+def _auto_batcher(adaptive: bool, max_batch: int = 3, seed: int = 0, vocab: int | None = None, **kw):
+    from test_eagle import V, drafter, target
+
+    vocab = vocab or V
+    d = drafter("lookup", seed, vocab, depth=3, width=2, nodes=5, **kw)
+    return ContinuousBatcher(target(seed, vocab).model, (), method="auto", k_max=6, max_batch=max_batch,
+                             max_context=96, max_queue=2048, adaptive=adaptive, drafter=d)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_auto_batcher_greedy_equals_transformers(adaptive):
+    """Lookup chains and EAGLE trees in one batch, rows joining and leaving mid-run (5 requests
+    over 3 rows, different lengths): every answer equals plain greedy decoding, and trees ran."""
+    from transformers import AutoModelForCausalLM
+
+    from oracle import hf_greedy, one_thread
+    from specdec.types import SamplingParams
+    from test_eagle import prompts, target_dir
+
+    with one_thread():
+        hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+        hf.generation_config.pad_token_id = 0
+        ps = prompts() + [prompts()[0][:3], prompts()[1][2:]]
+        lengths = [14, 9, 20, 6, 17]
+        want = [hf_greedy(hf, p, n) for p, n in zip(ps, lengths)]
+        b = _auto_batcher(adaptive)
+        try:
+            got = _run(b, [(p, SamplingParams(max_new_tokens=n)) for p, n in zip(ps, lengths)])
+            s = b.stats()
+        finally:
+            b.close()
+    assert got == want
+    assert s["tree_rows"] > 0 and b.drafter.rows_drafted["eagle"] > 0
+    assert s["proposed"] > 0 and s["batch"] == 0
+
+
+def test_auto_batcher_seeded_sample_does_not_depend_on_the_load():
+    """A seeded sampled request gives the same tokens alone and sharing the batch with greedy
+    rows that draft trees (seeded rows draft prompt lookups only)."""
+    from oracle import one_thread
+    from specdec.types import SamplingParams
+    from test_eagle import prompts
+
+    seeded = SamplingParams(max_new_tokens=16, temperature=0.9, seed=11)
+    with one_thread():
+        b = _auto_batcher(adaptive=False)
+        try:
+            alone = _run(b, [(prompts()[0], seeded)])
+            shared = _run(b, [(prompts()[1], SamplingParams(max_new_tokens=12)), (prompts()[0], seeded),
+                              (prompts()[2], SamplingParams(max_new_tokens=20))])
+            assert b.stats()["tree_rows"] > 0
+        finally:
+            b.close()
+    assert shared[1] == alone[0]
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_auto_batcher_sampling_matches_exact_distribution(monkeypatch, broken):
+    """Sampled rows verify trees by recursive rejection inside the batcher: over many seeded
+    requests (trees allowed for seeded rows here, fixed caps so every row drafts a tree) the
+    first three tokens follow the target's exact distribution (chi-square); with a broken
+    tree rule (no residual) the same check fails."""
+    import functools
+
+    from transformers import AutoModelForCausalLM
+
+    import test_tree
+    from oracle import exact_joint, one_thread
+    from specdec.server import batcher as batcher_mod
+    from specdec.types import SamplingParams
+    from test_eagle import CTX, SV, target_dir
+    from test_tree import chi2_views
+
+    monkeypatch.setattr(batcher_mod, "timing_free", lambda params: False)
+    if broken:
+        monkeypatch.setattr(batcher_mod, "verify_tree_stochastic", test_tree.broken_tree_verify)
+    params = dict(temperature=0.9)
+    n = 1200
+    with one_thread():
+        hf = AutoModelForCausalLM.from_pretrained(str(target_dir(3, SV)), dtype=torch.float32).eval()
+        b = _auto_batcher(adaptive=False, max_batch=8, seed=3, vocab=SV, min_lookup=1, min_n=2)
+        try:
+            got = _run(b, [(CTX[0], SamplingParams(max_new_tokens=3, seed=9000 + i, **params)) for i in range(n)],
+                       timeout=600)
+            s = b.stats()
+        finally:
+            b.close()
+    assert s["tree_rows"] > 0 and 0 < s["accepted"] < s["proposed"]
+    monkeypatch.setattr(test_tree, "exact", functools.lru_cache(maxsize=None)(
+        lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p)))
+    results = chi2_views({CTX[0]: torch.tensor(got)}, params)
+    if broken:
+        assert any(r.rejected for _, r in results), [f"{lb}: {r}" for lb, r in results]
+    else:
+        for label, res in results:
+            assert not res.rejected, f"batcher auto {params} {label}: {res}"

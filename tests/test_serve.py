@@ -31,8 +31,11 @@ def server(default_model):
     from specdec.server.app import create_app
     from specdec.server.batcher import ContinuousBatcher
 
-    batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, method="ngram", k_max=8, max_batch=8,
-                                max_queue=200, max_context=MAX_CONTEXT)
+    from specdec.drafters.hybrid import lookup_eagle_for
+
+    # the server's default: prompt lookup + the shipped EAGLE head's trees, load-aware
+    batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, method="auto", k_max=8, max_batch=8,
+                                max_queue=200, max_context=MAX_CONTEXT, drafter=lookup_eagle_for(default_model))
     app = create_app(default_model, batcher, "smol", api_key="sekrit", request_timeout=120)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -144,6 +147,7 @@ def test_n_and_seed_and_stop(client):
     ({"prompt": "hi", "logprobs": "yes"}, 400, "logprobs"),
     ({"prompt": "word " * 700, "max_tokens": 8}, 400, "context"),
     ({"prompt": "hi", "model": "gpt-9"}, 404, "not found"),
+    ({"prompt": "hi", "speculative": {"method": "medusa"}}, 400, "'ngram'"),
 ])
 def test_bad_requests_get_openai_style_errors(server, body, status, needle):
     import json
@@ -177,9 +181,9 @@ def test_logprobs_match_the_target_with_and_without_speculation(client, default_
     new = plain.tokens
     ref = _oracle_logprobs(default_model, ids, new)
     outs = []
-    for k in (0, 8):
+    for spec in ({"k": 0}, {"k": 8}, {"method": "ngram"}):  # off, lookup + trees, lookup only
         r = client.completions.create(model="smol", prompt=prompt, max_tokens=16, temperature=0, logprobs=3,
-                                      extra_body={"speculative": {"k": k}})
+                                      extra_body={"speculative": spec})
         lp = r.choices[0].logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
         assert "".join(lp.tokens) == r.choices[0].text and all(len(t) == 3 for t in lp.top_logprobs)
@@ -189,7 +193,7 @@ def test_logprobs_match_the_target_with_and_without_speculation(client, default_
         # greedy: the chosen token is the most likely one
         assert all(abs(max(t.values()) - v) < 1e-6 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
         outs.append(r.choices[0].text)
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
     c = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8,
                                        temperature=0, logprobs=True, top_logprobs=2)
     content = c.choices[0].logprobs.content
@@ -255,6 +259,6 @@ def test_load_many_concurrent_streams(client, server, default_model):
         assert full.startswith(text) or text == full, (j, p, n, text, full)
     s = server[1].stats()
     assert s["batch"] == 0 and s["queued"] == 0
-    assert s["proposed"] > 0  # speculation ran at some point
+    assert s["proposed"] > 0 and s["tree_rows"] > 0  # speculation ran, EAGLE trees among it
     time.sleep(0.5)
     assert rss_bytes() < idle + 200 * 2**20  # back near the idle level (the cache is preallocated)

@@ -113,7 +113,7 @@ def test_draft_path_in_llamacpp_and_vllm_and_tgi_unsupported():
     spec = e["specdec"]
     assert flag_value(spec["command"], "--method") == "draft" and flag_value(spec["command"], "--draft") == (
         "/models/draft q4.gguf")
-    assert any("prompt lookup only" in n for n in spec["notes"])
+    assert any("specdec serve drafts with prompt lookup" in n for n in spec["notes"])
 
 
 def test_auto_maps_to_draft_settings_or_ngram():
@@ -129,6 +129,10 @@ def test_auto_maps_to_draft_settings_or_ngram():
     assert without["tgi"]["supported"] is True
 
 
+def with_draft_cmd() -> str:
+    return by_fw(framework_settings("auto", 4, draft="small"))["specdec"]["command"]
+
+
 def test_auto_with_an_eagle_head_maps_to_eagle_settings():
     from specdec.drafters.eagle import DEFAULT_EAGLE_DIR
 
@@ -138,7 +142,12 @@ def test_auto_with_an_eagle_head_maps_to_eagle_settings():
     assert "draft-eagle3" in flag_value(e["llama.cpp"]["command"], "--spec-type")
     assert any("auto's EAGLE settings" in n for n in e["llama.cpp"]["notes"])
     assert e["tgi"]["supported"] is False and any("prompt-lookup half" in n for n in e["tgi"]["notes"])
+    # specdec serves auto + EAGLE itself: the command is `specdec serve`, with the head
+    assert e["specdec"]["command"].startswith("specdec serve ")
     assert flag_value(e["specdec"]["command"], "--method") == "auto"
+    assert flag_value(e["specdec"]["command"], "--draft") == str(DEFAULT_EAGLE_DIR)
+    # a draft model is not served: the command runs offline and the notes say how to serve
+    assert with_draft_cmd().startswith("specdec generate ")
 
 
 def test_heads_need_conversion_and_unsupported_where_absent():

@@ -422,6 +422,19 @@ class EagleDrafter:
     def commit(self, num_accepted, paths=None) -> None:
         pass  # speculative slots are simply overwritten next time; committed pairs come with features
 
+    def add_row(self, max_len: int) -> None:
+        """Append an empty row (a request joining a running batch); `begin` must have run, with
+        the same max_len (an empty batch is fine). Its features arrive with its first proposal."""
+        size = max_len + max(self.nodes, self.depth) + 2
+        if self.k.shape[2] != size:
+            raise ValueError(f"add_row: the cache holds {self.k.shape[2]} slots, a row of max_len {max_len} needs {size}")
+        self.k = torch.cat([self.k, self.k.new_zeros(1, *self.k.shape[1:])])
+        self.v = torch.cat([self.v, self.v.new_zeros(1, *self.v.shape[1:])])
+        self.n.append(0)
+        self.feat.append([])
+        if self.last_h is not None:
+            self.last_h = torch.cat([self.last_h, self.last_h.new_zeros(1, self.last_h.shape[1])])
+
     def keep_rows(self, rows) -> None:
         idx = torch.as_tensor(rows, dtype=torch.long)
         self.k, self.v = self.k[idx], self.v[idx]

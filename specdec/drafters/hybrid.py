@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from ..types import SpecdecError
 from .base import Draft, DraftContext, register, timing_free
 from .ngram import NgramDrafter
 
@@ -160,7 +161,7 @@ class LookupEagleDrafter:
     target that has an EAGLE head).
 
     Per step and row, the source with more expected committed tokens per unit of step time
-    drafts (`_prefer_lookup`): the lookup (the adaptive NgramDrafter already cut it to what
+    drafts (`prefer_lookup`): the lookup (the adaptive NgramDrafter already cut it to what
     tends to hold; its value comes from its learnt per-position acceptance) as a chain, or
     the EAGLE head's dynamic tree (its value from its measured accepted tokens, drafting time
     and per-node verification cost). Until the tree has been timed, and for seeded samples, a
@@ -198,6 +199,7 @@ class LookupEagleDrafter:
         self._t_end: float | None = None
         self._tree_rows: list[bool] | None = None
         self._skipped = 0
+        self.t_head = 0.0
 
     def tree_pays(self) -> bool:
         if not self.gate or self.t_draft is None or not self.t_step:
@@ -205,7 +207,7 @@ class LookupEagleDrafter:
         r = self.ngram.policy.r if self.ngram.policy is not None else 0.08
         return self.gain > self.t_draft / self.t_step + r * self.nodes
 
-    def _prefer_lookup(self, looked: list[list[int]], fixed: bool) -> list[bool]:
+    def prefer_lookup(self, looked: list[list[int]], fixed: bool) -> list[bool]:
         """Per row, whether its lookup beats the tree: expected committed tokens per unit of
         step time, E_lookup(j) / (1 + r j) against (1 + gain) / (1 + c + r nodes), from the
         lookup's learnt acceptance and the tree's measured gain and cost. Until the tree is
@@ -241,46 +243,55 @@ class LookupEagleDrafter:
         ng = self.ngram.propose(ctx, max_tokens)
         looked = [ng.tokens[b, : int(ng.counts[b])].tolist() for b in range(B)]
         fixed = timing_free(ctx.params)
-        use_lookup = self._prefer_lookup(looked, fixed)
+        use_lookup = self.prefer_lookup(looked, fixed)
         run_tree = not all(use_lookup)
         if run_tree and not fixed and not self.tree_pays():
             self._skipped += 1
             if self._skipped % self.probe_every:
-                run_tree = False
-                use_lookup = [bool(g) for g in looked]  # plain prompt lookup for every row
-        if not run_tree:
+                run_tree = False  # plain prompt lookup for every row
+        return self.assemble(ctx, looked, [run_tree and not u for u in use_lookup], max_tokens)
+
+    def assemble(self, ctx: DraftContext, looked: list[list[int]], tree_rows: list[bool], max_tokens: int) -> Draft:
+        """The proposal once each row's source is chosen: the head's tree for rows with
+        tree_rows[b], the lookup chain looked[b] (possibly empty) for the others. The head runs
+        only if some row takes its tree; otherwise it just keeps the handed-over features.
+        `propose` chooses with its own gate; the server's batcher with its load model."""
+        B = len(ctx.tokens)
+        tree = None
+        self.t_head = 0.0  # seconds the head drafted in this call
+        self._tree_rows = None
+        if not any(tree_rows):
             self.eagle.remember(ctx)
-            tree = None
         else:
             # pairs the head has not seen yet: a whole prompt right after a prefill (not a
             # steady-state cost, so not timed), a few tokens in steady state
             behind = max(len(t) - 1 - n for t, n in zip(ctx.tokens, self.eagle.n))
             t1 = time.perf_counter()
             tree = self.eagle.propose(ctx, min(self.eagle.depth, max_tokens))
-            dt = time.perf_counter() - t1
+            self.t_head = time.perf_counter() - t1
             if behind <= max(self.ngram.max_n, self.eagle.depth) + 2:
-                self.t_draft = dt if self.t_draft is None else 0.9 * self.t_draft + 0.1 * dt
-            self._tree_rows = [not u for u in use_lookup]
-        self.rows_drafted["lookup"] += sum(1 for g, u in zip(looked, use_lookup) if u and g)
-        self.rows_drafted["eagle"] += B - sum(use_lookup) if tree is not None else 0
+                self.t_draft = self.t_head if self.t_draft is None else 0.9 * self.t_draft + 0.1 * self.t_head
+            self._tree_rows = list(tree_rows)
+        self.rows_drafted["lookup"] += sum(1 for g, t in zip(looked, tree_rows) if g and not t)
+        self.rows_drafted["eagle"] += sum(tree_rows) if tree is not None else 0
         n_tree = 0 if tree is None else tree.tokens.shape[1]
-        N = max([n_tree] + [len(g) for g, u in zip(looked, use_lookup) if u])
+        N = max([n_tree] + [len(g) for g, t in zip(looked, tree_rows) if not t])
         tokens = torch.zeros(B, N, dtype=torch.long)
         parents = torch.zeros(B, N, dtype=torch.long)
         counts = torch.zeros(B, dtype=torch.long)
         for b in range(B):
-            if use_lookup[b]:
+            if not tree_rows[b]:
                 n = len(looked[b])
-                tokens[b, :n] = torch.tensor(looked[b])
+                tokens[b, :n] = torch.tensor(looked[b], dtype=torch.long)
                 parents[b, :n] = torch.arange(n)  # node j (1-based j+1) hangs under node j
                 counts[b] = n
-            elif tree is not None:
+            else:
                 tokens[b, :n_tree] = tree.tokens[b]
                 parents[b, :n_tree] = tree.parents[b]
                 counts[b] = tree.counts[b]
         # the lookup learns only from rows that verify its guesses, and times the target step
         # from here (the head's drafting is not part of it)
-        self.ngram.verified([len(g) if u else 0 for g, u in zip(looked, use_lookup)])
+        self.ngram.verified([0 if t else len(g) for g, t in zip(looked, tree_rows)])
         self.ngram.step_tokens = N
         self.ngram.handed_over()
         self._t_end = time.perf_counter()
@@ -301,6 +312,11 @@ class LookupEagleDrafter:
         self.eagle.keep_rows(rows)
         self.ngram.keep_rows(rows)
 
+    def add_row(self, max_len: int) -> None:
+        """A new request joins as the last row (the server's continuous batching); its prompt's
+        target features arrive with its first proposal, as after `begin`."""
+        self.eagle.add_row(max_len)
+
 
 def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, N] -> [B, N, V] one-hot draft distributions (deterministic guesses)."""
@@ -315,6 +331,24 @@ def _make_lookup_eagle(target=None, draft=None, depth: int = 4, width: int = 2, 
 
     return LookupEagleDrafter(make_eagle(target=target, draft=draft, tree=True, depth=depth, width=width, nodes=nodes),
                               min_n=min_n, min_lookup=min_lookup, gate=gate)
+
+
+def lookup_eagle_for(target, head=None):
+    """`auto`'s drafter for a server (`specdec serve`, validate's load test): prompt lookup + the
+    EAGLE head `head` (a folder), or the head shipped for the default target when head is None,
+    with the tree shape of `generate --method auto`'s defaults (depth 4, width 2, 5 nodes).
+    None when there is no head for this target."""
+    from .eagle import default_eagle_for, is_eagle_dir
+
+    path = head
+    if path is None and getattr(target.model, "native", False):
+        path = default_eagle_for(target)
+    if path is None:
+        return None
+    if not is_eagle_dir(path):
+        raise SpecdecError(f"{path} is not an EAGLE head folder (no specdec_eagle.json); use a head from "
+                           "`specdec train eagle`")
+    return _make_lookup_eagle(target=target, draft=path, depth=4, width=2, nodes=5)
 
 
 @register("hybrid")

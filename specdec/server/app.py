@@ -3,7 +3,9 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
 server-sent events, `n`, `max_tokens`, `temperature`, `top_p`, `seed`, `stop`), GET
 /v1/models, GET /health, GET /metrics (Prometheus text). Per-request speculation in an
-extra body field: `"speculative": {"k": 0..k_max}` (0 turns it off for that request).
+extra body field: `"speculative": {"k": 0..k_max}` (0 turns it off for that request) and/or
+`"method"`: "none", the server's method, or "ngram" on an `auto` server (prompt lookup only,
+no EAGLE tree for that request).
 Errors are OpenAI-style JSON: 400 for invalid parameters, 401 for a wrong API key, 404 for
 an unknown model, 429 with Retry-After when the queue is full, 408 on a request timeout.
 A client that disconnects mid-stream cancels its request (its batch row is freed).
@@ -153,25 +155,30 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         else:
             raise APIError(400, "'stop' must be a string or a list of at most 4 strings", param="stop")
         spec = body.get("speculative")
-        spec_k = None
+        spec_k, trees = None, True
         if spec is not None:
             if not isinstance(spec, dict):
                 raise APIError(400, "'speculative' must be an object like {\"k\": 4}", param="speculative")
             spec_k = _num(spec, "k", int, None, lo=0)
-            if spec.get("method") not in (None, batcher.method, "none"):
-                raise APIError(400, f"this server drafts with {batcher.method!r}; 'speculative.method' may be that or "
-                                    "'none'", param="speculative")
+            allowed = (None, batcher.method, "none") + (("ngram",) if batcher.method == "auto" else ())
+            if spec.get("method") not in allowed:
+                raise APIError(400, f"this server drafts with {batcher.method!r}; 'speculative.method' may be "
+                                    f"{' or '.join(repr(m) for m in allowed[1:])}", param="speculative")
             if spec.get("method") == "none":
                 spec_k = 0
+            elif spec.get("method") == "ngram" and batcher.method == "auto":
+                trees = False  # prompt lookup only
         try:
             params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                                     seed=seed)
         except SpecdecError as e:
             raise APIError(400, str(e))
-        return params, n, stops, spec_k
+        return params, n, stops, (spec_k, trees)
 
-    def run(ids: list[int], params: SamplingParams, stops: list[str], spec_k, n: int, top: int | None):
-        """Submit n requests; returns (requests, an asyncio queue of (index, kind, payload))."""
+    def run(ids: list[int], params: SamplingParams, stops: list[str], spec, n: int, top: int | None):
+        """Submit n requests; spec: (cap on guesses or None, EAGLE trees allowed). Returns
+        (requests, an asyncio queue of (index, kind, payload))."""
+        spec_k, trees = spec
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         reqs = []
@@ -187,7 +194,7 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
                 return find_stop(tok.decode(tokens, skip_special_tokens=True), stops) is not None
 
             r = Request(list(ids), p, on_tokens, on_done, stop_fn=stop_fn if stops else None, spec_k=spec_k,
-                        logprobs=top)
+                        logprobs=top, trees=trees)
             try:
                 batcher.submit(r)
             except queue.Full:
@@ -257,14 +264,14 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
     async def handle(req: HTTPRequest, chat: bool):
         check_key(req)
         body = await read_body(req)
-        params, n, stops, spec_k = sampling(body)
+        params, n, stops, spec = sampling(body)
         top = want_logprobs(body, chat)
         ids = encode(body, chat)
         if len(ids) + params.max_new_tokens + 2 > batcher.max_context:
             raise APIError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_new_tokens}) exceeds "
                                 f"the context of {batcher.max_context} tokens", param="max_tokens")
         t0 = time.perf_counter()
-        reqs, out = run(ids, params, stops, spec_k, n, top)
+        reqs, out = run(ids, params, stops, spec, n, top)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -423,6 +430,7 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
             "# TYPE specdec_batch_size gauge", f"specdec_batch_size {s['batch']}",
             "# TYPE specdec_queue_size gauge", f"specdec_queue_size {s['queued']}",
             "# TYPE specdec_draft_length gauge", f"specdec_draft_length {s['draft_k']}",
+            "# TYPE specdec_tree_rows_total counter", f"specdec_tree_rows_total {s['tree_rows']}",
             "# TYPE specdec_time_to_first_token_seconds histogram", *ttft.prometheus("specdec_time_to_first_token_seconds"),
             "# TYPE specdec_time_per_output_token_seconds histogram", *per_token.prometheus("specdec_time_per_output_token_seconds"),
             "# TYPE specdec_request_seconds histogram", *e2e.prometheus("specdec_request_seconds"),

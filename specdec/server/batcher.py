@@ -35,11 +35,12 @@ from typing import Callable
 
 import torch
 
+from .. import tree as tree_mod
 from ..drafters.base import DraftContext, timing_free
 from ..drafters.ngram import NgramDrafter, lookup_match
 from ..sampling import choose, make_generator, warp
 from ..types import SamplingParams, SpecdecError
-from ..verify import verify_greedy, verify_stochastic
+from ..verify import verify_greedy, verify_stochastic, verify_tree_greedy, verify_tree_stochastic
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Request:
     on_done: Callable[[str, dict], None]  # (finish reason, stats) when the request ends
     stop_fn: Callable[[list[int]], bool] | None = None
     spec_k: int | None = None  # per-request cap on guesses (None: the server's policy; 0: off)
+    trees: bool = True  # with method auto: may this request draft EAGLE trees (False: prompt lookup only)
     logprobs: int | None = None  # None: off; N >= 0: each token's log-probability and the N most likely
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)
@@ -60,6 +62,7 @@ class Request:
     proposed: int = 0
     accepted: int = 0
     forwards: int = 0
+    feats: list = field(default_factory=list)  # target features not yet handed to an EAGLE head
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -134,9 +137,15 @@ class StepModel:
 
 class ContinuousBatcher:
     def __init__(self, model, eos_ids=(), method: str = "ngram", k_max: int = 8, max_batch: int = 16,
-                 max_queue: int = 256, max_context: int | None = None, adaptive: bool = True) -> None:
-        if method not in ("none", "ngram"):
-            raise SpecdecError(f"the server drafts with 'none' or 'ngram' (got {method!r})")
+                 max_queue: int = 256, max_context: int | None = None, adaptive: bool = True, drafter=None,
+                 thread: bool = True) -> None:
+        """method: none, ngram (prompt lookup) or auto (prompt lookup + an EAGLE tree; pass the
+        `LookupEagleDrafter` as `drafter`). thread: run the model in a worker thread started
+        here; False: the caller runs `run()` (best in the main thread, see `run`)."""
+        if method not in ("none", "ngram", "auto"):
+            raise SpecdecError(f"the server drafts with 'none', 'ngram' or 'auto' (got {method!r})")
+        if method == "auto" and not hasattr(drafter, "assemble"):
+            raise SpecdecError("method 'auto' needs a prompt-lookup + EAGLE drafter (an EAGLE head for this model)")
         self.model = model
         self.eos = set(int(e) for e in eos_ids)
         self.method = method
@@ -147,18 +156,28 @@ class ContinuousBatcher:
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
         self.rows: list[Request] = []
         self.cache = model.new_cache(max_batch, self.max_context)
-        # load-aware: whole lookups, capped per step by _choose_k; fixed: the drafter's own length choice
-        self.drafter = NgramDrafter(choose_length=not adaptive) if method == "ngram" else None
+        # load-aware: whole lookups, capped per step by _choose; fixed: the drafter's own length choice
+        self.trees = method == "auto"
+        if self.trees:
+            self.drafter = drafter
+            self.lookup = drafter.ngram
+            self.lookup.choose_length = not adaptive
+            drafter.begin([], None, self.max_context)  # no rows yet: they join with add_row
+        else:
+            self.drafter = NgramDrafter(choose_length=not adaptive) if method == "ngram" else None
+            self.lookup = self.drafter
         self.steps = StepModel()
         self.last_k = 0
         self.lock = threading.Lock()
         self.totals = dict(requests=0, finished=0, cancelled=0, tokens=0, proposed=0, accepted=0, forwards=0,
-                           steps=0)
+                           steps=0, tree_rows=0)
         self.log = None  # a logging.Logger: one debug line per step (batch size, chosen draft length)
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="specdec-batcher", daemon=True)
-        self.thread.start()
+        self.thread = None
+        if thread:
+            self.thread = threading.Thread(target=self._loop, name="specdec-batcher", daemon=True)
+            self.thread.start()
 
     # -- public -----------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -180,14 +199,25 @@ class ContinuousBatcher:
                  tau=(t["tokens"] - t["finished"] - t["cancelled"]) / t["forwards"] if t["forwards"] else 0.0)
         return t
 
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Decode until `close()` (from another thread) or until `until()` is true (checked
+        between steps). `specdec serve` runs this in the main
+        thread, with the HTTP server in a thread: with torch's OpenMP threads, every parallel
+        kernel launched from a second thread on a machine with few cores pays a wake-up of
+        its own thread team (libgomp stops spinning once there are more OpenMP threads than
+        cores): measured on 2 cores, a decode step of the default model takes ~24 ms from a
+        worker thread and ~15 ms from the main thread."""
+        self._loop(until)
+
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        self.thread.join(timeout=10)
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)
 
     # -- worker -----------------------------------------------------------------------
-    def _loop(self) -> None:
-        while not self._stop.is_set():
+    def _loop(self, until: Callable[[], bool] | None = None) -> None:
+        while not self._stop.is_set() and not (until is not None and until()):
             try:
                 self._admit()
                 if not self.rows:
@@ -200,6 +230,8 @@ class ContinuousBatcher:
                     self._finish(r, f"error: {type(e).__name__}: {e}")
                 self.rows = []
                 self.cache.lengths.zero_()
+                if self.trees:
+                    self.drafter.keep_rows([])
 
     def _admit(self) -> None:
         while len(self.rows) < self.max_batch:
@@ -216,9 +248,13 @@ class ContinuousBatcher:
     def _prefill(self, req: Request) -> None:
         L = len(req.prompt)
         one = self.model.new_cache(1, L + 1)
-        logits, _ = self.model(torch.tensor([req.prompt]), torch.arange(L)[None], one, logits_at=torch.tensor([[L - 1]]))
+        logits, hidden = self.model(torch.tensor([req.prompt]), torch.arange(L)[None], one,
+                                    logits_at=torch.tensor([[L - 1]]))
         first = int(choose(logits[:, 0], req.params, req.generator)[0])
         slot = len(self.rows)
+        if self.trees:
+            self.drafter.add_row(self.max_context)
+            req.feats = [hidden[0, :L]]
         for layer in range(len(self.cache.k)):
             self.cache.k[layer][slot, :, :L] = one.k[layer][0, :, :L]
             self.cache.v[layer][slot, :, :L] = one.v[layer][0, :, :L]
@@ -279,30 +315,55 @@ class ContinuousBatcher:
             self.rows[i] = self.rows[last]
         self.cache.lengths[last] = 0
         self.rows.pop()
+        if self.trees:
+            keep = list(range(last))
+            if i != last:
+                keep[i] = last
+            self.drafter.keep_rows(keep)
         self._finish(req, reason)
 
     EXPLORE_EVERY = 16
 
-    def _choose_k(self, guesses: list[list[int]], matches: list[int]) -> int:
-        """The cap on guesses per row that maximises expected committed tokens per second. Every
+    def _choose_k(self, guesses: list[list[int]], matches: list[int], tree_ok: list[bool] | None = None
+                  ) -> tuple[int, list[bool]]:
+        """The cap on guesses per row (and, with an EAGLE head, which rows draft a tree instead of
+        their lookup) that maximises expected committed tokens per second. Every
         EXPLORE_EVERY-th step allows one guess more than the best cap, so the cost of guesses keeps
-        being measured at the current batch size even while the best cap is 0."""
+        being measured at the current batch size even while the best cap is 0; half-way between,
+        rows that may draft a tree do so if none chose it, so the tree's gain stays measured."""
         A = len(guesses)
-        if not self.adaptive or self.drafter is None or self.drafter.policy is None:
-            return self.k_max
-        best_k, best = 0, None
-        pol = self.drafter.policy
+        tree_ok = tree_ok or [False] * A
+        d = self.drafter if self.trees else None
+        if not self.adaptive or self.lookup is None or self.lookup.policy is None:
+            if d is None:
+                return self.k_max, list(tree_ok)
+            # --fixed-k: every step drafts; each row's source as `generate --method auto` picks it
+            return self.k_max, [ok and not p for ok, p in zip(tree_ok, d.prefer_lookup(guesses, False))]
+        pol = self.lookup.policy
+        best, best_k, best_use = None, 0, [False] * A
         for k in range(0, self.k_max + 1):
             t = self.steps.predict(A, k)
-            if t is None:
-                return self.k_max if self.totals["steps"] % 2 else 0  # measure both ends first
-            tokens = sum(pol.expected(n, min(k, len(g)))[-1] for g, n in zip(guesses, matches))
+            if t is None:  # measure both ends first
+                k0 = self.k_max if self.totals["steps"] % 2 else 0
+                return k0, [ok and k0 > 0 for ok in tree_ok]
+            tokens, use = 0.0, []
+            for g, n, ok in zip(guesses, matches, tree_ok):
+                look = pol.expected(n, min(k, len(g)))[-1]
+                # a tree of the head's usual size, cut to k nodes: its measured gain, pro rata
+                tree = 1.0 + d.gain * min(1.0, k / max(d.nodes, 1.0)) if ok and k > 0 else 0.0
+                use.append(tree > look)
+                tokens += max(look, tree)
+            if any(use):
+                t += d.t_draft or 0.0
             rate = tokens / t
             if best is None or rate > best * 1.0001:
-                best, best_k = rate, k
-        if self.totals["steps"] % self.EXPLORE_EVERY == 0 and best_k < self.k_max:
-            return best_k + 1
-        return best_k
+                best, best_k, best_use = rate, k, use
+        step = self.totals["steps"]
+        if step % self.EXPLORE_EVERY == 0 and best_k < self.k_max:
+            return best_k + 1, best_use
+        if d is not None and step % self.EXPLORE_EVERY == self.EXPLORE_EVERY // 2 and any(tree_ok) and not any(best_use):
+            return max(best_k, min(self.k_max, round(d.nodes))), list(tree_ok)
+        return best_k, best_use
 
     @torch.inference_mode()
     def _step(self) -> None:
@@ -317,66 +378,116 @@ class ContinuousBatcher:
         cache = _RowsView(self.cache, A)
         room = [min(r.params.max_new_tokens - len(r.tokens) - 1, self.max_context - len(r.context) - 2) for r in self.rows]
         guesses, matches = [[] for _ in range(A)], [0] * A
-        if self.drafter is not None and self.k_max > 0:
-            d = self.drafter.propose(DraftContext([r.context for r in self.rows], self.rows[0].params, None), self.k_max)
+        hidden_in = None
+        if self.trees:  # each feature goes to the head exactly once
+            hidden_in = [torch.cat(r.feats) if r.feats else None for r in self.rows]
+            for r in self.rows:
+                r.feats = []
+        ctx = DraftContext([r.context for r in self.rows], self.rows[0].params, None, hidden_in)
+        if self.lookup is not None and self.k_max > 0:
+            d = self.lookup.propose(ctx, self.k_max)
             guesses = [d.tokens[b, : int(d.counts[b])].tolist() for b in range(A)]
-            matches = self.drafter.matches
-        k = self._choose_k(guesses, matches)
+            matches = self.lookup.matches
+        # a seeded sample never drafts a tree: which rows share its batch could tip the head's
+        # near-ties and so change which random numbers its verification draws
+        tree_ok = [self.trees and r.trees and self.k_max > 0 and not timing_free(r.params) and r.spec_k != 0
+                   for r in self.rows]
+        k, use_tree = self._choose_k(guesses, matches, tree_ok)
         caps = []
         for b, r in enumerate(self.rows):
             own = r.spec_k if r.spec_k is not None else self.k_max
-            if timing_free(r.params) and self.drafter is not None:
+            if timing_free(r.params) and self.lookup is not None:
                 # a seeded sample: its whole lookup up to its own cap, whatever the load, so the
                 # same seed draws the same random numbers and gives the same text (load-aware mode
                 # already proposed whole lookups; --fixed-k's drafter may have cut this one)
-                if self.drafter.choose_length:
-                    matches[b], guesses[b] = lookup_match(r.context, self.k_max, self.drafter.min_n,
-                                                          self.drafter.max_n)
+                if self.lookup.choose_length:
+                    matches[b], guesses[b] = lookup_match(r.context, self.k_max, self.lookup.min_n,
+                                                          self.lookup.max_n)
                 caps.append(max(0, min(self.k_max, own, room[b])))
             else:
                 caps.append(max(0, min(k, own, room[b])))
         guesses = [g[:c] for g, c in zip(guesses, caps)]
-        K = max((len(g) for g in guesses), default=0)
+        t_head = 0.0
+        use_tree = [u and c > 0 for u, c in zip(use_tree, caps)]
+        if self.trees:
+            draft = self.drafter.assemble(ctx, guesses, use_tree, self.k_max)
+            t_head = self.drafter.t_head
+            counts = torch.minimum(draft.counts, torch.tensor(caps, dtype=torch.long))  # a tree cut to its first nodes stays a tree
+            K = int(counts.max())
+            drafted, parents = draft.tokens[:, :K], draft.parents[:, :K]
+        else:
+            counts = torch.tensor([len(g) for g in guesses], dtype=torch.long)
+            K = int(counts.max())
+            drafted = torch.zeros(A, K, dtype=torch.long)
+            for b, g in enumerate(guesses):
+                drafted[b, : len(g)] = torch.tensor(g, dtype=torch.long)
+            parents = None
         self.last_k = K
-        inp = torch.zeros(A, K + 1, dtype=torch.long)
-        for b, r in enumerate(self.rows):
-            inp[b, 0] = r.context[-1]
-            inp[b, 1 : 1 + len(guesses[b])] = torch.tensor(guesses[b], dtype=torch.long)
+        inp = torch.cat([torch.tensor([[r.context[-1]] for r in self.rows], dtype=torch.long), drafted], 1)
         base = cache.lengths.clone()
-        logits, _ = self.model(inp, base[:, None] + torch.arange(K + 1)[None], cache)
-        counts = torch.tensor([len(g) for g in guesses], dtype=torch.long)
-        n_acc = torch.zeros(A, dtype=torch.long)
+        is_tree = parents is not None and K > 0
+        if is_tree:
+            parents, mask, depth = tree_mod.masks(parents, counts)
+            logits, hidden = self.model(inp, base[:, None] + depth, cache, attn_mask=mask)
+        else:
+            logits, hidden = self.model(inp, base[:, None] + torch.arange(K + 1)[None], cache)
+        paths = [list(range(1, int(c) + 1)) for c in counts]  # chain: node j hangs under node j - 1
         nxt = torch.zeros(A, dtype=torch.long)
         for b, r in enumerate(self.rows):  # each row verifies with its own sampling settings
-            lg, gt, c = logits[b : b + 1], inp[b : b + 1, 1:], counts[b : b + 1]
-            if r.params.greedy:
-                a, n = verify_greedy(lg, gt, c)
+            lg, gt, c = logits[b : b + 1], drafted[b : b + 1], counts[b : b + 1]
+            if is_tree and use_tree[b]:  # lookup rows are chains, verified as chains in either mode
+                pr = parents[b : b + 1]
+                if r.params.greedy:
+                    p, n = verify_tree_greedy(lg, gt, pr, c, [room[b]])
+                else:
+                    p, n = verify_tree_stochastic(warp(lg, r.params), gt, pr, None, c, r.generator, [room[b]])
+                paths[b] = p[0]
             else:
-                a, n = verify_stochastic(warp(lg, r.params), gt, None, c, r.generator)
-            n_acc[b], nxt[b] = a[0], n[0]
-        cache.truncate(base + 1 + n_acc)
+                # the row's own guesses only: the random numbers a seeded row draws must not
+                # depend on how wide other rows' drafts made the batch
+                m = int(c[0])
+                lg, gt = lg[:, : m + 1], gt[:, :m]
+                if r.params.greedy:
+                    a, n = verify_greedy(lg, gt, c)
+                else:
+                    a, n = verify_stochastic(warp(lg, r.params), gt, None, c, r.generator)
+                paths[b] = paths[b][: int(a[0])]
+            nxt[b] = n[0]
+        n_acc = torch.tensor([len(p) for p in paths], dtype=torch.long)
+        if is_tree:
+            keep_nodes = torch.zeros(A, 1 + int(n_acc.max()), dtype=torch.long)
+            for b, p in enumerate(paths):
+                keep_nodes[b, 1 : 1 + len(p)] = torch.tensor(p, dtype=torch.long)
+            cache.compact(base, keep_nodes, 1 + n_acc)
+        else:
+            cache.truncate(base + 1 + n_acc)
         cache.sync()
-        if self.drafter is not None and K > 0:
+        if self.trees:
+            self.drafter.commit(n_acc.tolist(), paths=paths if is_tree else None)
+        elif self.drafter is not None and K > 0:
             self.drafter.verified([len(g) for g in guesses])
             self.drafter.commit(n_acc.tolist())
         dt = time.perf_counter() - t0
-        self.steps.observe(A, K, dt)
+        self.steps.observe(A, K, dt - t_head)  # the head's drafting is priced separately (_choose_k)
         if self.log is not None:
-            self.log.debug("step: batch %d, draft cap %d, guesses %d, accepted %d, %.1f ms", A, k,
-                           int(counts.sum()), int(n_acc.sum()), dt * 1e3)
+            self.log.debug("step: batch %d, draft cap %d, tree rows %d, guesses %d, accepted %d, %.1f ms", A, k,
+                           sum(use_tree), int(counts.sum()), int(n_acc.sum()), dt * 1e3)
         with self.lock:
             self.totals["steps"] += 1
             self.totals["forwards"] += A
             self.totals["proposed"] += int(counts.sum())
             self.totals["accepted"] += int(n_acc.sum())
+            self.totals["tree_rows"] += sum(use_tree)
         for b, r in enumerate(self.rows):
-            a = int(n_acc[b])
-            ids = guesses[b][:a] + [int(nxt[b])]
+            rows_kept = [0] + paths[b]
+            ids = [int(drafted[b, j - 1]) for j in paths[b]] + [int(nxt[b])]
+            if self.trees:
+                r.feats.append(hidden[b, rows_kept])
             r.context.extend(ids)
-            r.proposed += len(guesses[b])
-            r.accepted += a
+            r.proposed += int(counts[b])
+            r.accepted += len(paths[b])
             r.forwards += 1
-            self._emit(r, ids, _logprobs(logits[b, : a + 1], ids, r.logprobs))
+            self._emit(r, ids, _logprobs(logits[b, rows_kept], ids, r.logprobs))
         for i in reversed(range(len(self.rows))):
             reason = self._done_reason(self.rows[i])
             if reason:

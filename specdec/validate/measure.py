@@ -4,7 +4,9 @@
    oracle) and with each speculative configuration, interleaved per sample; per sample and
    overall: acceptance alpha, tokens per target forward tau, acceptance by draft position,
    draft / verify / other time, and whether the output equals plain decoding token for token.
-2. `load`: the batched engine the server uses (`server.batcher.ContinuousBatcher`) with
+2. `load`: the batched engine the server uses (`server.batcher.ContinuousBatcher`, the model
+   in the calling thread as `specdec serve` runs it; the server's drafting: prompt lookup, or
+   prompt lookup + the EAGLE head where the target has one) with
    speculation off, at a fixed draft length, and load-aware, driven by C client threads at
    each concurrency C: time to first token, time per output token p50/p95 (over requests),
    inter-token latency p50/p95 (over deliveries), throughput, and
@@ -160,6 +162,8 @@ def drive(batcher, prompts: list[list[int]], conc: int, per_client: int, params:
     threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(conc)]
     for t in threads:
         t.start()
+    if batcher.thread is None:  # the model runs here, in the calling (main) thread, as `specdec serve` runs it
+        batcher.run(until=lambda: not any(t.is_alive() for t in threads))
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
@@ -174,16 +178,21 @@ LOAD_SETTINGS = ("off", "fixed", "adaptive")
 
 
 def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, levels: list[int], k: int,
-         min_requests: int, repeats: int, reference: list[list[int]] | None = None, bar=None) -> dict:
-    """Off / fixed-k / load-aware prompt-lookup speculation through the server's batcher, each
-    concurrency level run for every setting in turn (off, fixed, adaptive, off, ...), `repeats`
-    rounds; medians per (setting, level). Each level sends at least `min_requests` requests."""
+         min_requests: int, repeats: int, reference: list[list[int]] | None = None, bar=None,
+         make_drafter=None) -> dict:
+    """Off / fixed-k / load-aware speculation through the server's batcher, each concurrency
+    level run for every setting in turn (off, fixed, adaptive, off, ...), `repeats` rounds;
+    medians per (setting, level). Each level sends at least `min_requests` requests. The
+    drafting is the server's: prompt lookup, or with `make_drafter` (a new prompt lookup +
+    EAGLE drafter per call) the server's `auto`."""
     from ..server.batcher import ContinuousBatcher
 
     ctx = min(model.max_context, max(len(p) for p in encoded) + params.max_new_tokens + k + 8)
-    spec = {"off": ("none", False), "fixed": ("ngram", False), "adaptive": ("ngram", True)}
+    method = "auto" if make_drafter is not None else "ngram"
+    spec = {"off": ("none", False), "fixed": (method, False), "adaptive": (method, True)}
     batchers = {name: ContinuousBatcher(model, eos_ids, method=m, k_max=k, max_batch=max(levels), max_context=ctx,
-                                        adaptive=ad) for name, (m, ad) in spec.items()}
+                                        adaptive=ad, thread=False, drafter=make_drafter() if m == "auto" else None)
+                for name, (m, ad) in spec.items()}
     raw = {name: {c: [] for c in levels} for name in spec}
     chosen_k = {name: {c: [] for c in levels} for name in spec}
     try:
@@ -219,7 +228,8 @@ def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, level
             row["equal"] = sum(r["equal"] for r in rs)
             row["checked"] = sum(r["checked"] for r in rs)
             table[name][c] = row
-    return {"k": k, "levels": levels, "repeats": repeats, "min_requests": min_requests, "table": table}
+    return {"k": k, "levels": levels, "repeats": repeats, "min_requests": min_requests, "table": table,
+            "drafting": "prompt lookup + EAGLE tree" if method == "auto" else "prompt lookup"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,7 +85,8 @@ def plots(result: dict) -> dict[str, str]:
             ax.set_xlabel("concurrent clients")
             ax.set_ylabel(lab)
             ax.legend(fontsize=8)
-        fig.suptitle("Speculation vs off under load (prompt lookup through the server's batcher)")
+        fig.suptitle(f"Speculation vs off under load ({load.get('drafting', 'prompt lookup')} through the server's "
+                     "batcher)")
         fig.tight_layout()
         out["load"] = _png(fig)
     return out
@@ -177,8 +178,8 @@ def html_report(result: dict, images: dict[str, str]) -> str:
             parts.append(f"<img src='{images['predicted']}'>")
     load = result.get("load")
     if load:
-        parts.append(f"<h2>Under load</h2><p>The server's batched engine with prompt-lookup speculation "
-                     f"(k = {load['k']}): off, fixed k, load-aware; at each concurrency C, C clients send requests "
+        parts.append(f"<h2>Under load</h2><p>The server's batched engine with its own speculation "
+                     f"({load.get('drafting', 'prompt lookup')}, k = {load['k']}): off, fixed k, load-aware; at each concurrency C, C clients send requests "
                      f"back to back (at least {load['min_requests']} per level), medians of {load['repeats']} "
                      "rounds. TPOT: time per output token of a request (first to last token / tokens after the "
                      "first; p50, p95 over requests), the per-token latency a reader of the stream sees. ITL: each "

@@ -153,9 +153,17 @@ def _specdec(r: _Req) -> tuple[bool, str, list[str]]:
                          "ngram_min/ngram_max only shape the other frameworks' settings")
         return True, f"specdec serve --model {m} --method ngram -k {r.k}", notes
     draft = f" --draft {_q(r.draft)}" if r.draft else ""
-    notes = [f"specdec serve drafts with prompt lookup only (--method ngram or none); --method {r.method} runs "
-             f"offline with specdec generate (the command above). Serving with specdec: "
-             f"specdec serve --model {m} --method ngram -k {r.k}"]
+    if r.method == "auto" and r.base == "eagle":  # the server's own auto: prompt lookup + the EAGLE head's trees
+        notes = ["specdec serve chooses per step, from measured step times, the draft length and which rows draft "
+                 "the head's tree (the tree shape of specdec generate's defaults: depth 4, width 2, 5 nodes); "
+                 "add --fixed-k to always draft"]
+        if r.max_concurrency is not None:
+            notes.append(f"speculation paid up to {r.max_concurrency} concurrent requests; the load-aware choice "
+                         "backs off above that by itself, no flag needed")
+        return True, f"specdec serve --model {m} --method auto{draft} -k {r.k}", notes
+    notes = [f"specdec serve drafts with prompt lookup, or prompt lookup + an EAGLE head (--method auto --draft "
+             f"HEAD); --method {r.method} runs offline with specdec generate (the command above). Serving with "
+             f"specdec: specdec serve --model {m} --method ngram -k {r.k}"]
     if not r.draft:
         notes.append("without --draft, specdec generate uses the draft or head shipped for the default target, if any")
     return True, f"specdec generate --model {m} --method {r.method}{draft} -k {r.k}", notes

@@ -1,0 +1,81 @@
+"""`specdec serve` as a process, the way users start it: the model decodes in the main thread
+and HTTP runs in a second one. A greedy completion equals plain greedy decoding, /metrics
+shows the EAGLE head's trees at work (auto is the default method), Ctrl-C stops it cleanly,
+and a port that is taken is a clear error."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from test_serve import plain_greedy
+
+pytestmark = pytest.mark.default_model
+
+SERVE = [sys.executable, "-c", "import sys; from specdec.cli import main; sys.exit(main())", "serve", "--threads", "1",
+         "--max-batch", "2", "--max-context", "512", "--log-level", "warning"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_health(url: str, proc, timeout: float = 120.0) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
+        except OSError:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited: {proc.stderr.read()}")
+            time.sleep(0.3)
+    raise AssertionError("server did not start")
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_serve_process_answers_exactly_and_stops_on_ctrl_c(default_model):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(SERVE + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_health(url, proc)
+        prompt = "def fibonacci(n):\n"
+        r = _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
+        assert r["choices"][0]["text"] == plain_greedy(default_model, prompt, False, 24)
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
+            metrics = dict(line.split(" ", 1) for line in m.read().decode().splitlines()
+                           if line and not line.startswith("#") and "{" not in line)
+        assert float(metrics["specdec_generated_tokens_total"]) == 24
+        assert float(metrics["specdec_tree_rows_total"]) > 0  # auto: the shipped head drafted trees
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert "stopping" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_serve_on_a_taken_port_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = subprocess.run(SERVE + ["--port", str(port), "--method", "ngram"], capture_output=True, text=True,
+                           timeout=180)
+    assert p.returncode != 0
+    assert f"could not serve on 127.0.0.1:{port}" in p.stderr
