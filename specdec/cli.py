@@ -54,13 +54,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft model for --method draft/auto (same tokenizer as the target), or an EAGLE head folder "
                         "for --method eagle/auto. Default: the draft / head shipped for the default target, if any "
                         "(auto: the EAGLE head)")
-    g.add_argument("--method", choices=METHODS, default="none",
+    g.add_argument("--method", choices=METHODS, default="auto",
                    help="speculative method: none (plain decoding), ngram (prompt lookup), draft (draft model), "
                         "auto (prompt lookup where the text repeats; elsewhere the EAGLE head's tree when the target "
                         "has one (the default target does, or pass --draft HEAD_DIR), else the draft model while it "
                         "pays, with k adapted to the measured acceptance and cost), eagle (an EAGLE head reading the "
                         "target's hidden states; a dynamic token tree by default), medusa (Medusa heads; a static "
-                        "tree chosen from their measured accuracies). Default: none")
+                        "tree chosen from their measured accuracies). Default: auto (exact, like every method: the "
+                        "same greedy text as none, sampled text from the same distribution)")
     g.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=None,
                    help="most tokens drafted per step. ngram and auto propose fewer where their guesses tend not "
                         f"to hold (adaptive). Default: {', '.join(f'{m} {k}' for m, k in DEFAULT_K.items())}")
