@@ -221,6 +221,33 @@ def test_eagle_long_prompt_short_answer_ragged_batch(tree):
     assert [r.tokens for r in res] == [hf_greedy(hf, p, 3) for p in ps]
 
 
+def test_catch_up_row_by_row_equals_catch_up_together(monkeypatch):
+    """A row far behind (a prompt just handed over) catches up on its own: the head's
+    proposals are those of one padded batch over all rows."""
+    from specdec.drafters.base import DraftContext
+
+    g = torch.Generator().manual_seed(4)
+    ps = [torch.randint(0, V, (n,), generator=g).tolist() for n in (60, 5, 33)]
+    tg = target()
+    hid = []
+    for p in ps:
+        one = tg.model.new_cache(1, 128)
+        _, h = tg.model(torch.tensor([p]), torch.arange(len(p))[None], one)
+        hid.append(h[0])
+    out = {}
+    for alone in (10**6, 0, 16):
+        monkeypatch.setattr(EagleDrafter, "CATCH_UP_ALONE", alone)
+        d = drafter(True, depth=3, width=2, nodes=6)
+        d.begin(ps, SamplingParams(), 128)
+        # each prompt's last token is pending; its features cover the prompt's positions
+        draft = d.propose(DraftContext([list(p) for p in ps], SamplingParams(), None, [h for h in hid]), 3)
+        out[alone] = (draft.tokens, draft.parents, draft.counts, d.last_h.clone())
+    ref = out[10**6]
+    for alone in (0, 16):
+        assert torch.equal(out[alone][0], ref[0]) and torch.equal(out[alone][1], ref[1])
+        assert torch.allclose(out[alone][3], ref[3], atol=1e-4)
+
+
 def test_unrolled_training_steps_match_drafting():
     """Training-time test: step j's prediction at position t equals a plain causal forward of
     the head over the true pairs 0..t followed by the head's own predicted pairs

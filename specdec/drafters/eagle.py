@@ -227,21 +227,23 @@ class EagleDrafter:
         self.feat: list[list[torch.Tensor]] = [[] for _ in range(B)]  # known target features, per row
         self.last_h: torch.Tensor | None = None
 
-    def _write(self, k, v, slots):
-        """k, v [B, Hkv, T, Dh] into per-row slots [B, T]."""
+    def _write(self, k, v, slots, rows=None):
+        """k, v [B, Hkv, T, Dh] into per-row slots [B, T] (of cache rows `rows`, default all)."""
         B, T = slots.shape
-        rows = torch.arange(B)[:, None].expand(B, T)
-        self.k[rows, :, slots] = k.transpose(1, 2)
-        self.v[rows, :, slots] = v.transpose(1, 2)
+        idx = (torch.arange(B) if rows is None else rows)[:, None].expand(B, T)
+        self.k[idx, :, slots] = k.transpose(1, 2)
+        self.v[idx, :, slots] = v.transpose(1, 2)
 
-    def _step(self, tokens, feats, positions, slots, visible):
+    def _step(self, tokens, feats, positions, slots, visible, rows=None):
         """Run the head on [B, T] new pairs written at `slots`; visible [B, T, S] bool over
-        cache slots 0..S-1. Returns the head's output features [B, T, D]."""
+        cache slots 0..S-1; rows: which cache rows these are (default all, in order). Returns
+        the head's output features [B, T, D]."""
         emb = F.embedding(tokens, self.embed)
         x, q, k, v = self.head.qkv(emb, feats, positions)
-        self._write(k, v, slots)
+        self._write(k, v, slots, rows)
         S = visible.shape[-1]
-        return self.head.finish(x, q, self.k[:, :, :S], self.v[:, :, :S], mask=visible[:, None])
+        keys, vals = (self.k[:, :, :S], self.v[:, :, :S]) if rows is None else (self.k[rows, :, :S], self.v[rows, :, :S])
+        return self.head.finish(x, q, keys, vals, mask=visible[:, None])
 
     def _logits(self, h):
         """[..., D] -> [..., S] scores over the subset (or the full vocabulary)."""
@@ -262,6 +264,10 @@ class EagleDrafter:
             if h is not None:
                 self.feat[b].extend(h.unbind(0))
 
+    #: a row further behind than this (a prompt just handed over) catches up on its own, so
+    #: a long prompt joining a running batch is not padded onto every other row
+    CATCH_UP_ALONE = 16
+
     @torch.inference_mode()
     def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
         """Feed every committed (f_t, x_{t+1}) pair not yet in the cache; return the head's
@@ -273,31 +279,45 @@ class EagleDrafter:
             if len(self.feat[b]) < want[b]:
                 raise RuntimeError("EAGLE drafter is missing target features (the engine did not pass hidden states)")
         new = [list(range(self.n[b], want[b])) for b in range(B)]
-        T = max(len(x) for x in new)
-        D = self.embed.shape[1]
-        toks = torch.zeros(B, T, dtype=torch.long)
-        feats = torch.zeros(B, T, D, dtype=self.embed.dtype)
-        pos = torch.zeros(B, T, dtype=torch.long)
-        slots = torch.zeros(B, T, dtype=torch.long)
-        for b, idx in enumerate(new):
-            for j, t in enumerate(idx):
-                toks[b, j] = ctx.tokens[b][t + 1]
-                feats[b, j] = self.feat[b][t]
-                pos[b, j] = slots[b, j] = t
-            for j in range(len(idx), T):  # padding: garbage written past the committed pairs, never read
-                pos[b, j] = slots[b, j] = min(want[b] + j, self.k.shape[2] - 1)
-        S = int(slots.max()) + 1
-        key = torch.arange(S)
-        visible = (key[None, None, :] <= slots[:, :, None])  # causal over committed pairs
-        out = self._step(toks, feats, pos, slots, visible)
-        last = torch.tensor([max(len(idx) - 1, 0) for idx in new])
-        h = out[torch.arange(B), last]
+        h = torch.zeros(B, self.embed.shape[1], dtype=self.embed.dtype)
+        far = [b for b in range(B) if len(new[b]) > self.CATCH_UP_ALONE]
+        near = [b for b in range(B) if len(new[b]) <= self.CATCH_UP_ALONE]
+        groups = [[b] for b in far] + ([near] if near else [])
+        for rows in groups:
+            whole = len(rows) == B
+            h[rows] = self._feed(ctx, [new[b] for b in rows], [want[b] for b in rows],
+                                 None if whole else torch.tensor(rows))
         for b, idx in enumerate(new):
             if not idx:  # nothing new for this row (cannot happen after a step, kept for safety)
                 h[b] = self.last_h[b] if self.last_h is not None else h[b]
         self.n = want
         self.last_h = h
         return h  # [B, D]
+
+    def _feed(self, ctx: DraftContext, new: list[list[int]], want: list[int], rows) -> torch.Tensor:
+        """One head step over the pairs `new` of cache rows `rows` (None: all rows, in order);
+        the output at each row's last new pair [len(new), D]."""
+        B, T = len(new), max(max(len(x) for x in new), 1)
+        rows_l = list(range(B)) if rows is None else rows.tolist()
+        D = self.embed.shape[1]
+        toks = torch.zeros(B, T, dtype=torch.long)
+        feats = torch.zeros(B, T, D, dtype=self.embed.dtype)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        slots = torch.zeros(B, T, dtype=torch.long)
+        for i, idx in enumerate(new):
+            r = rows_l[i]
+            for j, t in enumerate(idx):
+                toks[i, j] = ctx.tokens[r][t + 1]
+                feats[i, j] = self.feat[r][t]
+                pos[i, j] = slots[i, j] = t
+            for j in range(len(idx), T):  # padding: garbage written past the committed pairs, never read
+                pos[i, j] = slots[i, j] = min(want[i] + j, self.k.shape[2] - 1)
+        S = int(slots.max()) + 1
+        key = torch.arange(S)
+        visible = (key[None, None, :] <= slots[:, :, None])  # causal over committed pairs
+        out = self._step(toks, feats, pos, slots, visible, rows)
+        last = torch.tensor([max(len(idx) - 1, 0) for idx in new])
+        return out[torch.arange(B), last]
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
