@@ -1,29 +1,39 @@
 """Continuous batching with load-aware speculation (the engine behind `specdec serve`).
 
-One worker thread owns the model. Between steps, waiting requests join the running batch
-(each is prefilled on its own, then its KV rows are copied into the shared cache) and
-finished or cancelled ones leave it at once (the last active row moves into the freed
-slot, so active rows are always 0..A-1). Each step drafts for every row with prompt lookup
-(the adaptive `NgramDrafter`), scores all rows' pending tokens and guesses in one target
-forward, verifies each row with its own sampling settings, and streams the committed tokens.
+The model runs in one thread (a worker started here, or the caller's own with `run()`:
+`specdec serve` keeps it in the main thread, see `run`). Between steps, waiting requests
+join the running batch (each is prefilled on its own, then its KV rows are copied into the
+shared cache) and finished or cancelled ones leave it at once (the last active row moves
+into the freed slot, so active rows are always 0..A-1). Each step looks up every row's
+context (prompt lookup, the adaptive `NgramDrafter`); with method `auto` an EAGLE head
+(`LookupEagleDrafter`) may draft a dynamic token tree for rows where that is worth more
+than their lookup. All rows' pending tokens and guesses are scored in one target forward
+(chains and trees side by side, a tree through its ancestor mask), each row is verified
+with its own sampling settings (chain rule or the exact tree rule), the cache keeps each
+row's accepted path, and the committed tokens are streamed.
 
 Load-aware speculation: verifying guesses is nearly free while decoding is bound by
 reading the weights, but as the batch grows the step becomes compute-bound and every
 guessed token costs real time. The step time is modelled as t(A, K) = a + r * A + b * A * K
 (A rows, K guess slots), fitted online by decayed least squares per batch-size band (a
-guess costs little at one row and much in a full batch; see StepModel); each step picks the cap K in 0..k_max
-that maximises expected committed tokens per second, sum over rows of (1 + expected
-accepted guesses under cap K) / t(A, K), using the drafter's per-position acceptance
-estimates. K = 0 is plain decoding; every 16th step tries one guess more than the best cap
-so the cost of guesses stays measured at the current load. The decision is exposed in
-`stats()` (and so in /metrics).
+guess costs little at one row and much in a full batch; see StepModel); each step picks the
+cap K in 0..k_max (and which rows draft a tree) that maximises expected committed tokens
+per second, sum over rows of (1 + expected accepted guesses under cap K) / (t(A, K) + the
+head's drafting time when a row drafts a tree), using the lookup's per-position acceptance
+estimates and the tree's measured accepted tokens. K = 0 is plain decoding; every 16th step
+tries one guess more than the best cap, and half-way between rows may draft a tree even if
+none chose to, so the costs and the tree's gain stay measured at the current load. The
+decision is exposed in `stats()` (and so in /metrics).
+
+Seeded sampled requests draft whole lookups up to their own cap and never a tree, and draw
+random numbers for their own guesses only, so the same seed gives the same text whatever
+else shares the batch.
 
 This module knows nothing about HTTP or text: it takes token ids and sampling settings and
 calls back with token ids (and, when a request asks for them, each token's log-probability
 under the target's raw distribution, before temperature and top-p, with the N most likely
 alternatives: the rows of the verification forward that produced the tokens, the same
-distribution plain decoding computes). Stop strings are the caller's `stop_fn`.
-"""
+distribution plain decoding computes). Stop strings are the caller's `stop_fn`."""
 
 from __future__ import annotations
 
