@@ -196,3 +196,21 @@ def test_auto_batcher_sampling_matches_exact_distribution(monkeypatch, broken):
     else:
         for label, res in results:
             assert not res.rejected, f"batcher auto {params} {label}: {res}"
+
+
+def test_head_cost_is_fitted_against_the_batch_size():
+    """The head drafts for every row: its time is predicted per batch size, and from a single
+    batch size seen it scales per row (pessimistic above it), so trees are not started in big
+    batches on a cost measured at one row."""
+    from specdec.adaptive import DecayedLine
+
+    b = object.__new__(ContinuousBatcher)
+    b.drafter = type("D", (), {"t_draft": 0.004})()
+    b.head_time = DecayedLine(0.98)
+    assert b._head_cost(8) == pytest.approx(0.032)  # nothing fitted: the engine-style estimate per row
+    for _ in range(10):
+        b.head_time.observe(1, 0.004)
+    assert b._head_cost(1) == pytest.approx(0.004) and b._head_cost(16) == pytest.approx(0.064)
+    for _ in range(30):
+        b.head_time.observe(8, 0.004 + 0.0005 * 7)
+    assert b._head_cost(16) == pytest.approx(0.004 + 0.0005 * 15, rel=0.05)

@@ -200,6 +200,7 @@ class LookupEagleDrafter:
         self._tree_rows: list[bool] | None = None
         self._skipped = 0
         self.t_head = 0.0
+        self.head_steady = False
 
     def tree_pays(self) -> bool:
         if not self.gate or self.t_draft is None or not self.t_step:
@@ -259,6 +260,7 @@ class LookupEagleDrafter:
         B = len(ctx.tokens)
         tree = None
         self.t_head = 0.0  # seconds the head drafted in this call
+        self.head_steady = False  # and whether that was a steady-state step (no prompt to catch up)
         self._tree_rows = None
         if not any(tree_rows):
             self.eagle.remember(ctx)
@@ -269,7 +271,8 @@ class LookupEagleDrafter:
             t1 = time.perf_counter()
             tree = self.eagle.propose(ctx, min(self.eagle.depth, max_tokens))
             self.t_head = time.perf_counter() - t1
-            if behind <= max(self.ngram.max_n, self.eagle.depth) + 2:
+            self.head_steady = behind <= max(self.ngram.max_n, self.eagle.depth) + 2
+            if self.head_steady:
                 self.t_draft = self.t_head if self.t_draft is None else 0.9 * self.t_draft + 0.1 * self.t_head
             self._tree_rows = list(tree_rows)
         self.rows_drafted["lookup"] += sum(1 for g, t in zip(looked, tree_rows) if g and not t)

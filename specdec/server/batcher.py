@@ -20,10 +20,11 @@ guess costs little at one row and much in a full batch; see StepModel); each ste
 cap K in 0..k_max (and which rows draft a tree) that maximises expected committed tokens
 per second, sum over rows of (1 + expected accepted guesses under cap K) / (t(A, K) + the
 head's drafting time when a row drafts a tree), using the lookup's per-position acceptance
-estimates and the tree's measured accepted tokens. K = 0 is plain decoding; every 16th step
-tries one guess more than the best cap, and half-way between rows may draft a tree even if
-none chose to, so the costs and the tree's gain stay measured at the current load. The
-decision is exposed in `stats()` (and so in /metrics).
+estimates and the tree's measured accepted tokens; the head drafts for every row, so its
+time is fitted against the batch size too (`_head_cost`). K = 0 is plain decoding; every
+16th step tries one guess more than the best cap, and half-way between, in batches of at
+most 4 rows, rows may draft a tree even if none chose to, so the costs and the tree's gain
+stay measured. The decision is exposed in `stats()` (and so in /metrics).
 
 Seeded sampled requests draft whole lookups up to their own cap and never a tree, and draw
 random numbers for their own guesses only, so the same seed gives the same text whatever
@@ -46,6 +47,7 @@ from typing import Callable
 import torch
 
 from .. import tree as tree_mod
+from ..adaptive import DecayedLine
 from ..drafters.base import DraftContext, timing_free
 from ..drafters.ngram import NgramDrafter, lookup_match
 from ..sampling import choose, make_generator, warp
@@ -177,6 +179,7 @@ class ContinuousBatcher:
             self.drafter = NgramDrafter(choose_length=not adaptive) if method == "ngram" else None
             self.lookup = self.drafter
         self.steps = StepModel()
+        self.head_time = DecayedLine(0.98)  # the head's drafting seconds vs rows in the batch (auto)
         self.last_k = 0
         self.lock = threading.Lock()
         self.totals = dict(requests=0, finished=0, cancelled=0, tokens=0, proposed=0, accepted=0, forwards=0,
@@ -333,6 +336,20 @@ class ContinuousBatcher:
         self._finish(req, reason)
 
     EXPLORE_EVERY = 16
+    TREE_PROBE_MAX_ROWS = 4  # forced tree probes only in batches this small (they are dear in big ones)
+
+    def _head_cost(self, A: int) -> float:
+        """Predicted seconds the head drafts for a batch of A rows (it drafts for every row):
+        a line over the batch sizes seen; from one batch size only, its cost per row times A
+        (pessimistic for larger batches, so trees are not started where they were never timed)."""
+        h = self.head_time
+        if h.weight < 1e-9:
+            return float(self.drafter.t_draft or 0.0) * A
+        slope = h.slope()
+        w, sx, sy = h.s[0], h.s[1], h.s[2]
+        if slope is None or slope < 0 or h.weight < 4:
+            return sy / max(sx, 1e-9) * A  # mean seconds per row, times A
+        return max(h.intercept(slope) + slope * A, 0.0)
 
     def _choose_k(self, guesses: list[list[int]], matches: list[int], tree_ok: list[bool] | None = None
                   ) -> tuple[int, list[bool]]:
@@ -340,7 +357,8 @@ class ContinuousBatcher:
         their lookup) that maximises expected committed tokens per second. Every
         EXPLORE_EVERY-th step allows one guess more than the best cap, so the cost of guesses keeps
         being measured at the current batch size even while the best cap is 0; half-way between,
-        rows that may draft a tree do so if none chose it, so the tree's gain stays measured."""
+        in small batches, rows that may draft a tree do so if none chose it, so the tree's gain
+        stays measured."""
         A = len(guesses)
         tree_ok = tree_ok or [False] * A
         d = self.drafter if self.trees else None
@@ -364,14 +382,15 @@ class ContinuousBatcher:
                 use.append(tree > look)
                 tokens += max(look, tree)
             if any(use):
-                t += d.t_draft or 0.0
+                t += self._head_cost(A)
             rate = tokens / t
             if best is None or rate > best * 1.0001:
                 best, best_k, best_use = rate, k, use
         step = self.totals["steps"]
         if step % self.EXPLORE_EVERY == 0 and best_k < self.k_max:
             return best_k + 1, best_use
-        if d is not None and step % self.EXPLORE_EVERY == self.EXPLORE_EVERY // 2 and any(tree_ok) and not any(best_use):
+        if (d is not None and step % self.EXPLORE_EVERY == self.EXPLORE_EVERY // 2 and any(tree_ok)
+                and not any(best_use) and A <= self.TREE_PROBE_MAX_ROWS):
             return max(best_k, min(self.k_max, round(d.nodes))), list(tree_ok)
         return best_k, best_use
 
@@ -422,6 +441,8 @@ class ContinuousBatcher:
         if self.trees:
             draft = self.drafter.assemble(ctx, guesses, use_tree, self.k_max)
             t_head = self.drafter.t_head
+            if t_head > 0 and self.drafter.head_steady:
+                self.head_time.observe(A, t_head)
             counts = torch.minimum(draft.counts, torch.tensor(caps, dtype=torch.long))  # a tree cut to its first nodes stays a tree
             K = int(counts.max())
             drafted, parents = draft.tokens[:, :K], draft.parents[:, :K]
