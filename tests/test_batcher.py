@@ -214,3 +214,28 @@ def test_head_cost_is_fitted_against_the_batch_size():
     for _ in range(30):
         b.head_time.observe(8, 0.004 + 0.0005 * 7)
     assert b._head_cost(16) == pytest.approx(0.004 + 0.0005 * 15, rel=0.05)
+
+
+def test_trees_are_chosen_only_by_a_clear_margin():
+    """With an EAGLE head (method auto) a row drafts a tree when the predicted tokens per
+    second beat the best lookup-only choice by TREE_MARGIN; a marginal gain keeps plain steps."""
+    from specdec.adaptive import DecayedLine
+
+    b = object.__new__(ContinuousBatcher)
+    b.adaptive, b.k_max, b.trees = True, 8, True
+    b.totals = {"steps": 101}  # not an exploration step
+    b.steps = StepModel()
+    for K in (0, 2, 4, 8):
+        for _ in range(5):
+            b.steps.observe(1, K, 0.015 + 0.0002 * K)
+    b.lookup = type("L", (), {"policy": LengthPolicy(max_n=4, max_k=16)})()
+    b.head_time = DecayedLine(0.98)
+    d = type("D", (), {"t_draft": 0.004, "nodes": 5.0, "gain": 0.0})()
+    b.drafter = d
+    # a 5-node tree: t = 0.016 + 0.004 s for 1 + gain tokens, against 1 token in 0.015 s
+    d.gain = 0.37  # ~3% more tokens per second than plain steps: below the margin
+    assert b._choose_k([[]], [0], [True]) == (0, [False])
+    d.gain = 0.6  # ~20% more
+    k, use = b._choose_k([[]], [0], [True])
+    assert use == [True] and k >= 5
+    assert b._choose_k([[]], [0], [False]) == (0, [False])  # a row that may not draft trees

@@ -337,6 +337,7 @@ class ContinuousBatcher:
 
     EXPLORE_EVERY = 16
     TREE_PROBE_MAX_ROWS = 4  # forced tree probes only in batches this small (they are dear in big ones)
+    TREE_MARGIN = 1.05  # trees must promise this much more than the best lookup-only choice
 
     def _head_cost(self, A: int) -> float:
         """Predicted seconds the head drafts for a batch of A rows (it drafts for every row):
@@ -368,24 +369,29 @@ class ContinuousBatcher:
             # --fixed-k: every step drafts; each row's source as `generate --method auto` picks it
             return self.k_max, [ok and not p for ok, p in zip(tree_ok, d.prefer_lookup(guesses, False))]
         pol = self.lookup.policy
-        best, best_k, best_use = None, 0, [False] * A
+        best = {False: (None, 0, [False] * A), True: (None, 0, [False] * A)}  # without / with trees
         for k in range(0, self.k_max + 1):
             t = self.steps.predict(A, k)
             if t is None:  # measure both ends first
                 k0 = self.k_max if self.totals["steps"] % 2 else 0
                 return k0, [ok and k0 > 0 for ok in tree_ok]
-            tokens, use = 0.0, []
-            for g, n, ok in zip(guesses, matches, tree_ok):
-                look = pol.expected(n, min(k, len(g)))[-1]
+            looks = [pol.expected(n, min(k, len(g)))[-1] for g, n in zip(guesses, matches)]
+            options = [(False, sum(looks) / t, [False] * A)]
+            if d is not None and k > 0 and any(tree_ok):
                 # a tree of the head's usual size, cut to k nodes: its measured gain, pro rata
-                tree = 1.0 + d.gain * min(1.0, k / max(d.nodes, 1.0)) if ok and k > 0 else 0.0
-                use.append(tree > look)
-                tokens += max(look, tree)
-            if any(use):
-                t += self._head_cost(A)
-            rate = tokens / t
-            if best is None or rate > best * 1.0001:
-                best, best_k, best_use = rate, k, use
+                tree = 1.0 + d.gain * min(1.0, k / max(d.nodes, 1.0))
+                use = [ok and tree > lk for ok, lk in zip(tree_ok, looks)]
+                if any(use):
+                    tokens = sum(tree if u else lk for u, lk in zip(use, looks))
+                    options.append((True, tokens / (t + self._head_cost(A)), use))
+            for kind, rate, use in options:
+                if best[kind][0] is None or rate > best[kind][0] * 1.0001:
+                    best[kind] = (rate, k, use)
+        # trees only by a clear margin: their cost model is coarser than the lookup's, and a
+        # marginal tree step that misjudges its cost loses throughput
+        with_trees, without = best[True], best[False]
+        chosen = with_trees if with_trees[0] is not None and with_trees[0] > self.TREE_MARGIN * without[0] else without
+        _, best_k, best_use = chosen
         step = self.totals["steps"]
         if step % self.EXPLORE_EVERY == 0 and best_k < self.k_max:
             return best_k + 1, best_use
