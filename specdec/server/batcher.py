@@ -462,7 +462,7 @@ class ContinuousBatcher:
         self.last_k = K
         inp = torch.cat([torch.tensor([[r.context[-1]] for r in self.rows], dtype=torch.long), drafted], 1)
         base = cache.lengths.clone()
-        is_tree = parents is not None and K > 0
+        is_tree = parents is not None and K > 0 and any(use_tree)  # lookup rows alone: a plain chain step
         if is_tree:
             parents, mask, depth = tree_mod.masks(parents, counts)
             logits, hidden = self.model(inp, base[:, None] + depth, cache, attn_mask=mask)
