@@ -218,8 +218,9 @@ class ContinuousBatcher:
         thread, with the HTTP server in a thread: with torch's OpenMP threads, every parallel
         kernel launched from a second thread on a machine with few cores pays a wake-up of
         its own thread team (libgomp stops spinning once there are more OpenMP threads than
-        cores): measured on 2 cores, a decode step of the default model takes ~24 ms from a
-        worker thread and ~15 ms from the main thread."""
+        cores; our reading): measured on 2 cores, a decode step of the default model takes
+        23.8 ms from a second thread and 15.4 ms from the main thread
+        (benchmarks/thread_step.py)."""
         self._loop(until)
 
     def close(self) -> None:
