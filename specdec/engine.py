@@ -181,11 +181,7 @@ class Engine:
             # 4 commit / roll back: keep pending + accepted drafts in the cache
             # e.g. cache [a b], pending c, drafts [d e f], 2 accepted -> cache [a b c d e], pending r
             if is_tree:
-                P = 1 + int(n_acc.max())
-                keep_nodes = torch.zeros(A, P, dtype=torch.long)
-                for i, p in enumerate(paths):
-                    keep_nodes[i, 1 : 1 + len(p)] = torch.tensor(p, dtype=torch.long)
-                cache.compact(base, keep_nodes, 1 + n_acc)
+                cache.keep_paths(base, paths)
             else:
                 cache.truncate(base + 1 + n_acc)
             if drafter is not None and K > 0:

@@ -102,6 +102,14 @@ class KVCache:
                 self.v[layer][rows, :, dst] = self.v[layer][rows, :, src]
         self.lengths = base + path_lens
 
+    def keep_paths(self, base: torch.Tensor, paths: list[list[int]]) -> None:
+        """After a tree step: keep each row's root (slot base, the pending token) and its
+        accepted nodes `paths[b]` (1-based node indices, root excluded), dropping the rest."""
+        keep = torch.zeros(len(paths), 1 + max((len(p) for p in paths), default=0), dtype=torch.long)
+        for b, p in enumerate(paths):
+            keep[b, 1 : 1 + len(p)] = torch.tensor(p, dtype=torch.long)
+        self.compact(base, keep, torch.tensor([1 + len(p) for p in paths], dtype=torch.long))
+
     def reorder_rows(self, rows: torch.Tensor) -> None:
         """Keep/permute batch rows (used when finished rows leave a batch)."""
         self.k = [k[rows] for k in self.k]

@@ -493,10 +493,7 @@ class ContinuousBatcher:
             nxt[b] = n[0]
         n_acc = torch.tensor([len(p) for p in paths], dtype=torch.long)
         if is_tree:
-            keep_nodes = torch.zeros(A, 1 + int(n_acc.max()), dtype=torch.long)
-            for b, p in enumerate(paths):
-                keep_nodes[b, 1 : 1 + len(p)] = torch.tensor(p, dtype=torch.long)
-            cache.compact(base, keep_nodes, 1 + n_acc)
+            cache.keep_paths(base, paths)
         else:
             cache.truncate(base + 1 + n_acc)
         cache.sync()
