@@ -194,9 +194,9 @@ def generic_prompts(seed: int, n: int) -> list[str]:
     return out
 
 
-def code_completion_prompts(seed: int, n: int) -> list[str]:
+def code_completion_prompts(seed: int, n: int, per_file: int = 1) -> list[str]:
     """Raw (no chat template) completion prompts: a standard-library function's signature and
-    docstring, for the target to continue as code."""
+    docstring, for the target to continue as code (at most `per_file` functions per module)."""
     rng = random.Random(seed)
     out: list[str] = []
     if n <= 0:
@@ -210,13 +210,16 @@ def code_completion_prompts(seed: int, n: int) -> list[str]:
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         lines = src.splitlines()
+        taken = 0
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) and node.body:
                 body0 = node.body[0]
                 head = "\n".join(lines[node.lineno - 1 : body0.end_lineno])
                 if 40 < len(head) < 1500:
                     out.append(textwrap.dedent(head) + "\n")
-                    break
+                    taken += 1
+                    if taken >= per_file or len(out) >= n:
+                        break
         if len(out) >= n:
             break
     return out

@@ -146,12 +146,13 @@ def unrolled_predictions(head, E, x_next, f_in, unroll: int = 1):
     made at t (its ancestors in a draft), and predicts f_{t+j}. Returns [pred_1, ..., pred_unroll],
     each [B, T, D] (positions whose x_{t+j} lies past the end hold garbage)."""
     B, T = x_next.shape
-    pos = torch.arange(T)[None].expand(B, T)
+    dev = x_next.device
+    pos = torch.arange(T, device=dev)[None].expand(B, T)
     x, q, k, v = head.qkv(F.embedding(x_next, E), f_in, pos)
     preds = [head.finish(x, q, k, v, causal=True)]
     keys, vals = [k], [v]
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    eye = torch.eye(T, dtype=torch.bool)
+    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+    eye = torch.eye(T, dtype=torch.bool, device=dev)
     for j in range(2, unroll + 1):
         tok = torch.zeros_like(x_next)
         tok[:, : T - j + 1] = x_next[:, j - 1 :]  # x_{t+j}
