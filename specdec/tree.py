@@ -89,6 +89,25 @@ def trie(sequences: list[list[int]], max_nodes: int | None = None) -> tuple[list
     return tokens, parents
 
 
+def graft(tokens: list[int], parents: list[int], seq: list[int], max_nodes: int) -> tuple[list[int], list[int]]:
+    """Add the chain `seq` (continuing from the root) to the tree (tokens, parents): follow the
+    nodes it shares with the tree, append the rest as a branch (new nodes after the old
+    ones, so parents still come before children). Stops at max_nodes nodes in all."""
+    tokens, parents = list(tokens), list(parents)
+    index = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents), start=1)}
+    node = 0
+    for t in seq:
+        key = (node, int(t))
+        if key not in index:
+            if len(tokens) >= max_nodes:
+                break
+            tokens.append(int(t))
+            parents.append(node)
+            index[key] = len(tokens)
+        node = index[key]
+    return tokens, parents
+
+
 def batch(trees: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pad per-row trees (tokens, parents) to one size N.
 

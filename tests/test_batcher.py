@@ -133,6 +133,7 @@ def test_auto_batcher_greedy_equals_transformers(adaptive):
             b.close()
     assert got == want
     assert s["tree_rows"] > 0 and b.drafter.rows_drafted["eagle"] > 0
+    assert b.drafter.rows_drafted["graft"] > 0  # a tree row's lookup grafted onto its tree
     assert s["proposed"] > 0 and s["batch"] == 0
 
 
@@ -159,8 +160,8 @@ def test_auto_batcher_seeded_sample_does_not_depend_on_the_load():
 @pytest.mark.parametrize("broken", [False, True])
 def test_auto_batcher_sampling_matches_exact_distribution(monkeypatch, broken):
     """Sampled rows verify trees by recursive rejection inside the batcher: over many seeded
-    requests (trees allowed for seeded rows here, fixed caps so every row drafts a tree) the
-    first three tokens follow the target's exact distribution (chi-square); with a broken
+    requests (trees allowed for seeded rows here, fixed caps, every row drafts a tree with its
+    lookup grafted on) the first three tokens follow the target's exact distribution (chi-square); with a broken
     tree rule (no residual) the same check fails."""
     import functools
 
@@ -168,26 +169,28 @@ def test_auto_batcher_sampling_matches_exact_distribution(monkeypatch, broken):
 
     import test_tree
     from oracle import exact_joint, one_thread
+    from specdec.drafters.hybrid import LookupEagleDrafter
     from specdec.server import batcher as batcher_mod
     from specdec.types import SamplingParams
     from test_eagle import CTX, SV, target_dir
     from test_tree import chi2_views
 
     monkeypatch.setattr(batcher_mod, "timing_free", lambda params: False)
+    monkeypatch.setattr(LookupEagleDrafter, "prefer_lookup", lambda self, looked, fixed: [False] * len(looked))
     if broken:
         monkeypatch.setattr(batcher_mod, "verify_tree_stochastic", test_tree.broken_tree_verify)
     params = dict(temperature=0.9)
     n = 1200
     with one_thread():
         hf = AutoModelForCausalLM.from_pretrained(str(target_dir(3, SV)), dtype=torch.float32).eval()
-        b = _auto_batcher(adaptive=False, max_batch=8, seed=3, vocab=SV, min_lookup=1, min_n=2)
+        b = _auto_batcher(adaptive=False, max_batch=8, seed=3, vocab=SV, min_lookup=1, min_n=1)
         try:
             got = _run(b, [(CTX[0], SamplingParams(max_new_tokens=3, seed=9000 + i, **params)) for i in range(n)],
                        timeout=600)
             s = b.stats()
         finally:
             b.close()
-    assert s["tree_rows"] > 0 and 0 < s["accepted"] < s["proposed"]
+    assert s["tree_rows"] > 0 and 0 < s["accepted"] < s["proposed"] and b.drafter.rows_drafted["graft"] > 0
     monkeypatch.setattr(test_tree, "exact", functools.lru_cache(maxsize=None)(
         lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p)))
     results = chi2_views({CTX[0]: torch.tensor(got)}, params)

@@ -95,6 +95,27 @@ def test_eagle_greedy_equals_transformers(tree, kw, batch):
         assert d.rows_drafted["lookup"] > 0 and d.rows_drafted["eagle"] > 0
 
 
+@pytest.mark.parametrize("graft", [1, 6])
+def test_lookup_grafted_onto_the_tree_keeps_greedy_exact(monkeypatch, graft):
+    """Every row drafts the tree and its lookup is grafted on (shared prefixes merged, new
+    nodes as a branch, at most `graft` of them): greedy output still equals transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.drafters.hybrid import LookupEagleDrafter
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+    hf.generation_config.pad_token_id = 0
+    ps = prompts()
+    want = [hf_greedy(hf, p, 24) for p in ps]
+    monkeypatch.setattr(LookupEagleDrafter, "prefer_lookup", lambda self, looked, fixed: [False] * len(looked))
+    d = drafter("lookup", depth=2, width=2, nodes=3, gate=False)
+    d.graft = graft
+    d.max_nodes = d.eagle.max_nodes + graft
+    res = Engine(target().model, d, k=3).generate(ps, SamplingParams(max_new_tokens=24))
+    assert [r.tokens for r in res] == want
+    assert d.rows_drafted["graft"] > 0 and d.rows_drafted["lookup"] == 0
+
+
 def test_eagle_needs_the_targets_features():
     """Without the target's hidden states the drafter refuses rather than guessing blind;
     through the engine it receives one feature per committed position."""
@@ -129,15 +150,15 @@ def test_eagle_sampling_matches_exact_distribution(tree, params):
     out = {c: [] for c in CTX}
     proposed = accepted = 0
     for s in range(5):
-        d = drafter(tree, 3, SV, depth=2, width=3, nodes=6, **({"min_lookup": 1, "min_n": 2} if tree == "lookup" else {}))
+        d = drafter(tree, 3, SV, depth=2, width=3, nodes=6, **({"min_lookup": 2, "min_n": 2} if tree == "lookup" else {}))
         res = Engine(tg.model, d, k=2).generate(rows, SamplingParams(max_new_tokens=4, seed=700 + s, **params))
         for p, r in zip(rows, res):
             out[tuple(p)].append(r.tokens[:3])
             proposed += r.stats.proposed
             accepted += r.stats.accepted
     assert proposed > 0 and 0 < accepted < proposed
-    if tree == "lookup":
-        assert d.rows_drafted["lookup"] > 0 and d.rows_drafted["eagle"] > 0
+    if tree == "lookup":  # lookups alone, trees alone, and trees with a lookup grafted on
+        assert d.rows_drafted["lookup"] > 0 and d.rows_drafted["eagle"] > 0 and d.rows_drafted["graft"] > 0
 
     # chi2_views reads exact distributions from test_tree's models: compute ours here instead
     import test_tree

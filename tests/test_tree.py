@@ -68,6 +68,24 @@ def test_trie_merges_shared_prefixes():
     assert toks == [5, 6, 7, 9] and pars == [0, 1, 2, 0]
 
 
+def test_graft_adds_a_chain_to_a_tree():
+    # tree: 5 -> (6 -> 7), 5 -> 8, 9 (root's second child)
+    toks, pars = [5, 6, 8, 9, 7], [0, 1, 1, 0, 2]
+    # follows 5 -> 6 -> 7, then branches off node 5 (the 7) with 1, 2
+    assert tree.graft(toks, pars, [5, 6, 7, 1, 2], 10) == (toks + [1, 2], pars + [5, 6])
+    # shares only the root's child 9, then a new branch under it
+    assert tree.graft(toks, pars, [9, 4], 10) == (toks + [4], pars + [4])
+    # nothing new: unchanged; a chain that shares nothing hangs from the root
+    assert tree.graft(toks, pars, [5, 8], 10) == (toks, pars)
+    assert tree.graft(toks, pars, [3, 3], 10) == (toks + [3, 3], pars + [0, 6])
+    # the cap counts every node; the result is a valid tree with no duplicate siblings
+    t2, p2 = tree.graft(toks, pars, [5, 6, 7, 1, 2, 3], 6)
+    assert t2 == toks + [1] and p2 == pars + [5]
+    tree.check_parents(p2)
+    assert len({(p, t) for t, p in zip(t2, p2)}) == len(t2)
+    assert tree.graft([], [], [4, 4], 1) == ([4], [0])
+
+
 def test_batch_and_masks_pad_ragged_trees():
     toks, pars, counts, mask, depth = tree.batch([([3, 4, 5], [0, 1, 0]), ([7], [0])])
     assert toks.tolist() == [[3, 4, 5], [7, 0, 0]] and counts.tolist() == [3, 1]

@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from .. import tree as tree_mod
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register, timing_free
 from .ngram import NgramDrafter
@@ -169,8 +170,11 @@ class LookupEagleDrafter:
     than the tree (the head's first guess alone holds about as often). Both kinds of
     guesses are deterministic (q one-hot), so rows mix freely in one tree-shaped proposal
     (a chain is a tree whose node i hangs under node i-1) and the verification stays exact,
-    greedy or sampled. When every row has a lookup the head does not run; it still keeps the
-    target features it is handed and catches up lazily the next time it drafts.
+    greedy or sampled. A row that drafts the tree also gets its lookup (if any) grafted onto
+    the tree, up to `graft` extra nodes (shared prefixes merge): verification then keeps
+    whichever path holds longer, so a short or shaky lookup costs a few nodes instead of
+    the tree. When every row has a lookup the head does not run; it still keeps the target
+    features it is handed and catches up lazily the next time it drafts.
 
     The tree is only worth drafting while it pays: it costs the head's drafting time (c, in
     target steps) plus r per verified node (r: the lookup's measured cost of one more
@@ -183,15 +187,17 @@ class LookupEagleDrafter:
     needs_hidden = True
 
     def __init__(self, eagle, min_n: int = 1, max_n: int = 4, min_lookup: int = 2, probe_every: int = 16,
-                 gate: bool = True) -> None:
+                 gate: bool = True, graft: int = 6) -> None:
         self.eagle = eagle
         self.ngram = NgramDrafter(min_n, max_n)
         self.min_lookup = min_lookup
         self.probe_every, self.gate = probe_every, gate
-        self.max_nodes = eagle.max_nodes
+        self.graft = graft  # lookup nodes a tree row may add to its tree (0: none)
+        self.max_nodes = eagle.max_nodes + graft
         self.vocab_size = eagle.vocab_size
         self.cost_hint = None
-        self.rows_drafted = {"lookup": 0, "eagle": 0}  # row-steps each source drafted for
+        self.rows_drafted = {"lookup": 0, "eagle": 0, "graft": 0}  # row-steps each source drafted for (graft:
+        # tree rows whose lookup added nodes to the tree)
         self.gain = 1.0  # accepted tokens per tree row-step (decayed; optimistic prior)
         self.t_draft: float | None = None  # seconds the head drafts per step
         self.t_step: float | None = None  # seconds of a target step (hand-over to next proposal)
@@ -250,13 +256,17 @@ class LookupEagleDrafter:
             self._skipped += 1
             if self._skipped % self.probe_every:
                 run_tree = False  # plain prompt lookup for every row
-        return self.assemble(ctx, looked, [run_tree and not u for u in use_lookup], max_tokens)
+        return self.assemble(ctx, looked, [run_tree and not u for u in use_lookup], max_tokens, self.max_nodes)
 
-    def assemble(self, ctx: DraftContext, looked: list[list[int]], tree_rows: list[bool], max_tokens: int) -> Draft:
+    def assemble(self, ctx: DraftContext, looked: list[list[int]], tree_rows: list[bool], max_tokens: int,
+                 max_nodes: int | None = None) -> Draft:
         """The proposal once each row's source is chosen: the head's tree for rows with
-        tree_rows[b], the lookup chain looked[b] (possibly empty) for the others. The head runs
-        only if some row takes its tree; otherwise it just keeps the handed-over features.
-        `propose` chooses with its own gate; the server's batcher with its load model."""
+        tree_rows[b], the lookup chain looked[b] (possibly empty) for the others. With
+        `max_nodes` above the tree's size, a tree row's lookup is grafted onto its tree too
+        (shared prefixes merge; new nodes up to max_nodes in all), so verification takes
+        whichever holds longer. The head runs only if some row takes its tree; otherwise it
+        just keeps the handed-over features. `propose` chooses with its own gate; the
+        server's batcher with its load model."""
         B = len(ctx.tokens)
         tree = None
         self.t_head = 0.0  # seconds the head drafted in this call
@@ -277,21 +287,25 @@ class LookupEagleDrafter:
             self._tree_rows = list(tree_rows)
         self.rows_drafted["lookup"] += sum(1 for g, t in zip(looked, tree_rows) if g and not t)
         self.rows_drafted["eagle"] += sum(tree_rows) if tree is not None else 0
-        n_tree = 0 if tree is None else tree.tokens.shape[1]
-        N = max([n_tree] + [len(g) for g, t in zip(looked, tree_rows) if not t])
+        rows = []  # per row: (tokens, parents), parent 0 = the pending token, j = node j (1-based)
+        for b in range(B):
+            if not tree_rows[b]:
+                rows.append((looked[b], list(range(len(looked[b])))))  # a chain: node j+1 under node j
+                continue
+            n = int(tree.counts[b])
+            toks, pars = tree.tokens[b, :n].tolist(), tree.parents[b, :n].tolist()
+            if looked[b] and max_nodes is not None and max_nodes > n:
+                toks, pars = tree_mod.graft(toks, pars, looked[b], max_nodes)
+                self.rows_drafted["graft"] += len(toks) > n
+            rows.append((toks, pars))
+        N = max(len(t) for t, _ in rows)
         tokens = torch.zeros(B, N, dtype=torch.long)
         parents = torch.zeros(B, N, dtype=torch.long)
         counts = torch.zeros(B, dtype=torch.long)
-        for b in range(B):
-            if not tree_rows[b]:
-                n = len(looked[b])
-                tokens[b, :n] = torch.tensor(looked[b], dtype=torch.long)
-                parents[b, :n] = torch.arange(n)  # node j (1-based j+1) hangs under node j
-                counts[b] = n
-            else:
-                tokens[b, :n_tree] = tree.tokens[b]
-                parents[b, :n_tree] = tree.parents[b]
-                counts[b] = tree.counts[b]
+        for b, (toks, pars) in enumerate(rows):
+            tokens[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            parents[b, : len(pars)] = torch.tensor(pars, dtype=torch.long)
+            counts[b] = len(toks)
         # the lookup learns only from rows that verify its guesses, and times the target step
         # from here (the head's drafting is not part of it)
         self.ngram.verified([0 if t else len(g) for g, t in zip(looked, tree_rows)])
@@ -299,7 +313,8 @@ class LookupEagleDrafter:
         self.ngram.handed_over()
         self._t_end = time.perf_counter()
         if tree is not None:
-            self.nodes = 0.9 * self.nodes + 0.1 * n_tree
+            sizes = [len(t) for (t, _), on in zip(rows, tree_rows) if on]
+            self.nodes = 0.9 * self.nodes + 0.1 * (sum(sizes) / len(sizes))
         return Draft(tokens, counts, None, parents)
 
     def commit(self, num_accepted, paths=None) -> None:

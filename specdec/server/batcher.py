@@ -446,7 +446,8 @@ class ContinuousBatcher:
         t_head = 0.0
         use_tree = [u and c > 0 for u, c in zip(use_tree, caps)]
         if self.trees:
-            draft = self.drafter.assemble(ctx, guesses, use_tree, self.k_max)
+            # a tree row's lookup is grafted onto its tree, within the k_max slots a row reserves
+            draft = self.drafter.assemble(ctx, guesses, use_tree, self.k_max, max_nodes=self.k_max)
             t_head = self.drafter.t_head
             if t_head > 0 and self.drafter.head_steady:
                 self.head_time.observe(A, t_head)
