@@ -76,17 +76,22 @@ def trie(sequences: list[list[int]], max_nodes: int | None = None) -> tuple[list
     parents: list[int] = []
     index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
     for seq in sequences:
-        node = 0
-        for t in seq:
-            key = (node, int(t))
-            if key not in index:
-                if max_nodes is not None and len(tokens) >= max_nodes:
-                    break
-                tokens.append(int(t))
-                parents.append(node)
-                index[key] = len(tokens)
-            node = index[key]
+        _insert(tokens, parents, index, seq, max_nodes)
     return tokens, parents
+
+
+def _insert(tokens: list[int], parents: list[int], index: dict, seq: list[int], max_nodes: int | None) -> None:
+    """Walk `seq` down from the root through the nodes it shares, appending the rest (in place)."""
+    node = 0
+    for t in seq:
+        key = (node, int(t))
+        if key not in index:
+            if max_nodes is not None and len(tokens) >= max_nodes:
+                break
+            tokens.append(int(t))
+            parents.append(node)
+            index[key] = len(tokens)
+        node = index[key]
 
 
 def graft(tokens: list[int], parents: list[int], seq: list[int], max_nodes: int) -> tuple[list[int], list[int]]:
@@ -95,16 +100,7 @@ def graft(tokens: list[int], parents: list[int], seq: list[int], max_nodes: int)
     ones, so parents still come before children). Stops at max_nodes nodes in all."""
     tokens, parents = list(tokens), list(parents)
     index = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents), start=1)}
-    node = 0
-    for t in seq:
-        key = (node, int(t))
-        if key not in index:
-            if len(tokens) >= max_nodes:
-                break
-            tokens.append(int(t))
-            parents.append(node)
-            index[key] = len(tokens)
-        node = index[key]
+    _insert(tokens, parents, index, seq, max_nodes)
     return tokens, parents
 
 

@@ -334,7 +334,7 @@ def main() -> int:
 
     from specdec.drafters.eagle import EAGLE_META, EAGLE_WEIGHTS, save_eagle, target_fingerprint
     from specdec.models.loader import load_model
-    from specdec.train.eagle import init_head, unrolled_loss
+    from specdec.train.eagle import init_head, train_step
 
     dev = torch.device(args.device)
     t_all = time.perf_counter()
@@ -425,20 +425,9 @@ def main() -> int:
     head.train()
     while (spent := time.perf_counter() - t_train) < cfg.train_seconds:
         idx = [rng.randrange(len(train_rows)) for _ in range(cfg.batch_rows)]
-        x_next, f_in, f_out, mask = make_batch(train_rows, idx, cfg.seq_len, rng, dev)
         lr = clock_lr(step, spent / cfg.train_seconds, cfg.warmup, cfg.lr)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        noisy = f_in + (torch.rand(f_in.shape, generator=gen, device=dev) - 0.5) * 2 * cfg.noise
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            reg, cls, tops = unrolled_loss(head, E, W, x_next, noisy, f_out, mask, cfg.unroll, cfg.unroll_decay)
-        loss = reg + cfg.cls_weight * cls
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-        opt.step()
+        cur = train_step(head, opt, E, W, make_batch(train_rows, idx, cfg.seq_len, rng, dev), cfg, gen, lr, True)
         step += 1
-        cur = (reg.item(), cls.item(), tops[0], tops[-1])
         ema = cur if ema is None else tuple(0.98 * a + 0.02 * b for a, b in zip(ema, cur))
         if step % 100 == 0:
             log(f"step {step} ({spent:.0f} s): reg {ema[0]:.3f} ce {ema[1]:.3f} "

@@ -22,9 +22,9 @@ per second, sum over rows of (1 + expected accepted guesses under cap K) / (t(A,
 head's drafting time when a row drafts a tree), using the lookup's per-position acceptance
 estimates and the tree's measured accepted tokens; the head drafts for every row, so its
 time is fitted against the batch size too (`_head_cost`). K = 0 is plain decoding; every
-16th step tries one guess more than the best cap, and half-way between, in batches of at
-most 4 rows, rows may draft a tree even if none chose to, so the costs and the tree's gain
-stay measured. The decision is exposed in `stats()` (and so in /metrics).
+16th step tries one guess more than the best cap, and in batches of A <= 4 rows, every 16 * A
+steps, rows may draft a tree even if none chose to, so the costs and the tree's gain stay
+measured. The decision is exposed in `stats()` (and so in /metrics).
 
 Seeded sampled requests draft whole lookups up to their own cap and never a tree, and draw
 random numbers for their own guesses only, so the same seed gives the same text whatever
@@ -358,9 +358,9 @@ class ContinuousBatcher:
         """The cap on guesses per row (and, with an EAGLE head, which rows draft a tree instead of
         their lookup) that maximises expected committed tokens per second. Every
         EXPLORE_EVERY-th step allows one guess more than the best cap, so the cost of guesses keeps
-        being measured at the current batch size even while the best cap is 0; half-way between,
-        in small batches, rows that may draft a tree do so if none chose it, so the tree's gain
-        stays measured."""
+        being measured at the current batch size even while the best cap is 0; in batches of A <=
+        TREE_PROBE_MAX_ROWS rows, once every EXPLORE_EVERY * A steps, rows that may draft a tree do
+        so if none chose it, so the tree's gain stays measured."""
         A = len(guesses)
         tree_ok = tree_ok or [False] * A
         d = self.drafter if self.trees else None
@@ -396,7 +396,10 @@ class ContinuousBatcher:
         step = self.totals["steps"]
         if step % self.EXPLORE_EVERY == 0 and best_k < self.k_max:
             return best_k + 1, best_use
-        if (d is not None and step % self.EXPLORE_EVERY == self.EXPLORE_EVERY // 2 and any(tree_ok)
+        # tree probes: every EXPLORE_EVERY * A steps (a probe of A rows measures A rows' gain, so
+        # the tree's gain gets the same number of samples per step; a probe of many rows is dear)
+        probe_every = self.EXPLORE_EVERY * A
+        if (d is not None and step % probe_every == probe_every // 2 and any(tree_ok)
                 and not any(best_use) and A <= self.TREE_PROBE_MAX_ROWS):
             return max(best_k, min(self.k_max, round(d.nodes))), list(tree_ok)
         return best_k, best_use

@@ -192,6 +192,25 @@ def unrolled_loss(head, E, W, x_next, f_in, f_out, mask, unroll: int = 1, decay:
     return reg_sum / weight, cls_sum / weight, tops
 
 
+def train_step(head, opt, E, W, batch, cfg, gen: torch.Generator, lr: float, bf16: bool):
+    """One optimiser step on batch = (x_next, f_in, f_out, mask) (on the head's device): noise
+    on the input features, unrolled_loss under bf16 autocast if `bf16`, gradient clipping
+    (cfg: anything with noise, cls_weight, unroll, unroll_decay: EagleTrainConfig, the GPU tool's).
+    Returns (regression, cross-entropy, top-1 at step 1, top-1 at the last unrolled step)."""
+    x_next, f_in, f_out, mask = batch
+    for g in opt.param_groups:
+        g["lr"] = lr
+    noisy = f_in + (torch.rand(f_in.shape, generator=gen, device=f_in.device) - 0.5) * 2 * cfg.noise
+    with torch.autocast(f_in.device.type, dtype=torch.bfloat16, enabled=bf16):
+        reg, cls, tops = unrolled_loss(head, E, W, x_next, noisy, f_out, mask, cfg.unroll, cfg.unroll_decay)
+    loss = reg + cfg.cls_weight * cls
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+    opt.step()
+    return reg.item(), cls.item(), tops[0], tops[-1]
+
+
 def _hf_state(target) -> dict:
     from ..models.loader import _read_state_dict
 
@@ -262,20 +281,9 @@ def train_eagle(target, out: Path, cfg: EagleTrainConfig, data: Path | None = No
     bar = tqdm(total=cfg.steps, initial=step, desc="train eagle", disable=quiet, dynamic_ncols=True)
     t0 = time.perf_counter()
     while step < cfg.steps:
-        x_next, f_in, f_out, mask = next(stream)
         lr = cosine_lr(step, cfg.steps, cfg.warmup, cfg.lr)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        noisy = f_in + (torch.rand(f_in.shape, generator=gen) - 0.5) * 2 * cfg.noise
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            reg, cls, tops = unrolled_loss(head, E, W, x_next, noisy, f_out, mask, cfg.unroll, cfg.unroll_decay)
-        loss = reg + cfg.cls_weight * cls
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-        opt.step()
+        cur = train_step(head, opt, E, W, next(stream), cfg, gen, lr, bf16)
         step += 1
-        cur = (reg.item(), cls.item(), tops[0], tops[-1])
         if ema is not None and len(ema) != len(cur):  # a checkpoint from before the last-step figure
             ema = tuple(ema) + (ema[-1],)
         ema = cur if ema is None else tuple(0.95 * a + 0.05 * b for a, b in zip(ema, cur))
