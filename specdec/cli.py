@@ -57,7 +57,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", choices=METHODS, default="auto",
                    help="speculative method: none (plain decoding), ngram (prompt lookup), draft (draft model), "
                         "auto (prompt lookup where the text repeats; elsewhere the EAGLE head's tree when the target "
-                        "has one (the default target does, or pass --draft HEAD_DIR), else the draft model while it "
+                        "has one (the default target does, or pass --draft HEAD_DIR; a row's lookup is grafted onto "
+                        "its tree), else the draft model while it "
                         "pays, with k adapted to the measured acceptance and cost), eagle (an EAGLE head reading the "
                         "target's hidden states; a dynamic token tree by default), medusa (Medusa heads; a static "
                         "tree chosen from their measured accuracies). Default: auto (exact, like every method: the "
