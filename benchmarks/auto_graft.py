@@ -33,18 +33,15 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from specdec.bench.tasks import load_humaneval, load_jsonl, select
+    from specdec.bench.tasks import dev_and_humaneval
     from specdec.drafters import REGISTRY
     from specdec.drafters.eagle import DEFAULT_EAGLE_DIR
     from specdec.engine import Engine
     from specdec.models.loader import load_model
-    from specdec.text import encode_prompt
     from specdec.types import SamplingParams
 
     target = load_model(None, quiet=True)
-    tasks = select(load_jsonl(args.data), None, args.per_category) + load_humaneval()[: args.humaneval]
-    enc = [("humaneval" if t.category == "humaneval" else "dev", encode_prompt(target.tokenizer, t.prompt, t.chat))
-           for t in tasks]
+    enc = dev_and_humaneval(target.tokenizer, args.data, args.per_category, args.humaneval)
 
     def make(name: str) -> Engine:
         if name == "none":

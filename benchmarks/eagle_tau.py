@@ -36,17 +36,14 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from specdec.bench.tasks import load_humaneval, load_jsonl, select
+    from specdec.bench.tasks import dev_and_humaneval
     from specdec.drafters import REGISTRY
     from specdec.engine import Engine
     from specdec.models.loader import load_model
-    from specdec.text import encode_prompt
     from specdec.types import SamplingParams
 
     target = load_model(None, quiet=True)
-    tasks = select(load_jsonl(args.data), None, args.per_category) + load_humaneval()[: args.humaneval]
-    encoded = [("humaneval" if t.category == "humaneval" else "dev", encode_prompt(target.tokenizer, t.prompt, t.chat))
-               for t in tasks]
+    encoded = dev_and_humaneval(target.tokenizer, args.data, args.per_category, args.humaneval)
     out = {}
     for head in args.heads:
         d = REGISTRY["eagle"](target=target, draft=head, tree=True, depth=args.tree_depth, width=args.tree_width,

@@ -97,3 +97,14 @@ def select(tasks: list[Task], categories: list[str] | None, limit: int | None) -
                 seen[t.category] = seen.get(t.category, 0) + 1
         tasks = kept
     return tasks
+
+
+def dev_and_humaneval(tokenizer, data: str | Path, per_category: int, humaneval: int) -> list[tuple[str, list[int]]]:
+    """The small fixed prompt set of the drafter benchmarks: `per_category` prompts of each
+    category of a Spec-Bench JSONL and the first `humaneval` HumanEval prompts, encoded as
+    `generate` would (chat template for chat prompts); each tagged "dev" or "humaneval"."""
+    from ..text import encode_prompt
+
+    tasks = select(load_jsonl(data), None, per_category) + load_humaneval()[:humaneval]
+    return [("humaneval" if t.category == "humaneval" else "dev", encode_prompt(tokenizer, t.prompt, t.chat))
+            for t in tasks]
