@@ -17,8 +17,8 @@ recipe runs at a scale that matters, in one process:
 3. train: the head (init from `--init`, else from the target's last layer) trains with
    `specdec train eagle`'s loss (specdec.train.eagle.unrolled_loss: feature regression +
    cross-entropy over the vocabulary subset, `--unroll` drafting steps, input noise) in
-   bf16 autocast for `--train-seconds`, with a cosine schedule sized from the measured
-   step time. Top-1 agreement per drafting step on held-out rows is printed before and
+   bf16 autocast for `--train-seconds`, with a cosine schedule that runs on the clock
+   (warm-up in steps, then the fraction of the time spent). Top-1 agreement per drafting step on held-out rows is printed before and
    after. The head is saved to OUT (eagle.safetensors + specdec_eagle.json, loadable with
    `--method eagle --draft OUT`) every `--save-seconds` and at the end, so a run cut short
    still leaves a head. The generated token sequences go to OUT/gen_tokens.pt.

@@ -348,7 +348,7 @@ class ContinuousBatcher:
         if h.weight < 1e-9:
             return float(self.drafter.t_draft or 0.0) * A
         slope = h.slope()
-        w, sx, sy = h.s[0], h.s[1], h.s[2]
+        sx, sy = h.s[1], h.s[2]
         if slope is None or slope < 0 or h.weight < 4:
             return sy / max(sx, 1e-9) * A  # mean seconds per row, times A
         return max(h.intercept(slope) + slope * A, 0.0)
