@@ -48,3 +48,11 @@ def test_eagle_gpu_tool_dry_run_on_cpu(tmp_path):
     d = REGISTRY["eagle"](target=target, draft=str(out), tree=True, depth=3, width=2, nodes=4)
     spec = Engine(target.model, d, k=3, eos_ids=[]).generate([prompt], SamplingParams(max_new_tokens=12))[0]
     assert spec.tokens == plain and spec.stats.proposed > 0
+
+
+def test_eagle_gpu_tool_says_what_is_missing(tmp_path):
+    r = run("--device", "cpu", "--prompts", tmp_path / "nope.json", "--out", tmp_path / "o")
+    assert r.returncode != 0 and "nope.json does not exist" in r.stderr
+    if not torch.cuda.is_available():
+        r = run("--out", tmp_path / "o")
+        assert r.returncode != 0 and "no CUDA device here" in r.stderr

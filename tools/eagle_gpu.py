@@ -337,6 +337,12 @@ def main() -> int:
     from specdec.train.eagle import init_head, train_step
 
     dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("eagle_gpu: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU "
+                         "machine, or pass --device cpu for a (slow) dry run")
+    for f in [args.prompts, args.init, *args.tokens]:
+        if f and not Path(f).exists():
+            raise SystemExit(f"eagle_gpu: {f} does not exist")
     t_all = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(cfg.seed)
