@@ -162,14 +162,9 @@ def hf_generate(hf, prompts: list[list[int]], max_new: int, sample: bool, stop: 
 
 def self_prompt_texts(hf, tok, eos_ids, n: int, max_tokens: int, pad: int) -> list[str]:
     """User turns the target writes itself (see specdec.train.distill._self_prompts)."""
-    mark = "\x00USER\x00"
-    rendered = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=True)
-    prefix, suffix = rendered.split(mark, 1)
-    pre = [int(i) for i in tok.encode(prefix, add_special_tokens=False)]
-    stop = set(eos_ids)
-    suffix_ids = tok.encode(suffix, add_special_tokens=False)
-    if suffix_ids:
-        stop.add(int(suffix_ids[0]))
+    from specdec.train.distill import user_turn_frame
+
+    pre, stop = user_turn_frame(tok, eos_ids)
     res = hf_generate(hf, [pre] * n, max_tokens, True, stop, pad, temperature=1.0, top_p=0.95)
     return [tok.decode(g[:-1]).strip() for _, g, ended in res if ended and len(g) >= 4]
 
@@ -206,8 +201,8 @@ def generate_data(hf, target, prompts: dict, cfg: GpuEagleConfig) -> tuple[list[
         seqs += new
         n_tok = sum(len(g) for _, g, _ in res)
         k = stats["by_kind"].setdefault(kind, {"rows": 0, "generated": 0})
-        k["rows"] = k.get("rows", 0) + len(new)
-        k["generated"] = k.get("generated", 0) + n_tok
+        k["rows"] += len(new)
+        k["generated"] += n_tok
         stats["batches"] += 1
         stats["rows"] += len(new)
         stats["tokens"] += sum(map(len, new))
@@ -230,7 +225,6 @@ def features(hf, seqs: list[list[int]], max_len: int, token_budget: int = 65536)
     out = [None] * len(seqs)
     s = 0
     while s < len(order):
-        T = len(seqs[order[s]])
         e = s
         while e < len(order) and (e - s + 1) * len(seqs[order[e]]) <= token_budget:
             e += 1
@@ -258,27 +252,9 @@ def clock_lr(step: int, frac: float, warmup: int, peak: float) -> float:
 
 
 def make_batch(rows, idx, seq_len: int, rng: random.Random, dev):
-    items = []
-    for i in idx:
-        t, f = rows[i]
-        L = t.shape[0]
-        lo = rng.randint(0, max(0, L - seq_len - 1))
-        items.append((t[lo : lo + seq_len + 1], f[lo : lo + seq_len + 1]))
-    T = max(t.shape[0] for t, _ in items) - 1
-    B, D = len(items), items[0][1].shape[1]
-    x_next = torch.zeros(B, T, dtype=torch.long, device=dev)
-    f_in = torch.zeros(B, T, D, device=dev)
-    f_out = torch.zeros(B, T, D, device=dev)
-    mask = torch.zeros(B, T, dtype=torch.bool, device=dev)
-    for b, (t, f) in enumerate(items):
-        n = t.shape[0] - 1
-        if n <= 0:
-            continue
-        x_next[b, :n] = t[1:]
-        f_in[b, :n] = f[:-1].float()
-        f_out[b, :n] = f[1:].float()
-        mask[b, :n] = True
-    return x_next, f_in, f_out, mask
+    from specdec.train.eagle import pack_windows
+
+    return pack_windows([rows[i] for i in idx], seq_len, rng, dev)
 
 
 @torch.no_grad()

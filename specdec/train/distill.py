@@ -136,17 +136,12 @@ def _chat_rows(target, prompts: list[str], greedy: bool, cfg: CollectConfig, gen
             yield enc[b] + outs[b], len(enc[b]), torch.stack(ids_k[b]), torch.stack(lp_k[b])
 
 
-def _self_prompts(target, n: int, cfg: CollectConfig, gen: torch.Generator) -> list[str]:
-    """User turns written by the target itself: the chat template up to where a user message
-    starts, sampled (temperature 1, top-p 0.95) until the turn ends (the idea of Magpie, Xu et
-    al. 2024: an instruction-tuned model's prompts follow the distribution it was tuned on, so
-    its answers to them cover what users ask without any outside data). Turns that do not end
-    within `self_prompt_tokens` or are shorter than 3 tokens are dropped, so fewer than n may
-    come back."""
-    from ..sampling import sample
+def user_turn_frame(tok, eos_ids) -> tuple[list[int], set[int]]:
+    """Where a self-written user turn starts and ends in the chat template: the token ids up
+    to the start of a user message, and the ids that end one (EOS and the first token after
+    the message)."""
     from ..text import has_chat_template
 
-    model, tok = target.model, target.tokenizer
     if not has_chat_template(tok):
         raise SpecdecError("--self-prompts needs a target whose tokenizer has a chat template")
     mark = "\x00USER\x00"
@@ -155,10 +150,25 @@ def _self_prompts(target, n: int, cfg: CollectConfig, gen: torch.Generator) -> l
         raise SpecdecError("cannot find where a user turn starts in this tokenizer's chat template")
     prefix, suffix = rendered.split(mark, 1)
     pre = [int(i) for i in tok.encode(prefix, add_special_tokens=False)]
-    end_ids = set(target.eos_ids)
+    end_ids = set(int(e) for e in eos_ids)
     suffix_ids = tok.encode(suffix, add_special_tokens=False)
     if suffix_ids:
         end_ids.add(int(suffix_ids[0]))
+    return pre, end_ids
+
+
+def _self_prompts(target, n: int, cfg: CollectConfig, gen: torch.Generator) -> list[str]:
+    """User turns written by the target itself: the chat template up to where a user message
+    starts, sampled (temperature 1, top-p 0.95) until the turn ends (the idea of Magpie, Xu et
+    al. 2024: an instruction-tuned model's prompts follow the distribution it was tuned on, so
+    its answers to them cover what users ask without any outside data). Turns that do not end
+    within `self_prompt_tokens` or are shorter than 3 tokens are dropped, so fewer than n may
+    come back."""
+    from ..sampling import sample
+
+    model = target.model
+    tok = target.tokenizer
+    pre, end_ids = user_turn_frame(tok, target.eos_ids)
     B, T, L = n, len(pre), cfg.self_prompt_tokens
     cache = model.new_cache(B, T + L + 1)
     toks = torch.tensor(pre)[None].expand(B, T).contiguous()

@@ -222,27 +222,33 @@ def _batches(rows, batch_rows: int, seq_len: int, rng: random.Random):
     while True:
         rng.shuffle(idx)
         for s in range(0, len(idx) - batch_rows + 1, batch_rows):
-            chosen = [rows[i] for i in idx[s : s + batch_rows]]
-            items = []
-            for toks, f in chosen:
-                L = len(toks)
-                lo = rng.randint(0, max(0, L - seq_len - 1))
-                items.append((toks[lo : lo + seq_len + 1], f[lo : lo + seq_len + 1]))
-            T = max(len(t) for t, _ in items) - 1
-            B, D = len(items), items[0][1].shape[1]
-            x_next = torch.zeros(B, T, dtype=torch.long)  # x_{t+1}
-            f_in = torch.zeros(B, T, D)  # f_t
-            f_out = torch.zeros(B, T, D)  # f_{t+1}
-            mask = torch.zeros(B, T, dtype=torch.bool)
-            for b, (t, f) in enumerate(items):
-                n = len(t) - 1
-                if n <= 0:
-                    continue
-                x_next[b, :n] = torch.tensor(t[1:])
-                f_in[b, :n] = f[:-1].float()
-                f_out[b, :n] = f[1:].float()
-                mask[b, :n] = True
-            yield x_next, f_in, f_out, mask
+            yield pack_windows([rows[i] for i in idx[s : s + batch_rows]], seq_len, rng)
+
+
+def pack_windows(chosen, seq_len: int, rng: random.Random, device=None):
+    """A random window of seq_len + 1 positions from each (tokens, features [L, D]) row (tokens
+    a list or a LongTensor), padded into (x_next [B,T] = x_{t+1}, f_in [B,T,D] = f_t, f_out =
+    f_{t+1}, mask [B,T] of valid positions) on `device`."""
+    items = []
+    for toks, f in chosen:
+        L = len(toks)
+        lo = rng.randint(0, max(0, L - seq_len - 1))
+        items.append((toks[lo : lo + seq_len + 1], f[lo : lo + seq_len + 1]))
+    T = max(len(t) for t, _ in items) - 1
+    B, D = len(items), items[0][1].shape[1]
+    x_next = torch.zeros(B, T, dtype=torch.long, device=device)
+    f_in = torch.zeros(B, T, D, device=device)
+    f_out = torch.zeros(B, T, D, device=device)
+    mask = torch.zeros(B, T, dtype=torch.bool, device=device)
+    for b, (t, f) in enumerate(items):
+        n = len(t) - 1
+        if n <= 0:
+            continue
+        x_next[b, :n] = torch.as_tensor(t[1:])
+        f_in[b, :n] = f[:-1].float()
+        f_out[b, :n] = f[1:].float()
+        mask[b, :n] = True
+    return x_next, f_in, f_out, mask
 
 
 def train_eagle(target, out: Path, cfg: EagleTrainConfig, data: Path | None = None, quiet: bool = False) -> Path:
