@@ -354,3 +354,77 @@ def test_lookup_eagle_gate_falls_back_to_lookup_when_the_tree_does_not_pay(monke
     d = drafter("lookup", depth=3, width=2, nodes=5)
     res = Engine(target().model, d, k=3).generate(ps, SamplingParams(max_new_tokens=40))
     assert [x.tokens for x in res] == want
+
+
+def test_head_forward_matches_a_plain_reference_layer():
+    """The head's layer (roll-form rotary embedding from a cached table, fused q/k rotation)
+    against a reference written out here with transformers' rotate_half and repeated K/V heads,
+    at positions past the table's first size (so the table must grow)."""
+    import torch.nn.functional as F
+
+    tg = target(0)
+    head, _ = load_eagle(head_dir(0), tg)
+    head = head.float()
+    D, H, Hkv, Dh = head.hidden, head.heads, head.kv_heads, head.head_dim
+    g = torch.Generator().manual_seed(11)
+    B, T = 2, 5
+    emb, feat = torch.randn(B, T, D, generator=g), torch.randn(B, T, D, generator=g)
+    pos = torch.tensor([[0, 1, 2, 3, 4], [3000, 3001, 3002, 3003, 3004]])
+
+    def rot(x, p):  # x [B, h, T, Dh]
+        freqs = p[..., None].float() * head.inv_freq
+        e = torch.cat((freqs, freqs), -1)[:, None]
+        half = torch.cat((-x[..., Dh // 2:], x[..., : Dh // 2]), -1)
+        return x * e.cos() + half * e.sin()
+
+    with torch.no_grad():
+        x = F.linear(torch.cat((emb, feat), -1), head.fc.weight, head.fc.bias)
+        h = F.rms_norm(x, (D,), head.attn_norm, head.eps)
+        qkv = F.linear(h, head.wqkv.weight).view(B, T, H + 2 * Hkv, Dh).transpose(1, 2)
+        q, k, v = rot(qkv[:, :H], pos), rot(qkv[:, H : H + Hkv], pos), qkv[:, H + Hkv :]
+        k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+        att = (q @ k.transpose(-1, -2)) / Dh ** 0.5 + torch.full((T, T), float("-inf")).triu(1)
+        o = (att.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * Dh)
+        x = x + F.linear(o, head.wo.weight)
+        gate, up = F.linear(F.rms_norm(x, (D,), head.mlp_norm, head.eps), head.w_gate_up.weight).chunk(2, -1)
+        ref = x + F.linear(F.silu(gate) * up, head.w_down.weight)
+        torch.testing.assert_close(head(emb, feat, pos), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_drafting_for_some_rows_equals_drafting_for_all():
+    """`propose(..., rows=...)` drafts only the rows asked for (auto's rows that take the tree)
+    and gives them the drafts a proposal for the whole batch gives; a row left out keeps its
+    features and, when it drafts later, catches up to the same drafts as a row that never
+    sat out."""
+    from specdec.drafters.base import DraftContext
+
+    g = torch.Generator().manual_seed(8)
+    ps = [torch.randint(0, V, (n,), generator=g).tolist() for n in (40, 5, 23)]
+    more = [torch.randint(0, V, (2,), generator=g).tolist() for _ in ps]
+    tg = target()
+    hid, hid2 = [], []
+    for p, m in zip(ps, more):
+        full = p + m
+        _, h = tg.model(torch.tensor([full]), torch.arange(len(full))[None], tg.model.new_cache(1, 128))
+        hid.append(h[0, : len(p)])
+        hid2.append(h[0, len(p):])  # the features of the two tokens committed next
+    every, some = drafter(True, depth=3, width=2, nodes=6), drafter(True, depth=3, width=2, nodes=6)
+    for d in (every, some):
+        d.begin(ps, SamplingParams(), 128)
+    ctx = lambda toks, h: DraftContext([list(t) for t in toks], SamplingParams(), None, list(h))
+    ref = every.propose(ctx(ps, hid), 3)
+    part = some.propose(ctx(ps, hid), 3, rows=[0, 2])
+    assert part.tokens.shape[0] == 2
+    for i, b in enumerate([0, 2]):
+        n = int(ref.counts[b])
+        assert int(part.counts[i]) == n
+        assert torch.equal(part.tokens[i, :n], ref.tokens[b, :n]) and torch.equal(part.parents[i, :n], ref.parents[b, :n])
+    assert some.n[1] == 0  # row 1 sat out: nothing fed yet
+    toks2 = [p + m for p, m in zip(ps, more)]
+    ref2 = every.propose(ctx(toks2, hid2), 3)
+    got2 = some.propose(ctx(toks2, hid2), 3)
+    assert some.n == every.n == [len(t) - 1 for t in toks2]
+    assert torch.equal(got2.counts, ref2.counts)
+    for b in range(3):
+        n = int(ref2.counts[b])
+        assert torch.equal(got2.tokens[b, :n], ref2.tokens[b, :n]) and torch.equal(got2.parents[b, :n], ref2.parents[b, :n])

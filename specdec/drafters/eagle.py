@@ -76,6 +76,7 @@ class EagleHead(nn.Module):
         self.w_down = Linear(intermediate, hidden, bias=False)
         inv = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+        self._rope_table: torch.Tensor | None = None  # [2, positions, Dh]: cos, signed sin
 
     def pack(self, dtype: torch.dtype | None = None) -> "EagleHead":
         """oneDNN-prepacked projections for CPU inference (see models.llama.Linear), optionally
@@ -90,22 +91,37 @@ class EagleHead(nn.Module):
         return dict(hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
                     intermediate=self.intermediate, rope_theta=self.rope_theta, eps=self.eps)
 
-    def _rope(self, x, positions):
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, Dh/2]
-        cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]  # [B, 1, T, Dh/2]
-        x1, x2 = x[..., : self.head_dim // 2], x[..., self.head_dim // 2 :]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def _cos_sin(self, positions):
+        """cos and signed sin [B, T, 1, Dh] for the roll form of rotary embeddings (as the
+        target's), from a table kept per device and grown on demand: drafting rotates at
+        every step, and a lookup is a few ops where recomputing is a dozen."""
+        if positions.device.type != "cpu":  # (training on a GPU: no table, no host sync)
+            freqs = positions[..., None].float() * self.inv_freq  # [B, T, Dh/2]
+            cos, sin = freqs.cos(), freqs.sin()
+            return torch.cat((cos, cos), -1)[:, :, None], torch.cat((-sin, sin), -1)[:, :, None]
+        need = int(positions.max()) + 1
+        tab = self._rope_table
+        if tab is None or tab.shape[1] < need or tab.device != positions.device:
+            n = max(need, 2 * (tab.shape[1] if tab is not None else 1024))
+            freqs = torch.arange(n, device=positions.device).float()[:, None] * self.inv_freq[None]  # [n, Dh/2]
+            cos, sin = freqs.cos(), freqs.sin()
+            tab = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)))  # [2, n, Dh]
+            self._rope_table = tab
+        cs = tab[:, positions]  # [2, B, T, Dh]
+        return cs[0, :, :, None], cs[1, :, :, None]
 
     def qkv(self, emb, feat, positions):
         """-> (x [B,T,D] residual stream, q [B,H,T,Dh], k, v [B,Hkv,T,Dh])."""
         B, T, _ = emb.shape
+        H, Hkv, Dh = self.heads, self.kv_heads, self.head_dim
         x = self.fc(torch.cat((emb, feat), dim=-1))
         h = F.rms_norm(x, (self.hidden,), self.attn_norm, self.eps)
-        qkv = self.wqkv(h).view(B, T, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
-        q = self._rope(qkv[:, : self.heads], positions)
-        k = self._rope(qkv[:, self.heads : self.heads + self.kv_heads], positions)
-        v = qkv[:, self.heads + self.kv_heads :]
-        return x, q, k, v
+        qkv = self.wqkv(h).view(B, T, H + 2 * Hkv, Dh)
+        cos, sin = self._cos_sin(positions)
+        qk = qkv[:, :, : H + Hkv]  # queries and keys rotate together
+        # rotate_half(x) * sin == roll(x, Dh/2) * (sin with its first half negated): same bits
+        qk = (qk * cos + qk.roll(Dh // 2, dims=-1) * sin).transpose(1, 2)
+        return x, qk[:, :H], qk[:, H:], qkv[:, :, H + Hkv :].transpose(1, 2)
 
     def finish(self, x, q, keys, vals, mask=None, causal=False):
         B, _, T, _ = q.shape
@@ -269,30 +285,35 @@ class EagleDrafter:
     CATCH_UP_ALONE = 16
 
     @torch.inference_mode()
-    def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
-        """Feed every committed (f_t, x_{t+1}) pair not yet in the cache; return the head's
-        output at each row's last pair: the predicted feature for the pending token [B, D]."""
-        B = len(ctx.tokens)
+    def _catch_up(self, ctx: DraftContext, rows: list[int] | None = None) -> torch.Tensor:
+        """Keep the handed-over features of every row; for rows `rows` (default all, in order)
+        feed every committed (f_t, x_{t+1}) pair not yet in the cache and return the head's
+        output at each such row's last pair: the predicted feature for its pending token
+        [len(rows), D]. Other rows keep their backlog until they draft."""
         self.remember(ctx)
-        want = [len(t) - 1 for t in ctx.tokens]  # pairs t = 0 .. len-2 are known
-        for b in range(B):
+        B = len(ctx.tokens)
+        sel = list(range(B)) if rows is None else list(rows)
+        want = {b: len(ctx.tokens[b]) - 1 for b in sel}  # pairs t = 0 .. len-2 are known
+        for b in sel:
             if len(self.feat[b]) < want[b]:
                 raise RuntimeError("EAGLE drafter is missing target features (the engine did not pass hidden states)")
-        new = [list(range(self.n[b], want[b])) for b in range(B)]
-        h = torch.zeros(B, self.embed.shape[1], dtype=self.embed.dtype)
-        far = [b for b in range(B) if len(new[b]) > self.CATCH_UP_ALONE]
-        near = [b for b in range(B) if len(new[b]) <= self.CATCH_UP_ALONE]
-        groups = [[b] for b in far] + ([near] if near else [])
-        for rows in groups:
-            whole = len(rows) == B
-            h[rows] = self._feed(ctx, [new[b] for b in rows], [want[b] for b in rows],
-                                 None if whole else torch.tensor(rows))
-        for b, idx in enumerate(new):
-            if not idx:  # nothing new for this row (cannot happen after a step, kept for safety)
-                h[b] = self.last_h[b] if self.last_h is not None else h[b]
-        self.n = want
-        self.last_h = h
-        return h  # [B, D]
+        new = {b: list(range(self.n[b], want[b])) for b in sel}
+        h = torch.zeros(len(sel), self.embed.shape[1], dtype=self.embed.dtype)
+        far = [i for i, b in enumerate(sel) if len(new[b]) > self.CATCH_UP_ALONE]
+        near = [i for i, b in enumerate(sel) if len(new[b]) <= self.CATCH_UP_ALONE]
+        for group in [[i] for i in far] + ([near] if near else []):
+            cache_rows = [sel[i] for i in group]
+            whole = cache_rows == list(range(B))
+            h[group] = self._feed(ctx, [new[b] for b in cache_rows], [want[b] for b in cache_rows],
+                                  None if whole else torch.tensor(cache_rows))
+        if self.last_h is None or self.last_h.shape[0] != B:
+            self.last_h = torch.zeros(B, self.embed.shape[1], dtype=self.embed.dtype)
+        for i, b in enumerate(sel):
+            if not new[b]:  # nothing new for this row (cannot happen after a step, kept for safety)
+                h[i] = self.last_h[b]
+            self.n[b] = want[b]
+        self.last_h[sel] = h
+        return h  # [len(rows), D]
 
     def _feed(self, ctx: DraftContext, new: list[list[int]], want: list[int], rows) -> torch.Tensor:
         """One head step over the pairs `new` of cache rows `rows` (None: all rows, in order);
@@ -320,21 +341,26 @@ class EagleDrafter:
         return out[torch.arange(B), last]
 
     @torch.inference_mode()
-    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+    def propose(self, ctx: DraftContext, max_tokens: int, rows: list[int] | None = None) -> Draft:
+        """Draft for rows `rows` of the batch (default all; the Draft has one row per drafted
+        row, in that order). Rows left out keep their new features for later."""
         B = len(ctx.tokens)
+        sel = None if rows is None or list(rows) == list(range(B)) else list(rows)
         if max_tokens <= 0:
-            return Draft.empty(B)
-        h = self._catch_up(ctx)
+            self.remember(ctx)
+            return Draft.empty(B if sel is None else len(sel))
+        h = self._catch_up(ctx, sel)
         if self.tree:
-            return self._propose_tree(ctx, h, min(self.depth, max_tokens))
-        return self._propose_chain(ctx, h, max_tokens)
+            return self._propose_tree(h, min(self.depth, max_tokens), sel)
+        return self._propose_chain(ctx, h, max_tokens, sel)
 
-    def _propose_chain(self, ctx, h, k):
+    def _propose_chain(self, ctx, h, k, sel=None):
         from .draft_model import draw
 
-        B = len(ctx.tokens)
+        B = h.shape[0]
+        rows = None if sel is None else torch.tensor(sel)
         toks, probs = [], []
-        n0 = torch.tensor(self.n)
+        n0 = torch.tensor(self.n if sel is None else [self.n[b] for b in sel])
         for i in range(k):
             tok, q = draw(self._logits(h), ctx.params, ctx.generator, self.subset, self.vocab_size)
             if q is not None:
@@ -344,15 +370,17 @@ class EagleDrafter:
                 slot = (n0 + i)[:, None]  # speculative pairs after the committed ones
                 S = int(slot.max()) + 1
                 visible = torch.arange(S)[None, None, :] <= slot[:, :, None]
-                h = self._step(tok[:, None], h[:, None].to(self.embed.dtype), slot, slot, visible)[:, 0]
+                h = self._step(tok[:, None], h[:, None].to(self.embed.dtype), slot, slot, visible, rows)[:, 0]
         return Draft(torch.stack(toks, 1), torch.full((B,), k, dtype=torch.long),
                      torch.stack(probs, 1) if probs else None)
 
-    def _propose_tree(self, ctx, h, depth):
-        """EAGLE-2: expand the best `width` nodes per depth, keep the best `nodes` overall."""
-        B = len(ctx.tokens)
+    def _propose_tree(self, h, depth, sel=None):
+        """EAGLE-2: expand the best `width` nodes per depth, keep the best `nodes` overall
+        (for cache rows `sel`, default all)."""
+        B = h.shape[0]
         W, N = self.width, self.nodes
-        n0 = torch.tensor(self.n)
+        rows_t = None if sel is None else torch.tensor(sel)
+        n0 = torch.tensor(self.n if sel is None else [self.n[b] for b in sel])
         # root: the head's distribution after the pending token
         lp = torch.log_softmax(self._logits(h), -1)  # [B, S]
         top = lp.topk(W, dim=-1)
@@ -388,7 +416,7 @@ class EagleDrafter:
                     vis[b, :, int(n0[b]) : int(n0[b]) + base] = spec_vis[b]
             rows = torch.arange(B)[:, None]
             vis[rows, torch.arange(T)[None], slots] = True
-            out = self._step(front_tok, front_h.to(self.embed.dtype), pos, slots, vis)  # [B, T, D]
+            out = self._step(front_tok, front_h.to(self.embed.dtype), pos, slots, vis, rows_t)  # [B, T, D]
             # record ancestry for these new slots
             new_anc = torch.zeros(B, base + T, base + T, dtype=torch.bool)
             if base:

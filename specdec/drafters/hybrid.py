@@ -264,8 +264,8 @@ class LookupEagleDrafter:
         tree_rows[b], the lookup chain looked[b] (possibly empty) for the others. With
         `max_nodes` above the tree's size, a tree row's lookup is grafted onto its tree too
         (shared prefixes merge; new nodes up to max_nodes in all), so verification takes
-        whichever holds longer. The head runs only if some row takes its tree; otherwise it
-        just keeps the handed-over features. `propose` chooses with its own gate; the
+        whichever holds longer. The head runs only for the rows that take its tree (the
+        others just keep their handed-over features until they draft). `propose` chooses with its own gate; the
         server's batcher with its load model."""
         B = len(ctx.tokens)
         tree = None
@@ -277,9 +277,11 @@ class LookupEagleDrafter:
         else:
             # pairs the head has not seen yet: a whole prompt right after a prefill (not a
             # steady-state cost, so not timed), a few tokens in steady state
-            behind = max(len(t) - 1 - n for t, n in zip(ctx.tokens, self.eagle.n))
+            # only the rows that take the tree draft (the others keep their features for later)
+            sub = [b for b in range(B) if tree_rows[b]]
+            behind = max(len(ctx.tokens[b]) - 1 - self.eagle.n[b] for b in sub)
             t1 = time.perf_counter()
-            tree = self.eagle.propose(ctx, min(self.eagle.depth, max_tokens))
+            tree = self.eagle.propose(ctx, min(self.eagle.depth, max_tokens), rows=sub)
             self.t_head = time.perf_counter() - t1
             self.head_steady = behind <= max(self.ngram.max_n, self.eagle.depth) + 2
             if self.head_steady:
@@ -288,12 +290,14 @@ class LookupEagleDrafter:
         self.rows_drafted["lookup"] += sum(1 for g, t in zip(looked, tree_rows) if g and not t)
         self.rows_drafted["eagle"] += sum(tree_rows) if tree is not None else 0
         rows = []  # per row: (tokens, parents), parent 0 = the pending token, j = node j (1-based)
+        i = -1  # the row's index in the tree proposal
         for b in range(B):
             if not tree_rows[b]:
                 rows.append((looked[b], list(range(len(looked[b])))))  # a chain: node j+1 under node j
                 continue
-            n = int(tree.counts[b])
-            toks, pars = tree.tokens[b, :n].tolist(), tree.parents[b, :n].tolist()
+            i += 1
+            n = int(tree.counts[i])
+            toks, pars = tree.tokens[i, :n].tolist(), tree.parents[i, :n].tolist()
             if looked[b] and max_nodes is not None and max_nodes > n:
                 toks, pars = tree_mod.graft(toks, pars, looked[b], max_nodes)
                 self.rows_drafted["graft"] += len(toks) > n

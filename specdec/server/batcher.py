@@ -20,8 +20,8 @@ guess costs little at one row and much in a full batch; see StepModel); each ste
 cap K in 0..k_max (and which rows draft a tree) that maximises expected committed tokens
 per second, sum over rows of (1 + expected accepted guesses under cap K) / (t(A, K) + the
 head's drafting time when a row drafts a tree), using the lookup's per-position acceptance
-estimates and the tree's measured accepted tokens; the head drafts for every row, so its
-time is fitted against the batch size too (`_head_cost`). K = 0 is plain decoding; every
+estimates and the tree's measured accepted tokens; the head drafts only for the rows that
+take its tree, so its time is fitted against their number (`_head_cost`). K = 0 is plain decoding; every
 16th step tries one guess more than the best cap, and in batches of A <= 4 rows, every 16 * A
 steps, rows may draft a tree even if none chose to, so the costs and the tree's gain stay
 measured. The decision is exposed in `stats()` (and so in /metrics).
@@ -179,7 +179,7 @@ class ContinuousBatcher:
             self.drafter = NgramDrafter(choose_length=not adaptive) if method == "ngram" else None
             self.lookup = self.drafter
         self.steps = StepModel()
-        self.head_time = DecayedLine(0.98)  # the head's drafting seconds vs rows in the batch (auto)
+        self.head_time = DecayedLine(0.98)  # the head's drafting seconds vs rows it drafts for (auto)
         self.last_k = 0
         self.lock = threading.Lock()
         self.totals = dict(requests=0, finished=0, cancelled=0, tokens=0, proposed=0, accepted=0, forwards=0,
@@ -341,7 +341,7 @@ class ContinuousBatcher:
     TREE_MARGIN = 1.05  # trees must promise this much more than the best lookup-only choice
 
     def _head_cost(self, A: int) -> float:
-        """Predicted seconds the head drafts for a batch of A rows (it drafts for every row):
+        """Predicted seconds the head drafts a tree for each of A rows:
         a line over the batch sizes seen; from one batch size only, its cost per row times A
         (pessimistic for larger batches, so trees are not started where they were never timed)."""
         h = self.head_time
@@ -384,7 +384,7 @@ class ContinuousBatcher:
                 use = [ok and tree > lk for ok, lk in zip(tree_ok, looks)]
                 if any(use):
                     tokens = sum(tree if u else lk for u, lk in zip(use, looks))
-                    options.append((True, tokens / (t + self._head_cost(A)), use))
+                    options.append((True, tokens / (t + self._head_cost(sum(use))), use))
             for kind, rate, use in options:
                 if best[kind][0] is None or rate > best[kind][0] * 1.0001:
                     best[kind] = (rate, k, use)
@@ -453,7 +453,7 @@ class ContinuousBatcher:
             draft = self.drafter.assemble(ctx, guesses, use_tree, self.k_max, max_nodes=self.k_max)
             t_head = self.drafter.t_head
             if t_head > 0 and self.drafter.head_steady:
-                self.head_time.observe(A, t_head)
+                self.head_time.observe(sum(use_tree), t_head)
             counts = torch.minimum(draft.counts, torch.tensor(caps, dtype=torch.long))  # a tree cut to its first nodes stays a tree
             K = int(counts.max())
             drafted, parents = draft.tokens[:, :K], draft.parents[:, :K]
