@@ -377,10 +377,15 @@ class EagleDrafter:
     def _propose_tree(self, h, depth, sel=None):
         """EAGLE-2: expand the best `width` nodes per depth, keep the best `nodes` overall
         (for cache rows `sel`, default all)."""
-        B = h.shape[0]
+        B, D = h.shape
         W, N = self.width, self.nodes
         rows_t = None if sel is None else torch.tensor(sel)
-        n0 = torch.tensor(self.n if sel is None else [self.n[b] for b in sel])
+        n0_l = self.n if sel is None else [self.n[b] for b in sel]
+        n0 = torch.tensor(n0_l)
+        M = W * max(depth - 1, 0)  # speculative slots written after the committed pairs
+        span = torch.arange(max(n0_l) + M + 1)
+        # anc[b, s, u]: speculative slot u is slot s or one of its ancestors
+        anc = torch.zeros(B, M, M, dtype=torch.bool)
         # root: the head's distribution after the pending token
         lp = torch.log_softmax(self._logits(h), -1)  # [B, S]
         top = lp.topk(W, dim=-1)
@@ -390,82 +395,63 @@ class EagleDrafter:
         tokens = [front_tok]
         parents = [torch.zeros(B, W, dtype=torch.long)]
         scores = [front_score]
-        front_h = h[:, None].expand(B, W, h.shape[-1])  # the feature each frontier node is paired with
-        anc = torch.zeros(B, 0, 0, dtype=torch.bool)  # ancestry among speculative slots so far
-        front_parent_slot = torch.zeros(B, W, dtype=torch.long)  # spec slot of each frontier node's parent
-        used = 0  # speculative slots written so far (after the committed pairs)
+        front_h = h[:, None].expand(B, W, D)  # the feature each frontier node is paired with
+        front_parent = None  # speculative slot of each frontier node's parent (None: the root)
         next_id = W + 1
         for d in range(1, depth):
             # run the head on the frontier: pair (feature of the parent's prediction, token)
-            T = front_tok.shape[1]
-            base = used
-            slots = n0[:, None] + base + torch.arange(T)[None]
-            pos = n0[:, None] + d - 1 + 0 * slots  # all frontier nodes sit at the same depth
-            # visibility: committed pairs, plus ancestors among earlier speculative slots, plus self
-            S = int(slots.max()) + 1
-            key = torch.arange(S)
-            vis = key[None, None, :] < n0[:, None, None]  # [B, 1, S]
-            vis = vis.expand(B, T, S).clone()
-            if base:
-                # frontier node's ancestors = its parent's slot and the parent's ancestors
-                par_slot = front_parent_slot  # [B, T] index into the spec region
-                rows = torch.arange(B)[:, None].expand(B, T)
-                spec_vis = anc[rows, par_slot]  # [B, T, base]
-                spec_vis[rows, torch.arange(T)[None].expand(B, T), par_slot] = True
-                for b in range(B):
-                    vis[b, :, int(n0[b]) : int(n0[b]) + base] = spec_vis[b]
-            rows = torch.arange(B)[:, None]
-            vis[rows, torch.arange(T)[None], slots] = True
-            out = self._step(front_tok, front_h.to(self.embed.dtype), pos, slots, vis, rows_t)  # [B, T, D]
-            # record ancestry for these new slots
-            new_anc = torch.zeros(B, base + T, base + T, dtype=torch.bool)
-            if base:
-                new_anc[:, :base, :base] = anc
-                new_anc[:, base:, :base] = spec_vis
-            new_anc[:, torch.arange(base, base + T), torch.arange(base, base + T)] = True
-            anc = new_anc
-            used += T
+            base = (d - 1) * W  # speculative slots base .. base + W - 1 hold this frontier
+            slots = n0[:, None] + span[base : base + W][None]  # [B, W] cache slots
+            pos = (n0 + (d - 1))[:, None].expand(B, W)  # all frontier nodes sit at the same depth
+            new = torch.arange(base, base + W)
+            if front_parent is not None:
+                anc[:, base : base + W] = anc.gather(1, front_parent[:, :, None].expand(B, W, M))
+            anc[:, new, new] = True
+            # visibility: the committed pairs, then each node's ancestors among the speculative slots and itself
+            S = max(n0_l) + base + W
+            vis = (span[None, None, :S] < n0[:, None, None]).expand(B, W, S).clone()
+            cols = (n0[:, None] + span[: base + W][None])[:, None].expand(B, W, base + W)  # [B, W, base + W]
+            vis.scatter_(2, cols, anc[:, base : base + W, : base + W])
+            out = self._step(front_tok, front_h.to(self.embed.dtype), pos, slots, vis, rows_t)  # [B, W, D]
             # expand: each frontier node's top W children, keep the W best by cumulative score
-            lp = torch.log_softmax(self._logits(out), -1)  # [B, T, S]
+            lp = torch.log_softmax(self._logits(out), -1)  # [B, W, S]
             top = lp.topk(W, dim=-1)
-            cand_score = (front_score[:, :, None] + top.values).reshape(B, T * W)
-            cand_tok = self._ids(top.indices).reshape(B, T * W)
-            cand_par = front_node[:, :, None].expand(B, T, W).reshape(B, T * W)
-            cand_slot = (base + torch.arange(T))[None, :, None].expand(B, T, W).reshape(B, T * W)
-            cand_h = out[:, :, None].expand(B, T, W, out.shape[-1]).reshape(B, T * W, -1)
-            cand_id = next_id + torch.arange(T * W)[None].expand(B, T * W)
-            next_id += T * W
+            cand_score = (front_score[:, :, None] + top.values).reshape(B, W * W)
+            cand_tok = self._ids(top.indices).reshape(B, W * W)
             tokens.append(cand_tok)
-            parents.append(cand_par)
+            parents.append(front_node[:, :, None].expand(B, W, W).reshape(B, W * W))
             scores.append(cand_score)
-            best = cand_score.topk(min(W, T * W), dim=-1).indices
+            best = cand_score.topk(W, dim=-1).indices  # [B, W] among the W * W candidates
+            par = best // W  # which frontier node each survivor hangs under
             front_tok = cand_tok.gather(1, best)
             front_score = cand_score.gather(1, best)
-            front_node = cand_id.gather(1, best)
-            front_parent_slot = cand_slot.gather(1, best)
-            front_h = cand_h.gather(1, best[:, :, None].expand(-1, -1, cand_h.shape[-1]))
+            front_node = next_id + best
+            front_parent = base + par
+            front_h = out.gather(1, par[:, :, None].expand(B, W, D))
+            next_id += W * W
         # choose the N best nodes overall (ancestor-closed: a child never outscores its parent)
-        tok_all = torch.cat(tokens, 1)
-        par_all = torch.cat(parents, 1)  # parent node ids (0 = root) in "id space"
+        tok_all = torch.cat(tokens, 1).tolist()
+        par_all = torch.cat(parents, 1).tolist()  # parent node ids (0 = root); node id = column + 1
         sc_all = torch.cat(scores, 1)
-        n_keep = min(N, tok_all.shape[1])
-        keep = sc_all.topk(n_keep, dim=-1).indices.sort(dim=-1).values  # id order = topological order
-        ids_all = torch.arange(1, tok_all.shape[1] + 1)
-        out_tok = torch.zeros(B, n_keep, dtype=torch.long)
-        out_par = torch.zeros(B, n_keep, dtype=torch.long)
-        counts = torch.zeros(B, dtype=torch.long)
+        n_keep = min(N, sc_all.shape[1])
+        keep = sc_all.topk(n_keep, dim=-1).indices.sort(dim=-1).values.tolist()  # id order = topological order
+        out_tok = [[0] * n_keep for _ in range(B)]
+        out_par = [[0] * n_keep for _ in range(B)]
+        counts = []
         for b in range(B):
             index: dict[int, int] = {}  # node id -> position in the proposal (1-based)
-            for i in keep[b].tolist():
-                nid, p = int(ids_all[i]), int(par_all[b, i])
+            for i in keep[b]:
+                p = par_all[b][i]
                 if p != 0 and p not in index:
                     continue  # an orphan (a tie in scores kept a child without its parent)
                 n = len(index)
-                out_tok[b, n] = tok_all[b, i]
-                out_par[b, n] = 0 if p == 0 else index[p]
-                index[nid] = n + 1
-            counts[b] = len(index)
-        return Draft(out_tok, counts, None, out_par)
+                out_tok[b][n] = tok_all[b][i]
+                out_par[b][n] = 0 if p == 0 else index[p]
+                index[i + 1] = n + 1
+            counts.append(len(index))
+        return Draft(torch.tensor(out_tok, dtype=torch.long).view(B, n_keep),
+                     torch.tensor(counts, dtype=torch.long), None,
+                     torch.tensor(out_par, dtype=torch.long).view(B, n_keep))
 
     def commit(self, num_accepted, paths=None) -> None:
         pass  # speculative slots are simply overwritten next time; committed pairs come with features
