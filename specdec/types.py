@@ -16,6 +16,9 @@ class SpecdecError(Exception):
     """An error the user can fix; the CLI prints its message as one line."""
 
 
+SEED_LIMIT = 2**63  # torch generators take 64-bit seeds; batches and samples add small offsets
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each token. temperature == 0 means greedy (argmax)."""
@@ -28,14 +31,16 @@ class SamplingParams:
     max_new_tokens: int = 256
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature or self.temperature < 0:
-            raise SpecdecError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+            raise SpecdecError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise SpecdecError(f"top-k must be a whole number >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise SpecdecError(f"top-p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p < 1.0):
             raise SpecdecError(f"min-p must be in [0, 1), got {self.min_p!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -SEED_LIMIT <= self.seed < SEED_LIMIT):
+            raise SpecdecError(f"seed must be a whole number in [-2**63, 2**63), got {self.seed!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise SpecdecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens!r}")
 

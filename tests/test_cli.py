@@ -31,6 +31,8 @@ def one_error_line(stderr: str) -> str:
     "args, needle",
     [
         (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "hi", "--temperature", "inf"], "temperature"),
+        (["generate", "hi", "--temperature", "0.8", "--seed", str(2**70)], "seed"),
         (["generate", "hi", "--top-p", "0"], "top-p"),
         (["generate", "hi", "--top-p", "1.5"], "top-p"),
         (["generate", "hi", "--top-k", "-3"], "top-k"),

@@ -143,6 +143,10 @@ def test_sample_frequencies_follow_probs():
     [
         dict(temperature=-0.1),
         dict(temperature=float("nan")),
+        dict(temperature=float("inf")),  # every token equally likely: a typo, not a setting
+        dict(seed=2**63),  # past torch's 64-bit generator seed
+        dict(seed=-(2**63) - 1),
+        dict(seed=1.5),
         dict(top_p=0.0),
         dict(top_p=1.01),
         dict(top_p=-0.5),
@@ -163,4 +167,6 @@ def test_sampling_params_rejects(kw):
 def test_sampling_params_accepts_edges():
     SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, max_new_tokens=1)
     SamplingParams(temperature=5, top_p=1e-9, top_k=1, min_p=0.999)
+    SamplingParams(seed=2**63 - 1)
+    SamplingParams(seed=-(2**63))
     assert SamplingParams().greedy and not SamplingParams(temperature=0.1).greedy
