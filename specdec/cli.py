@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from .text import check_text
 from .types import SpecdecError
 
 METHODS = ("none", "ngram", "draft", "auto", "eagle", "medusa")
@@ -796,10 +797,15 @@ def read_prompts(args) -> list:
             raise SpecdecError("give either a prompt argument or --prompts-file, not both")
         return read_prompts_file(args.prompts_file)
     if args.prompt is not None and args.prompt != "-":
-        return [args.prompt]
+        return [check_text(args.prompt, "the prompt argument")]
     if sys.stdin is None or sys.stdin.isatty():
         raise SpecdecError("no prompt: pass it as an argument, pipe it on stdin, or use --prompts-file FILE.jsonl")
-    text = sys.stdin.read()
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    try:
+        text = data.decode("utf-8-sig") if isinstance(data, bytes) else data
+    except UnicodeDecodeError as e:
+        raise SpecdecError(f"the prompt read from stdin is not UTF-8 text (byte {e.start + 1} is "
+                           f"0x{data[e.start]:02x})") from None
     if not text.strip():
         raise SpecdecError("the prompt read from stdin is empty")
     return [text.rstrip("\n")]
@@ -898,6 +904,8 @@ def cmd_generate(args) -> int:
 
     params = sampling_params(args)  # validate before loading anything
     prompts = read_prompts(args)
+    if args.system is not None:
+        check_text(args.system, "--system")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
@@ -909,8 +917,11 @@ def cmd_generate(args) -> int:
     tok = target.tokenizer
     encoded = [encode_prompt(tok, p, args.chat, args.system) for p in prompts]
     for i, ids in enumerate(encoded):
+        where = f"prompt {i + 1}" if len(encoded) > 1 else "the prompt"
+        if not ids:
+            raise SpecdecError(f"{where} is empty: with --raw (or a tokenizer without a chat template) there is "
+                               "nothing to continue from")
         if len(ids) + 1 > target.model.max_context:
-            where = f"prompt {i + 1}" if len(encoded) > 1 else "the prompt"
             raise SpecdecError(f"{where} has {len(ids)} tokens but the model's context is {target.model.max_context}")
 
     rows = [(i, s) for i in range(len(encoded)) for s in range(args.n)]

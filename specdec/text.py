@@ -7,6 +7,17 @@ from __future__ import annotations
 from .types import SpecdecError
 
 
+def check_text(text: str, what: str) -> str:
+    """`text` if a tokenizer can read it, else a SpecdecError naming `what`. Lone surrogates are what
+    Python makes of a command-line argument that is not UTF-8, or of a JSON "\\ud800" escape."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SpecdecError(f"{what} is not valid UTF-8 text (character {e.start + 1} is {text[e.start]!r}, a lone "
+                           "surrogate: check the encoding of your terminal or file)") from None
+    return text
+
+
 def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 

@@ -38,6 +38,29 @@ def test_malformed_task_file(tmp_path, text, needle):
         load_jsonl(f)
 
 
+@pytest.mark.parametrize("row, needle", [
+    ({"prompt": 5}, ":1: 'prompt' must be a string"),
+    ({"messages": []}, ":1: 'messages' must be a non-empty list"),
+    ({"messages": "hi"}, ":1: 'messages' must be a non-empty list"),
+    ({"messages": [{"role": "user"}]}, ":1: message 1 needs a string 'role' and a string 'content'"),
+    ({"messages": [{"role": "user", "content": "a"}, "b"]}, ":1: message 2 needs"),
+    ({"prompt": "a\ud800b"}, ":1: 'prompt' is not valid UTF-8"),  # a JSON escape of a lone surrogate
+    ({"messages": [{"role": "user", "content": "\udcff"}]}, ":1: message 1 is not valid UTF-8"),
+])
+def test_task_rows_the_tokenizer_cannot_take_name_the_line(tmp_path, row, needle):
+    """Rows that used to pass the reader and fail later inside the tokenizer or chat template."""
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps(row) + "\n")
+    with pytest.raises(SpecdecError, match=needle):
+        load_jsonl(f)
+
+
+def test_task_file_with_a_byte_order_mark(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_bytes("\ufeff".encode() + json.dumps({"prompt": "bom"}).encode() + b"\n")
+    assert [t.prompt for t in load_jsonl(f)] == ["bom"]
+
+
 def test_missing_task_file(tmp_path):
     with pytest.raises(SpecdecError, match="cannot read"):
         load_jsonl(tmp_path / "nope.jsonl")

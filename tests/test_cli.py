@@ -69,6 +69,18 @@ def test_malformed_prompts_file_names_the_line(tmp_path, capsys):
     assert "prompt" in one_error_line(capsys.readouterr().err)
 
 
+def test_prompt_that_is_not_utf8(capsys):
+    """A non-UTF-8 argument reaches Python as lone surrogates; the tokenizer used to fail with a TypeError."""
+    assert main(["generate", "abc \udced\udca0\udc80"]) == 2
+    assert "the prompt argument is not valid UTF-8" in one_error_line(capsys.readouterr().err)
+    assert main(["generate", "hi", "--system", "\udcff"]) == 2
+    assert "--system is not valid UTF-8" in one_error_line(capsys.readouterr().err)
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "generate"], input=b"\xff\xfe caf\xe9\n",
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 2
+    assert "stdin is not UTF-8" in one_error_line(proc.stderr.decode())
+
+
 def test_no_prompt_at_all():
     rc, _, err = run_cli(["generate"], stdin="")
     assert rc == 2 and "empty" in one_error_line(err)
@@ -168,6 +180,12 @@ def test_prompt_longer_than_context(default_model, capsys):
     long_prompt = "word " * 9000
     assert main(["generate", long_prompt, "--raw"]) == 2
     assert "context" in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.default_model
+def test_empty_raw_prompt(default_model, capsys):
+    assert main(["generate", "", "--raw"]) == 2
+    assert "the prompt is empty" in one_error_line(capsys.readouterr().err)
 
 
 @pytest.mark.default_model

@@ -54,6 +54,14 @@ def test_bad_sample_files_name_the_line(tmp_path, content, match):
         read_samples(str(p))
 
 
+def test_jsonl_with_a_byte_order_mark_is_still_jsonl(tmp_path):
+    """A BOM (Windows editors) used to hide the first '{', so every JSON line became a text prompt."""
+    p = tmp_path / "s.jsonl"
+    p.write_bytes("\ufeff".encode() + json.dumps({"prompt": "a"}).encode() + b"\n")
+    tasks, fmt = read_samples(str(p))
+    assert fmt == "jsonl" and [t.prompt for t in tasks] == ["a"]
+
+
 def test_missing_file():
     with pytest.raises(SpecdecError, match="no such file"):
         read_samples("/nonexistent/samples.jsonl")

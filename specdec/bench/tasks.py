@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..text import check_text
 from ..types import SpecdecError
 
 
@@ -49,7 +50,7 @@ def load_jsonl(path: str | Path) -> list[Task]:
     optional category, optional id}); errors name the line and the reason."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a leading byte-order mark is fine
     except OSError as e:
         raise SpecdecError(f"cannot read {path}: {e.strerror}") from None
     except UnicodeDecodeError:
@@ -66,17 +67,31 @@ def load_jsonl(path: str | Path) -> list[Task]:
             raise SpecdecError(f"{path}:{n}: expected a JSON object")
         tid = str(o.get("question_id", o.get("id", n)))
         cat = str(o.get("category", "user"))
+        where = f"{path}:{n}"
         if isinstance(o.get("turns"), list) and o["turns"] and isinstance(o["turns"][0], str):
-            tasks.append(Task(tid, cat, o["turns"][0], True))  # first turn only
-        elif isinstance(o.get("prompt"), str):
-            tasks.append(Task(tid, cat, o["prompt"], bool(o.get("chat", True))))
-        elif isinstance(o.get("messages"), list):
-            tasks.append(Task(tid, cat, o["messages"], True))
+            tasks.append(Task(tid, cat, check_text(o["turns"][0], f"{where}: 'turns'"), True))  # first turn only
+        elif "prompt" in o:
+            if not isinstance(o["prompt"], str):
+                raise SpecdecError(f"{where}: 'prompt' must be a string, got {type(o['prompt']).__name__}")
+            tasks.append(Task(tid, cat, check_text(o["prompt"], f"{where}: 'prompt'"), bool(o.get("chat", True))))
+        elif "messages" in o:
+            tasks.append(Task(tid, cat, check_messages(o["messages"], where), True))
         else:
-            raise SpecdecError(f"{path}:{n}: needs 'turns' (Spec-Bench), 'prompt' or 'messages'")
+            raise SpecdecError(f"{where}: needs 'turns' (Spec-Bench), 'prompt' or 'messages'")
     if not tasks:
         raise SpecdecError(f"{path} holds no prompts")
     return tasks
+
+
+def check_messages(messages, where: str) -> list:
+    """OpenAI-style messages a chat template can render: a non-empty list of {"role": str, "content": str}."""
+    if not isinstance(messages, list) or not messages:
+        raise SpecdecError(f"{where}: 'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}} objects")
+    for i, m in enumerate(messages, 1):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise SpecdecError(f"{where}: message {i} needs a string 'role' and a string 'content', got {json.dumps(m)[:80]}")
+        check_text(m["content"], f"{where}: message {i}")
+    return messages
 
 
 def select(tasks: list[Task], categories: list[str] | None, limit: int | None) -> list[Task]:

@@ -38,7 +38,7 @@ def read_samples(spec: str) -> tuple[list[Task], str]:
     if path.is_dir():
         raise SpecdecError(f"{spec} is a folder; give a file of samples")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a leading byte-order mark is not part of line 1
     except UnicodeDecodeError:
         raise SpecdecError(f"{spec} is not UTF-8 text") from None
     except OSError as e:
