@@ -428,3 +428,73 @@ def test_drafting_for_some_rows_equals_drafting_for_all():
     for b in range(3):
         n = int(ref2.counts[b])
         assert torch.equal(got2.tokens[b, :n], ref2.tokens[b, :n]) and torch.equal(got2.parents[b, :n], ref2.parents[b, :n])
+
+
+@pytest.mark.parametrize("depth,width,nodes", [(3, 2, 5), (4, 3, 9), (2, 4, 4)])
+def test_dynamic_tree_equals_a_path_by_path_reference(monkeypatch, depth, width, nodes):
+    """The batched tree drafting (one head step per depth over the whole frontier, through
+    the ancestry mask and the head's cache) proposes exactly the nodes of a slow reference
+    that runs the head causally over each path's own sequence of pairs: EAGLE-2's rule (keep
+    the `width` best frontier nodes per depth by cumulative log-probability, then the `nodes`
+    best overall), for every row of a ragged batch."""
+    from specdec.drafters.base import DraftContext
+
+    monkeypatch.setenv("SPECDEC_DRAFT_FP32", "1")  # fp32 head in both, so scores agree to rounding
+    g = torch.Generator().manual_seed(21)
+    ps = [torch.randint(0, V, (n,), generator=g).tolist() for n in (9, 4, 14, 6, 11, 3, 8, 17)]
+    tg = target()
+    # a strongly perturbed head: peaked attention, so a node that missed an ancestor would show
+    d = REGISTRY["eagle"](target=tg, draft=head_dir(0, V, 0.2), tree=True, depth=depth, width=width, nodes=nodes)
+    hid = []
+    for p in ps:
+        _, h = tg.model(torch.tensor([p]), torch.arange(len(p))[None], tg.model.new_cache(1, 64))
+        hid.append(h[0])
+    d.begin(ps, SamplingParams(), 64)
+    got = d.propose(DraftContext([list(p) for p in ps], SamplingParams(), None, list(hid)), depth)
+
+    head = d.head
+    E = tg.model.embed.weight.detach().float()
+    Wt = tg.model.lm_head_weight().detach().float()
+
+    def out_after(p, feats0, path_toks, path_feats):
+        """The head's output at the last pair of committed pairs + a path's pairs."""
+        toks = p[1:] + path_toks
+        feats = torch.cat([feats0] + [f[None] for f in path_feats])
+        with torch.no_grad():
+            o = head(E[torch.tensor(toks)][None], feats[None], torch.arange(len(toks))[None])
+        return o[0, -1]
+
+    for b, p in enumerate(ps):
+        feats0 = hid[b][: len(p) - 1]  # pair t = (feature t, token t + 1)
+        root = out_after(p, feats0, [], [])
+        # nodes: path (tuple of tokens) -> (score, feature the node's own pair carries)
+        lp = torch.log_softmax(root @ Wt.T, -1)
+        top = lp.topk(width)
+        frontier = [((int(t),), float(s), root) for s, t in zip(top.values, top.indices)]
+        nodes_all = {path: sc for path, sc, _ in frontier}
+        for _ in range(1, depth):
+            cands = []
+            for path, sc, feat in frontier:
+                chain_feats, f = [], root
+                # features along the path: each node's pair carries its parent's output
+                outs = []
+                for j in range(len(path)):
+                    chain_feats.append(f)
+                    f = out_after(p, feats0, list(path[: j + 1]), chain_feats)
+                    outs.append(f)
+                lp = torch.log_softmax(outs[-1] @ Wt.T, -1)
+                top = lp.topk(width)
+                cands += [(path + (int(t),), sc + float(s), outs[-1]) for s, t in zip(top.values, top.indices)]
+            cands.sort(key=lambda c: -c[1])
+            for path, sc, _ in cands:
+                nodes_all[path] = sc
+            frontier = cands[:width]
+        best = sorted(nodes_all.items(), key=lambda kv: -kv[1])[:nodes]
+        want = {path for path, _ in best if all(path[:i] in nodes_all and path[:i] in dict(best) for i in range(1, len(path)))}
+        # the proposal's paths
+        n = int(got.counts[b])
+        toks, pars = got.tokens[b, :n].tolist(), got.parents[b, :n].tolist()
+        paths = []
+        for i in range(n):
+            paths.append((paths[pars[i] - 1] if pars[i] else ()) + (toks[i],))
+        assert set(paths) == want, (b, sorted(paths), sorted(want))

@@ -421,7 +421,9 @@ class EagleDrafter:
             tokens.append(cand_tok)
             parents.append(front_node[:, :, None].expand(B, W, W).reshape(B, W * W))
             scores.append(cand_score)
-            best = cand_score.topk(W, dim=-1).indices  # [B, W] among the W * W candidates
+            # the W best of the W * W candidates; ties (a saturated head gives log-probabilities of
+            # exactly 0) go to the earlier candidate
+            best = torch.sort(-cand_score, dim=-1, stable=True).indices[:, :W]
             par = best // W  # which frontier node each survivor hangs under
             front_tok = cand_tok.gather(1, best)
             front_score = cand_score.gather(1, best)
@@ -434,7 +436,9 @@ class EagleDrafter:
         par_all = torch.cat(parents, 1).tolist()  # parent node ids (0 = root); node id = column + 1
         sc_all = torch.cat(scores, 1)
         n_keep = min(N, sc_all.shape[1])
-        keep = sc_all.topk(n_keep, dim=-1).indices.sort(dim=-1).values.tolist()  # id order = topological order
+        # the n_keep best, ties to the lower id (a parent's id is lower than its children's, and a
+        # child can tie its parent when the head is saturated), then in id order = topological order
+        keep = torch.sort(-sc_all, dim=-1, stable=True).indices[:, :n_keep].sort(dim=-1).values.tolist()
         out_tok = [[0] * n_keep for _ in range(B)]
         out_par = [[0] * n_keep for _ in range(B)]
         counts = []
