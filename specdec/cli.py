@@ -825,6 +825,35 @@ def sampling_params(args):
                           seed=args.seed, max_new_tokens=args.max_new_tokens)
 
 
+def _check_draft_path(path, method: str) -> None:
+    """A clear error when a drafter path names nothing, or a folder of another kind than the method needs
+    (the loaders' own messages talk about --model, or say 'pass --draft' to someone who did)."""
+    from pathlib import Path
+
+    from .drafters.eagle import is_eagle_dir
+    from .drafters.medusa import is_medusa_dir
+    from .models.loader import _looks_like_hub_id
+
+    p = Path(os.path.expanduser(str(path)))
+    needs = {"eagle": "an EAGLE head folder (from `specdec train eagle`)",
+             "medusa": "a Medusa heads folder (from `specdec train medusa`)",
+             "draft": "a draft model (a Hugging Face folder or .gguf file with the target's tokenizer)",
+             "auto": "an EAGLE head folder or a draft model (a Hugging Face folder or .gguf file)"}[method]
+    if not p.exists():
+        if method in ("draft", "auto") and _looks_like_hub_id(str(path)):
+            return  # a hub id: the loader says what it can do offline
+        raise SpecdecError(f"{path}: no such file or folder; --method {method} needs {needs}")
+    fits = {"eagle": is_eagle_dir(p), "medusa": is_medusa_dir(p),
+            "draft": p.is_file() or (p / "config.json").is_file()}
+    fits["auto"] = fits["eagle"] or fits["draft"]
+    if fits[method]:
+        return
+    holds = ("an EAGLE head (use --method eagle or auto)" if fits["eagle"] else
+             "Medusa heads (use --method medusa)" if fits["medusa"] else
+             "a model (use --method draft or auto)" if fits["draft"] else None)
+    raise SpecdecError(f"{path} is not {needs}" + (f"; it holds {holds}" if holds else ""))
+
+
 def build_engine(args, target, quiet: bool):
     """Engine for --method/--draft/-k on a loaded target; returns (engine, draft or None)."""
     from .drafters import REGISTRY
@@ -834,6 +863,8 @@ def build_engine(args, target, quiet: bool):
     method = args.method
     if args.draft and method in ("none", "ngram"):
         raise SpecdecError(f"--draft is only used with --method draft, auto, eagle or medusa (got --method {method})")
+    if args.draft:
+        _check_draft_path(args.draft, method)
     if method == "eagle":
         from .drafters.eagle import default_eagle_for, is_eagle_dir
 

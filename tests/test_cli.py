@@ -99,6 +99,22 @@ def test_head_method_with_a_non_head_folder(default_model, tmp_path, method, nee
 
 
 @pytest.mark.default_model
+@pytest.mark.parametrize("method", ["draft", "auto", "eagle", "medusa"])
+def test_draft_path_that_is_missing_or_of_another_kind(default_model, tmp_path, method, capsys):
+    """--draft names nothing, or a folder of another kind: the error names the path and what the method
+    needs (it used to talk about --model, or tell someone who passed --draft to pass --draft)."""
+    assert main(["generate", "hi", "--method", method, "--draft", str(tmp_path / "nope")]) == 2
+    err = one_error_line(capsys.readouterr().err)
+    assert "no such file or folder" in err and f"--method {method} needs" in err and "--model" not in err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / ("specdec_eagle.json" if method == "medusa" else "specdec_medusa.json")).write_text("{}")
+    assert main(["generate", "hi", "--method", method, "--draft", str(other)]) == 2
+    err = one_error_line(capsys.readouterr().err)
+    assert f"{other} is not" in err and "it holds" in err and "--model" not in err
+
+
+@pytest.mark.default_model
 def test_eagle_tree_larger_than_the_context(default_model, capsys):
     assert main(["generate", "hi", "--method", "eagle", "--tree-nodes", "100000"]) == 2
     assert "does not fit" in one_error_line(capsys.readouterr().err)
