@@ -301,8 +301,11 @@ def cmd_bench(args) -> int:
     tasks = []
     for spec in args.tasks or ["humaneval"]:
         tasks += load_humaneval() if spec == "humaneval" else load_jsonl(spec)
-    cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
+    cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories is not None else None
+    if cats == []:
+        raise SpecdecError(f"--categories {args.categories!r} names no category")
     tasks = select(tasks, cats, args.limit)
+    out = writable_dir(args.out) if args.out else None
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
@@ -323,6 +326,12 @@ def cmd_bench(args) -> int:
             continue
         runners.append(Runner(m, "specdec", lambda ids, p, eng=eng: _one(eng, ids, p)))
     encoded = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
+    for t, ids in zip(tasks, encoded):  # one bad prompt would fail every runner, after loading them all
+        if not ids:
+            raise SpecdecError(f"task {t.task_id} ({t.category}) is empty: a raw prompt needs some text")
+        if len(ids) + 1 > target.model.max_context:
+            raise SpecdecError(f"task {t.task_id} ({t.category}) has {len(ids)} prompt tokens but the model's context "
+                               f"is {target.model.max_context}")
     n_ctx = min(target.model.max_context, max(len(e) for e in encoded) + args.max_new_tokens + max(DEFAULT_K.values()) + 8)
     draft_dir = args.draft or default_draft_for(target)
     for p in build_peers(peers, target, draft_dir, method_k(args, "ngram"), torch.get_num_threads(), n_ctx):
@@ -337,10 +346,8 @@ def cmd_bench(args) -> int:
         "machine": machine_info(torch.get_num_threads()), "tasks": args.tasks or ["humaneval"], "prompts": len(tasks),
     })
     print(format_table(result))
-    if args.out:
-        from pathlib import Path
-
-        files = write(result, Path(args.out), cmd)
+    if out is not None:
+        files = write(result, out, cmd)
         print(f"wrote {', '.join(files)} to {args.out}", file=sys.stderr)
     print(json.dumps(result))
     return 0
@@ -418,6 +425,21 @@ def add_validate_parser(sub) -> None:
     v.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads. Default: all cores")
 
 
+def writable_dir(path: str):
+    """`path` as a Path, created; an unwritable one fails now, not after the measurements."""
+    from pathlib import Path
+
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".specdec-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SpecdecError(f"cannot write the report to {out}: {e.strerror or e}") from None
+    return out
+
+
 def _always_drafting(engine, method: str, k: int):
     """An engine with the same drafter as `engine` but guessing every step (prompt lookup without its
     adaptive length, the hybrid without its gate), so the distribution check has guesses to verify."""
@@ -448,7 +470,6 @@ def _csv_ints(text: str, flag: str) -> list[int]:
 
 def cmd_validate(args) -> int:
     import platform
-    from pathlib import Path
 
     import torch
 
@@ -473,14 +494,7 @@ def cmd_validate(args) -> int:
     conc_text = args.concurrency or ("1,4" if q else "1,2,4,8,16")
     levels = [] if conc_text.strip() == "none" else _csv_ints(conc_text, "--concurrency")
     read_samples(args.data)  # a malformed file fails before the model loads
-    out = Path(args.out)
-    try:  # an unwritable --out fails now, not after the measurements
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".specdec-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise SpecdecError(f"cannot write the report to {out}: {e.strerror or e}") from None
+    out = writable_dir(args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_model(args.model, dtype=torch.float32 if args.dtype == "float32" else torch.bfloat16,

@@ -81,6 +81,31 @@ def test_unknown_method_or_peer_is_a_clear_error(capsys):
     assert "unknown peer" in capsys.readouterr().err
 
 
+def test_bad_categories_and_unwritable_out_fail_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    import specdec.models.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded a model before checking input"))
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps({"prompt": "hi", "category": "a"}) + "\n")
+    assert main(["bench", "--tasks", str(f), "--categories", ",", "--peers", "none"]) == 2
+    assert "names no category" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["bench", "--tasks", str(f), "--peers", "none", "--out", str(blocker / "sub")]) == 2
+    assert "cannot write the report" in capsys.readouterr().err  # was an internal error after the whole run
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("prompt, needle", [("", "task 1 (user) is empty"), ("word " * 9000, "context")])
+def test_a_prompt_no_runner_can_take_is_an_error_up_front(default_model, tmp_path, prompt, needle, capsys):
+    """It used to fail every runner one by one and exit 0 with a table of failures."""
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps({"prompt": prompt, "chat": False}) + "\n")
+    assert main(["bench", "--tasks", str(f), "--methods", "none", "--peers", "none", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "specdec: error:" in err
+
+
 def _fake_tasks():
     return [Task("a1", "a", "x", False), Task("b1", "b", "y", False), Task("b2", "b", "z", False)]
 
