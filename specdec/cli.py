@@ -65,8 +65,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "tree chosen from their measured accuracies). Default: auto (exact, like every method: the "
                         "same greedy text as none, sampled text from the same distribution)")
     g.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=None,
-                   help="most tokens drafted per step. ngram and auto propose fewer where their guesses tend not "
-                        f"to hold (adaptive). Default: {', '.join(f'{m} {k}' for m, k in DEFAULT_K.items())}")
+                   help="most tokens drafted per step (0: none, i.e. plain decoding). ngram and auto propose fewer "
+                        "where their guesses tend not to hold (adaptive); the eagle tree's depth is --tree-depth "
+                        f"instead. Default: {', '.join(f'{m} {k}' for m, k in DEFAULT_K.items())}")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights and activations dtype. Default: float32")
     g.add_argument("--tree", action=argparse.BooleanOptionalAction, default=True,
@@ -879,6 +880,9 @@ def build_engine(args, target, quiet: bool):
         raise SpecdecError(f"--draft is only used with --method draft, auto, eagle or medusa (got --method {method})")
     if args.draft:
         _check_draft_path(args.draft, method)
+    if getattr(args, "k", None) == 0 and method != "none":
+        # -k 0 drafts nothing, for every method (auto and the eagle tree used to ignore it and speculate)
+        return Engine(target.model, eos_ids=target.eos_ids), None
     if method == "eagle":
         from .drafters.eagle import default_eagle_for, is_eagle_dir
 
@@ -959,6 +963,9 @@ def cmd_generate(args) -> int:
     if target.tokenizer is None:
         raise SpecdecError(f"{target.path} has no tokenizer; specdec generate needs one to read text prompts")
     engine, _ = build_engine(args, target, quiet)
+    if args.k and args.method == "eagle" and args.tree and not quiet:
+        print(f"[specdec] note: -k {args.k} is not used by the eagle tree (its depth is --tree-depth, "
+              f"{args.tree_depth}); --no-tree drafts a chain of -k tokens", file=sys.stderr)
     tok = target.tokenizer
     encoded = [encode_prompt(tok, p, args.chat, args.system) for p in prompts]
     for i, ids in enumerate(encoded):
@@ -1028,8 +1035,8 @@ def print_summary(results, args, wall: float) -> None:
     s = summarize(results)
     line = (f"[specdec] {s['new_tokens']} tokens in {s['decode_s']:.2f} s decode ({s['tokens_per_s']:.1f} tok/s), "
             f"prefill {s['prefill_s']:.2f} s for {s['prompt_tokens']} prompt tokens, wall {wall:.2f} s; "
-            f"method {args.method}")
-    if args.method != "none":
+            f"method {args.method}" + (" with -k 0 (no drafting)" if args.method != "none" and args.k == 0 else ""))
+    if args.method != "none" and args.k != 0:
         if args.method in DEFAULT_TREE_NODES and getattr(args, "tree", True):
             nodes = args.tree_nodes or DEFAULT_TREE_NODES[args.method]
             shape = f"tree of {nodes} nodes" + (f", depth {args.tree_depth}" if args.method == "eagle" else "")

@@ -205,6 +205,22 @@ def test_empty_raw_prompt(default_model, capsys):
 
 
 @pytest.mark.default_model
+def test_k0_drafts_nothing_for_every_method(default_model, capsys):
+    """-k 0 used to be ignored by auto (raised to 1) and the eagle tree (which drafts --tree-depth)."""
+    args = ["generate", "the cat sat on the mat. the cat sat on the", "--raw", "--json", "--max-new-tokens", "6"]
+    assert main([*args, "--method", "none", "--quiet"]) == 0
+    plain = json.loads(capsys.readouterr().out)["token_ids"]
+    for method in ("auto", "eagle"):
+        assert main([*args, "--method", method, "-k", "0"]) == 0
+        captured = capsys.readouterr()
+        obj = json.loads(captured.out)
+        assert obj["stats"]["proposed"] == 0 and obj["token_ids"] == plain, method
+        assert "no drafting" in captured.err
+    assert main([*args, "--method", "eagle", "-k", "3"]) == 0
+    assert "-k 3 is not used by the eagle tree" in capsys.readouterr().err
+
+
+@pytest.mark.default_model
 def test_chat_without_template(tmp_path, capsys):
     from transformers import LlamaConfig, LlamaForCausalLM
 
