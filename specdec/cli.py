@@ -290,6 +290,8 @@ def cmd_bench(args) -> int:
     params = sampling_params(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bench_methods = METHODS + ("eagle-chain", "medusa-chain", "auto-draft", "auto-eagle")
+    if not methods:
+        raise SpecdecError(f"--methods {args.methods!r} names no method; choose from {', '.join(bench_methods)}")
     bad = [m for m in methods if m not in bench_methods]
     if bad:
         raise SpecdecError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(bench_methods)}")
@@ -483,11 +485,14 @@ def cmd_validate(args) -> int:
     q = args.quick
     pick = lambda v, full, quick: v if v is not None else (quick if q else full)  # noqa: E731
     max_new = pick(args.max_new_tokens, 128, 64)
-    if args.dist_temperature <= 0:
-        raise SpecdecError(f"--dist-temperature must be > 0 (the check samples), got {args.dist_temperature}")
+    if not 0 < args.dist_temperature < float("inf"):
+        raise SpecdecError(f"--dist-temperature must be a finite number > 0 (the check samples), "
+                           f"got {args.dist_temperature}")
     explicit = args.methods is not None
     methods = [m.strip() for m in (args.methods or ("ngram,auto,eagle" if q else ",".join(VALIDATE_METHODS))).split(",")
                if m.strip()]
+    if not methods:
+        raise SpecdecError(f"--methods {args.methods!r} names no method; choose from {', '.join(VALIDATE_METHODS)}")
     bad = [m for m in methods if m not in VALIDATE_METHODS]
     if bad:
         raise SpecdecError(f"unknown method(s) {', '.join(bad)} for validate; choose from {', '.join(VALIDATE_METHODS)}")

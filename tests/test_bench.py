@@ -79,6 +79,8 @@ def test_unknown_method_or_peer_is_a_clear_error(capsys):
     assert "unknown method" in capsys.readouterr().err
     assert main(["bench", "--peers", "vllm"]) == 2
     assert "unknown peer" in capsys.readouterr().err
+    assert main(["bench", "--methods", ","]) == 2  # used to run the 'none' baseline alone
+    assert "names no method" in capsys.readouterr().err
 
 
 def test_bad_categories_and_unwritable_out_fail_before_any_model_loads(tmp_path, capsys, monkeypatch):

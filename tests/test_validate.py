@@ -62,6 +62,18 @@ def test_jsonl_with_a_byte_order_mark_is_still_jsonl(tmp_path):
     assert fmt == "jsonl" and [t.prompt for t in tasks] == ["a"]
 
 
+@pytest.mark.parametrize("flags, needle", [(["--methods", ","], "names no method"),
+                                            (["--dist-temperature", "inf"], "--dist-temperature")])
+def test_validate_flags_that_name_nothing_or_infinity(tmp_path, flags, needle, capsys):
+    """An empty --methods used to load the model and fail with 'no method could be set up:' and nothing after."""
+    from specdec.cli import main
+
+    ok = tmp_path / "ok.txt"
+    ok.write_text("hello\n")
+    assert main(["validate", "--data", str(ok), "--out", str(tmp_path / "r"), *flags]) == 2
+    assert needle in capsys.readouterr().err
+
+
 def test_missing_file():
     with pytest.raises(SpecdecError, match="no such file"):
         read_samples("/nonexistent/samples.jsonl")
