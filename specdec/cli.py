@@ -980,6 +980,13 @@ def cmd_generate(args) -> int:
                                "nothing to continue from")
         if len(ids) + 1 > target.model.max_context:
             raise SpecdecError(f"{where} has {len(ids)} tokens but the model's context is {target.model.max_context}")
+        if len(ids) + args.max_new_tokens > target.model.max_context and not quiet:
+            print(f"[specdec] note: {where} has {len(ids)} tokens, so at most {target.model.max_context - len(ids)} of "
+                  f"--max-new-tokens {args.max_new_tokens} fit in the model's context "
+                  f"({target.model.max_context})", file=sys.stderr)
+    if args.n > 1 and params.greedy and not quiet:
+        print(f"[specdec] note: --n {args.n} with greedy decoding gives {args.n} identical completions; "
+              "pass --temperature > 0 to sample", file=sys.stderr)
 
     rows = [(i, s) for i in range(len(encoded)) for s in range(args.n)]
     stream = not args.json and len(rows) == 1

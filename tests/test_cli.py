@@ -238,6 +238,30 @@ def test_chat_without_template(tmp_path, capsys):
     assert "chat template" in one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.default_model
+def test_notes_for_a_short_context_and_greedy_n(tmp_path, capsys):
+    """A prompt near the end of the context used to stop early with finish_reason 'length' and no word why;
+    --n with greedy decoding silently repeated one completion."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.models.loader import load_model
+
+    d = tmp_path / "m"
+    cfg = LlamaConfig(vocab_size=default_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    load_model().tokenizer.save_pretrained(d)
+    prompt = " ".join(["word"] * 50)
+    assert main(["generate", prompt, "--model", str(d), "--raw", "--method", "none", "--max-new-tokens", "32",
+                 "--json", "--n", "2"]) == 0
+    captured = capsys.readouterr()
+    obj = json.loads(captured.out)
+    n_prompt = obj["stats"]["prompt_tokens"]
+    assert f"has {n_prompt} tokens, so at most {64 - n_prompt} of --max-new-tokens 32 fit" in captured.err
+    assert "--n 2 with greedy decoding gives 2 identical completions" in captured.err
+    assert obj["stats"]["new_tokens"] <= 64 - n_prompt
+
+
 def default_vocab_size() -> int:
     return 49152
 
