@@ -101,3 +101,61 @@ class DecayedLine:
     def intercept(self, slope: float) -> float:
         w, sx, sy, _, _ = self.s
         return (sy - slope * sx) / w
+
+
+class BatchGuard:
+    """Speculate in a batch only while it commits more tokens per second than plain decoding.
+
+    Verifying guesses is nearly free while a step is bound by reading the weights; on a
+    CPU a batch of a few rows already makes the step compute-bound, and then every guessed
+    token (padded to the longest draft in the batch) costs its full share while the
+    drafters' per-row cost models still see a gain. So for batches of `min_rows` rows or more
+    the engine asks this guard before drafting: per batch-size band (2, 3-4, 5-8, ...) it keeps
+    decayed means of committed tokens per second of speculative steps and of plain steps,
+    speculates while the speculative mean is at least the plain one, and probes the other
+    mode once every `probe_every` steps (plain first, on the band's second step), so both
+    stay measured as the text and the batch change. Never used for seeded sampled requests
+    (their drafting must not depend on timing). Knows nothing about models.
+    """
+
+    def __init__(self, min_rows: int = 2, probe_every: int = 16, decay: float = 0.8) -> None:
+        self.min_rows, self.probe_every, self.decay = min_rows, probe_every, decay
+        self.rate: dict[tuple[int, bool], float] = {}  # (band, speculative) -> decayed tokens/s
+        self.steps: dict[int, int] = {}  # steps seen per band
+        self.decisions = {True: 0, False: 0}  # guarded steps that speculated / decoded plainly
+        self._warm: set[tuple[int, bool]] = set()
+
+    @staticmethod
+    def band(rows: int) -> int:
+        return max(1, rows - 1).bit_length()
+
+    def speculate(self, rows: int) -> bool:
+        """Whether this step (of `rows` active rows) should draft."""
+        if rows < self.min_rows:
+            return True
+        b = self.band(rows)
+        n = self.steps.get(b, 0)
+        self.steps[b] = n + 1
+        spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
+        if plain is None:
+            choice = n != 1  # the band's second step measures plain decoding
+        elif spec is None:
+            choice = True
+        else:
+            choice = spec >= plain
+            if n % self.probe_every == 0:
+                choice = not choice  # keep the other mode measured
+        self.decisions[choice] += 1
+        return choice
+
+    def observe(self, rows: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """One step of `rows` rows committed `tokens` tokens in `seconds` (drafting included)."""
+        if rows < self.min_rows or seconds <= 0:
+            return
+        key = (self.band(rows), speculated)
+        if speculated and key not in self._warm:
+            self._warm.add(key)  # a band's first speculative step may catch a drafter up on whole prompts
+            return
+        r = tokens / seconds
+        old = self.rate.get(key)
+        self.rate[key] = r if old is None else self.decay * old + (1 - self.decay) * r

@@ -6,7 +6,9 @@ scores just the pending token. A drafter may return a chain (k tokens in a row) 
 accepted path is kept in the KV cache (compact) and the drafter is told the path. Drafters
 that read the target's hidden states (needs_hidden) get those of every committed position.
 Rows of a batch may have different prompt lengths, draft counts and accepted counts; rows
-that finish leave the batch at once.
+that finish leave the batch at once. In a batch of two or more rows a guard (adaptive.
+BatchGuard) lets the drafter propose only while speculative steps commit more tokens per
+second than plain ones (a few rows already make a CPU step compute-bound).
 
 The engine yields token ids through a callback and knows nothing about tokenization,
 text, files or HTTP. Stop strings are the caller's business (`stop_fn`).
@@ -20,7 +22,8 @@ from typing import Callable
 import torch
 
 from . import tree as tree_mod
-from .drafters.base import Draft, DraftContext
+from .adaptive import BatchGuard
+from .drafters.base import Draft, DraftContext, timing_free
 from .sampling import choose, make_generator, warp
 from .types import GenerationResult, SamplingParams, SpecdecError
 from .verify import verify_greedy, verify_stochastic, verify_tree_greedy, verify_tree_stochastic
@@ -42,6 +45,9 @@ class Engine:
         self.eos_ids = set(int(e) for e in eos_ids)
         self.k_policy = k_policy
         self._batches = 0
+        # batches of 2+ rows: speculate only while it beats plain decoding, measured (drafters
+        # that can sit out steps: `skip`); see adaptive.BatchGuard
+        self.guard = BatchGuard() if drafter is not None and hasattr(drafter, "skip") else None
 
     # ------------------------------------------------------------------------------------
     def generate(
@@ -88,6 +94,7 @@ class Engine:
         cache = model.new_cache(B, max_len)
         if drafter is not None:
             drafter.begin(prompts, params, max_len)
+        guard = None if timing_free(params) else self.guard  # a seeded sample: drafting must not depend on timing
 
         # prefill: right-padded prompts; each row's logits at its last prompt token
         t0 = time.perf_counter()
@@ -132,6 +139,10 @@ class Engine:
             k_now = self.k_policy.choose_k(k_max) if self.k_policy is not None else k_max
             room = [min(params.max_new_tokens - len(results[r].tokens) - 1, max_len - len(context[r]) - 1) for r in rows]
             k_step = max(0, min(k_now, max(room)))
+            spec = guard.speculate(A) if guard is not None else True
+            if not spec and k_step > 0:
+                k_step = 0
+                drafter.skip()  # the drafter sits this step out (its timing must not span it)
             if drafter is not None and k_step > 0:
                 hid = None
                 if wants_hidden:
@@ -216,6 +227,8 @@ class Engine:
             if self.k_policy is not None:
                 self.k_policy.observe(k_step, draft.counts.tolist(), n_acc.tolist(), t2 - t1, t3 - t2)
             keep = self._commit_tokens(rows, new, results, params, on_tokens, stop_fn, max_len, cache)
+            if guard is not None:
+                guard.observe(A, spec, sum(len(ids) for ids in new), time.perf_counter() - t1)
         for r in results:
             r.stats.new_tokens = len(r.tokens)
         return results

@@ -460,6 +460,9 @@ class EagleDrafter:
     def commit(self, num_accepted, paths=None) -> None:
         pass  # speculative slots are simply overwritten next time; committed pairs come with features
 
+    def skip(self) -> None:
+        pass  # a step without drafting: its features arrive with the next proposal
+
     def add_row(self, max_len: int) -> None:
         """Append an empty row (a request joining a running batch); `begin` must have run, with
         the same max_len (an empty batch is fine). Its features arrive with its first proposal."""

@@ -321,6 +321,13 @@ class LookupEagleDrafter:
             self.nodes = 0.9 * self.nodes + 0.1 * (sum(sizes) / len(sizes))
         return Draft(tokens, counts, None, parents)
 
+    def skip(self) -> None:
+        """The engine decodes a step without drafting: do not time across it (the head's
+        features wait in the engine and arrive with the next proposal)."""
+        self._t_end = None
+        self._tree_rows = None
+        self.ngram.skip()
+
     def commit(self, num_accepted, paths=None) -> None:
         self.ngram.commit(num_accepted)
         self.eagle.commit(num_accepted, paths)

@@ -147,6 +147,11 @@ class NgramDrafter:
         self._t_end = time.perf_counter()
         return Draft(tokens, torch.tensor([len(g) for g in guesses], dtype=torch.long))
 
+    def skip(self) -> None:
+        """The engine decodes a step without drafting: do not time across it."""
+        self._t_end = None
+        self._last = None
+
     def handed_over(self) -> None:
         """The proposal leaves for verification now (a wrapping drafter that did more work after
         `propose` calls this, so that work is not timed as part of the target's step)."""

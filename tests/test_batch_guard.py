@@ -1,0 +1,94 @@
+"""The engine's BatchGuard: in batches it lets drafters propose only while speculative steps
+commit more tokens per second than plain ones. Unit checks of its choices on synthetic
+rates, and the engine with steps alternating between speculative and plain (drafters sit
+steps out and catch up): greedy output still equals plain decoding (transformers' greedy as
+the oracle), for prompt lookup, the EAGLE tree and auto's lookup + tree mix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.adaptive import BatchGuard
+from specdec.engine import Engine
+from specdec.types import SamplingParams
+
+from oracle import hf_greedy
+from test_eagle import drafter, prompts, target, target_dir
+
+pytestmark = pytest.mark.real_guard
+
+
+def test_single_rows_always_speculate():
+    g = BatchGuard()
+    assert all(g.speculate(1) for _ in range(50))
+    assert g.decisions == {True: 0, False: 0}
+
+
+def run(g: BatchGuard, rows: int, spec_rate: float, plain_rate: float, steps: int) -> list[bool]:
+    out = []
+    for _ in range(steps):
+        s = g.speculate(rows)
+        g.observe(rows, s, int(spec_rate if s else plain_rate), 1.0)
+        out.append(s)
+    return out
+
+
+def test_guard_falls_back_to_plain_where_speculation_loses_and_returns_when_it_wins():
+    g = BatchGuard(probe_every=16)
+    first = run(g, 4, spec_rate=80, plain_rate=100, steps=64)
+    assert first[:2] == [True, False]  # speculate first, then measure a plain step
+    assert sum(first[16:]) <= 4  # afterwards plain, with a speculative probe every 16 steps
+    assert any(first[16:])  # ... which keeps speculation measured
+    # the text turns repetitive: speculation now commits more per second, and the probes see it
+    later = run(g, 4, spec_rate=180, plain_rate=100, steps=64)
+    assert sum(later[32:]) >= 30  # speculating again, with a plain probe every 16 steps
+    assert not all(later[32:])
+
+
+def test_bands_are_measured_apart():
+    g = BatchGuard()
+    run(g, 8, spec_rate=50, plain_rate=100, steps=40)  # a full batch: plain wins
+    two = run(g, 2, spec_rate=150, plain_rate=100, steps=40)  # two rows: speculation wins
+    assert sum(two[8:]) >= 28
+
+
+class Alternate(BatchGuard):
+    """Speculate on every other step (a stand-in for the measured choice)."""
+
+    def speculate(self, rows: int) -> bool:
+        self.n = getattr(self, "n", 0) + 1
+        choice = rows < self.min_rows or self.n % 2 == 0
+        self.decisions[choice] += 1
+        return choice
+
+
+@pytest.mark.parametrize("kind,kw", [("ngram", {}), (True, dict(depth=3, width=2, nodes=5)),
+                                     ("lookup", dict(depth=3, width=2, nodes=5, min_lookup=1))])
+def test_steps_alternating_plain_and_speculative_stay_exact(kind, kw):
+    from transformers import AutoModelForCausalLM
+
+    from specdec.drafters.ngram import NgramDrafter
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+    ps = prompts()
+    ps = [p + p[:5] for p in ps]  # some repetition, so prompt lookup finds matches
+    want = [hf_greedy(hf, p, 16) for p in ps]
+    d = NgramDrafter() if kind == "ngram" else drafter(kind, **kw)
+    eng = Engine(target().model, d, k=4)
+    eng.guard = Alternate()
+    res = eng.generate(ps, SamplingParams(max_new_tokens=16))
+    assert [r.tokens for r in res] == want
+    assert eng.guard.decisions[True] > 0 and eng.guard.decisions[False] > 0
+    assert sum(r.stats.proposed for r in res) > 0
+
+
+def test_guard_is_off_for_seeded_samples(monkeypatch):
+    """A seeded sampled batch drafts on every step (timing must not decide its random numbers)."""
+    calls = []
+    monkeypatch.setattr(BatchGuard, "speculate", lambda self, rows: calls.append(rows) or False)
+    eng = Engine(target().model, drafter(True, depth=3, width=2, nodes=5), k=3)
+    res = eng.generate(prompts(), SamplingParams(max_new_tokens=8, temperature=0.8, seed=3))
+    assert calls == [] and sum(r.stats.proposed for r in res) > 0
+    eng.generate(prompts(), SamplingParams(max_new_tokens=8))
+    assert calls  # greedy: the guard is asked
