@@ -285,35 +285,30 @@ class EagleDrafter:
     CATCH_UP_ALONE = 16
 
     @torch.inference_mode()
-    def _catch_up(self, ctx: DraftContext, rows: list[int] | None = None) -> torch.Tensor:
-        """Keep the handed-over features of every row; for rows `rows` (default all, in order)
-        feed every committed (f_t, x_{t+1}) pair not yet in the cache and return the head's
-        output at each such row's last pair: the predicted feature for its pending token
-        [len(rows), D]. Other rows keep their backlog until they draft."""
-        self.remember(ctx)
+    def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
+        """Feed every committed (f_t, x_{t+1}) pair not yet in the cache; return the head's
+        output at each row's last pair: the predicted feature for the pending token [B, D]."""
         B = len(ctx.tokens)
-        sel = list(range(B)) if rows is None else list(rows)
-        want = {b: len(ctx.tokens[b]) - 1 for b in sel}  # pairs t = 0 .. len-2 are known
-        for b in sel:
+        self.remember(ctx)
+        want = [len(t) - 1 for t in ctx.tokens]  # pairs t = 0 .. len-2 are known
+        for b in range(B):
             if len(self.feat[b]) < want[b]:
                 raise RuntimeError("EAGLE drafter is missing target features (the engine did not pass hidden states)")
-        new = {b: list(range(self.n[b], want[b])) for b in sel}
-        h = torch.zeros(len(sel), self.embed.shape[1], dtype=self.embed.dtype)
-        far = [i for i, b in enumerate(sel) if len(new[b]) > self.CATCH_UP_ALONE]
-        near = [i for i, b in enumerate(sel) if len(new[b]) <= self.CATCH_UP_ALONE]
-        for group in [[i] for i in far] + ([near] if near else []):
-            cache_rows = [sel[i] for i in group]
-            whole = cache_rows == list(range(B))
-            h[group] = self._feed(ctx, [new[b] for b in cache_rows], [want[b] for b in cache_rows],
-                                  None if whole else torch.tensor(cache_rows))
-        if self.last_h is None or self.last_h.shape[0] != B:
-            self.last_h = torch.zeros(B, self.embed.shape[1], dtype=self.embed.dtype)
-        for i, b in enumerate(sel):
-            if not new[b]:  # nothing new for this row (cannot happen after a step, kept for safety)
-                h[i] = self.last_h[b]
-            self.n[b] = want[b]
-        self.last_h[sel] = h
-        return h  # [len(rows), D]
+        new = [list(range(self.n[b], want[b])) for b in range(B)]
+        h = torch.zeros(B, self.embed.shape[1], dtype=self.embed.dtype)
+        far = [b for b in range(B) if len(new[b]) > self.CATCH_UP_ALONE]
+        near = [b for b in range(B) if len(new[b]) <= self.CATCH_UP_ALONE]
+        groups = [[b] for b in far] + ([near] if near else [])
+        for rows in groups:
+            whole = len(rows) == B
+            h[rows] = self._feed(ctx, [new[b] for b in rows], [want[b] for b in rows],
+                                 None if whole else torch.tensor(rows))
+        for b, idx in enumerate(new):
+            if not idx:  # nothing new for this row (cannot happen after a step, kept for safety)
+                h[b] = self.last_h[b] if self.last_h is not None else h[b]
+        self.n = want
+        self.last_h = h
+        return h  # [B, D]
 
     def _feed(self, ctx: DraftContext, new: list[list[int]], want: list[int], rows) -> torch.Tensor:
         """One head step over the pairs `new` of cache rows `rows` (None: all rows, in order);
@@ -343,13 +338,17 @@ class EagleDrafter:
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int, rows: list[int] | None = None) -> Draft:
         """Draft for rows `rows` of the batch (default all; the Draft has one row per drafted
-        row, in that order). Rows left out keep their new features for later."""
+        row, in that order). Every row's new pairs still go into the head's cache (one cheap
+        batched step), so a row left out has no backlog to catch up when it drafts again;
+        only the tree's expansions run for the drafted rows alone."""
         B = len(ctx.tokens)
         sel = None if rows is None or list(rows) == list(range(B)) else list(rows)
         if max_tokens <= 0:
             self.remember(ctx)
             return Draft.empty(B if sel is None else len(sel))
-        h = self._catch_up(ctx, sel)
+        h = self._catch_up(ctx)
+        if sel is not None:
+            h = h[sel]
         if self.tree:
             return self._propose_tree(h, min(self.depth, max_tokens), sel)
         return self._propose_chain(ctx, h, max_tokens, sel)

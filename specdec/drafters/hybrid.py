@@ -264,8 +264,9 @@ class LookupEagleDrafter:
         tree_rows[b], the lookup chain looked[b] (possibly empty) for the others. With
         `max_nodes` above the tree's size, a tree row's lookup is grafted onto its tree too
         (shared prefixes merge; new nodes up to max_nodes in all), so verification takes
-        whichever holds longer. The head runs only for the rows that take its tree (the
-        others just keep their handed-over features until they draft). `propose` chooses with its own gate; the
+        whichever holds longer. The head runs only if some row takes its tree, and then
+        expands the tree for those rows alone (every row's new pairs are fed to its cache);
+        otherwise it just keeps the handed-over features. `propose` chooses with its own gate; the
         server's batcher with its load model."""
         B = len(ctx.tokens)
         tree = None
@@ -277,9 +278,9 @@ class LookupEagleDrafter:
         else:
             # pairs the head has not seen yet: a whole prompt right after a prefill (not a
             # steady-state cost, so not timed), a few tokens in steady state
-            # only the rows that take the tree draft (the others keep their features for later)
+            # the tree is drafted for the rows that take it only (every row's new pairs are fed)
             sub = [b for b in range(B) if tree_rows[b]]
-            behind = max(len(ctx.tokens[b]) - 1 - self.eagle.n[b] for b in sub)
+            behind = max(len(t) - 1 - n for t, n in zip(ctx.tokens, self.eagle.n))
             t1 = time.perf_counter()
             tree = self.eagle.propose(ctx, min(self.eagle.depth, max_tokens), rows=sub)
             self.t_head = time.perf_counter() - t1
