@@ -202,9 +202,9 @@ def test_auto_batcher_sampling_matches_exact_distribution(monkeypatch, broken):
 
 
 def test_head_cost_is_fitted_against_the_batch_size():
-    """The head drafts for every row: its time is predicted per batch size, and from a single
-    batch size seen it scales per row (pessimistic above it), so trees are not started in big
-    batches on a cost measured at one row."""
+    """The head drafts trees for the rows that take them: its time is predicted per number of
+    tree rows, and from a single count seen it scales per row (pessimistic above it), so many
+    trees are not started on a cost measured for one."""
     from specdec.adaptive import DecayedLine
 
     b = object.__new__(ContinuousBatcher)

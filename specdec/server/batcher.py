@@ -24,7 +24,10 @@ estimates and the tree's measured accepted tokens; the head drafts only for the 
 take its tree, so its time is fitted against their number (`_head_cost`). K = 0 is plain decoding; every
 16th step tries one guess more than the best cap, and in batches of A <= 4 rows, every 16 * A
 steps, rows may draft a tree even if none chose to, so the costs and the tree's gain stay
-measured. The decision is exposed in `stats()` (and so in /metrics).
+measured. Behind the model, in batches of 2+ rows, `adaptive.BatchGuard` compares the measured
+tokens per second of speculative and plain steps and turns a step plain while speculation
+measures slower (the cost model misjudges trees most in full batches). The decision is
+exposed in `stats()` (and so in /metrics).
 
 Seeded sampled requests draft whole lookups up to their own cap and never a tree, and draw
 random numbers for their own guesses only, so the same seed gives the same text whatever
@@ -47,7 +50,7 @@ from typing import Callable
 import torch
 
 from .. import tree as tree_mod
-from ..adaptive import DecayedLine
+from ..adaptive import BatchGuard, DecayedLine
 from ..drafters.base import DraftContext, timing_free
 from ..drafters.ngram import NgramDrafter, lookup_match
 from ..sampling import choose, make_generator, warp
@@ -179,6 +182,9 @@ class ContinuousBatcher:
             self.drafter = NgramDrafter(choose_length=not adaptive) if method == "ngram" else None
             self.lookup = self.drafter
         self.steps = StepModel()
+        # a measured backstop to the cost model in batches of 2+ rows: speculative steps must
+        # commit more tokens per second than plain ones (see adaptive.BatchGuard)
+        self.guard = BatchGuard() if adaptive and self.k_max > 0 else None
         self.head_time = DecayedLine(0.98)  # the head's drafting seconds vs rows it drafts for (auto)
         self.last_k = 0
         self.lock = threading.Lock()
@@ -432,6 +438,8 @@ class ContinuousBatcher:
         tree_ok = [self.trees and r.trees and self.k_max > 0 and not timing_free(r.params) and r.spec_k != 0
                    for r in self.rows]
         k, use_tree = self._choose_k(guesses, matches, tree_ok)
+        if k > 0 and self.guard is not None and not self.guard.speculate(A):
+            k, use_tree = 0, [False] * A
         caps = []
         for b, r in enumerate(self.rows):
             own = r.spec_k if r.spec_k is not None else self.k_max
@@ -508,6 +516,8 @@ class ContinuousBatcher:
             self.drafter.commit(n_acc.tolist())
         dt = time.perf_counter() - t0
         self.steps.observe(A, K, dt - t_head)  # the head's drafting is priced separately (_choose_k)
+        if self.guard is not None:
+            self.guard.observe(A, k > 0, int(n_acc.sum()) + A, dt)
         if self.log is not None:
             self.log.debug("step: batch %d, draft cap %d, tree rows %d, guesses %d, accepted %d, %.1f ms", A, k,
                            sum(use_tree), int(counts.sum()), int(n_acc.sum()), dt * 1e3)
