@@ -516,7 +516,9 @@ class ContinuousBatcher:
             self.drafter.commit(n_acc.tolist())
         dt = time.perf_counter() - t0
         self.steps.observe(A, K, dt - t_head)  # the head's drafting is priced separately (_choose_k)
-        if self.guard is not None:
+        if self.guard is not None and not (t_head > 0 and not self.drafter.head_steady):
+            # (a step in which the head caught up on a prompt that just joined is a one-off
+            # per request, not the steady cost of speculating: not counted)
             self.guard.observe(A, k > 0, int(n_acc.sum()) + A, dt)
         if self.log is not None:
             self.log.debug("step: batch %d, draft cap %d, tree rows %d, guesses %d, accepted %d, %.1f ms", A, k,
