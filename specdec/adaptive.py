@@ -110,7 +110,8 @@ class BatchGuard:
     CPU a batch of a few rows already makes the step compute-bound, and then every guessed
     token (padded to the longest draft in the batch) costs its full share while the
     drafters' per-row cost models still see a gain. So for batches of `min_rows` rows or more
-    the engine asks this guard before drafting: per batch-size band (2, 3-4, 5-8, ...) it keeps
+    the engine (and, behind its cost model, the server's batcher) asks this guard before
+    drafting: per batch-size band (2, 3-4, 5-8, ...) it keeps
     decayed means of committed tokens per second of speculative steps and of plain steps,
     speculates while the speculative mean is at least the plain one, and probes the other
     mode once every `probe_every` steps (plain first, on the band's second step), so both
@@ -128,6 +129,10 @@ class BatchGuard:
     @staticmethod
     def band(rows: int) -> int:
         return max(1, rows - 1).bit_length()
+
+    def begin(self) -> None:
+        """New prompts arrive (a batch starts): its first speculative step per band is a warm-up again."""
+        self._warm.clear()
 
     def speculate(self, rows: int) -> bool:
         """Whether this step (of `rows` active rows) should draft."""

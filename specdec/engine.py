@@ -95,6 +95,8 @@ class Engine:
         if drafter is not None:
             drafter.begin(prompts, params, max_len)
         guard = None if timing_free(params) else self.guard  # a seeded sample: drafting must not depend on timing
+        if guard is not None:
+            guard.begin()
 
         # prefill: right-padded prompts; each row's logits at its last prompt token
         t0 = time.perf_counter()

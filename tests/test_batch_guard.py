@@ -97,23 +97,11 @@ def test_guard_is_off_for_seeded_samples(monkeypatch):
 def test_server_batcher_with_steps_turned_plain_stays_exact():
     """The server's batcher behind the same guard: with steps alternately turned plain (rows
     joining and leaving), every answer still equals plain greedy decoding and trees still ran."""
-    from transformers import AutoModelForCausalLM
+    from test_batcher import _auto_batcher, run_join_leave
 
-    from oracle import one_thread
-    from test_batcher import _auto_batcher, _run
-
-    with one_thread():
-        hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
-        hf.generation_config.pad_token_id = 0
-        ps = prompts() + [prompts()[0][:3], prompts()[1][2:]]
-        lengths = [14, 9, 20, 6, 17]
-        want = [hf_greedy(hf, p, n) for p, n in zip(ps, lengths)]
-        b = _auto_batcher(True)
-        b.guard = Alternate()
-        try:
-            got = _run(b, [(p, SamplingParams(max_new_tokens=n)) for p, n in zip(ps, lengths)])
-        finally:
-            b.close()
+    b = _auto_batcher(True)
+    b.guard = Alternate()
+    got, want = run_join_leave(b)
     assert got == want
     assert b.guard.decisions[True] > 0 and b.guard.decisions[False] > 0
     assert b.stats()["tree_rows"] > 0

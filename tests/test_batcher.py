@@ -109,10 +109,9 @@ def _auto_batcher(adaptive: bool, max_batch: int = 3, seed: int = 0, vocab: int 
                              max_context=96, max_queue=2048, adaptive=adaptive, drafter=d)
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_auto_batcher_greedy_equals_transformers(adaptive):
-    """Lookup chains and EAGLE trees in one batch, rows joining and leaving mid-run (5 requests
-    over 3 rows, different lengths): every answer equals plain greedy decoding, and trees ran."""
+def run_join_leave(b) -> tuple[list, list]:
+    """5 requests of different lengths over the batcher's rows (they join and leave mid-run):
+    (each answer, transformers' plain greedy answer for it). Closes the batcher."""
     from transformers import AutoModelForCausalLM
 
     from oracle import hf_greedy, one_thread
@@ -125,12 +124,20 @@ def test_auto_batcher_greedy_equals_transformers(adaptive):
         ps = prompts() + [prompts()[0][:3], prompts()[1][2:]]
         lengths = [14, 9, 20, 6, 17]
         want = [hf_greedy(hf, p, n) for p, n in zip(ps, lengths)]
-        b = _auto_batcher(adaptive)
         try:
             got = _run(b, [(p, SamplingParams(max_new_tokens=n)) for p, n in zip(ps, lengths)])
-            s = b.stats()
         finally:
             b.close()
+    return got, want
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_auto_batcher_greedy_equals_transformers(adaptive):
+    """Lookup chains and EAGLE trees in one batch, rows joining and leaving mid-run (5 requests
+    over 3 rows, different lengths): every answer equals plain greedy decoding, and trees ran."""
+    b = _auto_batcher(adaptive)
+    got, want = run_join_leave(b)
+    s = b.stats()
     assert got == want
     assert s["tree_rows"] > 0 and b.drafter.rows_drafted["eagle"] > 0
     assert b.drafter.rows_drafted["graft"] > 0  # a tree row's lookup grafted onto its tree

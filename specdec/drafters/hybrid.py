@@ -276,10 +276,10 @@ class LookupEagleDrafter:
         if not any(tree_rows):
             self.eagle.remember(ctx)
         else:
-            # pairs the head has not seen yet: a whole prompt right after a prefill (not a
-            # steady-state cost, so not timed), a few tokens in steady state
             # the tree is drafted for the rows that take it only (every row's new pairs are fed)
             sub = [b for b in range(B) if tree_rows[b]]
+            # pairs the head has not seen yet: a whole prompt right after a prefill (not a
+            # steady-state cost, so not timed), a few tokens in steady state
             behind = max(len(t) - 1 - n for t, n in zip(ctx.tokens, self.eagle.n))
             t1 = time.perf_counter()
             tree = self.eagle.propose(ctx, min(self.eagle.depth, max_tokens), rows=sub)

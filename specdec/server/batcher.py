@@ -20,14 +20,14 @@ guess costs little at one row and much in a full batch; see StepModel); each ste
 cap K in 0..k_max (and which rows draft a tree) that maximises expected committed tokens
 per second, sum over rows of (1 + expected accepted guesses under cap K) / (t(A, K) + the
 head's drafting time when a row drafts a tree), using the lookup's per-position acceptance
-estimates and the tree's measured accepted tokens; the head drafts only for the rows that
-take its tree, so its time is fitted against their number (`_head_cost`). K = 0 is plain decoding; every
-16th step tries one guess more than the best cap, and in batches of A <= 4 rows, every 16 * A
-steps, rows may draft a tree even if none chose to, so the costs and the tree's gain stay
-measured. Behind the model, in batches of 2+ rows, `adaptive.BatchGuard` compares the measured
-tokens per second of speculative and plain steps and turns a step plain while speculation
-measures slower (the cost model misjudges trees most in full batches). The decision is
-exposed in `stats()` (and so in /metrics).
+estimates and the tree's measured accepted tokens; the head expands trees only for the rows
+that take them, so its time is fitted against their number (`_head_cost`). K = 0 is plain
+decoding; every 16th step tries one guess more than the best cap, and in batches of A <= 4
+rows, every 16 * A steps, rows may draft a tree even if none chose to, so the costs and the
+tree's gain stay measured. Behind the model, in batches of 2+ rows, `adaptive.BatchGuard`
+compares the measured tokens per second of speculative and plain steps and turns a step
+plain while speculation measures slower (a backstop for loads the model misjudges). The
+decision is exposed in `stats()` (and so in /metrics).
 
 Seeded sampled requests draft whole lookups up to their own cap and never a tree, and draw
 random numbers for their own guesses only, so the same seed gives the same text whatever
@@ -347,9 +347,9 @@ class ContinuousBatcher:
     TREE_MARGIN = 1.05  # trees must promise this much more than the best lookup-only choice
 
     def _head_cost(self, A: int) -> float:
-        """Predicted seconds the head drafts a tree for each of A rows:
-        a line over the batch sizes seen; from one batch size only, its cost per row times A
-        (pessimistic for larger batches, so trees are not started where they were never timed)."""
+        """Predicted seconds the head drafts a tree for each of A rows: a line over the numbers
+        of tree rows seen; from one number only, its cost per row times A (pessimistic above
+        it, so many trees are not started on a cost timed for few)."""
         h = self.head_time
         if h.weight < 1e-9:
             return float(self.drafter.t_draft or 0.0) * A
