@@ -105,3 +105,55 @@ def test_server_batcher_with_steps_turned_plain_stays_exact():
     assert got == want
     assert b.guard.decisions[True] > 0 and b.guard.decisions[False] > 0
     assert b.stats()["tree_rows"] > 0
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_sampling_with_steps_alternating_plain_and_speculative_follows_the_target(monkeypatch, broken):
+    """Sampled batches whose steps alternate between plain and speculative (auto's lookup +
+    tree) still follow the target's exact distribution (chi-square over the first 3 tokens,
+    transformers' probabilities as the oracle). The guard stays off for seeded samples in
+    use; here it is forced on so the check is deterministic. A broken plain step (the most
+    likely token instead of a sample) must be caught by the same check."""
+    import functools
+
+    import test_tree
+    from oracle import exact_joint
+    from test_eagle import CTX, SV
+    from test_tree import chi2_views
+    from transformers import AutoModelForCausalLM
+
+    import specdec.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "timing_free", lambda params: False)
+    if broken:  # plain steps take the most likely token instead of sampling it
+        orig_verify = engine_mod.verify_stochastic
+
+        def verify(probs, tokens, q, counts, gen):
+            if int(counts.sum()) == 0:
+                return torch.zeros_like(counts), probs[:, 0].argmax(-1)
+            return orig_verify(probs, tokens, q, counts, gen)
+
+        monkeypatch.setattr(engine_mod, "verify_stochastic", verify)
+    params = dict(temperature=0.9)
+    tg = target(3, SV)
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(3, SV)), dtype=torch.float32).eval()
+    rows = [list(CTX[i % 2]) for i in range(800)]
+    out = {c: [] for c in CTX}
+    guard = Alternate()
+    for s in range(5):
+        d = drafter("lookup", 3, SV, depth=2, width=3, nodes=6, min_lookup=2, min_n=2)
+        eng = Engine(tg.model, d, k=2)
+        eng.guard = guard
+        res = eng.generate(rows, SamplingParams(max_new_tokens=4, seed=900 + s, **params))
+        for p, r in zip(rows, res):
+            out[tuple(p)].append(r.tokens[:3])
+    assert guard.decisions[True] > 0 and guard.decisions[False] > 0
+    key = lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p)  # noqa: E731
+    orig = test_tree.exact
+    test_tree.exact = functools.lru_cache(maxsize=None)(key)
+    try:
+        results = chi2_views({c: torch.tensor(v) for c, v in out.items()}, params)
+    finally:
+        test_tree.exact = orig
+    rejected = [label for label, r in results if r.rejected]
+    assert bool(rejected) == broken, (broken, results)
