@@ -46,7 +46,7 @@ class Engine:
         self.k_policy = k_policy
         self._batches = 0
         # batches of 2+ rows: speculate only while it beats plain decoding, measured (drafters
-        # that can sit out steps: `skip`); see adaptive.BatchGuard
+        # that can sit steps out, all of specdec's: `skip`); see adaptive.BatchGuard
         self.guard = BatchGuard() if drafter is not None and hasattr(drafter, "skip") else None
 
     # ------------------------------------------------------------------------------------

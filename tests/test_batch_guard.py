@@ -2,7 +2,9 @@
 commit more tokens per second than plain ones. Unit checks of its choices on synthetic
 rates, and the engine with steps alternating between speculative and plain (drafters sit
 steps out and catch up): greedy output still equals plain decoding (transformers' greedy as
-the oracle), for prompt lookup, the EAGLE tree and auto's lookup + tree mix."""
+the oracle), for every drafter that can sit steps out (prompt lookup, a draft model, lookup +
+draft model, Medusa, the EAGLE tree, lookup + tree), and sampled batches still follow the
+target's exact distribution. The server's batcher behind the same guard stays exact too."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ import pytest
 import torch
 
 from specdec.adaptive import BatchGuard
+from specdec.drafters import REGISTRY
 from specdec.engine import Engine
 from specdec.types import SamplingParams
 
 from oracle import hf_greedy
-from test_eagle import drafter, prompts, target, target_dir
+from test_eagle import V, drafter, prompts, target, target_dir
 
 pytestmark = pytest.mark.real_guard
 
@@ -63,18 +66,36 @@ class Alternate(BatchGuard):
         return choice
 
 
-@pytest.mark.parametrize("kind,kw", [("ngram", {}), (True, dict(depth=3, width=2, nodes=5)),
+def make(kind, kw):
+    """A drafter for the tiny target: prompt lookup, a draft model (a second, differently seeded
+    tiny model), lookup + draft model (auto-draft), Medusa heads, the EAGLE tree or lookup + tree."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.drafters.hybrid import HybridDrafter
+    from specdec.drafters.ngram import NgramDrafter
+
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind in ("draft", "hybrid"):
+        d = DraftModelDrafter(target(1).model, vocab_size=V)
+        return d if kind == "draft" else HybridDrafter(d, min_n=2, max_n=3, gate=False)
+    if kind == "medusa":
+        from test_medusa import heads_dir
+
+        return REGISTRY["medusa"](target=target(), draft=heads_dir())
+    return drafter(kind, **kw)
+
+
+@pytest.mark.parametrize("kind,kw", [("ngram", {}), ("draft", {}), ("hybrid", {}), ("medusa", {}),
+                                     (True, dict(depth=3, width=2, nodes=5)),
                                      ("lookup", dict(depth=3, width=2, nodes=5, min_lookup=1))])
 def test_steps_alternating_plain_and_speculative_stay_exact(kind, kw):
     from transformers import AutoModelForCausalLM
-
-    from specdec.drafters.ngram import NgramDrafter
 
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
     ps = prompts()
     ps = [p + p[:5] for p in ps]  # some repetition, so prompt lookup finds matches
     want = [hf_greedy(hf, p, 16) for p in ps]
-    d = NgramDrafter() if kind == "ngram" else drafter(kind, **kw)
+    d = make(kind, kw)
     eng = Engine(target().model, d, k=4)
     eng.guard = Alternate()
     res = eng.generate(ps, SamplingParams(max_new_tokens=16))

@@ -44,6 +44,9 @@ class Drafter(Protocol):
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft: ...
     def commit(self, num_accepted: list[int]) -> None: ...
     def keep_rows(self, rows: list[int]) -> None: ...
+    # optional: `skip()`, the engine decodes this step without asking for a proposal (batches
+    # where speculation does not pay, adaptive.BatchGuard); the next `propose` sees the context
+    # and features committed meanwhile. Drafters without it are never skipped.
 
 
 def timing_free(params) -> bool:

@@ -110,6 +110,9 @@ class DraftModelDrafter:
             self.fed[b] = self.fed[b][: self.ctx_len[b] + int(n)]
         self.cache.truncate(torch.tensor([len(f) for f in self.fed]))
 
+    def skip(self) -> None:
+        pass  # a step without drafting: the next proposal feeds what the draft has not seen
+
     def keep_rows(self, rows) -> None:
         idx = torch.as_tensor(rows, dtype=torch.long)
         self.cache.reorder_rows(idx)

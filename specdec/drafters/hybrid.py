@@ -152,6 +152,13 @@ class HybridDrafter:
         self.draft.commit([n if u else 0 for n, u in zip(num_accepted, used)])
         self._used_draft = None
 
+    def skip(self) -> None:
+        """The engine decodes a step without drafting: do not time across it."""
+        self._t_end = None
+        self._pending = None
+        self._used_draft = None
+        self.ngram.skip()
+
     def keep_rows(self, rows) -> None:
         self.draft.keep_rows(rows)
         self.ngram.keep_rows(rows)

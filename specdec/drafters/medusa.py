@@ -155,6 +155,9 @@ class MedusaDrafter:
     def commit(self, num_accepted, paths=None) -> None:
         pass
 
+    def skip(self) -> None:
+        pass  # a step without drafting: the next proposal reads the newest feature it is handed
+
     def keep_rows(self, rows) -> None:
         self.last = [self.last[r] for r in rows]
 
