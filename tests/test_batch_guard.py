@@ -135,12 +135,7 @@ def test_sampling_with_steps_alternating_plain_and_speculative_follows_the_targe
     transformers' probabilities as the oracle). The guard stays off for seeded samples in
     use; here it is forced on so the check is deterministic. A broken plain step (the most
     likely token instead of a sample) must be caught by the same check."""
-    import functools
-
-    import test_tree
-    from oracle import exact_joint
-    from test_eagle import CTX, SV
-    from test_tree import chi2_views
+    from test_eagle import CTX, SV, chi2_against
     from transformers import AutoModelForCausalLM
 
     import specdec.engine as engine_mod
@@ -169,12 +164,6 @@ def test_sampling_with_steps_alternating_plain_and_speculative_follows_the_targe
         for p, r in zip(rows, res):
             out[tuple(p)].append(r.tokens[:3])
     assert guard.decisions[True] > 0 and guard.decisions[False] > 0
-    key = lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p)  # noqa: E731
-    orig = test_tree.exact
-    test_tree.exact = functools.lru_cache(maxsize=None)(key)
-    try:
-        results = chi2_views({c: torch.tensor(v) for c, v in out.items()}, params)
-    finally:
-        test_tree.exact = orig
+    results = chi2_against(hf, out, params)
     rejected = [label for label, r in results if r.rejected]
     assert bool(rejected) == broken, (broken, results)

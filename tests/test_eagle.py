@@ -138,6 +138,21 @@ SV = 12
 CTX = (tuple(range(SV)) + (3, 1, 4), tuple(reversed(range(SV))) + (5,))
 
 
+def chi2_against(hf, out: dict, params: dict):
+    """test_tree's chi-square views of sampled 3-token continuations (context -> list of token
+    triples), against the exact distributions of the transformers model `hf` (chi2_views reads
+    test_tree's own models: ours are swapped in for the call)."""
+    import test_tree
+
+    key = lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p)  # noqa: E731
+    orig = test_tree.exact
+    test_tree.exact = functools.lru_cache(maxsize=None)(key)
+    try:
+        return chi2_views({c: torch.tensor(v) for c, v in out.items()}, params)
+    finally:
+        test_tree.exact = orig
+
+
 @pytest.mark.parametrize("tree,params", [(False, dict(temperature=1.0)), (False, dict(temperature=0.7, top_k=6)),
                                          (True, dict(temperature=0.8, top_p=0.9)),
                                          ("lookup", dict(temperature=0.9))])
@@ -160,17 +175,7 @@ def test_eagle_sampling_matches_exact_distribution(tree, params):
     if tree == "lookup":  # lookups alone, trees alone, and trees with a lookup grafted on
         assert d.rows_drafted["lookup"] > 0 and d.rows_drafted["eagle"] > 0 and d.rows_drafted["graft"] > 0
 
-    # chi2_views reads exact distributions from test_tree's models: compute ours here instead
-    import test_tree
-
-    key = lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p)  # noqa: E731
-    orig = test_tree.exact
-    test_tree.exact = functools.lru_cache(maxsize=None)(key)
-    try:
-        results = chi2_views({c: torch.tensor(v) for c, v in out.items()}, params)
-    finally:
-        test_tree.exact = orig
-    for label, res in results:
+    for label, res in chi2_against(hf, out, params):
         assert not res.rejected, f"eagle tree={tree} {params} {label}: {res}"
 
 

@@ -20,8 +20,8 @@ from specdec.engine import Engine
 from specdec.train.medusa import MedusaTrainConfig, train_medusa
 from specdec.types import SamplingParams, SpecdecError
 
-from oracle import exact_joint, hf_greedy, one_thread
-from test_eagle import CTX, SV, V, prompts, target, target_dir
+from oracle import hf_greedy, one_thread
+from test_eagle import CTX, SV, V, chi2_against, prompts, target, target_dir
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -74,8 +74,6 @@ def test_medusa_greedy_equals_transformers(tree, batch):
 def test_medusa_sampling_matches_exact_distribution():
     from transformers import AutoModelForCausalLM
 
-    import test_tree
-
     tg = target(3, SV)
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir(3, SV)), dtype=torch.float32).eval()
     params = dict(temperature=1.0, top_k=8)
@@ -86,13 +84,7 @@ def test_medusa_sampling_matches_exact_distribution():
         res = Engine(tg.model, d, k=2).generate(rows, SamplingParams(max_new_tokens=4, seed=900 + s, **params))
         for p, r in zip(rows, res):
             out[tuple(p)].append(r.tokens[:3])
-    orig = test_tree.exact
-    test_tree.exact = functools.lru_cache(maxsize=None)(lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p))
-    try:
-        results = test_tree.chi2_views({c: torch.tensor(v) for c, v in out.items()}, params)
-    finally:
-        test_tree.exact = orig
-    for label, res in results:
+    for label, res in chi2_against(hf, out, params):
         assert not res.rejected, f"medusa {label}: {res}"
 
 
