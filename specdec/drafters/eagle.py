@@ -93,17 +93,17 @@ class EagleHead(nn.Module):
 
     def _cos_sin(self, positions):
         """cos and signed sin [B, T, 1, Dh] for the roll form of rotary embeddings (as the
-        target's), from a table kept per device and grown on demand: drafting rotates at
-        every step, and a lookup is a few ops where recomputing is a dozen."""
+        target's); on the CPU from a table grown on demand: drafting rotates at every step,
+        and a lookup is a few ops where recomputing is a dozen."""
         if positions.device.type != "cpu":  # (training on a GPU: no table, no host sync)
             freqs = positions[..., None].float() * self.inv_freq  # [B, T, Dh/2]
             cos, sin = freqs.cos(), freqs.sin()
             return torch.cat((cos, cos), -1)[:, :, None], torch.cat((-sin, sin), -1)[:, :, None]
         need = int(positions.max()) + 1
         tab = self._rope_table
-        if tab is None or tab.shape[1] < need or tab.device != positions.device:
+        if tab is None or tab.shape[1] < need:
             n = max(need, 2 * (tab.shape[1] if tab is not None else 1024))
-            freqs = torch.arange(n, device=positions.device).float()[:, None] * self.inv_freq[None]  # [n, Dh/2]
+            freqs = torch.arange(n).float()[:, None] * self.inv_freq.cpu()[None]  # [n, Dh/2]
             cos, sin = freqs.cos(), freqs.sin()
             tab = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)))  # [2, n, Dh]
             self._rope_table = tab
