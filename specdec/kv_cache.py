@@ -90,16 +90,25 @@ class KVCache:
         path_lens = torch.as_tensor(path_lens, dtype=torch.long, device=self.lengths.device)
         B, P = paths.shape
         if P > 0:
-            src = base[:, None] + paths  # [B, P]
-            dst = base[:, None] + torch.arange(P, device=paths.device)  # [B, P]
-            valid = torch.arange(P, device=paths.device)[None, :] < path_lens[:, None]
-            rows = torch.arange(B, device=paths.device)[:, None].expand(B, P)
-            src = torch.where(valid, src, dst)  # padding entries copy onto themselves
-            for layer in range(len(self.k)):
-                # gather first, then scatter: a path never moves an entry backwards past
-                # an unread source, but gathering first makes that irrelevant anyway
-                self.k[layer][rows, :, dst] = self.k[layer][rows, :, src]
-                self.v[layer][rows, :, dst] = self.v[layer][rows, :, src]
+            # entries before a row's first skipped node already sit in their slots: move only
+            # from there on (a fully accepted chain-shaped path moves nothing)
+            plist, lens = paths.tolist(), path_lens.tolist()
+            first = [next((i for i in range(n) if p[i] != i), n) for p, n in zip(plist, lens)]
+            if B == 1 and first[0] < lens[0]:
+                lo, hi, b0 = first[0], lens[0], int(base[0])
+                src = b0 + paths[0, lo:hi]
+                for cache in (self.k, self.v):
+                    for t in cache:  # index_select copies before the slice is overwritten
+                        t[:, :, b0 + lo : b0 + hi] = t.index_select(2, src)
+            elif B > 1 and any(f < n for f, n in zip(first, lens)):
+                src = base[:, None] + paths  # [B, P]
+                dst = base[:, None] + torch.arange(P, device=paths.device)  # [B, P]
+                valid = torch.arange(P, device=paths.device)[None, :] < path_lens[:, None]
+                rows = torch.arange(B, device=paths.device)[:, None].expand(B, P)
+                src = torch.where(valid, src, dst)  # padding entries copy onto themselves
+                for cache in (self.k, self.v):
+                    for t in cache:  # the gather on the right copies before the scatter
+                        t[rows, :, dst] = t[rows, :, src]
         self.lengths = base + path_lens
 
     def keep_paths(self, base: torch.Tensor, paths: list[list[int]]) -> None:

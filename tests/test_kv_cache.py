@@ -172,3 +172,35 @@ def test_compact_with_empty_paths(llama_pair):
     logits, _ = p.native(torch.tensor(t), base[:, None], cache)
     for b in range(2):
         assert maxdiff(logits[b, 0], p.ref_logits(prompts[b] + t[b])[0, -1]) <= TOL
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_compact_moves_match_a_slot_by_slot_reference(B):
+    """compact only moves entries from a row's first skipped node on (batch of one: one
+    index_select per tensor); every slot it keeps must hold what a plain per-entry copy puts
+    there, for random increasing paths incl. paths already in place and empty ones."""
+    g = torch.Generator().manual_seed(120)
+    for trial in range(40):
+        c = KVCache(num_layers=2, batch_size=B, num_kv_heads=2, head_dim=3, max_len=24)
+        for t in c.k + c.v:
+            t.copy_(torch.randn(t.shape, generator=g))
+        base = torch.randint(0, 8, (B,), generator=g)
+        paths = []
+        for b in range(B):
+            nodes = sorted(torch.randperm(9, generator=g)[: int(torch.randint(0, 6, (1,), generator=g))].tolist())
+            if trial % 4 == 0:
+                nodes = list(range(len(nodes)))  # a chain-shaped path: nothing moves
+            paths.append(([0] + [n + 1 for n in nodes if n + 1 != 0]) if nodes or trial % 3 else [])
+        P = max(len(p) for p in paths)
+        path_t = torch.zeros(B, P, dtype=torch.long)
+        for b, p in enumerate(paths):
+            path_t[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        before = [t.clone() for t in c.k + c.v]
+        c.compact(base, path_t, torch.tensor([len(p) for p in paths]))
+        assert c.lengths.tolist() == [int(base[b]) + len(paths[b]) for b in range(B)]
+        for t, old in zip(c.k + c.v, before):
+            for b, p in enumerate(paths):
+                b0 = int(base[b])
+                assert torch.equal(t[b, :, :b0], old[b, :, :b0]), "the committed prefix changed"
+                for i, node in enumerate(p):
+                    assert torch.equal(t[b, :, b0 + i], old[b, :, b0 + node]), (trial, b, p, i)
