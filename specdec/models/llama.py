@@ -199,11 +199,13 @@ class Block(nn.Module):
         self.w_gate_up = Linear(D, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w_down = Linear(cfg.intermediate_size, D, bias=cfg.mlp_bias)
 
+    # the model calls .forward directly, and so does this block for its projections: the module
+    # call machinery (hooks) costs ~5 us a call, ~0.8 ms a forward of 30 layers on this project's CPU
     def forward(self, x, cos, sin, cache: KVCache, layer: int, start, uniform, mask, n_keys, causal=False):
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
         h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
-        qkv = self.wqkv(h).view(B, T, H + 2 * Hkv, Dh)
+        qkv = self.wqkv.forward(h).view(B, T, H + 2 * Hkv, Dh)
         qk = qkv[:, :, : H + Hkv]  # queries and keys rotate together: [B, T, H + Hkv, Dh]
         # rotate_half(x) * sin == roll(x, Dh/2) * (sin with its first half negated): same bits, fewer ops
         qk = qk * cos + qk.roll(Dh // 2, dims=-1) * sin  # cos, sin: [B, T, 1, Dh]
@@ -224,10 +226,10 @@ class Block(nn.Module):
             G = H // Hkv
             o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, Dh), keys, vals, attn_mask=mask)
             o = o.view(B, H, T, Dh)
-        x = x + self.wo(o.transpose(1, 2).reshape(B, T, H * Dh))
+        x = x + self.wo.forward(o.transpose(1, 2).reshape(B, T, H * Dh))
         h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
-        gate, up = self.w_gate_up(h).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        gate, up = self.w_gate_up.forward(h).chunk(2, dim=-1)
+        return x + self.w_down.forward(F.silu(gate) * up)
 
 
 class LlamaModel(nn.Module):
@@ -304,7 +306,7 @@ class LlamaModel(nn.Module):
         mask = None if causal else self._mask(start, uniform, T, n_keys, attn_mask, self.cfg.num_heads // self.cfg.num_kv_heads, self.dtype)
         x = self.embed(tokens)  # [B, T, D]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, start, uniform, mask, n_keys, causal)
+            x = layer.forward(x, cos, sin, cache, i, start, uniform, mask, n_keys, causal)
         hidden = F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)  # [B, T, D]
         if logits_at is not None and logits_at.shape[1] == 0:
             return None, hidden  # the caller applies its own head (e.g. a vocabulary subset)
