@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("prompt", nargs="?", default=None, help="the prompt text ('-' or absent: read stdin)")
     g.add_argument("--prompts-file", metavar="FILE.jsonl", default=None,
-                   help="one JSON object per line with a 'prompt' string (or OpenAI-style 'messages')")
+                   help="one JSON object per line with a 'prompt' string (or OpenAI-style 'messages'); "
+                        "a row's optional \"chat\": false sends its prompt raw (true: with the chat template), "
+                        "whatever --chat / --raw say")
     tmpl = g.add_mutually_exclusive_group()
     tmpl.add_argument("--chat", dest="chat", action="store_const", const=True, default=None,
                       help="render prompts with the tokenizer's chat template (the default when it has one)")
@@ -811,13 +813,15 @@ def cmd_train(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-def read_prompts(args) -> list:
+def read_prompts(args) -> list[tuple]:
+    """[(prompt text or messages, chat)]: chat is a --prompts-file row's own "chat" setting
+    (None where the row has none: --chat / --raw / the tokenizer decide)."""
     if args.prompts_file:
         if args.prompt not in (None, "-"):
             raise SpecdecError("give either a prompt argument or --prompts-file, not both")
         return read_prompts_file(args.prompts_file)
     if args.prompt is not None and args.prompt != "-":
-        return [check_text(args.prompt, "the prompt argument")]
+        return [(check_text(args.prompt, "the prompt argument"), None)]
     if sys.stdin is None or sys.stdin.isatty():
         raise SpecdecError("no prompt: pass it as an argument, pipe it on stdin, or use --prompts-file FILE.jsonl")
     data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
@@ -828,14 +832,15 @@ def read_prompts(args) -> list:
                            f"0x{data[e.start]:02x})") from None
     if not text.strip():
         raise SpecdecError("the prompt read from stdin is empty")
-    return [text.rstrip("\n")]
+    return [(text.rstrip("\n"), None)]
 
 
-def read_prompts_file(path: str) -> list:
-    """Prompts (text or messages) from a JSONL file; errors name the line and the reason."""
+def read_prompts_file(path: str) -> list[tuple]:
+    """[(prompt text or messages, the row's "chat" or None)] from a JSONL file; errors name the
+    line and the reason."""
     from .bench.tasks import load_jsonl
 
-    return [t.prompt for t in load_jsonl(path)]
+    return [(t.prompt, t.chat if isinstance(t.prompt, str) else None) for t in load_jsonl(path)]
 
 
 def sampling_params(args):
@@ -957,7 +962,8 @@ def cmd_generate(args) -> int:
     from .text import StreamPrinter, encode_prompt, find_stop
 
     params = sampling_params(args)  # validate before loading anything
-    prompts = read_prompts(args)
+    rows_in = read_prompts(args)
+    prompts = [p for p, _ in rows_in]
     if args.system is not None:
         check_text(args.system, "--system")
     if args.threads:
@@ -972,7 +978,8 @@ def cmd_generate(args) -> int:
         print(f"[specdec] note: -k {args.k} is not used by the eagle tree (its depth is --tree-depth, "
               f"{args.tree_depth}); --no-tree drafts a chain of -k tokens", file=sys.stderr)
     tok = target.tokenizer
-    encoded = [encode_prompt(tok, p, args.chat, args.system) for p in prompts]
+    # a --prompts-file row's own "chat" (true / false) wins over --chat / --raw
+    encoded = [encode_prompt(tok, p, args.chat if chat is None else chat, args.system) for p, chat in rows_in]
     for i, ids in enumerate(encoded):
         where = f"prompt {i + 1}" if len(encoded) > 1 else "the prompt"
         if not ids:

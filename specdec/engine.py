@@ -60,12 +60,13 @@ class Engine:
         """Generate for every prompt (one batch). Returns one result per prompt, in order."""
         if not prompts:
             return []
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(prompts, 1):  # numbered from 1, as the CLI numbers prompts
+            where = f"prompt {i}" if len(prompts) > 1 else "the prompt"
             if not p:
-                raise SpecdecError(f"prompt {i} is empty (no tokens)")
+                raise SpecdecError(f"{where} is empty (no tokens)")
             if len(p) >= self.model.max_context:
                 raise SpecdecError(
-                    f"prompt {i} has {len(p)} tokens but the model's context is {self.model.max_context}; shorten it"
+                    f"{where} has {len(p)} tokens but the model's context is {self.model.max_context}; shorten it"
                 )
         if len(prompts) > 1 and not getattr(self.model, "native", False):
             # the transformers adapter keeps one row per cache: run rows one by one

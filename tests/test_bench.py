@@ -25,11 +25,12 @@ def test_spec_bench_rows_and_user_rows(tmp_path):
     )
     tasks = load_jsonl(f)
     assert [t.category for t in tasks] == ["qa", "code", "user"]
-    assert tasks[0].prompt == "first turn" and tasks[0].chat
+    assert tasks[0].prompt == "first turn" and tasks[0].chat is None  # the template where the tokenizer has one
     assert tasks[1].chat is False
 
 
 @pytest.mark.parametrize("text, needle", [("{bad json\n", ":1: not valid JSON"), ('{"x": 1}\n', ":1: needs"),
+                                          ('{"prompt": "p", "chat": "no"}\n', ":1: 'chat' must be true or false"),
                                           ('\n[1, 2]\n', ":2: expected a JSON object"), ("", "holds no prompts")])
 def test_malformed_task_file(tmp_path, text, needle):
     f = tmp_path / "t.jsonl"

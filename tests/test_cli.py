@@ -192,6 +192,25 @@ def test_n_samples_batch_and_seed(default_model, tmp_path, capsys):
 
 
 @pytest.mark.default_model
+def test_prompts_file_rows_choose_chat_or_raw(default_model, tmp_path, capsys):
+    """A row's own "chat": false / true wins over --chat / --raw; rows without it follow the flags."""
+    from specdec.text import encode_prompt
+
+    tok = default_model.tokenizer
+    text = "def add(a, b):"
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(o) for o in ({"prompt": text, "chat": False}, {"prompt": text},
+                                                      {"prompt": text, "chat": True})) + "\n")
+    raw, chat = len(encode_prompt(tok, text, False)), len(encode_prompt(tok, text, True))
+    assert raw != chat
+    for flag, middle in (([], chat), (["--raw"], raw), (["--chat"], chat)):
+        assert main(["generate", "--prompts-file", str(f), "--json", "--max-new-tokens", "1", "--method", "none",
+                     "--quiet", *flag]) == 0
+        objs = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
+        assert [o["stats"]["prompt_tokens"] for o in objs] == [raw, middle, chat], flag
+
+
+@pytest.mark.default_model
 def test_prompt_longer_than_context(default_model, capsys):
     long_prompt = "word " * 9000
     assert main(["generate", long_prompt, "--raw"]) == 2

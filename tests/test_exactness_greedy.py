@@ -285,3 +285,14 @@ def test_hybrid_gate_turns_off_a_draft_that_does_not_pay():
     steps = res.stats.target_forwards
     assert slow.calls < steps / 2, (slow.calls, steps)  # gated off after measuring, probes remain
     assert slow.calls >= 2
+
+
+def test_engine_names_a_bad_prompt_from_one():
+    """Errors number prompts from 1, as the CLI does ("prompt 2"), or say "the prompt" for one."""
+    from specdec.types import SpecdecError
+
+    engine = Engine(models()[1], NgramDrafter(), k=2)
+    with pytest.raises(SpecdecError, match="prompt 2 is empty"):
+        engine.generate([[1, 2, 3], []], SamplingParams(max_new_tokens=2))
+    with pytest.raises(SpecdecError, match="the prompt has 5000 tokens"):
+        engine.generate([[1] * 5000], SamplingParams(max_new_tokens=2))

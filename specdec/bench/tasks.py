@@ -20,7 +20,7 @@ class Task:
     task_id: str
     category: str
     prompt: str | list  # text, or OpenAI-style messages
-    chat: bool  # render with the chat template (False: raw completion)
+    chat: bool | None  # True: the chat template; False: raw completion; None: the template if the tokenizer has one
 
 
 def humaneval_path() -> Path:
@@ -69,11 +69,14 @@ def load_jsonl(path: str | Path) -> list[Task]:
         cat = str(o.get("category", "user"))
         where = f"{path}:{n}"
         if isinstance(o.get("turns"), list) and o["turns"] and isinstance(o["turns"][0], str):
-            tasks.append(Task(tid, cat, check_text(o["turns"][0], f"{where}: 'turns'"), True))  # first turn only
+            tasks.append(Task(tid, cat, check_text(o["turns"][0], f"{where}: 'turns'"), None))  # first turn only
         elif "prompt" in o:
             if not isinstance(o["prompt"], str):
                 raise SpecdecError(f"{where}: 'prompt' must be a string, got {type(o['prompt']).__name__}")
-            tasks.append(Task(tid, cat, check_text(o["prompt"], f"{where}: 'prompt'"), bool(o.get("chat", True))))
+            chat = o.get("chat")
+            if chat is not None and not isinstance(chat, bool):
+                raise SpecdecError(f"{where}: 'chat' must be true or false, got {json.dumps(chat)[:40]}")
+            tasks.append(Task(tid, cat, check_text(o["prompt"], f"{where}: 'prompt'"), chat))
         elif "messages" in o:
             tasks.append(Task(tid, cat, check_messages(o["messages"], where), True))
         else:

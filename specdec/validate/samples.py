@@ -89,7 +89,7 @@ def load_samples(spec: str, tokenizer, max_context: int, reserve: int, limit: in
     kept, encoded, skipped = [], [], []
     for t in tasks:
         # chat rows use the template when the tokenizer has one; raw rows (HumanEval, --raw) never
-        ids = encode_prompt(tokenizer, t.prompt, None if t.chat and chat is not False else False)
+        ids = encode_prompt(tokenizer, t.prompt, None if t.chat is not False and chat is not False else False)
         if not ids:
             skipped.append({"id": t.task_id, "tokens": 0, "reason": "empty prompt"})
         elif len(ids) + reserve > max_context:
