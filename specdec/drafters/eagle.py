@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models.llama import PACK_BATCH_HINT, Linear, cpu_has_bf16, mkldnn_packing_available
+from ..models.llama import PACK_BATCH_HINT, Linear, cpu_has_bf16, mkldnn_packing_available, packed_linear
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
 
@@ -265,7 +265,7 @@ class EagleDrafter:
         """[..., D] -> [..., S] scores over the subset (or the full vocabulary)."""
         if self.W_packed is not None:
             x = h.to(self.pack_dtype or torch.float32)
-            return torch.ops.mkldnn._linear_pointwise(x, self.W_packed, None, "none", [], "").float()
+            return packed_linear(x, self.W_packed).float()
         return h.float() @ self.W.float().T
 
     def _ids(self, idx):

@@ -1,0 +1,97 @@
+"""What one forward of the native target costs: a prefill of L prompt tokens, and a step
+that scores T new tokens (a chain: 1 = plain decoding, 2..9 = verifying 1..8 guesses) after
+S tokens of context. The numbers behind "is one more guessed token worth it" at short and
+long contexts, and a way to compare two checkouts of the model code:
+
+    python benchmarks/forward_costs.py --threads 2
+    PYTHONPATH=/path/to/other/checkout python benchmarks/forward_costs.py --threads 2
+
+Default model (fp32, prepacked as `generate` runs it), batch 1, random token ids (the cost
+does not depend on which tokens), median of --repeats timed calls after a warm-up. A step is
+timed with the LM head over every new token, as verification runs it; the cache is rolled
+back after each call so every call sees the same context. Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prefill", type=_ints, default=[300, 800, 1500], help="prompt lengths. Default: 300,800,1500")
+    ap.add_argument("--context", type=_ints, default=[200, 1500], help="context lengths for steps. Default: 200,1500")
+    ap.add_argument("--tokens", type=_ints, default=[1, 2, 5, 9], help="new tokens per step. Default: 1,2,5,9")
+    ap.add_argument("--repeats", type=int, default=15, help="timed calls per cell (prefills: a third). Default: 15")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import specdec
+    from specdec.models.loader import load_model
+
+    model = load_model(None, quiet=True).model
+    need = max(max(args.prefill), max(args.context) + max(args.tokens)) + 1
+    if need > model.max_context:
+        raise SystemExit(f"lengths up to {need} tokens do not fit the model's context of {model.max_context}")
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.vocab_size
+
+    def ids(n: int) -> torch.Tensor:
+        return torch.randint(0, vocab, (1, n), generator=gen)
+
+    def median_ms(fn, n: int) -> float:
+        fn()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return round(statistics.median(times) * 1e3, 2)
+
+    prefill = {}
+    for L in args.prefill:
+        toks, pos, last = ids(L), torch.arange(L)[None], torch.tensor([[L - 1]])
+        prefill[L] = median_ms(lambda: model(toks, pos, model.new_cache(1, L + 1), logits_at=last),
+                               max(3, args.repeats // 3))
+    steps = {}
+    for S in args.context:
+        cache = model.new_cache(1, S + max(args.tokens) + 1)
+        model(ids(S), torch.arange(S)[None], cache, logits_at=torch.tensor([[S - 1]]))
+        for T in args.tokens:
+            toks, pos = ids(T), torch.arange(S, S + T)[None]
+
+            def step():
+                model(toks, pos, cache)
+                cache.truncate(S)
+
+            steps[(S, T)] = median_ms(step, args.repeats)
+
+    print(f"specdec from {specdec.__file__}; threads {args.threads}; median ms")
+    print("prefill: " + ", ".join(f"{L} tokens {ms} ms ({L / ms * 1e3:.0f} tok/s)" for L, ms in prefill.items()))
+    for S in args.context:
+        one = steps[(S, 1)] if (S, 1) in steps else None
+        cells = [f"T={T} {steps[(S, T)]} ms" + (f" ({steps[(S, T)] / one:.2f}x)" if one else "") for T in args.tokens]
+        print(f"step after {S} tokens: " + ", ".join(cells))
+    print(json.dumps({"benchmark": "forward_costs", "threads": args.threads, "torch": torch.__version__,
+                      "prefill_ms": prefill, "step_ms": {f"{S}x{T}": v for (S, T), v in steps.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
