@@ -5,6 +5,10 @@ long contexts, and a way to compare two checkouts of the model code:
 
     python benchmarks/forward_costs.py --threads 2
     PYTHONPATH=/path/to/other/checkout python benchmarks/forward_costs.py --threads 2
+    python benchmarks/forward_costs.py --prefill 10 --tokens 1,2,3,5 --repeats 30 --pad 1,4 --threads 2
+
+`--pad 1,4` times every step twice, interleaved, with the prepacked projections' row padding
+off (1) and at 4 rows (the default, `llama.MIN_PACKED_ROWS`): the A/B behind that default.
 
 Default model (fp32, prepacked as `generate` runs it), batch 1, random token ids (the cost
 does not depend on which tokens), median of --repeats timed calls after a warm-up. A step is
@@ -38,12 +42,19 @@ def main() -> int:
     ap.add_argument("--context", type=_ints, default=[200, 1500], help="context lengths for steps. Default: 200,1500")
     ap.add_argument("--tokens", type=_ints, default=[1, 2, 5, 9], help="new tokens per step. Default: 1,2,5,9")
     ap.add_argument("--repeats", type=int, default=15, help="timed calls per cell (prefills: a third). Default: 15")
+    ap.add_argument("--pad", type=_ints, default=None,
+                    help="row paddings to compare, interleaved (e.g. 1,4; 1 = none). Default: the model's own")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     import specdec
+    from specdec.models import llama
     from specdec.models.loader import load_model
+
+    pads = args.pad or [getattr(llama, "MIN_PACKED_ROWS", 1)]
+    if args.pad and not hasattr(llama, "MIN_PACKED_ROWS"):
+        raise SystemExit("this checkout's model has no row padding (llama.MIN_PACKED_ROWS); drop --pad")
 
     model = load_model(None, quiet=True).model
     need = max(max(args.prefill), max(args.context) + max(args.tokens)) + 1
@@ -55,14 +66,18 @@ def main() -> int:
     def ids(n: int) -> torch.Tensor:
         return torch.randint(0, vocab, (1, n), generator=gen)
 
-    def median_ms(fn, n: int) -> float:
+    def median_ms(fn, n: int) -> dict:
+        """{padding: median ms}, the paddings interleaved (order flipped every other round)."""
         fn()
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return round(statistics.median(times) * 1e3, 2)
+        times: dict = {pad: [] for pad in pads}
+        for i in range(n):
+            for pad in pads if i % 2 == 0 else pads[::-1]:
+                if args.pad:
+                    llama.MIN_PACKED_ROWS = pad
+                t0 = time.perf_counter()
+                fn()
+                times[pad].append(time.perf_counter() - t0)
+        return {pad: round(statistics.median(ts) * 1e3, 2) for pad, ts in times.items()}
 
     prefill = {}
     for L in args.prefill:
@@ -83,13 +98,19 @@ def main() -> int:
             steps[(S, T)] = median_ms(step, args.repeats)
 
     print(f"specdec from {specdec.__file__}; threads {args.threads}; median ms")
-    print("prefill: " + ", ".join(f"{L} tokens {ms} ms ({L / ms * 1e3:.0f} tok/s)" for L, ms in prefill.items()))
-    for S in args.context:
-        one = steps[(S, 1)] if (S, 1) in steps else None
-        cells = [f"T={T} {steps[(S, T)]} ms" + (f" ({steps[(S, T)] / one:.2f}x)" if one else "") for T in args.tokens]
-        print(f"step after {S} tokens: " + ", ".join(cells))
+    for pad in pads:
+        if args.pad:
+            print(f"-- projections padded to {pad} rows" if pad > 1 else "-- no row padding")
+        print("prefill: " + ", ".join(f"{L} tokens {ms[pad]} ms ({L / ms[pad] * 1e3:.0f} tok/s)"
+                                      for L, ms in prefill.items()))
+        for S in args.context:
+            one = steps[(S, 1)][pad] if (S, 1) in steps else None
+            cells = [f"T={T} {steps[(S, T)][pad]} ms" + (f" ({steps[(S, T)][pad] / one:.2f}x)" if one else "")
+                     for T in args.tokens]
+            print(f"step after {S} tokens: " + ", ".join(cells))
     print(json.dumps({"benchmark": "forward_costs", "threads": args.threads, "torch": torch.__version__,
-                      "prefill_ms": prefill, "step_ms": {f"{S}x{T}": v for (S, T), v in steps.items()}}))
+                      "prefill_ms": {L: v if args.pad else v[pads[0]] for L, v in prefill.items()},
+                      "step_ms": {f"{S}x{T}": v if args.pad else v[pads[0]] for (S, T), v in steps.items()}}))
     return 0
 
 
