@@ -255,3 +255,45 @@ def test_linear_packed_in_bfloat16(bias):
     torch.testing.assert_close(y, ref, atol=0.1, rtol=0.02)  # bf16 output rounding
     exact = torch.nn.functional.linear(x, w, b)
     assert (y - exact).abs().max() > 0  # it did run in bf16, not silently in fp32
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_packed_linear_pads_short_calls():
+    """Calls of fewer than MIN_PACKED_ROWS rows run padded: same result as the plain product for
+    every real row (whatever earlier calls left in the padding buffer), the caller's shape, in and
+    out of inference mode, and from two threads at once (each has its own buffer)."""
+    import threading
+
+    from specdec.models import llama
+
+    assert llama.MIN_PACKED_ROWS > 1
+    g = torch.Generator().manual_seed(5)
+    W, bias = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    packed = torch.ops.mkldnn._reorder_linear_weight(W, llama.PACK_BATCH_HINT)
+    shapes = [(1, 1, 24), (3, 24), (1, 2, 24), (2, 1, 24), (7, 24), (24,)]
+    for shape in shapes:
+        x = torch.randn(shape, generator=g)
+        for bias_ in (None, bias):
+            y = llama.packed_linear(x, packed, bias_)
+            assert y.shape == (*shape[:-1], 40)
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, W, bias_), atol=1e-4, rtol=1e-5)
+    x = torch.randn(2, 24, generator=g)
+    with torch.inference_mode():
+        a = llama.packed_linear(x, packed)
+    torch.testing.assert_close(llama.packed_linear(x, packed), a)  # the buffer is usable outside too
+    errors = []
+
+    def worker(seed):
+        gg = torch.Generator().manual_seed(seed)
+        for _ in range(200):
+            xs = torch.randn(1, 24, generator=gg)
+            if not torch.allclose(llama.packed_linear(xs, packed), xs @ W.T, atol=1e-4):
+                errors.append(seed)
+                return
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
