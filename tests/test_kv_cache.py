@@ -190,7 +190,7 @@ def test_compact_moves_match_a_slot_by_slot_reference(B):
             nodes = sorted(torch.randperm(9, generator=g)[: int(torch.randint(0, 6, (1,), generator=g))].tolist())
             if trial % 4 == 0:
                 nodes = list(range(len(nodes)))  # a chain-shaped path: nothing moves
-            paths.append(([0] + [n + 1 for n in nodes if n + 1 != 0]) if nodes or trial % 3 else [])
+            paths.append(([0] + [n + 1 for n in nodes]) if nodes or trial % 3 else [])  # [0]: just the root
         P = max(len(p) for p in paths)
         path_t = torch.zeros(B, P, dtype=torch.long)
         for b, p in enumerate(paths):
