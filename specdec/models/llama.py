@@ -231,8 +231,8 @@ class Block(nn.Module):
         self.w_gate_up = Linear(D, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w_down = Linear(cfg.intermediate_size, D, bias=cfg.mlp_bias)
 
-    # the model calls .forward directly, and so does this block for its projections: the module
-    # call machinery (hooks) costs ~5 us a call, ~0.8 ms a forward of 30 layers on this project's CPU
+    # the model calls .forward directly, and so does this block for its projections: skipping the
+    # module-call machinery (hooks) saved ~0.4 ms a forward of 30 layers on this project's CPU
     def forward(self, x, cos, sin, cache: KVCache, layer: int, start, uniform, mask, n_keys, causal=False):
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
