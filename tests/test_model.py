@@ -297,3 +297,22 @@ def test_packed_linear_pads_short_calls():
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_build_native_skips_random_init_only_while_loading():
+    """build_native builds its modules without random init (the weights are loaded next);
+    the switch must be off again afterwards, also when the weights turn out to be missing."""
+    from transformers import LlamaConfig
+
+    from conftest import _COMMON
+    from specdec.models.llama import LlamaConfig as NativeConfig, LlamaModel, build_native
+    from specdec.types import SpecdecError
+
+    hf = LlamaConfig(**_COMMON)
+    with pytest.raises(SpecdecError, match="missing"):
+        build_native(hf, {})
+    torch.manual_seed(0)
+    fresh = LlamaModel(NativeConfig.from_hf(hf))  # outside build_native: the usual random init
+    w = fresh.layers[0].wqkv.weight
+    assert float(w.std()) > 0 and torch.isfinite(w).all()
+    assert float(fresh.embed.weight.std()) > 0.5  # nn.Embedding's N(0, 1) init

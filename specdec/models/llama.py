@@ -172,6 +172,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return y[:rows].view(*x.shape[:-1], y.shape[-1])
 
 
+_no_init = threading.local()  # .on: build modules without random init (build_native loads weights next)
+
+
 def mkldnn_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -198,6 +201,10 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     pack_dtype: torch.dtype | None = None
+
+    def reset_parameters(self) -> None:
+        if not getattr(_no_init, "on", False):  # (build_native overwrites every weight anyway)
+            super().reset_parameters()
 
     def pack(self, dtype: torch.dtype | None = None) -> None:
         """dtype: pack the weight in this dtype (e.g. bfloat16 for a drafter, where half the
@@ -273,7 +280,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if getattr(_no_init, "on", False):  # weights loaded next: skip the random init
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        else:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -454,9 +464,13 @@ class LlamaModel(nn.Module):
 def build_native(hf_config, state_dict: dict[str, torch.Tensor], dtype=torch.float32, pack: bool = False) -> LlamaModel:
     """The native model with these weights; pack=True prepacks for fast CPU inference."""
     cfg = LlamaConfig.from_hf(hf_config)
-    with torch.device("meta"):  # skip random init: every parameter is overwritten below
+    # skip the random init, every parameter is overwritten below (not via the meta device: its
+    # first use in a process costs ~0.5 s of lazy setup, a tenth of a CLI call's start-up)
+    _no_init.on = True
+    try:
         model = LlamaModel(cfg)
-    model = model.to_empty(device="cpu")
+    finally:
+        _no_init.on = False
     model.load_hf_state_dict(state_dict)
     model = model.to(dtype).eval()
     return model.pack() if pack else model
