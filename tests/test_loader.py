@@ -153,3 +153,19 @@ def test_default_model_second_load_is_fast(default_model):
     assert lm.tokenizer.eos_token_id in lm.eos_ids
     assert lm.tokenizer.chat_template is not None
     assert lm.model.vocab_size == 49152 and lm.model.cfg.num_layers == 30
+
+
+@pytest.mark.default_model
+def test_default_model_named_by_its_path_is_the_default(default_model):
+    """--model pointing at the default's own GGUF gets the default's shipped drafters (auto's
+    EAGLE head, the draft), as when --model is left out; and in bfloat16 the shipped heads
+    still recognise it (their recorded hash rounds the LM head to bfloat16)."""
+    from specdec.drafters.eagle import default_eagle_for, load_eagle
+    from specdec.drafters.medusa import default_medusa_for, load_medusa
+    from specdec.models.loader import default_draft_for, default_model_path
+
+    lm = load_model(str(default_model_path()), quiet=True)
+    assert lm.source == "default" and default_eagle_for(lm) is not None and default_draft_for(lm) is not None
+    bf = load_model(None, dtype=torch.bfloat16, quiet=True)
+    load_eagle(default_eagle_for(bf), bf)  # no "trained for another target" error
+    load_medusa(default_medusa_for(bf), bf)

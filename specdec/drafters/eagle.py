@@ -52,10 +52,15 @@ def default_eagle_for(target) -> Path | None:
     return None
 
 
-def target_fingerprint(model) -> str:
-    """A short hash of the target's LM head (a head trained for it must see the same one)."""
+def target_fingerprint(model, legacy: bool = False) -> str:
+    """A short hash of the target's LM head (a head trained for it must see the same one).
+    The sampled rows are rounded to bfloat16 first, so the same target loaded in float32 or
+    bfloat16 (`--dtype`) gives the same hash; `legacy`: the hash of the unrounded rows, which
+    heads trained before 2026-12-01 recorded."""
     w = model.lm_head_weight().detach().float()
     sample = w[:: max(1, w.shape[0] // 256)].contiguous()
+    if not legacy:
+        sample = sample.to(torch.bfloat16).float()
     return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
 
 
@@ -172,9 +177,10 @@ def check_trained_for(meta: dict, hidden: int, target, path, what: str, command:
         problems.append(f"hidden size {hidden} vs the target's {cfg.hidden_size}")
     if meta.get("target_vocab_size") != cfg.vocab_size:
         problems.append(f"vocabulary {meta.get('target_vocab_size')} vs the target's {cfg.vocab_size}")
-    if not problems and meta.get("target_fingerprint") != target_fingerprint(target.model):
+    recorded = meta.get("target_fingerprint")
+    if not problems and recorded not in (target_fingerprint(target.model), target_fingerprint(target.model, legacy=True)):
         problems.append("the target's weights differ from those it was trained on (LM-head hash "
-                        f"{meta.get('target_fingerprint')} vs {target_fingerprint(target.model)})")
+                        f"{recorded} vs {target_fingerprint(target.model)})")
     if problems:
         raise SpecdecError(f"the {what} in {path} was trained for another target ({meta.get('target')}): "
                            + "; ".join(problems) + f". Train one for this model with `{command}`")

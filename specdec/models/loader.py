@@ -239,6 +239,15 @@ def load_hf_dir(d: Path, dtype=torch.float32, source: str | None = None, native:
                        time.perf_counter() - t0, meta)
 
 
+def _is_default_file(spec: str) -> bool:
+    """Whether `spec` names the default model's own GGUF file (then its shipped drafters apply)."""
+    p = Path(os.path.expanduser(spec))
+    try:
+        return p.is_file() and p.samefile(default_model_path())
+    except (OSError, SpecdecError):
+        return False
+
+
 def _looks_like_hub_id(spec: str) -> bool:
     parts = spec.split("/")
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "~")) and not spec.endswith(".gguf")
@@ -269,7 +278,7 @@ def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None
                with_tokenizer: bool = True) -> LoadedModel:
     """Load whatever `spec` names (see the module docstring)."""
     t0 = time.perf_counter()
-    if spec in (None, "", "default"):
+    if spec in (None, "", "default") or _is_default_file(spec):  # the default by name or by its path
         path = default_model_path()
         lm = load_hf_dir(convert_gguf(path, quiet), dtype, "default", native, quiet, with_tokenizer)
         lm.name, lm.gguf = DEFAULT_MODEL_NAME, str(path)
