@@ -27,8 +27,8 @@ def method_k(args, method: str | None = None) -> int:
     return args.k if args.k is not None else DEFAULT_K.get(method or args.method, 4)
 
 
-def _int_at_least(lowest: int):
-    """An argparse type: a whole number >= lowest."""
+def _int_at_least(lowest: int, highest: int | None = None):
+    """An argparse type: a whole number >= lowest (and <= highest, if given)."""
 
     def parse(s: str) -> int:
         try:
@@ -37,6 +37,8 @@ def _int_at_least(lowest: int):
             raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
         if v < lowest:
             raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {v}")
+        if highest is not None and v > highest:
+            raise argparse.ArgumentTypeError(f"must be <= {highest}, got {v}")
         return v
 
     return parse
@@ -92,7 +94,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off, default)")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (0 = off)")
-    g.add_argument("--seed", type=int, default=None, help="random seed; the same seed reproduces a sampled run")
+    g.add_argument("--seed", type=int, default=None, help="random seed; the same seed, prompts and --n/--batch-size reproduce a sampled run "
+                        "(rows of one batch share the random stream, so another batch size gives other samples)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when the output contains TEXT (repeatable); the text is cut before it")
 
@@ -161,7 +164,7 @@ def add_serve_parser(sub) -> None:
     v.add_argument("--fixed-k", action="store_true",
                    help="always draft up to -k (no load-aware choice; for comparisons)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on. Default: 127.0.0.1")
-    v.add_argument("--port", type=_positive_int, default=8000, help="port. Default: 8000")
+    v.add_argument("--port", type=_int_at_least(1, 65535), default=8000, help="port (1-65535). Default: 8000")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request")
     v.add_argument("--served-model-name", default=None, help="model id reported and accepted. Default: the model's name")
     v.add_argument("--max-batch", type=_positive_int, default=16, help="rows decoded together at most. Default: 16")
@@ -234,7 +237,7 @@ def cmd_serve(args) -> int:
         server.should_exit = True
         http.join(timeout=10)
     if not server.started:
-        raise SpecdecError(f"could not serve on {args.host}:{args.port} (see the error above; is the port in use?)")
+        raise SpecdecError(f"could not serve on {args.host}:{args.port} (see the error above: is the port in use, or the host not an address of this machine?)")
     return 0
 
 
@@ -1052,10 +1055,14 @@ def print_summary(results, args, wall: float) -> None:
     from .metrics import summarize
 
     s = summarize(results)
-    line = (f"[specdec] {s['new_tokens']} tokens in {s['decode_s']:.2f} s decode ({s['tokens_per_s']:.1f} tok/s), "
+    if s["target_forwards"]:
+        rate = f"{s['new_tokens']} tokens in {s['decode_s']:.2f} s decode ({s['tokens_per_s']:.1f} tok/s)"
+    else:  # the prefill's token only (max 1 new token, or an immediate stop): no decoding to rate
+        rate = f"{s['new_tokens']} token{'s' if s['new_tokens'] != 1 else ''} from the prefill, no decode step"
+    line = (f"[specdec] {rate}, "
             f"prefill {s['prefill_s']:.2f} s for {s['prompt_tokens']} prompt tokens, wall {wall:.2f} s; "
             f"method {args.method}" + (" with -k 0 (no drafting)" if args.method != "none" and args.k == 0 else ""))
-    if args.method != "none" and args.k != 0:
+    if args.method != "none" and args.k != 0 and s["target_forwards"]:
         if args.method in DEFAULT_TREE_NODES and getattr(args, "tree", True):
             nodes = args.tree_nodes or DEFAULT_TREE_NODES[args.method]
             shape = f"tree of {nodes} nodes" + (f", depth {args.tree_depth}" if args.method == "eagle" else "")

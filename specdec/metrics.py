@@ -43,7 +43,7 @@ def summarize(results: list[GenerationResult]) -> dict:
         "new_tokens": new,
         "prefill_s": batch_total("prefill_s"),
         "decode_s": decode_s,
-        "tokens_per_s": new / decode_s if decode_s > 0 else 0.0,
+        "tokens_per_s": new / decode_s if decode_s > 0 and steps else 0.0,  # 0: no decode step ran
         "target_forwards": int(steps),
         "proposed": proposed,
         "accepted": accepted,

@@ -74,7 +74,8 @@ class RequestStats:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        """Decode rate; 0 when no decode step ran (only the prefill's token came out)."""
+        return self.new_tokens / self.decode_s if self.decode_s > 0 and self.target_forwards else 0.0
 
     @property
     def alpha(self) -> float:

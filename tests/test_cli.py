@@ -51,6 +51,13 @@ def test_argparse_errors_exit_2_without_traceback():
     assert rc == 2 and "Traceback" not in err and "max-new-tokens" in err
 
 
+def test_serve_port_out_of_range_is_refused_before_loading(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--port", "99999"])
+    assert e.value.code == 2
+    assert "--port: must be <= 65535, got 99999" in capsys.readouterr().err
+
+
 def test_corrupt_gguf(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "broken.gguf"
@@ -152,6 +159,16 @@ def test_generate_streams_text_and_summary(default_model):
     assert rc == 0, err
     assert out.strip()
     assert "[specdec]" in err and "tok/s" in err and "acceptance" in err
+
+
+@pytest.mark.default_model
+def test_one_token_has_no_decode_rate(default_model, capsys):
+    """The only token comes from the prefill: no decode step, so no rate (it was a huge number)."""
+    assert main(["generate", "Hello", "--max-new-tokens", "1", "--json", "--method", "ngram"]) == 0
+    cap = capsys.readouterr()
+    st = json.loads(cap.out)["stats"]
+    assert st["new_tokens"] == 1 and st["target_forwards"] == 0 and st["tokens_per_s"] == 0
+    assert "1 token from the prefill, no decode step" in cap.err and "tok/s" not in cap.err
 
 
 @pytest.mark.default_model
