@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n", type=_positive_int, default=1, help="samples per prompt. Default: 1")
     g.add_argument("--batch-size", type=_positive_int, default=8, help="rows decoded together in one batch. Default: 8")
     g.add_argument("--json", action="store_true",
-                   help="print one JSON object per prompt (text, token ids, stats) instead of streaming text")
+                   help="print one JSON object per prompt (text, token ids, stats) instead of streaming text; "
+                        "token_ids are every generated id (an EOS and a matched stop string's tokens included)")
     g.add_argument("--quiet", action="store_true", help="no summary or progress on stderr")
     add_model_args(g)
     add_sampling_args(g)
@@ -984,10 +985,13 @@ def cmd_generate(args) -> int:
     # a --prompts-file row's own "chat" (true / false) wins over --chat / --raw
     encoded = [encode_prompt(tok, p, args.chat if chat is None else chat, args.system) for p, chat in rows_in]
     for i, ids in enumerate(encoded):
-        where = f"prompt {i + 1}" if len(encoded) > 1 else "the prompt"
+        if args.prompts_file:
+            where = f"{args.prompts_file}: prompt {i + 1}"
+        else:
+            where = f"prompt {i + 1}" if len(encoded) > 1 else "the prompt"
         if not ids:
-            raise SpecdecError(f"{where} is empty: with --raw (or a tokenizer without a chat template) there is "
-                               "nothing to continue from")
+            raise SpecdecError(f"{where} is empty and goes in raw (--raw, a row's \"chat\": false, or a tokenizer "
+                               "without a chat template): there is nothing to continue from")
         if len(ids) + 1 > target.model.max_context:
             raise SpecdecError(f"{where} has {len(ids)} tokens but the model's context is {target.model.max_context}")
         if len(ids) + args.max_new_tokens > target.model.max_context and not quiet:

@@ -235,9 +235,14 @@ def test_prompt_longer_than_context(default_model, capsys):
 
 
 @pytest.mark.default_model
-def test_empty_raw_prompt(default_model, capsys):
+def test_empty_raw_prompt(default_model, tmp_path, capsys):
     assert main(["generate", "", "--raw"]) == 2
     assert "the prompt is empty" in one_error_line(capsys.readouterr().err)
+    f = tmp_path / "p.jsonl"  # a prompts-file row: the message names the file and the prompt
+    f.write_text('{"prompt": "hi"}\n{"prompt": "", "chat": false}\n')
+    assert main(["generate", "--prompts-file", str(f), "--max-new-tokens", "1"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"{f}: prompt 2 is empty" in line and '"chat": false' in line
 
 
 @pytest.mark.default_model
