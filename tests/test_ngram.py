@@ -54,3 +54,26 @@ def test_adaptive_drafter_proposes_nothing_where_guesses_fail():
     assert d.propose(DraftContext([ctx], SamplingParams(), None), 4).counts.tolist() == [0]
     fixed = NgramDrafter(max_n=2, adaptive=False)
     assert fixed.propose(DraftContext([ctx], SamplingParams(), None), 4).tokens.tolist() == [[5, 3, 4]]
+
+
+def test_seeded_sample_lookups_are_cut_from_its_own_acceptance_not_timing(monkeypatch):
+    """A seeded sampled request gets lengths that depend only on its text: a fresh policy per
+    request (begin), priced at the fixed prior, never the measured cost."""
+
+    def no_clock(self):
+        raise AssertionError("a seeded sample's lengths read the measured cost")
+
+    monkeypatch.setattr(LengthPolicy, "r", property(no_clock))
+    seeded = SamplingParams(temperature=0.8, seed=3)
+    d = NgramDrafter(max_n=2)
+    ctx = [3, 4, 5, 6, 7, 8, 9, 3, 4]  # the 2-gram [3 4] matches: continuation [5 6 7 8 9 3 4]
+    d.begin([ctx], seeded, 0)
+    first = d.propose(DraftContext([ctx], seeded, None), 8)
+    assert 0 < int(first.counts[0]) < 7  # cut at the prior (0.5 per position, r = 0.08), not whole
+    for _ in range(100):  # guesses never hold in this request
+        d.propose(DraftContext([ctx], seeded, None), 8)
+        d.commit([0])
+    assert d.propose(DraftContext([ctx], seeded, None), 8).counts.tolist() == [0]
+    assert d.policy.seen[2][0] == 2.0  # the shared policy learnt nothing from the seeded request
+    d.begin([ctx], seeded, 0)  # the next request starts afresh, whatever this one saw
+    assert d.propose(DraftContext([ctx], seeded, None), 8).counts.tolist() == first.counts.tolist()

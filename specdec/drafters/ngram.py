@@ -17,8 +17,11 @@ where r is the measured cost of one more verified token relative to a plain step
 between successive `propose` calls and fitted by decayed least squares; 0.08 until
 measured). A 1-token match that rarely holds is then not proposed at all, while a long
 match in copied text is proposed in full. `adaptive=False` gives the classic fixed rule.
-For a seeded sampled request the length is not cut (it would depend on measured times and
-so change which random numbers verification draws): the same seed gives the same text.
+For a seeded sampled request the cut must not depend on measured times (they would change
+how many guesses a step verifies, so which random numbers verification draws, and the same
+seed would give another text): such a request gets a policy of its own, started afresh at
+`begin`, that learns acceptance from that request alone and prices a guess at the fixed
+prior r = 0.08. Its lengths then follow only from the text and the seed.
 `choose_length=False` leaves the cut to the caller (the server's batcher).
 """
 
@@ -57,8 +60,12 @@ class LengthPolicy:
     """Per (match length, draft position) acceptance and the cost of a verified token;
     chooses how many of a lookup's tokens to propose. Knows nothing about models."""
 
-    def __init__(self, max_n: int, max_k: int, decay: float = 0.98, r_prior: float = 0.08) -> None:
+    def __init__(self, max_n: int, max_k: int, decay: float = 0.98, r_prior: float = 0.08,
+                 clock: bool = True) -> None:
+        """clock=False: price a guess at r_prior always, never at a measured cost (a seeded sample's
+        lengths must not depend on timing)."""
         self.decay = decay
+        self.clock = clock
         self.acc = [[1.0] * max_k for _ in range(max_n + 1)]  # prior 0.5 at every position
         self.seen = [[2.0] * max_k for _ in range(max_n + 1)]
         self.r_prior = r_prior
@@ -85,7 +92,7 @@ class LengthPolicy:
         return out
 
     def choose(self, n: int, available: int) -> int:
-        r = self.r
+        r = self.r if self.clock else self.r_prior
         best, best_j = 1.0, 0
         for j, e in enumerate(self.expected(n, available)[1:], start=1):
             v = e / (1.0 + r * j)
@@ -109,14 +116,20 @@ class NgramDrafter:
     cost_hint = 0.0
 
     def __init__(self, min_n: int = 1, max_n: int = 4, adaptive: bool = True, max_k: int = 16,
-                 choose_length: bool = True) -> None:
+                 choose_length: bool = True, seeded_cut: bool = True) -> None:
         """adaptive: learn acceptance per (match length, position); choose_length: also cut each
         lookup to the length that pays (False: propose whole lookups and let the caller cap them,
-        as the server's batcher does with its own cost model)."""
+        as the server's batcher does with its own cost model); seeded_cut: cut a seeded sample's
+        lookups with a clockless policy of its own (False: propose them whole, as before
+        2026-12-01; benchmarks/seeded_lookup.py compares the two)."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.policy = LengthPolicy(max_n, max_k) if adaptive else None
+        self.seeded_policy: LengthPolicy | None = None  # for a seeded sample (see the module docstring)
+        self._learner = self.policy  # the policy the last proposal came from (commit feeds it)
+        self.max_k = max_k
+        self.seeded_cut = seeded_cut
         self.choose_length = choose_length
         self._last: list[tuple[int, int]] | None = None  # per row (n, proposed) of the last proposal
         self._t_end: float | None = None  # when the last proposal was handed over
@@ -125,17 +138,28 @@ class NgramDrafter:
     def begin(self, prompts, params, max_len) -> None:
         self._last = None
         self._t_end = None  # a new request's prefill must not count as a step
+        # a seeded sample: a fresh policy that never reads the clock (lengths from the text alone)
+        fresh = self.policy is not None and self.seeded_cut and timing_free(params)
+        self.seeded_policy = LengthPolicy(self.max_n, self.max_k, clock=False) if fresh else None
+
+    def _policy(self, params) -> LengthPolicy | None:
+        """The policy that cuts this request's lookups (None: propose them whole)."""
+        if timing_free(params):
+            return self.seeded_policy
+        return self.policy
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         now = time.perf_counter()
         if self.policy is not None and self._t_end is not None and self._last is not None:
             self.policy.observe_time(self.step_tokens, now - self._t_end)
         guesses, last = [], []
-        cut = self.policy is not None and self.choose_length and not timing_free(ctx.params)
+        pol = self._policy(ctx.params)  # None: no cut (a seeded row of a batch that began unseeded)
+        self._learner = pol if pol is not None else self.policy
+        cut = pol is not None and self.choose_length
         for t in ctx.tokens:
             n, g = lookup_match(t, max_tokens, self.min_n, self.max_n) if max_tokens > 0 else (0, [])
             if g and cut:
-                g = g[: self.policy.choose(n, len(g))]
+                g = g[: pol.choose(n, len(g))]
             guesses.append(g)
             last.append((n, len(g)))
         self._last = last
@@ -169,11 +193,12 @@ class NgramDrafter:
             self._last = [(n, min(p, int(m))) for (n, p), m in zip(self._last, lengths)]
 
     def commit(self, num_accepted) -> None:
-        if self.policy is None or self._last is None:
+        pol = self._learner
+        if pol is None or self._last is None:
             return
         for (n, p), a in zip(self._last, num_accepted):
             if p:
-                self.policy.observe(n, p, int(a))
+                pol.observe(n, p, int(a))
 
     def keep_rows(self, rows) -> None:
         if self._last is not None:
