@@ -175,7 +175,8 @@ def add_serve_parser(sub) -> None:
                    help="tokens per request (prompt + answer) at most; the KV cache holds --max-batch rows of this "
                         "many tokens, preallocated (the default model: ~6 MB per 1k tokens per row). Default: 2048 "
                         "(capped at the model's context)")
-    v.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (408). Default: 600")
+    v.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take in all, queued and running, before it fails (408; "
+                        "a stream ends with an error event) and its batch row is freed. Default: 600")
     v.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     v.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="uvicorn log level; debug also logs each step's batch size and draft length")

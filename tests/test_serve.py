@@ -262,3 +262,68 @@ def test_load_many_concurrent_streams(client, server, default_model):
     assert s["proposed"] > 0 and s["tree_rows"] > 0  # speculation ran, EAGLE trees among it
     time.sleep(0.5)
     assert rss_bytes() < idle + 200 * 2**20  # back near the idle level (the cache is preallocated)
+
+
+def test_hostile_bodies_get_400s_fast(server):
+    """A lone surrogate (JSON "\\ud800"), JSON nested 100000 deep and a 5-million-character prompt:
+    OpenAI-style 400s (they were 500s, and the long prompt stalled the server for seconds while
+    it was tokenized on the event loop)."""
+    import json
+
+    url = server[0] + "/v1/completions"
+    for raw, needle in ((b'{"model": "smol", "prompt": "a\\ud800b", "max_tokens": 3}', "UTF-8"),
+                        (b'{"model": "smol", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "UTF-8"),
+                        (b"[" * 100000 + b"]" * 100000, "deeply")):
+        code, text = http(url if b"messages" not in raw else server[0] + "/v1/chat/completions", raw=raw)
+        assert code == 400 and needle in json.loads(text)["error"]["message"], text
+    t0 = time.perf_counter()
+    code, text = http(url, {"model": "smol", "prompt": "x" * 5_000_000, "max_tokens": 1})
+    assert code == 400 and "at least" in json.loads(text)["error"]["message"]
+    assert time.perf_counter() - t0 < 5.0  # refused before tokenizing (tokenizing it takes ~5 s)
+
+
+def test_unknown_paths_and_methods_get_openai_style_errors(server):
+    import json
+    import urllib.error
+    import urllib.request
+
+    assert http(server[0] + "/v1/nothing-here", {"prompt": "hi"})[0] == 404
+    code, text = http(server[0] + "/v1/nothing-here", {"prompt": "hi"})
+    assert json.loads(text)["error"]["type"] == "not_found_error"
+    req = urllib.request.Request(server[0] + "/v1/completions", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 405 and "GET is not allowed" in json.loads(e.value.read())["error"]["message"]
+
+
+def test_usage_with_a_stop_string_does_not_depend_on_speculation(client):
+    """A speculative step may commit tokens past a stop string before it is seen: usage counts
+    only up to the token that completed it, as plain decoding does."""
+    full = client.completions.create(model="smol", prompt="1, 2, 3, 4, 5,", max_tokens=24, temperature=0,
+                                     extra_body={"speculative": {"k": 0}}).choices[0].text
+    stop = " 9,"  # a counting pattern: lookups guess it well, so a step commits past the stop
+    assert stop in full, full
+    usage = [client.completions.create(model="smol", prompt="1, 2, 3, 4, 5,", max_tokens=24, temperature=0, stop=[stop],
+                                       extra_body={"speculative": spec}).usage.completion_tokens
+             for spec in ({"k": 0}, {"k": 8}, {"method": "ngram"})]
+    assert usage[0] == usage[1] == usage[2] and 0 < usage[0] < 24, usage
+
+
+def test_requests_cancelled_in_the_queue_free_their_place(default_model):
+    import queue as queue_mod
+
+    from specdec.server.batcher import ContinuousBatcher, Request
+    from specdec.types import SamplingParams
+
+    b = ContinuousBatcher(default_model.model, default_model.eos_ids, method="none", max_batch=1, max_queue=1,
+                          max_context=256, thread=False)  # no worker: requests stay queued
+    try:
+        first = Request([1, 2, 3], SamplingParams(max_new_tokens=4), lambda *_: None, lambda *_: None)
+        b.submit(first)
+        with pytest.raises(queue_mod.Full):
+            b.submit(Request([1, 2, 3], SamplingParams(max_new_tokens=4), lambda *_: None, lambda *_: None))
+        first.cancel()  # e.g. it timed out waiting (408)
+        b.submit(Request([1, 2, 3], SamplingParams(max_new_tokens=4), lambda *_: None, lambda *_: None))
+        assert b.waiting.qsize() == 1 and b.stats()["cancelled"] == 1
+    finally:
+        b.close()

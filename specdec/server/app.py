@@ -6,9 +6,14 @@ server-sent events, `n`, `max_tokens`, `temperature`, `top_p`, `seed`, `stop`), 
 extra body field: `"speculative": {"k": 0..k_max}` (0 turns it off for that request) and/or
 `"method"`: "none", the server's method, or "ngram" on an `auto` server (prompt lookup only,
 no EAGLE tree for that request).
-Errors are OpenAI-style JSON: 400 for invalid parameters, 401 for a wrong API key, 404 for
-an unknown model, 429 with Retry-After when the queue is full, 408 on a request timeout.
-A client that disconnects mid-stream cancels its request (its batch row is freed).
+Errors are OpenAI-style JSON: 400 for invalid parameters (also text with lone surrogates,
+JSON nested too deeply, and a prompt whose length in characters already proves it longer
+than the context, refused before tokenizing), 401 for a wrong API key, 404 for an unknown
+model or path, 405 for a wrong HTTP method, 429 with Retry-After when the queue is full,
+408 when a request runs past the request timeout (counted from arrival, queued or running).
+A client that disconnects, streaming or not, cancels its request (its batch row is freed);
+requests cancelled while queued give their place in the queue up. With a stop string,
+usage counts tokens only up to the one that completed it (as plain decoding would).
 
 Log-probabilities: completions `logprobs: N` (0..20: each token's and the N most likely),
 chat `logprobs: true` with `top_logprobs: N` (0..20), streamed or not. They are the target's
@@ -29,9 +34,10 @@ import uuid
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..text import find_stop
+from ..text import check_text, find_stop
 from ..types import SamplingParams, SpecdecError
 from .batcher import ContinuousBatcher, Request
 
@@ -104,6 +110,14 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         return JSONResponse({"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": None}},
                             status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(req, exc: StarletteHTTPException):  # unknown paths, wrong methods: OpenAI's shape too
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        what = {404: f"no such endpoint: {req.method} {req.url.path}",
+                405: f"{req.method} is not allowed on {req.url.path}"}.get(exc.status_code, str(exc.detail))
+        return JSONResponse({"error": {"message": what, "type": kind, "param": None, "code": None}},
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
     def check_key(req: HTTPRequest) -> None:
         if api_key is None:
             return
@@ -116,6 +130,8 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
             body = json.loads(await req.body() or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}")
+        except RecursionError:
+            raise APIError(400, "the request body nests JSON arrays or objects too deeply")
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         model = body.get("model")
@@ -240,6 +256,22 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
                 "top_logprobs": [{tok.decode([a], skip_special_tokens=False): v for a, v in alts} for _, alts in lps],
                 "text_offset": offsets}
 
+    # the most characters one token can stand for: a text of C characters has at least
+    # C / max_token_chars tokens, so a prompt far beyond the context is refused before the
+    # tokenizer spends seconds on it (on the event loop, where it would stall every request)
+    max_token_chars = max((len(t) for t in tok.get_vocab()), default=1) if tok is not None else 1
+
+    def check_prompt_text(texts: list[str], param: str) -> None:
+        for t in texts:
+            try:
+                check_text(t, f"'{param}'")
+            except SpecdecError as e:
+                raise APIError(400, str(e), param=param)
+        at_least = sum(len(t) for t in texts) // max_token_chars
+        if at_least > batcher.max_context:
+            raise APIError(400, f"the prompt has at least {at_least} tokens ({sum(len(t) for t in texts)} characters); "
+                                f"the context is {batcher.max_context} tokens", param=param)
+
     def encode(body: dict, chat: bool) -> list[int]:
         from ..text import encode_prompt
 
@@ -250,6 +282,7 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
                     for m in msgs):
                 raise APIError(400, "'messages' must be a non-empty list of {role, content} objects with string "
                                     "content", param="messages")
+            check_prompt_text([m["content"] for m in msgs] + [m["role"] for m in msgs], "messages")
             try:
                 return encode_prompt(tok, msgs, True)
             except SpecdecError as e:
@@ -258,8 +291,26 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
-            raise APIError(400, "'prompt' must be a non-empty string", param="prompt")
+            raise APIError(400, "'prompt' must be a non-empty string (or a list of exactly one string)", param="prompt")
+        check_prompt_text([prompt], "prompt")
         return encode_prompt(tok, prompt, False)
+
+    def completion_tokens(tokens: list[int], stops: list[str], reason: str) -> int:
+        """Tokens a choice used: with a stop string, only up to the token that completed it (a
+        speculative step may have committed a few more before the stop was seen)."""
+        if not stops or reason != "stop" or not tokens:
+            return len(tokens)
+        full = tok.decode(tokens, skip_special_tokens=True)
+        if find_stop(full, stops) is None:
+            return len(tokens)  # ended at EOS
+        lo, hi = 1, len(tokens)  # the shortest prefix whose text holds a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if find_stop(tok.decode(tokens[:mid], skip_special_tokens=True), stops) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     async def handle(req: HTTPRequest, chat: bool):
         check_key(req)
@@ -283,10 +334,14 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         done = [None] * n
         try:
             while any(d is None for d in done):
-                try:
-                    i, kind, payload = await asyncio.wait_for(out.get(), timeout=request_timeout)
-                except asyncio.TimeoutError:
+                if time.perf_counter() - t0 > request_timeout:
                     raise APIError(408, f"the request took longer than {request_timeout:.0f} s", "timeout_error")
+                try:
+                    i, kind, payload = await asyncio.wait_for(out.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await req.is_disconnected():  # the client went away: stop generating for it
+                        return Response(status_code=499)
+                    continue
                 if kind == "tokens":
                     toks[i].extend(payload[0])
                     lps[i].extend(payload[1] or [])
@@ -308,7 +363,7 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
                                 "finish_reason": reason})
             else:
                 choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": lp})
-        comp = sum(len(t) for t in toks)
+        comp = sum(completion_tokens(t, stops, c["finish_reason"]) for t, c in zip(toks, choices))
         dt = time.perf_counter() - t0
         e2e.observe(dt)
         for d in done:
@@ -362,6 +417,9 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
                         yield "data: " + json.dumps({"error": {"message": "request timed out", "type": "timeout_error"}}) + "\n\n"
                         return
                     continue
+                if time.perf_counter() - t0 > request_timeout:
+                    yield "data: " + json.dumps({"error": {"message": "request timed out", "type": "timeout_error"}}) + "\n\n"
+                    return
                 if kind == "tokens":
                     toks[i].extend(payload[0])
                     lps[i].extend(payload[1] or [])

@@ -205,6 +205,14 @@ class ContinuousBatcher:
             raise SpecdecError(f"prompt ({len(req.prompt)} tokens) plus max_tokens ({req.params.max_new_tokens}) "
                                f"exceeds the context of {self.max_context} tokens")
         req.generator = make_generator(req.params.seed)
+        if self.waiting.full():  # requests cancelled while queued (timed out, client gone) hold no place
+            with self.waiting.mutex:
+                live = [r for r in self.waiting.queue if not r.cancelled]
+                dropped = len(self.waiting.queue) - len(live)
+                self.waiting.queue.clear()
+                self.waiting.queue.extend(live)
+            with self.lock:
+                self.totals["cancelled"] += dropped
         self.waiting.put_nowait(req)
         with self.lock:
             self.totals["requests"] += 1
