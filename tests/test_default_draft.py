@@ -59,3 +59,36 @@ def test_greedy_speculation_equals_plain_on_default_model(default_model, method,
     assert sum(r.stats.accepted for r in one_by_one) > 0  # the draft is right some of the time
     batched = engine.generate(ids, params)
     assert [r.tokens for r in batched] == plain
+
+
+@pytest.mark.default_model
+def test_prepacked_subset_head_scores_like_the_plain_one(default_model):
+    """The shipped draft's vocabulary-subset head runs prepacked (bf16 where the CPU has it):
+    its scores stay within bf16 rounding of the plain product, and so do the steady-state
+    one-token feeds against a fresh multi-token feed of the same text."""
+    import torch
+
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.models.loader import default_draft_for, load_model
+    from specdec.types import SamplingParams
+
+    d = load_model(str(default_draft_for(default_model)), quiet=True)
+    subset = d.draft_meta["vocab_subset"]
+    packed = DraftModelDrafter(d.model, vocab_size=default_model.model.vocab_size, vocab_subset=subset)
+    plain = DraftModelDrafter(d.model, vocab_size=default_model.model.vocab_size, vocab_subset=subset)
+    plain.head_packed = None
+    ctx = list(range(300, 340))
+    for dr in (packed, plain):
+        dr.begin([ctx], SamplingParams(), 128)
+    a, b = packed._feed([ctx]), plain._feed([ctx])
+    assert a.shape == b.shape == (1, len(subset))
+    assert (a - b).abs().max() <= 0.05 * b.abs().max()  # bf16 inputs: a few parts in a thousand
+    if packed.head_packed is not None:
+        assert int(a.argmax()) == int(b.argmax())
+    steps = [plain._feed([[t]]) for t in (7, 8, 9)]  # the one-token fast path (fp32 head: no bf16 noise)
+    fresh = DraftModelDrafter(d.model, vocab_size=default_model.model.vocab_size, vocab_subset=subset)
+    fresh.head_packed = None
+    fresh.begin([ctx], SamplingParams(), 128)
+    whole = fresh._feed([ctx + [7, 8, 9]])
+    assert torch.allclose(steps[-1], whole, atol=1e-3 * float(whole.abs().max()))
+    assert plain.fed[0] == ctx + [7, 8, 9] and int(plain.cache.lengths[0]) == len(ctx) + 3
