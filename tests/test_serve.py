@@ -327,3 +327,21 @@ def test_requests_cancelled_in_the_queue_free_their_place(default_model):
         assert b.waiting.qsize() == 1 and b.stats()["cancelled"] == 1
     finally:
         b.close()
+
+
+def test_stream_include_usage(client):
+    """stream_options.include_usage: a last chunk with empty choices and the request's usage,
+    the same as the non-streamed response's (a bad stream_options is a 400)."""
+    import openai
+
+    kw = dict(model="smol", prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0, stop=[" 9,"])
+    whole = client.completions.create(**kw).usage
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (whole.prompt_tokens, whole.completion_tokens)
+    assert all(c.usage is None for c in chunks[:-1])
+    plain = list(client.completions.create(**kw, stream=True))
+    assert all(c.usage is None for c in plain)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": "yes"})

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API over the continuous batcher (`specdec serve`).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
-server-sent events, `n`, `max_tokens`, `temperature`, `top_p`, `seed`, `stop`), GET
+server-sent events, `stream_options: {"include_usage": true}` for a last chunk with usage,
+`n`, `max_tokens`, `temperature`, `top_p`, `seed`, `stop`), GET
 /v1/models, GET /health, GET /metrics (Prometheus text). Per-request speculation in an
 extra body field: `"speculative": {"k": 0..k_max}` (0 turns it off for that request) and/or
 `"method"`: "none", the server's method, or "ngram" on an `auto` server (prompt lookup only,
@@ -317,6 +318,10 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         body = await read_body(req)
         params, n, stops, spec = sampling(body)
         top = want_logprobs(body, chat)
+        opts = body.get("stream_options")
+        if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
+            raise APIError(400, "'stream_options' must be an object like {\"include_usage\": true}", param="stream_options")
+        usage_wanted = bool(opts and opts.get("include_usage"))
         ids = encode(body, chat)
         if len(ids) + params.max_new_tokens + 2 > batcher.max_context:
             raise APIError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_new_tokens}) exceeds "
@@ -327,7 +332,8 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if body.get("stream"):
-            return StreamingResponse(stream(req, reqs, out, stops, rid, created, chat, t0, top),
+            return StreamingResponse(stream(req, reqs, out, stops, rid, created, chat, t0, top,
+                                            len(ids) if usage_wanted else None),
                                      media_type="text/event-stream")
         toks = [[] for _ in range(n)]
         lps = [[] for _ in range(n)]
@@ -374,8 +380,10 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": comp, "total_tokens": len(ids) + comp}}
 
-    async def stream(req, reqs, out, stops, rid, created, chat, t0, top):
+    async def stream(req, reqs, out, stops, rid, created, chat, t0, top, prompt_tokens=None):
+        """prompt_tokens: send a last chunk with usage (stream_options.include_usage)."""
         n = len(reqs)
+        reasons = [""] * n
         toks = [[] for _ in range(n)]
         lps = [[] for _ in range(n)]
         lp_sent = [0] * n  # tokens whose logprobs were sent
@@ -447,9 +455,16 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
                         yield chunk(i, text[sent[i]:])
                     yield chunk(i, "", fr)
                     done[i] = True
+                    reasons[i] = fr
                     if stats.get("first_token_s") is not None:
                         ttft.observe(stats["first_token_s"])
             e2e.observe(time.perf_counter() - t0)
+            if prompt_tokens is not None:  # OpenAI's shape: empty choices, the request's usage
+                comp = sum(completion_tokens(t, stops, r) for t, r in zip(toks, reasons))
+                yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
+                                             "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                                      "completion_tokens": comp,
+                                                                      "total_tokens": prompt_tokens + comp}}) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for r, d in zip(reqs, done):
