@@ -169,3 +169,12 @@ def test_default_model_named_by_its_path_is_the_default(default_model):
     bf = load_model(None, dtype=torch.bfloat16, quiet=True)
     load_eagle(default_eagle_for(bf), bf)  # no "trained for another target" error
     load_medusa(default_medusa_for(bf), bf)
+    # and auto drafts with the head on the bf16 target (its fp32 rotary table promoted q/k, and
+    # writing them into the bf16 cache failed before)
+    from specdec.drafters.hybrid import lookup_eagle_for
+    from specdec.engine import Engine
+    from specdec.types import SamplingParams
+
+    ids = bf.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
+    [r] = Engine(bf.model, lookup_eagle_for(bf), k=8, eos_ids=()).generate([ids], SamplingParams(max_new_tokens=24))
+    assert len(r.tokens) == 24 and r.stats.proposed > 0

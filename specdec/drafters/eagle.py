@@ -262,6 +262,8 @@ class EagleDrafter:
         the head's output features [B, T, D]."""
         emb = F.embedding(tokens, self.embed)
         x, q, k, v = self.head.qkv(emb, feats, positions)
+        if q.dtype != self.k.dtype:  # a bf16 target: the rotary table is fp32 and promotes q, k
+            q, k, v = q.to(self.k.dtype), k.to(self.k.dtype), v.to(self.k.dtype)
         self._write(k, v, slots, rows)
         S = visible.shape[-1]
         keys, vals = (self.k[:, :, :S], self.v[:, :, :S]) if rows is None else (self.k[rows, :, :S], self.v[rows, :, :S])
