@@ -17,6 +17,7 @@ from ..models.llama import packed_linear
 from ..sampling import sample, warp
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
+from .eagle import pack_drafting_head
 
 
 def draw(scores: torch.Tensor, params, generator, subset: torch.Tensor | None, vocab_size: int):
@@ -35,21 +36,6 @@ def draw(scores: torch.Tensor, params, generator, subset: torch.Tensor | None, v
     return (subset[idx] if subset is not None else idx), q
 
 
-def _pack_head(head: torch.Tensor):
-    """(oneDNN-prepacked copy of a subset head, the dtype its input must have) or (None, None)
-    where packing is unavailable. bfloat16 where the CPU multiplies it natively (the shipped
-    draft's weights are bf16 values already): 0.21 -> 0.085 ms for the shipped draft's 8k x 256
-    head at batch 1. Exact either way: sampling draws from, and verification divides by, the q
-    these scores give."""
-    from ..models.llama import PACK_BATCH_HINT, mkldnn_packing_available
-    from .eagle import bf16_drafting
-
-    if not mkldnn_packing_available() or head.device.type != "cpu" or head.dtype != torch.float32:
-        return None, None
-    dtype = torch.bfloat16 if bf16_drafting() else torch.float32
-    return torch.ops.mkldnn._reorder_linear_weight(head.to(dtype), PACK_BATCH_HINT), dtype
-
-
 class DraftModelDrafter:
     def __init__(self, model, vocab_size: int | None = None, vocab_subset: list[int] | None = None) -> None:
         """vocab_subset: token ids the draft may propose (a frequency-ranked head: reading
@@ -57,13 +43,13 @@ class DraftModelDrafter:
         self.model = model
         self.vocab_size = vocab_size or model.vocab_size  # the target's vocabulary (q is padded to it)
         self.subset = None
-        self.head_packed = self.head_dtype = None  # a prepacked subset head (see _pack_head)
+        self.head_packed = self.head_dtype = None  # a prepacked subset head (eagle.pack_drafting_head)
         if vocab_subset is not None and getattr(model, "native", False):
             self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
             if int(self.subset.max()) >= self.vocab_size:
                 raise SpecdecError("the draft's vocabulary subset names ids beyond the target's vocabulary")
             self.head = model.lm_head_weight().detach()[self.subset].contiguous()  # [S, D]
-            self.head_packed, self.head_dtype = _pack_head(self.head)
+            self.head_packed, self.head_dtype = pack_drafting_head(self.head)
         self.cost_hint = None  # measured by the engine
         self.cache = None
         self.fed: list[list[int]] = []  # per row: tokens whose K/V sit in the draft cache

@@ -151,6 +151,18 @@ def bf16_drafting() -> bool:
     return os.environ.get("SPECDEC_DRAFT_FP32") != "1" and cpu_has_bf16()
 
 
+def pack_drafting_head(W: torch.Tensor) -> tuple[torch.Tensor | None, torch.dtype | None]:
+    """A drafter's output head W [S, D] prepacked for oneDNN: (packed weight, the dtype its input
+    must be cast to), in bfloat16 where `bf16_drafting()` (drafting reads the head every step,
+    right after the target's forward evicted it from the caches; exactness does not depend on
+    it: sampling draws from, and verification divides by, the q these scores give), else fp32;
+    (None, None) where packing is unavailable (then use W as it is)."""
+    if not mkldnn_packing_available() or W.dtype != torch.float32 or W.device.type != "cpu":
+        return None, None
+    dtype = torch.bfloat16 if bf16_drafting() else torch.float32
+    return torch.ops.mkldnn._reorder_linear_weight(W.to(dtype), PACK_BATCH_HINT), dtype
+
+
 def head_from_target(cfg) -> EagleHead:
     """An EAGLE head shaped like one layer of the target (native LlamaConfig)."""
     return EagleHead(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
@@ -223,13 +235,8 @@ class EagleDrafter:
             self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
             W = W[self.subset]
         self.W = W.contiguous()  # [S, D]
-        self.W_packed = None
-        # bfloat16 packing where the CPU multiplies bf16 natively: drafting reads its weights
-        # every step, right after the target's forward evicted them from the caches
-        self.pack_dtype = torch.bfloat16 if bf16_drafting() else None
-        if mkldnn_packing_available() and self.W.dtype == torch.float32 and self.W.device.type == "cpu":
-            self.W_packed = torch.ops.mkldnn._reorder_linear_weight(self.W.to(self.pack_dtype or self.W.dtype),
-                                                                    PACK_BATCH_HINT)
+        self.W_packed, self.pack_dtype = pack_drafting_head(self.W)  # the head's layer packs alike
+        if self.W_packed is not None:
             head.pack(self.pack_dtype)
         self.vocab_size = target_model.vocab_size
         self.tree, self.depth, self.width, self.nodes = tree, depth, width, nodes
@@ -272,8 +279,7 @@ class EagleDrafter:
     def _logits(self, h):
         """[..., D] -> [..., S] scores over the subset (or the full vocabulary)."""
         if self.W_packed is not None:
-            x = h.to(self.pack_dtype or torch.float32)
-            return packed_linear(x, self.W_packed).float()
+            return packed_linear(h.to(self.pack_dtype), self.W_packed).float()
         return h.float() @ self.W.float().T
 
     def _ids(self, idx):
