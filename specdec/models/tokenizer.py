@@ -1,0 +1,194 @@
+"""A tokenizer read straight from `tokenizer.json` with the `tokenizers` library, no transformers.
+
+Loading transformers' AutoTokenizer and AutoConfig costs about 1.5 s of every start-up on
+a CPU (transformers' own import, then the Llama configuration module, which pulls in
+torch.distributed); specdec needs only a small part of what they do: encode, decode, the
+special tokens, and the chat template. `FastTokenizer` does that part for the plain
+tokenizer folders that transformers itself would hand to the `tokenizers` library
+unchanged (`tokenizer_class` TokenizersBackend / PreTrainedTokenizerFast / GPT2, no
+whitespace clean-up after decoding, no BOS/EOS flags that rewrite the post-processor);
+`load_fast_tokenizer` returns None for anything else, and the caller falls back to
+AutoTokenizer. Tests check that encode, decode and the chat template give the same ids and
+text as AutoTokenizer on the default model and on several templates.
+
+The chat template renders as transformers renders it: a sandboxed, immutable Jinja
+environment with `trim_blocks` and `lstrip_blocks`, loop controls, a `tojson` that keeps
+non-ASCII text, `raise_exception`, `strftime_now`, the special tokens as variables, and no
+special tokens added when the rendered text is tokenized. It does not know tools,
+documents, `{% generation %}` masks or continue-final-message (specdec uses none of them).
+
+`light_config` is the same idea for `config.json`: a plain object with the file's keys as
+attributes, for Llama checkpoints that spell out every key the native model reads;
+anything else (other families, RoPE scaling, missing keys whose defaults differ by family)
+goes to AutoConfig.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from types import SimpleNamespace
+
+# tokenizer classes whose transformers wrapper only passes text through tokenizer.json
+_PLAIN_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast"}
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _token_text(v) -> str | None:
+    if isinstance(v, dict):  # AddedToken written out as a dict
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str):
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class Namespace(jinja2.utils.Namespace):
+        """namespace() that refuses underscore names (no reaching CPython internals from a template)."""
+
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a chat template may not set the attribute {name!r}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["namespace"] = Namespace
+    return env.from_string(template)
+
+
+class FastTokenizer:
+    """The part of a transformers tokenizer that specdec uses, over `tokenizers.Tokenizer`."""
+
+    def __init__(self, tk, config: dict, chat_template: str | None, source: Path) -> None:
+        self._tk = tk
+        self._config = config
+        self.chat_template = chat_template
+        self.source = source
+        self.special_tokens_map = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
+        for k, t in self.special_tokens_map.items():
+            setattr(self, f"{k}_id", tk.token_to_id(t))
+        for k in _SPECIAL_KEYS:
+            if k not in self.special_tokens_map:
+                setattr(self, f"{k}_id", None)
+            setattr(self, k, self.special_tokens_map.get(k))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if isinstance(ids, int):
+            ids = [ids]
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tk.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self._tk.get_vocab_size(with_added_tokens=True)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        msgs = [dict(m) for m in messages]  # a fresh copy: the template sees plain dicts only
+        return _compile(self.chat_template).render(messages=msgs, tools=None, documents=None,
+                                                   add_generation_prompt=add_generation_prompt,
+                                                   **self.special_tokens_map)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = True):
+        text = self.render_chat(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def save_pretrained(self, out) -> None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        self._tk.save(str(out / "tokenizer.json"))
+        cfg = {k: v for k, v in self._config.items() if k != "chat_template"}
+        (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+        if self.chat_template:
+            (out / "chat_template.jinja").write_text(self.chat_template)
+
+
+def load_fast_tokenizer(d: Path) -> FastTokenizer | None:
+    """A FastTokenizer for the folder `d`, or None when transformers would do more than pass through."""
+    tj, tc = d / "tokenizer.json", d / "tokenizer_config.json"
+    if not (tj.is_file() and tc.is_file()):
+        return None
+    try:
+        config = json.loads(tc.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("tokenizer_class") not in _PLAIN_CLASSES:
+        return None
+    if config.get("clean_up_tokenization_spaces") or config.get("add_bos_token") or config.get("add_eos_token"):
+        return None
+    if config.get("added_tokens_decoder") or config.get("additional_special_tokens") \
+            or config.get("extra_special_tokens"):
+        return None  # extra special tokens are registered by transformers on top of tokenizer.json
+    template = config.get("chat_template")
+    jinja = d / "chat_template.jinja"
+    if jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    if template is not None and not isinstance(template, str):
+        return None  # a list of named templates: transformers picks one; leave it to it
+    try:
+        from tokenizers import Tokenizer
+
+        tk = Tokenizer.from_file(str(tj))
+    except Exception:
+        return None
+    return FastTokenizer(tk, config, template, d)
+
+
+# keys the native model reads without a fallback of its own; a config.json without one of
+# them gets AutoConfig, which knows the family's default
+_LIGHT_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "rms_norm_eps", "tie_word_embeddings")
+
+
+def light_config(d: Path) -> SimpleNamespace | None:
+    """config.json as a plain object for fully spelled-out Llama checkpoints, else None."""
+    try:
+        raw = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("model_type") != "llama" or raw.get("rope_scaling"):
+        return None
+    if any(k not in raw for k in _LIGHT_REQUIRED):
+        return None
+    rope = raw.get("rope_parameters")
+    if rope is None:
+        rope = {"rope_type": "default", "rope_theta": float(raw.get("rope_theta", 10000.0))}
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) != "default":
+        return None
+    cfg = SimpleNamespace(**raw)
+    cfg.rope_parameters = dict(rope)
+    cfg.to_dict = lambda: dict(raw)
+    return cfg
