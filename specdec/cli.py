@@ -855,6 +855,50 @@ def sampling_params(args):
                           seed=args.seed, max_new_tokens=args.max_new_tokens)
 
 
+def ignored_flag_notes(args, greedy: bool, drafter, any_chat: bool) -> list[str]:
+    """One line per option that was set (away from its default) but does nothing in this run."""
+    from .drafters.hybrid import LookupEagleDrafter
+
+    method, notes = args.method, []
+    unused = []
+    if greedy:
+        unused += [f for f, on in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
+                                   ("--min-p", args.min_p != 0.0), ("--seed", args.seed is not None)) if on]
+        if unused:
+            notes.append(f"{', '.join(unused)} only apply to sampling; greedy decoding (--temperature 0) ignores "
+                         f"{'it' if len(unused) == 1 else 'them'}")
+    if args.system is not None and not any_chat:
+        notes.append("--system goes into the chat template, and no prompt here uses it (--raw, rows with "
+                     "\"chat\": false, or a tokenizer without a template)")
+    tree_eagle = method == "eagle" or isinstance(drafter, LookupEagleDrafter)
+    flags = {"--tree-depth": args.tree_depth != 4, "--tree-width": args.tree_width != 2,
+             "--tree-nodes": args.tree_nodes is not None, "--no-tree": not args.tree}
+    uses = set()
+    if tree_eagle:
+        uses = {"--tree-depth", "--tree-width", "--tree-nodes"} | ({"--no-tree"} if method == "eagle" else set())
+        if method == "eagle" and not args.tree:
+            uses -= {"--tree-depth", "--tree-width", "--tree-nodes"}
+    elif method == "medusa":
+        uses = {"--no-tree"} | ({"--tree-nodes"} if args.tree else set())
+    ignored = [f for f, on in flags.items() if on and f not in uses]
+    if ignored:
+        what = {"none": "plain decoding", "ngram": "prompt lookup", "draft": "the draft model's chain",
+                "auto": "auto here (no EAGLE head: prompt lookup and the draft model's chain)",
+                "medusa": "medusa", "eagle": "the eagle chain (--no-tree)"}[method]
+        if tree_eagle and method == "auto":
+            what = "auto (its EAGLE head always drafts a tree)"
+        if drafter is None and method != "none":
+            what = "-k 0 (nothing is drafted)"
+        notes.append(f"{', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} nothing with {what}; "
+                     "the tree options shape the eagle (and auto's EAGLE) tree, and medusa's with --tree-nodes")
+    if args.k and method == "eagle" and args.tree:
+        notes.append(f"-k {args.k} is not used by the eagle tree (its depth is --tree-depth, {args.tree_depth}); "
+                     "--no-tree drafts a chain of -k tokens")
+    if args.k and method == "none":
+        notes.append(f"-k {args.k} is not used by --method none (plain decoding drafts nothing)")
+    return notes
+
+
 def _check_draft_path(path, method: str) -> None:
     """A clear error when a drafter path names nothing, or a folder of another kind than the method needs
     (the loaders' own messages talk about --model, or say 'pass --draft' to someone who did)."""
@@ -964,7 +1008,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from .models.loader import load_model
-    from .text import StreamPrinter, encode_prompt, find_stop
+    from .text import StreamPrinter, encode_prompt, find_stop, has_chat_template
 
     params = sampling_params(args)  # validate before loading anything
     rows_in = read_prompts(args)
@@ -979,12 +1023,15 @@ def cmd_generate(args) -> int:
     if target.tokenizer is None:
         raise SpecdecError(f"{target.path} has no tokenizer; specdec generate needs one to read text prompts")
     engine, _ = build_engine(args, target, quiet)
-    if args.k and args.method == "eagle" and args.tree and not quiet:
-        print(f"[specdec] note: -k {args.k} is not used by the eagle tree (its depth is --tree-depth, "
-              f"{args.tree_depth}); --no-tree drafts a chain of -k tokens", file=sys.stderr)
     tok = target.tokenizer
     # a --prompts-file row's own "chat" (true / false) wins over --chat / --raw
-    encoded = [encode_prompt(tok, p, args.chat if chat is None else chat, args.system) for p, chat in rows_in]
+    chats = [args.chat if chat is None else chat for _, chat in rows_in]
+    encoded = [encode_prompt(tok, p, chat, args.system) for (p, _), chat in zip(rows_in, chats)]
+    if not quiet:
+        any_chat = any(isinstance(p, list) or c is True or (c is None and has_chat_template(tok))
+                       for (p, _), c in zip(rows_in, chats))
+        for note in ignored_flag_notes(args, params.greedy, engine.drafter, any_chat):
+            print(f"[specdec] note: {note}", file=sys.stderr)
     for i, ids in enumerate(encoded):
         if args.prompts_file:
             where = f"{args.prompts_file}: prompt {i + 1}"

@@ -315,3 +315,35 @@ def test_batches_of_samples_differ(default_model, capsys):
     comps = json.loads(capsys.readouterr().out)["completions"]
     ids = [c["token_ids"] for c in comps]
     assert ids[:2] != ids[2:]
+
+
+@pytest.mark.parametrize("argv, drafter, chat, expect", [
+    (["--method", "ngram", "--tree-depth", "6"], "other", True, ["--tree-depth does nothing with prompt lookup"]),
+    (["--method", "eagle", "--tree-depth", "6", "--tree-nodes", "9"], "other", True, []),
+    (["--method", "eagle", "--no-tree", "--tree-width", "3"], "other", True, ["--tree-width does nothing"]),
+    (["--method", "eagle", "-k", "3"], "other", True, ["-k 3 is not used by the eagle tree"]),
+    (["--method", "auto", "--tree-depth", "6", "--tree-nodes", "7"], "lookup-eagle", True, []),
+    (["--method", "auto", "--no-tree"], "lookup-eagle", True, ["--no-tree does nothing with auto (its EAGLE"]),
+    (["--method", "auto", "--tree-depth", "6"], "other", True, ["--tree-depth does nothing with auto here"]),
+    (["--method", "auto", "-k", "0", "--tree-nodes", "9"], None, True, ["--tree-nodes does nothing with -k 0"]),
+    (["--method", "medusa", "--tree-nodes", "6", "--no-tree"], "other", True, ["--tree-nodes does nothing"]),
+    (["--method", "medusa", "--tree-nodes", "6"], "other", True, []),
+    (["--method", "none", "-k", "3"], None, True, ["-k 3 is not used by --method none"]),
+    (["--top-p", "0.9", "--seed", "1"], "lookup-eagle", True, ["--top-p, --seed only apply to sampling"]),
+    (["--temperature", "0.7", "--top-p", "0.9", "--seed", "1", "--min-p", "0.1"], "lookup-eagle", True, []),
+    (["--system", "be brief"], "lookup-eagle", False, ["--system goes into the chat template"]),
+    (["--system", "be brief"], "lookup-eagle", True, []),
+    ([], "lookup-eagle", True, []),
+])
+def test_notes_for_options_that_do_nothing(argv, drafter, chat, expect):
+    """Options that do not apply to the run (tree shapes for chain methods, filters with greedy, a system
+    message with raw prompts) used to be dropped without a word."""
+    from specdec.cli import build_parser, ignored_flag_notes, sampling_params
+    from specdec.drafters.hybrid import LookupEagleDrafter
+
+    args = build_parser().parse_args(["generate", "x", *argv])
+    d = {"lookup-eagle": object.__new__(LookupEagleDrafter), "other": object(), None: None}[drafter]
+    notes = ignored_flag_notes(args, sampling_params(args).greedy, d, chat)
+    assert len(notes) == len(expect), notes
+    for note, want in zip(notes, expect):
+        assert note.startswith(want), (note, want)
