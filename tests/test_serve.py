@@ -345,3 +345,58 @@ def test_stream_include_usage(client):
     assert all(c.usage is None for c in plain)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(**kw, stream=True, stream_options={"include_usage": "yes"})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("echo", True), ("logit_bias", {"50": 10}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+    ("best_of", 3), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("response_format", {"type": "json_object"}), ("suffix", "tail"), ("repetition_penalty", 1.3),
+])
+def test_unimplemented_openai_fields_are_refused_not_ignored(server, field, value):
+    """Fields specdec does not implement used to be ignored: a caller asking for a penalty or JSON mode got
+    ordinary text back with no sign. A non-default value is a 400 naming the field."""
+    import json
+
+    code, text = http(server[0] + "/v1/completions", {"model": "smol", "prompt": "hi", "max_tokens": 2, field: value})
+    assert code == 400, text
+    err = json.loads(text)["error"]
+    assert err["param"] == field and "not supported" in err["message"]
+
+
+def test_default_values_of_unimplemented_fields_are_served(server):
+    """What many clients send on every request (zero penalties, echo false, an empty logit_bias...) still works."""
+    import json
+
+    body = {"model": "smol", "prompt": "hi", "max_tokens": 2, "echo": False, "logit_bias": {}, "presence_penalty": 0,
+            "frequency_penalty": 0.0, "best_of": 1, "tools": [], "tool_choice": "none", "suffix": "",
+            "response_format": {"type": "text"}, "user": "u1", "top_k": -1, "min_p": 0}
+    code, text = http(server[0] + "/v1/completions", body)
+    assert code == 200, text
+    code, text = http(server[0] + "/v1/completions", {**body, "n": 2, "best_of": 2, "temperature": 0.5})
+    assert code == 200 and len(json.loads(text)["choices"]) == 2, text
+
+
+def test_top_k_one_is_greedy_and_content_parts_are_text(client, default_model):
+    """top_k (an extension, as in vLLM) reaches the sampler: top_k 1 at temperature 1 is the greedy text.
+    Chat content given as OpenAI's list of text parts reads as that text."""
+    q = "Name a fruit."
+    want = plain_greedy(default_model, q, True, 16)
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": q}], max_tokens=16,
+                                       temperature=1.0, extra_body={"top_k": 1})
+    assert r.choices[0].message.content == want
+    parts = [{"type": "text", "text": "Name a"}, {"type": "text", "text": "fruit."}]
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": parts}], max_tokens=16,
+                                       temperature=0)
+    assert r.choices[0].message.content == plain_greedy(default_model, "Name a\nfruit.", True, 16)
+
+
+@pytest.mark.parametrize("content,needle", [
+    ([{"type": "image_url", "image_url": {"url": "http://x"}}], "only text content"),
+    ([], "'content'"), (None, "'content'"), (5, "'content'"),
+])
+def test_non_text_content_is_a_400(server, content, needle):
+    import json
+
+    code, text = http(server[0] + "/v1/chat/completions",
+                      {"model": "smol", "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    assert code == 400 and needle in json.loads(text)["error"]["message"], text

@@ -98,6 +98,51 @@ def _num(body: dict, key: str, kind, default, lo=None, hi=None, lo_open=False):
     return v
 
 
+# OpenAI fields specdec does not implement, with the values that mean "not used": a request that
+# leaves them there (as many clients send them) is served; any other value is refused with a 400
+# rather than silently ignored
+_UNSUPPORTED = {
+    "echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},), "prediction": (),
+}
+
+
+def _same(v, f) -> bool:
+    """JSON equality that keeps true/false apart from 1/0."""
+    if isinstance(v, bool) or isinstance(f, bool):
+        return type(v) is type(f) and v == f
+    return v == f
+
+
+def refuse_unsupported(body: dict) -> None:
+    for key, fine in _UNSUPPORTED.items():
+        v = body.get(key)
+        if v is None or any(_same(v, f) for f in fine):
+            continue
+        if key == "best_of" and _same(v, body.get("n", 1)):
+            continue  # best_of == n: every candidate is returned, nothing to choose
+        raise APIError(400, f"'{key}' is not supported by this server (got {json.dumps(v)[:80]}); leave it out",
+                       param=key)
+
+
+def _text_content(c) -> str:
+    """A message's content as text: a string, or OpenAI's list of {"type": "text", "text": ...} parts
+    (joined by newlines); anything else (images, audio, a missing content) is a 400."""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and c and all(isinstance(p, dict) for p in c):
+        kinds = {p.get("type") for p in c}
+        if kinds == {"text"} and all(isinstance(p.get("text"), str) for p in c):
+            return "\n".join(p["text"] for p in c)
+        if kinds - {"text"}:
+            raise APIError(400, f"only text content is supported; a message has parts of type "
+                                f"{', '.join(sorted(map(str, kinds - {'text'})))}", param="messages")
+    raise APIError(400, "each message's 'content' must be a string or a list of {\"type\": \"text\", \"text\": "
+                        "...} parts", param="messages")
+
+
 def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | None = None,
                request_timeout: float = 600.0, max_n: int = 16):
     app = FastAPI(title="specdec", version="0.1.0")
@@ -162,6 +207,9 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         top_p = _num(body, "top_p", float, 1.0, lo=0, hi=1, lo_open=True)
         n = _num(body, "n", int, 1, lo=1, hi=max_n)
         seed = _num(body, "seed", int, None)
+        top_k = _num(body, "top_k", int, 0, lo=-1)  # an extension (as vLLM's): -1 or 0 = off
+        min_p = _num(body, "min_p", float, 0.0, lo=0, hi=1)
+        refuse_unsupported(body)
         stop = body.get("stop")
         if stop is None:
             stops = []
@@ -187,7 +235,7 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
                 trees = False  # prompt lookup only
         try:
             params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                                    seed=seed)
+                                    top_k=max(top_k, 0), min_p=float(min_p), seed=seed)
         except SpecdecError as e:
             raise APIError(400, str(e))
         return params, n, stops, (spec_k, trees)
@@ -279,10 +327,10 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
-                    for m in msgs):
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
                 raise APIError(400, "'messages' must be a non-empty list of {role, content} objects with string "
                                     "content", param="messages")
+            msgs = [{"role": m["role"], "content": _text_content(m.get("content"))} for m in msgs]
             check_prompt_text([m["content"] for m in msgs] + [m["role"] for m in msgs], "messages")
             try:
                 return encode_prompt(tok, msgs, True)
