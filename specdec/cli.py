@@ -44,6 +44,17 @@ def _int_at_least(lowest: int, highest: int | None = None):
     return parse
 
 
+def _unit_interval(s: str) -> float:
+    """An argparse type: a number in [0, 1)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {s!r}") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {s}")
+    return v
+
+
 _positive_int = _int_at_least(1)
 _nonneg_int = _int_at_least(0)
 
@@ -70,6 +81,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="most tokens drafted per step (0: none, i.e. plain decoding). ngram and auto propose fewer "
                         "where their guesses tend not to hold (adaptive); the eagle tree's depth is --tree-depth "
                         f"instead. Default: {', '.join(f'{m} {k}' for m, k in DEFAULT_K.items())}")
+    g.add_argument("--draft-confidence", type=_unit_interval, default=None, metavar="P",
+                   help="draft model (draft, and auto without an EAGLE head): a row stops guessing after a token "
+                        "the draft itself gives less than probability P (0 = always -k tokens). Exact at any value: "
+                        "the stop depends on the draft's numbers only. Default: 0.4 (measured; README)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights and activations dtype. Default: float32")
     g.add_argument("--tree", action=argparse.BooleanOptionalAction, default=True,
@@ -894,6 +909,13 @@ def ignored_flag_notes(args, greedy: bool, drafter, any_chat: bool) -> list[str]
     if args.k and method == "eagle" and args.tree:
         notes.append(f"-k {args.k} is not used by the eagle tree (its depth is --tree-depth, {args.tree_depth}); "
                      "--no-tree drafts a chain of -k tokens")
+    if getattr(args, "draft_confidence", None) is not None:
+        from .drafters.draft_model import DraftModelDrafter
+        from .drafters.hybrid import HybridDrafter
+
+        if not isinstance(drafter, (DraftModelDrafter, HybridDrafter)):
+            notes.append("--draft-confidence only applies to a draft model (--method draft, or auto without an "
+                         "EAGLE head); this run drafts without one")
     if args.k and method == "none":
         notes.append(f"-k {args.k} is not used by --method none (plain decoding drafts nothing)")
     return notes
@@ -995,12 +1017,14 @@ def build_engine(args, target, quiet: bool):
             draft_lm = load_model(str(path), dtype=target.model.dtype, quiet=quiet)
     if method == "none":
         return Engine(target.model, eos_ids=target.eos_ids), None
+    conf = getattr(args, "draft_confidence", None)
     if method == "auto":
         # prompt lookup (adaptive length) where the context repeats itself; the draft model
         # elsewhere, while it pays, with its draft length chosen per step (adaptive.py)
-        drafter = REGISTRY["hybrid" if draft_lm is not None else "ngram"](target=target, draft=draft_lm)
+        drafter = REGISTRY["hybrid" if draft_lm is not None else "ngram"](target=target, draft=draft_lm,
+                                                                           confidence=conf)
         return Engine(target.model, drafter, k=max(method_k(args), 1), eos_ids=target.eos_ids), draft_lm
-    drafter = REGISTRY[method](target=target, draft=draft_lm)
+    drafter = REGISTRY[method](target=target, draft=draft_lm, confidence=conf)
     return Engine(target.model, drafter, k=method_k(args), eos_ids=target.eos_ids), draft_lm
 
 

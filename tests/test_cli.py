@@ -334,6 +334,8 @@ def test_batches_of_samples_differ(default_model, capsys):
     (["--system", "be brief"], "lookup-eagle", False, ["--system goes into the chat template"]),
     (["--system", "be brief"], "lookup-eagle", True, []),
     ([], "lookup-eagle", True, []),
+    (["--draft-confidence", "0.2"], "lookup-eagle", True, ["--draft-confidence only applies to a draft model"]),
+    (["--method", "draft", "--draft-confidence", "0.2"], "draft", True, []),
 ])
 def test_notes_for_options_that_do_nothing(argv, drafter, chat, expect):
     """Options that do not apply to the run (tree shapes for chain methods, filters with greedy, a system
@@ -342,7 +344,10 @@ def test_notes_for_options_that_do_nothing(argv, drafter, chat, expect):
     from specdec.drafters.hybrid import LookupEagleDrafter
 
     args = build_parser().parse_args(["generate", "x", *argv])
-    d = {"lookup-eagle": object.__new__(LookupEagleDrafter), "other": object(), None: None}[drafter]
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    d = {"lookup-eagle": object.__new__(LookupEagleDrafter), "other": object(), None: None,
+         "draft": object.__new__(DraftModelDrafter)}[drafter]
     notes = ignored_flag_notes(args, sampling_params(args).greedy, d, chat)
     assert len(notes) == len(expect), notes
     for note, want in zip(notes, expect):

@@ -74,6 +74,9 @@ def make_drafter(name: str):
         return DraftModelDrafter(draft)
     if name == "draft_self":
         return DraftModelDrafter(target)
+    if name == "draft_confident":
+        # rows stop guessing after a token the draft doubts: lengths differ per row and step
+        return DraftModelDrafter(draft, confidence=0.15)
     if name == "draft_self_subset":
         # the target drafting for itself over the even ids only: right when the argmax is even
         return DraftModelDrafter(target, vocab_subset=list(range(0, VOCAB, 2)))
@@ -87,7 +90,7 @@ def make_drafter(name: str):
     raise KeyError(name)
 
 
-DRAFTERS = ("none", "ngram", "ngram_fixed", "draft_other", "draft_self", "draft_self_subset", "hybrid", "random_guesses",
+DRAFTERS = ("none", "ngram", "ngram_fixed", "draft_other", "draft_confident", "draft_self", "draft_self_subset", "hybrid", "random_guesses",
             "corrupted_truth")
 
 

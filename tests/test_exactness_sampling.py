@@ -87,6 +87,9 @@ def make_drafter(name: str, temperature: float, top_k: int, top_p: float):
         "ngram": lambda: NgramDrafter(adaptive=False),
         "draft_model": lambda: DraftModelDrafter(draft),
         "draft_self": lambda: DraftModelDrafter(target),
+        # rows stop guessing after a doubtful token (the draft's own probability < 0.1):
+        # different lengths per row and step, chosen from the draft's random numbers
+        "draft_confident": lambda: DraftModelDrafter(draft, confidence=0.1),
         # q = the target's p restricted to even ids and renormalised: the residual lives
         # on the odd ids only
         "draft_self_subset": lambda: DraftModelDrafter(target, vocab_subset=list(range(0, V, 2))),
@@ -145,6 +148,7 @@ SETTINGS = [
     ("draft-t1.0-topp0.8-depth2", "draft_model", dict(temperature=1.0, top_p=0.8), 2, 4),
     ("draft-t0.7-topk8-topp0.9-bonus", "draft_model", dict(temperature=0.7, top_k=8, top_p=0.9), 1, 3),
     ("draft-self-t1.0-bonus", "draft_self", dict(temperature=1.0), 1, 3),
+    ("draft-confident-t1.0-topk12-depth2", "draft_confident", dict(temperature=1.0, top_k=12), 2, 4),
     ("draft-self-subset-t0.8-topk10-depth2", "draft_self_subset", dict(temperature=0.8, top_k=10), 2, 4),
     ("uniform-t1.0-topk6-depth2", "uniform", dict(temperature=1.0, top_k=6), 2, 4),
     ("uniform-t0.7-bonus", "uniform", dict(temperature=0.7), 1, 3),
@@ -175,6 +179,8 @@ def test_speculative_sampling_matches_exact_distribution(name, drafter_name, par
         assert st["accepted"] < st["proposed"]  # rejections happened: recovered tokens used
     if depth > 1 and drafter_name != "draft_self":
         assert st["accepted_by_pos"][1] > 0  # verification at depth 2 accepted some drafts
+    if drafter_name == "draft_confident":  # some rows stopped after their first guess, others went on
+        assert 0.2 * st["proposed_by_pos"][0] < st["proposed_by_pos"][1] < 0.8 * st["proposed_by_pos"][0], st
 
     for label, res in check(samples, params):
         assert not res.rejected, f"{name}, {label}: speculative samples differ from the exact distribution: {res}"
@@ -182,6 +188,7 @@ def test_speculative_sampling_matches_exact_distribution(name, drafter_name, par
 
 BROKEN_SETTINGS = [
     "uniform-t0.7-bonus",
+    "draft-confident-t1.0-topk12-depth2",
     "uniform-t1.0-topk6-depth2",
     "draft-t1.0-topp0.8-depth2",
     "confwrong-t0.7-topp0.9-depth2",

@@ -37,9 +37,13 @@ def draw(scores: torch.Tensor, params, generator, subset: torch.Tensor | None, v
 
 
 class DraftModelDrafter:
-    def __init__(self, model, vocab_size: int | None = None, vocab_subset: list[int] | None = None) -> None:
+    def __init__(self, model, vocab_size: int | None = None, vocab_subset: list[int] | None = None,
+                 confidence: float = 0.0) -> None:
         """vocab_subset: token ids the draft may propose (a frequency-ranked head: reading
-        8k rows instead of 49k is most of a small draft's cost). Exact: q is 0 elsewhere."""
+        8k rows instead of 49k is most of a small draft's cost). Exact: q is 0 elsewhere.
+        confidence: a row stops drafting after a guess the draft gives less than this
+        probability (0: always the full length). Exact either way: when to stop depends only
+        on the draft's own numbers, never on the target's."""
         self.model = model
         self.vocab_size = vocab_size or model.vocab_size  # the target's vocabulary (q is padded to it)
         self.subset = None
@@ -51,6 +55,7 @@ class DraftModelDrafter:
             self.head = model.lm_head_weight().detach()[self.subset].contiguous()  # [S, D]
             self.head_packed, self.head_dtype = pack_drafting_head(self.head)
         self.cost_hint = None  # measured by the engine
+        self.confidence = confidence
         self.cache = None
         self.fed: list[list[int]] = []  # per row: tokens whose K/V sit in the draft cache
         self.ctx_len: list[int] = []  # per row: committed tokens fed before the last proposal
@@ -105,15 +110,28 @@ class DraftModelDrafter:
         logits = self._feed(new)
         self.ctx_len = [len(f) for f in self.fed]
         toks, probs = [], []
+        counts = torch.full((B,), max_tokens, dtype=torch.long)
+        live = torch.ones(B, dtype=torch.bool)
         for i in range(max_tokens):
-            nxt, q = draw(logits[:, : self.vocab_size].float(), ctx.params, ctx.generator, self.subset, self.vocab_size)
+            scores = logits[:, : self.vocab_size].float()
+            nxt, q = draw(scores, ctx.params, ctx.generator, self.subset, self.vocab_size)
             if q is not None:
                 probs.append(q)
             toks.append(nxt)
+            if self.confidence > 0 and i + 1 < max_tokens:
+                # the draft's own probability of the token it just guessed (its unwarped
+                # distribution): a row stops guessing after a token the draft doubts
+                idx = nxt if self.subset is None else torch.searchsorted(self.subset, nxt)
+                p = torch.softmax(scores, -1).gather(1, idx[:, None])[:, 0]
+                stop = live & (p < self.confidence)
+                counts[stop] = i + 1
+                live &= ~stop
+                if not bool(live.any()):
+                    break
             if i + 1 < max_tokens:
                 logits = self._feed([[int(x)] for x in nxt])
         tokens = torch.stack(toks, 1)  # [B, K]
-        return Draft(tokens, torch.full((B,), max_tokens, dtype=torch.long), torch.stack(probs, 1) if probs else None)
+        return Draft(tokens, counts, torch.stack(probs, 1) if probs else None)
 
     def commit(self, num_accepted) -> None:
         # the cache holds context + d1..d_{K-1}; keep context + the accepted drafts.
@@ -146,8 +164,14 @@ def check_same_vocabulary(target_tok, draft_tok) -> None:
         )
 
 
+#: a row stops drafting after a guess the draft itself gives less probability than this. Measured
+#: with the shipped draft (6 HumanEval + 8 Spec-Bench dev prompts, 96 tokens, k 4, README):
+#: 0 -> 1.08x / 1.01x of plain, 0.3 -> 1.16x / 1.10x, 0.4 -> 1.16x / 1.10x, 0.7 -> 1.13x / 1.11x
+DEFAULT_CONFIDENCE = 0.4
+
+
 @register("draft")
-def _make(target=None, draft=None, **_):
+def _make(target=None, draft=None, confidence: float | None = None, **_):
     """target, draft: LoadedModel objects (see models.loader)."""
     if draft is None:
         raise SpecdecError("--method draft needs a draft model: pass --draft PATH (a folder or .gguf with the same tokenizer)")
@@ -158,4 +182,5 @@ def _make(target=None, draft=None, **_):
                            "share the target's vocabulary (and should come with its tokenizer, so the ids can be "
                            "checked)")
     meta = getattr(draft, "draft_meta", None) or {}
-    return DraftModelDrafter(draft.model, vocab_size=target.model.vocab_size, vocab_subset=meta.get("vocab_subset"))
+    return DraftModelDrafter(draft.model, vocab_size=target.model.vocab_size, vocab_subset=meta.get("vocab_subset"),
+                             confidence=DEFAULT_CONFIDENCE if confidence is None else confidence)

@@ -389,9 +389,10 @@ def lookup_eagle_for(target, head=None):
 
 
 @register("hybrid")
-def _make(target=None, draft=None, **_):
+def _make(target=None, draft=None, confidence: float | None = None, **_):
     from .draft_model import _make as make_draft
 
     from ..adaptive import AdaptiveK
 
-    return HybridDrafter(make_draft(target=target, draft=draft), k_policy=AdaptiveK(cost_hint=None))
+    return HybridDrafter(make_draft(target=target, draft=draft, confidence=confidence),
+                         k_policy=AdaptiveK(cost_hint=None))
