@@ -875,9 +875,8 @@ def ignored_flag_notes(args, greedy: bool, drafter, any_chat: bool) -> list[str]
     from .drafters.hybrid import LookupEagleDrafter
 
     method, notes = args.method, []
-    unused = []
     if greedy:
-        unused += [f for f, on in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
+        unused = [f for f, on in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
                                    ("--min-p", args.min_p != 0.0), ("--seed", args.seed is not None)) if on]
         if unused:
             notes.append(f"{', '.join(unused)} only apply to sampling; greedy decoding (--temperature 0) ignores "

@@ -90,12 +90,10 @@ class FastTokenizer:
         self.chat_template = chat_template
         self.source = source
         self.special_tokens_map = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
-        for k, t in self.special_tokens_map.items():
-            setattr(self, f"{k}_id", tk.token_to_id(t))
-        for k in _SPECIAL_KEYS:
-            if k not in self.special_tokens_map:
-                setattr(self, f"{k}_id", None)
-            setattr(self, k, self.special_tokens_map.get(k))
+        for k in _SPECIAL_KEYS:  # bos_token, bos_token_id, ... as transformers names them (None: not set)
+            t = self.special_tokens_map.get(k)
+            setattr(self, k, t)
+            setattr(self, f"{k}_id", None if t is None else tk.token_to_id(t))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
@@ -190,5 +188,4 @@ def light_config(d: Path) -> SimpleNamespace | None:
         return None
     cfg = SimpleNamespace(**raw)
     cfg.rope_parameters = dict(rope)
-    cfg.to_dict = lambda: dict(raw)
     return cfg
