@@ -103,7 +103,7 @@ def _num(body: dict, key: str, kind, default, lo=None, hi=None, lo_open=False):
 # rather than silently ignored
 _UNSUPPORTED = {
     "echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),  # 0 == 0.0 in _same
     "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},), "prediction": (),
 }
