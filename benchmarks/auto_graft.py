@@ -53,6 +53,9 @@ def main() -> int:
             dr = REGISTRY["lookup-eagle"](target=target, draft=DEFAULT_EAGLE_DIR, depth=d, width=w, nodes=n)
             g = int(o.get("g", dr.graft))
             dr.graft, dr.max_nodes = g, dr.eagle.max_nodes + g
+            if "l" in o:  # a lookup alone only when at least L long (no value comparison)
+                L = int(o["l"])
+                dr.prefer_lookup = lambda looked, fixed: [len(x) >= L for x in looked]
             return Engine(target.model, dr, k=int(o.get("k", 8)), eos_ids=target.eos_ids)
         if kind == "eagle":
             dr = REGISTRY["eagle"](target=target, draft=DEFAULT_EAGLE_DIR, tree=True, depth=d, width=w, nodes=n)
@@ -70,12 +73,13 @@ def main() -> int:
             a[1] += r.stats.decode_s
             a[2] += r.stats.target_forwards
         print(f"prompt {i + 1}/{len(enc)}", file=sys.stderr, flush=True)
-    base = {c: res["none"][c][0] / res["none"][c][1] for c in ("dev", "humaneval")}
+    sets = [c for c in ("dev", "humaneval") if res["none"][c][1] > 0]  # (--per-category 0: no dev prompts)
+    base = {c: res["none"][c][0] / res["none"][c][1] for c in sets}
     base_all = sum(res["none"][c][0] for c in base) / sum(res["none"][c][1] for c in base)
     print(f"threads {args.threads}; {len(enc)} prompts, {args.max_new_tokens} new tokens, greedy, decode only")
     for n in names:
         cells = []
-        for c in ("dev", "humaneval"):
+        for c in sets:
             t, s, f = res[n][c]
             cells.append(f"{c} {t / s:6.1f} tok/s x{t / s / base[c]:.2f} tau {t / max(f, 1):.2f}")
         T, S = sum(res[n][c][0] for c in base), sum(res[n][c][1] for c in base)

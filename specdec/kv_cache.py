@@ -56,13 +56,15 @@ class KVCache:
         return start, uniform
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, uniform: int | None) -> None:
-        """Store new entries `k, v: [B, H_kv, T, Dh]` at slots start[b] + t."""
+        """Store new entries `k, v: [B, H_kv, T, Dh]` at slots start[b] + t (converted to the
+        cache's dtype, which may be wider than the model's; see models.llama)."""
         T = k.shape[2]
         if uniform is not None:
             self.k[layer][:, :, uniform : uniform + T] = k
             self.v[layer][:, :, uniform : uniform + T] = v
             return
         B = k.shape[0]
+        k, v = k.to(self.k[layer].dtype), v.to(self.v[layer].dtype)
         slots = start[:, None] + torch.arange(T, device=k.device)  # [B, T]
         rows = torch.arange(B, device=k.device)[:, None].expand(B, T)  # [B, T]
         # advanced indices on dims 0 and 2 put (B, T) first: value must be [B, T, H, Dh]

@@ -61,6 +61,35 @@ def test_greedy_speculation_equals_plain_on_default_model(default_model, method,
     assert [r.tokens for r in batched] == plain
 
 
+@pytest.fixture(scope="module")
+def default_model_bf16():
+    import torch
+
+    from specdec.models.loader import load_model
+
+    return load_model(None, dtype=torch.bfloat16, quiet=True)
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("method", ["auto", "draft", "medusa"])
+def test_greedy_speculation_equals_plain_in_bfloat16(default_model_bf16, method):
+    """`--dtype bfloat16`: speculative greedy text equals plain bf16 greedy text token for token
+    (a verification forward's logits equal one-at-a-time decoding's: the model attends in
+    float64, see models.llama), alone and in a ragged batch against the same batch decoded
+    plainly; auto mixes lookup chains and EAGLE trees, medusa verifies a static tree."""
+    lm = default_model_bf16
+    ids = [encode_prompt(lm.tokenizer, p, chat) for p, chat in PROMPTS]
+    params = SamplingParams(max_new_tokens=48)
+    plain_engine, _ = build_engine(_args("none"), lm, quiet=True)
+    plain = [plain_engine.generate([x], params)[0].tokens for x in ids]
+    engine, _ = build_engine(_args(method), lm, quiet=True)
+    one_by_one = [engine.generate([x], params)[0] for x in ids]
+    assert [r.tokens for r in one_by_one] == plain
+    assert sum(r.stats.accepted for r in one_by_one) > 0
+    batched = [r.tokens for r in engine.generate(ids, params)]
+    assert batched == [r.tokens for r in plain_engine.generate(ids, params)]
+
+
 @pytest.mark.default_model
 def test_prepacked_subset_head_scores_like_the_plain_one(default_model):
     """The shipped draft's vocabulary-subset head runs prepacked (bf16 where the CPU has it):

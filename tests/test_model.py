@@ -316,3 +316,31 @@ def test_build_native_skips_random_init_only_while_loading():
     w = fresh.layers[0].wqkv.weight
     assert float(w.std()) > 0 and torch.isfinite(w).all()
     assert float(fresh.embed.weight.std()) > 0.5  # nn.Embedding's N(0, 1) init
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bfloat16_verification_equals_one_at_a_time_bit_for_bit(family):
+    """In bfloat16 a forward over several new tokens (a chain, a tree, a ragged batch) gives
+    each token exactly the logits that decoding its path one token at a time gives: the
+    attention runs in float64 (`attn_dtype`), so greedy speculation cannot drift from plain
+    greedy decoding. (Attending in bfloat16 differs by whole bf16 steps here.)"""
+    from specdec.models.llama import build_native
+
+    p = get_pair(family)
+    model = build_native(p.hf.config, p.hf.state_dict(), dtype=torch.bfloat16, pack=True)
+    assert model.attn_dtype == torch.float64
+    parents = [[-1, 0, 1, 2, 3, 4], [-1, 0, 0, 1, 2, 3]]  # row 0 a chain, row 1 a tree
+    N = len(parents[0])
+    prompts = [random_tokens(9, seed=20), random_tokens(14, seed=21)]
+    nodes = torch.tensor([random_tokens(N, seed=22), random_tokens(N, seed=23)])
+    cache, _, lens = prefill_ragged(model, prompts)
+    mask = torch.stack([ancestor_mask(pa) for pa in parents])
+    depth = torch.tensor([[len(path_to(pa, i)) - 1 for i in range(N)] for pa in parents])
+    logits, _ = model(nodes, lens[:, None] + depth, cache, attn_mask=mask)
+    for b in range(2):
+        for i in range(N):
+            path = [int(nodes[b, j]) for j in path_to(parents[b], i)]
+            one, _, n = prefill_ragged(model, [prompts[b]])
+            for t, tok in enumerate(path):  # one token per forward, as plain decoding runs
+                ref, _ = model(torch.tensor([[tok]]), torch.tensor([[int(n[0]) + t]]), one)
+            assert torch.equal(logits[b, i], ref[0, 0]), f"row {b} node {i}"

@@ -123,6 +123,7 @@ def dev_and_humaneval(tokenizer, data: str | Path, per_category: int, humaneval:
     `generate` would (chat template for chat prompts); each tagged "dev" or "humaneval"."""
     from ..text import encode_prompt
 
-    tasks = select(load_jsonl(data), None, per_category) + load_humaneval()[:humaneval]
+    dev = select(load_jsonl(data), None, per_category) if per_category > 0 else []  # (0: none, not all)
+    tasks = dev + load_humaneval()[:humaneval]
     return [("humaneval" if t.category == "humaneval" else "dev", encode_prompt(tokenizer, t.prompt, t.chat))
             for t in tasks]

@@ -14,6 +14,18 @@ sees its row's committed prefix in the cache. `hidden` is the final-normed hidde
 For speed the q/k/v projections and the gate/up projections are stored fused; the
 loader maps Hugging Face parameter names onto them (`load_hf_state_dict`).
 
+Verifying several tokens in one forward must give the logits that decoding them one at a
+time gives, or greedy speculative output drifts from plain greedy output. Projections,
+norms and rotations treat rows independently (the projections run one kernel for every
+row count, see `packed_linear`), so only attention depends on how many tokens a forward
+holds: its kernels split the keys and queries differently for different shapes. In float32
+that changes logits by ~5e-5 (a near-tie could flip, rarely); in bfloat16 the roundings
+after each op amplify it to ~0.5, and greedy text drifts within tens of tokens. So a
+bfloat16 (or float16) model keeps its KV cache and attends in float64 (`attn_dtype`): the
+shape-dependent differences then sit far below the model dtype's rounding, and a verified
+token's logits equal one-at-a-time decoding's bit for bit (tested). A prefill from slot 0
+(the same for every method) attends in float32.
+
 This module knows nothing about files, tokenizers or sampling.
 """
 
@@ -251,21 +263,25 @@ class Block(nn.Module):
         q = qk[:, :, :H].transpose(1, 2)  # [B, H, T, Dh]
         k = qk[:, :, H:].transpose(1, 2)  # [B, Hkv, T, Dh]
         v = qkv[:, :, H + Hkv :].transpose(1, 2)
+        adt = cache.k[layer].dtype  # the attention dtype (LlamaModel.attn_dtype)
         cache.write(layer, k, v, start, uniform)
         keys = cache.k[layer][:, :, :n_keys]  # [B, Hkv, S, Dh]
         vals = cache.v[layer][:, :, :n_keys]
-        if mask is None:
+        if causal and adt != x.dtype:
+            # a prefill from slot 0 (the same for every method): float32 is enough, and fast
+            o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=Hkv != H)
+        elif mask is None:
             # grouped-query attention without copying K/V per query head (enable_gqa)
-            o = F.scaled_dot_product_attention(q, keys, vals, is_causal=causal, enable_gqa=Hkv != H)
+            o = F.scaled_dot_product_attention(q.to(adt), keys, vals, is_causal=causal, enable_gqa=Hkv != H)
         else:
             # masked (a tree, a chain after a prefix, ragged rows): the G query heads that share
             # a K/V head become G*T query rows of one attention, with the additive mask already
             # repeated per head (see LlamaModel._mask): 10-35% less time than enable_gqa plus a
             # boolean mask, which SDPA converts in every layer
             G = H // Hkv
-            o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, Dh), keys, vals, attn_mask=mask)
+            o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, Dh).to(adt), keys, vals, attn_mask=mask)
             o = o.view(B, H, T, Dh)
-        x = x + self.wo.forward(o.transpose(1, 2).reshape(B, T, H * Dh))
+        x = x + self.wo.forward(o.transpose(1, 2).reshape(B, T, H * Dh).to(x.dtype))
         h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
         gate, up = self.w_gate_up.forward(h).chunk(2, dim=-1)
         return x + self.w_down.forward(F.silu(gate) * up)
@@ -306,6 +322,13 @@ class LlamaModel(nn.Module):
         return self.embed.weight.dtype
 
     @property
+    def attn_dtype(self) -> torch.dtype:
+        """The KV cache's and attention's dtype: float64 for a bfloat16 / float16 model (so a
+        verification forward's logits equal one-at-a-time decoding's; module docstring), else
+        the model's."""
+        return torch.float64 if self.dtype in (torch.bfloat16, torch.float16) else self.dtype
+
+    @property
     def device(self) -> torch.device:
         return self.embed.weight.device
 
@@ -315,7 +338,7 @@ class LlamaModel(nn.Module):
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         max_len = min(max_len or self.max_context, self.max_context)
         c = self.cfg
-        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, max_len, self.attn_dtype, self.device)
 
     # -- forward ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -346,7 +369,7 @@ class LlamaModel(nn.Module):
         # (the same bits; a 1500-token prefill's attention takes ~40% less time)
         causal = attn_mask is None and T > 1 and uniform == 0
         groups = self.cfg.num_heads // self.cfg.num_kv_heads
-        mask = None if causal else self._mask(start, uniform, T, n_keys, attn_mask, groups, self.dtype)
+        mask = None if causal else self._mask(start, uniform, T, n_keys, attn_mask, groups, cache.k[0].dtype)
         x = self.embed(tokens)  # [B, T, D]
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, cos, sin, cache, i, start, uniform, mask, n_keys, causal)
