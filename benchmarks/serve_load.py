@@ -4,7 +4,8 @@ load-aware (adaptive), same run, same prompts.
 Settings (`--settings`): off (no speculation); fixed (prompt lookup + the shipped EAGLE head's
 trees on every step, up to k guesses: `serve --fixed-k`); adaptive (the same, load-aware: the
 server's default `serve --method auto`); adaptive-ngram and fixed-ngram (prompt lookup only,
-`serve --method ngram`). Each setting is a `specdec serve` process on loopback (started at
+`serve --method ngram`); adaptive-draft and fixed-draft (the shipped draft model's guesses,
+`serve --method draft`). Each setting is a `specdec serve` process on loopback (started at
 once, idle while another is measured); the clients are threads in this process. At each concurrency level C, C client threads each send `--requests-per-client`
 streaming chat requests back to back (prompts: first turns of Spec-Bench dev, spread over
 categories, as chat; or with `--data humaneval` the HumanEval prompts as raw completions;
@@ -41,7 +42,8 @@ DEFAULT_DATA = ROOT.parent / "shared" / "data" / "spec_bench" / "dev.jsonl"
 
 # name -> (server method, load-aware); auto = prompt lookup + the shipped EAGLE head's trees
 SETTINGS = {"off": ("none", False), "fixed": ("auto", False), "adaptive": ("auto", True),
-            "adaptive-ngram": ("ngram", True), "fixed-ngram": ("ngram", False)}
+            "adaptive-ngram": ("ngram", True), "fixed-ngram": ("ngram", False),
+            "adaptive-draft": ("draft", True), "fixed-draft": ("draft", False)}
 
 
 def free_port() -> int:

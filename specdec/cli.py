@@ -163,21 +163,23 @@ def add_serve_parser(sub) -> None:
         help="OpenAI-compatible HTTP server with speculative continuous batching",
         description="Serve the model over an OpenAI-compatible API (/v1/completions, /v1/chat/completions with "
                     "streaming and logprobs, /v1/models, /health, /metrics). Requests join and leave the running "
-                    "batch between steps; speculation (prompt lookup, plus the EAGLE head's tree with --method auto) "
+                    "batch between steps; speculation (prompt lookup, plus the EAGLE head's tree with --method auto; "
+                    "or a draft model's guesses with --method draft) "
                     "adapts to the load: from the measured step times each step picks the draft length, and which "
                     "rows draft a tree, that commit the most tokens per second (down to none when the batch is "
                     "compute-bound). Per request: \"speculative\": {\"k\": N} (0 = off).",
     )
     v.add_argument("--model", metavar="PATH", default=None,
                    help="target model (a .gguf, a Hugging Face folder, or a hub id). Default: the embedded default model")
-    v.add_argument("--method", choices=("none", "ngram", "auto"), default="auto",
+    v.add_argument("--method", choices=("none", "ngram", "auto", "draft"), default="auto",
                    help="speculation for the batch: auto (prompt lookup where the text repeats, the EAGLE head's tree "
                         "elsewhere, at loads where it pays; needs a head: the default model ships one, else --draft), "
-                        "ngram (prompt lookup only) or none. Both load-aware. Default: auto (ngram when the model has "
-                        "no EAGLE head)")
-    v.add_argument("--draft", metavar="DIR", default=None,
-                   help="EAGLE head for --method auto (from `specdec train eagle`). Default: the shipped head of the "
-                        "default model")
+                        "ngram (prompt lookup only), draft (a draft model's guesses; --draft MODEL, the default model "
+                        "ships one) or none. All load-aware. Default: auto (ngram when the model has no EAGLE head)")
+    v.add_argument("--draft", metavar="PATH", default=None,
+                   help="--method auto: an EAGLE head folder (from `specdec train eagle`); --method draft: a draft "
+                        "model (a Llama-family folder or .gguf with the target's tokenizer). Default: the ones shipped "
+                        "for the default model")
     v.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=8,
                    help="most guesses per row and step. Default: 8")
     v.add_argument("--fixed-k", action="store_true",
@@ -214,12 +216,23 @@ def cmd_serve(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    method, drafter = args.method, None
+    if method not in ("auto", "draft") and args.draft:
+        raise SpecdecError(f"--draft is only used with --method auto or draft (got --method {method})")
+    if args.draft:
+        _check_draft_path(args.draft, method)  # before loading anything
     lm = load_model(args.model)
     if lm.tokenizer is None:
         raise SpecdecError("the model has no tokenizer; the server needs one to read text")
-    method, drafter = args.method, None
-    if method != "auto" and args.draft:
-        raise SpecdecError(f"--draft is only used with --method auto (got --method {method})")
+    if method == "draft":
+        from .drafters import REGISTRY
+        from .models.loader import default_draft_for
+
+        path = args.draft or default_draft_for(lm)
+        if path is None:
+            raise SpecdecError("--method draft needs --draft PATH (a draft model with the target's tokenizer); "
+                               "only the default model ships with a draft")
+        drafter = REGISTRY["draft"](target=lm, draft=load_model(str(path), dtype=lm.model.dtype))
     if method == "auto":
         from .drafters.hybrid import lookup_eagle_for
 

@@ -121,6 +121,17 @@ class KVCache:
             keep[b, 1 : 1 + len(p)] = torch.tensor(p, dtype=torch.long)
         self.compact(base, keep, torch.tensor([1 + len(p) for p in paths], dtype=torch.long))
 
+    def append_rows(self, other: "KVCache") -> None:
+        """Append `other`'s rows (same layers, heads, slots and dtype), e.g. a request that
+        joins a running batch with its prompt already written."""
+        if other.max_len != self.max_len or len(other.k) != len(self.k):
+            raise ValueError(f"append_rows: caches of {other.max_len} and {self.max_len} slots, "
+                             f"{len(other.k)} and {len(self.k)} layers")
+        self.k = [torch.cat([a, b]) for a, b in zip(self.k, other.k)]
+        self.v = [torch.cat([a, b]) for a, b in zip(self.v, other.v)]
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.batch_size = int(self.lengths.numel())
+
     def reorder_rows(self, rows: torch.Tensor) -> None:
         """Keep/permute batch rows (used when finished rows leave a batch)."""
         self.k = [k[rows] for k in self.k]

@@ -249,3 +249,97 @@ def test_trees_are_chosen_only_by_a_clear_margin():
     k, use = b._choose_k([[]], [0], [True])
     assert use == [True] and k >= 5
     assert b._choose_k([[]], [0], [False]) == (0, [False])  # a row that may not draft trees
+
+
+# -- the batcher with a draft model (method draft), on tiny random models -------------------
+
+def _draft_batcher(adaptive: bool, draft_seed: int = 0, max_batch: int = 3, seed: int = 0, vocab: int | None = None,
+                   confidence: float = 0.0):
+    """Target: test_eagle's tiny model `seed`; draft: the tiny model `draft_seed` (the target
+    itself when equal: every guess holds, so long accepted runs and early finishes happen)."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from test_eagle import V, target
+
+    vocab = vocab or V
+    d = DraftModelDrafter(target(draft_seed, vocab).model, vocab_size=vocab, confidence=confidence)
+    return ContinuousBatcher(target(seed, vocab).model, (), method="draft", k_max=5, max_batch=max_batch,
+                             max_context=96, max_queue=2048, adaptive=adaptive, drafter=d)
+
+
+@pytest.mark.parametrize("adaptive,draft_seed,confidence", [(False, 0, 0.0), (True, 0, 0.0), (False, 1, 0.3)])
+def test_draft_batcher_greedy_equals_transformers(adaptive, draft_seed, confidence):
+    """Draft-model guesses in the server's batcher, rows joining and leaving mid-run (5 requests
+    over 3 rows, different lengths; the draft's cache gets each prompt on joining and follows
+    the rows as they move): every answer equals plain greedy decoding."""
+    b = _draft_batcher(adaptive, draft_seed, confidence=confidence)
+    got, want = run_join_leave(b)
+    s = b.stats()
+    assert got == want
+    assert s["proposed"] > 0 and s["batch"] == 0
+    if draft_seed == 0:  # the target drafting for itself: its guesses hold
+        assert s["accepted"] > s["proposed"] // 2
+    assert b.drafter.cache.batch_size == 0 and b.drafter.fed == []  # every row left the draft's cache too
+
+
+def test_draft_batcher_seeded_sample_does_not_depend_on_the_load():
+    """A seeded sampled request gives the same tokens alone and next to greedy rows that take
+    draft-model guesses (seeded rows take none)."""
+    from oracle import one_thread
+    from specdec.types import SamplingParams
+    from test_eagle import prompts
+
+    seeded = SamplingParams(max_new_tokens=16, temperature=0.9, seed=11)
+    with one_thread():
+        b = _draft_batcher(adaptive=False)
+        try:
+            alone = _run(b, [(prompts()[0], seeded)])
+            assert b.stats()["proposed"] == 0
+            shared = _run(b, [(prompts()[1], SamplingParams(max_new_tokens=12)), (prompts()[0], seeded),
+                              (prompts()[2], SamplingParams(max_new_tokens=20))])
+            assert b.stats()["accepted"] > 0
+        finally:
+            b.close()
+    assert shared[1] == alone[0]
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_draft_batcher_sampling_matches_exact_distribution(monkeypatch, broken):
+    """Sampled rows verify the draft model's argmax guesses (one-hot q) by the chain rule inside
+    the batcher: over many seeded requests (draft guesses allowed for seeded rows here, fixed
+    caps) the first three tokens follow the target's exact distribution (chi-square); with a
+    broken rule (the recovered token drawn from p, not the residual) the same check fails."""
+    import functools
+
+    from transformers import AutoModelForCausalLM
+
+    import oracle
+    import test_tree
+    from oracle import exact_joint, one_thread
+    from specdec.server import batcher as batcher_mod
+    from specdec.types import SamplingParams
+    from test_eagle import CTX, SV, target_dir
+    from test_tree import chi2_views
+
+    monkeypatch.setattr(batcher_mod, "timing_free", lambda params: False)
+    if broken:
+        monkeypatch.setattr(batcher_mod, "verify_stochastic", oracle.broken_verify_stochastic)
+    params = dict(temperature=0.9)
+    n = 1200
+    with one_thread():
+        hf = AutoModelForCausalLM.from_pretrained(str(target_dir(3, SV)), dtype=torch.float32).eval()
+        b = _draft_batcher(adaptive=False, draft_seed=4, max_batch=8, seed=3, vocab=SV)
+        try:
+            got = _run(b, [(CTX[0], SamplingParams(max_new_tokens=3, seed=9000 + i, **params)) for i in range(n)],
+                       timeout=600)
+            s = b.stats()
+        finally:
+            b.close()
+    assert 0 < s["accepted"] < s["proposed"]
+    monkeypatch.setattr(test_tree, "exact", functools.lru_cache(maxsize=None)(
+        lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p)))
+    results = chi2_views({CTX[0]: torch.tensor(got)}, params)
+    if broken:
+        assert any(r.rejected for _, r in results), [f"{lb}: {r}" for lb, r in results]
+    else:
+        for label, res in results:
+            assert not res.rejected, f"batcher draft {params} {label}: {res}"

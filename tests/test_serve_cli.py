@@ -1,7 +1,8 @@
 """`specdec serve` as a process, the way users start it: the model decodes in the main thread
 and HTTP runs in a second one. A greedy completion equals plain greedy decoding, /metrics
 shows the EAGLE head's trees at work (auto is the default method), Ctrl-C stops it cleanly,
-and a port that is taken is a clear error."""
+and a port that is taken is a clear error; `--method draft` (the shipped draft model) answers
+exactly too, and a path that is not a model is refused before loading."""
 
 from __future__ import annotations
 
@@ -79,3 +80,30 @@ def test_serve_on_a_taken_port_is_a_clear_error():
                            timeout=180)
     assert p.returncode != 0
     assert f"could not serve on 127.0.0.1:{port}" in p.stderr
+
+
+def test_serve_with_the_draft_model_answers_exactly(default_model):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(SERVE + ["--port", str(port), "--method", "draft", "--fixed-k", "-k", "4"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_health(url, proc)
+        prompt = "def fibonacci(n):\n"
+        r = _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
+        assert r["choices"][0]["text"] == plain_greedy(default_model, prompt, False, 24)
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
+            metrics = dict(line.split(" ", 1) for line in m.read().decode().splitlines()
+                           if line and not line.startswith("#") and "{" not in line)
+        assert float(metrics["specdec_draft_tokens_proposed_total"]) > 0  # the draft model guessed
+        assert float(metrics["specdec_draft_tokens_accepted_total"]) > 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_serve_draft_that_is_not_a_model_is_a_clear_error(tmp_path):
+    p = subprocess.run(SERVE + ["--method", "draft", "--draft", str(tmp_path)], capture_output=True, text=True,
+                       timeout=180)
+    assert p.returncode != 0
+    assert f"{tmp_path} is not a draft model" in p.stderr

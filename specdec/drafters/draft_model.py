@@ -143,6 +143,21 @@ class DraftModelDrafter:
     def skip(self) -> None:
         pass  # a step without drafting: the next proposal feeds what the draft has not seen
 
+    def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
+        """Append a row (a request joining a running batch; `begin` must have run with the same
+        max_len, an empty batch is fine), its `prompt` written to the draft's cache in a
+        forward of its own so the other rows' next proposal is not padded to it."""
+        one = self.model.new_cache(1, max_len)
+        if one.max_len != self.cache.max_len:
+            raise ValueError(f"add_row: the draft cache holds {self.cache.max_len} slots, this row {one.max_len}")
+        fed = list(prompt or [])
+        if fed:
+            self.model(torch.tensor([fed]), torch.arange(len(fed))[None], one,
+                       logits_at=torch.empty(1, 0, dtype=torch.long))
+        self.cache.append_rows(one)
+        self.fed.append(fed)
+        self.ctx_len.append(len(fed))
+
     def keep_rows(self, rows) -> None:
         idx = torch.as_tensor(rows, dtype=torch.long)
         self.cache.reorder_rows(idx)

@@ -33,6 +33,16 @@ Seeded sampled requests draft whole lookups up to their own cap and never a tree
 random numbers for their own guesses only, so the same seed gives the same text whatever
 else shares the batch.
 
+Method `draft` guesses with an independent draft model (`DraftModelDrafter`, a native model
+with the target's tokenizer) instead of prompt lookup: its argmax guesses, one-hot q, so
+sampled rows verify them exactly with the chain rule; a row stops guessing after a token the
+draft doubts. Each request's prompt goes into the draft's cache when it joins. The cap K is
+chosen as above, from the draft's measured acceptance per position (the share of row-steps
+allowed a j-th guess in which the j-th guess held) and its measured drafting time per token
+(a line in the number of rows); K = 0 skips the draft model for the step (it catches up on
+the next). Seeded sampled rows take no draft-model guesses (whether the draft's argmax tips
+could depend on the rows around them), so their text does not depend on the load.
+
 This module knows nothing about HTTP or text: it takes token ids and sampling settings and
 calls back with token ids (and, when a request asks for them, each token's log-probability
 under the target's raw distribution, before temperature and top-p, with the N most likely
@@ -154,13 +164,17 @@ class ContinuousBatcher:
     def __init__(self, model, eos_ids=(), method: str = "ngram", k_max: int = 8, max_batch: int = 16,
                  max_queue: int = 256, max_context: int | None = None, adaptive: bool = True, drafter=None,
                  thread: bool = True) -> None:
-        """method: none, ngram (prompt lookup) or auto (prompt lookup + an EAGLE tree; pass the
-        `LookupEagleDrafter` as `drafter`). thread: run the model in a worker thread started
-        here; False: the caller runs `run()` (best in the main thread, see `run`)."""
-        if method not in ("none", "ngram", "auto"):
-            raise SpecdecError(f"the server drafts with 'none', 'ngram' or 'auto' (got {method!r})")
+        """method: none, ngram (prompt lookup), auto (prompt lookup + an EAGLE tree; pass the
+        `LookupEagleDrafter` as `drafter`) or draft (a draft model; pass its `DraftModelDrafter`).
+        thread: run the model in a worker thread started here; False: the caller runs `run()`
+        (best in the main thread, see `run`)."""
+        if method not in ("none", "ngram", "auto", "draft"):
+            raise SpecdecError(f"the server drafts with 'none', 'ngram', 'auto' or 'draft' (got {method!r})")
         if method == "auto" and not hasattr(drafter, "assemble"):
             raise SpecdecError("method 'auto' needs a prompt-lookup + EAGLE drafter (an EAGLE head for this model)")
+        if method == "draft" and not (hasattr(drafter, "add_row") and getattr(drafter.model, "native", False)):
+            raise SpecdecError("method 'draft' needs a draft model the native loader runs (Llama family) with the "
+                               "target's tokenizer")
         self.model = model
         self.eos = set(int(e) for e in eos_ids)
         self.method = method
@@ -173,11 +187,19 @@ class ContinuousBatcher:
         self.cache = model.new_cache(max_batch, self.max_context)
         # load-aware: whole lookups, capped per step by _choose; fixed: the drafter's own length choice
         self.trees = method == "auto"
+        self.drafting = method == "draft"  # a draft model guesses (instead of prompt lookup)
         if self.trees:
             self.drafter = drafter
             self.lookup = drafter.ngram
             self.lookup.choose_length = not adaptive
             drafter.begin([], None, self.max_context)  # no rows yet: they join with add_row
+        elif self.drafting:
+            self.drafter, self.lookup = drafter, None
+            drafter.begin([], None, self.max_context)
+            # decayed per position j: row-steps allowed a j-th guess, and those in which it held
+            self.draft_allowed = [0.0] * (self.k_max + 1)
+            self.draft_held = [0.0] * (self.k_max + 1)
+            self.draft_time = DecayedLine(0.98)  # seconds per drafted token vs rows
         else:
             self.drafter = NgramDrafter(choose_length=not adaptive) if method == "ngram" else None
             self.lookup = self.drafter
@@ -258,7 +280,7 @@ class ContinuousBatcher:
                     self._finish(r, f"error: {type(e).__name__}: {e}")
                 self.rows = []
                 self.cache.lengths.zero_()
-                if self.trees:
+                if self.trees or self.drafting:
                     self.drafter.keep_rows([])
 
     def _admit(self) -> None:
@@ -283,6 +305,8 @@ class ContinuousBatcher:
         if self.trees:
             self.drafter.add_row(self.max_context)
             req.feats = [hidden[0, :L]]
+        elif self.drafting:
+            self.drafter.add_row(self.max_context, list(req.prompt))
         for layer in range(len(self.cache.k)):
             self.cache.k[layer][slot, :, :L] = one.k[layer][0, :, :L]
             self.cache.v[layer][slot, :, :L] = one.v[layer][0, :, :L]
@@ -343,13 +367,60 @@ class ContinuousBatcher:
             self.rows[i] = self.rows[last]
         self.cache.lengths[last] = 0
         self.rows.pop()
-        if self.trees:
+        if self.trees or self.drafting:
             keep = list(range(last))
             if i != last:
                 keep[i] = last
             self.drafter.keep_rows(keep)
         self._finish(req, reason)
 
+    def _observe_draft(self, caps: list[int], accepted: list[int]) -> None:
+        """Per position j, decayed: row-steps whose cap allowed a j-th draft-model guess, and
+        those in which the j-th guess held."""
+        d = self.DRAFT_DECAY
+        for j in range(1, self.k_max + 1):
+            self.draft_allowed[j] = d * self.draft_allowed[j] + sum(c >= j for c in caps)
+            self.draft_held[j] = d * self.draft_held[j] + sum(n >= j for n, c in zip(accepted, caps) if c >= j)
+
+    def _draft_gain(self, j: int) -> float:
+        """Expected extra tokens per row from allowing a j-th draft-model guess (a prior of
+        0.6 ** j until the draft has been measured there)."""
+        w = self.draft_allowed[j]
+        prior = 0.6 ** j
+        return (self.draft_held[j] + prior) / (w + 1.0)
+
+    def _draft_cost(self, A: int) -> float:
+        """Predicted seconds the draft model takes per drafted token for A rows (0 until measured)."""
+        line = self.draft_time
+        if line.weight < 1e-9:
+            return 0.0
+        slope = line.slope()
+        if slope is None or slope < 0 or line.weight < 4:
+            return line.s[2] / line.weight
+        return max(line.intercept(slope) + slope * A, 0.0)
+
+    def _choose_draft_k(self, A: int) -> int:
+        """Method draft: the cap K in 0..k_max that maximises expected committed tokens per
+        second, A * (1 + sum of the per-position gains up to K) / (t(A, K) + K * the draft's time
+        per token); exploration as in `_choose_k`."""
+        if not self.adaptive:
+            return self.k_max
+        per_tok = self._draft_cost(A)
+        best_rate, best_k, gain = None, 0, 0.0
+        for k in range(0, self.k_max + 1):
+            if k > 0:
+                gain += self._draft_gain(k)
+            t = self.steps.predict(A, k)
+            if t is None:  # measure both ends first
+                return self.k_max if self.totals["steps"] % 2 else 0
+            rate = A * (1.0 + gain) / (t + k * per_tok)
+            if best_rate is None or rate > best_rate * 1.0001:
+                best_rate, best_k = rate, k
+        if self.totals["steps"] % self.EXPLORE_EVERY == 0 and best_k < self.k_max:
+            return best_k + 1
+        return best_k
+
+    DRAFT_DECAY = 0.98
     EXPLORE_EVERY = 16
     TREE_PROBE_MAX_ROWS = 4  # forced tree probes only in batches this small (they are dear in big ones)
     TREE_MARGIN = 1.05  # trees must promise this much more than the best lookup-only choice
@@ -445,7 +516,10 @@ class ContinuousBatcher:
         # near-ties and so change which random numbers its verification draws
         tree_ok = [self.trees and r.trees and self.k_max > 0 and not timing_free(r.params) and r.spec_k != 0
                    for r in self.rows]
-        k, use_tree = self._choose_k(guesses, matches, tree_ok)
+        if self.drafting:
+            k, use_tree = self._choose_draft_k(A), [False] * A
+        else:
+            k, use_tree = self._choose_k(guesses, matches, tree_ok)
         if k > 0 and self.guard is not None and not self.guard.speculate(A):
             k, use_tree = 0, [False] * A
         caps = []
@@ -459,10 +533,19 @@ class ContinuousBatcher:
                     matches[b], guesses[b] = lookup_match(r.context, self.k_max, self.lookup.min_n,
                                                           self.lookup.max_n)
                 caps.append(max(0, min(self.k_max, own, room[b])))
+            elif self.drafting and timing_free(r.params):
+                caps.append(0)  # a seeded sample: no draft-model guesses (see the module docstring)
             else:
                 caps.append(max(0, min(k, own, room[b])))
         guesses = [g[:c] for g, c in zip(guesses, caps)]
         t_head = 0.0
+        drafted_k = max(caps) if self.drafting else 0
+        if drafted_k:
+            t1 = time.perf_counter()
+            d = self.drafter.propose(DraftContext([r.context for r in self.rows], _GREEDY, None), drafted_k)
+            t_head = time.perf_counter() - t1
+            self.draft_time.observe(A, t_head / drafted_k)
+            guesses = [d.tokens[b, : min(int(d.counts[b]), caps[b])].tolist() for b in range(A)]
         use_tree = [u and c > 0 for u, c in zip(use_tree, caps)]
         if self.trees:
             # a tree row's lookup is grafted onto its tree, within the k_max slots a row reserves
@@ -519,12 +602,16 @@ class ContinuousBatcher:
         cache.sync()
         if self.trees:
             self.drafter.commit(n_acc.tolist(), paths=paths if is_tree else None)
+        elif self.drafting:
+            if drafted_k:
+                self.drafter.commit(n_acc.tolist())
+                self._observe_draft(caps, n_acc.tolist())
         elif self.drafter is not None and K > 0:
             self.drafter.verified([len(g) for g in guesses])
             self.drafter.commit(n_acc.tolist())
         dt = time.perf_counter() - t0
         self.steps.observe(A, K, dt - t_head)  # the head's drafting is priced separately (_choose_k)
-        if self.guard is not None and not (t_head > 0 and not self.drafter.head_steady):
+        if self.guard is not None and not (self.trees and t_head > 0 and not self.drafter.head_steady):
             # (a step in which the head caught up on a prompt that just joined is a one-off
             # per request, not the steady cost of speculating: not counted)
             self.guard.observe(A, k > 0, int(n_acc.sum()) + A, dt)
@@ -551,6 +638,9 @@ class ContinuousBatcher:
             reason = self._done_reason(self.rows[i])
             if reason:
                 self._remove(i, reason)
+
+
+_GREEDY = SamplingParams()  # the draft model's guesses are its argmax (one-hot q: exact for sampled rows too)
 
 
 def _logprobs(logits: torch.Tensor, ids: list[int], top: int | None) -> list | None:
