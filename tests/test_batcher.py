@@ -147,21 +147,28 @@ def test_auto_batcher_greedy_equals_transformers(adaptive):
 def test_auto_batcher_seeded_sample_does_not_depend_on_the_load():
     """A seeded sampled request gives the same tokens alone and sharing the batch with greedy
     rows that draft trees (seeded rows draft prompt lookups only)."""
+    alone, shared, _, stats = _seeded_alone_and_shared(_auto_batcher(adaptive=False))
+    assert stats["tree_rows"] > 0
+    assert shared[1] == alone[0]
+
+
+def _seeded_alone_and_shared(b):
+    """A seeded sampled request run alone, then between two greedy ones, through batcher `b`
+    (closed after): (tokens alone, the three answers shared, stats after alone, stats after)."""
     from oracle import one_thread
     from specdec.types import SamplingParams
     from test_eagle import prompts
 
     seeded = SamplingParams(max_new_tokens=16, temperature=0.9, seed=11)
     with one_thread():
-        b = _auto_batcher(adaptive=False)
         try:
             alone = _run(b, [(prompts()[0], seeded)])
+            after_alone = b.stats()
             shared = _run(b, [(prompts()[1], SamplingParams(max_new_tokens=12)), (prompts()[0], seeded),
                               (prompts()[2], SamplingParams(max_new_tokens=20))])
-            assert b.stats()["tree_rows"] > 0
+            return alone, shared, after_alone, b.stats()
         finally:
             b.close()
-    assert shared[1] == alone[0]
 
 
 @pytest.mark.parametrize("broken", [False, True])
@@ -170,42 +177,57 @@ def test_auto_batcher_sampling_matches_exact_distribution(monkeypatch, broken):
     requests (trees allowed for seeded rows here, fixed caps, every row drafts a tree with its
     lookup grafted on) the first three tokens follow the target's exact distribution (chi-square); with a broken
     tree rule (no residual) the same check fails."""
+    import test_tree
+    from specdec.drafters.hybrid import LookupEagleDrafter
+    from specdec.server import batcher as batcher_mod
+    from test_eagle import SV
+
+    monkeypatch.setattr(LookupEagleDrafter, "prefer_lookup", lambda self, looked, fixed: [False] * len(looked))
+    if broken:
+        monkeypatch.setattr(batcher_mod, "verify_tree_stochastic", test_tree.broken_tree_verify)
+    s, b = _chi2_through_batcher(
+        monkeypatch, lambda: _auto_batcher(adaptive=False, max_batch=8, seed=3, vocab=SV, min_lookup=1, min_n=1),
+        broken, "auto")
+    assert s["tree_rows"] > 0 and 0 < s["accepted"] < s["proposed"] and b.drafter.rows_drafted["graft"] > 0
+
+
+def _chi2_through_batcher(monkeypatch, make_batcher, broken: bool, label: str):
+    """1200 seeded sampled requests (temperature 0.9, seeded rows allowed to draft here) for 3
+    tokens after test_eagle's CTX[0], through the batcher `make_batcher()` builds over the tiny
+    target of seed 3; the chi-square views of the samples against the target's exact
+    distribution must pass, or, when the caller `broken` a rule, some must fail. Returns the
+    batcher's stats and the batcher."""
     import functools
 
     from transformers import AutoModelForCausalLM
 
     import test_tree
     from oracle import exact_joint, one_thread
-    from specdec.drafters.hybrid import LookupEagleDrafter
     from specdec.server import batcher as batcher_mod
     from specdec.types import SamplingParams
     from test_eagle import CTX, SV, target_dir
     from test_tree import chi2_views
 
     monkeypatch.setattr(batcher_mod, "timing_free", lambda params: False)
-    monkeypatch.setattr(LookupEagleDrafter, "prefer_lookup", lambda self, looked, fixed: [False] * len(looked))
-    if broken:
-        monkeypatch.setattr(batcher_mod, "verify_tree_stochastic", test_tree.broken_tree_verify)
     params = dict(temperature=0.9)
-    n = 1200
     with one_thread():
         hf = AutoModelForCausalLM.from_pretrained(str(target_dir(3, SV)), dtype=torch.float32).eval()
-        b = _auto_batcher(adaptive=False, max_batch=8, seed=3, vocab=SV, min_lookup=1, min_n=1)
+        b = make_batcher()
         try:
-            got = _run(b, [(CTX[0], SamplingParams(max_new_tokens=3, seed=9000 + i, **params)) for i in range(n)],
+            got = _run(b, [(CTX[0], SamplingParams(max_new_tokens=3, seed=9000 + i, **params)) for i in range(1200)],
                        timeout=600)
             s = b.stats()
         finally:
             b.close()
-    assert s["tree_rows"] > 0 and 0 < s["accepted"] < s["proposed"] and b.drafter.rows_drafted["graft"] > 0
     monkeypatch.setattr(test_tree, "exact", functools.lru_cache(maxsize=None)(
         lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p)))
     results = chi2_views({CTX[0]: torch.tensor(got)}, params)
     if broken:
         assert any(r.rejected for _, r in results), [f"{lb}: {r}" for lb, r in results]
     else:
-        for label, res in results:
-            assert not res.rejected, f"batcher auto {params} {label}: {res}"
+        for name, res in results:
+            assert not res.rejected, f"batcher {label} {params} {name}: {res}"
+    return s, b
 
 
 def test_head_cost_is_fitted_against_the_batch_size():
@@ -284,21 +306,9 @@ def test_draft_batcher_greedy_equals_transformers(adaptive, draft_seed, confiden
 def test_draft_batcher_seeded_sample_does_not_depend_on_the_load():
     """A seeded sampled request gives the same tokens alone and next to greedy rows that take
     draft-model guesses (seeded rows take none)."""
-    from oracle import one_thread
-    from specdec.types import SamplingParams
-    from test_eagle import prompts
-
-    seeded = SamplingParams(max_new_tokens=16, temperature=0.9, seed=11)
-    with one_thread():
-        b = _draft_batcher(adaptive=False)
-        try:
-            alone = _run(b, [(prompts()[0], seeded)])
-            assert b.stats()["proposed"] == 0
-            shared = _run(b, [(prompts()[1], SamplingParams(max_new_tokens=12)), (prompts()[0], seeded),
-                              (prompts()[2], SamplingParams(max_new_tokens=20))])
-            assert b.stats()["accepted"] > 0
-        finally:
-            b.close()
+    alone, shared, after_alone, stats = _seeded_alone_and_shared(_draft_batcher(adaptive=False))
+    assert after_alone["proposed"] == 0
+    assert stats["accepted"] > 0
     assert shared[1] == alone[0]
 
 
@@ -308,38 +318,12 @@ def test_draft_batcher_sampling_matches_exact_distribution(monkeypatch, broken):
     the batcher: over many seeded requests (draft guesses allowed for seeded rows here, fixed
     caps) the first three tokens follow the target's exact distribution (chi-square); with a
     broken rule (the recovered token drawn from p, not the residual) the same check fails."""
-    import functools
-
-    from transformers import AutoModelForCausalLM
-
     import oracle
-    import test_tree
-    from oracle import exact_joint, one_thread
     from specdec.server import batcher as batcher_mod
-    from specdec.types import SamplingParams
-    from test_eagle import CTX, SV, target_dir
-    from test_tree import chi2_views
+    from test_eagle import SV
 
-    monkeypatch.setattr(batcher_mod, "timing_free", lambda params: False)
     if broken:
         monkeypatch.setattr(batcher_mod, "verify_stochastic", oracle.broken_verify_stochastic)
-    params = dict(temperature=0.9)
-    n = 1200
-    with one_thread():
-        hf = AutoModelForCausalLM.from_pretrained(str(target_dir(3, SV)), dtype=torch.float32).eval()
-        b = _draft_batcher(adaptive=False, draft_seed=4, max_batch=8, seed=3, vocab=SV)
-        try:
-            got = _run(b, [(CTX[0], SamplingParams(max_new_tokens=3, seed=9000 + i, **params)) for i in range(n)],
-                       timeout=600)
-            s = b.stats()
-        finally:
-            b.close()
+    s, _ = _chi2_through_batcher(
+        monkeypatch, lambda: _draft_batcher(adaptive=False, draft_seed=4, max_batch=8, seed=3, vocab=SV), broken, "draft")
     assert 0 < s["accepted"] < s["proposed"]
-    monkeypatch.setattr(test_tree, "exact", functools.lru_cache(maxsize=None)(
-        lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p)))
-    results = chi2_views({CTX[0]: torch.tensor(got)}, params)
-    if broken:
-        assert any(r.rejected for _, r in results), [f"{lb}: {r}" for lb, r in results]
-    else:
-        for label, res in results:
-            assert not res.rejected, f"batcher draft {params} {label}: {res}"

@@ -49,18 +49,24 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
+def _exact_completion_then_metrics(url: str, proc, default_model) -> dict:
+    """Once the server answers: a greedy completion equals plain greedy decoding; returns /metrics
+    as {name: value} (unlabelled series)."""
+    _wait_health(url, proc)
+    prompt = "def fibonacci(n):\n"
+    r = _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
+    assert r["choices"][0]["text"] == plain_greedy(default_model, prompt, False, 24)
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
+        return dict(line.split(" ", 1) for line in m.read().decode().splitlines()
+                    if line and not line.startswith("#") and "{" not in line)
+
+
 def test_serve_process_answers_exactly_and_stops_on_ctrl_c(default_model):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(SERVE + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_health(url, proc)
-        prompt = "def fibonacci(n):\n"
-        r = _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
-        assert r["choices"][0]["text"] == plain_greedy(default_model, prompt, False, 24)
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
-            metrics = dict(line.split(" ", 1) for line in m.read().decode().splitlines()
-                           if line and not line.startswith("#") and "{" not in line)
+        metrics = _exact_completion_then_metrics(url, proc, default_model)
         assert float(metrics["specdec_generated_tokens_total"]) == 24
         assert float(metrics["specdec_tree_rows_total"]) > 0  # auto: the shipped head drafted trees
         proc.send_signal(signal.SIGINT)
@@ -88,13 +94,7 @@ def test_serve_with_the_draft_model_answers_exactly(default_model):
     proc = subprocess.Popen(SERVE + ["--port", str(port), "--method", "draft", "--fixed-k", "-k", "4"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_health(url, proc)
-        prompt = "def fibonacci(n):\n"
-        r = _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
-        assert r["choices"][0]["text"] == plain_greedy(default_model, prompt, False, 24)
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
-            metrics = dict(line.split(" ", 1) for line in m.read().decode().splitlines()
-                           if line and not line.startswith("#") and "{" not in line)
+        metrics = _exact_completion_then_metrics(url, proc, default_model)
         assert float(metrics["specdec_draft_tokens_proposed_total"]) > 0  # the draft model guessed
         assert float(metrics["specdec_draft_tokens_accepted_total"]) > 0
     finally:

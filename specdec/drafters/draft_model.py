@@ -147,9 +147,7 @@ class DraftModelDrafter:
         """Append a row (a request joining a running batch; `begin` must have run with the same
         max_len, an empty batch is fine), its `prompt` written to the draft's cache in a
         forward of its own so the other rows' next proposal is not padded to it."""
-        one = self.model.new_cache(1, max_len)
-        if one.max_len != self.cache.max_len:
-            raise ValueError(f"add_row: the draft cache holds {self.cache.max_len} slots, this row {one.max_len}")
+        one = self.model.new_cache(1, max_len)  # (append_rows refuses a cache of another size)
         fed = list(prompt or [])
         if fed:
             self.model(torch.tensor([fed]), torch.arange(len(fed))[None], one,
