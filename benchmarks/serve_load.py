@@ -5,7 +5,8 @@ Settings (`--settings`): off (no speculation); fixed (prompt lookup + the shippe
 trees on every step, up to k guesses: `serve --fixed-k`); adaptive (the same, load-aware: the
 server's default `serve --method auto`); adaptive-ngram and fixed-ngram (prompt lookup only,
 `serve --method ngram`); adaptive-draft and fixed-draft (the shipped draft model's guesses,
-`serve --method draft`). Each setting is a `specdec serve` process on loopback (started at
+`serve --method draft`); adaptive-lookup-draft and fixed-lookup-draft (prompt lookup beside the
+shipped draft model, `serve --method auto --draft DRAFT`). Each setting is a `specdec serve` process on loopback (started at
 once, idle while another is measured); the clients are threads in this process. At each concurrency level C, C client threads each send `--requests-per-client`
 streaming chat requests back to back (prompts: first turns of Spec-Bench dev, spread over
 categories, as chat; or with `--data humaneval` the HumanEval prompts as raw completions;
@@ -43,7 +44,8 @@ DEFAULT_DATA = ROOT.parent / "shared" / "data" / "spec_bench" / "dev.jsonl"
 # name -> (server method, load-aware); auto = prompt lookup + the shipped EAGLE head's trees
 SETTINGS = {"off": ("none", False), "fixed": ("auto", False), "adaptive": ("auto", True),
             "adaptive-ngram": ("ngram", True), "fixed-ngram": ("ngram", False),
-            "adaptive-draft": ("draft", True), "fixed-draft": ("draft", False)}
+            "adaptive-draft": ("draft", True), "fixed-draft": ("draft", False),
+            "adaptive-lookup-draft": ("auto", True, "draft"), "fixed-lookup-draft": ("auto", False, "draft")}
 
 
 def free_port() -> int:
@@ -57,13 +59,17 @@ def start(setting: str, args) -> tuple:
     import subprocess
     import urllib.request
 
-    method, adaptive = SETTINGS[setting]
+    method, adaptive, *with_draft = SETTINGS[setting]
     port = free_port()
     cmd = [sys.executable, "-c", "import sys; from specdec.cli import main; sys.exit(main())", "serve",
            "--method", method, "-k", str(args.k), "--max-batch", str(args.max_batch), "--max-context", "1024",
            "--port", str(port), "--threads", str(args.threads), "--log-level", "warning", "--served-model-name", "m"]
     if not adaptive:
         cmd.append("--fixed-k")
+    if with_draft:  # auto with the shipped draft model in the EAGLE head's place
+        from specdec.models.loader import DEFAULT_DRAFT_DIR
+
+        cmd += ["--draft", str(DEFAULT_DRAFT_DIR)]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -173,13 +173,15 @@ def add_serve_parser(sub) -> None:
                    help="target model (a .gguf, a Hugging Face folder, or a hub id). Default: the embedded default model")
     v.add_argument("--method", choices=("none", "ngram", "auto", "draft"), default="auto",
                    help="speculation for the batch: auto (prompt lookup where the text repeats, the EAGLE head's tree "
-                        "elsewhere, at loads where it pays; needs a head: the default model ships one, else --draft), "
-                        "ngram (prompt lookup only), draft (a draft model's guesses; --draft MODEL, the default model "
-                        "ships one) or none. All load-aware. Default: auto (ngram when the model has no EAGLE head)")
+                        "elsewhere, at loads where it pays; needs a head: the default model ships one, else --draft; "
+                        "with --draft MODEL a draft model's guesses take the tree's place), "
+                        "ngram (prompt lookup only), draft (a draft model's guesses only; --draft MODEL, the default "
+                        "model ships one) or none. All load-aware. Default: auto (ngram when the model has no EAGLE "
+                        "head and no --draft)")
     v.add_argument("--draft", metavar="PATH", default=None,
-                   help="--method auto: an EAGLE head folder (from `specdec train eagle`); --method draft: a draft "
-                        "model (a Llama-family folder or .gguf with the target's tokenizer). Default: the ones shipped "
-                        "for the default model")
+                   help="--method auto: an EAGLE head folder (from `specdec train eagle`) or a draft model; "
+                        "--method draft: a draft model (a Llama-family folder or .gguf with the target's tokenizer). "
+                        "Default: the ones shipped for the default model (auto: the EAGLE head)")
     v.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=8,
                    help="most guesses per row and step. Default: 8")
     v.add_argument("--fixed-k", action="store_true",
@@ -224,7 +226,10 @@ def cmd_serve(args) -> int:
     lm = load_model(args.model)
     if lm.tokenizer is None:
         raise SpecdecError("the model has no tokenizer; the server needs one to read text")
-    if method == "draft":
+    from .drafters.eagle import is_eagle_dir
+
+    if method == "draft" or (method == "auto" and args.draft and not is_eagle_dir(os.path.expanduser(args.draft))):
+        # draft: the draft model's guesses; auto with a draft model: prompt lookup beside it
         from .drafters import REGISTRY
         from .models.loader import default_draft_for
 
@@ -233,14 +238,14 @@ def cmd_serve(args) -> int:
             raise SpecdecError("--method draft needs --draft PATH (a draft model with the target's tokenizer); "
                                "only the default model ships with a draft")
         drafter = REGISTRY["draft"](target=lm, draft=load_model(str(path), dtype=lm.model.dtype))
-    if method == "auto":
+    elif method == "auto":
         from .drafters.hybrid import lookup_eagle_for
 
         drafter = lookup_eagle_for(lm, args.draft)
         if drafter is None:
             method = "ngram"
             print("[specdec] no EAGLE head for this model: the server drafts with prompt lookup (ngram); "
-                  "pass --draft DIR with a head from `specdec train eagle` for auto", file=sys.stderr)
+                  "pass --draft with a head from `specdec train eagle` or a draft model for auto", file=sys.stderr)
     batcher = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=args.k, max_batch=args.max_batch,
                                 max_queue=args.max_queue, max_context=args.max_context, adaptive=not args.fixed_k,
                                 drafter=drafter, thread=False)

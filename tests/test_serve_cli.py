@@ -1,8 +1,9 @@
 """`specdec serve` as a process, the way users start it: the model decodes in the main thread
 and HTTP runs in a second one. A greedy completion equals plain greedy decoding, /metrics
 shows the EAGLE head's trees at work (auto is the default method), Ctrl-C stops it cleanly,
-and a port that is taken is a clear error; `--method draft` (the shipped draft model) answers
-exactly too, and a path that is not a model is refused before loading."""
+and a port that is taken is a clear error; `--method draft` (the shipped draft model) and `--method
+auto --draft DRAFT_MODEL` answer exactly too, and a path that is not a model is refused before
+loading."""
 
 from __future__ import annotations
 
@@ -88,15 +89,23 @@ def test_serve_on_a_taken_port_is_a_clear_error():
     assert f"could not serve on 127.0.0.1:{port}" in p.stderr
 
 
-def test_serve_with_the_draft_model_answers_exactly(default_model):
+@pytest.mark.parametrize("method", ["draft", "auto"])
+def test_serve_with_the_draft_model_answers_exactly(default_model, method):
+    """--method draft (the shipped draft model), and --method auto --draft DRAFT_MODEL (prompt
+    lookup beside the draft model instead of the EAGLE head's trees)."""
+    from specdec.models.loader import default_draft_for
+
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(SERVE + ["--port", str(port), "--method", "draft", "--fixed-k", "-k", "4"],
+    extra = ["--draft", str(default_draft_for(default_model))] if method == "auto" else []
+    proc = subprocess.Popen(SERVE + ["--port", str(port), "--method", method, "--fixed-k", "-k", "4"] + extra,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         metrics = _exact_completion_then_metrics(url, proc, default_model)
         assert float(metrics["specdec_draft_tokens_proposed_total"]) > 0  # the draft model guessed
         assert float(metrics["specdec_draft_tokens_accepted_total"]) > 0
+        assert float(metrics["specdec_draft_model_rows_total"]) > 0
+        assert float(metrics["specdec_tree_rows_total"]) == 0
     finally:
         proc.kill()
         proc.wait(timeout=30)

@@ -6,7 +6,7 @@ server-sent events, `stream_options: {"include_usage": true}` for a last chunk w
 /v1/models, GET /health, GET /metrics (Prometheus text). Per-request speculation in an
 extra body field: `"speculative": {"k": 0..k_max}` (0 turns it off for that request) and/or
 `"method"`: "none", the server's method, or "ngram" on an `auto` server (prompt lookup only,
-no EAGLE tree for that request).
+no EAGLE tree or draft-model guesses for that request).
 Errors are OpenAI-style JSON: 400 for invalid parameters (also text with lone surrogates,
 JSON nested too deeply, and a prompt whose length in characters already proves it longer
 than the context, refused before tokenizing), 401 for a wrong API key, 404 for an unknown
@@ -552,6 +552,8 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
             "# TYPE specdec_queue_size gauge", f"specdec_queue_size {s['queued']}",
             "# TYPE specdec_draft_length gauge", f"specdec_draft_length {s['draft_k']}",
             "# TYPE specdec_tree_rows_total counter", f"specdec_tree_rows_total {s['tree_rows']}",
+            "# TYPE specdec_draft_model_rows_total counter", f"specdec_draft_model_rows_total {s['draft_rows']}",
+            "# TYPE specdec_lookup_rows_total counter", f"specdec_lookup_rows_total {s['lookup_rows']}",
             "# TYPE specdec_time_to_first_token_seconds histogram", *ttft.prometheus("specdec_time_to_first_token_seconds"),
             "# TYPE specdec_time_per_output_token_seconds histogram", *per_token.prometheus("specdec_time_per_output_token_seconds"),
             "# TYPE specdec_request_seconds histogram", *e2e.prometheus("specdec_request_seconds"),

@@ -42,6 +42,9 @@ allowed a j-th guess in which the j-th guess held) and its measured drafting tim
 (a line in the number of rows); K = 0 skips the draft model for the step (it catches up on
 the next). Seeded sampled rows take no draft-model guesses (whether the draft's argmax tips
 could depend on the rows around them), so their text does not depend on the load.
+Method `auto` with a draft model (instead of an EAGLE head) keeps prompt lookup beside it:
+per step and row, the lookup or the draft model's guesses, whichever promises more tokens
+per second under the cap (`_choose_draft`); seeded rows take their whole lookups as above.
 
 This module knows nothing about HTTP or text: it takes token ids and sampling settings and
 calls back with token ids (and, when a request asks for them, each token's log-probability
@@ -76,7 +79,8 @@ class Request:
     on_done: Callable[[str, dict], None]  # (finish reason, stats) when the request ends
     stop_fn: Callable[[list[int]], bool] | None = None
     spec_k: int | None = None  # per-request cap on guesses (None: the server's policy; 0: off)
-    trees: bool = True  # with method auto: may this request draft EAGLE trees (False: prompt lookup only)
+    trees: bool = True  # with method auto: may this request draft EAGLE trees or take a draft model's guesses
+    # (False: prompt lookup only)
     logprobs: int | None = None  # None: off; N >= 0: each token's log-probability and the N most likely
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)
@@ -170,9 +174,11 @@ class ContinuousBatcher:
         (best in the main thread, see `run`)."""
         if method not in ("none", "ngram", "auto", "draft"):
             raise SpecdecError(f"the server drafts with 'none', 'ngram', 'auto' or 'draft' (got {method!r})")
-        if method == "auto" and not hasattr(drafter, "assemble"):
-            raise SpecdecError("method 'auto' needs a prompt-lookup + EAGLE drafter (an EAGLE head for this model)")
-        if method == "draft" and not (hasattr(drafter, "add_row") and getattr(drafter.model, "native", False)):
+        model_drafter = hasattr(drafter, "add_row") and getattr(getattr(drafter, "model", None), "native", False)
+        if method == "auto" and not (hasattr(drafter, "assemble") or model_drafter):
+            raise SpecdecError("method 'auto' needs a prompt-lookup + EAGLE drafter (an EAGLE head for this model) "
+                               "or a draft model the native loader runs (Llama family) with the target's tokenizer")
+        if method == "draft" and not model_drafter:
             raise SpecdecError("method 'draft' needs a draft model the native loader runs (Llama family) with the "
                                "target's tokenizer")
         self.model = model
@@ -186,15 +192,18 @@ class ContinuousBatcher:
         self.rows: list[Request] = []
         self.cache = model.new_cache(max_batch, self.max_context)
         # load-aware: whole lookups, capped per step by _choose; fixed: the drafter's own length choice
-        self.trees = method == "auto"
-        self.drafting = method == "draft"  # a draft model guesses (instead of prompt lookup)
+        # auto with a draft model: prompt lookup where it is worth more, the draft model elsewhere
+        mixed = method == "auto" and model_drafter
+        self.trees = method == "auto" and not mixed
+        self.drafting = method == "draft" or mixed  # a draft model guesses (instead of, or beside, prompt lookup)
         if self.trees:
             self.drafter = drafter
             self.lookup = drafter.ngram
             self.lookup.choose_length = not adaptive
             drafter.begin([], None, self.max_context)  # no rows yet: they join with add_row
         elif self.drafting:
-            self.drafter, self.lookup = drafter, None
+            self.drafter = drafter
+            self.lookup = NgramDrafter(choose_length=not adaptive) if mixed else None
             drafter.begin([], None, self.max_context)
             # decayed per position j: row-steps allowed a j-th guess, and those in which it held
             self.draft_allowed = [0.0] * (self.k_max + 1)
@@ -211,7 +220,7 @@ class ContinuousBatcher:
         self.last_k = 0
         self.lock = threading.Lock()
         self.totals = dict(requests=0, finished=0, cancelled=0, tokens=0, proposed=0, accepted=0, forwards=0,
-                           steps=0, tree_rows=0)
+                           steps=0, tree_rows=0, draft_rows=0, lookup_rows=0)
         self.log = None  # a logging.Logger: one debug line per step (batch size, chosen draft length)
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -399,26 +408,56 @@ class ContinuousBatcher:
             return line.s[2] / line.weight
         return max(line.intercept(slope) + slope * A, 0.0)
 
-    def _choose_draft_k(self, A: int) -> int:
-        """Method draft: the cap K in 0..k_max that maximises expected committed tokens per
-        second, A * (1 + sum of the per-position gains up to K) / (t(A, K) + K * the draft's time
-        per token); exploration as in `_choose_k`."""
+    def _choose_draft(self, guesses: list[list[int]], matches: list[int], draft_ok: list[bool]
+                      ) -> tuple[int, list[bool]]:
+        """Method draft (and auto with a draft model): the cap K in 0..k_max, and which rows take
+        the draft model's guesses, that maximise expected committed tokens per second: the rows'
+        expected tokens over t(A, K), plus K times the draft's time per token when some row
+        drafts. A row's draft-model guesses are worth 1 + the per-position gains up to K; with
+        prompt lookup beside the draft model (auto), a row whose lookup under cap K is worth more
+        takes it instead (the lookup's learnt per-position acceptance), and a step in which every
+        row does so skips the draft model. Exploration as in `_choose_k` (every EXPLORE_EVERY-th
+        step one guess more; in batches of A <= TREE_PROBE_MAX_ROWS rows, every EXPLORE_EVERY * A
+        steps, the draft model drafts for the rows that may take it if none chose to, so its gain
+        stays measured)."""
+        A = len(guesses)
+        pol = self.lookup.policy if self.lookup is not None else None
         if not self.adaptive:
-            return self.k_max
+            # --fixed-k: every step drafts; a lookup of 2+ guesses wins over the draft model (as
+            # `generate --method auto`'s hybrid drafter does before it has measured anything)
+            return self.k_max, [ok and len(g) < 2 for ok, g in zip(draft_ok, guesses)]
         per_tok = self._draft_cost(A)
-        best_rate, best_k, gain = None, 0, 0.0
+        best, gain = {False: (None, 0, [False] * A), True: (None, 0, [False] * A)}, 0.0  # without / with the draft
         for k in range(0, self.k_max + 1):
             if k > 0:
                 gain += self._draft_gain(k)
             t = self.steps.predict(A, k)
             if t is None:  # measure both ends first
-                return self.k_max if self.totals["steps"] % 2 else 0
-            rate = A * (1.0 + gain) / (t + k * per_tok)
-            if best_rate is None or rate > best_rate * 1.0001:
-                best_rate, best_k = rate, k
-        if self.totals["steps"] % self.EXPLORE_EVERY == 0 and best_k < self.k_max:
-            return best_k + 1
-        return best_k
+                k0 = self.k_max if self.totals["steps"] % 2 else 0
+                return k0, [ok and k0 > 0 and len(g) < 2 for ok, g in zip(draft_ok, guesses)]
+            looks = [pol.expected(n, min(k, len(g)))[-1] if pol is not None else 1.0
+                     for g, n in zip(guesses, matches)]
+            options = [(False, sum(looks) / t, [False] * A)]
+            if k > 0 and any(draft_ok):
+                use = [ok and 1.0 + gain > lk for ok, lk in zip(draft_ok, looks)]
+                if any(use):
+                    tokens = sum(1.0 + gain if u else lk for u, lk in zip(use, looks))
+                    options.append((True, tokens / (t + k * per_tok), use))
+            for kind, rate, use in options:
+                if best[kind][0] is None or rate > best[kind][0] * 1.0001:
+                    best[kind] = (rate, k, use)
+        with_draft, without = best[True], best[False]
+        _, best_k, best_use = with_draft if with_draft[0] is not None and with_draft[0] > without[0] else without
+        step = self.totals["steps"]
+        if step % self.EXPLORE_EVERY == 0 and best_k < self.k_max:
+            if not any(best_use) and pol is None:
+                best_use = list(draft_ok)  # draft mode: the extra guess is the draft model's
+            return best_k + 1, best_use
+        probe_every = self.EXPLORE_EVERY * A
+        if (pol is not None and step % probe_every == probe_every // 2 and any(draft_ok) and not any(best_use)
+                and A <= self.TREE_PROBE_MAX_ROWS):
+            return max(best_k, 1), list(draft_ok)
+        return best_k, best_use
 
     DRAFT_DECAY = 0.98
     EXPLORE_EVERY = 16
@@ -516,12 +555,18 @@ class ContinuousBatcher:
         # near-ties and so change which random numbers its verification draws
         tree_ok = [self.trees and r.trees and self.k_max > 0 and not timing_free(r.params) and r.spec_k != 0
                    for r in self.rows]
+        # rows that may take the draft model's guesses (method draft, or auto with a draft model):
+        # not a seeded sample (whether the draft's argmax tips could depend on the rows around it)
+        draft_ok = [self.drafting and r.trees and self.k_max > 0 and not timing_free(r.params) and r.spec_k != 0
+                    for r in self.rows]
+        use_draft = [False] * A
         if self.drafting:
-            k, use_tree = self._choose_draft_k(A), [False] * A
+            k, use_draft = self._choose_draft(guesses, matches, draft_ok)
+            use_tree = [False] * A
         else:
             k, use_tree = self._choose_k(guesses, matches, tree_ok)
         if k > 0 and self.guard is not None and not self.guard.speculate(A):
-            k, use_tree = 0, [False] * A
+            k, use_tree, use_draft = 0, [False] * A, [False] * A
         caps = []
         for b, r in enumerate(self.rows):
             own = r.spec_k if r.spec_k is not None else self.k_max
@@ -537,15 +582,22 @@ class ContinuousBatcher:
                 caps.append(0)  # a seeded sample: no draft-model guesses (see the module docstring)
             else:
                 caps.append(max(0, min(k, own, room[b])))
-        guesses = [g[:c] for g, c in zip(guesses, caps)]
+        use_draft = [u and c > 0 for u, c in zip(use_draft, caps)]
+        guesses = [[] if u else g[:c] for g, c, u in zip(guesses, caps, use_draft)]
         t_head = 0.0
-        drafted_k = max(caps) if self.drafting else 0
+        drafted_k = max((c for c, u in zip(caps, use_draft) if u), default=0)
         if drafted_k:
+            contexts = [r.context for r in self.rows]
+            # tokens the draft has not seen: a few in steady state, more for rows that took their
+            # lookup for a while (a one-off catch-up, not the cost of drafting: not timed)
+            behind = max(len(c) - len(f) for c, f in zip(contexts, self.drafter.fed))
             t1 = time.perf_counter()
-            d = self.drafter.propose(DraftContext([r.context for r in self.rows], _GREEDY, None), drafted_k)
+            d = self.drafter.propose(DraftContext(contexts, _GREEDY, None), drafted_k)
             t_head = time.perf_counter() - t1
-            self.draft_time.observe(A, t_head / drafted_k)
-            guesses = [d.tokens[b, : min(int(d.counts[b]), caps[b])].tolist() for b in range(A)]
+            if behind <= self.k_max + 2:
+                self.draft_time.observe(A, t_head / drafted_k)
+            guesses = [d.tokens[b, : min(int(d.counts[b]), caps[b])].tolist() if use_draft[b] else g
+                       for b, g in enumerate(guesses)]
         use_tree = [u and c > 0 for u, c in zip(use_tree, caps)]
         if self.trees:
             # a tree row's lookup is grafted onto its tree, within the k_max slots a row reserves
@@ -603,9 +655,12 @@ class ContinuousBatcher:
         if self.trees:
             self.drafter.commit(n_acc.tolist(), paths=paths if is_tree else None)
         elif self.drafting:
-            if drafted_k:
-                self.drafter.commit(n_acc.tolist())
-                self._observe_draft(caps, n_acc.tolist())
+            if drafted_k:  # (rows that took their lookup keep none of the draft's guesses)
+                self.drafter.commit([int(n) if u else 0 for n, u in zip(n_acc, use_draft)])
+                self._observe_draft([c if u else 0 for c, u in zip(caps, use_draft)], n_acc.tolist())
+            if self.lookup is not None and K > 0:
+                self.lookup.verified([0 if u else len(g) for g, u in zip(guesses, use_draft)])
+                self.lookup.commit(n_acc.tolist())
         elif self.drafter is not None and K > 0:
             self.drafter.verified([len(g) for g in guesses])
             self.drafter.commit(n_acc.tolist())
@@ -624,6 +679,8 @@ class ContinuousBatcher:
             self.totals["proposed"] += int(counts.sum())
             self.totals["accepted"] += int(n_acc.sum())
             self.totals["tree_rows"] += sum(use_tree)
+            self.totals["draft_rows"] += sum(use_draft)  # row-steps verifying the draft model's guesses
+            self.totals["lookup_rows"] += sum(1 for g, u, t in zip(guesses, use_draft, use_tree) if g and not u and not t)
         for b, r in enumerate(self.rows):
             rows_kept = [0] + paths[b]
             ids = [int(drafted[b, j - 1]) for j in paths[b]] + [int(nxt[b])]
