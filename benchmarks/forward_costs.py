@@ -9,6 +9,11 @@ long contexts, and a way to compare two checkouts of the model code:
 
 `--pad 1,4` times every step twice, interleaved, with the prepacked projections' row padding
 off (1) and at 4 rows (the default, `llama.MIN_PACKED_ROWS`): the A/B behind that default.
+`--weights fp32,blocks` does the same with the default model's dequantised fp32 weights and with
+its GGUF blocks (specdec/kernels; the default where they run), two copies of the model in one
+process:
+
+    python benchmarks/forward_costs.py --weights fp32,blocks --tokens 1,2,5,9,16 --threads 2
 
 Default model (fp32, prepacked as `generate` runs it), batch 1, random token ids (the cost
 does not depend on which tokens), median of --repeats timed calls after a warm-up. A step is
@@ -44,6 +49,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15, help="timed calls per cell (prefills: a third). Default: 15")
     ap.add_argument("--pad", type=_ints, default=None,
                     help="row paddings to compare, interleaved (e.g. 1,4; 1 = none). Default: the model's own")
+    ap.add_argument("--weights", default=None,
+                    help="comma-separated weights to compare, interleaved: fp32 and/or blocks. Default: the "
+                         "loader's choice (blocks where the kernels run)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -52,11 +60,22 @@ def main() -> int:
     from specdec.models import llama
     from specdec.models.loader import load_model
 
-    pads = args.pad or [getattr(llama, "MIN_PACKED_ROWS", 1)]
+    if args.pad and args.weights:
+        raise SystemExit("compare --pad or --weights, not both")
     if args.pad and not hasattr(llama, "MIN_PACKED_ROWS"):
         raise SystemExit("this checkout's model has no row padding (llama.MIN_PACKED_ROWS); drop --pad")
-
-    model = load_model(None, quiet=True).model
+    # variants timed side by side: {label: (model, padding)}
+    if args.weights:
+        names = [w.strip() for w in args.weights.split(",") if w.strip()]
+        bad = [w for w in names if w not in ("fp32", "blocks")]
+        if bad or not names:
+            raise SystemExit(f"--weights takes fp32 and/or blocks, got {args.weights!r}")
+        variants = {w: (load_model(None, quiet=True, weights=w).model, None) for w in names}
+    else:
+        model = load_model(None, quiet=True).model
+        variants = {pad: (model, pad) for pad in (args.pad or [getattr(llama, "MIN_PACKED_ROWS", 1)])}
+    pads = list(variants)
+    model = next(iter(variants.values()))[0]
     need = max(max(args.prefill), max(args.context) + max(args.tokens)) + 1
     if need > model.max_context:
         raise SystemExit(f"lengths up to {need} tokens do not fit the model's context of {model.max_context}")
@@ -66,40 +85,52 @@ def main() -> int:
     def ids(n: int) -> torch.Tensor:
         return torch.randint(0, vocab, (1, n), generator=gen)
 
-    def median_ms(fn, n: int) -> dict:
-        """{padding: median ms}, the paddings interleaved (order flipped every other round)."""
-        fn()
-        times: dict = {pad: [] for pad in pads}
+    def median_ms(make, n: int) -> dict:
+        """{variant: median ms} of make(model)(), the variants interleaved (order flipped every other
+        round)."""
+        fns = {v: make(m) for v, (m, _) in variants.items()}
+        times: dict = {v: [] for v in variants}
+        for v, fn in fns.items():
+            fn()
         for i in range(n):
-            for pad in pads if i % 2 == 0 else pads[::-1]:
+            for v in pads if i % 2 == 0 else pads[::-1]:
                 if args.pad:
-                    llama.MIN_PACKED_ROWS = pad
+                    llama.MIN_PACKED_ROWS = variants[v][1]
                 t0 = time.perf_counter()
-                fn()
-                times[pad].append(time.perf_counter() - t0)
-        return {pad: round(statistics.median(ts) * 1e3, 2) for pad, ts in times.items()}
+                fns[v]()
+                times[v].append(time.perf_counter() - t0)
+        return {v: round(statistics.median(ts) * 1e3, 2) for v, ts in times.items()}
 
     prefill = {}
     for L in args.prefill:
         toks, pos, last = ids(L), torch.arange(L)[None], torch.tensor([[L - 1]])
-        prefill[L] = median_ms(lambda: model(toks, pos, model.new_cache(1, L + 1), logits_at=last),
+        prefill[L] = median_ms(lambda m: lambda: m(toks, pos, m.new_cache(1, L + 1), logits_at=last),
                                max(3, args.repeats // 3))
     steps = {}
     for S in args.context:
-        cache = model.new_cache(1, S + max(args.tokens) + 1)
-        model(ids(S), torch.arange(S)[None], cache, logits_at=torch.tensor([[S - 1]]))
+        ctx = ids(S)
+        caches = {}
+        for v, (m, _) in variants.items():
+            caches[id(m)] = c = m.new_cache(1, S + max(args.tokens) + 1)
+            m(ctx, torch.arange(S)[None], c, logits_at=torch.tensor([[S - 1]]))
         for T in args.tokens:
             toks, pos = ids(T), torch.arange(S, S + T)[None]
 
-            def step():
-                model(toks, pos, cache)
-                cache.truncate(S)
+            def make_step(m):
+                cache = caches[id(m)]
 
-            steps[(S, T)] = median_ms(step, args.repeats)
+                def step():
+                    m(toks, pos, cache)
+                    cache.truncate(S)
+                return step
+
+            steps[(S, T)] = median_ms(make_step, args.repeats)
 
     print(f"specdec from {specdec.__file__}; threads {args.threads}; median ms")
     for pad in pads:
-        if args.pad:
+        if args.weights:
+            print(f"-- weights: {pad}")
+        elif args.pad:
             print(f"-- projections padded to {pad} rows" if pad > 1 else "-- no row padding")
         print("prefill: " + ", ".join(f"{L} tokens {ms[pad]} ms ({L / ms[pad] * 1e3:.0f} tok/s)"
                                       for L, ms in prefill.items()))
@@ -109,8 +140,8 @@ def main() -> int:
                      for T in args.tokens]
             print(f"step after {S} tokens: " + ", ".join(cells))
     print(json.dumps({"benchmark": "forward_costs", "threads": args.threads, "torch": torch.__version__,
-                      "prefill_ms": {L: v if args.pad else v[pads[0]] for L, v in prefill.items()},
-                      "step_ms": {f"{S}x{T}": v if args.pad else v[pads[0]] for (S, T), v in steps.items()}}))
+                      "prefill_ms": {L: v if len(pads) > 1 else v[pads[0]] for L, v in prefill.items()},
+                      "step_ms": {f"{S}x{T}": v if len(pads) > 1 else v[pads[0]] for (S, T), v in steps.items()}}))
     return 0
 
 

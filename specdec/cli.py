@@ -59,6 +59,15 @@ _positive_int = _int_at_least(1)
 _nonneg_int = _int_at_least(0)
 
 
+def add_weights_arg(p) -> None:
+    p.add_argument("--weights", choices=("auto", "blocks", "fp32"), default="auto",
+                   help="what a GGUF model's matrix products read: its quantised blocks (Q4_0/Q4_1/Q8_0, decoded "
+                        "exactly inside the kernels: the same weights as the fp32 copy, ~5x fewer bytes a decode "
+                        "step; built once with the system's C++ compiler, needs AVX-512) or the dequantised fp32 "
+                        "copy. auto: blocks where the kernels run, else fp32; blocks: an error if they cannot. "
+                        "Outputs agree up to float summation order. Default: auto")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="PATH", default=None,
@@ -85,6 +94,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft model (draft, and auto without an EAGLE head): a row stops guessing after a token "
                         "the draft itself gives less than probability P (0 = always -k tokens). Exact at any value: "
                         "the stop depends on the draft's numbers only. Default: 0.4 (measured; README)")
+    add_weights_arg(g)
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights and activations dtype. bfloat16 reads half the bytes per step (faster plain "
                         "decoding where the CPU has bf16 units); its attention and KV cache run in float64, so "
@@ -171,6 +181,7 @@ def add_serve_parser(sub) -> None:
     )
     v.add_argument("--model", metavar="PATH", default=None,
                    help="target model (a .gguf, a Hugging Face folder, or a hub id). Default: the embedded default model")
+    add_weights_arg(v)
     v.add_argument("--method", choices=("none", "ngram", "auto", "draft"), default="auto",
                    help="speculation for the batch: auto (prompt lookup where the text repeats, the EAGLE head's tree "
                         "elsewhere, at loads where it pays; needs a head: the default model ships one, else --draft; "
@@ -223,7 +234,7 @@ def cmd_serve(args) -> int:
         raise SpecdecError(f"--draft is only used with --method auto or draft (got --method {method})")
     if args.draft:
         _check_draft_path(args.draft, method)  # before loading anything
-    lm = load_model(args.model)
+    lm = load_model(args.model, weights=args.weights)
     if lm.tokenizer is None:
         raise SpecdecError("the model has no tokenizer; the server needs one to read text")
     from .drafters.eagle import is_eagle_dir
@@ -355,7 +366,7 @@ def cmd_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-    target = load_model(args.model, dtype=dtype, quiet=args.quiet)
+    target = load_model(args.model, dtype=dtype, quiet=args.quiet, weights=args.weights)
     runners = []
     for m in methods:
         base = m.removesuffix("-chain").removesuffix("-draft").removesuffix("-eagle")
@@ -468,6 +479,7 @@ def add_validate_parser(sub) -> None:
     v.add_argument("--tree-width", type=_positive_int, default=2, help="eagle tree width. Default: 2")
     v.add_argument("--tree-nodes", type=_positive_int, default=None, help="tree nodes verified. Default: per method")
     v.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Default: float32")
+    add_weights_arg(v)
     v.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads. Default: all cores")
 
 
@@ -547,7 +559,7 @@ def cmd_validate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_model(args.model, dtype=torch.float32 if args.dtype == "float32" else torch.bfloat16,
-                        quiet=args.quiet)
+                        quiet=args.quiet, weights=args.weights)
     if target.tokenizer is None:
         raise SpecdecError(f"{target.path} has no tokenizer; validate needs one to read your samples")
     max_k = max(k_list or [max(DEFAULT_K.values())])
@@ -1063,7 +1075,7 @@ def cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     quiet = args.quiet
-    target = load_model(args.model, dtype=dtype, quiet=quiet)
+    target = load_model(args.model, dtype=dtype, quiet=quiet, weights=args.weights)
     if target.tokenizer is None:
         raise SpecdecError(f"{target.path} has no tokenizer; specdec generate needs one to read text prompts")
     engine, _ = build_engine(args, target, quiet)
@@ -1132,7 +1144,7 @@ def cmd_generate(args) -> int:
                               "finish_reason": res.stats.finish_reason, "stats": res.stats.as_dict()})
             obj = {"index": i, "prompt": p, "text": comps[0]["text"], "token_ids": comps[0]["token_ids"],
                    "finish_reason": comps[0]["finish_reason"], "stats": comps[0]["stats"],
-                   "method": args.method, "model": target.name}
+                   "method": args.method, "model": target.name, "weights": target.weights}
             if args.n > 1:
                 obj["completions"] = comps
             print(json.dumps(obj, ensure_ascii=False))
@@ -1143,11 +1155,11 @@ def cmd_generate(args) -> int:
             print(final_text(res))
     sys.stdout.flush()
     if not quiet:
-        print_summary(list(outputs.values()), args, wall)
+        print_summary(list(outputs.values()), args, wall, target.weights)
     return 0
 
 
-def print_summary(results, args, wall: float) -> None:
+def print_summary(results, args, wall: float, weights: str = "fp32") -> None:
     from .metrics import summarize
 
     s = summarize(results)
@@ -1169,6 +1181,8 @@ def print_summary(results, args, wall: float) -> None:
                  f"draft {s['draft_s']:.2f} s vs verify {s['verify_s']:.2f} s")
     reasons = sorted({r.stats.finish_reason for r in results})
     line += f"; finished: {', '.join(reasons)}"
+    if weights != "fp32":
+        line += f"; weights: {weights}"
     print(line, file=sys.stderr)
 
 

@@ -1,0 +1,102 @@
+"""Native kernels, built on first use: matrix products over a GGUF file's quantised blocks.
+
+`qlinear.cpp` multiplies fp32 activations by Q4_1 / Q8_0 weights without dequantising them to
+memory first (see the file's header: the same weights, rebuilt exactly in the kernel, and a
+row's sums that do not depend on the other rows). It is compiled once per machine with the
+system's C++ compiler against the installed torch, cached under the user cache directory
+(the caller names the folder: the loader uses ~/.cache/specdec/kernels), and loaded as `torch.ops.specdec_q`.
+
+`ops()` returns that namespace, or None when the kernels cannot run here; `unavailable()` then
+says why (no AVX-512, no compiler, a failed build, SPECDEC_GGUF_KERNELS=0). Nothing else in
+specdec depends on them: without them a GGUF model computes with its dequantised fp32 copy.
+
+This module knows nothing about models or files other than its own source and build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("qlinear.cpp")
+_lock = threading.Lock()
+_state: dict = {}  # "ops": the loaded namespace, or "why": the reason there is none
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build_flags(torch_dir: Path) -> list[str]:
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    return ["-O3", "-std=gnu++17", "-shared", "-fPIC", "-fopenmp", "-w",
+            "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
+
+
+def _build(cache_dir: Path, quiet: bool) -> Path:
+    """The compiled library (built now if this machine has none for this source and torch)."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    torch_dir = Path(torch.__file__).resolve().parent
+    flags = _build_flags(torch_dir)
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cxx, torch.__version__, sys.version, *flags]).encode())
+    out_dir = cache_dir / key.hexdigest()[:16]
+    lib = out_dir / "qlinear.so"
+    if lib.is_file():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print("[specdec] building the GGUF block kernels once (~10 s) ...", file=sys.stderr, flush=True)
+    tmp = out_dir / f"qlinear.{os.getpid()}.so"
+    res = subprocess.run([cxx, str(SOURCE), "-o", str(tmp), *flags], capture_output=True, text=True)
+    if res.returncode != 0 or not tmp.is_file():
+        lines = (res.stderr or res.stdout).strip().splitlines()
+        errors = [ln for ln in lines if "error" in ln] or lines[-3:]
+        raise RuntimeError(f"{Path(cxx).name} failed: {' / '.join(errors[:3])[:300]}")
+    os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
+    return lib
+
+
+def ops(cache_dir: Path, quiet: bool = True):
+    """torch.ops.specdec_q (q4_1_linear, q8_0_linear), or None if the kernels cannot run here;
+    a build goes to (and is reused from) cache_dir."""
+    with _lock:
+        if "ops" in _state or "why" in _state:
+            return _state.get("ops")
+        why = None
+        if os.environ.get("SPECDEC_GGUF_KERNELS", "1") == "0":
+            why = "SPECDEC_GGUF_KERNELS=0"
+        elif platform.machine() not in ("x86_64", "AMD64") or not {"avx512f", "avx512bw"} <= _cpu_flags():
+            why = "this CPU has no AVX-512 (the block kernels need AVX-512F/BW)"
+        if why is None:
+            try:
+                torch.ops.load_library(str(_build(Path(cache_dir), quiet)))
+                _state["ops"] = torch.ops.specdec_q
+                return _state["ops"]
+            except (RuntimeError, OSError) as e:
+                why = f"the block kernels could not be built or loaded ({e})"
+        _state["why"] = why
+        return None
+
+
+def unavailable() -> str | None:
+    """Why ops() returned None (None if it has not been called or the kernels loaded)."""
+    return _state.get("why")

@@ -1,0 +1,192 @@
+"""A GGUF file's quantised weight blocks, packed for the block kernels (specdec/kernels).
+
+A GGUF model is first dequantised to fp32 (loader.convert_gguf); that copy defines the model.
+Its Q4_0 / Q4_1 / Q8_0 matrices can also be multiplied straight from their blocks: a decode step
+then reads ~6 bits a weight instead of 32 (on this project's CPU that is most of a step's time).
+This module turns the file's blocks into the kernels' layout for each of the native model's
+projections (q/k/v and gate/up fused as the model fuses them; q and k rows permuted as
+transformers' GGUF reader permutes them for Llama) and for the LM head, and *checks* that every
+packed matrix rebuilds, weight for weight and bit for bit, the fp32 copy the model was loaded
+from; a matrix that does not (another quantisation type, an unknown layout) is left to the fp32
+path. The result is cached beside the fp32 copy (`blocks-v1.safetensors`).
+
+Layout (see qlinear.cpp): output rows in groups of 4; per group and 32-weight block, Q4_1:
+d[4], m[4] as float32 then 4 x 16 nibble bytes; Q8_0: d[4] as float32 then 4 x 32 int8.
+Q4_0 (w = d (q - 8)) is stored as Q4_1 with m = -8 d, which rebuilds the same values exactly.
+
+This module knows nothing about tokenizers, sampling or the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BLOCKS_FILE = "blocks-v1.safetensors"
+G = 4  # output rows per group (qlinear.cpp)
+
+
+def _q4(raw: np.ndarray, kind: str):
+    """raw [N, nb * bytes] -> (q [N, nb, 16] uint8 nibbles, d, m [N, nb] float32)."""
+    N = raw.shape[0]
+    if kind == "Q4_1":
+        b = raw.reshape(N, -1, 20)
+        d = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        return np.ascontiguousarray(b[:, :, 4:20]), d, m
+    b = raw.reshape(N, -1, 18)  # Q4_0: d, then 16 bytes; w = d * (q - 8)
+    d = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return np.ascontiguousarray(b[:, :, 2:18]), d, (-8.0 * d).astype(np.float32)
+
+
+def _q8(raw: np.ndarray):
+    """raw [N, nb * 34] -> (q [N, nb, 32] int8, d [N, nb] float32)."""
+    b = raw.reshape(raw.shape[0], -1, 34)
+    d = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return np.ascontiguousarray(b[:, :, 2:34]).view(np.int8), d
+
+
+def _dequant_q4(q, d, m) -> np.ndarray:
+    lo, hi = (q & 0x0F).astype(np.float32), (q >> 4).astype(np.float32)
+    w = np.concatenate([lo, hi], axis=2) * d[..., None] + m[..., None]  # d * q exact in fp32: one rounding
+    return w.reshape(q.shape[0], -1)
+
+
+def _dequant_q8(q, d) -> np.ndarray:
+    return (q.astype(np.float32) * d[..., None]).reshape(q.shape[0], -1)
+
+
+def _pack_q4(q, d, m) -> torch.Tensor:
+    N, nb = d.shape
+    dd = np.ascontiguousarray(d.reshape(N // G, G, nb).transpose(0, 2, 1)).view(np.uint8)  # [N/G, nb, 16]
+    mm = np.ascontiguousarray(m.reshape(N // G, G, nb).transpose(0, 2, 1)).view(np.uint8)
+    qq = q.reshape(N // G, G, nb, 16).transpose(0, 2, 1, 3).reshape(N // G, nb, G * 16)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, mm, qq], axis=2)).reshape(-1))
+
+
+def _pack_q8(q, d) -> torch.Tensor:
+    N, nb = d.shape
+    dd = np.ascontiguousarray(d.reshape(N // G, G, nb).transpose(0, 2, 1)).view(np.uint8)
+    qq = np.ascontiguousarray(q.reshape(N // G, G, nb, 32).transpose(0, 2, 1, 3)).view(np.uint8)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, qq.reshape(N // G, nb, G * 32)], axis=2)).reshape(-1))
+
+
+def _llama_row_order(n_rows: int, n_head: int) -> np.ndarray:
+    """transformers' reverse permutation of q / k rows for Llama GGUF files, as row indices."""
+    dim = n_rows // n_head // 2
+    return np.arange(n_rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(n_rows)
+
+
+class _Source:
+    """The file's tensors by name, each as (kind, decoded blocks) in transformers' row order."""
+
+    def __init__(self, gguf_path: Path, cfg) -> None:
+        from gguf import GGUFReader
+
+        self.reader = GGUFReader(str(gguf_path))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        arch = self.reader.fields.get("general.architecture")
+        self.arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else ""
+        self.cfg = cfg
+
+    def get(self, name: str):
+        t = self.tensors.get(name)
+        if t is None:
+            return None
+        kind = t.tensor_type.name
+        raw = np.asarray(t.data)
+        if kind in ("Q4_0", "Q4_1"):
+            q, d, m = _q4(raw, kind)
+            parts = ("Q4_1", q, d, m)
+        elif kind == "Q8_0":
+            parts = ("Q8_0", *_q8(raw))
+        else:
+            return None
+        if self.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = self.cfg.num_heads if ".attn_q." in name else self.cfg.num_kv_heads
+            order = _llama_row_order(raw.shape[0], heads)
+            parts = (parts[0], *(a[order] for a in parts[1:]))
+        return parts
+
+
+def _fuse(parts: list):
+    """Stack matrices of one kind along the output rows (None if absent or of mixed kinds)."""
+    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+        return None
+    return (parts[0][0], *(np.concatenate([p[i] for p in parts], axis=0) for i in range(1, len(parts[0]))))
+
+
+def _matrices(src: _Source, n_layers: int, tied: bool):
+    """(native name, HF weight names whose rows it stacks, decoded blocks)"""
+    for i in range(n_layers):
+        b = f"blk.{i}."
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        yield f"layers.{i}.wqkv", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], \
+            _fuse([src.get(b + "attn_q.weight"), src.get(b + "attn_k.weight"), src.get(b + "attn_v.weight")])
+        yield f"layers.{i}.wo", [a + "o_proj.weight"], src.get(b + "attn_output.weight")
+        yield f"layers.{i}.w_gate_up", [m + "gate_proj.weight", m + "up_proj.weight"], \
+            _fuse([src.get(b + "ffn_gate.weight"), src.get(b + "ffn_up.weight")])
+        yield f"layers.{i}.w_down", [m + "down_proj.weight"], src.get(b + "ffn_down.weight")
+    if tied or "output.weight" not in src.tensors:
+        yield "head", ["model.embed_tokens.weight"], src.get("token_embd.weight")
+    else:
+        yield "head", ["lm_head.weight"], src.get("output.weight")
+
+
+def build_blocks(gguf_path: Path, fp32_dir: Path, cfg) -> tuple[dict[str, tuple[str, torch.Tensor, int]], list[str]]:
+    """Pack every matrix of the file that rebuilds the fp32 copy in `fp32_dir` exactly.
+    Returns ({native name: (kind, packed bytes, output rows)}, notes on matrices left out)."""
+    from safetensors import safe_open
+
+    src = _Source(gguf_path, cfg)
+    out, notes = {}, []
+    files = sorted(fp32_dir.glob("*.safetensors"))
+    handles = [safe_open(str(f), framework="pt") for f in files]
+
+    def fp32(name):
+        for h in handles:
+            if name in h.keys():
+                return h.get_tensor(name).numpy()
+        return None
+
+    for name, hf_names, parts in _matrices(src, cfg.num_layers, cfg.tie_embeddings):
+        if parts is None:
+            notes.append(f"{name}: not Q4_0/Q4_1/Q8_0 (or of mixed kinds)")
+            continue
+        ref = [fp32(n) for n in hf_names]
+        if any(r is None for r in ref):
+            notes.append(f"{name}: no fp32 copy to check against")
+            continue
+        ref = np.concatenate(ref, axis=0)
+        kind = parts[0]
+        w = _dequant_q4(*parts[1:]) if kind == "Q4_1" else _dequant_q8(*parts[1:])
+        if w.shape != ref.shape or w.shape[0] % G or w.shape[1] % 32 or not np.array_equal(w, ref):
+            notes.append(f"{name}: its blocks do not rebuild the fp32 weights exactly")
+            continue
+        packed = _pack_q4(*parts[1:]) if kind == "Q4_1" else _pack_q8(*parts[1:])
+        out[name] = (kind, packed, int(w.shape[0]))
+    return out, notes
+
+
+def load_blocks(gguf_path: Path, fp32_dir: Path, cfg) -> tuple[dict[str, tuple[str, torch.Tensor, int]], list[str]]:
+    """build_blocks, cached in fp32_dir (built and checked once per file)."""
+    from safetensors.torch import load_file, save_file
+
+    f = fp32_dir / BLOCKS_FILE
+    if f.is_file():
+        try:
+            meta = json.loads((fp32_dir / (BLOCKS_FILE + ".json")).read_text())
+            sd = load_file(str(f))
+            return {k: (meta["kinds"][k], sd[k], int(meta["rows"][k])) for k in meta["kinds"]}, meta["notes"]
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache: build it again
+    blocks, notes = build_blocks(gguf_path, fp32_dir, cfg)
+    tmp = f.with_name(f.name + ".tmp")
+    save_file({k: v[1] for k, v in blocks.items()}, str(tmp))
+    (fp32_dir / (BLOCKS_FILE + ".json")).write_text(json.dumps(
+        {"kinds": {k: v[0] for k, v in blocks.items()}, "rows": {k: v[2] for k, v in blocks.items()}, "notes": notes}))
+    tmp.replace(f)
+    return blocks, notes

@@ -1,0 +1,321 @@
+"""GGUF block kernels (specdec/kernels) and their packing (models/gguf_blocks.py).
+
+Oracles: float64 products of the dequantised weights (the kernels), a row computed alone (row
+independence: a verification step's rows get the projections plain decoding gives them, bit
+for bit), transformers' logits and greedy decoding on tiny random models whose weights are
+exactly the blocks' values (the model with blocks attached), and the fp32 copy of the default
+model (its 121 matrices must rebuild it bit for bit, or they are left out).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.models import gguf_blocks as gb
+
+from oracle import hf_greedy, one_thread, tiny_hf_llama
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_ops():
+    from specdec import kernels
+    from specdec.models.loader import cache_root
+
+    return kernels.ops(cache_root() / "kernels")
+
+
+def need_ops():
+    ops = kernel_ops()
+    if ops is None:
+        from specdec import kernels
+
+        pytest.skip(f"block kernels unavailable here: {kernels.unavailable()}")
+    return ops
+
+
+def rand_q4_1(N: int, K: int, rng) -> tuple:
+    """Random Q4_1 blocks as gguf_blocks decodes them: (q [N, nb, 16] nibbles, d, m)."""
+    nb = K // 32
+    d = (rng.random((N, nb)) * 0.02 + 0.002).astype(np.float16).astype(np.float32)
+    m = (-rng.random((N, nb)) * 0.15).astype(np.float16).astype(np.float32)
+    return rng.integers(0, 256, (N, nb, 16)).astype(np.uint8), d, m
+
+
+def rand_q8_0(N: int, K: int, rng) -> tuple:
+    nb = K // 32
+    d = (rng.random((N, nb)) * 0.01 + 0.001).astype(np.float16).astype(np.float32)
+    return rng.integers(-128, 128, (N, nb, 32)).astype(np.int8), d
+
+
+def packed(kind: str, parts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed blocks, fp32 weights [N, K]) of decoded blocks."""
+    if kind == "Q4_1":
+        return gb._pack_q4(*parts), torch.from_numpy(gb._dequant_q4(*parts))
+    return gb._pack_q8(*parts), torch.from_numpy(gb._dequant_q8(*parts))
+
+
+# -- the kernels --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_kernel_matches_float64_product(kind):
+    ops = need_ops()
+    rng = np.random.default_rng(0)
+    N, K = 40, 96
+    p, w = packed(kind, rand_q4_1(N, K, rng) if kind == "Q4_1" else rand_q8_0(N, K, rng))
+    op = ops.q4_1_linear if kind == "Q4_1" else ops.q8_0_linear
+    g = torch.Generator().manual_seed(0)
+    for M in list(range(1, 18)) + [33]:
+        x = torch.randn(M, K, generator=g)
+        y = op(x, p, N)
+        ref = x.double() @ w.double().T
+        assert y.shape == (M, N) and y.dtype == torch.float32
+        assert (y.double() - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
+    # leading dimensions are kept, like F.linear
+    x3 = torch.randn(2, 3, K, generator=g)
+    assert torch.equal(op(x3, p, N), op(x3.reshape(6, K), p, N).reshape(2, 3, N))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads(kind):
+    """Every output is summed in one fixed order whatever the number of rows (the kernel splits
+    rows into passes of up to 5 and columns over threads): a row computed with 1..16 others is
+    bit for bit the row computed alone, on one thread or two."""
+    ops = need_ops()
+    rng = np.random.default_rng(1)
+    N, K = 64, 160
+    p, _ = packed(kind, rand_q4_1(N, K, rng) if kind == "Q4_1" else rand_q8_0(N, K, rng))
+    op = ops.q4_1_linear if kind == "Q4_1" else ops.q8_0_linear
+    x = torch.randn(17, K, generator=torch.Generator().manual_seed(1))
+    alone = torch.stack([op(x[i : i + 1], p, N)[0] for i in range(17)])
+    for M in range(1, 18):
+        assert torch.equal(op(x[:M], p, N), alone[:M]), M
+    with one_thread():
+        assert torch.equal(op(x, p, N), alone)
+
+
+def test_kernel_refuses_mismatched_shapes():
+    ops = need_ops()
+    rng = np.random.default_rng(2)
+    p, _ = packed("Q4_1", rand_q4_1(8, 64, rng))
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        ops.q4_1_linear(torch.randn(2, 96), p, 8)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.q4_1_linear(torch.randn(2, 64, dtype=torch.float64), p, 8)
+
+
+def test_q4_0_is_stored_as_q4_1_with_the_same_values():
+    """Q4_0 (w = d (q - 8)) becomes Q4_1 with m = -8 d: the rebuilt weights are the same floats."""
+    rng = np.random.default_rng(3)
+    N, nb = 8, 3
+    d = (rng.random((N, nb)) * 0.02 + 0.002).astype(np.float16)
+    qs = rng.integers(0, 256, (N, nb, 16)).astype(np.uint8)
+    raw = np.concatenate([d.view(np.uint8).reshape(N, nb, 2), qs], axis=2).reshape(N, -1)
+    q, d32, m = gb._q4(raw, "Q4_0")
+    nib = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.float32)
+    expected = ((nib - 8.0) * d.astype(np.float32)[..., None]).reshape(N, -1)
+    assert np.array_equal(gb._dequant_q4(q, d32, m), expected)
+
+
+# -- a model with blocks attached ---------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def block_models():
+    """A tiny transformers Llama whose projections are random Q4_1 blocks and whose head is Q8_0
+    (its fp32 weights set to exactly the blocks' values), and its native twin with the blocks
+    attached."""
+    from specdec.models.llama import build_native
+
+    rng = np.random.default_rng(4)
+    hf = tiny_hf_llama(0, vocab=64, hidden=64)
+    blocks, names = {}, {"wqkv": ["q_proj", "k_proj", "v_proj"], "wo": ["o_proj"],
+                         "w_gate_up": ["gate_proj", "up_proj"], "w_down": ["down_proj"]}
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            for native, parts in names.items():
+                mods = [getattr(layer.self_attn if p.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp, p)
+                        for p in parts]
+                qs = [rand_q4_1(mod.weight.shape[0], mod.weight.shape[1], rng) for mod in mods]
+                for mod, q in zip(mods, qs):
+                    mod.weight.copy_(torch.from_numpy(gb._dequant_q4(*q)))
+                fused = tuple(np.concatenate([q[j] for q in qs], axis=0) for j in range(3))
+                blocks[f"layers.{i}.{native}"] = ("Q4_1", gb._pack_q4(*fused), fused[1].shape[0])
+        qh = rand_q8_0(*hf.lm_head.weight.shape, rng)
+        hf.lm_head.weight.copy_(torch.from_numpy(gb._dequant_q8(*qh)))
+        blocks["head"] = ("Q8_0", gb._pack_q8(*qh), qh[1].shape[0])
+    native = build_native(hf.config, hf.state_dict(), pack=True)
+    return hf, native, blocks
+
+
+def test_attached_blocks_give_transformers_logits():
+    from specdec.models.llama import BLOCK_MAX_ROWS
+
+    ops = need_ops()
+    hf, native, blocks = block_models()
+    assert native.attach_blocks(ops, blocks) == len(blocks) == 9
+    assert native.block_bytes == sum(v[1].numel() for v in blocks.values())
+    g = torch.Generator().manual_seed(5)
+    toks = torch.randint(0, 64, (1, 40), generator=g)
+    with torch.no_grad():
+        ref = hf(input_ids=toks, use_cache=False).logits.float()
+    # a prefill longer than BLOCK_MAX_ROWS (the fp32 copy), then steps of 1..6 tokens (the blocks)
+    cache = native.new_cache(1, 64)
+    n0 = BLOCK_MAX_ROWS + 4
+    got = [native(toks[:, :n0], torch.arange(n0)[None], cache)[0]]
+    pos = n0
+    for T in (1, 2, 3, 6, 4, 1, 3):
+        got.append(native(toks[:, pos : pos + T], torch.arange(pos, pos + T)[None], cache)[0])
+        pos += T
+    assert (torch.cat(got, 1) - ref).abs().max().item() < 1e-4
+
+
+def test_greedy_speculation_with_blocks_equals_transformers_greedy():
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.engine import Engine
+    from specdec.types import SamplingParams
+
+    ops = need_ops()
+    hf, native, blocks = block_models()
+    native.attach_blocks(ops, blocks)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (6, 11, 9)]
+    prompts[2] = prompts[2][:4] * 2  # repeats, so prompt lookup has matches
+    want = [hf_greedy(hf, p, 20) for p in prompts]
+    with one_thread():
+        for drafter in (None, NgramDrafter(adaptive=False), DraftModelDrafter(native)):
+            for batch in ([prompts[0]], prompts):
+                outs = Engine(native, drafter, k=4).generate(batch, SamplingParams(max_new_tokens=20))
+                assert [o.tokens for o in outs] == want[: len(batch)], type(drafter).__name__
+
+
+def test_attach_refuses_a_wrong_shape():
+    from specdec.types import SpecdecError
+
+    ops = need_ops()
+    _, native, blocks = block_models()
+    kind, p, rows = blocks["layers.0.wo"]
+    with pytest.raises(SpecdecError, match="rows"):
+        native.attach_blocks(ops, {"layers.0.wo": (kind, p, rows + 4)})
+
+
+# -- GGUF files ---------------------------------------------------------------------------------
+def _llama_cpp_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's permutation of q / k rows when it writes a Llama GGUF (transformers undoes it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _raw_q4_1(q, d, m) -> np.ndarray:
+    N, nb = d.shape
+    return np.concatenate([d.astype(np.float16).view(np.uint8).reshape(N, nb, 2),
+                           m.astype(np.float16).view(np.uint8).reshape(N, nb, 2), q], axis=2).reshape(N, -1)
+
+
+def write_tiny_gguf(tmp_path, rng):
+    """A 1-layer Llama GGUF with Q4_1 projections (q / k rows in llama.cpp's order) and a Q8_0
+    token embedding (tied head), plus the fp32 copy transformers' reader makes of it (HF names and
+    row order). Returns (gguf path, fp32 dir, config)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from safetensors.torch import save_file
+
+    from specdec.models.llama import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, tie_embeddings=True)
+    w = GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    sd = {}
+    shapes = {"attn_q": (64, "q_proj", 4), "attn_k": (32, "k_proj", 2), "attn_v": (32, "v_proj", 0),
+              "attn_output": (64, "o_proj", 0), "ffn_gate": (96, "gate_proj", 0), "ffn_up": (96, "up_proj", 0)}
+    for name, (N, hf_name, heads) in shapes.items():
+        q, d, m = rand_q4_1(N, 64, rng)
+        fp32 = gb._dequant_q4(q, d, m)
+        part = "self_attn" if name.startswith("attn") else "mlp"
+        sd[f"model.layers.0.{part}.{hf_name}.weight"] = torch.from_numpy(fp32.copy())
+        raw = _raw_q4_1(q, d, m)
+        if heads:
+            raw = _llama_cpp_rows(raw, heads)
+        w.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=GGMLQuantizationType.Q4_1)
+    q, d, m = rand_q4_1(64, 96, rng)
+    sd["model.layers.0.mlp.down_proj.weight"] = torch.from_numpy(gb._dequant_q4(q, d, m))
+    w.add_tensor("blk.0.ffn_down.weight", _raw_q4_1(q, d, m), raw_dtype=GGMLQuantizationType.Q4_1)
+    qe, de = rand_q8_0(64, 64, rng)
+    sd["model.embed_tokens.weight"] = torch.from_numpy(gb._dequant_q8(qe, de))
+    raw = np.concatenate([de.astype(np.float16).view(np.uint8).reshape(64, 2, 2), qe.view(np.uint8)], axis=2)
+    w.add_tensor("token_embd.weight", raw.reshape(64, -1), raw_dtype=GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    fp32_dir = tmp_path / "fp32"
+    fp32_dir.mkdir()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(fp32_dir / "model.safetensors"))
+    return tmp_path / "tiny.gguf", fp32_dir, cfg
+
+
+def test_build_blocks_rebuilds_the_fp32_copy_and_undoes_llama_cpps_row_order(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, fp32_dir, cfg = write_tiny_gguf(tmp_path, np.random.default_rng(7))
+    blocks, notes = gb.build_blocks(path, fp32_dir, cfg)
+    assert notes == [] and sorted(blocks) == ["head", "layers.0.w_down", "layers.0.w_gate_up", "layers.0.wo",
+                                              "layers.0.wqkv"]
+    assert blocks["head"][0] == "Q8_0" and blocks["layers.0.wqkv"][2] == 128
+    # cached: a second call reads the same bytes back
+    first, _ = gb.load_blocks(path, fp32_dir, cfg)
+    again, _ = gb.load_blocks(path, fp32_dir, cfg)
+    assert (fp32_dir / gb.BLOCKS_FILE).is_file()
+    assert all(torch.equal(first[k][1], again[k][1]) and first[k][:1] == again[k][:1] for k in first)
+    # a matrix whose blocks do not rebuild its fp32 copy bit for bit is left to the fp32 path
+    sd = load_file(str(fp32_dir / "model.safetensors"))
+    sd["model.layers.0.self_attn.k_proj.weight"][3, 5] += 1e-6
+    save_file(sd, str(fp32_dir / "model.safetensors"))
+    blocks, notes = gb.build_blocks(path, fp32_dir, cfg)
+    assert "layers.0.wqkv" not in blocks and len(blocks) == 4
+    assert any("layers.0.wqkv" in n and "do not rebuild" in n for n in notes)
+
+
+# -- the default model ------------------------------------------------------------------------
+@pytest.mark.default_model
+def test_default_model_computes_with_its_blocks(default_model):
+    """All 121 matrices of the shipped GGUF rebuild its fp32 copy exactly, so all are attached
+    where the kernels run; next-token logits stay within summation noise of the fp32 copy's."""
+    from specdec.models.loader import load_model
+
+    ops = need_ops()
+    assert default_model.weights == "gguf blocks (121 of 121 matrices)"
+    fp32 = load_model(quiet=True, weights="fp32")
+    assert fp32.weights == "fp32" and fp32.model.head_q is None
+    ids = default_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    toks = torch.tensor([ids])
+    for m in (default_model.model, fp32.model):
+        m._test_cache = m.new_cache(1, len(ids) + 8)
+        m(toks[:, :-6], torch.arange(len(ids) - 6)[None], m._test_cache)
+    a, _ = default_model.model(toks[:, -6:], torch.arange(len(ids) - 6, len(ids))[None], default_model.model._test_cache)
+    b, _ = fp32.model(toks[:, -6:], torch.arange(len(ids) - 6, len(ids))[None], fp32.model._test_cache)
+    assert (a - b).abs().max().item() < 2e-3  # logits of magnitude ~10-30
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert ops is not None and default_model.model.weight_bytes_per_token() < fp32.model.weight_bytes_per_token() / 4
+
+
+def test_weights_option_errors(monkeypatch, tmp_path):
+    """--weights blocks says what is missing instead of silently using fp32."""
+    from specdec import kernels
+    from specdec.models.loader import LoadedModel, attach_gguf_blocks
+    from specdec.types import SpecdecError
+
+    _, native, _ = block_models()
+    lm = LoadedModel(native, None, "tiny", str(tmp_path), "tiny")
+    with pytest.raises(SpecdecError, match="needs a GGUF model"):
+        attach_gguf_blocks(lm, "blocks", quiet=True)
+    with pytest.raises(SpecdecError, match="weights must be one of"):
+        attach_gguf_blocks(lm, "int4", quiet=True)
+    attach_gguf_blocks(lm, "auto", quiet=True)  # not a GGUF: nothing to do
+    assert lm.weights == "fp32"
+    lm.gguf = str(tmp_path / "x.gguf")
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("SPECDEC_GGUF_KERNELS", "0")
+    with pytest.raises(SpecdecError, match="SPECDEC_GGUF_KERNELS=0"):
+        attach_gguf_blocks(lm, "blocks", quiet=True)
+    attach_gguf_blocks(lm, "auto", quiet=True)
+    assert lm.weights == "fp32"
