@@ -51,21 +51,33 @@ def rand_q8_0(N: int, K: int, rng) -> tuple:
     return rng.integers(-128, 128, (N, nb, 32)).astype(np.int8), d
 
 
-def packed(kind: str, parts) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed blocks, fp32 weights [N, K]) of decoded blocks."""
-    if kind == "Q4_1":
-        return gb._pack_q4(*parts), torch.from_numpy(gb._dequant_q4(*parts))
-    return gb._pack_q8(*parts), torch.from_numpy(gb._dequant_q8(*parts))
+KERNELS = [("Q4_1", "k"), ("Q4_1", "n"), ("Q8_0", "k"), ("Q8_0", "n")]
+
+
+def packed(kind: str, layout: str, parts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed blocks in the K- or N-major layout, fp32 weights [N, K]) of decoded blocks."""
+    k, n = gb.pack(kind, parts)
+    w = gb._dequant_q4(*parts) if kind == "Q4_1" else gb._dequant_q8(*parts)
+    return (k if layout == "k" else n), torch.from_numpy(w)
+
+
+def kernel(ops, kind: str, layout: str):
+    name = ("q4_1_linear" if kind == "Q4_1" else "q8_0_linear") + ("_n" if layout == "n" else "")
+    return getattr(ops, name)
+
+
+def rand_blocks(kind: str, N: int, K: int, rng):
+    return rand_q4_1(N, K, rng) if kind == "Q4_1" else rand_q8_0(N, K, rng)
 
 
 # -- the kernels --------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_kernel_matches_float64_product(kind):
+@pytest.mark.parametrize("kind,layout", KERNELS)
+def test_kernel_matches_float64_product(kind, layout):
     ops = need_ops()
     rng = np.random.default_rng(0)
-    N, K = 40, 96
-    p, w = packed(kind, rand_q4_1(N, K, rng) if kind == "Q4_1" else rand_q8_0(N, K, rng))
-    op = ops.q4_1_linear if kind == "Q4_1" else ops.q8_0_linear
+    N, K = 80, 96  # 80 outputs: five 16-output tiles, one unit of four and one left over (N-major)
+    p, w = packed(kind, layout, rand_blocks(kind, N, K, rng))
+    op = kernel(ops, kind, layout)
     g = torch.Generator().manual_seed(0)
     for M in list(range(1, 18)) + [33]:
         x = torch.randn(M, K, generator=g)
@@ -78,16 +90,16 @@ def test_kernel_matches_float64_product(kind):
     assert torch.equal(op(x3, p, N), op(x3.reshape(6, K), p, N).reshape(2, 3, N))
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads(kind):
-    """Every output is summed in one fixed order whatever the number of rows (the kernel splits
-    rows into passes of up to 5 and columns over threads): a row computed with 1..16 others is
-    bit for bit the row computed alone, on one thread or two."""
+@pytest.mark.parametrize("kind,layout", KERNELS)
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads(kind, layout):
+    """Within a kernel every output is summed in one fixed order whatever the number of rows (the
+    kernels split rows into passes of up to 5 or 8 and columns over threads): a row computed with
+    1..16 others is bit for bit the row computed alone, on one thread or two."""
     ops = need_ops()
     rng = np.random.default_rng(1)
-    N, K = 64, 160
-    p, _ = packed(kind, rand_q4_1(N, K, rng) if kind == "Q4_1" else rand_q8_0(N, K, rng))
-    op = ops.q4_1_linear if kind == "Q4_1" else ops.q8_0_linear
+    N, K = 80, 160
+    p, _ = packed(kind, layout, rand_blocks(kind, N, K, rng))
+    op = kernel(ops, kind, layout)
     x = torch.randn(17, K, generator=torch.Generator().manual_seed(1))
     alone = torch.stack([op(x[i : i + 1], p, N)[0] for i in range(17)])
     for M in range(1, 18):
@@ -96,14 +108,22 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads(kind):
         assert torch.equal(op(x, p, N), alone)
 
 
-def test_kernel_refuses_mismatched_shapes():
+@pytest.mark.parametrize("layout", ["k", "n"])
+def test_kernel_refuses_mismatched_shapes(layout):
     ops = need_ops()
     rng = np.random.default_rng(2)
-    p, _ = packed("Q4_1", rand_q4_1(8, 64, rng))
+    p, _ = packed("Q4_1", layout, rand_q4_1(16, 64, rng))
+    op = kernel(ops, "Q4_1", layout)
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        ops.q4_1_linear(torch.randn(2, 96), p, 8)
+        op(torch.randn(2, 96), p, 16)
     with pytest.raises(RuntimeError, match="float32"):
-        ops.q4_1_linear(torch.randn(2, 64, dtype=torch.float64), p, 8)
+        op(torch.randn(2, 64, dtype=torch.float64), p, 16)
+
+
+def test_n_major_layout_needs_whole_tiles():
+    rng = np.random.default_rng(2)
+    assert gb.pack("Q4_1", rand_q4_1(20, 64, rng))[1] is None  # 20 outputs: not a multiple of 16
+    assert gb.pack("Q8_0", rand_q8_0(20, 64, rng))[1] is None
 
 
 def test_q4_0_is_stored_as_q4_1_with_the_same_values():
@@ -140,10 +160,10 @@ def block_models():
                 for mod, q in zip(mods, qs):
                     mod.weight.copy_(torch.from_numpy(gb._dequant_q4(*q)))
                 fused = tuple(np.concatenate([q[j] for q in qs], axis=0) for j in range(3))
-                blocks[f"layers.{i}.{native}"] = ("Q4_1", gb._pack_q4(*fused), fused[1].shape[0])
+                blocks[f"layers.{i}.{native}"] = ("Q4_1", *gb.pack("Q4_1", fused), fused[1].shape[0])
         qh = rand_q8_0(*hf.lm_head.weight.shape, rng)
         hf.lm_head.weight.copy_(torch.from_numpy(gb._dequant_q8(*qh)))
-        blocks["head"] = ("Q8_0", gb._pack_q8(*qh), qh[1].shape[0])
+        blocks["head"] = ("Q8_0", *gb.pack("Q8_0", qh), qh[1].shape[0])
     native = build_native(hf.config, hf.state_dict(), pack=True)
     return hf, native, blocks
 
@@ -195,9 +215,9 @@ def test_attach_refuses_a_wrong_shape():
 
     ops = need_ops()
     _, native, blocks = block_models()
-    kind, p, rows = blocks["layers.0.wo"]
+    kind, pk, pn, rows = blocks["layers.0.wo"]
     with pytest.raises(SpecdecError, match="rows"):
-        native.attach_blocks(ops, {"layers.0.wo": (kind, p, rows + 4)})
+        native.attach_blocks(ops, {"layers.0.wo": (kind, pk, pn, rows + 4)})
 
 
 # -- GGUF files ---------------------------------------------------------------------------------
@@ -260,12 +280,14 @@ def test_build_blocks_rebuilds_the_fp32_copy_and_undoes_llama_cpps_row_order(tmp
     blocks, notes = gb.build_blocks(path, fp32_dir, cfg)
     assert notes == [] and sorted(blocks) == ["head", "layers.0.w_down", "layers.0.w_gate_up", "layers.0.wo",
                                               "layers.0.wqkv"]
-    assert blocks["head"][0] == "Q8_0" and blocks["layers.0.wqkv"][2] == 128
+    assert blocks["head"][0] == "Q8_0" and blocks["layers.0.wqkv"][3] == 128
     # cached: a second call reads the same bytes back
     first, _ = gb.load_blocks(path, fp32_dir, cfg)
     again, _ = gb.load_blocks(path, fp32_dir, cfg)
     assert (fp32_dir / gb.BLOCKS_FILE).is_file()
-    assert all(torch.equal(first[k][1], again[k][1]) and first[k][:1] == again[k][:1] for k in first)
+    for k in first:
+        assert first[k][0] == again[k][0] and first[k][3] == again[k][3]
+        assert torch.equal(first[k][1], again[k][1]) and torch.equal(first[k][2], again[k][2])
     # a matrix whose blocks do not rebuild its fp32 copy bit for bit is left to the fp32 path
     sd = load_file(str(fp32_dir / "model.safetensors"))
     sd["model.layers.0.self_attn.k_proj.weight"][3, 5] += 1e-6
@@ -319,3 +341,40 @@ def test_weights_option_errors(monkeypatch, tmp_path):
         attach_gguf_blocks(lm, "blocks", quiet=True)
     attach_gguf_blocks(lm, "auto", quiet=True)
     assert lm.weights == "fp32"
+
+
+# -- drafters on the kernels --------------------------------------------------------------------
+def test_quantize_q8_0_error_is_within_half_a_step_and_q8_values_survive():
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(16, 96, generator=g)
+    kind, pk, pn, rows = gb.quantize_q8_0(w)
+    assert kind == "Q8_0" and rows == 16 and pn is not None
+    # decode the K-major bytes back: per group of 4 rows and block, d[4] then q[4][32]
+    raw = pk.numpy().reshape(16 // 4, 3, 4 * 4 + 4 * 32)
+    d = raw[:, :, :16].copy().view(np.float32).reshape(4, 3, 4).transpose(0, 2, 1).reshape(16, 3)
+    q = raw[:, :, 16:].copy().view(np.int8).reshape(4, 3, 4, 32).transpose(0, 2, 1, 3).reshape(16, 3, 32)
+    back = gb._dequant_q8(q, d)
+    step = np.repeat(d, 32, axis=1)
+    assert np.all(np.abs(back - w.numpy()) <= step / 2 + 1e-7)
+    # weights that already are Q8_0 values (a GGUF head's rows) come back exactly
+    assert np.array_equal(gb._dequant_q8(*gb._q8(np.concatenate(
+        [d.astype(np.float16).view(np.uint8).reshape(16, 3, 2), q.view(np.uint8)], axis=2).reshape(16, -1))), back)
+    assert gb.quantize_q8_0(torch.randn(16, 40)) is None  # K not a multiple of 32
+
+
+@pytest.mark.default_model
+def test_eagle_head_drafts_on_the_kernels_and_stays_exact(default_model):
+    """With the target on its blocks, the EAGLE head's projections and subset head run on Q8_0
+    copies (its drafting only); auto's greedy output still equals plain greedy output."""
+    from specdec.drafters.hybrid import lookup_eagle_for
+    from specdec.engine import Engine
+    from specdec.types import SamplingParams
+
+    need_ops()
+    d = lookup_eagle_for(default_model)
+    assert d.eagle.W_blocks is not None and d.eagle.head.wqkv.qop is not None
+    ids = default_model.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n")
+    sp = SamplingParams(max_new_tokens=40)
+    [plain] = Engine(default_model.model, None, k=0).generate([ids], sp)
+    [spec] = Engine(default_model.model, d, k=8).generate([ids], sp)
+    assert spec.tokens == plain.tokens and spec.stats.accepted > 0

@@ -34,7 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models.llama import PACK_BATCH_HINT, Linear, cpu_has_bf16, mkldnn_packing_available, packed_linear
+from ..models.llama import (BLOCK_MAX_ROWS, PACK_BATCH_HINT, Linear, block_linear, cpu_has_bf16,
+                             mkldnn_packing_available, packed_linear)
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
 
@@ -163,6 +164,30 @@ def pack_drafting_head(W: torch.Tensor) -> tuple[torch.Tensor | None, torch.dtyp
     return torch.ops.mkldnn._reorder_linear_weight(W.to(dtype), PACK_BATCH_HINT), dtype
 
 
+def block_drafting(linears, W: torch.Tensor, target_model):
+    """Where this process runs the GGUF block kernels (the target is a float32 model on its blocks:
+    kernels.loaded()), give a drafter's projections `linears` Q8_0 copies of their weights for
+    short calls (a drafting step reads ~1 byte a weight, through kernels with a few microseconds of
+    overhead, instead of bf16 weights through oneDNN) and return the kernel arguments of its output
+    head W [S, D] as Q8_0 blocks (models.llama.block_linear); None (nothing changed) elsewhere.
+    Exactness does not depend on it: only the drafter's own numbers move. Call it before the
+    projections are packed (packing releases their weights)."""
+    from ..kernels import loaded
+    from ..models.gguf_blocks import quantize_q8_0
+    from ..models.llama import kernel_args
+
+    ops = loaded()
+    if ops is None or getattr(target_model, "head_q", None) is None or W.dtype != torch.float32:
+        return None
+    for lin in linears:
+        if lin.weight is not None and lin.weight.dtype == torch.float32:
+            blocks = quantize_q8_0(lin.weight)
+            if blocks is not None:
+                lin.attach(ops, blocks)
+    blocks = quantize_q8_0(W)
+    return None if blocks is None else kernel_args(ops, blocks)
+
+
 def head_from_target(cfg) -> EagleHead:
     """An EAGLE head shaped like one layer of the target (native LlamaConfig)."""
     return EagleHead(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
@@ -235,6 +260,8 @@ class EagleDrafter:
             self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
             W = W[self.subset]
         self.W = W.contiguous()  # [S, D]
+        h = head
+        self.W_blocks = block_drafting((h.fc, h.wqkv, h.wo, h.w_gate_up, h.w_down), self.W, target_model)
         self.W_packed, self.pack_dtype = pack_drafting_head(self.W)  # the head's layer packs alike
         if self.W_packed is not None:
             head.pack(self.pack_dtype)
@@ -278,6 +305,8 @@ class EagleDrafter:
 
     def _logits(self, h):
         """[..., D] -> [..., S] scores over the subset (or the full vocabulary)."""
+        if self.W_blocks is not None and h.numel() <= BLOCK_MAX_ROWS * h.shape[-1] and h.dtype == torch.float32:
+            return block_linear(h, *self.W_blocks)
         if self.W_packed is not None:
             return packed_linear(h.to(self.pack_dtype), self.W_packed).float()
         return h.float() @ self.W.float().T

@@ -62,7 +62,10 @@ class HybridDrafter:
     def draft_pays(self) -> bool:
         if not self.gate or self.t_tok is None or not self.t_step:
             return True  # ungated, or not measured yet
-        return self.acc / self.prop > self.t_tok / self.t_step
+        # c per drafted token, in plain steps (the lookup's fitted step with no guesses, else the
+        # mean step between proposals, which includes verifying the guesses)
+        plain = self.ngram.policy.step_seconds() if self.ngram.policy is not None else None
+        return self.acc / self.prop > self.t_tok / (plain or self.t_step)
 
     def begin(self, prompts, params, max_len) -> None:
         self.draft.begin(prompts, params, max_len)
@@ -215,11 +218,21 @@ class LookupEagleDrafter:
         self.t_head = 0.0
         self.head_steady = False
 
+    def cost(self) -> float | None:
+        """c: the head's drafting time in plain target steps (None until measured). A plain step is
+        the lookup's fitted step with no guesses; the mean step between proposals, the fallback,
+        includes verifying the trees and so understates c where verifying is dear."""
+        if self.t_draft is None or not self.t_step:
+            return None
+        plain = self.ngram.policy.step_seconds() if self.ngram.policy is not None else None
+        return self.t_draft / (plain or self.t_step)
+
     def tree_pays(self) -> bool:
-        if not self.gate or self.t_draft is None or not self.t_step:
+        c = self.cost()
+        if not self.gate or c is None:
             return True
         r = self.ngram.policy.r if self.ngram.policy is not None else 0.08
-        return self.gain > self.t_draft / self.t_step + r * self.nodes
+        return self.gain > c + r * self.nodes
 
     def prefer_lookup(self, looked: list[list[int]], fixed: bool) -> list[bool]:
         """Per row, whether its lookup beats the tree: expected committed tokens per unit of
@@ -228,10 +241,11 @@ class LookupEagleDrafter:
         timed, and for seeded samples (no timing-based choices), a lookup of at least
         `min_lookup` guesses wins."""
         policy = self.ngram.policy
-        if fixed or policy is None or self.t_draft is None or not self.t_step:
+        c = self.cost()
+        if fixed or policy is None or c is None:
             return [len(g) >= self.min_lookup for g in looked]
         r = policy.r
-        tree = (1.0 + self.gain) / (1.0 + self.t_draft / self.t_step + r * self.nodes)
+        tree = (1.0 + self.gain) / (1.0 + c + r * self.nodes)
         out = []
         for g, n in zip(looked, self.ngram.matches):
             j = len(g)

@@ -81,6 +81,14 @@ class LengthPolicy:
             return self.r_prior
         return min(max(slope / t0, 0.005), 1.0)
 
+    def step_seconds(self) -> float | None:
+        """Seconds of a step that verifies no guesses, from the fitted line (None until measured)."""
+        slope = self.times.slope() if self.times.weight >= 8 else None
+        if slope is None:
+            return None
+        t0 = self.times.intercept(slope)
+        return t0 if t0 > 0 else None
+
     def expected(self, n: int, k: int) -> list[float]:
         """[E(0), .., E(k')]: expected committed tokens (1 + accepted guesses) when j of a
         match-length-n continuation are proposed, j = 0 .. k' = min(k, positions tracked)."""

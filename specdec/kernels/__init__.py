@@ -97,6 +97,12 @@ def ops(cache_dir: Path, quiet: bool = True):
         return None
 
 
+def loaded():
+    """The kernels if this process has already loaded them (a GGUF target did), else None; never
+    builds. Drafters use this to run their own small matrices through the kernels too."""
+    return _state.get("ops")
+
+
 def unavailable() -> str | None:
     """Why ops() returned None (None if it has not been called or the kernels loaded)."""
     return _state.get("why")

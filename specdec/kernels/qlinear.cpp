@@ -5,16 +5,23 @@
 // so these are the same weights as the fp32 model's; only the order of the sums differs from
 // oneDNN's. A decode step reads ~6 bits a weight instead of 32.
 //
-// Every output (row r, column n) is summed in the same order whatever the number of rows M and
-// however rows and columns are split into passes and threads: one 16-lane accumulator over the
-// blocks in order (weights 0..15, then 16..31 of each block), then one fixed pairwise reduction. So a row's result does not depend on the
-// other rows, and verifying several tokens gives each token the projections that decoding it
-// alone gives, bit for bit.
-//
-// Packed layout (specdec/models/gguf_blocks.py writes it): output rows in groups of G = 4; per
-// group and block of 32 weights, Q4_1: float d[4], float m[4], uint8 q[4][16] (ggml's order:
-// byte j holds weight j in its low nibble and weight j + 16 in its high nibble); Q8_0: float d[4],
-// int8 q[4][32]. Needs AVX-512 (F, BW); built on first use by specdec/kernels/__init__.py.
+// Two layouts, two kernels (specdec/models/gguf_blocks.py packs both):
+//  * K-major, for 1-2 rows (decoding): output rows in groups of G = 4; per group and 32-weight
+//    block, Q4_1: float d[4], float m[4], uint8 q[4][16] (ggml's order: byte j holds weight j in
+//    its low nibble and weight j + 16 in its high nibble); Q8_0: float d[4], int8 q[4][32]. A
+//    vector holds 16 weights of one output; a Q4_1 block's 16 possible values are built once and
+//    looked up by nibble. Each output: one 16-lane accumulator over the blocks (weights 0..15, then
+//    16..31 of each), then a fixed pairwise reduction.
+//  * N-major, for 3-16 rows (verifying drafts, small batches): tiles of TN = 16 outputs; per tile and
+//    block, Q4_1: float d[16], float m[16], uint8 q[16][16] (q[i][c]: weight i of output c in the low
+//    nibble, weight i + 16 in the high one); Q8_0: float d[16], int8 q[32][16]. A vector holds one
+//    weight of 16 outputs, times a broadcast activation: no reduction at the end, and each weight
+//    vector serves up to 8 rows. Each output: one sequential sum over k in the order
+//    (0, 16, 1, 17, ..., 15, 31) of every block.
+// Within a kernel every output is summed in one order whatever the number of rows and however rows
+// and columns are split into passes and threads, so a row's result does not depend on the other
+// rows in the call. The two kernels sum in different orders (results within ~1e-6 relative).
+// Needs AVX-512 (F, BW); built on first use by specdec/kernels/__init__.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -142,13 +149,140 @@ at::Tensor qlinear(const at::Tensor& x_, const at::Tensor& packed, int64_t N) {
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear<Q4_1>(x, packed, n); }
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear<Q8_0>(x, packed, n); }
 
+// ---- N-major ------------------------------------------------------------------------------------
+constexpr int TN = 16;            // outputs per tile (one vector)
+constexpr int NV = 4;             // tiles a thread's unit of work covers (fewer for the last unit)
+constexpr int MAX_ROWS_N = 8;     // 8 x 4 accumulators of 32 registers; more rows take more passes
+
+struct Q4_1N {
+  static constexpr int BLK = 64 + 64 + 256;
+  struct Scales { __m512 d, m; };
+  static inline Scales scales(const uint8_t* tb) {
+    return {_mm512_loadu_ps(reinterpret_cast<const float*>(tb)), _mm512_loadu_ps(reinterpret_cast<const float*>(tb + 64))};
+  }
+  // weights i and i + 16 of the block, for the tile's 16 outputs
+  static inline void weights(const uint8_t* tb, const Scales& s, int i, __m512& lo, __m512& hi) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tb + 128 + i * 16)));
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), s.d, s.m);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), s.d, s.m);
+  }
+};
+
+struct Q8_0N {
+  static constexpr int BLK = 64 + 512;
+  struct Scales { __m512 d; };
+  static inline Scales scales(const uint8_t* tb) { return {_mm512_loadu_ps(reinterpret_cast<const float*>(tb))}; }
+  static inline void weights(const uint8_t* tb, const Scales& s, int i, __m512& lo, __m512& hi) {
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tb + 64 + i * 16));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tb + 64 + (i + 16) * 16));
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), s.d);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), s.d);
+  }
+};
+
+// rows 0..MT-1 of x against V consecutive tiles (tile stride ts bytes), outputs to y (row stride ldy)
+template <class F, int MT, int V>
+inline void ntile(const float* __restrict x, int64_t ldx, const uint8_t* __restrict tiles, int64_t nb, int64_t ts,
+                  float* __restrict y, int64_t ldy) {
+  __m512 acc[MT][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tb[V];
+    typename F::Scales sc[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
+      tb[v] = tiles + v * ts + b * F::BLK;
+      sc[v] = F::scales(tb[v]);
+      for (int c = 0; c < F::BLK; c += 64) _mm_prefetch(reinterpret_cast<const char*>(tb[v] + 2 * F::BLK + c), _MM_HINT_T0);
+    }
+    const float* xb = x + b * 32;
+#pragma GCC unroll 2
+    for (int i = 0; i < 16; ++i) {
+      __m512 lo[V], hi[V];
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) F::weights(tb[v], sc[v], i, lo[v], hi[v]);
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r) {
+        const __m512 xl = _mm512_set1_ps(xb[r * ldx + i]), xh = _mm512_set1_ps(xb[r * ldx + i + 16]);
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(hi[v], xh, _mm512_fmadd_ps(lo[v], xl, acc[r][v]));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + r * ldy + v * TN, acc[r][v]);
+}
+
+template <class F, int V>
+void nrows(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t nb, int64_t ts, float* y, int64_t N) {
+  const int64_t passes = (M + MAX_ROWS_N - 1) / MAX_ROWS_N;  // balanced: 12 -> 6 + 6
+  int64_t r0 = 0;
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t c = (M - r0) / (passes - p);
+    const float* xr = x + r0 * K;
+    float* yr = y + r0 * N;
+    switch (c) {
+      case 1: ntile<F, 1, V>(xr, K, tiles, nb, ts, yr, N); break;
+      case 2: ntile<F, 2, V>(xr, K, tiles, nb, ts, yr, N); break;
+      case 3: ntile<F, 3, V>(xr, K, tiles, nb, ts, yr, N); break;
+      case 4: ntile<F, 4, V>(xr, K, tiles, nb, ts, yr, N); break;
+      case 5: ntile<F, 5, V>(xr, K, tiles, nb, ts, yr, N); break;
+      case 6: ntile<F, 6, V>(xr, K, tiles, nb, ts, yr, N); break;
+      case 7: ntile<F, 7, V>(xr, K, tiles, nb, ts, yr, N); break;
+      default: ntile<F, 8, V>(xr, K, tiles, nb, ts, yr, N); break;
+    }
+    r0 += c;
+  }
+}
+
+template <class F>
+at::Tensor qlinear_n(const at::Tensor& x_, const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.device().is_cpu(), "qlinear: x must be a float32 CPU tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear: packed must be contiguous uint8");
+  const at::Tensor x = x_.contiguous();
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, nb = K / 32, T = N / TN;
+  TORCH_CHECK(K % 32 == 0 && N % TN == 0 && packed.numel() == T * nb * F::BLK,
+              "qlinear: shapes do not match the packed weight (K ", K, ", N ", N, ")");
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor y = at::empty(sizes, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const int64_t ts = nb * F::BLK;
+  at::parallel_for(0, (T + NV - 1) / NV, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t t0 = u * NV, t1 = std::min<int64_t>(T, t0 + NV);
+      if (t1 - t0 == NV) {
+        nrows<F, NV>(xp, M, K, pp + t0 * ts, nb, ts, yp + t0 * TN, N);
+      } else {
+        for (int64_t t = t0; t < t1; ++t) nrows<F, 1>(xp, M, K, pp + t * ts, nb, ts, yp + t * TN, N);
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor q4_1_linear_n(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear_n<Q4_1N>(x, packed, n); }
+at::Tensor q8_0_linear_n(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear_n<Q8_0N>(x, packed, n); }
+
 }  // namespace
 
 TORCH_LIBRARY(specdec_q, lib) {
   lib.def("q4_1_linear(Tensor x, Tensor packed, int n) -> Tensor");
   lib.def("q8_0_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  lib.def("q4_1_linear_n(Tensor x, Tensor packed, int n) -> Tensor");
+  lib.def("q8_0_linear_n(Tensor x, Tensor packed, int n) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specdec_q, CPU, lib) {
   lib.impl("q4_1_linear", &q4_1_linear);
   lib.impl("q8_0_linear", &q8_0_linear);
+  lib.impl("q4_1_linear_n", &q4_1_linear_n);
+  lib.impl("q8_0_linear_n", &q8_0_linear_n);
 }

@@ -8,10 +8,13 @@ projections (q/k/v and gate/up fused as the model fuses them; q and k rows permu
 transformers' GGUF reader permutes them for Llama) and for the LM head, and *checks* that every
 packed matrix rebuilds, weight for weight and bit for bit, the fp32 copy the model was loaded
 from; a matrix that does not (another quantisation type, an unknown layout) is left to the fp32
-path. The result is cached beside the fp32 copy (`blocks-v1.safetensors`).
+path. The result is cached beside the fp32 copy (`blocks-v2.safetensors`).
 
-Layout (see qlinear.cpp): output rows in groups of 4; per group and 32-weight block, Q4_1:
-d[4], m[4] as float32 then 4 x 16 nibble bytes; Q8_0: d[4] as float32 then 4 x 32 int8.
+Layouts (see qlinear.cpp): K-major, output rows in groups of 4; per group and 32-weight block,
+Q4_1: d[4], m[4] as float32 then 4 x 16 nibble bytes; Q8_0: d[4] as float32 then 4 x 32 int8.
+N-major, tiles of 16 outputs; per tile and block, Q4_1: d[16], m[16], then 16 x 16 bytes (weight
+i of each output); Q8_0: d[16], then 32 x 16 int8. Both are kept: the kernels for 1-2 rows read
+the first, those for 3-16 rows the second.
 Q4_0 (w = d (q - 8)) is stored as Q4_1 with m = -8 d, which rebuilds the same values exactly.
 
 This module knows nothing about tokenizers, sampling or the engine.
@@ -25,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-BLOCKS_FILE = "blocks-v1.safetensors"
+BLOCKS_FILE = "blocks-v2.safetensors"
 G = 4  # output rows per group (qlinear.cpp)
 
 
@@ -72,6 +75,53 @@ def _pack_q8(q, d) -> torch.Tensor:
     dd = np.ascontiguousarray(d.reshape(N // G, G, nb).transpose(0, 2, 1)).view(np.uint8)
     qq = np.ascontiguousarray(q.reshape(N // G, G, nb, 32).transpose(0, 2, 1, 3)).view(np.uint8)
     return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, qq.reshape(N // G, nb, G * 32)], axis=2)).reshape(-1))
+
+
+TN = 16  # outputs per tile of the N-major layout (qlinear.cpp)
+
+
+def _pack_q4_n(q, d, m) -> torch.Tensor | None:
+    """The N-major layout: per tile of 16 outputs and block, d[16], m[16], q[16 weights][16 outputs]."""
+    N, nb = d.shape
+    if N % TN:
+        return None
+    T = N // TN
+    dd = np.ascontiguousarray(d.reshape(T, TN, nb).transpose(0, 2, 1)).view(np.uint8)  # [T, nb, 64]
+    mm = np.ascontiguousarray(m.reshape(T, TN, nb).transpose(0, 2, 1)).view(np.uint8)
+    qq = q.reshape(T, TN, nb, 16).transpose(0, 2, 3, 1).reshape(T, nb, 16 * TN)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, mm, qq], axis=2)).reshape(-1))
+
+
+def _pack_q8_n(q, d) -> torch.Tensor | None:
+    N, nb = d.shape
+    if N % TN:
+        return None
+    T = N // TN
+    dd = np.ascontiguousarray(d.reshape(T, TN, nb).transpose(0, 2, 1)).view(np.uint8)
+    qq = np.ascontiguousarray(q.reshape(T, TN, nb, 32).transpose(0, 2, 3, 1)).view(np.uint8).reshape(T, nb, 32 * TN)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, qq], axis=2)).reshape(-1))
+
+
+def pack(kind: str, parts) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(K-major, N-major or None) packed bytes of decoded blocks (`parts` as _q4 / _q8 give them)."""
+    if kind == "Q4_1":
+        return _pack_q4(*parts), _pack_q4_n(*parts)
+    return _pack_q8(*parts), _pack_q8_n(*parts)
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple | None:
+    """A drafter's own weight [N, K] as Q8_0 blocks (d = max |w| / 127 per 32 weights, rounded to
+    float16 as GGUF stores it): (kind, K-major, N-major or None, rows) for attach, or None when K is
+    not a multiple of 32 or N of 4. Lossy (~0.4% of a block's largest weight at most), which is
+    fine for a drafter: exactness never depends on the drafter's numbers."""
+    N, K = w.shape
+    if K % 32 or N % G:
+        return None
+    b = w.detach().float().reshape(N, K // 32, 32).numpy()
+    d = (np.abs(b).max(axis=2) / 127.0).astype(np.float16).astype(np.float32)  # [N, nb]
+    safe = np.where(d > 0, d, 1.0)
+    q = np.clip(np.rint(b / safe[..., None]), -127, 127).astype(np.int8)
+    return ("Q8_0", *pack("Q8_0", (q, d)), N)
 
 
 def _llama_row_order(n_rows: int, n_head: int) -> np.ndarray:
@@ -136,9 +186,10 @@ def _matrices(src: _Source, n_layers: int, tied: bool):
         yield "head", ["lm_head.weight"], src.get("output.weight")
 
 
-def build_blocks(gguf_path: Path, fp32_dir: Path, cfg) -> tuple[dict[str, tuple[str, torch.Tensor, int]], list[str]]:
+def build_blocks(gguf_path: Path, fp32_dir: Path, cfg) -> tuple[dict[str, tuple], list[str]]:
     """Pack every matrix of the file that rebuilds the fp32 copy in `fp32_dir` exactly.
-    Returns ({native name: (kind, packed bytes, output rows)}, notes on matrices left out)."""
+    Returns ({native name: (kind, K-major bytes, N-major bytes or None, output rows)}, notes on
+    matrices left out)."""
     from safetensors import safe_open
 
     src = _Source(gguf_path, cfg)
@@ -166,12 +217,11 @@ def build_blocks(gguf_path: Path, fp32_dir: Path, cfg) -> tuple[dict[str, tuple[
         if w.shape != ref.shape or w.shape[0] % G or w.shape[1] % 32 or not np.array_equal(w, ref):
             notes.append(f"{name}: its blocks do not rebuild the fp32 weights exactly")
             continue
-        packed = _pack_q4(*parts[1:]) if kind == "Q4_1" else _pack_q8(*parts[1:])
-        out[name] = (kind, packed, int(w.shape[0]))
+        out[name] = (kind, *pack(kind, parts[1:]), int(w.shape[0]))
     return out, notes
 
 
-def load_blocks(gguf_path: Path, fp32_dir: Path, cfg) -> tuple[dict[str, tuple[str, torch.Tensor, int]], list[str]]:
+def load_blocks(gguf_path: Path, fp32_dir: Path, cfg) -> tuple[dict[str, tuple], list[str]]:
     """build_blocks, cached in fp32_dir (built and checked once per file)."""
     from safetensors.torch import load_file, save_file
 
@@ -180,13 +230,16 @@ def load_blocks(gguf_path: Path, fp32_dir: Path, cfg) -> tuple[dict[str, tuple[s
         try:
             meta = json.loads((fp32_dir / (BLOCKS_FILE + ".json")).read_text())
             sd = load_file(str(f))
-            return {k: (meta["kinds"][k], sd[k], int(meta["rows"][k])) for k in meta["kinds"]}, meta["notes"]
+            return {k: (meta["kinds"][k], sd[k], sd.get(k + ".n"), int(meta["rows"][k])) for k in meta["kinds"]}, \
+                meta["notes"]
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache: build it again
     blocks, notes = build_blocks(gguf_path, fp32_dir, cfg)
     tmp = f.with_name(f.name + ".tmp")
-    save_file({k: v[1] for k, v in blocks.items()}, str(tmp))
+    tensors = {k: v[1] for k, v in blocks.items()}
+    tensors.update({k + ".n": v[2] for k, v in blocks.items() if v[2] is not None})
+    save_file(tensors, str(tmp))
     (fp32_dir / (BLOCKS_FILE + ".json")).write_text(json.dumps(
-        {"kinds": {k: v[0] for k, v in blocks.items()}, "rows": {k: v[2] for k, v in blocks.items()}, "notes": notes}))
+        {"kinds": {k: v[0] for k, v in blocks.items()}, "rows": {k: v[3] for k, v in blocks.items()}, "notes": notes}))
     tmp.replace(f)
     return blocks, notes

@@ -158,11 +158,31 @@ PACK_BATCH_HINT = 8
 # (rows >= 7 fall back to slower blocking again; they are not changed).
 MIN_PACKED_ROWS = 4
 
-# Calls of up to this many rows use a GGUF model's block kernels where attached (attach_blocks):
-# they read ~6 bits a weight instead of 32, and on this project's 2-core EPYC all 120 projections
-# of the default model took 2.7 / 6.1 / 10.1 / 15.7 ms at 1 / 5 / 9 / 16 rows against ~15-17 ms
-# for oneDNN's fp32 kernels at any of those sizes; longer calls (prefills) stay with oneDNN.
+# Calls of up to BLOCK_MAX_ROWS rows use a GGUF model's block kernels where attached
+# (attach_blocks): they read ~6 bits a weight instead of 32. On this project's 2-core EPYC the 120
+# projections of the default model took (ms, median of 11, random blocks of the same shapes):
+#   rows:                        1     2     3     4     5     6     8    16
+#   K-major kernel             2.2   2.5   3.2   4.4   4.4   7.6   9.1  13.8
+#   N-major kernel             3.1   3.3   3.4   3.7   4.0   4.4   5.2   9.7
+# against ~15-17 ms for oneDNN's fp32 kernels at any of these sizes; so 1-2 rows take the K-major
+# kernel, 3-16 the N-major one, and longer calls (prefills) stay with oneDNN.
 BLOCK_MAX_ROWS = 16
+BLOCK_K_MAX_ROWS = 2
+
+
+def kernel_args(ops, blocks: tuple) -> tuple:
+    """(kernel, K-major, N-major kernel or None, N-major, rows): what block_linear takes, from
+    gguf_blocks' (kind, K-major, N-major or None, rows)."""
+    kind, blocks_k, blocks_n, rows = blocks
+    op, op_n = (ops.q4_1_linear, ops.q4_1_linear_n) if kind == "Q4_1" else (ops.q8_0_linear, ops.q8_0_linear_n)
+    return op, blocks_k, op_n if blocks_n is not None else None, blocks_n, rows
+
+
+def block_linear(x, op, packed, op_n, packed_n, rows: int) -> torch.Tensor:
+    """x @ W^T through the block kernel that suits x's number of rows (see BLOCK_MAX_ROWS)."""
+    if op_n is not None and x.numel() > BLOCK_K_MAX_ROWS * x.shape[-1]:
+        return op_n(x, packed_n, rows)
+    return op(x, packed, rows)
 _pad = threading.local()  # per thread (two models may run in two threads): {(width, dtype, device): buffer}
 
 
@@ -220,9 +240,11 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
     pack_dtype: torch.dtype | None = None
-    # a GGUF block kernel (torch.ops.specdec_q.*), its packed blocks and output rows (attach_blocks)
-    qop = None
+    # GGUF block kernels (torch.ops.specdec_q.*) and their packed blocks, K-major for calls of 1-2
+    # rows and N-major (if any) for 3-16, and the output rows (attach_blocks)
+    qop = qop_n = None
     qpacked: torch.Tensor | None = None
+    qpacked_n: torch.Tensor | None = None
     qrows = 0
 
     def reset_parameters(self) -> None:
@@ -240,9 +262,16 @@ class Linear(nn.Linear):
         self.weight = None  # (the module's other code never reads it again)
         self.bias = None
 
+    def attach(self, ops, blocks: tuple) -> None:
+        """Use the block kernels `ops` for calls of up to BLOCK_MAX_ROWS rows; blocks: (kind,
+        K-major, N-major or None, rows) as gguf_blocks makes them."""
+        if blocks[3] != self.out_features:
+            raise SpecdecError(f"GGUF blocks with {blocks[3]} rows for a projection of {self.out_features}")
+        self.qop, self.qpacked, self.qop_n, self.qpacked_n, self.qrows = kernel_args(ops, blocks)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qop is not None and x.numel() <= BLOCK_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32:
-            y = self.qop(x, self.qpacked, self.qrows)
+            y = block_linear(x, self.qop, self.qpacked, self.qop_n, self.qpacked_n, self.qrows)
             return y if self.packed_bias is None else y + self.packed_bias
         if self.packed is not None:
             if self.pack_dtype is not None and x.dtype != self.pack_dtype:
@@ -318,7 +347,7 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_packed: torch.Tensor | None = None
-        self.head_q = None  # (block kernel, packed blocks, rows) of the LM head (attach_blocks)
+        self.head_q = None  # (kernel, blocks, N-major kernel, blocks, rows) of the LM head (attach_blocks)
         # a plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies
         with torch.device("cpu"):
             self.inv_freq, self.rope_scaling = rope_inv_freq(cfg)
@@ -396,8 +425,7 @@ class LlamaModel(nn.Module):
             idx = logits_at.to(torch.long)
             h = torch.gather(hidden, 1, idx[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, M, D]
         if self.head_q is not None and h.numel() <= BLOCK_MAX_ROWS * h.shape[-1] and h.dtype == torch.float32:
-            op, blocks, rows = self.head_q
-            logits = op(h, blocks, rows)
+            logits = block_linear(h, *self.head_q)
         elif self.head_packed is not None:
             logits = packed_linear(h, self.head_packed)
         else:
@@ -421,31 +449,28 @@ class LlamaModel(nn.Module):
 
     def attach_blocks(self, ops, blocks: dict) -> int:
         """Compute the projections (and the LM head) named in `blocks` ({"layers.3.wqkv" | "head":
-        (kind "Q4_1" | "Q8_0", packed blocks, output rows)}, models/gguf_blocks.py) with the block
-        kernels `ops` (kernels.ops()) for calls of up to BLOCK_MAX_ROWS rows. The blocks must
-        rebuild this model's weights exactly (gguf_blocks checks it); the prepacked fp32 copies
-        stay for longer calls. Returns how many matrices were attached."""
+        (kind "Q4_1" | "Q8_0", K-major blocks, N-major blocks or None, output rows)},
+        models/gguf_blocks.py) with the block kernels `ops` (kernels.ops()) for calls of up to
+        BLOCK_MAX_ROWS rows. The blocks must rebuild this model's weights exactly (gguf_blocks
+        checks it); the prepacked fp32 copies stay for longer calls. Returns how many matrices
+        were attached."""
         if self.dtype != torch.float32 or not self.packed:
             raise SpecdecError("GGUF block kernels need a prepacked float32 model")
         n = 0
-        for name, (kind, blocks_, rows) in blocks.items():
-            op = ops.q4_1_linear if kind == "Q4_1" else ops.q8_0_linear
+        for name, b in blocks.items():
             if name == "head":
-                if rows != self.cfg.vocab_size:
-                    raise SpecdecError(f"GGUF blocks: the head has {rows} rows, the vocabulary {self.cfg.vocab_size}")
-                self.head_q = (op, blocks_, rows)
+                if b[3] != self.cfg.vocab_size:
+                    raise SpecdecError(f"GGUF blocks: the head has {b[3]} rows, the vocabulary {self.cfg.vocab_size}")
+                self.head_q = kernel_args(ops, b)
             else:
                 _, i, attr = name.split(".")
-                lin = getattr(self.layers[int(i)], attr)
-                if rows != lin.out_features:
-                    raise SpecdecError(f"GGUF blocks: {name} has {rows} rows, the model's {lin.out_features}")
-                lin.qop, lin.qpacked, lin.qrows = op, blocks_, rows
+                getattr(self.layers[int(i)], attr).attach(ops, b)
             n += 1
         return n
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of attached GGUF blocks (0: none attached)."""
+        """Bytes of attached GGUF blocks a decode step reads (the K-major copies; 0: none attached)."""
         n = 0 if self.head_q is None else self.head_q[1].numel()
         for blk in self.layers:
             for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down):
