@@ -32,6 +32,31 @@ def test_full_forward_matches_transformers(pair: Pair):
     assert cache.lengths.tolist() == [T, T]
 
 
+def test_long_prefill_in_chunks_matches_transformers(pair: Pair, monkeypatch):
+    """A float32 chain longer than PREFILL_CHUNK runs in chunks (each through every layer before
+    the next): the same logits, hidden states and cache as transformers' one pass, batched too,
+    with logits_at picking positions from any chunk."""
+    from specdec.models import llama
+
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 7)
+    B, T = 2, 40
+    toks = torch.tensor([random_tokens(T, seed=11), random_tokens(T, seed=12)])
+    pos = torch.arange(T)[None].expand(B, T)
+    ref = pair.ref_logits(toks)
+    cache = pair.native.new_cache(B, 64)
+    logits, hidden = pair.native(toks, pos, cache)
+    assert maxdiff(logits, ref) <= TOL and hidden.shape == (B, T, pair.hf.config.hidden_size)
+    assert cache.lengths.tolist() == [T, T]
+    at = torch.tensor([[39, 3], [20, 6]])
+    picked, _ = pair.native(toks, pos, pair.native.new_cache(B, 64), logits_at=at)
+    assert maxdiff(picked, torch.stack([ref[0, [39, 3]], ref[1, [20, 6]]])) <= TOL
+    # the cache it left decodes on exactly as after one pass
+    nxt = torch.tensor([[5], [9]])
+    step, _ = pair.native(nxt, torch.full((B, 1), T), cache)
+    full = pair.ref_logits(torch.cat([toks, nxt], 1))[:, -1:]
+    assert maxdiff(step, full) <= TOL
+
+
 def test_logits_at_selects_positions(llama_pair: Pair):
     toks = torch.tensor([random_tokens(12, seed=3), random_tokens(12, seed=4)])
     ref = llama_pair.ref_logits(toks)

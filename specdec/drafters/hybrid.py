@@ -191,8 +191,9 @@ class LookupEagleDrafter:
     verified token), and gains the tokens it gets accepted. While accepted > c + r * nodes
     fails (a head that guesses badly for this text, or long contexts that make verification
     dear), rows without a long lookup fall back to plain prompt lookup, and the tree is
-    probed once every `probe_every` steps. Seeded sampled requests skip the gate (timing
-    must not decide which random numbers verification draws)."""
+    probed after `probe_every` steps, then after twice as many each time a probe finds it
+    still does not pay (up to 8x; back to `probe_every` once it pays). Seeded sampled requests
+    skip the gate (timing must not decide which random numbers verification draws)."""
 
     needs_hidden = True
 
@@ -202,6 +203,7 @@ class LookupEagleDrafter:
         self.ngram = NgramDrafter(min_n, max_n)
         self.min_lookup = min_lookup
         self.probe_every, self.gate = probe_every, gate
+        self._probe_gap = probe_every  # steps between probes of a tree that does not pay (doubles, up to 8x)
         self.graft = graft  # lookup nodes a tree row may add to its tree (0: none)
         self.max_nodes = eagle.max_nodes + graft
         self.vocab_size = eagle.vocab_size
@@ -275,8 +277,13 @@ class LookupEagleDrafter:
         run_tree = not all(use_lookup)
         if run_tree and not fixed and not self.tree_pays():
             self._skipped += 1
-            if self._skipped % self.probe_every:
+            if self._skipped < self._probe_gap:
                 run_tree = False  # plain prompt lookup for every row
+            else:  # probe; while probes keep finding that it does not pay, probe half as often
+                self._skipped = 0
+                self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every)
+        elif run_tree:
+            self._probe_gap = self.probe_every
         return self.assemble(ctx, looked, [run_tree and not u for u in use_lookup], max_tokens, self.max_nodes)
 
     def assemble(self, ctx: DraftContext, looked: list[list[int]], tree_rows: list[bool], max_tokens: int,
