@@ -378,3 +378,53 @@ def test_eagle_head_drafts_on_the_kernels_and_stays_exact(default_model):
     [plain] = Engine(default_model.model, None, k=0).generate([ids], sp)
     [spec] = Engine(default_model.model, d, k=8).generate([ids], sp)
     assert spec.tokens == plain.tokens and spec.stats.accepted > 0
+
+
+# -- the kernels' attention ---------------------------------------------------------------------
+def _sdpa_reference(q, kc, vc, S, mask):
+    B, H, T, Dh = q.shape
+    Hkv = kc.shape[1]
+    G = H // Hkv
+    k, v = kc[:, :, :S].double(), vc[:, :, :S].double()
+    qf = q.double().reshape(B, Hkv, G * T, Dh)
+    scores = qf @ k.transpose(-1, -2) / Dh**0.5
+    if mask is not None:
+        scores = scores + mask.double()
+    return (torch.softmax(scores, -1) @ v).reshape(B, H, T, Dh)
+
+
+def test_attention_kernel_matches_float64_and_a_verified_token_attends_as_alone():
+    """Grouped-query attention over the first S cache slots, with no mask or an additive mask in
+    the model's folded layout ([B, 1, G*T, S], row g*T + t): within 1e-5 of a float64 softmax; and
+    token t of a verified block (a tree: it sees the prefix and its ancestors only) gives bit for
+    bit what decoding it alone over exactly those keys gives."""
+    from specdec.models.llama import LlamaModel
+
+    ops = need_ops()
+    g = torch.Generator().manual_seed(9)
+    B, H, Hkv, Dh, Smax = 2, 6, 2, 32, 80
+    kc, vc = torch.randn(B, Hkv, Smax, Dh, generator=g), torch.randn(B, Hkv, Smax, Dh, generator=g)
+    q1 = torch.randn(B, H, 1, Dh, generator=g)
+    assert (ops.attend(q1, kc, vc, 50, None) - _sdpa_reference(q1, kc, vc, 50, None)).abs().max() < 1e-5
+    # a tree of 5 nodes after a prefix of 40 slots: parents -1 (the pending token), 0, 0, 1, 3
+    parents = [-1, 0, 0, 1, 3]
+    T, base = len(parents), 40
+    anc = torch.zeros(T, T, dtype=torch.bool)
+    for i in range(T):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+    start = torch.full((B,), base)
+    mask = LlamaModel._mask(start, base, T, base + T, anc[None].expand(B, T, T), Hkv and H // Hkv)
+    q = torch.randn(B, H, T, Dh, generator=g)
+    out = ops.attend(q, kc, vc, base + T, mask)
+    assert (out - _sdpa_reference(q, kc, vc, base + T, mask)).abs().max() < 1e-5
+    for t in range(T):
+        # the same token decoded alone: its ancestors' entries written right after the prefix
+        path = [i for i in range(T) if anc[t, i]]
+        k2, v2 = kc.clone(), vc.clone()
+        k2[:, :, base : base + len(path)] = kc[:, :, [base + i for i in path]]
+        v2[:, :, base : base + len(path)] = vc[:, :, [base + i for i in path]]
+        alone = ops.attend(q[:, :, t : t + 1], k2, v2, base + len(path), None)
+        assert torch.equal(alone[:, :, 0], out[:, :, t]), t

@@ -27,7 +27,9 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -272,6 +274,129 @@ at::Tensor qlinear_n(const at::Tensor& x_, const at::Tensor& packed, int64_t N) 
 at::Tensor q4_1_linear_n(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear_n<Q4_1N>(x, packed, n); }
 at::Tensor q8_0_linear_n(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear_n<Q8_0N>(x, packed, n); }
 
+// ---- attention for a few new tokens over a KV cache ----------------------------------------------
+// exp(x) for x <= 0 (scores minus their maximum); exactly 0 where x is -inf (a masked key), so masked
+// keys add exact zeros to every sum. Cephes' polynomial on [-ln2/2, ln2/2], then scale by 2^n.
+inline __m512 exp_nonpos(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+// out[b, G h + g, t] = softmax(q . k / sqrt(Dh) + mask) @ v over the first S cache slots, for every
+// query head of a K/V head (grouped-query attention). mask: None (every slot visible) or additive
+// [B, 1, G * T, S] (row g * T + t: token t of query head g; -inf = hidden), the layout
+// models/llama.py builds. A query's result depends only on its own vector and the visible keys and
+// values in slot order: each score is one fixed-order dot product, the maximum is exact, and every
+// sum runs over the slots in order, hidden slots adding exact zeros. So a token verified among
+// others (a chain or a tree node) attends exactly as it does decoded alone.
+at::Tensor attend(const at::Tensor& q_, const at::Tensor& kc, const at::Tensor& vc, int64_t S,
+                  const c10::optional<at::Tensor>& mask_) {
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
+              "attend: float32 only");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "attend: the cache must be contiguous");
+  const at::Tensor q = q_.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = q.size(3);
+  const int64_t Hkv = kc.size(1), Smax = kc.size(2), G = H / Hkv;
+  TORCH_CHECK(Dh % 16 == 0 && H % Hkv == 0 && S >= 1 && S <= Smax && kc.size(3) == Dh, "attend: bad shapes");
+  const float* mp = nullptr;
+  if (mask_.has_value()) {
+    const at::Tensor& m = *mask_;
+    TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.size(0) == B && m.size(2) == G * T &&
+                m.size(3) == S, "attend: the mask must be [B, 1, G*T, S] float32");
+    mp = m.data_ptr<float>();
+  }
+  at::Tensor out = at::empty({B, H, T, Dh}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+  const int64_t nvec = Dh / 16, S16 = (S + 15) / 16 * 16;
+  at::parallel_for(0, B * Hkv * G * T, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> sc(S16);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t i = w % (G * T), bh = w / (G * T), b = bh / Hkv, h = bh % Hkv;
+      const int64_t g = i / T, t = i % T, qh = h * G + g;
+      const float* qv = qp + ((b * H + qh) * T + t) * Dh;
+      const float* K = kp + (b * Hkv + h) * Smax * Dh;
+      const float* V = vp + (b * Hkv + h) * Smax * Dh;
+      const float* mrow = mp ? mp + (b * G * T + i) * S : nullptr;
+      for (int64_t s = 0; s < S; ++s) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qv), _mm512_loadu_ps(K + s * Dh));
+        for (int64_t d = 1; d < nvec; ++d)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 16 * d), _mm512_loadu_ps(K + s * Dh + 16 * d), acc);
+        sc[s] = _mm512_reduce_add_ps(acc) * scale + (mrow ? mrow[s] : 0.0f);
+      }
+      for (int64_t s = S; s < S16; ++s) sc[s] = -INFINITY;
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t s = 0; s < S16; s += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(&sc[s]));
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+      for (int64_t s = 0; s < S16; s += 16) _mm512_storeu_ps(&sc[s], exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(&sc[s]), m)));
+      // the denominator in slot order: hidden slots add exact zeros wherever they sit, so a tree
+      // node's sum equals the sum over its path compacted into consecutive slots (as decoded alone)
+      float l = 0.0f;
+      for (int64_t s = 0; s < S; ++s) l += sc[s];
+      const float inv = 1.0f / l;
+      __m512 o[8];
+      for (int64_t d = 0; d < nvec && d < 8; ++d) o[d] = _mm512_setzero_ps();
+      float* dst = op + ((b * H + qh) * T + t) * Dh;
+      if (nvec <= 8) {
+        for (int64_t s = 0; s < S; ++s) {
+          const __m512 p = _mm512_set1_ps(sc[s]);
+          for (int64_t d = 0; d < nvec; ++d) o[d] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + s * Dh + 16 * d), o[d]);
+        }
+        for (int64_t d = 0; d < nvec; ++d) _mm512_storeu_ps(dst + 16 * d, _mm512_mul_ps(o[d], _mm512_set1_ps(inv)));
+      } else {  // wide heads: the same sums, one 16-wide slice of the head at a time
+        for (int64_t d = 0; d < nvec; ++d) {
+          __m512 a = _mm512_setzero_ps();
+          for (int64_t s = 0; s < S; ++s) a = _mm512_fmadd_ps(_mm512_set1_ps(sc[s]), _mm512_loadu_ps(V + s * Dh + 16 * d), a);
+          _mm512_storeu_ps(dst + 16 * d, _mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// ---- RMS norm of a few rows ------------------------------------------------------------------
+// y = x / sqrt(mean(x^2) + eps) * w per row of x [..., D]: the sum of squares in 16 lanes then a fixed
+// reduction, so a row's result does not depend on the other rows. For decoding steps, where torch's
+// composite rms_norm costs ~15 us a call.
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.is_contiguous(), "rms_norm: float32 only");
+  const at::Tensor x = x_.contiguous();
+  const int64_t D = x.size(-1), M = D ? x.numel() / D : 0;
+  TORCH_CHECK(D % 16 == 0 && w.numel() == D, "rms_norm: the width must be a multiple of 16 and match the weight");
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = xp + r * D;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 v = _mm512_loadu_ps(xr + d);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(hsum16(acc) / static_cast<float>(D) + static_cast<float>(eps)));
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(yp + r * D + d, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + d), inv), _mm512_loadu_ps(wp + d)));
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdec_q, lib) {
@@ -279,10 +404,14 @@ TORCH_LIBRARY(specdec_q, lib) {
   lib.def("q8_0_linear(Tensor x, Tensor packed, int n) -> Tensor");
   lib.def("q4_1_linear_n(Tensor x, Tensor packed, int n) -> Tensor");
   lib.def("q8_0_linear_n(Tensor x, Tensor packed, int n) -> Tensor");
+  lib.def("attend(Tensor q, Tensor k_cache, Tensor v_cache, int n_keys, Tensor? mask) -> Tensor");
+  lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specdec_q, CPU, lib) {
   lib.impl("q4_1_linear", &q4_1_linear);
   lib.impl("q8_0_linear", &q8_0_linear);
   lib.impl("q4_1_linear_n", &q4_1_linear_n);
   lib.impl("q8_0_linear_n", &q8_0_linear_n);
+  lib.impl("attend", &attend);
+  lib.impl("rms_norm", &rms_norm);
 }
