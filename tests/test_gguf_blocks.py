@@ -428,3 +428,14 @@ def test_attention_kernel_matches_float64_and_a_verified_token_attends_as_alone(
         v2[:, :, base : base + len(path)] = vc[:, :, [base + i for i in path]]
         alone = ops.attend(q[:, :, t : t + 1], k2, v2, base + len(path), None)
         assert torch.equal(alone[:, :, 0], out[:, :, t]), t
+
+
+def test_rms_norm_kernel_matches_torch_row_by_row():
+    ops = need_ops()
+    g = torch.Generator().manual_seed(10)
+    x, w = torch.randn(2, 7, 64, generator=g), 1 + 0.2 * torch.randn(64, generator=g)
+    y = ops.rms_norm(x, w, 1e-6)
+    assert (y - torch.nn.functional.rms_norm(x, (64,), w, 1e-6)).abs().max() < 1e-5
+    assert torch.equal(ops.rms_norm(x[1, 3:4], w, 1e-6)[0], y[1, 3])  # a row alone, bit for bit
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.rms_norm(torch.randn(2, 40), torch.randn(40), 1e-6)

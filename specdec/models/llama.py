@@ -183,6 +183,14 @@ ATTEND_MAX_T = 6
 PREFILL_CHUNK = 512
 
 
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, op=None) -> torch.Tensor:
+    """RMS norm of x's rows; through the kernels' op (a few microseconds instead of ~10) for calls
+    of up to BLOCK_MAX_ROWS float32 rows where one is given."""
+    if op is not None and x.numel() <= BLOCK_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32:
+        return op(x, w, eps)
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
 def kernel_args(ops, blocks: tuple) -> tuple:
     """(kernel, K-major, N-major kernel or None, N-major, rows): what block_linear takes, from
     gguf_blocks' (kind, K-major, N-major or None, rows)."""
@@ -295,6 +303,7 @@ class Linear(nn.Linear):
 
 class Block(nn.Module):
     attend_op = None  # the kernels' attention for steps of up to ATTEND_MAX_T tokens (attach_blocks)
+    norm_op = None  # the kernels' RMS norm for calls of up to BLOCK_MAX_ROWS rows (attach_blocks)
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -313,7 +322,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache: KVCache, layer: int, start, uniform, mask, n_keys, causal=False):
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
-        h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
+        h = rms_norm(x, self.attn_norm, self.eps, self.norm_op)
         qkv = self.wqkv.forward(h).view(B, T, H + 2 * Hkv, Dh)
         qk = qkv[:, :, : H + Hkv]  # queries and keys rotate together: [B, T, H + Hkv, Dh]
         # rotate_half(x) * sin == roll(x, Dh/2) * (sin with its first half negated): same bits, fewer ops
@@ -344,7 +353,7 @@ class Block(nn.Module):
             o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, Dh).to(adt), keys, vals, attn_mask=mask)
             o = o.view(B, H, T, Dh)
         x = x + self.wo.forward(o.transpose(1, 2).reshape(B, T, H * Dh).to(x.dtype))
-        h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
+        h = rms_norm(x, self.mlp_norm, self.eps, self.norm_op)
         gate, up = self.w_gate_up.forward(h).chunk(2, dim=-1)
         return x + self.w_down.forward(F.silu(gate) * up)
 
@@ -442,7 +451,7 @@ class LlamaModel(nn.Module):
         x = self.embed(tokens)  # [B, T, D]
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, cos, sin, cache, i, start, uniform, mask, n_keys, causal)
-        hidden = F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)  # [B, T, D]
+        hidden = rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.layers[0].norm_op)  # [B, T, D]
         return self._logits(hidden, logits_at), hidden
 
     def _logits(self, hidden: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor | None:
@@ -489,6 +498,8 @@ class LlamaModel(nn.Module):
         for blk in self.layers:
             if blk.head_dim % 16 == 0:
                 blk.attend_op = ops.attend
+            if self.cfg.hidden_size % 16 == 0:
+                blk.norm_op = ops.rms_norm
         n = 0
         for name, b in blocks.items():
             if name == "head":
