@@ -17,6 +17,7 @@ import torch
 
 from specdec.models import gguf_blocks as gb
 
+from conftest import ancestor_mask
 from oracle import hf_greedy, one_thread, tiny_hf_llama
 
 
@@ -409,12 +410,7 @@ def test_attention_kernel_matches_float64_and_a_verified_token_attends_as_alone(
     # a tree of 5 nodes after a prefix of 40 slots: parents -1 (the pending token), 0, 0, 1, 3
     parents = [-1, 0, 0, 1, 3]
     T, base = len(parents), 40
-    anc = torch.zeros(T, T, dtype=torch.bool)
-    for i in range(T):
-        j = i
-        while j >= 0:
-            anc[i, j] = True
-            j = parents[j]
+    anc = ancestor_mask(parents)
     start = torch.full((B,), base)
     mask = LlamaModel._mask(start, base, T, base + T, anc[None].expand(B, T, T), Hkv and H // Hkv)
     q = torch.randn(B, H, T, Dh, generator=g)

@@ -126,26 +126,42 @@ void group_rows(const float* x, int64_t M, int64_t K, const uint8_t* grp, int64_
   }
 }
 
-template <class F>
-at::Tensor qlinear(const at::Tensor& x_, const at::Tensor& packed, int64_t N) {
+// One product's operands: x made contiguous, y allocated [..., N], the checks both layouts share.
+struct Call {
+  at::Tensor x, y;
+  int64_t K, M, nb;
+};
+
+// unit: outputs a group / tile holds; blk: bytes per unit and 32-weight block
+inline Call begin_call(const at::Tensor& x_, const at::Tensor& packed, int64_t N, int64_t unit, int64_t blk) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.device().is_cpu(), "qlinear: x must be a float32 CPU tensor");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear: packed must be contiguous uint8");
-  const at::Tensor x = x_.contiguous();
-  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, nb = K / 32;
-  TORCH_CHECK(K % 32 == 0 && N % G == 0 && packed.numel() == (N / G) * nb * F::BLK,
-              "qlinear: shapes do not match the packed weight (K ", K, ", N ", N, ")");
-  std::vector<int64_t> sizes = x.sizes().vec();
+  Call c;
+  c.x = x_.contiguous();
+  c.K = c.x.size(-1);
+  c.M = c.K ? c.x.numel() / c.K : 0;
+  c.nb = c.K / 32;
+  TORCH_CHECK(c.K % 32 == 0 && N % unit == 0 && packed.numel() == (N / unit) * c.nb * blk,
+              "qlinear: shapes do not match the packed weight (K ", c.K, ", N ", N, ")");
+  std::vector<int64_t> sizes = c.x.sizes().vec();
   sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
-  if (M == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  c.y = at::empty(sizes, c.x.options());
+  return c;
+}
+
+template <class F>
+at::Tensor qlinear(const at::Tensor& x_, const at::Tensor& packed, int64_t N) {
+  Call c = begin_call(x_, packed, N, G, F::BLK);
+  const int64_t K = c.K, M = c.M, nb = c.nb;
+  if (M == 0) return c.y;
+  const float* xp = c.x.data_ptr<float>();
+  float* yp = c.y.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   // threads split the output columns only, so no sum is ever split between threads
   at::parallel_for(0, N / G, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) group_rows<F>(xp, M, K, pp + g * nb * F::BLK, nb, yp + g * G, N);
   });
-  return y;
+  return c.y;
 }
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear<Q4_1>(x, packed, n); }
@@ -244,18 +260,11 @@ void nrows(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t n
 
 template <class F>
 at::Tensor qlinear_n(const at::Tensor& x_, const at::Tensor& packed, int64_t N) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.device().is_cpu(), "qlinear: x must be a float32 CPU tensor");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qlinear: packed must be contiguous uint8");
-  const at::Tensor x = x_.contiguous();
-  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, nb = K / 32, T = N / TN;
-  TORCH_CHECK(K % 32 == 0 && N % TN == 0 && packed.numel() == T * nb * F::BLK,
-              "qlinear: shapes do not match the packed weight (K ", K, ", N ", N, ")");
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
-  if (M == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  Call c = begin_call(x_, packed, N, TN, F::BLK);
+  const int64_t K = c.K, M = c.M, nb = c.nb, T = N / TN;
+  if (M == 0) return c.y;
+  const float* xp = c.x.data_ptr<float>();
+  float* yp = c.y.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const int64_t ts = nb * F::BLK;
   at::parallel_for(0, (T + NV - 1) / NV, 1, [&](int64_t u0, int64_t u1) {
@@ -268,7 +277,7 @@ at::Tensor qlinear_n(const at::Tensor& x_, const at::Tensor& packed, int64_t N) 
       }
     }
   });
-  return y;
+  return c.y;
 }
 
 at::Tensor q4_1_linear_n(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear_n<Q4_1N>(x, packed, n); }
