@@ -435,3 +435,21 @@ def test_rms_norm_kernel_matches_torch_row_by_row():
     assert torch.equal(ops.rms_norm(x[1, 3:4], w, 1e-6)[0], y[1, 3])  # a row alone, bit for bit
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ops.rms_norm(torch.randn(2, 40), torch.randn(40), 1e-6)
+
+
+def test_linear_on_blocks_keeps_its_bias_packed_or_not():
+    from specdec.models.llama import Linear
+
+    ops = need_ops()
+    g = torch.Generator().manual_seed(11)
+    for pack in (False, True):
+        lin = Linear(64, 32, bias=True)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(32, 64, generator=g))
+            lin.bias.copy_(torch.randn(32, generator=g))
+        x = torch.randn(3, 64, generator=g)
+        ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        lin.attach(ops, gb.quantize_q8_0(lin.weight))
+        if pack:
+            lin.pack()
+        assert (lin.forward(x) - ref).abs().max() < 0.05 * ref.abs().max()  # Q8_0 copy: close, and biased

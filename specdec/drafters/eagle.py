@@ -18,6 +18,10 @@ The engine supplies the target's features of newly committed positions (DraftCon
 since this drafter sets `needs_hidden`). The head keeps its own small KV cache: committed
 pairs stay, speculative positions are dropped after each step.
 
+Where the target computes with a GGUF file's blocks (specdec/kernels), the head drafts on Q8_0
+copies of its projections and subset head through the same kernels (`block_drafting`): its
+drafting only, so exactness is untouched.
+
 Files: `eagle.safetensors` (fc, layer; the target's embedding and head are not stored) and
 `specdec_eagle.json` (target name, hidden size, vocabulary size, a hash of the target's
 head weights, the vocabulary subset, the recipe). A head trained for another target is

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("qlinear.cpp")
+NEEDED_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2"}  # what _build_flags compiles for
 _lock = threading.Lock()
 _state: dict = {}  # "ops": the loaded namespace, or "why": the reason there is none
 
@@ -84,8 +85,8 @@ def ops(cache_dir: Path, quiet: bool = True):
         why = None
         if os.environ.get("SPECDEC_GGUF_KERNELS", "1") == "0":
             why = "SPECDEC_GGUF_KERNELS=0"
-        elif platform.machine() not in ("x86_64", "AMD64") or not {"avx512f", "avx512bw"} <= _cpu_flags():
-            why = "this CPU has no AVX-512 (the block kernels need AVX-512F/BW)"
+        elif platform.machine() not in ("x86_64", "AMD64") or not NEEDED_FLAGS <= _cpu_flags():
+            why = "this CPU lacks AVX-512 (the block kernels need AVX-512 F, BW, VL and DQ, and FMA)"
         if why is None:
             try:
                 torch.ops.load_library(str(_build(Path(cache_dir), quiet)))

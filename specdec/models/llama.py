@@ -26,6 +26,14 @@ shape-dependent differences then sit far below the model dtype's rounding, and a
 token's logits equal one-at-a-time decoding's bit for bit (tested). A prefill from slot 0
 (the same for every method) attends in float32.
 
+A float32 model loaded from a GGUF file can also compute with the file's quantised blocks
+(`attach_blocks`, the kernels of specdec/kernels): calls of up to BLOCK_MAX_ROWS rows read the
+blocks (the same weights, rebuilt exactly inside the kernels) instead of the fp32 copy, and
+steps of up to ATTEND_MAX_T new tokens attend through a kernel whose sums do not depend on the
+other tokens, so there a verified token's attention equals one-at-a-time decoding's bit for bit.
+The kernels for 1-2 and for 3-16 rows sum the projections in different orders (~1e-6
+relative), as oneDNN's fp32 kernels for different row counts do.
+
 This module knows nothing about files, tokenizers or sampling.
 """
 
@@ -204,6 +212,8 @@ def block_linear(x, op, packed, op_n, packed_n, rows: int) -> torch.Tensor:
     if op_n is not None and x.numel() > BLOCK_K_MAX_ROWS * x.shape[-1]:
         return op_n(x, packed_n, rows)
     return op(x, packed, rows)
+
+
 _pad = threading.local()  # per thread (two models may run in two threads): {(width, dtype, device): buffer}
 
 
@@ -293,7 +303,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qop is not None and x.numel() <= BLOCK_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32:
             y = block_linear(x, self.qop, self.qpacked, self.qop_n, self.qpacked_n, self.qrows)
-            return y if self.packed_bias is None else y + self.packed_bias
+            bias = self.packed_bias if self.packed is not None else self.bias
+            return y if bias is None else y + bias
         if self.packed is not None:
             if self.pack_dtype is not None and x.dtype != self.pack_dtype:
                 return packed_linear(x.to(self.pack_dtype), self.packed, self.packed_bias).to(x.dtype)
