@@ -111,7 +111,9 @@ class BatchGuard:
     token (padded to the longest draft in the batch) costs its full share while the
     drafters' per-row cost models still see a gain. So for batches of `min_rows` rows or more
     the engine (and, behind its cost model, the server's batcher) asks this guard before
-    drafting: per batch-size band (2, 3-4, 5-8, ...) it keeps
+    drafting: per batch-size band (2, 3-4, 5-8, ...; a single row is a band of its own when
+    `min_rows` is 1, as the engine sets it for drafters that do not price their own guesses: a
+    draft model, Medusa heads, an EAGLE head alone) it keeps
     decayed means of committed tokens per second of speculative steps and of plain steps,
     speculates while the speculative mean is at least the plain one, and probes the other
     mode once every `probe_every` steps (plain first, on the band's second step), so both
@@ -128,7 +130,7 @@ class BatchGuard:
 
     @staticmethod
     def band(rows: int) -> int:
-        return max(1, rows - 1).bit_length()
+        return 0 if rows == 1 else max(1, rows - 1).bit_length()
 
     def begin(self) -> None:
         """New prompts arrive (a batch starts): its first speculative step per band is a warm-up again."""

@@ -507,10 +507,13 @@ def _always_drafting(engine, method: str, k: int):
 
     d = engine.drafter
     if method == "ngram" and isinstance(d, NgramDrafter):
-        return Engine(engine.model, NgramDrafter(d.min_n, d.max_n, adaptive=False), k=k, eos_ids=engine.eos_ids)
-    if method == "auto" and isinstance(d, HybridDrafter):
-        return Engine(engine.model, HybridDrafter(d.draft, gate=False), k=k, eos_ids=engine.eos_ids)
-    return None
+        e = Engine(engine.model, NgramDrafter(d.min_n, d.max_n, adaptive=False), k=k, eos_ids=engine.eos_ids)
+    elif method == "auto" and isinstance(d, HybridDrafter):
+        e = Engine(engine.model, HybridDrafter(d.draft, gate=False), k=k, eos_ids=engine.eos_ids)
+    else:
+        return None
+    e.guard = None  # (nor does the engine's guard turn drafting off)
+    return e
 
 
 VALIDATE_METHODS = ("ngram", "draft", "auto", "eagle", "eagle-chain", "medusa", "medusa-chain")
@@ -531,6 +534,7 @@ def cmd_validate(args) -> int:
 
     import torch
 
+    from .adaptive import BatchGuard
     from .bench.runner import machine_info
     from .engine import Engine
     from .models.loader import load_model
@@ -589,6 +593,8 @@ def cmd_validate(args) -> int:
                                     tree_width=args.tree_width, tree_nodes=args.tree_nodes)
             try:
                 eng, _ = build_engine(ns, target, True)
+                if eng.guard is not None:
+                    eng.guard = BatchGuard()  # measure each method drafting at batch 1: guard batches only
             except SpecdecError as e:
                 if explicit or (args.draft and base in ("draft", "auto")):
                     raise SpecdecError(f"method {m}: {e}") from None

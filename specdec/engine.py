@@ -8,7 +8,9 @@ that read the target's hidden states (needs_hidden) get those of every committed
 Rows of a batch may have different prompt lengths, draft counts and accepted counts; rows
 that finish leave the batch at once. In a batch of two or more rows a guard (adaptive.
 BatchGuard) lets the drafter propose only while speculative steps commit more tokens per
-second than plain ones (a few rows already make a CPU step compute-bound).
+second than plain ones (a few rows already make a CPU step compute-bound); for drafters that
+do not price their own guesses (a draft model, Medusa, an EAGLE head alone) a single row is
+guarded too.
 
 The engine yields token ids through a callback and knows nothing about tokenization,
 text, files or HTTP. Stop strings are the caller's business (`stop_fn`).
@@ -46,8 +48,13 @@ class Engine:
         self.k_policy = k_policy
         self._batches = 0
         # batches of 2+ rows: speculate only while it beats plain decoding, measured (drafters
-        # that can sit steps out, all of specdec's: `skip`); see adaptive.BatchGuard
-        self.guard = BatchGuard() if drafter is not None and hasattr(drafter, "skip") else None
+        # that can sit steps out, all of specdec's: `skip`); see adaptive.BatchGuard. Drafters
+        # that do not price their own guesses step by step (`gates_itself`: prompt lookup, auto)
+        # are guarded at a single row too, so a draft model or head that does not pay for its
+        # cost on this text or machine falls back to plain decoding instead of slowing it down
+        self.guard = None
+        if drafter is not None and hasattr(drafter, "skip"):
+            self.guard = BatchGuard(min_rows=2 if getattr(drafter, "gates_itself", False) else 1)
 
     # ------------------------------------------------------------------------------------
     def generate(

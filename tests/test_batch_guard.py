@@ -167,3 +167,24 @@ def test_sampling_with_steps_alternating_plain_and_speculative_follows_the_targe
     results = chi2_against(hf, out, params)
     rejected = [label for label, r in results if r.rejected]
     assert bool(rejected) == broken, (broken, results)
+
+
+def test_a_single_row_has_a_band_of_its_own_when_guarded():
+    """min_rows=1 (the engine's guard for drafters that do not price their own guesses): one row
+    falls back to plain decoding where speculation loses, measured apart from batches of two."""
+    g = BatchGuard(min_rows=1, probe_every=16)
+    one = run(g, 1, spec_rate=60, plain_rate=100, steps=64)
+    assert sum(one[16:]) <= 4 and any(one[16:])
+    two = run(g, 2, spec_rate=150, plain_rate=100, steps=40)
+    assert sum(two[8:]) >= 28
+
+
+def test_engine_guards_single_rows_only_for_drafters_without_a_gate_of_their_own():
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.drafters.ngram import NgramDrafter
+
+    model = target(0).model
+    assert Engine(model, DraftModelDrafter(target(1).model, vocab_size=V), k=4).guard.min_rows == 1
+    assert Engine(model, NgramDrafter(), k=4).guard.min_rows == 2
+    assert Engine(model, NgramDrafter(adaptive=False), k=4).guard.min_rows == 1
+    assert Engine(model, None).guard is None

@@ -49,6 +49,7 @@ class HybridDrafter:
         self._pending = None  # (draft length, draft seconds) of this step, for k_policy.observe
         self.ngram = NgramDrafter(min_n, max_n)
         self.gate = gate
+        self.gates_itself = gate  # lookup lengths and the draft model's gate price every guess
         self.cost_hint = None
         self.probe_every = probe_every
         self._used_draft: list[bool] | None = None
@@ -203,6 +204,7 @@ class LookupEagleDrafter:
         self.ngram = NgramDrafter(min_n, max_n)
         self.min_lookup = min_lookup
         self.probe_every, self.gate = probe_every, gate
+        self.gates_itself = gate  # lookup lengths and the tree's gate price every guess
         self._probe_gap = probe_every  # steps between probes of a tree that does not pay (doubles, up to 8x)
         self.graft = graft  # lookup nodes a tree row may add to its tree (0: none)
         self.max_nodes = eagle.max_nodes + graft

@@ -134,6 +134,7 @@ class NgramDrafter:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.policy = LengthPolicy(max_n, max_k) if adaptive else None
+        self.gates_itself = adaptive  # the length policy prices every guess (the engine guards batches only)
         self.seeded_policy: LengthPolicy | None = None  # for a seeded sample (see the module docstring)
         self._learner = self.policy  # the policy the last proposal came from (commit feeds it)
         self.max_k = max_k
