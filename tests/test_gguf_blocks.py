@@ -142,14 +142,14 @@ def test_q4_0_is_stored_as_q4_1_with_the_same_values():
 
 # -- a model with blocks attached ---------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def block_models():
+def block_models(hidden: int = 64):
     """A tiny transformers Llama whose projections are random Q4_1 blocks and whose head is Q8_0
     (its fp32 weights set to exactly the blocks' values), and its native twin with the blocks
-    attached."""
+    attached (hidden 64: heads of 16; 128: heads of 32, which the fused decoding step takes)."""
     from specdec.models.llama import build_native
 
     rng = np.random.default_rng(4)
-    hf = tiny_hf_llama(0, vocab=64, hidden=64)
+    hf = tiny_hf_llama(0, vocab=64, hidden=hidden)
     blocks, names = {}, {"wqkv": ["q_proj", "k_proj", "v_proj"], "wo": ["o_proj"],
                          "w_gate_up": ["gate_proj", "up_proj"], "w_down": ["down_proj"]}
     with torch.no_grad():
@@ -169,12 +169,14 @@ def block_models():
     return hf, native, blocks
 
 
-def test_attached_blocks_give_transformers_logits():
+@pytest.mark.parametrize("hidden", [64, 128])
+def test_attached_blocks_give_transformers_logits(hidden):
     from specdec.models.llama import BLOCK_MAX_ROWS
 
     ops = need_ops()
-    hf, native, blocks = block_models()
+    hf, native, blocks = block_models(hidden)
     assert native.attach_blocks(ops, blocks) == len(blocks) == 9
+    assert native.layers[0].kops is not None
     assert native.block_bytes == sum(v[1].numel() for v in blocks.values())
     g = torch.Generator().manual_seed(5)
     toks = torch.randint(0, 64, (1, 40), generator=g)
@@ -191,14 +193,15 @@ def test_attached_blocks_give_transformers_logits():
     assert (torch.cat(got, 1) - ref).abs().max().item() < 1e-4
 
 
-def test_greedy_speculation_with_blocks_equals_transformers_greedy():
+@pytest.mark.parametrize("hidden", [64, 128])
+def test_greedy_speculation_with_blocks_equals_transformers_greedy(hidden):
     from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.drafters.ngram import NgramDrafter
     from specdec.engine import Engine
     from specdec.types import SamplingParams
 
     ops = need_ops()
-    hf, native, blocks = block_models()
+    hf, native, blocks = block_models(hidden)
     native.attach_blocks(ops, blocks)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (6, 11, 9)]
@@ -453,3 +456,35 @@ def test_linear_on_blocks_keeps_its_bias_packed_or_not():
         if pack:
             lin.pack()
         assert (lin.forward(x) - ref).abs().max() < 0.05 * ref.abs().max()  # Q8_0 copy: close, and biased
+
+
+def test_fused_decoding_step_gives_the_python_paths_numbers():
+    """The kernels' one-call decoding step (rotation, cache write, attention; silu * up) computes
+    what the step through torch ops and the kernels' attention computes, bit for bit: chains and
+    a tree, one row and a ragged batch."""
+    from conftest import prefill_ragged
+
+    ops = need_ops()
+    _, native, blocks = block_models(128)
+    native.attach_blocks(ops, blocks)
+    g = torch.Generator().manual_seed(12)
+    rows = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 5)]
+    tree = ancestor_mask([-1, 0, 0, 1])
+    for batch in ([rows[0]], rows):
+        B = len(batch)
+        outs = []
+        for fused in (True, False):
+            for blk in native.layers:
+                blk.kops = ops if fused else None
+            cache, _, lens = prefill_ragged(native, batch, max_len=32)
+            step = []
+            for T, mask in ((1, None), (3, None), (4, tree)):
+                toks = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(T))
+                depth = tree.sum(-1) - 1 if mask is not None else torch.arange(T)
+                pos = cache.lengths[:, None] + depth[None]
+                am = None if mask is None else mask[None].expand(B, T, T)
+                step.append(native(toks, pos, cache, attn_mask=am)[0])
+            outs.append(torch.cat(step, 1))
+        for blk in native.layers:
+            blk.kops = ops
+        assert torch.equal(outs[0], outs[1]), B

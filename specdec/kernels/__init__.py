@@ -44,7 +44,9 @@ def _cpu_flags() -> set[str]:
 
 def _build_flags(torch_dir: Path) -> list[str]:
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    return ["-O3", "-std=gnu++17", "-shared", "-fPIC", "-fopenmp", "-w",
+    # -ffp-contract=off: a product and a sum written as two operations stay two roundings (GCC would
+    # fuse them into one FMA, and the rotation would no longer give the Python path's numbers)
+    return ["-O3", "-std=gnu++17", "-shared", "-fPIC", "-fopenmp", "-w", "-ffp-contract=off",
             "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",

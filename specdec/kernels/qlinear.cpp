@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -310,27 +311,11 @@ inline __m512 exp_nonpos(__m512 x) {
 // values in slot order: each score is one fixed-order dot product, the maximum is exact, and every
 // sum runs over the slots in order, hidden slots adding exact zeros. So a token verified among
 // others (a chain or a tree node) attends exactly as it does decoded alone.
-at::Tensor attend(const at::Tensor& q_, const at::Tensor& kc, const at::Tensor& vc, int64_t S,
-                  const c10::optional<at::Tensor>& mask_) {
-  TORCH_CHECK(q_.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
-              "attend: float32 only");
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "attend: the cache must be contiguous");
-  const at::Tensor q = q_.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = q.size(3);
-  const int64_t Hkv = kc.size(1), Smax = kc.size(2), G = H / Hkv;
-  TORCH_CHECK(Dh % 16 == 0 && H % Hkv == 0 && S >= 1 && S <= Smax && kc.size(3) == Dh, "attend: bad shapes");
-  const float* mp = nullptr;
-  if (mask_.has_value()) {
-    const at::Tensor& m = *mask_;
-    TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.size(0) == B && m.size(2) == G * T &&
-                m.size(3) == S, "attend: the mask must be [B, 1, G*T, S] float32");
-    mp = m.data_ptr<float>();
-  }
-  at::Tensor out = at::empty({B, H, T, Dh}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+// The attention core: q [B, H, T, Dh] contiguous; out written at out + ((b * so_b + t * so_t + qh * so_h) * Dh)
+void attention_core(const float* qp, int64_t B, int64_t H, int64_t T, int64_t Dh, const float* kp, const float* vp,
+                    int64_t Hkv, int64_t Smax, int64_t S, const float* mp, float* op, int64_t so_b, int64_t so_t,
+                    int64_t so_h) {
+  const int64_t G = H / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
   const int64_t nvec = Dh / 16, S16 = (S + 15) / 16 * 16;
   at::parallel_for(0, B * Hkv * G * T, 1, [&](int64_t w0, int64_t w1) {
@@ -357,26 +342,101 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& kc, const at::Tensor& 
       // node's sum equals the sum over its path compacted into consecutive slots (as decoded alone)
       float l = 0.0f;
       for (int64_t s = 0; s < S; ++s) l += sc[s];
-      const float inv = 1.0f / l;
-      __m512 o[8];
-      for (int64_t d = 0; d < nvec && d < 8; ++d) o[d] = _mm512_setzero_ps();
-      float* dst = op + ((b * H + qh) * T + t) * Dh;
-      if (nvec <= 8) {
+      const __m512 inv = _mm512_set1_ps(1.0f / l);
+      float* dst = op + (b * so_b + t * so_t + qh * so_h) * Dh;
+      for (int64_t d0 = 0; d0 < nvec; d0 += 8) {  // up to 8 vectors (128 floats) of the head at a time
+        const int64_t nd = std::min<int64_t>(8, nvec - d0);
+        __m512 o[8];
+        for (int64_t d = 0; d < nd; ++d) o[d] = _mm512_setzero_ps();
         for (int64_t s = 0; s < S; ++s) {
           const __m512 p = _mm512_set1_ps(sc[s]);
-          for (int64_t d = 0; d < nvec; ++d) o[d] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + s * Dh + 16 * d), o[d]);
+          for (int64_t d = 0; d < nd; ++d) o[d] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + s * Dh + 16 * (d0 + d)), o[d]);
         }
-        for (int64_t d = 0; d < nvec; ++d) _mm512_storeu_ps(dst + 16 * d, _mm512_mul_ps(o[d], _mm512_set1_ps(inv)));
-      } else {  // wide heads: the same sums, one 16-wide slice of the head at a time
-        for (int64_t d = 0; d < nvec; ++d) {
-          __m512 a = _mm512_setzero_ps();
-          for (int64_t s = 0; s < S; ++s) a = _mm512_fmadd_ps(_mm512_set1_ps(sc[s]), _mm512_loadu_ps(V + s * Dh + 16 * d), a);
-          _mm512_storeu_ps(dst + 16 * d, _mm512_mul_ps(a, _mm512_set1_ps(inv)));
-        }
+        for (int64_t d = 0; d < nd; ++d) _mm512_storeu_ps(dst + 16 * (d0 + d), _mm512_mul_ps(o[d], inv));
       }
     }
   });
+}
+
+const float* mask_ptr(const c10::optional<at::Tensor>& mask, int64_t B, int64_t rows, int64_t S) {
+  if (!mask.has_value()) return nullptr;
+  const at::Tensor& m = *mask;
+  TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.size(0) == B && m.size(2) == rows && m.size(3) == S,
+              "attend: the mask must be [B, 1, G*T, S] float32");
+  return m.data_ptr<float>();
+}
+
+at::Tensor attend(const at::Tensor& q_, const at::Tensor& kc, const at::Tensor& vc, int64_t S,
+                  const c10::optional<at::Tensor>& mask_) {
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
+              "attend: float32 only");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "attend: the cache must be contiguous");
+  const at::Tensor q = q_.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = q.size(3);
+  const int64_t Hkv = kc.size(1), Smax = kc.size(2);
+  TORCH_CHECK(Dh % 16 == 0 && H % Hkv == 0 && S >= 1 && S <= Smax && kc.size(3) == Dh, "attend: bad shapes");
+  const float* mp = mask_ptr(mask_, B, (H / Hkv) * T, S);
+  at::Tensor out = at::empty({B, H, T, Dh}, q.options());
+  attention_core(q.data_ptr<float>(), B, H, T, Dh, kc.data_ptr<float>(), vc.data_ptr<float>(), Hkv, Smax, S, mp,
+                 out.data_ptr<float>(), H * T, 1, T);
   return out;
+}
+
+// One decoding step's attention from the fused projection qkv [B, T, (H + 2 Hkv) Dh]: rotate q and k
+// (x * cos + roll(x, Dh / 2) * sin, a product, a product and a sum as models/llama.py computes it,
+// with its signed sin [B, T, 1, Dh]), write k and v to the cache at slots start[b] + t, attend over
+// the first S slots (attention_core) and return [B, T, H Dh], the layout the output projection reads.
+// The same numbers as that Python path, in one call instead of a dozen.
+at::Tensor rope_attend(const at::Tensor& qkv_, const at::Tensor& cos_, const at::Tensor& sin_, at::Tensor kc, at::Tensor vc,
+                       const at::Tensor& start_, int64_t H, int64_t S, const c10::optional<at::Tensor>& mask_) {
+  TORCH_CHECK(qkv_.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && cos_.scalar_type() == at::kFloat,
+              "rope_attend: float32 only");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "rope_attend: the cache must be contiguous");
+  const at::Tensor qkv = qkv_.contiguous(), cs = cos_.contiguous(), sn = sin_.contiguous();
+  const at::Tensor start = start_.to(at::kLong).contiguous();
+  const int64_t B = qkv.size(0), T = qkv.size(1), Hkv = kc.size(1), Smax = kc.size(2), Dh = kc.size(3);
+  TORCH_CHECK(Dh % 32 == 0 && H % Hkv == 0 && qkv.size(2) == (H + 2 * Hkv) * Dh && cs.numel() == B * T * Dh &&
+              start.numel() == B && S >= 1 && S <= Smax, "rope_attend: bad shapes");
+  const float* mp = mask_ptr(mask_, B, (H / Hkv) * T, S);
+  at::Tensor q = at::empty({B, H, T, Dh}, qkv.options());
+  const float* xp = qkv.data_ptr<float>();
+  const float* cp = cs.data_ptr<float>();
+  const float* sp = sn.data_ptr<float>();
+  const int64_t* st = start.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  const int64_t half = Dh / 2, W = (H + 2 * Hkv) * Dh;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = xp + (b * T + t) * W;
+      const float* c = cp + (b * T + t) * Dh;
+      const float* sg = sp + (b * T + t) * Dh;
+      const int64_t slot = st[b] + t;
+      TORCH_CHECK(slot < Smax, "rope_attend: the cache is full");
+      for (int64_t j = 0; j < H + Hkv; ++j) {
+        const float* x = row + j * Dh;
+        float* dst = j < H ? qp + ((b * H + j) * T + t) * Dh : kp + ((b * Hkv + (j - H)) * Smax + slot) * Dh;
+        for (int64_t d = 0; d < Dh; d += 16) {
+          const int64_t dr = (d + half) % Dh;  // roll by Dh / 2: element d takes x[(d + Dh / 2) mod Dh]
+          const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + d), _mm512_loadu_ps(c + d));
+          const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(x + dr), _mm512_loadu_ps(sg + d));
+          _mm512_storeu_ps(dst + d, _mm512_add_ps(a, r));
+        }
+      }
+      for (int64_t j = 0; j < Hkv; ++j)
+        std::memcpy(vp + ((b * Hkv + j) * Smax + slot) * Dh, row + (H + Hkv + j) * Dh, Dh * sizeof(float));
+    }
+  at::Tensor out = at::empty({B, T, H * Dh}, qkv.options());
+  attention_core(qp, B, H, T, Dh, kp, vp, Hkv, Smax, S, mp, out.data_ptr<float>(), T * H, H, 1);
+  return out;
+}
+
+// silu(gate) * up of the fused projection gu [..., 2 I] (torch's silu, so the numbers the Python path
+// gives), in one call
+at::Tensor silu_mul(const at::Tensor& gu) {
+  const int64_t I = gu.size(-1) / 2;
+  return at::silu(gu.narrow(-1, 0, I)).mul_(gu.narrow(-1, I, I));
 }
 
 // ---- RMS norm of a few rows ------------------------------------------------------------------
@@ -415,6 +475,9 @@ TORCH_LIBRARY(specdec_q, lib) {
   lib.def("q8_0_linear_n(Tensor x, Tensor packed, int n) -> Tensor");
   lib.def("attend(Tensor q, Tensor k_cache, Tensor v_cache, int n_keys, Tensor? mask) -> Tensor");
   lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  lib.def("rope_attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, int heads, "
+          "int n_keys, Tensor? mask) -> Tensor");
+  lib.def("silu_mul(Tensor gu) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specdec_q, CPU, lib) {
   lib.impl("q4_1_linear", &q4_1_linear);
@@ -423,4 +486,6 @@ TORCH_LIBRARY_IMPL(specdec_q, CPU, lib) {
   lib.impl("q8_0_linear_n", &q8_0_linear_n);
   lib.impl("attend", &attend);
   lib.impl("rms_norm", &rms_norm);
+  lib.impl("rope_attend", &rope_attend);
+  lib.impl("silu_mul", &silu_mul);
 }

@@ -315,6 +315,7 @@ class Linear(nn.Linear):
 class Block(nn.Module):
     attend_op = None  # the kernels' attention for steps of up to ATTEND_MAX_T tokens (attach_blocks)
     norm_op = None  # the kernels' RMS norm for calls of up to BLOCK_MAX_ROWS rows (attach_blocks)
+    kops = None  # the kernels (torch.ops.specdec_q) for whole decoding steps of the layer (attach_blocks)
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -334,6 +335,16 @@ class Block(nn.Module):
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
         h = rms_norm(x, self.attn_norm, self.eps, self.norm_op)
+        kops = self.kops
+        if kops is not None and not causal and T <= ATTEND_MAX_T and cache.k[layer].dtype == torch.float32 \
+                and Dh % 32 == 0 and B * T <= BLOCK_MAX_ROWS:
+            # a decoding step through the kernels: rotation, cache write and attention in one call (the
+            # numbers of the path below), whose attention gives a token verified among up to
+            # ATTEND_MAX_T others the result it gets decoded alone, bit for bit (kernels/qlinear.cpp)
+            o = kops.rope_attend(self.wqkv.forward(h), cos, sin, cache.k[layer], cache.v[layer], start, H, n_keys, mask)
+            x = x + self.wo.forward(o)
+            gu = self.w_gate_up.forward(rms_norm(x, self.mlp_norm, self.eps, self.norm_op))
+            return x + self.w_down.forward(kops.silu_mul(gu))
         qkv = self.wqkv.forward(h).view(B, T, H + 2 * Hkv, Dh)
         qk = qkv[:, :, : H + Hkv]  # queries and keys rotate together: [B, T, H + Hkv, Dh]
         # rotate_half(x) * sin == roll(x, Dh/2) * (sin with its first half negated): same bits, fewer ops
@@ -507,6 +518,7 @@ class LlamaModel(nn.Module):
         if self.dtype != torch.float32 or not self.packed:
             raise SpecdecError("GGUF block kernels need a prepacked float32 model")
         for blk in self.layers:
+            blk.kops = ops
             if blk.head_dim % 16 == 0:
                 blk.attend_op = ops.attend
             if self.cfg.hidden_size % 16 == 0:
