@@ -23,6 +23,7 @@ This module knows nothing about tokenizers, sampling or the engine.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -235,11 +236,14 @@ def load_blocks(gguf_path: Path, fp32_dir: Path, cfg) -> tuple[dict[str, tuple],
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache: build it again
     blocks, notes = build_blocks(gguf_path, fp32_dir, cfg)
-    tmp = f.with_name(f.name + ".tmp")
+    tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")  # two processes may build it at once: each its own file
     tensors = {k: v[1] for k, v in blocks.items()}
     tensors.update({k + ".n": v[2] for k, v in blocks.items() if v[2] is not None})
     save_file(tensors, str(tmp))
-    (fp32_dir / (BLOCKS_FILE + ".json")).write_text(json.dumps(
+    meta = fp32_dir / (BLOCKS_FILE + ".json")
+    meta_tmp = meta.with_name(f"{meta.name}.{os.getpid()}.tmp")
+    meta_tmp.write_text(json.dumps(
         {"kinds": {k: v[0] for k, v in blocks.items()}, "rows": {k: v[3] for k, v in blocks.items()}, "notes": notes}))
-    tmp.replace(f)
+    os.replace(meta_tmp, meta)
+    os.replace(tmp, f)
     return blocks, notes
