@@ -1,10 +1,14 @@
-"""Native kernels, built on first use: matrix products over a GGUF file's quantised blocks.
+"""Native kernels, built on first use: matrix products over a GGUF file's quantised blocks, and
+the small ops of a decoding step.
 
 `qlinear.cpp` multiplies fp32 activations by Q4_1 / Q8_0 weights without dequantising them to
 memory first (see the file's header: the same weights, rebuilt exactly in the kernel, and a
-row's sums that do not depend on the other rows). It is compiled once per machine with the
-system's C++ compiler against the installed torch, cached under the user cache directory
-(the caller names the folder: the loader uses ~/.cache/specdec/kernels), and loaded as `torch.ops.specdec_q`.
+row's sums that do not depend on the other rows), and holds attention, RMS norm, rotation +
+cache write + attention, and silu * up for decoding steps of a few tokens. It is compiled once
+per machine with the system's C++ compiler against the installed torch (OpenMP threads: the
+library links libgomp.so.1 by name, which resolves to the copy torch has already loaded, so both
+share one thread pool), cached under a folder the caller names (the loader uses
+~/.cache/specdec/kernels), and loaded as `torch.ops.specdec_q`.
 
 `ops()` returns that namespace, or None when the kernels cannot run here; `unavailable()` then
 says why (no AVX-512, no compiler, a failed build, SPECDEC_GGUF_KERNELS=0). Nothing else in
