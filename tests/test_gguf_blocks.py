@@ -458,11 +458,12 @@ def test_linear_on_blocks_keeps_its_bias_packed_or_not():
         assert (lin.forward(x) - ref).abs().max() < 0.05 * ref.abs().max()  # Q8_0 copy: close, and biased
 
 
-def test_fused_decoding_step_gives_the_python_paths_numbers():
+def test_fused_decoding_step_gives_the_python_paths_numbers(monkeypatch):
     """The kernels' one-call decoding step (rotation, cache write, attention; silu * up) computes
     what the step through torch ops and the kernels' attention computes, bit for bit: chains and
     a tree, one row and a ragged batch."""
     from conftest import prefill_ragged
+    from specdec.models import llama
 
     ops = need_ops()
     _, native, blocks = block_models(128)
@@ -474,8 +475,7 @@ def test_fused_decoding_step_gives_the_python_paths_numbers():
         B = len(batch)
         outs = []
         for fused in (True, False):
-            for blk in native.layers:
-                blk.kops = ops if fused else None
+            monkeypatch.setattr(llama, "FUSED_DECODING_STEP", fused)
             cache, _, lens = prefill_ragged(native, batch, max_len=32)
             step = []
             for T, mask in ((1, None), (3, None), (4, tree)):
@@ -485,6 +485,4 @@ def test_fused_decoding_step_gives_the_python_paths_numbers():
                 am = None if mask is None else mask[None].expand(B, T, T)
                 step.append(native(toks, pos, cache, attn_mask=am)[0])
             outs.append(torch.cat(step, 1))
-        for blk in native.layers:
-            blk.kops = ops
         assert torch.equal(outs[0], outs[1]), B

@@ -83,8 +83,9 @@ def _build(cache_dir: Path, quiet: bool) -> Path:
 
 
 def ops(cache_dir: Path, quiet: bool = True):
-    """torch.ops.specdec_q (q4_1_linear, q8_0_linear), or None if the kernels cannot run here;
-    a build goes to (and is reused from) cache_dir."""
+    """torch.ops.specdec_q (the block products q4_1_linear / q8_0_linear and their N-major _n
+    forms, attend, rope_attend, rms_norm, silu_mul), or None if the kernels cannot run here; a
+    build goes to (and is reused from) cache_dir."""
     with _lock:
         if "ops" in _state or "why" in _state:
             return _state.get("ops")
@@ -92,7 +93,7 @@ def ops(cache_dir: Path, quiet: bool = True):
         if os.environ.get("SPECDEC_GGUF_KERNELS", "1") == "0":
             why = "SPECDEC_GGUF_KERNELS=0"
         elif platform.machine() not in ("x86_64", "AMD64") or not NEEDED_FLAGS <= _cpu_flags():
-            why = "this CPU lacks AVX-512 (the block kernels need AVX-512 F, BW, VL and DQ, and FMA)"
+            why = "this CPU lacks AVX-512 (the block kernels need AVX-512 F, BW, VL and DQ, AVX2 and FMA)"
         if why is None:
             try:
                 torch.ops.load_library(str(_build(Path(cache_dir), quiet)))

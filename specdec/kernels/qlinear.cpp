@@ -21,7 +21,7 @@
 // Within a kernel every output is summed in one order whatever the number of rows and however rows
 // and columns are split into passes and threads, so a row's result does not depend on the other
 // rows in the call. The two kernels sum in different orders (results within ~1e-6 relative).
-// Needs AVX-512 (F, BW); built on first use by specdec/kernels/__init__.py.
+// Needs AVX-512 (F, BW, VL, DQ), AVX2 and FMA; built on first use by specdec/kernels/__init__.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

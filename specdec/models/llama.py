@@ -191,12 +191,19 @@ ATTEND_MAX_T = 6
 PREFILL_CHUNK = 512
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, op=None) -> torch.Tensor:
-    """RMS norm of x's rows; through the kernels' op (a few microseconds instead of ~10) for calls
-    of up to BLOCK_MAX_ROWS float32 rows where one is given."""
-    if op is not None and x.numel() <= BLOCK_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32:
-        return op(x, w, eps)
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
+# Decoding steps that the kernels' attention takes (and whose head size allows) run rotation, cache
+# write and attention as one kernel call per layer (Block.forward); False takes the torch-op path
+# with the kernels' attention instead (the same numbers; tests compare the two).
+FUSED_DECODING_STEP = True
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, kops=None) -> torch.Tensor:
+    """RMS norm of x's rows; through the kernels `kops` (a few microseconds instead of ~10) for
+    calls of up to BLOCK_MAX_ROWS float32 rows of a width the kernel takes, where given."""
+    D = x.shape[-1]
+    if kops is not None and D % 16 == 0 and x.numel() <= BLOCK_MAX_ROWS * D and x.dtype == torch.float32:
+        return kops.rms_norm(x, w, eps)
+    return F.rms_norm(x, (D,), w, eps)
 
 
 def kernel_args(ops, blocks: tuple) -> tuple:
@@ -313,9 +320,7 @@ class Linear(nn.Linear):
 
 
 class Block(nn.Module):
-    attend_op = None  # the kernels' attention for steps of up to ATTEND_MAX_T tokens (attach_blocks)
-    norm_op = None  # the kernels' RMS norm for calls of up to BLOCK_MAX_ROWS rows (attach_blocks)
-    kops = None  # the kernels (torch.ops.specdec_q) for whole decoding steps of the layer (attach_blocks)
+    kops = None  # the kernels (torch.ops.specdec_q) for the layer's decoding steps (attach_blocks)
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -334,16 +339,18 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache: KVCache, layer: int, start, uniform, mask, n_keys, causal=False):
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
-        h = rms_norm(x, self.attn_norm, self.eps, self.norm_op)
         kops = self.kops
-        if kops is not None and not causal and T <= ATTEND_MAX_T and cache.k[layer].dtype == torch.float32 \
-                and Dh % 32 == 0 and B * T <= BLOCK_MAX_ROWS:
+        h = rms_norm(x, self.attn_norm, self.eps, kops)
+        # the kernels' attention: steps of up to ATTEND_MAX_T tokens of a float32 model
+        kernel_attn = kops is not None and not causal and T <= ATTEND_MAX_T and Dh % 16 == 0 \
+            and cache.k[layer].dtype == torch.float32
+        if kernel_attn and FUSED_DECODING_STEP and Dh % 32 == 0 and B * T <= BLOCK_MAX_ROWS:
             # a decoding step through the kernels: rotation, cache write and attention in one call (the
             # numbers of the path below), whose attention gives a token verified among up to
             # ATTEND_MAX_T others the result it gets decoded alone, bit for bit (kernels/qlinear.cpp)
             o = kops.rope_attend(self.wqkv.forward(h), cos, sin, cache.k[layer], cache.v[layer], start, H, n_keys, mask)
             x = x + self.wo.forward(o)
-            gu = self.w_gate_up.forward(rms_norm(x, self.mlp_norm, self.eps, self.norm_op))
+            gu = self.w_gate_up.forward(rms_norm(x, self.mlp_norm, self.eps, kops))
             return x + self.w_down.forward(kops.silu_mul(gu))
         qkv = self.wqkv.forward(h).view(B, T, H + 2 * Hkv, Dh)
         qk = qkv[:, :, : H + Hkv]  # queries and keys rotate together: [B, T, H + Hkv, Dh]
@@ -356,10 +363,10 @@ class Block(nn.Module):
         cache.write(layer, k, v, start, uniform)
         keys = cache.k[layer][:, :, :n_keys]  # [B, Hkv, S, Dh]
         vals = cache.v[layer][:, :, :n_keys]
-        if self.attend_op is not None and not causal and T <= ATTEND_MAX_T and adt == torch.float32:
+        if kernel_attn:
             # the kernels' attention (kernels/qlinear.cpp): a token verified among up to ATTEND_MAX_T
             # others attends bit for bit as it does decoded alone
-            o = self.attend_op(q, cache.k[layer], cache.v[layer], n_keys, mask)
+            o = kops.attend(q, cache.k[layer], cache.v[layer], n_keys, mask)
         elif causal and adt != x.dtype:
             # a prefill from slot 0 (the same for every method): float32 is enough, and fast
             o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=Hkv != H)
@@ -375,7 +382,7 @@ class Block(nn.Module):
             o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, Dh).to(adt), keys, vals, attn_mask=mask)
             o = o.view(B, H, T, Dh)
         x = x + self.wo.forward(o.transpose(1, 2).reshape(B, T, H * Dh).to(x.dtype))
-        h = rms_norm(x, self.mlp_norm, self.eps, self.norm_op)
+        h = rms_norm(x, self.mlp_norm, self.eps, kops)
         gate, up = self.w_gate_up.forward(h).chunk(2, dim=-1)
         return x + self.w_down.forward(F.silu(gate) * up)
 
@@ -473,7 +480,7 @@ class LlamaModel(nn.Module):
         x = self.embed(tokens)  # [B, T, D]
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, cos, sin, cache, i, start, uniform, mask, n_keys, causal)
-        hidden = rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.layers[0].norm_op)  # [B, T, D]
+        hidden = rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.layers[0].kops)  # [B, T, D]
         return self._logits(hidden, logits_at), hidden
 
     def _logits(self, hidden: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor | None:
@@ -519,10 +526,6 @@ class LlamaModel(nn.Module):
             raise SpecdecError("GGUF block kernels need a prepacked float32 model")
         for blk in self.layers:
             blk.kops = ops
-            if blk.head_dim % 16 == 0:
-                blk.attend_op = ops.attend
-            if self.cfg.hidden_size % 16 == 0:
-                blk.norm_op = ops.rms_norm
         n = 0
         for name, b in blocks.items():
             if name == "head":
