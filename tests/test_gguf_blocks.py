@@ -334,6 +334,14 @@ def test_weights_option_errors(monkeypatch, tmp_path):
     lm = LoadedModel(native, None, "tiny", str(tmp_path), "tiny")
     with pytest.raises(SpecdecError, match="needs a GGUF model"):
         attach_gguf_blocks(lm, "blocks", quiet=True)
+    # and through load_model, for a Hugging Face folder
+    from specdec.models.loader import load_model
+
+    hf, _, _ = block_models()
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(SpecdecError, match="needs a GGUF model"):
+        load_model(str(tmp_path / "hf"), quiet=True, with_tokenizer=False, weights="blocks")
+    assert load_model(str(tmp_path / "hf"), quiet=True, with_tokenizer=False).weights == "fp32"
     with pytest.raises(SpecdecError, match="weights must be one of"):
         attach_gguf_blocks(lm, "int4", quiet=True)
     attach_gguf_blocks(lm, "auto", quiet=True)  # not a GGUF: nothing to do

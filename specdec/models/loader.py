@@ -327,13 +327,11 @@ def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None
         path = default_model_path()
         lm = load_hf_dir(convert_gguf(path, quiet), dtype, "default", native, quiet, with_tokenizer)
         lm.name, lm.gguf = DEFAULT_MODEL_NAME, str(path)
-        attach_gguf_blocks(lm, weights, quiet)
     else:
         p = Path(os.path.expanduser(spec))
         if p.is_file():
             lm = load_hf_dir(convert_gguf(p, quiet), dtype, spec, native, quiet, with_tokenizer)
             lm.name, lm.gguf = p.stem, str(p)
-            attach_gguf_blocks(lm, weights, quiet)
         elif p.is_dir():
             lm = load_hf_dir(p, dtype, spec, native, quiet, with_tokenizer)
         elif _looks_like_hub_id(spec):
@@ -344,5 +342,6 @@ def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None
                 f"no model at {spec!r}: not a file, a folder, or a hub id (org/name). "
                 "Pass a .gguf file, a Hugging Face model folder, or omit --model for the default model"
             )
+    attach_gguf_blocks(lm, weights, quiet)  # (a GGUF's blocks; --weights blocks without one is an error)
     lm.load_s = time.perf_counter() - t0
     return lm
