@@ -60,12 +60,11 @@ _nonneg_int = _int_at_least(0)
 
 
 def add_weights_arg(p) -> None:
-    p.add_argument("--weights", choices=("auto", "blocks", "fp32"), default="auto",
-                   help="what a GGUF model's matrix products read: its quantised blocks (Q4_0/Q4_1/Q8_0, decoded "
-                        "exactly inside the kernels: the same weights as the fp32 copy, ~5x fewer bytes a decode "
-                        "step; built once with the system's C++ compiler, needs AVX-512) or the dequantised fp32 "
-                        "copy. auto: blocks where the kernels run, else fp32; blocks: an error if they cannot. "
-                        "Outputs agree up to float summation order. Default: auto")
+    from .models.loader import WEIGHTS, WEIGHTS_HELP
+
+    p.add_argument("--weights", choices=WEIGHTS, default="auto",
+                   help=WEIGHTS_HELP + ". The kernels (Q4_0/Q4_1/Q8_0 blocks, read ~5x fewer bytes a decode step "
+                        "than the fp32 copy) are built once with the system's C++ compiler. Default: auto")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

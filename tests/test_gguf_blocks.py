@@ -52,19 +52,53 @@ def rand_q8_0(N: int, K: int, rng) -> tuple:
     return rng.integers(-128, 128, (N, nb, 32)).astype(np.int8), d
 
 
-KERNELS = [("Q4_1", "k"), ("Q4_1", "n"), ("Q8_0", "k"), ("Q8_0", "n")]
+# layouts: K-major, N-major (float32 activations); the VNNI layout with 8-bit (v) and 16-bit (w) activations
+KERNELS = [(kind, layout) for kind in ("Q4_1", "Q8_0") for layout in ("k", "n", "v", "w")]
 
 
 def packed(kind: str, layout: str, parts) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed blocks in the K- or N-major layout, fp32 weights [N, K]) of decoded blocks."""
-    k, n = gb.pack(kind, parts)
+    """(packed blocks in the K-major, N-major or VNNI (v, w) layout, fp32 weights [N, K]) of decoded blocks."""
+    if layout in ("v", "w"):
+        _, p, _ = gb.pack(kind, parts, "vnni")
+    else:
+        _, k, n = gb.pack(kind, parts)
+        p = k if layout == "k" else n
     w = gb._dequant_q4(*parts) if kind == "Q4_1" else gb._dequant_q8(*parts)
-    return (k if layout == "k" else n), torch.from_numpy(w)
+    return p, torch.from_numpy(w)
 
 
 def kernel(ops, kind: str, layout: str):
-    name = ("q4_1_linear" if kind == "Q4_1" else "q8_0_linear") + ("_n" if layout == "n" else "")
+    if layout in ("v", "w"):
+        from specdec import kernels
+
+        if not kernels.has_vnni():
+            pytest.skip("this CPU has no AVX-512 VNNI (the integer kernels)")
+    name = ("q4_1_linear" if kind == "Q4_1" else "q8_0_linear") + {"k": "", "n": "_n", "v": "_v", "w": "_w"}[layout]
     return getattr(ops, name)
+
+
+def integer_oracle(x: torch.Tensor, kind: str, parts, bits: int) -> torch.Tensor:
+    """What the integer kernels compute, from their definition (qlinear.cpp), in float64 with exact
+    integer dot products: per row and 32-value block, with Q = 127 (8 bits) or 32512 (16 bits),
+    da = max |x| / Q and qa = round(x * (Q / max |x|)) (float32, to nearest even); then
+    y = sum over blocks of float(q . qa) dw da + mw da sum(qa) (Q4_1, q = 0..15) or float(q . qa)
+    dw da (Q8_0). (The 16-bit kernels' split of qa into two bytes is exact, so it does not show.)"""
+    Q = np.float32(127 if bits == 8 else 32512)
+    xb = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)  # [M, nb, 32]
+    amax = np.abs(xb).max(axis=2)
+    da = (amax / Q).astype(np.float32)
+    inv = np.where(amax > 0, Q / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    qa = np.rint((xb * inv[..., None]).astype(np.float32)).astype(np.int64)  # [M, nb, 32]
+    if kind == "Q4_1":
+        q, d, m = parts
+        qw = np.concatenate([q & 0x0F, q >> 4], axis=2).astype(np.int64)  # [N, nb, 32]
+    else:
+        q, d = parts
+        qw, m = q.astype(np.int64), np.zeros_like(d)
+    isum = np.einsum("mbk,nbk->mnb", qa, qw).astype(np.float64)  # exact
+    da64 = da.astype(np.float64)
+    y = isum * d[None].astype(np.float64) * da64[:, None, :] + m[None].astype(np.float64) * (da64 * qa.sum(2))[:, None, :]
+    return torch.from_numpy(y.sum(axis=2))
 
 
 def rand_blocks(kind: str, N: int, K: int, rng):
@@ -80,12 +114,17 @@ def test_kernel_matches_float64_product(kind, layout):
     p, w = packed(kind, layout, rand_blocks(kind, N, K, rng))
     op = kernel(ops, kind, layout)
     g = torch.Generator().manual_seed(0)
+    parts = rand_blocks(kind, N, K, np.random.default_rng(0))
     for M in list(range(1, 18)) + [33]:
         x = torch.randn(M, K, generator=g)
         y = op(x, p, N)
-        ref = x.double() @ w.double().T
+        exact = x.double() @ w.double().T
+        ref = integer_oracle(x, kind, parts, 8 if layout == "v" else 16) if layout in ("v", "w") else exact
         assert y.shape == (M, N) and y.dtype == torch.float32
         assert (y.double() - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
+        # and rounded activations stay close to the float product (8 bits: ~0.5%, 16 bits: ~2e-5)
+        tol = {"v": 2e-2, "w": 1e-4}.get(layout, 1e-5)
+        assert (y.double() - exact).abs().max().item() < tol * exact.abs().max().item()
     # leading dimensions are kept, like F.linear
     x3 = torch.randn(2, 3, K, generator=g)
     assert torch.equal(op(x3, p, N), op(x3.reshape(6, K), p, N).reshape(2, 3, N))
@@ -109,7 +148,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads(kind, layout
         assert torch.equal(op(x, p, N), alone)
 
 
-@pytest.mark.parametrize("layout", ["k", "n"])
+@pytest.mark.parametrize("layout", ["k", "n", "v", "w"])
 def test_kernel_refuses_mismatched_shapes(layout):
     ops = need_ops()
     rng = np.random.default_rng(2)
@@ -123,8 +162,11 @@ def test_kernel_refuses_mismatched_shapes(layout):
 
 def test_n_major_layout_needs_whole_tiles():
     rng = np.random.default_rng(2)
-    assert gb.pack("Q4_1", rand_q4_1(20, 64, rng))[1] is None  # 20 outputs: not a multiple of 16
-    assert gb.pack("Q8_0", rand_q8_0(20, 64, rng))[1] is None
+    assert gb.pack("Q4_1", rand_q4_1(20, 64, rng))[2] is None  # 20 outputs: not a multiple of 16
+    assert gb.pack("Q8_0", rand_q8_0(20, 64, rng))[2] is None
+    assert gb.pack("Q4_1", rand_q4_1(20, 64, rng), "vnni") == ("Q4_1", None, None)
+    with pytest.raises(ValueError, match="layout"):
+        gb.pack("Q4_1", rand_q4_1(16, 64, rng), "int8")
 
 
 def test_q4_0_is_stored_as_q4_1_with_the_same_values():
@@ -142,10 +184,10 @@ def test_q4_0_is_stored_as_q4_1_with_the_same_values():
 
 # -- a model with blocks attached ---------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def block_models(hidden: int = 64):
+def block_models(hidden: int = 64, layout: str = "float"):
     """A tiny transformers Llama whose projections are random Q4_1 blocks and whose head is Q8_0
-    (its fp32 weights set to exactly the blocks' values), and its native twin with the blocks
-    attached (hidden 64: heads of 16; 128: heads of 32, which the fused decoding step takes)."""
+    (its fp32 weights set to exactly the blocks' values), its native twin, and the blocks packed
+    in `layout` (hidden 64: heads of 16; 128: heads of 32, which the fused decoding step takes)."""
     from specdec.models.llama import build_native
 
     rng = np.random.default_rng(4)
@@ -161,10 +203,10 @@ def block_models(hidden: int = 64):
                 for mod, q in zip(mods, qs):
                     mod.weight.copy_(torch.from_numpy(gb._dequant_q4(*q)))
                 fused = tuple(np.concatenate([q[j] for q in qs], axis=0) for j in range(3))
-                blocks[f"layers.{i}.{native}"] = ("Q4_1", *gb.pack("Q4_1", fused), fused[1].shape[0])
+                blocks[f"layers.{i}.{native}"] = (*gb.pack("Q4_1", fused, layout), fused[1].shape[0])
         qh = rand_q8_0(*hf.lm_head.weight.shape, rng)
         hf.lm_head.weight.copy_(torch.from_numpy(gb._dequant_q8(*qh)))
-        blocks["head"] = ("Q8_0", *gb.pack("Q8_0", qh), qh[1].shape[0])
+        blocks["head"] = (*gb.pack("Q8_0", qh, layout), qh[1].shape[0])
     native = build_native(hf.config, hf.state_dict(), pack=True)
     return hf, native, blocks
 
@@ -191,6 +233,72 @@ def test_attached_blocks_give_transformers_logits(hidden):
         got.append(native(toks[:, pos : pos + T], torch.arange(pos, pos + T)[None], cache)[0])
         pos += T
     assert (torch.cat(got, 1) - ref).abs().max().item() < 1e-4
+
+
+def vnni_models(hidden: int = 64, act_bits: int = 16):
+    """block_models in the VNNI layout, attached with activations of act_bits (skips where this
+    CPU has no VNNI)."""
+    ops = need_ops()
+    kernel(ops, "Q4_1", "v")  # (the skip)
+    hf, native, blocks = block_models(hidden, "vnni")
+    assert all(v[0].endswith("-vnni") for v in blocks.values())
+    native.attach_blocks(ops, blocks, act_bits)
+    return hf, native
+
+
+@pytest.mark.parametrize("hidden,act_bits", [(64, 8), (128, 8), (64, 16), (128, 16)])
+def test_vnni_model_is_close_to_transformers_and_verifies_as_it_decodes(hidden, act_bits):
+    """On the integer kernels every projection of a step runs one kernel whatever its row count,
+    and the kernels' attention is per query: a chain of T tokens scored in one forward (a
+    verification) gives bit for bit the logits of decoding them one at a time; prefills (longer
+    than BLOCK_MAX_ROWS: the integer kernels too) and steps stay within the activations' rounding
+    of transformers (8 bits: a few %; 16 bits: ~1e-4)."""
+    from specdec.models.llama import BLOCK_MAX_ROWS
+
+    hf, native = vnni_models(hidden, act_bits)
+    g = torch.Generator().manual_seed(5)
+    toks = torch.randint(0, 64, (1, 40), generator=g)
+    with torch.no_grad():
+        ref = hf(input_ids=toks, use_cache=False).logits.float()
+    n0 = BLOCK_MAX_ROWS + 4
+    chain, alone = native.new_cache(1, 64), native.new_cache(1, 64)
+    pre = native(toks[:, :n0], torch.arange(n0)[None], chain)[0]
+    native(toks[:, :n0], torch.arange(n0)[None], alone)
+    got, pos = [pre], n0
+    for T in (1, 2, 3, 6, 4, 1, 3):
+        step = native(toks[:, pos : pos + T], torch.arange(pos, pos + T)[None], chain)[0]
+        one = torch.cat([native(toks[:, p : p + 1], torch.tensor([[p]]), alone)[0] for p in range(pos, pos + T)], 1)
+        assert torch.equal(step, one), T
+        got.append(step)
+        pos += T
+    err = (torch.cat(got, 1) - ref).abs().max().item() / ref.abs().max().item()
+    assert 0 < err < (0.05 if act_bits == 8 else 1e-3), err  # not the float path's numbers, but close
+
+
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_greedy_speculation_on_vnni_equals_plain_greedy_on_vnni(act_bits):
+    """The oracle for the integer kernels is their own plain greedy decoding (their numbers are
+    not transformers'): every drafter, batch 1 and 3; with 16-bit activations it is also
+    transformers' greedy output on these prompts."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.engine import Engine
+    from specdec.types import SamplingParams
+
+    hf, native = vnni_models(128, act_bits)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (6, 11, 9)]
+    prompts[2] = prompts[2][:4] * 2
+    sp = SamplingParams(max_new_tokens=24)
+    want = [o.tokens for o in Engine(native, None, k=0).generate(prompts, sp)]
+    assert want == [Engine(native, None, k=0).generate([p], sp)[0].tokens for p in prompts]
+    if act_bits == 16:
+        assert want == [hf_greedy(hf, p, 24) for p in prompts]
+    with one_thread():
+        for drafter in (NgramDrafter(adaptive=False), DraftModelDrafter(native)):
+            for batch in ([prompts[0]], prompts):
+                outs = Engine(native, drafter, k=4).generate(batch, sp)
+                assert [o.tokens for o in outs] == want[: len(batch)], type(drafter).__name__
 
 
 @pytest.mark.parametrize("hidden", [64, 128])
@@ -305,23 +413,37 @@ def test_build_blocks_rebuilds_the_fp32_copy_and_undoes_llama_cpps_row_order(tmp
 @pytest.mark.default_model
 def test_default_model_computes_with_its_blocks(default_model):
     """All 121 matrices of the shipped GGUF rebuild its fp32 copy exactly, so all are attached
-    where the kernels run; next-token logits stay within summation noise of the fp32 copy's."""
+    where the kernels run (auto: the integer kernels with 16-bit activations where the CPU has
+    VNNI); next-token logits stay close to the fp32 copy's: float activations within summation
+    noise, 16-bit ones within ~1e-2, 8-bit ones (llama.cpp's arithmetic) within ~2 (of ~10-35)."""
+    from specdec import kernels
     from specdec.models.loader import load_model
 
     ops = need_ops()
-    assert default_model.weights == "gguf blocks (121 of 121 matrices)"
+    auto = "int16" if kernels.has_vnni() else "blocks"
+    assert default_model.weights == ("gguf blocks" if auto == "blocks" else "gguf blocks x int16 activations") + \
+        " (121 of 121 matrices)"
     fp32 = load_model(quiet=True, weights="fp32")
     assert fp32.weights == "fp32" and fp32.model.head_q is None
     ids = default_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
     toks = torch.tensor([ids])
-    for m in (default_model.model, fp32.model):
-        m._test_cache = m.new_cache(1, len(ids) + 8)
-        m(toks[:, :-6], torch.arange(len(ids) - 6)[None], m._test_cache)
-    a, _ = default_model.model(toks[:, -6:], torch.arange(len(ids) - 6, len(ids))[None], default_model.model._test_cache)
-    b, _ = fp32.model(toks[:, -6:], torch.arange(len(ids) - 6, len(ids))[None], fp32.model._test_cache)
-    assert (a - b).abs().max().item() < 2e-3  # logits of magnitude ~10-30
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
-    assert ops is not None and default_model.model.weight_bytes_per_token() < fp32.model.weight_bytes_per_token() / 4
+
+    def last_steps(m):
+        cache = m.new_cache(1, len(ids) + 8)
+        m(toks[:, :-6], torch.arange(len(ids) - 6)[None], cache)
+        return m(toks[:, -6:], torch.arange(len(ids) - 6, len(ids))[None], cache)[0]
+
+    want = last_steps(fp32.model)
+    tolerances = {"blocks": 2e-3, "int16": 5e-2, "int8": 2.0}
+    for weights, tol in tolerances.items():
+        if weights != "blocks" and not kernels.has_vnni():
+            continue
+        lm = default_model if weights == auto else load_model(quiet=True, weights=weights)
+        got = last_steps(lm.model)
+        assert (got - want).abs().max().item() < tol, weights
+        if weights != "int8":
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), weights
+        assert lm.model.weight_bytes_per_token() < fp32.model.weight_bytes_per_token() / 4
 
 
 def test_weights_option_errors(monkeypatch, tmp_path):
@@ -349,10 +471,18 @@ def test_weights_option_errors(monkeypatch, tmp_path):
     lm.gguf = str(tmp_path / "x.gguf")
     monkeypatch.setattr(kernels, "_state", {})
     monkeypatch.setenv("SPECDEC_GGUF_KERNELS", "0")
-    with pytest.raises(SpecdecError, match="SPECDEC_GGUF_KERNELS=0"):
-        attach_gguf_blocks(lm, "blocks", quiet=True)
+    for strict in ("blocks", "int16", "int8"):
+        with pytest.raises(SpecdecError, match="SPECDEC_GGUF_KERNELS=0"):
+            attach_gguf_blocks(lm, strict, quiet=True)
     attach_gguf_blocks(lm, "auto", quiet=True)
     assert lm.weights == "fp32"
+    # a CPU without VNNI: int16 / int8 say so (and what to use instead)
+    monkeypatch.delenv("SPECDEC_GGUF_KERNELS")
+    monkeypatch.setattr(kernels, "_state", {"ops": object()})
+    monkeypatch.setattr(kernels, "has_vnni", lambda: False)
+    for strict in ("int16", "int8"):
+        with pytest.raises(SpecdecError, match="lacks AVX-512 VNNI.*--weights blocks"):
+            attach_gguf_blocks(lm, strict, quiet=True)
 
 
 # -- drafters on the kernels --------------------------------------------------------------------
@@ -384,7 +514,7 @@ def test_eagle_head_drafts_on_the_kernels_and_stays_exact(default_model):
 
     need_ops()
     d = lookup_eagle_for(default_model)
-    assert d.eagle.W_blocks is not None and d.eagle.head.wqkv.qop is not None
+    assert d.eagle.W_blocks is not None and d.eagle.head.wqkv.qargs is not None
     ids = default_model.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n")
     sp = SamplingParams(max_new_tokens=40)
     [plain] = Engine(default_model.model, None, k=0).generate([ids], sp)

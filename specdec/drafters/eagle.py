@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models.llama import (BLOCK_MAX_ROWS, PACK_BATCH_HINT, Linear, block_linear, cpu_has_bf16,
+from ..models.llama import (PACK_BATCH_HINT, Linear, block_linear, block_rows_ok, cpu_has_bf16,
                              mkldnn_packing_available, packed_linear)
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
@@ -172,24 +172,30 @@ def block_drafting(linears, W: torch.Tensor, target_model):
     """Where this process runs the GGUF block kernels (the target is a float32 model on its blocks:
     kernels.loaded()), give a drafter's projections `linears` Q8_0 copies of their weights for
     short calls (a drafting step reads ~1 byte a weight, through kernels with a few microseconds of
-    overhead, instead of bf16 weights through oneDNN) and return the kernel arguments of its output
+    overhead; the integer kernels with 8-bit activations where the target runs on those, instead
+    of bf16 weights through oneDNN) and return the kernel arguments of its output
     head W [S, D] as Q8_0 blocks (models.llama.block_linear); None (nothing changed) elsewhere.
     Exactness does not depend on it: only the drafter's own numbers move. Call it before the
     projections are packed (packing releases their weights)."""
     from ..kernels import loaded
     from ..models.gguf_blocks import quantize_q8_0
-    from ..models.llama import kernel_args
+    from ..models.llama import is_vnni, kernel_args
 
     ops = loaded()
-    if ops is None or getattr(target_model, "head_q", None) is None or W.dtype != torch.float32:
+    head_q = getattr(target_model, "head_q", None)
+    if ops is None or head_q is None or W.dtype != torch.float32:
         return None
+
+    def q8(w):  # the target's integer kernels with 8-bit activations where the shape allows, else float ones
+        return (quantize_q8_0(w, "vnni") if is_vnni(head_q) else None) or quantize_q8_0(w)
+
     for lin in linears:
         if lin.weight is not None and lin.weight.dtype == torch.float32:
-            blocks = quantize_q8_0(lin.weight)
+            blocks = q8(lin.weight)
             if blocks is not None:
-                lin.attach(ops, blocks)
-    blocks = quantize_q8_0(W)
-    return None if blocks is None else kernel_args(ops, blocks)
+                lin.attach(ops, blocks, act_bits=8)
+    blocks = q8(W)
+    return None if blocks is None else kernel_args(ops, blocks, act_bits=8)
 
 
 def head_from_target(cfg) -> EagleHead:
@@ -309,7 +315,7 @@ class EagleDrafter:
 
     def _logits(self, h):
         """[..., D] -> [..., S] scores over the subset (or the full vocabulary)."""
-        if self.W_blocks is not None and h.numel() <= BLOCK_MAX_ROWS * h.shape[-1] and h.dtype == torch.float32:
+        if block_rows_ok(self.W_blocks, h):
             return block_linear(h, *self.W_blocks)
         if self.W_packed is not None:
             return packed_linear(h.to(self.pack_dtype), self.W_packed).float()

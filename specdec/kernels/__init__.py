@@ -83,8 +83,8 @@ def _build(cache_dir: Path, quiet: bool) -> Path:
 
 
 def ops(cache_dir: Path, quiet: bool = True):
-    """torch.ops.specdec_q (the block products q4_1_linear / q8_0_linear and their N-major _n
-    forms, attend, rope_attend, rms_norm, silu_mul), or None if the kernels cannot run here; a
+    """torch.ops.specdec_q (the block products q4_1_linear / q8_0_linear, their N-major _n forms
+    and integer _v (8-bit activations) and _w (16-bit) forms (only where has_vnni()), attend, rope_attend, rms_norm, silu_mul), or None if the kernels cannot run here; a
     build goes to (and is reused from) cache_dir."""
     with _lock:
         if "ops" in _state or "why" in _state:
@@ -103,6 +103,11 @@ def ops(cache_dir: Path, quiet: bool = True):
                 why = f"the block kernels could not be built or loaded ({e})"
         _state["why"] = why
         return None
+
+
+def has_vnni() -> bool:
+    """Whether this CPU runs the integer kernels (q4_1_linear_v/_w, q8_0_linear_v/_w: AVX-512 VNNI)."""
+    return "avx512_vnni" in _cpu_flags()
 
 
 def loaded():

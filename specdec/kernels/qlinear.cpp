@@ -284,6 +284,178 @@ at::Tensor qlinear_n(const at::Tensor& x_, const at::Tensor& packed, int64_t N) 
 at::Tensor q4_1_linear_n(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear_n<Q4_1N>(x, packed, n); }
 at::Tensor q8_0_linear_n(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear_n<Q8_0N>(x, packed, n); }
 
+// ---- integer dot products (AVX-512 VNNI) ------------------------------------------------------------
+// The activations quantised too, as llama.cpp computes with these blocks: per row and 32-value block,
+// a = da * qa with da = max |x| / 127 and qa = round(x / da) in -127..127 (float32 scale). Then each
+// block's dot product is exact in int32 (vpdpbusd: unsigned weight bytes times signed activation
+// bytes), and the float sum over blocks runs in block order:
+//   Q4_1: y += float(sum q qa) * (dw * da) + mw * (da * sum qa)
+//   Q8_0: y += float(sum (q + 128) qa - 128 sum qa) * (dw * da)
+// A row's result depends only on that row (integer sums have no order), for every row count, so
+// one kernel serves 1-16 rows and a verified token's projections equal decoding it alone bit for
+// bit. Layout (gguf_blocks._pack_*_v), tiles of 16 outputs; per tile and block, Q4_1: float d[16],
+// float m[16], then 4 x 64 bytes, byte 4j + t of vector h holding weight 4h + t of output j in its
+// low nibble and weight 16 + 4h + t in its high one; Q8_0: float d[16], then 8 x 64 bytes, byte
+// 4j + t of vector g = weight 4g + t of output j, plus 128.
+constexpr int MAX_ROWS_V = 8;
+
+struct ActQ {  // one call's quantised activations: per row and block, 32 high (and low) bytes, da, da * sum qa, sum qa
+  std::vector<int8_t> hi, lo;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum;
+};
+
+// WIDE = false: qa = round(x * 127 / max|x|), one byte (hi). WIDE = true: qa = round(x * 32512 /
+// max|x|) (~15 bits), split qa = 256 hi + lo with hi = floor((qa + 128) / 256) in -127..127 and lo
+// in -128..127, so that sum w qa = 256 sum w hi + sum w lo, exactly, from two byte products.
+template <bool WIDE>
+void quantize_rows(const float* x, int64_t M, int64_t K, ActQ& a) {
+  constexpr float QMAX = WIDE ? 32512.0f : 127.0f;
+  const int64_t nb = K / 32;
+  a.hi.resize(M * K);
+  if (WIDE) a.lo.resize(M * K);
+  a.d.resize(M * nb);
+  a.s.resize(M * nb);
+  a.sum.resize(M * nb);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t o = r * K + b * 32;
+      const __m512 x0 = _mm512_loadu_ps(x + o), x1 = _mm512_loadu_ps(x + o + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      const float d = amax / QMAX;
+      const __m512 id = _mm512_set1_ps(amax > 0.0f ? QMAX / amax : 0.0f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id));  // round to nearest even
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+      if (WIDE) {
+        const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(q0, _mm512_set1_epi32(128)), 8);
+        const __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(q1, _mm512_set1_epi32(128)), 8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.hi[o]), _mm512_cvtepi32_epi8(h0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.hi[o + 16]), _mm512_cvtepi32_epi8(h1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.lo[o]), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 8))));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.lo[o + 16]), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 8))));
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.hi[o]), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.hi[o + 16]), _mm512_cvtsepi32_epi8(q1));
+      }
+      const int32_t sq = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      a.d[r * nb + b] = d;
+      a.sum[r * nb + b] = sq;
+      a.s[r * nb + b] = d * static_cast<float>(sq);
+    }
+}
+
+struct Q4_1V {
+  static constexpr int BLK = 64 + 64 + 256;
+  static inline void weights(const uint8_t* tb, __m512i* w) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int h = 0; h < 4; ++h) {
+      const __m512i p = _mm512_loadu_si512(tb + 128 + 64 * h);
+      w[h] = _mm512_and_si512(p, lo4);
+      w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo4);
+    }
+  }
+  static inline __m512 finish(__m512i is, const uint8_t* tb, __m512 acc, float da, float sa, int32_t) {
+    const __m512 dw = _mm512_loadu_ps(reinterpret_cast<const float*>(tb));
+    const __m512 mw = _mm512_loadu_ps(reinterpret_cast<const float*>(tb + 64));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
+    return _mm512_fmadd_ps(mw, _mm512_set1_ps(sa), acc);
+  }
+};
+
+struct Q8_0V {
+  static constexpr int BLK = 64 + 512;
+  static inline void weights(const uint8_t* tb, __m512i* w) {
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(tb + 64 + 64 * g);
+  }
+  static inline __m512 finish(__m512i is, const uint8_t* tb, __m512 acc, float da, float, int32_t sum) {
+    const __m512 dw = _mm512_loadu_ps(reinterpret_cast<const float*>(tb));
+    is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * sum));  // the weights' +128
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
+  }
+};
+
+// sum over the block of w times the activation bytes qa (8 groups of 4), in two chains
+__attribute__((target("avx512vnni"))) inline __m512i dot8(const __m512i* w, const int32_t* qa) {
+  __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(qa[0]));
+  __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(qa[1]));
+  s0 = _mm512_dpbusd_epi32(s0, w[2], _mm512_set1_epi32(qa[2]));
+  s1 = _mm512_dpbusd_epi32(s1, w[3], _mm512_set1_epi32(qa[3]));
+  s0 = _mm512_dpbusd_epi32(s0, w[4], _mm512_set1_epi32(qa[4]));
+  s1 = _mm512_dpbusd_epi32(s1, w[5], _mm512_set1_epi32(qa[5]));
+  s0 = _mm512_dpbusd_epi32(s0, w[6], _mm512_set1_epi32(qa[6]));
+  s1 = _mm512_dpbusd_epi32(s1, w[7], _mm512_set1_epi32(qa[7]));
+  return _mm512_add_epi32(s0, s1);
+}
+
+// rows r0..r0+MT-1 of the quantised activations against one tile of nb blocks
+template <class F, bool WIDE, int MT>
+__attribute__((target("avx512vnni"))) inline void vtile(const ActQ& a, int64_t r0, int64_t K, const uint8_t* __restrict tile,
+                                                       int64_t nb, float* __restrict y, int64_t ldy) {
+  __m512 acc[MT];
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tb = tile + b * F::BLK;
+    for (int c = 0; c < F::BLK; c += 64) _mm_prefetch(reinterpret_cast<const char*>(tb + 4 * F::BLK + c), _MM_HINT_T0);
+    __m512i w[8];
+    F::weights(tb, w);
+#pragma GCC unroll 8
+    for (int r = 0; r < MT; ++r) {
+      const int64_t o = (r0 + r) * K + b * 32, i = (r0 + r) * nb + b;
+      __m512i is = dot8(w, reinterpret_cast<const int32_t*>(&a.hi[o]));
+      if (WIDE) is = _mm512_add_epi32(_mm512_slli_epi32(is, 8), dot8(w, reinterpret_cast<const int32_t*>(&a.lo[o])));
+      acc[r] = F::finish(is, tb, acc[r], a.d[i], a.s[i], a.sum[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+template <class F, bool WIDE>
+__attribute__((target("avx512vnni"))) void vrows(const ActQ& a, int64_t M, int64_t K, const uint8_t* tile, int64_t nb,
+                                                float* y, int64_t N) {
+  const int64_t passes = (M + MAX_ROWS_V - 1) / MAX_ROWS_V;
+  int64_t r0 = 0;
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t c = (M - r0) / (passes - p);
+    float* yr = y + r0 * N;
+    switch (c) {
+      case 1: vtile<F, WIDE, 1>(a, r0, K, tile, nb, yr, N); break;
+      case 2: vtile<F, WIDE, 2>(a, r0, K, tile, nb, yr, N); break;
+      case 3: vtile<F, WIDE, 3>(a, r0, K, tile, nb, yr, N); break;
+      case 4: vtile<F, WIDE, 4>(a, r0, K, tile, nb, yr, N); break;
+      case 5: vtile<F, WIDE, 5>(a, r0, K, tile, nb, yr, N); break;
+      case 6: vtile<F, WIDE, 6>(a, r0, K, tile, nb, yr, N); break;
+      case 7: vtile<F, WIDE, 7>(a, r0, K, tile, nb, yr, N); break;
+      default: vtile<F, WIDE, 8>(a, r0, K, tile, nb, yr, N); break;
+    }
+    r0 += c;
+  }
+}
+
+template <class F, bool WIDE>
+at::Tensor qlinear_v(const at::Tensor& x_, const at::Tensor& packed, int64_t N) {
+  Call c = begin_call(x_, packed, N, TN, F::BLK);
+  const int64_t K = c.K, M = c.M, nb = c.nb, T = N / TN;
+  if (M == 0) return c.y;
+  ActQ a;
+  quantize_rows<WIDE>(c.x.data_ptr<float>(), M, K, a);
+  float* yp = c.y.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const int64_t ts = nb * F::BLK;
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) vrows<F, WIDE>(a, M, K, pp + t * ts, nb, yp + t * TN, N);
+  });
+  return c.y;
+}
+
+at::Tensor q4_1_linear_v(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear_v<Q4_1V, false>(x, packed, n); }
+at::Tensor q8_0_linear_v(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear_v<Q8_0V, false>(x, packed, n); }
+at::Tensor q4_1_linear_w(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear_v<Q4_1V, true>(x, packed, n); }
+at::Tensor q8_0_linear_w(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return qlinear_v<Q8_0V, true>(x, packed, n); }
+
 // ---- attention for a few new tokens over a KV cache ----------------------------------------------
 // exp(x) for x <= 0 (scores minus their maximum); exactly 0 where x is -inf (a masked key), so masked
 // keys add exact zeros to every sum. Cephes' polynomial on [-ln2/2, ln2/2], then scale by 2^n.
@@ -315,44 +487,74 @@ inline __m512 exp_nonpos(__m512 x) {
 void attention_core(const float* qp, int64_t B, int64_t H, int64_t T, int64_t Dh, const float* kp, const float* vp,
                     int64_t Hkv, int64_t Smax, int64_t S, const float* mp, float* op, int64_t so_b, int64_t so_t,
                     int64_t so_h) {
-  const int64_t G = H / Hkv;
+  constexpr int64_t QC = 6;  // queries of one K/V head that share a pass over its keys and values
+  const int64_t G = H / Hkv, GT = G * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
   const int64_t nvec = Dh / 16, S16 = (S + 15) / 16 * 16;
-  at::parallel_for(0, B * Hkv * G * T, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> sc(S16);
+  // work items: (row, K/V head, chunk of its G * T queries); chunks small enough for both threads
+  // to have work, and a query's numbers do not depend on its chunk (each query runs the same ops)
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t qc = std::max<int64_t>(1, std::min<int64_t>(QC, (B * Hkv * GT + want - 1) / want));
+  const int64_t chunks = (GT + qc - 1) / qc;
+  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scv(QC * S16);
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t i = w % (G * T), bh = w / (G * T), b = bh / Hkv, h = bh % Hkv;
-      const int64_t g = i / T, t = i % T, qh = h * G + g;
-      const float* qv = qp + ((b * H + qh) * T + t) * Dh;
+      const int64_t c = w % chunks, bh = w / chunks, b = bh / Hkv, h = bh % Hkv;
+      const int64_t i0 = c * qc, nq = std::min(qc, GT - i0);
       const float* K = kp + (b * Hkv + h) * Smax * Dh;
       const float* V = vp + (b * Hkv + h) * Smax * Dh;
-      const float* mrow = mp ? mp + (b * G * T + i) * S : nullptr;
-      for (int64_t s = 0; s < S; ++s) {
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qv), _mm512_loadu_ps(K + s * Dh));
-        for (int64_t d = 1; d < nvec; ++d)
-          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 16 * d), _mm512_loadu_ps(K + s * Dh + 16 * d), acc);
-        sc[s] = _mm512_reduce_add_ps(acc) * scale + (mrow ? mrow[s] : 0.0f);
+      const float* qv[QC];
+      const float* mrow[QC];
+      float* sc[QC];
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t i = i0 + j, g = i / T, t = i % T;
+        qv[j] = qp + ((b * H + h * G + g) * T + t) * Dh;
+        mrow[j] = mp ? mp + (b * G * T + i) * S : nullptr;
+        sc[j] = scv.data() + j * S16;
       }
-      for (int64_t s = S; s < S16; ++s) sc[s] = -INFINITY;
-      __m512 mx = _mm512_set1_ps(-INFINITY);
-      for (int64_t s = 0; s < S16; s += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(&sc[s]));
-      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-      for (int64_t s = 0; s < S16; s += 16) _mm512_storeu_ps(&sc[s], exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(&sc[s]), m)));
-      // the denominator in slot order: hidden slots add exact zeros wherever they sit, so a tree
-      // node's sum equals the sum over its path compacted into consecutive slots (as decoded alone)
-      float l = 0.0f;
-      for (int64_t s = 0; s < S; ++s) l += sc[s];
-      const __m512 inv = _mm512_set1_ps(1.0f / l);
-      float* dst = op + (b * so_b + t * so_t + qh * so_h) * Dh;
-      for (int64_t d0 = 0; d0 < nvec; d0 += 8) {  // up to 8 vectors (128 floats) of the head at a time
-        const int64_t nd = std::min<int64_t>(8, nvec - d0);
-        __m512 o[8];
-        for (int64_t d = 0; d < nd; ++d) o[d] = _mm512_setzero_ps();
-        for (int64_t s = 0; s < S; ++s) {
-          const __m512 p = _mm512_set1_ps(sc[s]);
-          for (int64_t d = 0; d < nd; ++d) o[d] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + s * Dh + 16 * (d0 + d)), o[d]);
+      for (int64_t s = 0; s < S; ++s) {  // one pass over the keys for every query of the chunk
+        const float* ks = K + s * Dh;
+        for (int64_t j = 0; j < nq; ++j) {
+          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qv[j]), _mm512_loadu_ps(ks));
+          for (int64_t d = 1; d < nvec; ++d)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(qv[j] + 16 * d), _mm512_loadu_ps(ks + 16 * d), acc);
+          sc[j][s] = _mm512_reduce_add_ps(acc) * scale + (mrow[j] ? mrow[j][s] : 0.0f);
         }
-        for (int64_t d = 0; d < nd; ++d) _mm512_storeu_ps(dst + 16 * (d0 + d), _mm512_mul_ps(o[d], inv));
+      }
+      float inv[QC];
+      for (int64_t j = 0; j < nq; ++j) {
+        float* q = sc[j];
+        for (int64_t s = S; s < S16; ++s) q[s] = -INFINITY;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t s = 0; s < S16; s += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(q + s));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        for (int64_t s = 0; s < S16; s += 16) _mm512_storeu_ps(q + s, exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(q + s), m)));
+        // the denominator in slot order: hidden slots add exact zeros wherever they sit, so a tree
+        // node's sum equals the sum over its path compacted into consecutive slots (as decoded alone)
+        float l = 0.0f;
+        for (int64_t s = 0; s < S; ++s) l += q[s];
+        inv[j] = 1.0f / l;
+      }
+      for (int64_t d0 = 0; d0 < nvec; d0 += 4) {  // 4 vectors (64 floats) of the head, all queries, one pass over V
+        const int64_t nd = std::min<int64_t>(4, nvec - d0);
+        __m512 o[QC][4];
+        for (int64_t j = 0; j < nq; ++j)
+          for (int64_t d = 0; d < nd; ++d) o[j][d] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < S; ++s) {
+          const float* vs = V + s * Dh + 16 * d0;
+          __m512 vv[4];
+          for (int64_t d = 0; d < nd; ++d) vv[d] = _mm512_loadu_ps(vs + 16 * d);
+          for (int64_t j = 0; j < nq; ++j) {
+            const __m512 p = _mm512_set1_ps(sc[j][s]);
+            for (int64_t d = 0; d < nd; ++d) o[j][d] = _mm512_fmadd_ps(p, vv[d], o[j][d]);
+          }
+        }
+        for (int64_t j = 0; j < nq; ++j) {
+          const int64_t i = i0 + j, g = i / T, t = i % T;
+          float* dst = op + (b * so_b + t * so_t + (h * G + g) * so_h) * Dh;
+          const __m512 iv = _mm512_set1_ps(inv[j]);
+          for (int64_t d = 0; d < nd; ++d) _mm512_storeu_ps(dst + 16 * (d0 + d), _mm512_mul_ps(o[j][d], iv));
+        }
       }
     }
   });
@@ -473,6 +675,10 @@ TORCH_LIBRARY(specdec_q, lib) {
   lib.def("q8_0_linear(Tensor x, Tensor packed, int n) -> Tensor");
   lib.def("q4_1_linear_n(Tensor x, Tensor packed, int n) -> Tensor");
   lib.def("q8_0_linear_n(Tensor x, Tensor packed, int n) -> Tensor");
+  lib.def("q4_1_linear_v(Tensor x, Tensor packed, int n) -> Tensor");
+  lib.def("q8_0_linear_v(Tensor x, Tensor packed, int n) -> Tensor");
+  lib.def("q4_1_linear_w(Tensor x, Tensor packed, int n) -> Tensor");
+  lib.def("q8_0_linear_w(Tensor x, Tensor packed, int n) -> Tensor");
   lib.def("attend(Tensor q, Tensor k_cache, Tensor v_cache, int n_keys, Tensor? mask) -> Tensor");
   lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   lib.def("rope_attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, int heads, "
@@ -484,6 +690,10 @@ TORCH_LIBRARY_IMPL(specdec_q, CPU, lib) {
   lib.impl("q8_0_linear", &q8_0_linear);
   lib.impl("q4_1_linear_n", &q4_1_linear_n);
   lib.impl("q8_0_linear_n", &q8_0_linear_n);
+  lib.impl("q4_1_linear_v", &q4_1_linear_v);
+  lib.impl("q8_0_linear_v", &q8_0_linear_v);
+  lib.impl("q4_1_linear_w", &q4_1_linear_w);
+  lib.impl("q8_0_linear_w", &q8_0_linear_w);
   lib.impl("attend", &attend);
   lib.impl("rms_norm", &rms_norm);
   lib.impl("rope_attend", &rope_attend);

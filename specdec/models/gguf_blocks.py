@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-BLOCKS_FILE = "blocks-v2.safetensors"
+BLOCKS_FILES = {"float": "blocks-v2.safetensors", "vnni": "blocks-vnni-v1.safetensors"}
+BLOCKS_FILE = BLOCKS_FILES["float"]
 G = 4  # output rows per group (qlinear.cpp)
 
 
@@ -103,26 +104,64 @@ def _pack_q8_n(q, d) -> torch.Tensor | None:
     return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, qq], axis=2)).reshape(-1))
 
 
-def pack(kind: str, parts) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(K-major, N-major or None) packed bytes of decoded blocks (`parts` as _q4 / _q8 give them)."""
+def _pack_q4_v(q, d, m) -> torch.Tensor | None:
+    """The VNNI layout: per tile of 16 outputs and block, d[16], m[16], then 4 x 64 bytes; byte
+    4j + t of vector h: weight 4h + t of output j (low nibble) and weight 16 + 4h + t (high)."""
+    N, nb = d.shape
+    if N % TN:
+        return None
+    T = N // TN
+    dd = np.ascontiguousarray(d.reshape(T, TN, nb).transpose(0, 2, 1)).view(np.uint8)  # [T, nb, 64]
+    mm = np.ascontiguousarray(m.reshape(T, TN, nb).transpose(0, 2, 1)).view(np.uint8)
+    w = np.concatenate([q & 0x0F, q >> 4], axis=2).reshape(T, TN, nb, 2, 4, 4)  # [tile, j, b, half, h, t]
+    qq = (w[:, :, :, 0] | (w[:, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4).reshape(T, nb, 256)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, mm, qq], axis=2)).reshape(-1))
+
+
+def _pack_q8_v(q, d) -> torch.Tensor | None:
+    """The VNNI layout: per tile and block, d[16], then 8 x 64 bytes; byte 4j + t of vector g:
+    weight 4g + t of output j, plus 128 (vpdpbusd multiplies unsigned by signed bytes)."""
+    N, nb = d.shape
+    if N % TN:
+        return None
+    T = N // TN
+    dd = np.ascontiguousarray(d.reshape(T, TN, nb).transpose(0, 2, 1)).view(np.uint8)
+    u = (q.astype(np.int16) + 128).astype(np.uint8).reshape(T, TN, nb, 8, 4)  # [tile, j, b, g, t]
+    qq = u.transpose(0, 2, 3, 1, 4).reshape(T, nb, 512)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, qq], axis=2)).reshape(-1))
+
+
+LAYOUTS = ("float", "vnni")  # for float32 activations (K- and N-major) | integer dot products
+VNNI = "-vnni"  # suffix of a kind packed for the integer kernels ("Q4_1-vnni", "Q8_0-vnni")
+
+
+def pack(kind: str, parts, layout: str = "float") -> tuple[str, torch.Tensor | None, torch.Tensor | None]:
+    """(kind, first, second) packed bytes of decoded blocks (`parts` as _q4 / _q8 give them):
+    layout "float": (kind, K-major, N-major or None); "vnni": (kind + "-vnni", VNNI layout, None),
+    or (kind, None, None) if the matrix's rows are not a multiple of 16."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "vnni":
+        v = _pack_q4_v(*parts) if kind == "Q4_1" else _pack_q8_v(*parts)
+        return (kind + VNNI, v, None) if v is not None else (kind, None, None)
     if kind == "Q4_1":
-        return _pack_q4(*parts), _pack_q4_n(*parts)
-    return _pack_q8(*parts), _pack_q8_n(*parts)
+        return kind, _pack_q4(*parts), _pack_q4_n(*parts)
+    return kind, _pack_q8(*parts), _pack_q8_n(*parts)
 
 
-def quantize_q8_0(w: torch.Tensor) -> tuple | None:
+def quantize_q8_0(w: torch.Tensor, layout: str = "float") -> tuple | None:
     """A drafter's own weight [N, K] as Q8_0 blocks (d = max |w| / 127 per 32 weights, rounded to
-    float16 as GGUF stores it): (kind, K-major, N-major or None, rows) for attach, or None when K is
-    not a multiple of 32 or N of 4. Lossy (~0.4% of a block's largest weight at most), which is
-    fine for a drafter: exactness never depends on the drafter's numbers."""
+    float16 as GGUF stores it): (kind, first, second, rows) for attach (see pack), or None when K is
+    not a multiple of 32 or N of 4 (of 16 for layout "vnni"). Lossy (~0.4% of a block's largest
+    weight at most), which is fine for a drafter: exactness never depends on the drafter's numbers."""
     N, K = w.shape
-    if K % 32 or N % G:
+    if K % 32 or N % (TN if layout == "vnni" else G):
         return None
     b = w.detach().float().reshape(N, K // 32, 32).numpy()
     d = (np.abs(b).max(axis=2) / 127.0).astype(np.float16).astype(np.float32)  # [N, nb]
     safe = np.where(d > 0, d, 1.0)
     q = np.clip(np.rint(b / safe[..., None]), -127, 127).astype(np.int8)
-    return ("Q8_0", *pack("Q8_0", (q, d)), N)
+    return (*pack("Q8_0", (q, d), layout), N)
 
 
 def _llama_row_order(n_rows: int, n_head: int) -> np.ndarray:
@@ -187,10 +226,10 @@ def _matrices(src: _Source, n_layers: int, tied: bool):
         yield "head", ["lm_head.weight"], src.get("output.weight")
 
 
-def build_blocks(gguf_path: Path, fp32_dir: Path, cfg) -> tuple[dict[str, tuple], list[str]]:
-    """Pack every matrix of the file that rebuilds the fp32 copy in `fp32_dir` exactly.
-    Returns ({native name: (kind, K-major bytes, N-major bytes or None, output rows)}, notes on
-    matrices left out)."""
+def build_blocks(gguf_path: Path, fp32_dir: Path, cfg, layout: str = "float") -> tuple[dict[str, tuple], list[str]]:
+    """Pack every matrix of the file that rebuilds the fp32 copy in `fp32_dir` exactly, in
+    `layout` (see pack). Returns ({native name: (kind, first, second or None, output rows)},
+    notes on matrices left out)."""
     from safetensors import safe_open
 
     src = _Source(gguf_path, cfg)
@@ -218,29 +257,35 @@ def build_blocks(gguf_path: Path, fp32_dir: Path, cfg) -> tuple[dict[str, tuple]
         if w.shape != ref.shape or w.shape[0] % G or w.shape[1] % 32 or not np.array_equal(w, ref):
             notes.append(f"{name}: its blocks do not rebuild the fp32 weights exactly")
             continue
-        out[name] = (kind, *pack(kind, parts[1:]), int(w.shape[0]))
+        kind, first, second = pack(kind, parts[1:], layout)
+        if first is None:
+            notes.append(f"{name}: {w.shape[0]} rows, not a multiple of {TN} (the VNNI kernels' tiles)")
+            continue
+        out[name] = (kind, first, second, int(w.shape[0]))
     return out, notes
 
 
-def load_blocks(gguf_path: Path, fp32_dir: Path, cfg) -> tuple[dict[str, tuple], list[str]]:
-    """build_blocks, cached in fp32_dir (built and checked once per file)."""
+def load_blocks(gguf_path: Path, fp32_dir: Path, cfg, layout: str = "float") -> tuple[dict[str, tuple], list[str]]:
+    """build_blocks, cached in fp32_dir (built and checked once per file and layout)."""
     from safetensors.torch import load_file, save_file
 
-    f = fp32_dir / BLOCKS_FILE
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    f = fp32_dir / BLOCKS_FILES[layout]
     if f.is_file():
         try:
-            meta = json.loads((fp32_dir / (BLOCKS_FILE + ".json")).read_text())
+            meta = json.loads(f.with_name(f.name + ".json").read_text())
             sd = load_file(str(f))
             return {k: (meta["kinds"][k], sd[k], sd.get(k + ".n"), int(meta["rows"][k])) for k in meta["kinds"]}, \
                 meta["notes"]
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache: build it again
-    blocks, notes = build_blocks(gguf_path, fp32_dir, cfg)
+    blocks, notes = build_blocks(gguf_path, fp32_dir, cfg, layout)
     tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")  # two processes may build it at once: each its own file
     tensors = {k: v[1] for k, v in blocks.items()}
     tensors.update({k + ".n": v[2] for k, v in blocks.items() if v[2] is not None})
     save_file(tensors, str(tmp))
-    meta = fp32_dir / (BLOCKS_FILE + ".json")
+    meta = f.with_name(f.name + ".json")
     meta_tmp = meta.with_name(f"{meta.name}.{os.getpid()}.tmp")
     meta_tmp.write_text(json.dumps(
         {"kinds": {k: v[0] for k, v in blocks.items()}, "rows": {k: v[3] for k, v in blocks.items()}, "notes": notes}))

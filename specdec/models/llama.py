@@ -206,12 +206,33 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, kops=None) -> torch.T
     return F.rms_norm(x, (D,), w, eps)
 
 
-def kernel_args(ops, blocks: tuple) -> tuple:
+def kernel_args(ops, blocks: tuple, act_bits: int = 16) -> tuple:
     """(kernel, K-major, N-major kernel or None, N-major, rows): what block_linear takes, from
-    gguf_blocks' (kind, K-major, N-major or None, rows)."""
+    gguf_blocks' (kind, K-major, N-major or None, rows). A VNNI kind ("Q4_1-vnni", "Q8_0-vnni":
+    one integer kernel for every row count) gives (kernel, its blocks, None, None, rows), the kernel
+    rounding activations to `act_bits` (16: ~15 bits, within ~1e-5 of float; 8: llama.cpp's)."""
     kind, blocks_k, blocks_n, rows = blocks
+    if kind.endswith("-vnni"):
+        if act_bits not in (8, 16):
+            raise SpecdecError(f"activations of 8 or 16 bits, not {act_bits}")
+        name = ("q4_1_linear_" if kind.startswith("Q4_1") else "q8_0_linear_") + ("w" if act_bits == 16 else "v")
+        return getattr(ops, name), blocks_k, None, None, rows
     op, op_n = (ops.q4_1_linear, ops.q4_1_linear_n) if kind == "Q4_1" else (ops.q8_0_linear, ops.q8_0_linear_n)
     return op, blocks_k, op_n if blocks_n is not None else None, blocks_n, rows
+
+
+def is_vnni(args: tuple | None) -> bool:
+    """Whether kernel_args' result runs the integer kernels (which take calls of any row count)."""
+    return args is not None and args[2] is None and args[0].__name__.endswith(("_v", "_w"))
+
+
+def block_rows_ok(args: tuple | None, x: torch.Tensor) -> bool:
+    """Whether the block kernels `args` (kernel_args) take this call: float32, and up to
+    BLOCK_MAX_ROWS rows for the float kernels (longer calls, prefills, go to oneDNN there);
+    the integer (VNNI) kernels take every call."""
+    if args is None or x.dtype != torch.float32:
+        return False
+    return is_vnni(args) or x.numel() <= BLOCK_MAX_ROWS * x.shape[-1]
 
 
 def block_linear(x, op, packed, op_n, packed_n, rows: int) -> torch.Tensor:
@@ -280,10 +301,7 @@ class Linear(nn.Linear):
     pack_dtype: torch.dtype | None = None
     # GGUF block kernels (torch.ops.specdec_q.*) and their packed blocks, K-major for calls of 1-2
     # rows and N-major (if any) for 3-16, and the output rows (attach_blocks)
-    qop = qop_n = None
-    qpacked: torch.Tensor | None = None
-    qpacked_n: torch.Tensor | None = None
-    qrows = 0
+    qargs: tuple | None = None  # kernel_args(...): (kernel, blocks, N-major kernel, blocks, rows)
 
     def reset_parameters(self) -> None:
         if not getattr(_no_init, "on", False):  # (build_native overwrites every weight anyway)
@@ -300,16 +318,22 @@ class Linear(nn.Linear):
         self.weight = None  # (the module's other code never reads it again)
         self.bias = None
 
-    def attach(self, ops, blocks: tuple) -> None:
-        """Use the block kernels `ops` for calls of up to BLOCK_MAX_ROWS rows; blocks: (kind,
-        K-major, N-major or None, rows) as gguf_blocks makes them."""
+    def attach(self, ops, blocks: tuple, act_bits: int = 16) -> None:
+        """Use the block kernels `ops` for calls of up to BLOCK_MAX_ROWS rows (VNNI blocks: for
+        every call); blocks: (kind, first, second or None, rows) as gguf_blocks makes them;
+        act_bits: see kernel_args."""
         if blocks[3] != self.out_features:
             raise SpecdecError(f"GGUF blocks with {blocks[3]} rows for a projection of {self.out_features}")
-        self.qop, self.qpacked, self.qop_n, self.qpacked_n, self.qrows = kernel_args(ops, blocks)
+        self.qargs = kernel_args(ops, blocks, act_bits)
+
+    @property
+    def qpacked(self) -> torch.Tensor | None:
+        """The attached blocks a one-row call reads (None: none attached)."""
+        return None if self.qargs is None else self.qargs[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qop is not None and x.numel() <= BLOCK_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32:
-            y = block_linear(x, self.qop, self.qpacked, self.qop_n, self.qpacked_n, self.qrows)
+        if block_rows_ok(self.qargs, x):
+            y = block_linear(x, *self.qargs)
             bias = self.packed_bias if self.packed is not None else self.bias
             return y if bias is None else y + bias
         if self.packed is not None:
@@ -492,7 +516,7 @@ class LlamaModel(nn.Module):
         if logits_at is not None:
             idx = logits_at.to(torch.long)
             h = torch.gather(hidden, 1, idx[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, M, D]
-        if self.head_q is not None and h.numel() <= BLOCK_MAX_ROWS * h.shape[-1] and h.dtype == torch.float32:
+        if block_rows_ok(self.head_q, h):
             logits = block_linear(h, *self.head_q)
         elif self.head_packed is not None:
             logits = packed_linear(h, self.head_packed)
@@ -515,13 +539,14 @@ class LlamaModel(nn.Module):
     def packed(self) -> bool:
         return self.head_packed is not None
 
-    def attach_blocks(self, ops, blocks: dict) -> int:
+    def attach_blocks(self, ops, blocks: dict, act_bits: int = 16) -> int:
         """Compute the projections (and the LM head) named in `blocks` ({"layers.3.wqkv" | "head":
-        (kind "Q4_1" | "Q8_0", K-major blocks, N-major blocks or None, output rows)},
-        models/gguf_blocks.py) with the block kernels `ops` (kernels.ops()) for calls of up to
-        BLOCK_MAX_ROWS rows. The blocks must rebuild this model's weights exactly (gguf_blocks
-        checks it); the prepacked fp32 copies stay for longer calls. Returns how many matrices
-        were attached."""
+        (kind "Q4_1" | "Q8_0" | "Q4_1-vnni" | "Q8_0-vnni", first, second or None, output rows)},
+        models/gguf_blocks.py) with the block kernels `ops` (kernels.ops()): float kinds for calls
+        of up to BLOCK_MAX_ROWS rows, VNNI kinds for every call, their activations rounded to
+        act_bits (kernel_args). The blocks must rebuild this model's weights exactly (gguf_blocks
+        checks it); the prepacked fp32 copies stay for the calls the kernels do not take (and for
+        drafters that read the head). Returns how many matrices were attached."""
         if self.dtype != torch.float32 or not self.packed:
             raise SpecdecError("GGUF block kernels need a prepacked float32 model")
         for blk in self.layers:
@@ -531,10 +556,10 @@ class LlamaModel(nn.Module):
             if name == "head":
                 if b[3] != self.cfg.vocab_size:
                     raise SpecdecError(f"GGUF blocks: the head has {b[3]} rows, the vocabulary {self.cfg.vocab_size}")
-                self.head_q = kernel_args(ops, b)
+                self.head_q = kernel_args(ops, b, act_bits)
             else:
                 _, i, attr = name.split(".")
-                getattr(self.layers[int(i)], attr).attach(ops, b)
+                getattr(self.layers[int(i)], attr).attach(ops, b, act_bits)
             n += 1
         return n
 

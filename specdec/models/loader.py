@@ -50,7 +50,7 @@ class LoadedModel:
     load_s: float = 0.0
     draft_meta: dict | None = None  # specdec_draft.json of a draft trained by `specdec train draft`
     gguf: str | None = None  # the GGUF file the weights came from, if any (llama.cpp peers run it)
-    weights: str = "fp32"  # what the matrix products read: "fp32", or "gguf blocks (N of M matrices)"
+    weights: str = "fp32"  # what the products read: "fp32", "gguf blocks [x int16 activations] (N of M matrices)"
 
     @property
     def backend(self) -> str:
@@ -281,41 +281,58 @@ def _from_hub(repo_id: str, quiet: bool) -> Path:
         ) from e
 
 
-WEIGHTS = ("auto", "blocks", "fp32")
+WEIGHTS = ("auto", "int16", "int8", "blocks", "fp32")
+WEIGHTS_HELP = (
+    "what a GGUF model's matrix products compute with. int16: the file's quantised blocks times "
+    "activations rounded to ~15 bits per 32 values, as exact integer dot products (AVX-512 VNNI; "
+    "logits within ~1e-4 relative of the fp32 copy's); int8: the same with 8-bit activations, as "
+    "llama.cpp computes (a little faster, logits ~2%% off the fp32 copy's); blocks: the blocks "
+    "times float32 activations (the fp32 copy's numbers up to the order of sums; CPUs with AVX-512 "
+    "but no VNNI); fp32: the dequantised fp32 copy. auto (the default): int16 where the CPU has "
+    "VNNI, else blocks where it has AVX-512, else fp32. Greedy speculation equals plain greedy "
+    "decoding under every choice; the choices differ from each other in the last bits of logits")
 
 
 def attach_gguf_blocks(lm: LoadedModel, weights: str = "auto", quiet: bool = False) -> None:
     """Let a float32 native model loaded from a GGUF file multiply with the file's quantised
-    blocks (models/gguf_blocks.py, kernels/): the same weights, ~5x fewer bytes a decode step.
-    weights: "auto" (where the kernels run here), "blocks" (an error if they cannot), "fp32"
-    (never)."""
+    blocks (models/gguf_blocks.py, kernels/), ~5x fewer bytes a decode step than its fp32 copy;
+    `weights` as WEIGHTS_HELP says. Asking for int16, int8 or blocks where they cannot run is
+    an error; auto falls back quietly (a one-line note)."""
     if weights not in WEIGHTS:
         raise SpecdecError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    strict = weights in ("int16", "int8", "blocks")
     if weights == "fp32" or lm.gguf is None:
-        if weights == "blocks":
-            raise SpecdecError("--weights blocks needs a GGUF model (--model FILE.gguf or the default model)")
+        if strict:
+            raise SpecdecError(f"--weights {weights} needs a GGUF model (--model FILE.gguf or the default model)")
         return
     model = lm.model
     if not getattr(model, "native", False) or model.dtype != torch.float32 or not model.packed:
-        if weights == "blocks":
-            raise SpecdecError("--weights blocks needs the native model in float32 (no --dtype bfloat16)")
+        if strict:
+            raise SpecdecError(f"--weights {weights} needs the native model in float32 (no --dtype bfloat16)")
         return
     from .. import kernels
     from .gguf_blocks import load_blocks
 
     ops = kernels.ops(cache_root() / "kernels", quiet)
     if ops is None:
-        if weights == "blocks":
-            raise SpecdecError(f"--weights blocks: {kernels.unavailable()}; use --weights fp32")
+        if strict:
+            raise SpecdecError(f"--weights {weights}: {kernels.unavailable()}; use --weights fp32")
         _log(f"computing with the dequantised fp32 weights: {kernels.unavailable()}", quiet)
         return
-    blocks, _notes = load_blocks(Path(lm.gguf), Path(lm.path), model.cfg)
+    if weights in ("int16", "int8") and not kernels.has_vnni():
+        raise SpecdecError(f"--weights {weights}: this CPU lacks AVX-512 VNNI (integer dot products); "
+                           "use --weights blocks")
+    if weights == "auto":
+        weights = "int16" if kernels.has_vnni() else "blocks"
+    layout = "float" if weights == "blocks" else "vnni"
+    blocks, _notes = load_blocks(Path(lm.gguf), Path(lm.path), model.cfg, layout)
     total = 4 * model.cfg.num_layers + 1
-    n = model.attach_blocks(ops, blocks) if blocks else 0
-    if weights == "blocks" and n == 0:
-        raise SpecdecError(f"--weights blocks: none of {Path(lm.gguf).name}'s matrices is Q4_0, Q4_1 or Q8_0; "
+    n = model.attach_blocks(ops, blocks, 8 if weights == "int8" else 16) if blocks else 0
+    if strict and n == 0:
+        raise SpecdecError(f"--weights {weights}: none of {Path(lm.gguf).name}'s matrices is Q4_0, Q4_1 or Q8_0; "
                            "use --weights fp32")
-    lm.weights = f"gguf blocks ({n} of {total} matrices)" if n else "fp32"
+    what = "gguf blocks" if weights == "blocks" else f"gguf blocks x {weights} activations"
+    lm.weights = f"{what} ({n} of {total} matrices)" if n else "fp32"
 
 
 def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None = None, quiet: bool = False,
