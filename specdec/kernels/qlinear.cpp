@@ -476,86 +476,125 @@ inline __m512 exp_nonpos(__m512 x) {
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
+// NQ queries of one K/V head (vectors qv, mask rows mrow or null, outputs dst) over its first S keys
+// K and values V: one pass over the keys and one over the values serve them all, and each query runs
+// exactly the ops it runs alone (NQ = 1), so its numbers do not depend on the others in the pass.
+// Dh = 16 * NV; sc: NQ score rows of S16 floats.
+template <int NQ, int NV>
+void attend_queries(const float* const* qv, const float* const* mrow, float* const* dst, const float* K, const float* V,
+                    int64_t S, int64_t S16, float scale, float* sc) {
+  constexpr int64_t Dh = 16 * NV;
+  __m512 q[NQ][NV];
+#pragma GCC unroll 6
+  for (int j = 0; j < NQ; ++j)
+#pragma GCC unroll 8
+    for (int d = 0; d < NV; ++d) q[j][d] = _mm512_loadu_ps(qv[j] + 16 * d);
+  for (int64_t s = 0; s < S; ++s) {
+    __m512 k[NV];
+#pragma GCC unroll 8
+    for (int d = 0; d < NV; ++d) k[d] = _mm512_loadu_ps(K + s * Dh + 16 * d);
+#pragma GCC unroll 6
+    for (int j = 0; j < NQ; ++j) {
+      __m512 acc = _mm512_mul_ps(q[j][0], k[0]);
+#pragma GCC unroll 8
+      for (int d = 1; d < NV; ++d) acc = _mm512_fmadd_ps(q[j][d], k[d], acc);
+      sc[j * S16 + s] = _mm512_reduce_add_ps(acc) * scale + (mrow[j] ? mrow[j][s] : 0.0f);
+    }
+  }
+  float inv[NQ];
+  for (int j = 0; j < NQ; ++j) {
+    float* r = sc + j * S16;
+    for (int64_t s = S; s < S16; ++s) r[s] = -INFINITY;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t s = 0; s < S16; s += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(r + s));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (int64_t s = 0; s < S16; s += 16) _mm512_storeu_ps(r + s, exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(r + s), m)));
+    // the denominator in slot order: hidden slots add exact zeros wherever they sit, so a tree
+    // node's sum equals the sum over its path compacted into consecutive slots (as decoded alone)
+    float l = 0.0f;
+    for (int64_t s = 0; s < S; ++s) l += r[s];
+    inv[j] = 1.0f / l;
+  }
+  __m512 o[NQ][NV];
+#pragma GCC unroll 6
+  for (int j = 0; j < NQ; ++j)
+#pragma GCC unroll 8
+    for (int d = 0; d < NV; ++d) o[j][d] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    __m512 v[NV];
+#pragma GCC unroll 8
+    for (int d = 0; d < NV; ++d) v[d] = _mm512_loadu_ps(V + s * Dh + 16 * d);
+#pragma GCC unroll 6
+    for (int j = 0; j < NQ; ++j) {
+      const __m512 p = _mm512_set1_ps(sc[j * S16 + s]);
+#pragma GCC unroll 8
+      for (int d = 0; d < NV; ++d) o[j][d] = _mm512_fmadd_ps(p, v[d], o[j][d]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int j = 0; j < NQ; ++j) {
+    const __m512 iv = _mm512_set1_ps(inv[j]);
+#pragma GCC unroll 8
+    for (int d = 0; d < NV; ++d) _mm512_storeu_ps(dst[j] + 16 * d, _mm512_mul_ps(o[j][d], iv));
+  }
+}
+
+template <int NV>
+void attend_chunk(int64_t nq, const float* const* qv, const float* const* mrow, float* const* dst, const float* K,
+                  const float* V, int64_t S, int64_t S16, float scale, float* sc) {
+  switch (nq) {
+    case 1: attend_queries<1, NV>(qv, mrow, dst, K, V, S, S16, scale, sc); break;
+    case 2: attend_queries<2, NV>(qv, mrow, dst, K, V, S, S16, scale, sc); break;
+    case 3: attend_queries<3, NV>(qv, mrow, dst, K, V, S, S16, scale, sc); break;
+    case 4: attend_queries<4, NV>(qv, mrow, dst, K, V, S, S16, scale, sc); break;
+    case 5: attend_queries<5, NV>(qv, mrow, dst, K, V, S, S16, scale, sc); break;
+    default: attend_queries<6, NV>(qv, mrow, dst, K, V, S, S16, scale, sc); break;
+  }
+}
+
 // out[b, G h + g, t] = softmax(q . k / sqrt(Dh) + mask) @ v over the first S cache slots, for every
 // query head of a K/V head (grouped-query attention). mask: None (every slot visible) or additive
 // [B, 1, G * T, S] (row g * T + t: token t of query head g; -inf = hidden), the layout
 // models/llama.py builds. A query's result depends only on its own vector and the visible keys and
 // values in slot order: each score is one fixed-order dot product, the maximum is exact, and every
 // sum runs over the slots in order, hidden slots adding exact zeros. So a token verified among
-// others (a chain or a tree node) attends exactly as it does decoded alone.
+// others (a chain or a tree node) attends exactly as it does decoded alone. Head sizes 16, 32, 64
+// and 128 (ATTEND_HEAD_SIZES in models/llama.py; others: an error).
 // The attention core: q [B, H, T, Dh] contiguous; out written at out + ((b * so_b + t * so_t + qh * so_h) * Dh)
 void attention_core(const float* qp, int64_t B, int64_t H, int64_t T, int64_t Dh, const float* kp, const float* vp,
                     int64_t Hkv, int64_t Smax, int64_t S, const float* mp, float* op, int64_t so_b, int64_t so_t,
                     int64_t so_h) {
   constexpr int64_t QC = 6;  // queries of one K/V head that share a pass over its keys and values
+  TORCH_CHECK(Dh == 16 || Dh == 32 || Dh == 64 || Dh == 128, "attend: head size ", Dh, " (the kernel takes 16, 32, 64, 128)");
   const int64_t G = H / Hkv, GT = G * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
-  const int64_t nvec = Dh / 16, S16 = (S + 15) / 16 * 16;
-  // work items: (row, K/V head, chunk of its G * T queries); chunks small enough for both threads
-  // to have work, and a query's numbers do not depend on its chunk (each query runs the same ops)
+  const int64_t S16 = (S + 15) / 16 * 16;
+  // work items: (row, K/V head, chunk of its G * T queries). One query an item for single-token
+  // steps (the threads' shares balance best; a head's keys are re-read from L2), else chunks small
+  // enough for every thread to get work
   const int64_t want = 4 * at::get_num_threads();
-  const int64_t qc = std::max<int64_t>(1, std::min<int64_t>(QC, (B * Hkv * GT + want - 1) / want));
+  const int64_t qc = T == 1 ? 1 : std::max<int64_t>(1, std::min<int64_t>(QC, (B * Hkv * GT + want - 1) / want));
   const int64_t chunks = (GT + qc - 1) / qc;
   at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> scv(QC * S16);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t c = w % chunks, bh = w / chunks, b = bh / Hkv, h = bh % Hkv;
       const int64_t i0 = c * qc, nq = std::min(qc, GT - i0);
-      const float* K = kp + (b * Hkv + h) * Smax * Dh;
-      const float* V = vp + (b * Hkv + h) * Smax * Dh;
       const float* qv[QC];
       const float* mrow[QC];
-      float* sc[QC];
+      float* dst[QC];
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t i = i0 + j, g = i / T, t = i % T;
         qv[j] = qp + ((b * H + h * G + g) * T + t) * Dh;
         mrow[j] = mp ? mp + (b * G * T + i) * S : nullptr;
-        sc[j] = scv.data() + j * S16;
+        dst[j] = op + (b * so_b + t * so_t + (h * G + g) * so_h) * Dh;
       }
-      for (int64_t s = 0; s < S; ++s) {  // one pass over the keys for every query of the chunk
-        const float* ks = K + s * Dh;
-        for (int64_t j = 0; j < nq; ++j) {
-          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qv[j]), _mm512_loadu_ps(ks));
-          for (int64_t d = 1; d < nvec; ++d)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(qv[j] + 16 * d), _mm512_loadu_ps(ks + 16 * d), acc);
-          sc[j][s] = _mm512_reduce_add_ps(acc) * scale + (mrow[j] ? mrow[j][s] : 0.0f);
-        }
-      }
-      float inv[QC];
-      for (int64_t j = 0; j < nq; ++j) {
-        float* q = sc[j];
-        for (int64_t s = S; s < S16; ++s) q[s] = -INFINITY;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t s = 0; s < S16; s += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(q + s));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        for (int64_t s = 0; s < S16; s += 16) _mm512_storeu_ps(q + s, exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(q + s), m)));
-        // the denominator in slot order: hidden slots add exact zeros wherever they sit, so a tree
-        // node's sum equals the sum over its path compacted into consecutive slots (as decoded alone)
-        float l = 0.0f;
-        for (int64_t s = 0; s < S; ++s) l += q[s];
-        inv[j] = 1.0f / l;
-      }
-      for (int64_t d0 = 0; d0 < nvec; d0 += 4) {  // 4 vectors (64 floats) of the head, all queries, one pass over V
-        const int64_t nd = std::min<int64_t>(4, nvec - d0);
-        __m512 o[QC][4];
-        for (int64_t j = 0; j < nq; ++j)
-          for (int64_t d = 0; d < nd; ++d) o[j][d] = _mm512_setzero_ps();
-        for (int64_t s = 0; s < S; ++s) {
-          const float* vs = V + s * Dh + 16 * d0;
-          __m512 vv[4];
-          for (int64_t d = 0; d < nd; ++d) vv[d] = _mm512_loadu_ps(vs + 16 * d);
-          for (int64_t j = 0; j < nq; ++j) {
-            const __m512 p = _mm512_set1_ps(sc[j][s]);
-            for (int64_t d = 0; d < nd; ++d) o[j][d] = _mm512_fmadd_ps(p, vv[d], o[j][d]);
-          }
-        }
-        for (int64_t j = 0; j < nq; ++j) {
-          const int64_t i = i0 + j, g = i / T, t = i % T;
-          float* dst = op + (b * so_b + t * so_t + (h * G + g) * so_h) * Dh;
-          const __m512 iv = _mm512_set1_ps(inv[j]);
-          for (int64_t d = 0; d < nd; ++d) _mm512_storeu_ps(dst + 16 * (d0 + d), _mm512_mul_ps(o[j][d], iv));
-        }
-      }
+      const float* K = kp + (b * Hkv + h) * Smax * Dh;
+      const float* V = vp + (b * Hkv + h) * Smax * Dh;
+      if (Dh == 64) attend_chunk<4>(nq, qv, mrow, dst, K, V, S, S16, scale, scv.data());
+      else if (Dh == 128) attend_chunk<8>(nq, qv, mrow, dst, K, V, S, S16, scale, scv.data());
+      else if (Dh == 32) attend_chunk<2>(nq, qv, mrow, dst, K, V, S, S16, scale, scv.data());
+      else attend_chunk<1>(nq, qv, mrow, dst, K, V, S, S16, scale, scv.data());
     }
   });
 }

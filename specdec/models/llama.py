@@ -184,6 +184,7 @@ BLOCK_K_MAX_ROWS = 2
 # 6.68 / 7.92 / 10.25 / 12.46 ms vs 6.17 / 7.20 / 9.86 / 12.25 ms; after 1500 keys 11.49 / 15.01 /
 # 19.56 / 22.83 ms vs 9.06 / 13.29 / 18.33 / 25.81 ms. Longer steps keep SDPA.
 ATTEND_MAX_T = 6
+ATTEND_HEAD_SIZES = (16, 32, 64, 128)  # what the attention kernel takes
 
 # float32 chains longer than this (prefills) run in chunks of this many tokens, each through every
 # layer before the next: the chunk's activations stay in the caches. A 1500 / 800-token prefill of
@@ -366,7 +367,7 @@ class Block(nn.Module):
         kops = self.kops
         h = rms_norm(x, self.attn_norm, self.eps, kops)
         # the kernels' attention: steps of up to ATTEND_MAX_T tokens of a float32 model
-        kernel_attn = kops is not None and not causal and T <= ATTEND_MAX_T and Dh % 16 == 0 \
+        kernel_attn = kops is not None and not causal and T <= ATTEND_MAX_T and Dh in ATTEND_HEAD_SIZES \
             and cache.k[layer].dtype == torch.float32
         if kernel_attn and FUSED_DECODING_STEP and Dh % 32 == 0 and B * T <= BLOCK_MAX_ROWS:
             # a decoding step through the kernels: rotation, cache write and attention in one call (the
