@@ -9,11 +9,12 @@ long contexts, and a way to compare two checkouts of the model code:
 
 `--pad 1,4` times every step twice, interleaved, with the prepacked projections' row padding
 off (1) and at 4 rows (the default, `llama.MIN_PACKED_ROWS`): the A/B behind that default.
-`--weights fp32,blocks,int8` does the same with the default model's dequantised fp32 weights, its
-GGUF blocks with float32 activations, and its blocks with int8 activations (specdec/kernels; int8
-is the default where the CPU has VNNI), copies of the model in one process:
+`--weights fp32,blocks,int16,int8` does the same with the default model's dequantised fp32
+weights, its GGUF blocks with float32 activations, and its blocks with 16- and 8-bit activations
+(specdec/kernels' integer kernels; int16 is the default where the CPU has VNNI), copies of the
+model in one process:
 
-    python benchmarks/forward_costs.py --weights fp32,blocks,int8 --tokens 1,2,5,9,16 --threads 2
+    python benchmarks/forward_costs.py --weights fp32,blocks,int16,int8 --tokens 1,2,5,9,16 --threads 2
 
 Default model (fp32, prepacked as `generate` runs it), batch 1, random token ids (the cost
 does not depend on which tokens), median of --repeats timed calls after a warm-up. A step is
@@ -50,8 +51,8 @@ def main() -> int:
     ap.add_argument("--pad", type=_ints, default=None,
                     help="row paddings to compare, interleaved (e.g. 1,4; 1 = none). Default: the model's own")
     ap.add_argument("--weights", default=None,
-                    help="comma-separated weights to compare, interleaved: fp32, blocks and/or int8. Default: "
-                         "the loader's choice (int8 where the CPU has VNNI, else blocks where the kernels run)")
+                    help="comma-separated weights to compare, interleaved: fp32, blocks, int16, int8 (see "
+                         "specdec generate --help). Default: the loader's choice (int16 where the CPU has VNNI)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -67,9 +68,9 @@ def main() -> int:
     # variants timed side by side: {label: (model, padding)}
     if args.weights:
         names = [w.strip() for w in args.weights.split(",") if w.strip()]
-        bad = [w for w in names if w not in ("fp32", "blocks", "int8")]
+        bad = [w for w in names if w not in ("fp32", "blocks", "int16", "int8")]
         if bad or not names:
-            raise SystemExit(f"--weights takes fp32, blocks and/or int8, got {args.weights!r}")
+            raise SystemExit(f"--weights takes fp32, blocks, int16 and/or int8, got {args.weights!r}")
         variants = {w: (load_model(None, quiet=True, weights=w).model, None) for w in names}
     else:
         model = load_model(None, quiet=True).model

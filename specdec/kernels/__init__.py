@@ -3,7 +3,9 @@ the small ops of a decoding step.
 
 `qlinear.cpp` multiplies fp32 activations by Q4_1 / Q8_0 weights without dequantising them to
 memory first (see the file's header: the same weights, rebuilt exactly in the kernel, and a
-row's sums that do not depend on the other rows), and holds attention, RMS norm, rotation +
+row's sums that do not depend on the other rows), multiplies them as exact integer dot products
+after rounding the activations to 16 or 8 bits (AVX-512 VNNI; `has_vnni()`), and holds
+attention, RMS norm, rotation +
 cache write + attention, and silu * up for decoding steps of a few tokens. It is compiled once
 per machine with the system's C++ compiler against the installed torch (OpenMP threads: the
 library links libgomp.so.1 by name, which resolves to the copy torch has already loaded, so both

@@ -8,13 +8,16 @@ projections (q/k/v and gate/up fused as the model fuses them; q and k rows permu
 transformers' GGUF reader permutes them for Llama) and for the LM head, and *checks* that every
 packed matrix rebuilds, weight for weight and bit for bit, the fp32 copy the model was loaded
 from; a matrix that does not (another quantisation type, an unknown layout) is left to the fp32
-path. The result is cached beside the fp32 copy (`blocks-v2.safetensors`).
+path. The result is cached beside the fp32 copy (`blocks-v2.safetensors`, `blocks-vnni-v1.safetensors`).
 
 Layouts (see qlinear.cpp): K-major, output rows in groups of 4; per group and 32-weight block,
 Q4_1: d[4], m[4] as float32 then 4 x 16 nibble bytes; Q8_0: d[4] as float32 then 4 x 32 int8.
 N-major, tiles of 16 outputs; per tile and block, Q4_1: d[16], m[16], then 16 x 16 bytes (weight
 i of each output); Q8_0: d[16], then 32 x 16 int8. Both are kept: the kernels for 1-2 rows read
-the first, those for 3-16 rows the second.
+the first, those for 3-16 rows the second. VNNI (the integer kernels, every row count): tiles of
+16 outputs; per tile and block, Q4_1: d[16], m[16], then 4 x 64 bytes (byte 4j + t of vector h:
+weights 4h + t and 16 + 4h + t of output j as two nibbles); Q8_0: d[16], then 8 x 64 bytes (weight
+4g + t of output j, plus 128). Each layout is cached in its own file (BLOCKS_FILES).
 Q4_0 (w = d (q - 8)) is stored as Q4_1 with m = -8 d, which rebuilds the same values exactly.
 
 This module knows nothing about tokenizers, sampling or the engine.

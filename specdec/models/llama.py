@@ -27,12 +27,17 @@ token's logits equal one-at-a-time decoding's bit for bit (tested). A prefill fr
 (the same for every method) attends in float32.
 
 A float32 model loaded from a GGUF file can also compute with the file's quantised blocks
-(`attach_blocks`, the kernels of specdec/kernels): calls of up to BLOCK_MAX_ROWS rows read the
-blocks (the same weights, rebuilt exactly inside the kernels) instead of the fp32 copy, and
-steps of up to ATTEND_MAX_T new tokens attend through a kernel whose sums do not depend on the
-other tokens, so there a verified token's attention equals one-at-a-time decoding's bit for bit.
-The kernels for 1-2 and for 3-16 rows sum the projections in different orders (~1e-6
-relative), as oneDNN's fp32 kernels for different row counts do.
+(`attach_blocks`, the kernels of specdec/kernels), and steps of up to ATTEND_MAX_T new tokens
+attend through a kernel whose sums do not depend on the other tokens, so there a verified
+token's attention equals one-at-a-time decoding's bit for bit. Two kinds of block kernels:
+  * integer (VNNI) kernels, the default where the CPU has them: every call (prefills too) rounds
+    its activations to 16 (or 8) bits per 32 values and takes exact integer dot products with
+    the blocks; one kernel for every row count, so a verified token's projections, and so its
+    logits, equal one-at-a-time decoding's bit for bit;
+  * float kernels (fp32 activations, the fp32 copy's numbers up to the order of sums) for calls
+    of up to BLOCK_MAX_ROWS rows, longer ones staying on oneDNN; the kernels for 1-2 and for 3-16
+    rows sum in different orders (~1e-6 relative), as oneDNN's fp32 kernels for different row
+    counts do.
 
 This module knows nothing about files, tokenizers or sampling.
 """
@@ -166,8 +171,9 @@ PACK_BATCH_HINT = 8
 # (rows >= 7 fall back to slower blocking again; they are not changed).
 MIN_PACKED_ROWS = 4
 
-# Calls of up to BLOCK_MAX_ROWS rows use a GGUF model's block kernels where attached
-# (attach_blocks): they read ~6 bits a weight instead of 32. On this project's 2-core EPYC the 120
+# Calls of up to BLOCK_MAX_ROWS rows use a GGUF model's float block kernels where attached
+# (attach_blocks; the integer kernels take every call): they read ~6 bits a weight instead of 32.
+# On this project's 2-core EPYC the 120
 # projections of the default model took (ms, median of 11, random blocks of the same shapes):
 #   rows:                        1     2     3     4     5     6     8    16
 #   K-major kernel             2.2   2.5   3.2   4.4   4.4   7.6   9.1  13.8
@@ -325,7 +331,13 @@ class Linear(nn.Linear):
         act_bits: see kernel_args."""
         if blocks[3] != self.out_features:
             raise SpecdecError(f"GGUF blocks with {blocks[3]} rows for a projection of {self.out_features}")
-        self.qargs = kernel_args(ops, blocks, act_bits)
+        args = kernel_args(ops, blocks, act_bits)
+        if not is_vnni(args) and self.packed is None and self.weight is None:
+            raise SpecdecError("float block kernels need the projection's fp32 weights for long calls; "
+                               "they were released for the integer kernels")
+        self.qargs = args
+        if is_vnni(args) and self.pack_dtype is None:
+            self.packed = None  # every float32 call runs the integer kernel: the fp32 copy is dead weight
 
     @property
     def qpacked(self) -> torch.Tensor | None:
@@ -335,12 +347,14 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if block_rows_ok(self.qargs, x):
             y = block_linear(x, *self.qargs)
-            bias = self.packed_bias if self.packed is not None else self.bias
+            bias = self.packed_bias if self.packed_bias is not None else self.bias
             return y if bias is None else y + bias
         if self.packed is not None:
             if self.pack_dtype is not None and x.dtype != self.pack_dtype:
                 return packed_linear(x.to(self.pack_dtype), self.packed, self.packed_bias).to(x.dtype)
             return packed_linear(x, self.packed, self.packed_bias)
+        if self.weight is None:
+            raise SpecdecError(f"this projection computes with integer block kernels, on float32 inputs only (got {x.dtype})")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -546,8 +560,10 @@ class LlamaModel(nn.Module):
         models/gguf_blocks.py) with the block kernels `ops` (kernels.ops()): float kinds for calls
         of up to BLOCK_MAX_ROWS rows, VNNI kinds for every call, their activations rounded to
         act_bits (kernel_args). The blocks must rebuild this model's weights exactly (gguf_blocks
-        checks it); the prepacked fp32 copies stay for the calls the kernels do not take (and for
-        drafters that read the head). Returns how many matrices were attached."""
+        checks it); the prepacked fp32 copies of projections on VNNI blocks are released (~4
+        bytes a weight; the integer kernels take every call), the others stay for the calls the
+        float kernels do not take; the head's fp32 weight stays (drafters read it). Returns how
+        many matrices were attached."""
         if self.dtype != torch.float32 or not self.packed:
             raise SpecdecError("GGUF block kernels need a prepacked float32 model")
         for blk in self.layers:
