@@ -265,7 +265,7 @@ def test_vnni_model_is_close_to_transformers_and_verifies_as_it_decodes(hidden, 
     pre = native(toks[:, :n0], torch.arange(n0)[None], chain)[0]
     native(toks[:, :n0], torch.arange(n0)[None], alone)
     got, pos = [pre], n0
-    for T in (1, 2, 3, 6, 4, 1, 3):
+    for T in (1, 2, 9, 6, 2):  # (9: past the old 6-token limit of the kernels' attention)
         step = native(toks[:, pos : pos + T], torch.arange(pos, pos + T)[None], chain)[0]
         one = torch.cat([native(toks[:, p : p + 1], torch.tensor([[p]]), alone)[0] for p in range(pos, pos + T)], 1)
         assert torch.equal(step, one), T

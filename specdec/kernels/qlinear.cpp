@@ -297,7 +297,7 @@ at::Tensor q8_0_linear_n(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // float m[16], then 4 x 64 bytes, byte 4j + t of vector h holding weight 4h + t of output j in its
 // low nibble and weight 16 + 4h + t in its high one; Q8_0: float d[16], then 8 x 64 bytes, byte
 // 4j + t of vector g = weight 4g + t of output j, plus 128.
-constexpr int MAX_ROWS_V = 8;
+constexpr int MAX_ROWS_V = 16;  // one accumulator a row: 16 rows + 8 weight vectors fit the 32 registers
 
 struct ActQ {  // one call's quantised activations: per row and block, 32 high (and low) bytes, da, da * sum qa, sum qa
   std::vector<int8_t> hi, lo;
@@ -394,14 +394,14 @@ template <class F, bool WIDE, int MT>
 __attribute__((target("avx512vnni"))) inline void vtile(const ActQ& a, int64_t r0, int64_t K, const uint8_t* __restrict tile,
                                                        int64_t nb, float* __restrict y, int64_t ldy) {
   __m512 acc[MT];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* tb = tile + b * F::BLK;
     for (int c = 0; c < F::BLK; c += 64) _mm_prefetch(reinterpret_cast<const char*>(tb + 4 * F::BLK + c), _MM_HINT_T0);
     __m512i w[8];
     F::weights(tb, w);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < MT; ++r) {
       const int64_t o = (r0 + r) * K + b * 32, i = (r0 + r) * nb + b;
       __m512i is = dot8(w, reinterpret_cast<const int32_t*>(&a.hi[o]));
@@ -409,7 +409,7 @@ __attribute__((target("avx512vnni"))) inline void vtile(const ActQ& a, int64_t r
       acc[r] = F::finish(is, tb, acc[r], a.d[i], a.s[i], a.sum[i]);
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
@@ -429,7 +429,15 @@ __attribute__((target("avx512vnni"))) void vrows(const ActQ& a, int64_t M, int64
       case 5: vtile<F, WIDE, 5>(a, r0, K, tile, nb, yr, N); break;
       case 6: vtile<F, WIDE, 6>(a, r0, K, tile, nb, yr, N); break;
       case 7: vtile<F, WIDE, 7>(a, r0, K, tile, nb, yr, N); break;
-      default: vtile<F, WIDE, 8>(a, r0, K, tile, nb, yr, N); break;
+      case 8: vtile<F, WIDE, 8>(a, r0, K, tile, nb, yr, N); break;
+      case 9: vtile<F, WIDE, 9>(a, r0, K, tile, nb, yr, N); break;
+      case 10: vtile<F, WIDE, 10>(a, r0, K, tile, nb, yr, N); break;
+      case 11: vtile<F, WIDE, 11>(a, r0, K, tile, nb, yr, N); break;
+      case 12: vtile<F, WIDE, 12>(a, r0, K, tile, nb, yr, N); break;
+      case 13: vtile<F, WIDE, 13>(a, r0, K, tile, nb, yr, N); break;
+      case 14: vtile<F, WIDE, 14>(a, r0, K, tile, nb, yr, N); break;
+      case 15: vtile<F, WIDE, 15>(a, r0, K, tile, nb, yr, N); break;
+      default: vtile<F, WIDE, 16>(a, r0, K, tile, nb, yr, N); break;
     }
     r0 += c;
   }

@@ -185,11 +185,12 @@ BLOCK_K_MAX_ROWS = 2
 
 # Steps of up to this many new tokens attend through the kernels' attention where attached (with
 # the blocks): one fixed order of sums per query, so a verified token (chain or tree node) attends
-# bit for bit as it does decoded alone. Whole steps of the default model on its blocks, SDPA vs the
-# kernel, interleaved in one process (2 threads): after 200 keys, 1 / 2 / 5 / 8 new tokens
-# 6.68 / 7.92 / 10.25 / 12.46 ms vs 6.17 / 7.20 / 9.86 / 12.25 ms; after 1500 keys 11.49 / 15.01 /
-# 19.56 / 22.83 ms vs 9.06 / 13.29 / 18.33 / 25.81 ms. Longer steps keep SDPA.
-ATTEND_MAX_T = 6
+# bit for bit as it does decoded alone. Once the queries of a K/V head shared one pass over its
+# keys, the kernel beat SDPA at every step size up to 16 (whole steps of the default model on
+# int16 blocks, 2 threads, SDPA vs kernel: after 200 keys 7 / 9 / 16 new tokens 13.2 / 13.2 / 19.6
+# vs 7.2 / 11.4 / 16.1 ms; after 1500 keys 17.1 / 21.2 / 27.9 vs 11.9 / 14.3 / 22.4 ms; 5 tokens
+# level). Longer steps keep SDPA.
+ATTEND_MAX_T = 16
 ATTEND_HEAD_SIZES = (16, 32, 64, 128)  # what the attention kernel takes
 
 # float32 chains longer than this (prefills) run in chunks of this many tokens, each through every
