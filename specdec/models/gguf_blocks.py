@@ -85,16 +85,24 @@ def _pack_q8(q, d) -> torch.Tensor:
 TN = 16  # outputs per tile of the N-major layout (qlinear.cpp)
 
 
+def _tile_scales(x: np.ndarray, T: int) -> np.ndarray:
+    """Per-output, per-block float32 scales [N, nb] as [T tiles, nb, 16 outputs * 4 bytes]."""
+    return np.ascontiguousarray(x.reshape(T, TN, x.shape[1]).transpose(0, 2, 1)).view(np.uint8)
+
+
+def _tiles(*parts: np.ndarray) -> torch.Tensor:
+    """The tile layouts' bytes: per tile and block, the parts [T, nb, bytes] one after another."""
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1))
+
+
 def _pack_q4_n(q, d, m) -> torch.Tensor | None:
     """The N-major layout: per tile of 16 outputs and block, d[16], m[16], q[16 weights][16 outputs]."""
     N, nb = d.shape
     if N % TN:
         return None
     T = N // TN
-    dd = np.ascontiguousarray(d.reshape(T, TN, nb).transpose(0, 2, 1)).view(np.uint8)  # [T, nb, 64]
-    mm = np.ascontiguousarray(m.reshape(T, TN, nb).transpose(0, 2, 1)).view(np.uint8)
     qq = q.reshape(T, TN, nb, 16).transpose(0, 2, 3, 1).reshape(T, nb, 16 * TN)
-    return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, mm, qq], axis=2)).reshape(-1))
+    return _tiles(_tile_scales(d, T), _tile_scales(m, T), qq)
 
 
 def _pack_q8_n(q, d) -> torch.Tensor | None:
@@ -102,9 +110,8 @@ def _pack_q8_n(q, d) -> torch.Tensor | None:
     if N % TN:
         return None
     T = N // TN
-    dd = np.ascontiguousarray(d.reshape(T, TN, nb).transpose(0, 2, 1)).view(np.uint8)
     qq = np.ascontiguousarray(q.reshape(T, TN, nb, 32).transpose(0, 2, 3, 1)).view(np.uint8).reshape(T, nb, 32 * TN)
-    return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, qq], axis=2)).reshape(-1))
+    return _tiles(_tile_scales(d, T), qq)
 
 
 def _pack_q4_v(q, d, m) -> torch.Tensor | None:
@@ -114,11 +121,9 @@ def _pack_q4_v(q, d, m) -> torch.Tensor | None:
     if N % TN:
         return None
     T = N // TN
-    dd = np.ascontiguousarray(d.reshape(T, TN, nb).transpose(0, 2, 1)).view(np.uint8)  # [T, nb, 64]
-    mm = np.ascontiguousarray(m.reshape(T, TN, nb).transpose(0, 2, 1)).view(np.uint8)
     w = np.concatenate([q & 0x0F, q >> 4], axis=2).reshape(T, TN, nb, 2, 4, 4)  # [tile, j, b, half, h, t]
     qq = (w[:, :, :, 0] | (w[:, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4).reshape(T, nb, 256)
-    return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, mm, qq], axis=2)).reshape(-1))
+    return _tiles(_tile_scales(d, T), _tile_scales(m, T), qq)
 
 
 def _pack_q8_v(q, d) -> torch.Tensor | None:
@@ -128,10 +133,8 @@ def _pack_q8_v(q, d) -> torch.Tensor | None:
     if N % TN:
         return None
     T = N // TN
-    dd = np.ascontiguousarray(d.reshape(T, TN, nb).transpose(0, 2, 1)).view(np.uint8)
     u = (q.astype(np.int16) + 128).astype(np.uint8).reshape(T, TN, nb, 8, 4)  # [tile, j, b, g, t]
-    qq = u.transpose(0, 2, 3, 1, 4).reshape(T, nb, 512)
-    return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, qq], axis=2)).reshape(-1))
+    return _tiles(_tile_scales(d, T), u.transpose(0, 2, 3, 1, 4).reshape(T, nb, 512))
 
 
 LAYOUTS = ("float", "vnni")  # for float32 activations (K- and N-major) | integer dot products
