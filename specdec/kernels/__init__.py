@@ -5,8 +5,8 @@ the small ops of a decoding step.
 memory first (see the file's header: the same weights, rebuilt exactly in the kernel, and a
 row's sums that do not depend on the other rows), multiplies them as exact integer dot products
 after rounding the activations to 16 or 8 bits (AVX-512 VNNI; `has_vnni()`), and holds
-attention, RMS norm, rotation +
-cache write + attention, and silu * up for decoding steps of a few tokens. It is compiled once
+attention, RMS norm, rotation + cache write + attention, and silu * up for decoding steps of a
+few tokens. It is compiled once
 per machine with the system's C++ compiler against the installed torch (OpenMP threads: the
 library links libgomp.so.1 by name, which resolves to the copy torch has already loaded, so both
 share one thread pool), cached under a folder the caller names (the loader uses
@@ -86,8 +86,9 @@ def _build(cache_dir: Path, quiet: bool) -> Path:
 
 def ops(cache_dir: Path, quiet: bool = True):
     """torch.ops.specdec_q (the block products q4_1_linear / q8_0_linear, their N-major _n forms
-    and integer _v (8-bit activations) and _w (16-bit) forms (only where has_vnni()), attend, rope_attend, rms_norm, silu_mul), or None if the kernels cannot run here; a
-    build goes to (and is reused from) cache_dir."""
+    and integer _v (8-bit activations) and _w (16-bit) forms (only where has_vnni()), attend,
+    rope_attend, rms_norm, silu_mul), or None if the kernels cannot run here; a build goes to
+    (and is reused from) cache_dir."""
     with _lock:
         if "ops" in _state or "why" in _state:
             return _state.get("ops")

@@ -307,8 +307,8 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
     pack_dtype: torch.dtype | None = None
-    # GGUF block kernels (torch.ops.specdec_q.*) and their packed blocks, K-major for calls of 1-2
-    # rows and N-major (if any) for 3-16, and the output rows (attach_blocks)
+    # GGUF block kernels (torch.ops.specdec_q.*) and their packed blocks (attach_blocks): float ones,
+    # K-major for calls of 1-2 rows and N-major (if any) for 3-16, or one integer kernel for all
     qargs: tuple | None = None  # kernel_args(...): (kernel, blocks, N-major kernel, blocks, rows)
 
     def reset_parameters(self) -> None:
@@ -355,7 +355,8 @@ class Linear(nn.Linear):
                 return packed_linear(x.to(self.pack_dtype), self.packed, self.packed_bias).to(x.dtype)
             return packed_linear(x, self.packed, self.packed_bias)
         if self.weight is None:
-            raise SpecdecError(f"this projection computes with integer block kernels, on float32 inputs only (got {x.dtype})")
+            raise SpecdecError(f"this projection computes with integer block kernels, on float32 inputs only "
+                               f"(got {x.dtype})")
         return F.linear(x, self.weight, self.bias)
 
 

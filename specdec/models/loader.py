@@ -290,7 +290,8 @@ WEIGHTS_HELP = (
     "times float32 activations (the fp32 copy's numbers up to the order of sums; CPUs with AVX-512 "
     "but no VNNI); fp32: the dequantised fp32 copy. auto (the default): int16 where the CPU has "
     "VNNI, else blocks where it has AVX-512, else fp32. Greedy speculation equals plain greedy "
-    "decoding under every choice; the choices differ from each other in the last bits of logits")
+    "decoding under every choice; the choices' logits differ a little (int8 the most), so their "
+    "greedy texts can part after a near-tie")
 
 
 def attach_gguf_blocks(lm: LoadedModel, weights: str = "auto", quiet: bool = False) -> None:
