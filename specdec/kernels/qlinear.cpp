@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -107,24 +108,33 @@ inline void tile(const float* __restrict x, int64_t ldx, const uint8_t* __restri
     for (int j = 0; j < G; ++j) y[r * ldy + j] = hsum16(acc[r][j]);
 }
 
-template <class F>
-void group_rows(const float* x, int64_t M, int64_t K, const uint8_t* grp, int64_t nb, float* y, int64_t N) {
-  // balanced passes of at most MAX_ROWS_PER_PASS rows (9 -> 5 + 4); a row's sums do not depend on its pass
-  const int64_t passes = (M + MAX_ROWS_PER_PASS - 1) / MAX_ROWS_PER_PASS;
+// f(r0, std::integral_constant<int, c>) for each pass of c rows starting at row r0: M rows in
+// balanced passes of at most MAX (9 -> 5 + 4, 12 -> 6 + 6), the row count a compile-time constant
+// for the tile kernels. A row's sums do not depend on its pass.
+template <int N, class Fn>
+inline void with_rows(int64_t c, Fn&& f) {
+  if constexpr (N > 1) {
+    if (c < N) return with_rows<N - 1>(c, f);
+  }
+  f(std::integral_constant<int, N>{});
+}
+
+template <int MAX, class Fn>
+inline void row_passes(int64_t M, Fn&& f) {
+  const int64_t passes = (M + MAX - 1) / MAX;
   int64_t r0 = 0;
   for (int64_t p = 0; p < passes; ++p) {
     const int64_t c = (M - r0) / (passes - p);
-    const float* xr = x + r0 * K;
-    float* yr = y + r0 * N;
-    switch (c) {
-      case 1: tile<F, 1>(xr, K, grp, nb, yr, N); break;
-      case 2: tile<F, 2>(xr, K, grp, nb, yr, N); break;
-      case 3: tile<F, 3>(xr, K, grp, nb, yr, N); break;
-      case 4: tile<F, 4>(xr, K, grp, nb, yr, N); break;
-      default: tile<F, 5>(xr, K, grp, nb, yr, N); break;
-    }
+    with_rows<MAX>(c, [&](auto mt) { f(r0, mt); });
     r0 += c;
   }
+}
+
+template <class F>
+void group_rows(const float* x, int64_t M, int64_t K, const uint8_t* grp, int64_t nb, float* y, int64_t N) {
+  row_passes<MAX_ROWS_PER_PASS>(M, [&](int64_t r0, auto mt) {
+    tile<F, decltype(mt)::value>(x + r0 * K, K, grp, nb, y + r0 * N, N);
+  });
 }
 
 // One product's operands: x made contiguous, y allocated [..., N], the checks both layouts share.
@@ -239,24 +249,9 @@ inline void ntile(const float* __restrict x, int64_t ldx, const uint8_t* __restr
 
 template <class F, int V>
 void nrows(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t nb, int64_t ts, float* y, int64_t N) {
-  const int64_t passes = (M + MAX_ROWS_N - 1) / MAX_ROWS_N;  // balanced: 12 -> 6 + 6
-  int64_t r0 = 0;
-  for (int64_t p = 0; p < passes; ++p) {
-    const int64_t c = (M - r0) / (passes - p);
-    const float* xr = x + r0 * K;
-    float* yr = y + r0 * N;
-    switch (c) {
-      case 1: ntile<F, 1, V>(xr, K, tiles, nb, ts, yr, N); break;
-      case 2: ntile<F, 2, V>(xr, K, tiles, nb, ts, yr, N); break;
-      case 3: ntile<F, 3, V>(xr, K, tiles, nb, ts, yr, N); break;
-      case 4: ntile<F, 4, V>(xr, K, tiles, nb, ts, yr, N); break;
-      case 5: ntile<F, 5, V>(xr, K, tiles, nb, ts, yr, N); break;
-      case 6: ntile<F, 6, V>(xr, K, tiles, nb, ts, yr, N); break;
-      case 7: ntile<F, 7, V>(xr, K, tiles, nb, ts, yr, N); break;
-      default: ntile<F, 8, V>(xr, K, tiles, nb, ts, yr, N); break;
-    }
-    r0 += c;
-  }
+  row_passes<MAX_ROWS_N>(M, [&](int64_t r0, auto mt) {
+    ntile<F, decltype(mt)::value, V>(x + r0 * K, K, tiles, nb, ts, y + r0 * N, N);
+  });
 }
 
 template <class F>
@@ -414,33 +409,10 @@ __attribute__((target("avx512vnni"))) inline void vtile(const ActQ& a, int64_t r
 }
 
 template <class F, bool WIDE>
-__attribute__((target("avx512vnni"))) void vrows(const ActQ& a, int64_t M, int64_t K, const uint8_t* tile, int64_t nb,
-                                                float* y, int64_t N) {
-  const int64_t passes = (M + MAX_ROWS_V - 1) / MAX_ROWS_V;
-  int64_t r0 = 0;
-  for (int64_t p = 0; p < passes; ++p) {
-    const int64_t c = (M - r0) / (passes - p);
-    float* yr = y + r0 * N;
-    switch (c) {
-      case 1: vtile<F, WIDE, 1>(a, r0, K, tile, nb, yr, N); break;
-      case 2: vtile<F, WIDE, 2>(a, r0, K, tile, nb, yr, N); break;
-      case 3: vtile<F, WIDE, 3>(a, r0, K, tile, nb, yr, N); break;
-      case 4: vtile<F, WIDE, 4>(a, r0, K, tile, nb, yr, N); break;
-      case 5: vtile<F, WIDE, 5>(a, r0, K, tile, nb, yr, N); break;
-      case 6: vtile<F, WIDE, 6>(a, r0, K, tile, nb, yr, N); break;
-      case 7: vtile<F, WIDE, 7>(a, r0, K, tile, nb, yr, N); break;
-      case 8: vtile<F, WIDE, 8>(a, r0, K, tile, nb, yr, N); break;
-      case 9: vtile<F, WIDE, 9>(a, r0, K, tile, nb, yr, N); break;
-      case 10: vtile<F, WIDE, 10>(a, r0, K, tile, nb, yr, N); break;
-      case 11: vtile<F, WIDE, 11>(a, r0, K, tile, nb, yr, N); break;
-      case 12: vtile<F, WIDE, 12>(a, r0, K, tile, nb, yr, N); break;
-      case 13: vtile<F, WIDE, 13>(a, r0, K, tile, nb, yr, N); break;
-      case 14: vtile<F, WIDE, 14>(a, r0, K, tile, nb, yr, N); break;
-      case 15: vtile<F, WIDE, 15>(a, r0, K, tile, nb, yr, N); break;
-      default: vtile<F, WIDE, 16>(a, r0, K, tile, nb, yr, N); break;
-    }
-    r0 += c;
-  }
+void vrows(const ActQ& a, int64_t M, int64_t K, const uint8_t* tile, int64_t nb, float* y, int64_t N) {
+  row_passes<MAX_ROWS_V>(M, [&](int64_t r0, auto mt) {
+    vtile<F, WIDE, decltype(mt)::value>(a, r0, K, tile, nb, y + r0 * N, N);
+  });
 }
 
 template <class F, bool WIDE>
