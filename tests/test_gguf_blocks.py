@@ -550,23 +550,25 @@ def test_attention_kernel_matches_float64_and_a_verified_token_attends_as_alone(
     kc, vc = torch.randn(B, Hkv, Smax, Dh, generator=g), torch.randn(B, Hkv, Smax, Dh, generator=g)
     q1 = torch.randn(B, H, 1, Dh, generator=g)
     assert (ops.attend(q1, kc, vc, 50, None) - _sdpa_reference(q1, kc, vc, 50, None)).abs().max() < 1e-5
-    # a tree of 5 nodes after a prefix of 40 slots: parents -1 (the pending token), 0, 0, 1, 3
+    # a tree of 5 nodes after a prefix of `base` slots: parents -1 (the pending token), 0, 0, 1, 3;
+    # after 46 slots, decoding a node alone moves its keys across a 16-slot boundary of the kernel
     parents = [-1, 0, 0, 1, 3]
-    T, base = len(parents), 40
+    T = len(parents)
     anc = ancestor_mask(parents)
-    start = torch.full((B,), base)
-    mask = LlamaModel._mask(start, base, T, base + T, anc[None].expand(B, T, T), Hkv and H // Hkv)
-    q = torch.randn(B, H, T, Dh, generator=g)
-    out = ops.attend(q, kc, vc, base + T, mask)
-    assert (out - _sdpa_reference(q, kc, vc, base + T, mask)).abs().max() < 1e-5
-    for t in range(T):
-        # the same token decoded alone: its ancestors' entries written right after the prefix
-        path = [i for i in range(T) if anc[t, i]]
-        k2, v2 = kc.clone(), vc.clone()
-        k2[:, :, base : base + len(path)] = kc[:, :, [base + i for i in path]]
-        v2[:, :, base : base + len(path)] = vc[:, :, [base + i for i in path]]
-        alone = ops.attend(q[:, :, t : t + 1], k2, v2, base + len(path), None)
-        assert torch.equal(alone[:, :, 0], out[:, :, t]), t
+    for base in (40, 46):
+        start = torch.full((B,), base)
+        mask = LlamaModel._mask(start, base, T, base + T, anc[None].expand(B, T, T), Hkv and H // Hkv)
+        q = torch.randn(B, H, T, Dh, generator=g)
+        out = ops.attend(q, kc, vc, base + T, mask)
+        assert (out - _sdpa_reference(q, kc, vc, base + T, mask)).abs().max() < 1e-5
+        for t in range(T):
+            # the same token decoded alone: its ancestors' entries written right after the prefix
+            path = [i for i in range(T) if anc[t, i]]
+            k2, v2 = kc.clone(), vc.clone()
+            k2[:, :, base : base + len(path)] = kc[:, :, [base + i for i in path]]
+            v2[:, :, base : base + len(path)] = vc[:, :, [base + i for i in path]]
+            alone = ops.attend(q[:, :, t : t + 1], k2, v2, base + len(path), None)
+            assert torch.equal(alone[:, :, 0], out[:, :, t]), (base, t)
     if Dh == 16:  # head sizes the kernel has no pass for are refused, not misread
         with pytest.raises(RuntimeError, match="head size"):
             ops.attend(torch.randn(1, 2, 1, 48), torch.randn(1, 1, 8, 48), torch.randn(1, 1, 8, 48), 4, None)
