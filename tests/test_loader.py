@@ -81,6 +81,31 @@ def test_llama_dir_loads_native(tmp_path, tmp_cache, family):
     assert (logits - ref).abs().max().item() <= TOL
 
 
+def test_safetensors_are_read_one_tensor_at_a_time_as_safetensors_reads_them(tmp_path):
+    """The loader's own reader (each tensor read when asked for, so a model's weights do not all
+    sit in memory beside its parameters) gives what safetensors' load_file gives, every dtype a
+    checkpoint holds; a truncated file is a clear error, not garbage weights."""
+    from safetensors.torch import load_file, save_file
+
+    from specdec.models.loader import _read_state_dict
+
+    g = torch.Generator().manual_seed(4)
+    tensors = {"a": torch.randn(3, 5, generator=g), "b.half": torch.randn(7, generator=g).half(),
+               "c": torch.randn(2, 2, generator=g).bfloat16(), "d": torch.arange(6).view(2, 3),
+               "e": torch.tensor(1.5), "f": torch.zeros(0, 4), "g": torch.tensor([True, False])}
+    save_file(dict(list(tensors.items())[:4]), str(tmp_path / "model-1.safetensors"), metadata={"format": "pt"})
+    save_file(dict(list(tensors.items())[4:]), str(tmp_path / "model-2.safetensors"))
+    lazy = _read_state_dict(tmp_path)
+    ref = {**load_file(str(tmp_path / "model-1.safetensors")), **load_file(str(tmp_path / "model-2.safetensors"))}
+    assert sorted(lazy) == sorted(ref) == sorted(tensors)
+    for k, v in ref.items():
+        assert lazy[k].dtype == v.dtype and lazy[k].shape == v.shape and torch.equal(lazy[k], v), k
+    f = tmp_path / "model-1.safetensors"
+    f.write_bytes(f.read_bytes()[:-8])
+    with pytest.raises(SpecdecError, match="truncated"):
+        [_read_state_dict(tmp_path)[k] for k in ("a", "b.half", "c", "d")]  # the file's last tensor is cut
+
+
 @pytest.fixture
 def gpt2_dir(tmp_path, tmp_cache):
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -153,6 +178,25 @@ def test_default_model_second_load_is_fast(default_model):
     assert lm.tokenizer.eos_token_id in lm.eos_ids
     assert lm.tokenizer.chat_template is not None
     assert lm.model.vocab_size == 49152 and lm.model.cfg.num_layers == 30
+
+
+@pytest.mark.default_model
+def test_default_model_on_integer_kernels_keeps_no_fp32_copies(default_model):
+    """Where the integer kernels run (int16, the default with VNNI), they take every call of the
+    matrices they hold, so the load packs no fp32 copy of those and keeps no plain weight either
+    (the embedding table stays: embedding and drafters read it); and the model still computes."""
+    from specdec import kernels
+
+    lm = default_model
+    if "int16" not in lm.weights:
+        pytest.skip(f"the integer kernels do not run here ({lm.weights})")
+    m = lm.model
+    assert m.packed and m.head_packed is None and m.embed.weight is not None
+    lins = [lin for blk in m.layers for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)]
+    assert all(lin.qargs is not None and lin.packed is None and lin.weight is None for lin in lins)
+    assert kernels.has_vnni()
+    logits, _ = m(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], m.new_cache(1, 8))
+    assert torch.isfinite(logits).all() and logits.shape == (1, 3, 49152)
 
 
 @pytest.mark.default_model

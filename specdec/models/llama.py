@@ -542,19 +542,30 @@ class LlamaModel(nn.Module):
         return logits
 
     def pack(self) -> "LlamaModel":
-        """Prepack every projection and the LM head for oneDNN (inference only; see Linear)."""
+        """Prepack every projection and the LM head for oneDNN (inference only; see Linear). A
+        projection already on integer (VNNI) block kernels, which take every call, only drops its
+        fp32 weight instead, and a head on them gets no packed copy: packing after attach_blocks
+        spares the load the fp32 copies' reorder (its time, and ~4 bytes a weight at the peak)."""
         if not mkldnn_packing_available() or self.device.type != "cpu" or self.packed:
             return self
         for blk in self.layers:
             for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down):
-                lin.pack()
+                if is_vnni(lin.qargs) and lin.pack_dtype is None:
+                    lin.weight = None
+                else:
+                    lin.pack()
         # the head keeps its plain weight too: drafters read it (vocabulary subsets, EAGLE)
-        self.head_packed = torch.ops.mkldnn._reorder_linear_weight(self.lm_head_weight().detach(), PACK_BATCH_HINT)
+        if not is_vnni(self.head_q):
+            self.head_packed = torch.ops.mkldnn._reorder_linear_weight(self.lm_head_weight().detach(), PACK_BATCH_HINT)
+        self._packed = True
         return self
+
+    _packed = False
 
     @property
     def packed(self) -> bool:
-        return self.head_packed is not None
+        """Whether pack() has run (the model is ready for inference on a CPU)."""
+        return self._packed
 
     def attach_blocks(self, ops, blocks: dict, act_bits: int = 16) -> int:
         """Compute the projections (and the LM head) named in `blocks` ({"layers.3.wqkv" | "head":
@@ -562,12 +573,13 @@ class LlamaModel(nn.Module):
         models/gguf_blocks.py) with the block kernels `ops` (kernels.ops()): float kinds for calls
         of up to BLOCK_MAX_ROWS rows, VNNI kinds for every call, their activations rounded to
         act_bits (kernel_args). The blocks must rebuild this model's weights exactly (gguf_blocks
-        checks it); the prepacked fp32 copies of projections on VNNI blocks are released (~4
-        bytes a weight; the integer kernels take every call), the others stay for the calls the
-        float kernels do not take; the head's fp32 weight stays (drafters read it). Returns how
+        checks it); the prepacked fp32 copies of projections and the head on VNNI blocks are
+        released (~4 bytes a weight; the integer kernels take every call; on a model not packed
+        yet, pack() then skips them), the others stay for the calls the float kernels do not
+        take; the head's plain fp32 weight stays (the embedding; drafters read it). Returns how
         many matrices were attached."""
-        if self.dtype != torch.float32 or not self.packed:
-            raise SpecdecError("GGUF block kernels need a prepacked float32 model")
+        if self.dtype != torch.float32:
+            raise SpecdecError("GGUF block kernels need a float32 model")
         for blk in self.layers:
             blk.kops = ops
         n = 0
@@ -576,6 +588,8 @@ class LlamaModel(nn.Module):
                 if b[3] != self.cfg.vocab_size:
                     raise SpecdecError(f"GGUF blocks: the head has {b[3]} rows, the vocabulary {self.cfg.vocab_size}")
                 self.head_q = kernel_args(ops, b, act_bits)
+                if is_vnni(self.head_q):
+                    self.head_packed = None
             else:
                 _, i, attr = name.split(".")
                 getattr(self.layers[int(i)], attr).attach(ops, b, act_bits)
@@ -625,19 +639,19 @@ class LlamaModel(nn.Module):
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load transformers-style weights (model.layers.N.self_attn.q_proj.weight ...)."""
         c = self.cfg
-        sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in sd.items()}
+        # names only: a lazy mapping (the loader's) then reads each tensor when it is copied in
+        names = {k[len("model."):] if k.startswith("model.") else k: k for k in sd.keys()}
 
         def take(name):
-            if name not in sd:
+            if name not in names:
                 raise SpecdecError(f"weights are missing {name!r}; is this a {c.model_type} checkpoint?")
-            return sd[name]
+            return sd[names[name]]
 
         with torch.no_grad():
             self.embed.weight.copy_(take("embed_tokens.weight"))
             self.norm.copy_(take("norm.weight"))
             if self.lm_head is not None:
-                w = sd.get("lm_head.weight")
-                self.lm_head.weight.copy_(w if w is not None else take("embed_tokens.weight"))
+                self.lm_head.weight.copy_(take("lm_head.weight" if "lm_head.weight" in names else "embed_tokens.weight"))
             for i, blk in enumerate(self.layers):
                 p = f"layers.{i}."
                 blk.attn_norm.copy_(take(p + "input_layernorm.weight"))

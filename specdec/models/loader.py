@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,15 +158,53 @@ def convert_gguf(path: Path, quiet: bool = False) -> Path:
     return out
 
 
-def _read_state_dict(d: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+class _LazyTensors(Mapping):
+    """The tensors of safetensors files, each read from its file when it is asked for (plain reads,
+    no memory map): a model's weights go into its parameters one at a time instead of all sitting
+    in memory beside them, which set the load's peak."""
 
+    DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+    def __init__(self, files: list[Path]) -> None:
+        self._where: dict[str, tuple[Path, int, dict]] = {}
+        for f in files:
+            try:
+                with open(f, "rb") as fh:
+                    n = int.from_bytes(fh.read(8), "little")
+                    header = json.loads(fh.read(n))
+            except (OSError, ValueError) as e:
+                raise SpecdecError(f"{f} is not a readable safetensors file ({e})") from None
+            header.pop("__metadata__", None)
+            self._where.update({k: (f, 8 + n, v) for k, v in header.items()})
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        f, base, info = self._where[name]
+        dtype = self.DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise SpecdecError(f"{f}: tensor {name!r} has dtype {info['dtype']}, which specdec does not read")
+        start, end = info["data_offsets"]
+        t = torch.empty(info["shape"], dtype=dtype)
+        if end - start != t.numel() * t.element_size():
+            raise SpecdecError(f"{f}: tensor {name!r} has {end - start} bytes for shape {info['shape']}")
+        with open(f, "rb") as fh:
+            fh.seek(base + start)
+            if end > start and fh.readinto(memoryview(t.view(-1).view(torch.uint8).numpy())) != end - start:
+                raise SpecdecError(f"{f} is truncated (tensor {name!r})")
+        return t
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _read_state_dict(d: Path) -> Mapping[str, torch.Tensor]:
     files = sorted(d.glob("*.safetensors"))
     if files:
-        sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(str(f)))
-        return sd
+        return _LazyTensors(files)
     bins = sorted(d.glob("pytorch_model*.bin"))
     if bins:
         sd = {}
@@ -197,7 +236,9 @@ def _eos_ids(hf_config, tokenizer, d: Path) -> list[int]:
 
 
 def load_hf_dir(d: Path, dtype=torch.float32, source: str | None = None, native: bool | None = None,
-                quiet: bool = False, with_tokenizer: bool = True) -> LoadedModel:
+                quiet: bool = False, with_tokenizer: bool = True, pack: bool = True) -> LoadedModel:
+    """pack=False: the native model is left unpacked (load_model packs a GGUF's after attaching its
+    blocks, so projections on integer kernels never get an fp32 packed copy)."""
     t0 = time.perf_counter()
     if not (d / "config.json").is_file():
         raise SpecdecError(f"{d} is a directory but has no config.json; point --model at a Hugging Face model folder or a .gguf file")
@@ -224,7 +265,7 @@ def load_hf_dir(d: Path, dtype=torch.float32, source: str | None = None, native:
     if native is True and problem:
         raise SpecdecError(f"the native model cannot run this checkpoint: {problem}")
     if problem is None and native is not False:
-        model = build_native(cfg, _read_state_dict(d), dtype=dtype, pack=True)
+        model = build_native(cfg, _read_state_dict(d), dtype=dtype, pack=pack)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -307,7 +348,7 @@ def attach_gguf_blocks(lm: LoadedModel, weights: str = "auto", quiet: bool = Fal
             raise SpecdecError(f"--weights {weights} needs a GGUF model (--model FILE.gguf or the default model)")
         return
     model = lm.model
-    if not getattr(model, "native", False) or model.dtype != torch.float32 or not model.packed:
+    if not getattr(model, "native", False) or model.dtype != torch.float32:
         if strict:
             raise SpecdecError(f"--weights {weights} needs the native model in float32 (no --dtype bfloat16)")
         return
@@ -343,12 +384,12 @@ def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None
     t0 = time.perf_counter()
     if spec in (None, "", "default") or _is_default_file(spec):  # the default by name or by its path
         path = default_model_path()
-        lm = load_hf_dir(convert_gguf(path, quiet), dtype, "default", native, quiet, with_tokenizer)
+        lm = load_hf_dir(convert_gguf(path, quiet), dtype, "default", native, quiet, with_tokenizer, pack=False)
         lm.name, lm.gguf = DEFAULT_MODEL_NAME, str(path)
     else:
         p = Path(os.path.expanduser(spec))
         if p.is_file():
-            lm = load_hf_dir(convert_gguf(p, quiet), dtype, spec, native, quiet, with_tokenizer)
+            lm = load_hf_dir(convert_gguf(p, quiet), dtype, spec, native, quiet, with_tokenizer, pack=False)
             lm.name, lm.gguf = p.stem, str(p)
         elif p.is_dir():
             lm = load_hf_dir(p, dtype, spec, native, quiet, with_tokenizer)
@@ -361,5 +402,7 @@ def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None
                 "Pass a .gguf file, a Hugging Face model folder, or omit --model for the default model"
             )
     attach_gguf_blocks(lm, weights, quiet)  # (a GGUF's blocks; --weights blocks without one is an error)
+    if getattr(lm.model, "native", False):
+        lm.model.pack()  # (a GGUF's model, after its blocks: what they compute needs no packed copy)
     lm.load_s = time.perf_counter() - t0
     return lm
