@@ -42,6 +42,29 @@ def test_length_policy_measures_the_cost_of_a_verified_token():
     assert pol.choose(2, 8) <= 2
 
 
+def test_length_policy_probes_after_declining_and_recovers_when_guesses_start_to_hold():
+    """A policy that stopped guessing (its acceptance estimate, or a cost measured in a slow spell,
+    says guesses do not pay) proposes one guess after probe_every declined lookups of a match
+    length, so it learns again: once the text copies, its probes hold and it proposes in full."""
+    pol = LengthPolicy(max_n=2, max_k=8, clock=False)
+    for _ in range(300):
+        pol.observe(2, 4, 0)  # 2-gram matches never hold
+    picks = [pol.choose(2, 6) for _ in range(64)]
+    assert picks.count(1) == 64 // pol.probe_every and set(picks) == {0, 1}
+    assert [i for i, p in enumerate(picks) if p] == [i for i in range(64) if (i + 1) % pol.probe_every == 0]
+    lengths = []
+    for _ in range(400):  # the text starts to copy: every guess proposed now holds
+        j = pol.choose(2, 6)
+        lengths.append(j)
+        if j:
+            pol.observe(2, j, j)
+    assert max(lengths[:15]) == 0 and max(lengths[-20:]) >= 4, lengths
+    never = LengthPolicy(max_n=2, max_k=8, clock=False, probe_every=0)
+    for _ in range(300):
+        never.observe(2, 4, 0)
+    assert all(never.choose(2, 6) == 0 for _ in range(64))
+
+
 def test_adaptive_drafter_proposes_nothing_where_guesses_fail():
     d = NgramDrafter(max_n=2)
     d.begin(None, SamplingParams(), 0)
@@ -51,7 +74,15 @@ def test_adaptive_drafter_proposes_nothing_where_guesses_fail():
     for _ in range(100):
         d.propose(DraftContext([ctx], SamplingParams(), None), 4)
         d.commit([0])
-    assert d.propose(DraftContext([ctx], SamplingParams(), None), 4).counts.tolist() == [0]
+    # then nothing, but for a probe of one guess after every probe_every lookups declined in a row
+    every = d.policy.probe_every
+    counts = []
+    for _ in range(3 * every):
+        counts += d.propose(DraftContext([ctx], SamplingParams(), None), 4).counts.tolist()
+        d.commit([0])
+    assert counts.count(1) == 3 and sum(counts) == 3  # the probes: one guess each
+    probes = [i for i, c in enumerate(counts) if c]
+    assert probes[1] - probes[0] == probes[2] - probes[1] == every
     fixed = NgramDrafter(max_n=2, adaptive=False)
     assert fixed.propose(DraftContext([ctx], SamplingParams(), None), 4).tokens.tolist() == [[5, 3, 4]]
 
@@ -73,7 +104,8 @@ def test_seeded_sample_lookups_are_cut_from_its_own_acceptance_not_timing(monkey
     for _ in range(100):  # guesses never hold in this request
         d.propose(DraftContext([ctx], seeded, None), 8)
         d.commit([0])
-    assert d.propose(DraftContext([ctx], seeded, None), 8).counts.tolist() == [0]
+    later = [int(d.propose(DraftContext([ctx], seeded, None), 8).counts[0]) for _ in range(32)]
+    assert max(later) <= 1 and sum(later) == 2  # nothing but a probe of one guess per 16 declined
     assert d.policy.seen[2][0] == 2.0  # the shared policy learnt nothing from the seeded request
     d.begin([ctx], seeded, 0)  # the next request starts afresh, whatever this one saw
     assert d.propose(DraftContext([ctx], seeded, None), 8).counts.tolist() == first.counts.tolist()

@@ -16,7 +16,12 @@ time,
 where r is the measured cost of one more verified token relative to a plain step (timed
 between successive `propose` calls and fitted by decayed least squares; 0.08 until
 measured). A 1-token match that rarely holds is then not proposed at all, while a long
-match in copied text is proposed in full. `adaptive=False` gives the classic fixed rule.
+match in copied text is proposed in full. A policy that proposes nothing learns nothing, so
+after `probe_every` lookups of one match length declined in a row it proposes one guess
+anyway: a text that starts to copy, or a cost misjudged in a slow spell (a high r stops
+every guess, and only guessed steps can measure it again), is noticed within a few probes
+instead of never (one guess in 16 declined steps: ~0.5% of a step). `adaptive=False` gives
+the classic fixed rule.
 For a seeded sampled request the cut must not depend on measured times (they would change
 how many guesses a step verifies, so which random numbers verification draws, and the same
 seed would give another text): such a request gets a policy of its own, started afresh at
@@ -61,11 +66,14 @@ class LengthPolicy:
     chooses how many of a lookup's tokens to propose. Knows nothing about models."""
 
     def __init__(self, max_n: int, max_k: int, decay: float = 0.98, r_prior: float = 0.08,
-                 clock: bool = True) -> None:
+                 clock: bool = True, probe_every: int = 16) -> None:
         """clock=False: price a guess at r_prior always, never at a measured cost (a seeded sample's
-        lengths must not depend on timing)."""
+        lengths must not depend on timing). probe_every: propose one guess after this many
+        lookups of a match length declined in a row (0: never)."""
         self.decay = decay
         self.clock = clock
+        self.probe_every = probe_every
+        self.declined = [0] * (max_n + 1)  # per match length: lookups declined since the last guess
         self.acc = [[1.0] * max_k for _ in range(max_n + 1)]  # prior 0.5 at every position
         self.seen = [[2.0] * max_k for _ in range(max_n + 1)]
         self.r_prior = r_prior
@@ -106,6 +114,13 @@ class LengthPolicy:
             v = e / (1.0 + r * j)
             if v > best:
                 best, best_j = v, j
+        n = min(n, len(self.declined) - 1)
+        if best_j == 0 and available > 0 and self.probe_every:
+            self.declined[n] += 1
+            if self.declined[n] >= self.probe_every:
+                best_j = 1  # a probe (module docstring)
+        if best_j:
+            self.declined[n] = 0
         return best_j
 
     def observe(self, n: int, proposed: int, accepted: int) -> None:
