@@ -631,3 +631,36 @@ def test_fused_decoding_step_gives_the_python_paths_numbers(monkeypatch):
                 step.append(native(toks, pos, cache, attn_mask=am)[0])
             outs.append(torch.cat(step, 1))
         assert torch.equal(outs[0], outs[1]), B
+
+
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_direct_decoding_step_on_integer_kernels_gives_the_general_paths_numbers(act_bits):
+    """With every projection on the integer kernels (no biases), a decoding step calls the kernels
+    straight from Block.fast, skipping Linear.forward and friends: the same calls, so the same
+    logits bit for bit as the general path, for chains, a tree and a ragged batch; and a model
+    whose projections are not all on them (heads of 16: no fused step) takes the general path."""
+    from conftest import prefill_ragged
+
+    _, native = vnni_models(128, act_bits)
+    fast = [blk.fast for blk in native.layers]
+    assert all(f is not None for f in fast)
+    g = torch.Generator().manual_seed(13)
+    rows = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 5)]
+    tree = ancestor_mask([-1, 0, 0, 1])
+    for batch in ([rows[0]], rows):
+        B = len(batch)
+        outs = []
+        for on in (True, False):
+            for blk, f in zip(native.layers, fast):
+                blk.fast = f if on else None
+            cache, _, lens = prefill_ragged(native, batch, max_len=40)
+            step = []
+            for T, mask in ((1, None), (5, None), (4, tree), (16, None)):
+                toks = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(T))
+                depth = tree.sum(-1) - 1 if mask is not None else torch.arange(T)
+                am = None if mask is None else mask[None].expand(B, T, T)
+                step.append(native(toks, cache.lengths[:, None] + depth[None], cache, attn_mask=am)[0])
+            outs.append(torch.cat(step, 1))
+        assert torch.equal(outs[0], outs[1]), B
+    _, small = vnni_models(64, act_bits)
+    assert all(blk.fast is None for blk in small.layers)

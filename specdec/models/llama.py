@@ -362,6 +362,12 @@ class Linear(nn.Linear):
 
 class Block(nn.Module):
     kops = None  # the kernels (torch.ops.specdec_q) for the layer's decoding steps (attach_blocks)
+    # a decoding step's calls with every projection on the integer kernels and no biases (the
+    # default model on int16 / int8): plain references to the kernels, blocks and norm weights,
+    # so the step makes its ten kernel calls without the Python of Linear.forward, block_linear and
+    # nn.Module attribute lookups in between (the same calls, so the same numbers; set by
+    # attach_blocks, see fast_step_args)
+    fast = None
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -379,6 +385,16 @@ class Block(nn.Module):
     # module-call machinery (hooks) saved ~0.4 ms a forward of 30 layers on this project's CPU
     def forward(self, x, cos, sin, cache: KVCache, layer: int, start, uniform, mask, n_keys, causal=False):
         B, T, _ = x.shape
+        f = self.fast
+        if (f is not None and FUSED_DECODING_STEP and not causal and T <= ATTEND_MAX_T and B * T <= BLOCK_MAX_ROWS
+                and x.dtype == torch.float32 and cache.k[layer].dtype == torch.float32):
+            # the fused decoding step below, its calls made straight (Block.fast)
+            kops = self.kops
+            qkv, qkv_b, qkv_n, o_op, o_b, o_n, gu_op, gu_b, gu_n, d_op, d_b, d_n, an, mn, eps = f
+            o = kops.rope_attend(qkv(kops.rms_norm(x, an, eps), qkv_b, qkv_n), cos, sin, cache.k[layer],
+                                 cache.v[layer], start, self.n_heads, n_keys, mask)
+            x = x + o_op(o, o_b, o_n)
+            return x + d_op(kops.silu_mul(gu_op(kops.rms_norm(x, mn, eps), gu_b, gu_n)), d_b, d_n)
         H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
         kops = self.kops
         h = rms_norm(x, self.attn_norm, self.eps, kops)
@@ -426,6 +442,18 @@ class Block(nn.Module):
         h = rms_norm(x, self.mlp_norm, self.eps, kops)
         gate, up = self.w_gate_up.forward(h).chunk(2, dim=-1)
         return x + self.w_down.forward(F.silu(gate) * up)
+
+
+    def fast_step_args(self) -> tuple | None:
+        """Block.fast for this layer, or None where the step needs the general path: a projection
+        not on the integer kernels or with a bias, or a norm width the kernel does not take."""
+        lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        if self.kops is None or self.attn_norm.shape[0] % 16 or self.head_dim not in ATTEND_HEAD_SIZES or \
+                self.head_dim % 32 or not all(is_vnni(lin.qargs) and lin.bias is None and lin.packed_bias is None
+                                              for lin in lins):
+            return None
+        calls = [(lin.qargs[0], lin.qargs[1], lin.qargs[4]) for lin in lins]
+        return (*calls[0], *calls[1], *calls[2], *calls[3], self.attn_norm.detach(), self.mlp_norm.detach(), self.eps)
 
 
 class LlamaModel(nn.Module):
@@ -594,6 +622,8 @@ class LlamaModel(nn.Module):
                 _, i, attr = name.split(".")
                 getattr(self.layers[int(i)], attr).attach(ops, b, act_bits)
             n += 1
+        for blk in self.layers:
+            blk.fast = blk.fast_step_args()
         return n
 
     @property
