@@ -160,11 +160,14 @@ def test_kernel_refuses_mismatched_shapes(layout):
         op(torch.randn(2, 64, dtype=torch.float64), p, 16)
 
 
-def test_n_major_layout_needs_whole_tiles():
+def test_tile_layouts_need_whole_tiles_and_the_vnni_one_float16_scales():
     rng = np.random.default_rng(2)
     assert gb.pack("Q4_1", rand_q4_1(20, 64, rng))[2] is None  # 20 outputs: not a multiple of 16
     assert gb.pack("Q8_0", rand_q8_0(20, 64, rng))[2] is None
     assert gb.pack("Q4_1", rand_q4_1(20, 64, rng), "vnni") == ("Q4_1", None, None)
+    q, d, m = rand_q4_1(16, 64, rng)  # the VNNI layout keeps Q4_1 scales as float16: others are refused
+    assert gb.pack("Q4_1", (q, d, m), "vnni")[1] is not None
+    assert gb.pack("Q4_1", (q, d, m + np.float32(1e-6) * np.abs(m).max()), "vnni") == ("Q4_1", None, None)
     with pytest.raises(ValueError, match="layout"):
         gb.pack("Q4_1", rand_q4_1(16, 64, rng), "int8")
 

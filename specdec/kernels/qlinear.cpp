@@ -288,8 +288,9 @@ at::Tensor q8_0_linear_n(const at::Tensor& x, const at::Tensor& packed, int64_t 
 //   Q8_0: y += float(sum (q + 128) qa - 128 sum qa) * (dw * da)
 // A row's result depends only on that row (integer sums have no order), for every row count, so
 // one kernel serves 1-16 rows and a verified token's projections equal decoding it alone bit for
-// bit. Layout (gguf_blocks._pack_*_v), tiles of 16 outputs; per tile and block, Q4_1: float d[16],
-// float m[16], then 4 x 64 bytes, byte 4j + t of vector h holding weight 4h + t of output j in its
+// bit. Layout (gguf_blocks._pack_*_v), tiles of 16 outputs; per tile and block, Q4_1: float16 d[16],
+// float16 m[16] (a GGUF's own scales: exact in float16; 320 bytes a block instead of 384 with
+// float32 ones, and a step's Q4_1 products stream from memory), then 4 x 64 bytes, byte 4j + t of vector h holding weight 4h + t of output j in its
 // low nibble and weight 16 + 4h + t in its high one; Q8_0: float d[16], then 8 x 64 bytes, byte
 // 4j + t of vector g = weight 4g + t of output j, plus 128.
 constexpr int MAX_ROWS_V = 16;  // one accumulator a row: 16 rows + 8 weight vectors fit the 32 registers
@@ -340,19 +341,19 @@ void quantize_rows(const float* x, int64_t M, int64_t K, ActQ& a) {
 }
 
 struct Q4_1V {
-  static constexpr int BLK = 64 + 64 + 256;
+  static constexpr int BLK = 32 + 32 + 256;
   static inline void weights(const uint8_t* tb, __m512i* w) {
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4
     for (int h = 0; h < 4; ++h) {
-      const __m512i p = _mm512_loadu_si512(tb + 128 + 64 * h);
+      const __m512i p = _mm512_loadu_si512(tb + 64 + 64 * h);
       w[h] = _mm512_and_si512(p, lo4);
       w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo4);
     }
   }
   static inline __m512 finish(__m512i is, const uint8_t* tb, __m512 acc, float da, float sa, int32_t) {
-    const __m512 dw = _mm512_loadu_ps(reinterpret_cast<const float*>(tb));
-    const __m512 mw = _mm512_loadu_ps(reinterpret_cast<const float*>(tb + 64));
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32)));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
     return _mm512_fmadd_ps(mw, _mm512_set1_ps(sa), acc);
   }
