@@ -290,8 +290,8 @@ at::Tensor q8_0_linear_n(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // one kernel serves 1-16 rows and a verified token's projections equal decoding it alone bit for
 // bit. Layout (gguf_blocks._pack_*_v), tiles of 16 outputs; per tile and block, Q4_1: float16 d[16],
 // float16 m[16] (a GGUF's own scales: exact in float16; 320 bytes a block instead of 384 with
-// float32 ones, and a step's Q4_1 products stream from memory), then 4 x 64 bytes, byte 4j + t of vector h holding weight 4h + t of output j in its
-// low nibble and weight 16 + 4h + t in its high one; Q8_0: float d[16], then 8 x 64 bytes, byte
+// float32 ones, and a step's products stream from memory), then 4 x 64 bytes, byte 4j + t of vector h holding weight 4h + t of output j in its
+// low nibble and weight 16 + 4h + t in its high one; Q8_0: float16 d[16], then 8 x 64 bytes, byte
 // 4j + t of vector g = weight 4g + t of output j, plus 128.
 constexpr int MAX_ROWS_V = 16;  // one accumulator a row: 16 rows + 8 weight vectors fit the 32 registers
 
@@ -360,13 +360,13 @@ struct Q4_1V {
 };
 
 struct Q8_0V {
-  static constexpr int BLK = 64 + 512;
+  static constexpr int BLK = 32 + 512;
   static inline void weights(const uint8_t* tb, __m512i* w) {
 #pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(tb + 64 + 64 * g);
+    for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(tb + 32 + 64 * g);
   }
   static inline __m512 finish(__m512i is, const uint8_t* tb, __m512 acc, float da, float, int32_t sum) {
-    const __m512 dw = _mm512_loadu_ps(reinterpret_cast<const float*>(tb));
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb)));
     is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * sum));  // the weights' +128
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
   }

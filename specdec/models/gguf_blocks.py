@@ -8,7 +8,7 @@ projections (q/k/v and gate/up fused as the model fuses them; q and k rows permu
 transformers' GGUF reader permutes them for Llama) and for the LM head, and *checks* that every
 packed matrix rebuilds, weight for weight and bit for bit, the fp32 copy the model was loaded
 from; a matrix that does not (another quantisation type, an unknown layout) is left to the fp32
-path. The result is cached beside the fp32 copy (`blocks-v2.safetensors`, `blocks-vnni-v2.safetensors`).
+path. The result is cached beside the fp32 copy (`blocks-v2.safetensors`, `blocks-vnni-v3.safetensors`).
 
 Layouts (see qlinear.cpp): K-major, output rows in groups of 4; per group and 32-weight block,
 Q4_1: d[4], m[4] as float32 then 4 x 16 nibble bytes; Q8_0: d[4] as float32 then 4 x 32 int8.
@@ -16,7 +16,7 @@ N-major, tiles of 16 outputs; per tile and block, Q4_1: d[16], m[16], then 16 x 
 i of each output); Q8_0: d[16], then 32 x 16 int8. Both are kept: the kernels for 1-2 rows read
 the first, those for 3-16 rows the second. VNNI (the integer kernels, every row count): tiles of
 16 outputs; per tile and block, Q4_1: d[16], m[16] as float16, then 4 x 64 bytes (byte 4j + t of
-vector h: weights 4h + t and 16 + 4h + t of output j as two nibbles); Q8_0: d[16] as float32, then
+vector h: weights 4h + t and 16 + 4h + t of output j as two nibbles); Q8_0: d[16] as float16, then
 8 x 64 bytes (weight
 4g + t of output j, plus 128). Each layout is cached in its own file (BLOCKS_FILES).
 Q4_0 (w = d (q - 8)) is stored as Q4_1 with m = -8 d, which rebuilds the same values exactly.
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-BLOCKS_FILES = {"float": "blocks-v2.safetensors", "vnni": "blocks-vnni-v2.safetensors"}
+BLOCKS_FILES = {"float": "blocks-v2.safetensors", "vnni": "blocks-vnni-v3.safetensors"}
 BLOCKS_FILE = BLOCKS_FILES["float"]
 G = 4  # output rows per group (qlinear.cpp)
 
@@ -92,9 +92,9 @@ def _tile_scales(x: np.ndarray, T: int) -> np.ndarray:
 
 
 def _tile_scales16(x: np.ndarray, T: int) -> np.ndarray | None:
-    """_tile_scales as float16 (2 bytes each: a GGUF file stores its scales so, and a Q4_1 block
-    of the VNNI layout then reads 320 bytes instead of 384), or None if a scale is not a float16
-    value (its float32 would not come back exactly)."""
+    """_tile_scales as float16 (2 bytes each: a GGUF file stores its scales so, and a block of the
+    VNNI layout then reads 320 bytes instead of 384 (Q4_1), 544 instead of 576 (Q8_0)), or None if a
+    scale is not a float16 value (its float32 would not come back exactly)."""
     h = x.astype(np.float16)
     if not np.array_equal(h.astype(np.float32), x):
         return None
@@ -142,14 +142,18 @@ def _pack_q4_v(q, d, m) -> torch.Tensor | None:
 
 
 def _pack_q8_v(q, d) -> torch.Tensor | None:
-    """The VNNI layout: per tile and block, d[16], then 8 x 64 bytes; byte 4j + t of vector g:
-    weight 4g + t of output j, plus 128 (vpdpbusd multiplies unsigned by signed bytes)."""
+    """The VNNI layout: per tile and block, d[16] as float16, then 8 x 64 bytes; byte 4j + t of
+    vector g: weight 4g + t of output j, plus 128 (vpdpbusd multiplies unsigned by signed bytes).
+    None if the rows are not a multiple of 16 or a scale is not a float16 value."""
     N, nb = d.shape
     if N % TN:
         return None
     T = N // TN
+    d16 = _tile_scales16(d, T)
+    if d16 is None:
+        return None
     u = (q.astype(np.int16) + 128).astype(np.uint8).reshape(T, TN, nb, 8, 4)  # [tile, j, b, g, t]
-    return _tiles(_tile_scales(d, T), u.transpose(0, 2, 3, 1, 4).reshape(T, nb, 512))
+    return _tiles(d16, u.transpose(0, 2, 3, 1, 4).reshape(T, nb, 512))
 
 
 LAYOUTS = ("float", "vnni")  # for float32 activations (K- and N-major) | integer dot products
