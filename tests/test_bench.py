@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from specdec.bench import peers as peers_mod
 from specdec.bench.report import format_table, write
@@ -185,3 +186,33 @@ def test_bench_end_to_end(default_model, tmp_path, capsys):
     assert result["table"]["hf"]["all"]["speedup_vs_hf"] == 1.0
     for f in ("results.json", "report.md", "speedup.png", "acceptance.png"):
         assert (out / f).is_file()
+
+
+def test_peak_memory_sees_a_transient_allocation_and_starts_afresh_each_time():
+    """The bench's peak memory: an allocation made and freed inside the block counts; the next
+    block's peak starts from what is resident then (on Linux the kernel's high-water mark, reset
+    on entry, with no sampling thread beside the measured code). In a fresh process, so that
+    other tests' allocator state (memory kept after free) does not blur the second block."""
+    import subprocess
+    import sys
+
+    code = """
+import threading
+import torch
+from specdec.bench.runner import PeakMemory, rss_bytes
+pm = PeakMemory()
+before, threads = rss_bytes(), threading.active_count()
+with pm:
+    assert threading.active_count() == threads  # no sampling thread (Linux)
+    x = torch.ones(50 * 2**20)  # 200 MB, touched
+    del x
+big = pm.peak
+assert big >= before + 150 * 2**20, (big, before)
+start = rss_bytes()
+with pm:
+    y = torch.ones(1024)
+    del y
+assert pm.peak < start + 50 * 2**20, (pm.peak, start)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-800:]
