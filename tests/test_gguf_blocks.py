@@ -606,34 +606,41 @@ def test_linear_on_blocks_keeps_its_bias_packed_or_not():
         assert (lin.forward(x) - ref).abs().max() < 0.05 * ref.abs().max()  # Q8_0 copy: close, and biased
 
 
+def _steps_both_ways(native, seed: int, cells, switch) -> None:
+    """Decoding steps (cells: (T, tree mask or None)) after ragged prompts, one row and two, with
+    switch(True) then switch(False) in force: the logits must be equal bit for bit."""
+    from conftest import prefill_ragged
+
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 5)]
+    for batch in ([rows[0]], rows):
+        B = len(batch)
+        outs = []
+        for on in (True, False):
+            switch(on)
+            cache, _, _ = prefill_ragged(native, batch, max_len=40)
+            step = []
+            for T, mask in cells:
+                toks = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(T))
+                depth = mask.sum(-1) - 1 if mask is not None else torch.arange(T)
+                am = None if mask is None else mask[None].expand(B, T, T)
+                step.append(native(toks, cache.lengths[:, None] + depth[None], cache, attn_mask=am)[0])
+            outs.append(torch.cat(step, 1))
+        assert torch.equal(outs[0], outs[1]), B
+
+
 def test_fused_decoding_step_gives_the_python_paths_numbers(monkeypatch):
     """The kernels' one-call decoding step (rotation, cache write, attention; silu * up) computes
     what the step through torch ops and the kernels' attention computes, bit for bit: chains and
     a tree, one row and a ragged batch."""
-    from conftest import prefill_ragged
     from specdec.models import llama
 
     ops = need_ops()
     _, native, blocks = block_models(128)
     native.attach_blocks(ops, blocks)
-    g = torch.Generator().manual_seed(12)
-    rows = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 5)]
     tree = ancestor_mask([-1, 0, 0, 1])
-    for batch in ([rows[0]], rows):
-        B = len(batch)
-        outs = []
-        for fused in (True, False):
-            monkeypatch.setattr(llama, "FUSED_DECODING_STEP", fused)
-            cache, _, lens = prefill_ragged(native, batch, max_len=32)
-            step = []
-            for T, mask in ((1, None), (3, None), (4, tree)):
-                toks = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(T))
-                depth = tree.sum(-1) - 1 if mask is not None else torch.arange(T)
-                pos = cache.lengths[:, None] + depth[None]
-                am = None if mask is None else mask[None].expand(B, T, T)
-                step.append(native(toks, pos, cache, attn_mask=am)[0])
-            outs.append(torch.cat(step, 1))
-        assert torch.equal(outs[0], outs[1]), B
+    _steps_both_ways(native, 12, ((1, None), (3, None), (4, tree)),
+                     lambda on: monkeypatch.setattr(llama, "FUSED_DECODING_STEP", on))
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
@@ -642,28 +649,15 @@ def test_direct_decoding_step_on_integer_kernels_gives_the_general_paths_numbers
     straight from Block.fast, skipping Linear.forward and friends: the same calls, so the same
     logits bit for bit as the general path, for chains, a tree and a ragged batch; and a model
     whose projections are not all on them (heads of 16: no fused step) takes the general path."""
-    from conftest import prefill_ragged
-
     _, native = vnni_models(128, act_bits)
     fast = [blk.fast for blk in native.layers]
     assert all(f is not None for f in fast)
-    g = torch.Generator().manual_seed(13)
-    rows = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 5)]
+
+    def switch(on):
+        for blk, f in zip(native.layers, fast):
+            blk.fast = f if on else None
+
     tree = ancestor_mask([-1, 0, 0, 1])
-    for batch in ([rows[0]], rows):
-        B = len(batch)
-        outs = []
-        for on in (True, False):
-            for blk, f in zip(native.layers, fast):
-                blk.fast = f if on else None
-            cache, _, lens = prefill_ragged(native, batch, max_len=40)
-            step = []
-            for T, mask in ((1, None), (5, None), (4, tree), (16, None)):
-                toks = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(T))
-                depth = tree.sum(-1) - 1 if mask is not None else torch.arange(T)
-                am = None if mask is None else mask[None].expand(B, T, T)
-                step.append(native(toks, cache.lengths[:, None] + depth[None], cache, attn_mask=am)[0])
-            outs.append(torch.cat(step, 1))
-        assert torch.equal(outs[0], outs[1]), B
+    _steps_both_ways(native, 13, ((1, None), (5, None), (4, tree), (16, None)), switch)
     _, small = vnni_models(64, act_bits)
     assert all(blk.fast is None for blk in small.layers)
