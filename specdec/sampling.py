@@ -46,10 +46,22 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1), the same indices (the first maximum; the first NaN if any), through the
+    native kernels where this process loaded them (a float32 CPU tensor: one row of the default
+    model's vocabulary ~7.5 us instead of ~29, nine rows ~34 instead of ~143), else torch's."""
+    from . import kernels
+
+    ops = kernels.loaded()
+    if ops is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.shape[-1] > 0:
+        return ops.argmax_rows(x)
+    return x.argmax(-1)
+
+
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """The next token per row from logits [B, V] -> [B]: argmax if greedy, else a sample."""
     if params.greedy:
-        return logits.argmax(-1)
+        return argmax_last(logits)
     return sample(warp(logits, params), generator)
 
 

