@@ -3,7 +3,8 @@
 The warping order follows transformers' `generate`: temperature, then top-k, then top-p,
 then min-p. The same `warp` is applied to the target's and the draft's logits, so that
 speculative verification compares like with like (DESIGN.md: p and q after the same
-warping). Greedy (temperature 0) is argmax and never calls `warp`.
+warping). Greedy (temperature 0) is argmax (through the native kernels where a GGUF target
+loaded them: the same indices, faster) and never calls `warp`.
 
 All randomness comes from an explicit `torch.Generator`. This module knows nothing about
 models or tokenizers.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .types import SamplingParams
 
 
@@ -50,10 +52,9 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1), the same indices (the first maximum; the first NaN if any), through the
     native kernels where this process loaded them (a float32 CPU tensor: one row of the default
     model's vocabulary ~7.5 us instead of ~29, nine rows ~34 instead of ~143), else torch's."""
-    from . import kernels
-
     ops = kernels.loaded()
-    if ops is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.shape[-1] > 0:
+    if ops is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 \
+            and 0 < x.shape[-1] < 2**31:
         return ops.argmax_rows(x)
     return x.argmax(-1)
 

@@ -289,10 +289,11 @@ at::Tensor q8_0_linear_n(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // A row's result depends only on that row (integer sums have no order), for every row count, so
 // one kernel serves 1-16 rows and a verified token's projections equal decoding it alone bit for
 // bit. Layout (gguf_blocks._pack_*_v), tiles of 16 outputs; per tile and block, Q4_1: float16 d[16],
-// float16 m[16] (a GGUF's own scales: exact in float16; 320 bytes a block instead of 384 with
-// float32 ones, and a step's products stream from memory), then 4 x 64 bytes, byte 4j + t of vector h holding weight 4h + t of output j in its
+// float16 m[16], then 4 x 64 bytes, byte 4j + t of vector h holding weight 4h + t of output j in its
 // low nibble and weight 16 + 4h + t in its high one; Q8_0: float16 d[16], then 8 x 64 bytes, byte
-// 4j + t of vector g = weight 4g + t of output j, plus 128.
+// 4j + t of vector g = weight 4g + t of output j, plus 128. (The scales are a GGUF's own, exact in
+// float16: 320 / 544 bytes a block instead of 384 / 576 with float32 ones, and a decoding step's
+// products stream their blocks from memory.)
 constexpr int MAX_ROWS_V = 16;  // one accumulator a row: 16 rows + 8 weight vectors fit the 32 registers
 
 struct ActQ {  // one call's quantised activations: per row and block, 32 high (and low) bytes, da, da * sum qa, sum qa

@@ -17,8 +17,8 @@ i of each output); Q8_0: d[16], then 32 x 16 int8. Both are kept: the kernels fo
 the first, those for 3-16 rows the second. VNNI (the integer kernels, every row count): tiles of
 16 outputs; per tile and block, Q4_1: d[16], m[16] as float16, then 4 x 64 bytes (byte 4j + t of
 vector h: weights 4h + t and 16 + 4h + t of output j as two nibbles); Q8_0: d[16] as float16, then
-8 x 64 bytes (weight
-4g + t of output j, plus 128). Each layout is cached in its own file (BLOCKS_FILES).
+8 x 64 bytes (weight 4g + t of output j, plus 128). Each layout is cached in its own file
+(BLOCKS_FILES).
 Q4_0 (w = d (q - 8)) is stored as Q4_1 with m = -8 d, which rebuilds the same values exactly.
 
 This module knows nothing about tokenizers, sampling or the engine.

@@ -443,7 +443,6 @@ class Block(nn.Module):
         gate, up = self.w_gate_up.forward(h).chunk(2, dim=-1)
         return x + self.w_down.forward(F.silu(gate) * up)
 
-
     def fast_step_args(self) -> tuple | None:
         """Block.fast for this layer, or None where the step needs the general path: a projection
         not on the integer kernels or with a bias, or a norm width the kernel does not take."""
