@@ -7,7 +7,10 @@ long contexts, and a way to compare two checkouts of the model code:
     PYTHONPATH=/path/to/other/checkout python benchmarks/forward_costs.py --threads 2
     python benchmarks/forward_costs.py --prefill 10 --tokens 1,2,3,5 --repeats 30 --pad 1,4 --threads 2
 
-`--pad 1,4` times every step twice, interleaved, with the prepacked projections' row padding
+Variants are interleaved, each timed step after --warm (default 2) untimed steps of the same
+variant: with several model copies in one process, a step right after another copy's starts with
+that copy's weights in the caches, which made the integer kernels' 5-token steps look 1.5x dearer
+than in a decoding loop. `--pad 1,4` times every step twice, interleaved, with the prepacked projections' row padding
 off (1) and at 4 rows (the default, `llama.MIN_PACKED_ROWS`): the A/B behind that default.
 `--weights fp32,blocks,int16,int8` does the same with the default model's dequantised fp32
 weights, its GGUF blocks with float32 activations, and its blocks with 16- and 8-bit activations
@@ -53,6 +56,9 @@ def main() -> int:
     ap.add_argument("--weights", default=None,
                     help="comma-separated weights to compare, interleaved: fp32, blocks, int16, int8 (see "
                          "specdec generate --help). Default: the loader's choice (int16 where the CPU has VNNI)")
+    ap.add_argument("--warm", type=int, default=2,
+                    help="untimed steps of the same variant before each timed one (as in a decoding loop; 0: "
+                         "each timed step right after another variant's, as before 2026-12-02). Default: 2")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -86,9 +92,11 @@ def main() -> int:
     def ids(n: int) -> torch.Tensor:
         return torch.randint(0, vocab, (1, n), generator=gen)
 
-    def median_ms(make, n: int) -> dict:
+    def median_ms(make, n: int, warm: int = 0) -> dict:
         """{variant: median ms} of make(model)(), the variants interleaved (order flipped every other
-        round)."""
+        round); each timed call after `warm` untimed ones of the same variant, as in a decoding
+        loop, where a step follows a step of the same model (not another copy's, whose weights
+        would fill the caches)."""
         fns = {v: make(m) for v, (m, _) in variants.items()}
         times: dict = {v: [] for v in variants}
         for v, fn in fns.items():
@@ -97,6 +105,8 @@ def main() -> int:
             for v in pads if i % 2 == 0 else pads[::-1]:
                 if args.pad:
                     llama.MIN_PACKED_ROWS = variants[v][1]
+                for _ in range(warm):
+                    fns[v]()
                 t0 = time.perf_counter()
                 fns[v]()
                 times[v].append(time.perf_counter() - t0)
@@ -125,7 +135,7 @@ def main() -> int:
                     cache.truncate(S)
                 return step
 
-            steps[(S, T)] = median_ms(make_step, args.repeats)
+            steps[(S, T)] = median_ms(make_step, args.repeats, args.warm)
 
     print(f"specdec from {specdec.__file__}; threads {args.threads}; median ms")
     for pad in pads:
@@ -140,7 +150,7 @@ def main() -> int:
             cells = [f"T={T} {steps[(S, T)][pad]} ms" + (f" ({steps[(S, T)][pad] / one:.2f}x)" if one else "")
                      for T in args.tokens]
             print(f"step after {S} tokens: " + ", ".join(cells))
-    print(json.dumps({"benchmark": "forward_costs", "threads": args.threads, "torch": torch.__version__,
+    print(json.dumps({"benchmark": "forward_costs", "threads": args.threads, "warm": args.warm, "torch": torch.__version__,
                       "prefill_ms": {L: v if len(pads) > 1 else v[pads[0]] for L, v in prefill.items()},
                       "step_ms": {f"{S}x{T}": v if len(pads) > 1 else v[pads[0]] for (S, T), v in steps.items()}}))
     return 0

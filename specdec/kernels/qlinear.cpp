@@ -589,8 +589,9 @@ void attention_core(const float* qp, int64_t B, int64_t H, int64_t T, int64_t Dh
   // about two items (a chunk's queries share each read of its head's keys and values; a one-token
   // step of a 3-query head on two threads: 3 items, 13-35% less time than one query an item)
   const int64_t want = 2 * at::get_num_threads();
-  const int64_t qc = std::max<int64_t>(1, std::min<int64_t>(QC, (B * Hkv * GT + want - 1) / want));
-  const int64_t chunks = (GT + qc - 1) / qc;
+  const int64_t most = std::max<int64_t>(1, std::min<int64_t>(QC, (B * Hkv * GT + want - 1) / want));
+  const int64_t chunks = (GT + most - 1) / most;
+  const int64_t qc = (GT + chunks - 1) / chunks;  // the same chunks, their sizes balanced (6 queries: 3 + 3, not 5 + 1)
   at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> scv(QC * S16);
     for (int64_t w = w0; w < w1; ++w) {
