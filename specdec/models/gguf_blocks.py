@@ -87,7 +87,7 @@ TN = 16  # outputs per tile of the N-major layout (qlinear.cpp)
 
 
 def _tile_scales(x: np.ndarray, T: int) -> np.ndarray:
-    """Per-output, per-block float32 scales [N, nb] as [T tiles, nb, 16 outputs * 4 bytes]."""
+    """Per-output, per-block scales [N, nb] as [T tiles, nb, 16 outputs * their bytes]."""
     return np.ascontiguousarray(x.reshape(T, TN, x.shape[1]).transpose(0, 2, 1)).view(np.uint8)
 
 
@@ -96,9 +96,7 @@ def _tile_scales16(x: np.ndarray, T: int) -> np.ndarray | None:
     VNNI layout then reads 320 bytes instead of 384 (Q4_1), 544 instead of 576 (Q8_0)), or None if a
     scale is not a float16 value (its float32 would not come back exactly)."""
     h = x.astype(np.float16)
-    if not np.array_equal(h.astype(np.float32), x):
-        return None
-    return np.ascontiguousarray(h.reshape(T, TN, x.shape[1]).transpose(0, 2, 1)).view(np.uint8)
+    return _tile_scales(h, T) if np.array_equal(h.astype(np.float32), x) else None
 
 
 def _tiles(*parts: np.ndarray) -> torch.Tensor:
