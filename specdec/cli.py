@@ -247,7 +247,7 @@ def cmd_serve(args) -> int:
         if path is None:
             raise SpecdecError("--method draft needs --draft PATH (a draft model with the target's tokenizer); "
                                "only the default model ships with a draft")
-        drafter = REGISTRY["draft"](target=lm, draft=load_model(str(path), dtype=lm.model.dtype))
+        drafter = REGISTRY["draft"](target=lm, draft=load_model(str(path), dtype=lm.model.dtype, pack=False))
     elif method == "auto":
         from .drafters.hybrid import lookup_eagle_for
 
@@ -1051,7 +1051,7 @@ def build_engine(args, target, quiet: bool):
             raise SpecdecError("--method draft needs --draft PATH (a draft model with the target's tokenizer); "
                                "only the default target ships with a draft")
         if path is not None:
-            draft_lm = load_model(str(path), dtype=target.model.dtype, quiet=quiet)
+            draft_lm = load_model(str(path), dtype=target.model.dtype, quiet=quiet, pack=False)
     if method == "none":
         return Engine(target.model, eos_ids=target.eos_ids), None
     conf = getattr(args, "draft_confidence", None)

@@ -121,3 +121,43 @@ def test_prepacked_subset_head_scores_like_the_plain_one(default_model):
     whole = fresh._feed([ctx + [7, 8, 9]])
     assert torch.allclose(steps[-1], whole, atol=1e-3 * float(whole.abs().max()))
     assert plain.fed[0] == ctx + [7, 8, 9] and int(plain.cache.lengths[0]) == len(ctx) + 3
+
+
+@pytest.mark.default_model
+def test_draft_model_runs_on_the_targets_integer_kernels(default_model):
+    """Beside a target on the GGUF's integer kernels, the shipped draft (loaded unpacked, as the CLI
+    loads drafts) computes on Q8_0 copies of its own weights through the same kernels: every layer
+    takes the direct decoding step (Block.fast) and the subset head is on the kernels. Its scores stay
+    within the quantisation's error of the float32 draft's, on a multi-token feed and on the
+    one-token steps that follow (a broken layout or scale would be far off), and its guesses mostly
+    agree with the float32 draft's. (Greedy equality with plain decoding on this draft: the
+    build_engine test above.)"""
+    import torch
+
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.kernels import loaded
+    from specdec.models.llama import is_vnni
+    from specdec.models.loader import default_draft_for, load_model
+
+    if not is_vnni(getattr(default_model.model, "head_q", None)):
+        pytest.skip("the target is not on the integer kernels on this CPU")
+    path = str(default_draft_for(default_model))
+    subset = load_model(path, quiet=True, pack=False).draft_meta["vocab_subset"]
+    V = default_model.model.vocab_size
+    ref = DraftModelDrafter(load_model(path, quiet=True, pack=False).model, V, subset)  # float32, unpacked
+    q8 = DraftModelDrafter(load_model(path, quiet=True, pack=False).model, V, subset, target_model=default_model.model)
+    assert ref.head_q is None and q8.head_q is not None and is_vnni(q8.head_q)
+    assert all(blk.fast is not None and blk.kops is loaded() for blk in q8.model.layers)
+    assert all(lin.weight is None for blk in q8.model.layers for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))
+    ctx = default_model.tokenizer.encode("def is_prime(n):\n    \"\"\"Whether n is a prime number.\"\"\"\n    if n < 2:\n")
+    for dr in (ref, q8):
+        dr.begin([ctx], SamplingParams(), 256)
+    feeds = [(ref._feed([ctx]), q8._feed([ctx]))]
+    for t in default_model.tokenizer.encode("        return False\n    for i in range(2, n):"):
+        feeds.append((ref._feed([[t]]), q8._feed([[t]])))
+    agree = 0
+    for a, b in feeds:
+        assert a.shape == b.shape == (1, len(subset))
+        assert (a - b).abs().max() <= 0.08 * a.abs().max(), "the Q8_0 draft's scores are off the float32 draft's"
+        agree += int(a.argmax()) == int(b.argmax())
+    assert agree >= len(feeds) - 2

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from ..models.llama import packed_linear
+from ..models.llama import block_linear, block_rows_ok, packed_linear
 from ..sampling import sample, warp
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
-from .eagle import pack_drafting_head
+from .eagle import block_drafting, pack_drafting_head
 
 
 def draw(scores: torch.Tensor, params, generator, subset: torch.Tensor | None, vocab_size: int):
@@ -36,24 +36,53 @@ def draw(scores: torch.Tensor, params, generator, subset: torch.Tensor | None, v
     return (subset[idx] if subset is not None else idx), q
 
 
+def draft_on_kernels(model, head: torch.Tensor, target_model):
+    """Where the target computes on the GGUF block kernels (eagle.block_drafting says where), give a
+    float32 native draft model's projections that still hold their fp32 weights (a model loaded
+    with load_model(..., pack=False)) Q8_0 copies on those kernels, its norms, rotation and
+    attention the kernels' too (LlamaModel.use_kernels: a drafting step becomes ~4 kernel calls a
+    layer), and return the kernel arguments of its output head `head` [S, D] as Q8_0 blocks (None:
+    nothing changed). Lossy for the draft's own numbers only (~0.4% of a block's largest weight),
+    so exactness does not move: sampling draws from, and verification divides by, the q the draft
+    computes."""
+    from ..kernels import loaded
+
+    if not getattr(model, "native", False) or model.dtype != torch.float32:
+        return None
+    lins = [lin for blk in model.layers for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)]
+    head_q = block_drafting(lins, head, target_model)
+    if head_q is not None:
+        model.use_kernels(loaded())
+    return head_q
+
+
 class DraftModelDrafter:
     def __init__(self, model, vocab_size: int | None = None, vocab_subset: list[int] | None = None,
-                 confidence: float = 0.0) -> None:
+                 confidence: float = 0.0, target_model=None) -> None:
         """vocab_subset: token ids the draft may propose (a frequency-ranked head: reading
         8k rows instead of 49k is most of a small draft's cost). Exact: q is 0 elsewhere.
         confidence: a row stops drafting after a guess the draft gives less than this
         probability (0: always the full length). Exact either way: when to stop depends only
-        on the draft's own numbers, never on the target's."""
+        on the draft's own numbers, never on the target's.
+        target_model: given, the draft runs on the target's block kernels where the target does
+        (draft_on_kernels) and is packed for oneDNN otherwise (pass an unpacked model then)."""
         self.model = model
         self.vocab_size = vocab_size or model.vocab_size  # the target's vocabulary (q is padded to it)
         self.subset = None
         self.head_packed = self.head_dtype = None  # a prepacked subset head (eagle.pack_drafting_head)
-        if vocab_subset is not None and getattr(model, "native", False):
+        self.head_q = None  # or the subset head as Q8_0 blocks on the kernels (kernel_args)
+        native = getattr(model, "native", False)
+        if vocab_subset is not None and native:
             self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
             if int(self.subset.max()) >= self.vocab_size:
                 raise SpecdecError("the draft's vocabulary subset names ids beyond the target's vocabulary")
             self.head = model.lm_head_weight().detach()[self.subset].contiguous()  # [S, D]
-            self.head_packed, self.head_dtype = pack_drafting_head(self.head)
+            if target_model is not None:
+                self.head_q = draft_on_kernels(model, self.head, target_model)
+            if self.head_q is None:
+                self.head_packed, self.head_dtype = pack_drafting_head(self.head)
+        if target_model is not None and native:
+            model.pack()  # the rest (a projection on the integer kernels only drops its fp32 weight)
         self.cost_hint = None  # measured by the engine
         self.confidence = confidence
         self.cache = None
@@ -90,7 +119,9 @@ class DraftModelDrafter:
         else:
             _, hidden = self.model(toks, pos, self.cache, logits_at=torch.empty(B, 0, dtype=torch.long))
             h = hidden[:, 0] if T == 1 else hidden[torch.arange(B), last]  # [B, D]
-            if self.head_packed is not None:
+            if block_rows_ok(self.head_q, h):
+                logits = block_linear(h.contiguous(), *self.head_q)  # [B, S]
+            elif self.head_packed is not None:
                 logits = packed_linear(h.to(self.head_dtype), self.head_packed).float()  # [B, S]
             else:
                 logits = (h @ self.head.T).float()
@@ -196,4 +227,5 @@ def _make(target=None, draft=None, confidence: float | None = None, **_):
                            "checked)")
     meta = getattr(draft, "draft_meta", None) or {}
     return DraftModelDrafter(draft.model, vocab_size=target.model.vocab_size, vocab_subset=meta.get("vocab_subset"),
-                             confidence=DEFAULT_CONFIDENCE if confidence is None else confidence)
+                             confidence=DEFAULT_CONFIDENCE if confidence is None else confidence,
+                             target_model=target.model)

@@ -607,8 +607,6 @@ class LlamaModel(nn.Module):
         many matrices were attached."""
         if self.dtype != torch.float32:
             raise SpecdecError("GGUF block kernels need a float32 model")
-        for blk in self.layers:
-            blk.kops = ops
         n = 0
         for name, b in blocks.items():
             if name == "head":
@@ -621,9 +619,16 @@ class LlamaModel(nn.Module):
                 _, i, attr = name.split(".")
                 getattr(self.layers[int(i)], attr).attach(ops, b, act_bits)
             n += 1
-        for blk in self.layers:
-            blk.fast = blk.fast_step_args()
+        self.use_kernels(ops)
         return n
+
+    def use_kernels(self, ops) -> None:
+        """Run the layers' norms, rotation and attention through the kernels `ops`, and a decoding
+        step whose projections are all on integer kernels as direct calls (Block.fast); call it
+        after attaching blocks to projections (attach_blocks does)."""
+        for blk in self.layers:
+            blk.kops = ops
+            blk.fast = blk.fast_step_args()
 
     @property
     def block_bytes(self) -> int:

@@ -378,9 +378,11 @@ def attach_gguf_blocks(lm: LoadedModel, weights: str = "auto", quiet: bool = Fal
 
 
 def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None = None, quiet: bool = False,
-               with_tokenizer: bool = True, weights: str = "auto") -> LoadedModel:
+               with_tokenizer: bool = True, weights: str = "auto", pack: bool = True) -> LoadedModel:
     """Load whatever `spec` names (see the module docstring). weights: see attach_gguf_blocks
-    (GGUF files only)."""
+    (GGUF files only). pack=False leaves a native model unpacked (its fp32 weights in place) for a
+    caller that puts some projections on kernels first and packs after (a draft model: see
+    drafters.draft_model)."""
     t0 = time.perf_counter()
     if spec in (None, "", "default") or _is_default_file(spec):  # the default by name or by its path
         path = default_model_path()
@@ -392,9 +394,9 @@ def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None
             lm = load_hf_dir(convert_gguf(p, quiet), dtype, spec, native, quiet, with_tokenizer, pack=False)
             lm.name, lm.gguf = p.stem, str(p)
         elif p.is_dir():
-            lm = load_hf_dir(p, dtype, spec, native, quiet, with_tokenizer)
+            lm = load_hf_dir(p, dtype, spec, native, quiet, with_tokenizer, pack=False)
         elif _looks_like_hub_id(spec):
-            lm = load_hf_dir(_from_hub(spec, quiet), dtype, spec, native, quiet, with_tokenizer)
+            lm = load_hf_dir(_from_hub(spec, quiet), dtype, spec, native, quiet, with_tokenizer, pack=False)
             lm.name = spec
         else:
             raise SpecdecError(
@@ -402,7 +404,7 @@ def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None
                 "Pass a .gguf file, a Hugging Face model folder, or omit --model for the default model"
             )
     attach_gguf_blocks(lm, weights, quiet)  # (a GGUF's blocks; --weights blocks without one is an error)
-    if getattr(lm.model, "native", False):
-        lm.model.pack()  # (a GGUF's model, after its blocks: what they compute needs no packed copy)
+    if pack and getattr(lm.model, "native", False):
+        lm.model.pack()  # (a GGUF's model after its blocks: what they compute needs no packed copy)
     lm.load_s = time.perf_counter() - t0
     return lm
