@@ -667,6 +667,10 @@ def add_train_parser(sub) -> None:
                    help=f"MLP width. Default: {s.intermediate_size}")
     d.add_argument("--head-vocab", type=_positive_int, default=s.head_vocab,
                    help=f"tokens in the draft's output head (most frequent first). Default: {s.head_vocab}")
+    d.add_argument("--init", metavar="DIR", default=None,
+                   help="start training from this draft folder (one `specdec train draft` wrote, e.g. the shipped "
+                        "draft) instead of a fresh model: fine-tune it on OUT's data; its shape replaces --hidden-size, "
+                        "--layers, --heads, --kv-heads, --intermediate-size and --head-vocab")
     d.add_argument("--steps", type=_positive_int, default=t.steps, help=f"optimizer steps. Default: {t.steps}")
     d.add_argument("--batch-rows", type=_positive_int, default=t.batch_rows, help=f"sequences per step. Default: {t.batch_rows}")
     d.add_argument("--seq-len", type=_positive_int, default=384, help="tokens per training sequence. Default: 384")
@@ -836,7 +840,7 @@ def cmd_train(args) -> int:
     import torch
 
     from .models.loader import load_model
-    from .train.distill import CollectConfig, StudentConfig, TrainConfig, collect, train
+    from .train.distill import CollectConfig, StudentConfig, TrainConfig, collect, read_init, train
 
     if args.what == "eagle":
         return cmd_train_eagle(args)
@@ -849,9 +853,13 @@ def cmd_train(args) -> int:
     if args.hidden_size % args.heads or args.heads % args.kv_heads:
         raise SpecdecError("--hidden-size must be a multiple of --heads, and --heads a multiple of --kv-heads")
     out = Path(args.out)
+    init = Path(os.path.expanduser(args.init)) if args.init else None
+    if init is not None and not init.is_dir():
+        raise SpecdecError(f"--init {args.init}: no such folder (pass a draft folder from `specdec train draft`)")
     target = load_model(args.model, quiet=args.quiet)
     if target.tokenizer is None:
         raise SpecdecError("the target has no tokenizer; distillation needs one to read local text")
+    init_shape = read_init(init, target)[0] if init is not None else None  # (a bad folder fails before collecting)
     if args.stage in ("all", "collect"):
         cc = CollectConfig(chat_prompts=args.chat_prompts, chat_batch=args.chat_batch, max_new_tokens=args.max_new_tokens,
                            text_windows=args.text_windows, topk=args.topk, seed=args.seed,
@@ -859,12 +867,12 @@ def cmd_train(args) -> int:
                            self_prompts=args.self_prompts)
         collect(target, out, cc, quiet=args.quiet)
     if args.stage in ("all", "train"):
-        sc = StudentConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
-                           num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,
-                           head_vocab=args.head_vocab)
+        sc = init_shape or StudentConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
+                                         num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,
+                                         head_vocab=args.head_vocab)
         tc = TrainConfig(steps=args.steps, batch_rows=args.batch_rows, lr=args.lr, seed=args.seed)
         train(target, out, sc, tc, seq_len=args.seq_len, quiet=args.quiet,
-              save_dtype=torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32)
+              save_dtype=torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32, init=init)
         if not args.quiet:
             print(f"[specdec] draft saved to {out}; use it with --method draft --draft {out}", file=sys.stderr)
     return 0

@@ -98,3 +98,31 @@ def test_collect_self_prompts_shards_resume(tiny_target, tmp_path):
     collect(target, tmp_path, cfg, quiet=True)
     assert [p.stat().st_mtime_ns for p in shards] == mtimes
     assert not list(data.glob("shard_0*.pt"))  # no text windows were asked for
+
+
+@pytest.mark.default_model
+def test_train_draft_init_fine_tunes_an_existing_draft(tiny_target, tmp_path, capsys):
+    """--init DIR starts from that draft's weights and shape: at learning rate 0 the fine-tuned draft
+    is the same model, weight for weight (a fresh student would not be); the shape flags give way to
+    the init's; a folder that is no draft is refused before anything is collected."""
+    from safetensors.torch import load_file
+
+    base = tmp_path / "base"
+    common = ["--model", str(tiny_target), "--chat-prompts", "4", "--chat-batch", "2", "--max-new-tokens", "6",
+              "--text-windows", "4", "--batch-rows", "2", "--seq-len", "64", "--quiet"]
+    assert main(["train", "draft", "--out", str(base), *common, "--steps", "3", "--hidden-size", "32", "--layers", "1",
+                 "--heads", "2", "--kv-heads", "1", "--intermediate-size", "64", "--head-vocab", "512"]) == 0
+    tuned = tmp_path / "tuned"
+    assert main(["train", "draft", "--out", str(tuned), *common, "--code-prompts", "2", "--steps", "2", "--lr", "0",
+                 "--init", str(base)]) == 0  # (default shape flags: 256 wide, 4 layers; the init's win)
+    a, b = load_file(str(base / "model.safetensors")), load_file(str(tuned / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    meta = json.loads((tuned / "specdec_draft.json").read_text())
+    assert meta["student"]["hidden_size"] == 32 and meta["init"]["path"] == str(base)
+    assert meta["init"]["train"]["steps"] == 3 and meta["train"]["steps"] == 2
+    assert (tuned / "data" / "shard_c0000.pt").is_file()  # its own data, code completions included
+
+    (tmp_path / "nodraft").mkdir()
+    capsys.readouterr()
+    assert main(["train", "draft", "--out", str(tmp_path / "x"), *common, "--init", str(tmp_path / "nodraft")]) == 2
+    assert "not a draft folder" in capsys.readouterr().err and not (tmp_path / "x").exists()

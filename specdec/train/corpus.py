@@ -194,13 +194,48 @@ def generic_prompts(seed: int, n: int) -> list[str]:
     return out
 
 
-def code_completion_prompts(seed: int, n: int, per_file: int = 1) -> list[str]:
+def code_completion_prompts(seed: int, n: int, per_file: int | None = None) -> list[str]:
     """Raw (no chat template) completion prompts: a standard-library function's signature and
-    docstring, for the target to continue as code (at most `per_file` functions per module)."""
+    docstring, for the target to continue as code. Modules in a seeded order, one function from
+    each per pass over them (the first pass takes each module's first such function, the second
+    its second, ...) until there are `n` (or `per_file` passes, if given, have run)."""
     rng = random.Random(seed)
-    out: list[str] = []
     if n <= 0:
-        return out
+        return []
+    per_module: list[list[str]] = []  # each module's candidates, parsed on the first pass that needs them
+    files = [p for p in rng.sample(stdlib_files(), len(stdlib_files())) if "test" not in p.parts]
+
+    def candidates(p: Path) -> list[str]:
+        try:
+            src = p.read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            return []
+        lines = src.splitlines()
+        found = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) and node.body:
+                head = "\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])
+                if 40 < len(head) < 1500:
+                    found.append(textwrap.dedent(head) + "\n")
+        return found
+
+    out: list[str] = []
+    passes = 0
+    while len(out) < n and (per_file is None or passes < per_file):
+        took = False
+        for i, p in enumerate(files):
+            if i == len(per_module):
+                per_module.append(candidates(p))
+            if passes < len(per_module[i]):
+                out.append(per_module[i][passes])
+                took = True
+                if len(out) >= n:
+                    break
+        if not took:
+            break  # every module's functions are used up
+        passes += 1
+    return out
     for p in rng.sample(stdlib_files(), len(stdlib_files())):
         if "test" in p.parts:
             continue

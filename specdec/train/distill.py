@@ -390,9 +390,41 @@ def _batches(rows, batch_rows: int, seq_len: int, rng: random.Random):
             yield toks, lab_i, lab_v, mask
 
 
+def read_init(init: Path, target) -> tuple[StudentConfig, dict]:
+    """(its shape, its specdec_draft.json) of a draft folder to fine-tune from (`--init`), checked
+    to be a draft `specdec train draft` wrote for a target of this vocabulary."""
+    meta_path = init / DRAFT_META
+    if not (init / "config.json").is_file() or not meta_path.is_file():
+        raise SpecdecError(f"--init {init}: not a draft folder from `specdec train draft` (needs config.json and "
+                           f"{DRAFT_META})")
+    try:
+        meta = json.loads(meta_path.read_text())
+        scfg = StudentConfig(**meta["student"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise SpecdecError(f"--init {init}: cannot read the draft's shape from {DRAFT_META} ({e})") from None
+    if meta.get("target_vocab_size") not in (None, target.model.vocab_size):
+        raise SpecdecError(f"--init {init}: drafted for a vocabulary of {meta['target_vocab_size']} tokens, "
+                           f"this target has {target.model.vocab_size}")
+    return scfg, meta
+
+
+def _load_init(student, init: Path) -> None:
+    """The weights of the draft folder `init` (read_init checked it) into `student` (same shape)."""
+    from transformers import LlamaForCausalLM
+
+    src = LlamaForCausalLM.from_pretrained(str(init), dtype=torch.float32)
+    missing, unexpected = student.load_state_dict(src.state_dict(), strict=False)
+    if [k for k in missing if k != "lm_head.weight"] or unexpected:  # (the head is the tied embedding)
+        raise SpecdecError(f"--init {init}: its weights do not fit the student ({len(missing)} missing, "
+                           f"{len(unexpected)} unexpected)")
+    student.tie_weights()
+
+
 def train(target, out: Path, scfg: StudentConfig, tcfg: TrainConfig, seq_len: int = 256, quiet: bool = False,
-          save_dtype: torch.dtype = torch.float32):
-    """Stage 2 (see module docstring). Returns the output folder."""
+          save_dtype: torch.dtype = torch.float32, init: Path | None = None):
+    """Stage 2 (see module docstring). Returns the output folder. init: a draft folder to start from
+    (fine-tuning it on this data; scfg must be its shape, see read_init) unless a checkpoint in `out`
+    resumes the run."""
     from tqdm import tqdm
 
     rows = load_rows(out / "data")
@@ -404,6 +436,11 @@ def train(target, out: Path, scfg: StudentConfig, tcfg: TrainConfig, seq_len: in
     opt = torch.optim.AdamW(student.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.98))
     ckpt = out / "checkpoint.pt"
     step, ema, before = load_checkpoint(ckpt, "student", student, opt)
+    init_meta = None
+    if init is not None:
+        init_meta = read_init(init, target)[1]
+        if step == 0:
+            _load_init(student, init)
     rng = random.Random(tcfg.seed + step)
     stream = _batches(rows, tcfg.batch_rows, seq_len, rng)
     student.train()
@@ -436,14 +473,19 @@ def train(target, out: Path, scfg: StudentConfig, tcfg: TrainConfig, seq_len: in
         if step % tcfg.save_every == 0 or step == tcfg.steps:
             save_checkpoint(ckpt, "student", student, opt, step, ema, before + time.perf_counter() - t0)
     bar.close()
-    save_draft(student, target, out, subset, scfg, tcfg, ema, before + time.perf_counter() - t0, save_dtype)
+    save_draft(student, target, out, subset, scfg, tcfg, ema, before + time.perf_counter() - t0, save_dtype,
+               None if init is None else {"path": str(init), **{k: init_meta.get(k) for k in INIT_KEYS}})
     return out
 
 
+INIT_KEYS = ("train", "collect", "final_train_loss", "final_train_top1", "recipe", "recipe_notes", "init")
+
+
 def save_draft(student, target, out: Path, subset, scfg, tcfg, ema, seconds: float,
-               save_dtype: torch.dtype = torch.float32) -> None:
+               save_dtype: torch.dtype = torch.float32, init: dict | None = None) -> None:
     """Write the draft as a Hugging Face folder (weights in save_dtype; loaders cast them to
-    the target's dtype) plus specdec_draft.json."""
+    the target's dtype) plus specdec_draft.json (with `init`: what the draft it was fine-tuned
+    from says about itself)."""
     student.eval()
     student.to(save_dtype).save_pretrained(str(out), safe_serialization=True)
     student.float()
@@ -463,4 +505,6 @@ def save_draft(student, target, out: Path, subset, scfg, tcfg, ema, seconds: flo
         "train_seconds": round(seconds, 1),
         "saved_dtype": str(save_dtype).replace("torch.", ""),
     }
+    if init is not None:
+        meta["init"] = init
     (out / DRAFT_META).write_text(json.dumps(meta))
