@@ -118,17 +118,19 @@ class DraftModelDrafter:
             logits = logits[:, 0]
         else:
             _, hidden = self.model(toks, pos, self.cache, logits_at=torch.empty(B, 0, dtype=torch.long))
-            h = hidden[:, 0] if T == 1 else hidden[torch.arange(B), last]  # [B, D]
-            if block_rows_ok(self.head_q, h):
-                logits = block_linear(h.contiguous(), *self.head_q)  # [B, S]
-            elif self.head_packed is not None:
-                logits = packed_linear(h.to(self.head_dtype), self.head_packed).float()  # [B, S]
-            else:
-                logits = (h @ self.head.T).float()
+            logits = self._head(hidden[:, 0] if T == 1 else hidden[torch.arange(B), last])  # [B, S]
         self.cache.truncate(lens + torch.tensor([len(n) for n in new]))
         for b, n in enumerate(new):
             self.fed[b].extend(n)
         return logits
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Scores [N, S] over the vocabulary subset for hidden states h [N, D]."""
+        if block_rows_ok(self.head_q, h):
+            return block_linear(h.contiguous(), *self.head_q)
+        if self.head_packed is not None:
+            return packed_linear(h.to(self.head_dtype), self.head_packed).float()
+        return (h @ self.head.T).float()
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         B = len(ctx.tokens)
