@@ -11,9 +11,9 @@ next to a target step. This measures both, teacher-forced, for one or more draft
    it) and its subset head's argmax at every continuation position is compared with the token the
    target chose there;
 3. one-token steps of the target and of each draft after a 200-token context are timed in the same
-   process, interleaved.
+   process, interleaved (with --packed also each draft as it ran before it moved to the kernels).
 
-    python benchmarks/draft_agreement.py --drafts default,/path/to/other --per-category 4 --humaneval 16 --threads 2
+    python benchmarks/draft_agreement.py --drafts default,/path/to/other --per-category 4 --humaneval 16 --packed --threads 2
 
 Prints a table (agreement per category per draft; step times) and, as the last line, one JSON
 document. Agreement here is top-1 at every position; speculation's acceptance also depends on the
@@ -51,6 +51,9 @@ def main() -> None:
     ap.add_argument("--humaneval", type=int, default=16, help="first N HumanEval prompts (0: none). Default: 16")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="Default: 128")
     ap.add_argument("--weights", default="auto", help="the target's --weights. Default: auto")
+    ap.add_argument("--packed", action="store_true",
+                    help="also time each draft as it ran before it moved to the kernels (its projections and "
+                         "subset head prepacked for oneDNN, bf16 where the CPU has it)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -68,13 +71,16 @@ def main() -> None:
     if args.humaneval:
         tasks += load_humaneval()[: args.humaneval]
     names = [d.strip() for d in args.drafts.split(",") if d.strip()]
-    drafters = {}
+    drafters, packed = {}, {}
     for name in names:
         path = str(default_draft_for(target)) if name == "default" else name
         d = load_model(path, quiet=True, pack=False)
         meta = d.draft_meta or {}
         drafters[name] = DraftModelDrafter(d.model, target.model.vocab_size, meta.get("vocab_subset"),
                                            target_model=target.model)
+        if args.packed:
+            packed[name] = DraftModelDrafter(load_model(path, quiet=True).model, target.model.vocab_size,
+                                             meta.get("vocab_subset"))
 
     engine = Engine(target.model, None, eos_ids=target.eos_ids)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -103,7 +109,8 @@ def main() -> None:
 
     # one-token steps after a 200-token context, target and drafts interleaved
     ctx = torch.randint(100, 20000, (1, 200))
-    times = {"target": []} | {n: [] for n in names}
+    timed = drafters | {f"{n} (packed)": dr for n, dr in packed.items()}
+    times = {"target": []} | {n: [] for n in timed}
     for _ in range(3):
         c = target.model.new_cache(1, 512)
         target.model(ctx, torch.arange(200)[None], c, logits_at=torch.tensor([[199]]))
@@ -114,7 +121,7 @@ def main() -> None:
             pos[0] += 1
 
         times["target"].append(step_ms(tstep))
-        for name, dr in drafters.items():
+        for name, dr in timed.items():
             dr.begin([ctx[0].tolist()], params, 512)
             dr._feed([ctx[0].tolist()])
             times[name].append(step_ms(lambda: dr._feed([[5]])))
@@ -130,7 +137,7 @@ def main() -> None:
             row.append(f"{h / max(n_tok, 1):24.3f}")
         print(f"{c:16} {n_tok:7d} " + " ".join(row))
     print(f"one-token step after 200 tokens: target {ms['target']:.3f} ms; "
-          + "; ".join(f"{n} {ms[n]:.3f} ms ({ms[n] / ms['target']:.3f} of a target step)" for n in names))
+          + "; ".join(f"{n} {ms[n]:.3f} ms ({ms[n] / ms['target']:.3f} of a target step)" for n in timed))
     print(json.dumps({"benchmark": "draft_agreement", "threads": args.threads, "weights": target.weights,
                       "tokens": counts, "agreement": {n: {c: hits[n].get(c, 0) / counts[c] for c in cats} | {
                           "all": sum(hits[n].values()) / max(sum(counts.values()), 1)} for n in names},
