@@ -347,8 +347,8 @@ def test_build_native_skips_random_init_only_while_loading():
     torch.manual_seed(0)
     fresh = LlamaModel(NativeConfig.from_hf(hf))  # outside build_native: the usual random init
     w = fresh.layers[0].wqkv.weight
-    assert float(w.std()) > 0 and torch.isfinite(w).all()
-    assert float(fresh.embed.weight.std()) > 0.5  # nn.Embedding's N(0, 1) init
+    assert float(w.detach().std()) > 0 and torch.isfinite(w).all()
+    assert float(fresh.embed.weight.detach().std()) > 0.5  # nn.Embedding's N(0, 1) init
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
