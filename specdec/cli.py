@@ -650,6 +650,9 @@ def add_train_parser(sub) -> None:
     d.add_argument("--code-prompts", type=_nonneg_int, default=c.code_prompts,
                    help=f"standard-library signatures + docstrings the target completes as raw code. "
                         f"Default: {c.code_prompts}")
+    d.add_argument("--code-body-lines", type=_nonneg_int, default=c.code_body_lines, metavar="N",
+                   help="each code prompt also keeps the first 0..N lines (seeded) of its function's body, so the "
+                        f"target continues from inside bodies. Default: {c.code_body_lines}")
     d.add_argument("--self-prompts", type=_nonneg_int, default=c.self_prompts, metavar="N",
                    help=f"user turns the target writes itself from its chat template (sampled), then answers: "
                         f"broad chat data without outside text. Default: {c.self_prompts}")
@@ -864,6 +867,7 @@ def cmd_train(args) -> int:
         cc = CollectConfig(chat_prompts=args.chat_prompts, chat_batch=args.chat_batch, max_new_tokens=args.max_new_tokens,
                            text_windows=args.text_windows, topk=args.topk, seed=args.seed,
                            generic_prompts=args.generic_prompts, code_prompts=args.code_prompts,
+                           code_body_lines=args.code_body_lines,
                            self_prompts=args.self_prompts)
         collect(target, out, cc, quiet=args.quiet)
     if args.stage in ("all", "train"):

@@ -126,3 +126,26 @@ def test_train_draft_init_fine_tunes_an_existing_draft(tiny_target, tmp_path, ca
     capsys.readouterr()
     assert main(["train", "draft", "--out", str(tmp_path / "x"), *common, "--init", str(tmp_path / "nodraft")]) == 2
     assert "not a draft folder" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_code_completion_prompts_passes_and_body_lines():
+    """Code prompts: a function's signature and docstring from the standard library, one module per
+    pass (more prompts than modules come from later passes, none repeated from the same place);
+    body_lines keeps the same functions in the same order, each prompt extended by the first lines
+    of its own body (a prefix of the function's source), and leaves the default prompts alone."""
+    import ast
+
+    from specdec.train import corpus
+
+    first = corpus.code_completion_prompts(3, 40)
+    assert len(first) == 40 and all(p.lstrip().startswith(("def ", "async def ")) for p in first)
+    assert all(ast.get_docstring(ast.parse(p).body[0]) for p in first)  # valid code: a def and its docstring
+    more = corpus.code_completion_prompts(3, 600)
+    assert more[:40] == first and len(more) == 600  # later passes extend the first one
+    assert corpus.code_completion_prompts(3, 600, per_file=1) == more[: len(corpus.code_completion_prompts(3, 600, per_file=1))]
+    assert len(corpus.code_completion_prompts(3, 10**6, per_file=1)) < 600  # one pass alone has fewer
+    with_body = corpus.code_completion_prompts(3, 40, body_lines=8)
+    assert len(with_body) == 40
+    assert all(b.startswith(a.rstrip("\n")) for a, b in zip(first, with_body))
+    assert sum(len(b) > len(a) for a, b in zip(first, with_body)) >= 20  # most prompts got body lines
+    assert corpus.code_completion_prompts(3, 40) == first  # deterministic, default unchanged

@@ -194,12 +194,15 @@ def generic_prompts(seed: int, n: int) -> list[str]:
     return out
 
 
-def code_completion_prompts(seed: int, n: int, per_file: int | None = None) -> list[str]:
+def code_completion_prompts(seed: int, n: int, per_file: int | None = None, body_lines: int = 0) -> list[str]:
     """Raw (no chat template) completion prompts: a standard-library function's signature and
     docstring, for the target to continue as code. Modules in a seeded order, one function from
     each per pass over them (the first pass takes each module's first such function, the second
-    its second, ...) until there are `n` (or `per_file` passes, if given, have run)."""
+    its second, ...) until there are `n` (or `per_file` passes, if given, have run).
+    body_lines > 0: each prompt also keeps the first m lines of the function's own body after its
+    docstring, m drawn from 0..body_lines (seeded), so the target continues from inside bodies."""
     rng = random.Random(seed)
+    cut = random.Random(seed + 7919)  # its own stream: body_lines does not change the prompts' order
     if n <= 0:
         return []
     per_module: list[list[str]] = []  # each module's candidates, parsed on the first pass that needs them
@@ -215,7 +218,10 @@ def code_completion_prompts(seed: int, n: int, per_file: int | None = None) -> l
         found = []
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) and node.body:
-                head = "\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])
+                end = node.body[0].end_lineno
+                if body_lines > 0 and len(node.body) > 1:
+                    end = min(end + cut.randint(0, body_lines), node.end_lineno)
+                head = "\n".join(lines[node.lineno - 1 : end])
                 if 40 < len(head) < 1500:
                     found.append(textwrap.dedent(head) + "\n")
         return found

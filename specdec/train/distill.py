@@ -51,6 +51,7 @@ class CollectConfig:
     seed: int = 0
     generic_prompts: int = 0  # open-ended chat prompts (everyday topics), answered by the target
     code_prompts: int = 0  # raw code completions of standard-library signatures + docstrings
+    code_body_lines: int = 0  # and up to this many lines of each function's body (corpus.code_completion_prompts)
     self_prompts: int = 0  # user turns the target writes itself (chat template only), then answers
     self_prompt_tokens: int = 96  # longest self-written user turn
 
@@ -254,7 +255,7 @@ def collect(target, out: Path, cfg: CollectConfig, quiet: bool = False) -> Path:
     # later, so they must not shift the numbering of the other shards)
     for prefix, extra, chat, desc in (
         ("g", corpus.generic_prompts(cfg.seed, cfg.generic_prompts), None, "collect chat (open)"),
-        ("c", corpus.code_completion_prompts(cfg.seed, cfg.code_prompts), False, "collect code"),
+        ("c", corpus.code_completion_prompts(cfg.seed, cfg.code_prompts, body_lines=cfg.code_body_lines), False, "collect code"),
     ):
         answer(extra, [f"shard_{prefix}{n:04d}.pt" for n in range(n_shards(len(extra)))], desc, chat)
     # self-written prompts: each shard's prompts come from a generator seeded by the shard's
