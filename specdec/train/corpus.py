@@ -242,25 +242,3 @@ def code_completion_prompts(seed: int, n: int, per_file: int | None = None, body
             break  # every module's functions are used up
         passes += 1
     return out
-    for p in rng.sample(stdlib_files(), len(stdlib_files())):
-        if "test" in p.parts:
-            continue
-        try:
-            src = p.read_text(encoding="utf-8")
-            tree = ast.parse(src)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = src.splitlines()
-        taken = 0
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) and node.body:
-                body0 = node.body[0]
-                head = "\n".join(lines[node.lineno - 1 : body0.end_lineno])
-                if 40 < len(head) < 1500:
-                    out.append(textwrap.dedent(head) + "\n")
-                    taken += 1
-                    if taken >= per_file or len(out) >= n:
-                        break
-        if len(out) >= n:
-            break
-    return out
