@@ -94,7 +94,6 @@ def main() -> None:
         full = ids + gen
         counts[task.category] = counts.get(task.category, 0) + len(gen)
         for name, dr in drafters.items():
-            dr.begin([full], params, len(full) + 8)
             cache = dr.model.new_cache(1, len(full) + 8)
             _, hidden = dr.model(torch.tensor([full]), torch.arange(len(full))[None], cache,
                                  logits_at=torch.empty(1, 0, dtype=torch.long))

@@ -86,7 +86,7 @@ def base_products_model(rev: str, lm, base_ops, out: Path):
     spec = importlib.util.spec_from_file_location("gguf_blocks_base", f)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    copy = load_hf_dir(Path(lm.path), quiet=True, with_tokenizer=False, pack=False).model
+    copy = load_hf_dir(Path(lm.path), quiet=True, with_tokenizer=False).model
     blocks, _ = mod.build_blocks(Path(lm.gguf), Path(lm.path), copy.cfg, "vnni")
     copy.attach_blocks(base_ops, blocks, 16)
     copy.pack()

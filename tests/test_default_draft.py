@@ -142,9 +142,10 @@ def test_draft_model_runs_on_the_targets_integer_kernels(default_model):
     if not is_vnni(getattr(default_model.model, "head_q", None)):
         pytest.skip("the target is not on the integer kernels on this CPU")
     path = str(default_draft_for(default_model))
-    subset = load_model(path, quiet=True, pack=False).draft_meta["vocab_subset"]
+    plain = load_model(path, quiet=True, pack=False)
+    subset = plain.draft_meta["vocab_subset"]
     V = default_model.model.vocab_size
-    ref = DraftModelDrafter(load_model(path, quiet=True, pack=False).model, V, subset)  # float32, unpacked
+    ref = DraftModelDrafter(plain.model, V, subset)  # float32, unpacked
     q8 = DraftModelDrafter(load_model(path, quiet=True, pack=False).model, V, subset, target_model=default_model.model)
     assert ref.head_q is None and q8.head_q is not None and is_vnni(q8.head_q)
     assert all(blk.fast is not None and blk.kops is loaded() for blk in q8.model.layers)

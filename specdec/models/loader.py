@@ -236,9 +236,9 @@ def _eos_ids(hf_config, tokenizer, d: Path) -> list[int]:
 
 
 def load_hf_dir(d: Path, dtype=torch.float32, source: str | None = None, native: bool | None = None,
-                quiet: bool = False, with_tokenizer: bool = True, pack: bool = True) -> LoadedModel:
-    """pack=False: the native model is left unpacked (load_model packs a GGUF's after attaching its
-    blocks, so projections on integer kernels never get an fp32 packed copy)."""
+                quiet: bool = False, with_tokenizer: bool = True) -> LoadedModel:
+    """A Hugging Face folder's model, a native one left unpacked (load_model packs it after
+    attaching a GGUF's blocks, so projections on integer kernels never get an fp32 packed copy)."""
     t0 = time.perf_counter()
     if not (d / "config.json").is_file():
         raise SpecdecError(f"{d} is a directory but has no config.json; point --model at a Hugging Face model folder or a .gguf file")
@@ -265,7 +265,7 @@ def load_hf_dir(d: Path, dtype=torch.float32, source: str | None = None, native:
     if native is True and problem:
         raise SpecdecError(f"the native model cannot run this checkpoint: {problem}")
     if problem is None and native is not False:
-        model = build_native(cfg, _read_state_dict(d), dtype=dtype, pack=pack)
+        model = build_native(cfg, _read_state_dict(d), dtype=dtype)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -386,17 +386,17 @@ def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None
     t0 = time.perf_counter()
     if spec in (None, "", "default") or _is_default_file(spec):  # the default by name or by its path
         path = default_model_path()
-        lm = load_hf_dir(convert_gguf(path, quiet), dtype, "default", native, quiet, with_tokenizer, pack=False)
+        lm = load_hf_dir(convert_gguf(path, quiet), dtype, "default", native, quiet, with_tokenizer)
         lm.name, lm.gguf = DEFAULT_MODEL_NAME, str(path)
     else:
         p = Path(os.path.expanduser(spec))
         if p.is_file():
-            lm = load_hf_dir(convert_gguf(p, quiet), dtype, spec, native, quiet, with_tokenizer, pack=False)
+            lm = load_hf_dir(convert_gguf(p, quiet), dtype, spec, native, quiet, with_tokenizer)
             lm.name, lm.gguf = p.stem, str(p)
         elif p.is_dir():
-            lm = load_hf_dir(p, dtype, spec, native, quiet, with_tokenizer, pack=False)
+            lm = load_hf_dir(p, dtype, spec, native, quiet, with_tokenizer)
         elif _looks_like_hub_id(spec):
-            lm = load_hf_dir(_from_hub(spec, quiet), dtype, spec, native, quiet, with_tokenizer, pack=False)
+            lm = load_hf_dir(_from_hub(spec, quiet), dtype, spec, native, quiet, with_tokenizer)
             lm.name = spec
         else:
             raise SpecdecError(
