@@ -1,13 +1,18 @@
 """EAGLE drafting cost: the time of one proposal (catch-up + dynamic tree) next to the target's
-verification step, with the head packed in fp32 and in bf16, same run.
+verification step, for several ways of running the head, same run.
 
 The shipped head (or --head) drafts for the default model on the first turns of Spec-Bench
-dev prompts (chat template), greedy, --max-new-tokens each; the two packings alternate per
-repeat so machine drift hits both alike. Reports the median proposal time, the median
-verification time per step and τ for each packing, and one JSON document as the last line.
-On a CPU without bf16 units (no AVX-512 BF16 / AMX) both rows are fp32.
+dev prompts (chat template), greedy, --max-new-tokens each, a tree at every step (the engine's
+guard, which would decode some steps plainly, is off); the variants alternate per repeat so
+machine drift hits them alike. Reports the median proposal time, the mean verification time
+per step and τ for each, and one JSON document as the last line. Variants:
+  kernels  the default: where the target runs on the GGUF's integer kernels, the head's short
+           steps take the kernels' norms and fused attention (EagleDrafter._kernel_step)
+  torch    the same projections, but torch's norms, rotation and SDPA for the head's attention
+  fp32, bf16  the head's projections packed for oneDNN in fp32 / bf16 (what runs where the
+           target is not on the kernels: `--weights fp32`, or a CPU without them)
 
-    python benchmarks/eagle_propose.py --prompts 4 --max-new-tokens 128 --repeats 3
+    python benchmarks/eagle_propose.py --prompts 4 --max-new-tokens 128 --repeats 3 --variants kernels,torch
 """
 
 from __future__ import annotations
@@ -33,17 +38,25 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variants", default="kernels,torch",
+                    help="comma-separated: kernels, torch, fp32, bf16 (see above). Default: kernels,torch")
     args = ap.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not variants or set(variants) - {"kernels", "torch", "fp32", "bf16"}:
+        ap.error(f"--variants: choose from kernels, torch, fp32, bf16 (got {args.variants!r})")
     torch.set_num_threads(args.threads)
 
     from specdec.drafters import REGISTRY
     from specdec.drafters.eagle import default_eagle_for
     from specdec.engine import Engine
+    from specdec.models.llama import cpu_has_bf16
     from specdec.models.loader import load_model
     from specdec.text import encode_prompt
     from specdec.types import SamplingParams
 
-    target = load_model(None, quiet=True)
+    target = load_model(None, quiet=True, weights="fp32" if {"fp32", "bf16"} & set(variants) else "auto")
+    if {"fp32", "bf16"} & set(variants) and {"kernels", "torch"} & set(variants):
+        ap.error("--variants: fp32 / bf16 (a target off the kernels) and kernels / torch cannot share a run")
     head = args.head or default_eagle_for(target)
     rows, seen = [], set()
     for line in Path(args.data).read_text().splitlines():
@@ -54,9 +67,13 @@ def main() -> int:
         if len(rows) >= args.prompts:
             break
 
-    def make(packing: str):
-        os.environ["SPECDEC_DRAFT_FP32"] = "1" if packing == "fp32" else "0"
+    def make(variant: str):
+        os.environ["SPECDEC_DRAFT_FP32"] = "1" if variant == "fp32" else "0"
         d = REGISTRY["eagle"](target=target, draft=head, tree=True, depth=4, width=2, nodes=5)
+        if variant == "kernels" and d.kops is None:
+            raise SystemExit("the head's steps are not on the kernels here (no integer kernels on this CPU?)")
+        if variant == "torch":
+            d.kops = None
         times: list[float] = []
         inner = d.propose
 
@@ -67,9 +84,11 @@ def main() -> int:
             return out
 
         d.propose = timed
-        return Engine(target.model, d, k=4, eos_ids=target.eos_ids), d, times
+        eng = Engine(target.model, d, k=4, eos_ids=target.eos_ids)
+        eng.guard = None  # a tree at every step
+        return eng, d, times
 
-    packings = ["fp32", "bf16"]
+    packings = variants
     engines = {p: make(p) for p in packings}
     results = {p: {"propose_ms": [], "verify_ms": [], "tau": []} for p in packings}
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -87,8 +106,8 @@ def main() -> int:
             results[p]["verify_ms"].append(verify / steps * 1e3)
             results[p]["tau"].append(new / steps)
     summary = {p: {k: round(statistics.median(v), 3) for k, v in results[p].items()} for p in packings}
-    summary["bf16_units"] = engines["bf16"][1].pack_dtype == torch.bfloat16
-    print(f"{'packing':8} {'propose ms':>11} {'verify ms':>10} {'tau':>6}")
+    summary["bf16_units"] = cpu_has_bf16()  # (without them the bf16 variant packs in fp32 too)
+    print(f"{'variant':8} {'propose ms':>11} {'verify ms':>10} {'tau':>6}")
     for p in packings:
         s = summary[p]
         print(f"{p:8} {s['propose_ms']:11.2f} {s['verify_ms']:10.2f} {s['tau']:6.2f}")

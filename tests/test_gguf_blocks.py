@@ -525,6 +525,78 @@ def test_eagle_head_drafts_on_the_kernels_and_stays_exact(default_model):
     assert spec.tokens == plain.tokens and spec.stats.accepted > 0
 
 
+@pytest.mark.default_model
+def test_eagle_head_steps_through_the_kernels_as_through_torch(default_model):
+    """Where the head's layer is on the integer kernels, its short steps (a step's catch-up, the
+    tree's expansions with their visibility mask) run through the kernels' norms and fused
+    attention (`_kernel_step`): the same features and cache entries as the torch path (SDPA) up to
+    the order of float sums, for a causal catch-up and for a tree step whose nodes see different
+    ancestors; and whole tree proposals agree with the torch path's."""
+    import torch
+
+    from specdec.drafters.base import DraftContext
+    from specdec.drafters.hybrid import lookup_eagle_for
+    from specdec.models.llama import is_vnni
+    from specdec.types import SamplingParams
+
+    need_ops()
+    if not is_vnni(getattr(default_model.model, "head_q", None)):
+        pytest.skip("the target is not on the integer kernels on this CPU")
+    d = lookup_eagle_for(default_model).eagle
+    assert d.kops is not None
+    torch.manual_seed(0)
+    D = d.embed.shape[1]
+    n0 = 40  # committed pairs already in the cache
+    d.begin([[1] * 64], SamplingParams(), 64)
+    d.k[:, :, :n0].normal_()
+    d.v[:, :, :n0].normal_()
+    key = torch.arange(n0 + 3)
+
+    kops = d.kops
+
+    def both(tokens, feats, slots, visible):
+        """(kernel path, torch path): output features and the cache entries each wrote."""
+        out = []
+        for ops in (kops, None):
+            k0, v0 = d.k.clone(), d.v.clone()
+            d.kops = ops
+            with torch.inference_mode():
+                y = d._step(tokens, feats, slots, slots, visible)
+            S = visible.shape[-1]
+            out.append((y, d.k[:, :, :S].clone(), d.v[:, :, :S].clone()))
+            d.k, d.v = k0, v0
+        d.kops = kops
+        return out
+
+    # a catch-up of three pairs (causal) and a tree step: node 2 does not see node 1's slot
+    slots = torch.tensor([[n0, n0 + 1, n0 + 2]])
+    cases = [(slots, key[None, None, :] <= slots[:, :, None])]
+    tree_vis = (key[None, None, :] < n0).repeat(1, 3, 1)
+    tree_vis[0, 0, n0] = tree_vis[0, 1, n0 + 1] = tree_vis[0, 2, n0 + 2] = True  # each node itself
+    tree_vis[0, 2, n0] = True  # node 3 hangs under node 1
+    cases.append((slots, tree_vis))
+    for slots_, vis in cases:
+        tokens = torch.randint(0, 1000, (1, 3))
+        feats = torch.randn(1, 3, D)
+        (yk, kk, vk), (yt, kt, vt) = both(tokens, feats, slots_, vis)
+        scale = float(yt.abs().max())
+        assert (yk - yt).abs().max() <= 1e-4 * scale, "the kernel step's features are off the torch path's"
+        assert torch.allclose(kk, kt, atol=1e-4) and torch.allclose(vk, vt, atol=1e-4)
+    # whole proposals from a real context: the same trees (or nearly: a near tie may flip)
+    ids = default_model.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1)")
+    hidden = default_model.model(torch.tensor([ids]), torch.arange(len(ids))[None], default_model.model.new_cache(1, 64))[1]
+    drafts = []
+    for ops in (kops, None):
+        d.kops = ops
+        d.begin([ids], SamplingParams(), 64)
+        ctx = DraftContext([ids], SamplingParams(), None, [hidden[0, :-1]])
+        drafts.append(d.propose(ctx, 4))
+    d.kops = kops
+    a, b = drafts
+    assert int(a.counts[0]) == int(b.counts[0]) > 1
+    assert torch.equal(a.parents, b.parents) and (a.tokens == b.tokens).float().mean() >= 0.8
+
+
 # -- the kernels' attention ---------------------------------------------------------------------
 def _sdpa_reference(q, kc, vc, S, mask):
     B, H, T, Dh = q.shape

@@ -19,7 +19,10 @@ since this drafter sets `needs_hidden`). The head keeps its own small KV cache: 
 pairs stay, speculative positions are dropped after each step.
 
 Where the target computes with a GGUF file's blocks (specdec/kernels), the head drafts on Q8_0
-copies of its projections and subset head through the same kernels (`block_drafting`): its
+copies of its projections and subset head through the same kernels (`block_drafting`), and where
+those are the integer kernels its short steps (the tree's expansions, a step's catch-up) also take
+the kernels' norms and fused rotation + cache write + attention (`rope_attend`, with the tree's
+visibility as an additive mask) instead of a dozen torch ops and SDPA (`_kernel_step`): its
 drafting only, so exactness is untouched.
 
 Files: `eagle.safetensors` (fc, layer; the target's embedding and head are not stored) and
@@ -38,8 +41,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models.llama import (PACK_BATCH_HINT, Linear, block_linear, block_rows_ok, cpu_has_bf16,
-                             mkldnn_packing_available, packed_linear)
+from ..models.llama import (ATTEND_HEAD_SIZES, ATTEND_MAX_T, BLOCK_MAX_ROWS, PACK_BATCH_HINT, Linear, block_linear,
+                             block_rows_ok, cpu_has_bf16, is_vnni, mkldnn_packing_available, packed_linear)
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
 
@@ -179,7 +182,7 @@ def block_drafting(linears, W: torch.Tensor, target_model):
     projections are packed (packing releases their weights)."""
     from ..kernels import loaded
     from ..models.gguf_blocks import quantize_q8_0
-    from ..models.llama import is_vnni, kernel_args
+    from ..models.llama import kernel_args
 
     ops = loaded()
     head_q = getattr(target_model, "head_q", None)
@@ -196,6 +199,22 @@ def block_drafting(linears, W: torch.Tensor, target_model):
                 lin.attach(ops, blocks, act_bits=8)
     blocks = q8(W)
     return None if blocks is None else kernel_args(ops, blocks, act_bits=8)
+
+
+def kernel_steps(head: EagleHead, head_blocks):
+    """The kernels (torch.ops.specdec_q) a head's short drafting steps may run through
+    (EagleDrafter._kernel_step), or None: where `block_drafting` put the head's layer on the integer
+    kernels (the target computes on them; no biases in the layer) and its shapes are ones the
+    kernels' norms and attention take."""
+    from ..kernels import loaded
+
+    ops = loaded()
+    lins = (head.wqkv, head.wo, head.w_gate_up, head.w_down)
+    if ops is None or head_blocks is None or head.hidden % 16 or head.head_dim not in ATTEND_HEAD_SIZES \
+            or head.head_dim % 32 or head.heads % head.kv_heads or not all(
+                is_vnni(lin.qargs) and lin.bias is None and lin.packed_bias is None for lin in lins):
+        return None
+    return ops
 
 
 def head_from_target(cfg) -> EagleHead:
@@ -273,6 +292,7 @@ class EagleDrafter:
         h = head
         self.W_blocks = block_drafting((h.fc, h.wqkv, h.wo, h.w_gate_up, h.w_down), self.W, target_model)
         self.W_packed, self.pack_dtype = pack_drafting_head(self.W)  # the head's layer packs alike
+        self.kops = kernel_steps(head, self.W_blocks)
         if self.W_packed is not None:
             head.pack(self.pack_dtype)
         self.vocab_size = target_model.vocab_size
@@ -305,7 +325,12 @@ class EagleDrafter:
         cache slots 0..S-1, or None with causal=True when every row feeds pairs 0..T-1 (a
         prompt: SDPA's causal kernel, several times faster than a dense mask at thousands of
         pairs); rows: which cache rows these are (default all, in order). Returns the head's
-        output features [B, T, D]."""
+        output features [B, T, D]. Short steps of every row at consecutive slots go through the
+        kernels where the head's layer is on them (`_kernel_step`)."""
+        B, T = tokens.shape
+        if (self.kops is not None and rows is None and not causal and T <= ATTEND_MAX_T and B * T <= BLOCK_MAX_ROWS
+                and (T == 1 or bool((slots == slots[:, :1] + torch.arange(T)).all()))):
+            return self._kernel_step(tokens, feats, positions, slots[:, 0], visible)
         emb = F.embedding(tokens, self.embed)
         x, q, k, v = self.head.qkv(emb, feats, positions)
         if q.dtype != self.k.dtype:  # a bf16 target: the rotary table is fp32 and promotes q, k
@@ -316,6 +341,26 @@ class EagleDrafter:
         if causal:
             return self.head.finish(x, q, keys, vals, causal=True)
         return self.head.finish(x, q, keys, vals, mask=visible[:, None])
+
+    def _kernel_step(self, tokens, feats, positions, start, visible):
+        """`_step` through the kernels (`kernel_steps`) for new pairs at the consecutive slots
+        start[b] .. start[b] + T - 1 of every cache row: the projections on their Q8_0 blocks, the
+        kernels' RMS norms, and one call that rotates q and k, writes k and v to the cache and
+        attends over the first S slots with `visible` [B, T, S] as an additive mask in the layout
+        the kernel reads ([B, 1, G*T, S], row g*T + t: token t of query head g). The numbers differ
+        from `_step`'s torch path by the order of float sums only."""
+        h, kops = self.head, self.kops
+        B, T, S = visible.shape
+        mask = None
+        if not bool(visible.all()):
+            add = torch.zeros(B, T, S).masked_fill_(~visible, float("-inf"))
+            mask = add[:, None].repeat(1, 1, h.heads // h.kv_heads, 1)
+        x = h.fc(torch.cat((F.embedding(tokens, self.embed), feats), dim=-1))
+        cos, sin = h._cos_sin(positions)
+        o = kops.rope_attend(h.wqkv(kops.rms_norm(x, h.attn_norm, h.eps)), cos, sin, self.k, self.v, start, h.heads,
+                             S, mask)
+        x = x + h.wo(o)
+        return x + h.w_down(kops.silu_mul(h.w_gate_up(kops.rms_norm(x, h.mlp_norm, h.eps))))
 
     def _logits(self, h):
         """[..., D] -> [..., S] scores over the subset (or the full vocabulary)."""
