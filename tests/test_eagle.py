@@ -88,6 +88,8 @@ def test_eagle_greedy_equals_transformers(tree, kw, batch):
     ps = prompts()[:batch]
     want = [hf_greedy(hf, p, 14) for p in ps]
     d = drafter(tree, **kw)
+    if tree == "lookup":
+        d.eager = True  # trees from the first step, so that 14 tokens see both sources (the default probes first)
     res = Engine(target().model, d, k=kw.get("depth", 3)).generate(ps, SamplingParams(max_new_tokens=14))
     assert [r.tokens for r in res] == want
     assert sum(r.stats.proposed for r in res) > 0
@@ -336,7 +338,9 @@ def test_lookup_eagle_gate_falls_back_to_lookup_when_the_tree_does_not_pay(monke
     from specdec.drafters.hybrid import LookupEagleDrafter
 
     d = drafter("lookup", depth=3, width=2, nodes=5)
-    assert d.tree_pays()  # nothing measured yet
+    assert not d.tree_pays()  # nothing measured yet: only the gate's probe drafts a tree
+    d.eager = True
+    assert d.tree_pays()  # (the rule before 2026-12-02: trees until measured)
     d.t_draft, d.t_step, d.nodes = 0.002, 0.010, 5.0
     r = d.ngram.policy.r
     d.gain = 0.2 + r * 5 + 0.01
@@ -359,6 +363,40 @@ def test_lookup_eagle_gate_falls_back_to_lookup_when_the_tree_does_not_pay(monke
     d = drafter("lookup", depth=3, width=2, nodes=5)
     res = Engine(target().model, d, k=3).generate(ps, SamplingParams(max_new_tokens=40))
     assert [x.tokens for x in res] == want
+
+
+def test_lookup_eagle_drafts_its_first_tree_as_a_probe_and_times_it_on_the_next_step(monkeypatch):
+    """A fresh auto drafter decodes with prompt lookup alone until the gate's first probe
+    (probe_every steps that would have drafted a tree); that probe catches the head up on the
+    context, so the next step that would draft a tree probes again, in steady state, and times
+    the head (c measured). Greedy output stays equal to plain decoding. (Lookups are switched
+    off, so that every step would draft a tree.)"""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.drafters import ngram
+
+    monkeypatch.setattr(ngram, "lookup_match", lambda *a, **k: (0, []))  # no lookups: every step wants the tree
+    d = drafter("lookup", depth=3, width=2, nodes=5)
+    calls, tree_calls = [0], []
+    propose, eagle_propose = d.propose, d.eagle.propose
+
+    def counted(ctx, k):
+        calls[0] += 1
+        return propose(ctx, k)
+
+    def tree(ctx, k, rows=None):
+        tree_calls.append(calls[0])
+        return eagle_propose(ctx, k, rows=rows)
+
+    d.propose, d.eagle.propose = counted, tree
+    p = prompts()[1]
+    [res] = Engine(target().model, d, k=3).generate([p], SamplingParams(max_new_tokens=60))
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+    hf.generation_config.pad_token_id = 0
+    assert res.tokens == hf_greedy(hf, p, 60)
+    # steps 1-15 decode plainly, 16 probes (catching the head up), 17 probes again in steady state
+    assert tree_calls[:2] == [d.probe_every, d.probe_every + 1]
+    assert d.cost() is not None  # ... and measured the head's drafting time
 
 
 def test_head_forward_matches_a_plain_reference_layer():

@@ -194,13 +194,23 @@ class LookupEagleDrafter:
     dear), rows without a long lookup fall back to plain prompt lookup, and the tree is
     probed after `probe_every` steps, then after twice as many each time a probe finds it
     still does not pay (up to 8x; back to `probe_every` once it pays). Seeded sampled requests
-    skip the gate (timing must not decide which random numbers verification draws)."""
+    skip the gate (timing must not decide which random numbers verification draws).
+
+    Until the head's drafting time has been measured the tree counts as not paying
+    (`eager=False`, the default): a fresh drafter (one `specdec generate` call) decodes with
+    prompt lookup alone and drafts its first tree as the gate's first probe, `probe_every` steps
+    in, which also measures c. Drafting trees from the first step (`eager=True`, before
+    2026-12-02) made every request pay the head's catch-up on its whole prompt and several tree
+    steps at the optimistic prior, more than they gained on CPUs where verifying a tree is dear
+    (benchmarks/fresh_requests.py)."""
 
     needs_hidden = True
 
     def __init__(self, eagle, min_n: int = 1, max_n: int = 4, min_lookup: int = 2, probe_every: int = 16,
-                 gate: bool = True, graft: int = 6) -> None:
+                 gate: bool = True, graft: int = 6, eager: bool = False) -> None:
+        """eager: draft trees before the head's cost is measured (see the class docstring)."""
         self.eagle = eagle
+        self.eager = eager
         self.ngram = NgramDrafter(min_n, max_n)
         self.min_lookup = min_lookup
         self.probe_every, self.gate = probe_every, gate
@@ -232,9 +242,11 @@ class LookupEagleDrafter:
         return self.t_draft / (plain or self.t_step)
 
     def tree_pays(self) -> bool:
-        c = self.cost()
-        if not self.gate or c is None:
+        if not self.gate:
             return True
+        c = self.cost()
+        if c is None:
+            return self.eager  # not measured yet: only the gate's probe drafts the first tree
         r = self.ngram.policy.r if self.ngram.policy is not None else 0.08
         return self.gain > c + r * self.nodes
 
@@ -281,6 +293,10 @@ class LookupEagleDrafter:
             self._skipped += 1
             if self._skipped < self._probe_gap:
                 run_tree = False  # plain prompt lookup for every row
+            elif self.cost() is None:
+                # the first probe catches the head up on the context: the next step that would draft
+                # a tree probes again, in steady state, and times the head
+                self._skipped = self._probe_gap - 1
             else:  # probe; while probes keep finding that it does not pay, probe half as often
                 self._skipped = 0
                 self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every)

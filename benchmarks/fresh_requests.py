@@ -1,0 +1,99 @@
+"""Speculative methods when every request starts afresh (one `specdec generate` call per prompt)
+against the same methods with one drafter serving every request (a server, `--prompts-file`).
+
+The adaptive methods learn as they go: prompt lookup its per-position acceptance and the cost
+of a verified token, `auto` also the EAGLE head's drafting time and accepted tokens. A process
+that answers one prompt pays for that learning on every request; one that answers many pays
+once. This benchmark measures the difference on the default model, greedy, batch 1: per
+prompt, plain decoding, then each method with a drafter built for that request ("fresh") and
+with one drafter kept across all requests ("reused"), interleaved, every request's text checked
+equal to plain decoding. Time per request is the whole `generate` call (the drafter's set-up for
+the request, prefill and decode); the drafter's construction (loading a head, a CLI call's
+start-up) is not timed. Reported per category as speedup over plain decoding (the sum of median
+times), and one JSON document as the last line.
+
+    python benchmarks/fresh_requests.py --per-category 2 --humaneval 4 --repeats 2 --methods ngram,auto --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "dev.jsonl"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=str(DEFAULT_DATA), help="Spec-Bench style JSONL. Default: the shared dev set")
+    ap.add_argument("--categories", default=None, help="comma-separated categories of --data. Default: all")
+    ap.add_argument("--per-category", type=int, default=2, help="prompts per category (0: none). Default: 2")
+    ap.add_argument("--humaneval", type=int, default=4, help="first N HumanEval prompts. Default: 4")
+    ap.add_argument("--methods", default="ngram,auto", help="comma-separated specdec methods. Default: ngram,auto")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from specdec.bench.tasks import load_humaneval, load_jsonl, select
+    from specdec.cli import build_engine, build_parser
+    from specdec.models.loader import load_model
+    from specdec.text import encode_prompt
+    from specdec.types import SamplingParams
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() != "none"]
+    if not methods:
+        ap.error("--methods: name at least one method besides none")
+    target = load_model(None, quiet=True)
+
+    def engine(method: str):
+        return build_engine(build_parser().parse_args(["generate", "x", "--method", method]), target, True)[0]
+
+    reused = {m: engine(m) for m in methods}
+    cats = args.categories.split(",") if args.categories else None
+    tasks = (select(load_jsonl(args.data), cats, args.per_category) if args.per_category > 0 else [])
+    tasks += load_humaneval()[: args.humaneval]
+    if not tasks:
+        ap.error("no prompts: raise --per-category or --humaneval")
+    encoded = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
+    variants = ["none"] + [f"{m}:{how}" for m in methods for how in ("fresh", "reused")]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    times: dict[str, dict[int, list[float]]] = {v: {} for v in variants}
+    equal = {v: 0 for v in variants}
+    for _ in range(args.repeats):
+        for i, ids in enumerate(encoded):
+            plain = None
+            for v in variants:
+                method, _, how = v.partition(":")
+                eng = engine(method) if how != "reused" else reused[method]
+                t0 = time.perf_counter()
+                [r] = eng.generate([ids], params)
+                times[v].setdefault(i, []).append(time.perf_counter() - t0)
+                if v == "none":
+                    plain = r.tokens
+                equal[v] += r.tokens == plain
+    groups = sorted({t.category for t in tasks}) + ["all"]
+    table = {}
+    print(f"threads {args.threads}; {len(tasks)} prompts, {args.repeats} repeats; speedup over none (end to end)")
+    print(f"{'category':16}" + "".join(f"{v:>14}" for v in variants[1:]))
+    for c in groups:
+        idx = [i for i, t in enumerate(tasks) if c == "all" or t.category == c]
+        base = sum(statistics.median(times["none"][i]) for i in idx)
+        table[c] = {v: round(base / sum(statistics.median(times[v][i]) for i in idx), 3) for v in variants[1:]}
+        print(f"{c:16}" + "".join(f"{table[c][v]:14.2f}" for v in variants[1:]))
+    runs = len(tasks) * args.repeats
+    print("greedy equal to none: " + ", ".join(f"{v} {equal[v]}/{runs}" for v in variants[1:]))
+    print(json.dumps({"benchmark": "fresh_requests", "threads": args.threads, "prompts": len(tasks),
+                      "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "speedup": table,
+                      "greedy_equal": {v: equal[v] for v in variants[1:]}, "runs": runs}))
+    return 0 if all(equal[v] == runs for v in variants[1:]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
