@@ -44,6 +44,8 @@ def main() -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not variants or set(variants) - {"kernels", "torch", "fp32", "bf16"}:
         ap.error(f"--variants: choose from kernels, torch, fp32, bf16 (got {args.variants!r})")
+    if {"fp32", "bf16"} & set(variants) and {"kernels", "torch"} & set(variants):
+        ap.error("--variants: fp32 / bf16 (a target off the kernels) and kernels / torch cannot share a run")
     torch.set_num_threads(args.threads)
 
     from specdec.drafters import REGISTRY
@@ -55,8 +57,6 @@ def main() -> int:
     from specdec.types import SamplingParams
 
     target = load_model(None, quiet=True, weights="fp32" if {"fp32", "bf16"} & set(variants) else "auto")
-    if {"fp32", "bf16"} & set(variants) and {"kernels", "torch"} & set(variants):
-        ap.error("--variants: fp32 / bf16 (a target off the kernels) and kernels / torch cannot share a run")
     head = args.head or default_eagle_for(target)
     rows, seen = [], set()
     for line in Path(args.data).read_text().splitlines():
@@ -88,12 +88,11 @@ def main() -> int:
         eng.guard = None  # a tree at every step
         return eng, d, times
 
-    packings = variants
-    engines = {p: make(p) for p in packings}
-    results = {p: {"propose_ms": [], "verify_ms": [], "tau": []} for p in packings}
+    engines = {v: make(v) for v in variants}
+    results = {p: {"propose_ms": [], "verify_ms": [], "tau": []} for p in variants}
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     for _ in range(args.repeats):
-        for p in packings:
+        for p in variants:
             eng, d, times = engines[p]
             times.clear()
             steps = verify = new = 0
@@ -105,10 +104,10 @@ def main() -> int:
             results[p]["propose_ms"].append(statistics.median(times) * 1e3)
             results[p]["verify_ms"].append(verify / steps * 1e3)
             results[p]["tau"].append(new / steps)
-    summary = {p: {k: round(statistics.median(v), 3) for k, v in results[p].items()} for p in packings}
+    summary = {p: {k: round(statistics.median(v), 3) for k, v in results[p].items()} for p in variants}
     summary["bf16_units"] = cpu_has_bf16()  # (without them the bf16 variant packs in fp32 too)
     print(f"{'variant':8} {'propose ms':>11} {'verify ms':>10} {'tau':>6}")
-    for p in packings:
+    for p in variants:
         s = summary[p]
         print(f"{p:8} {s['propose_ms']:11.2f} {s['verify_ms']:10.2f} {s['tau']:6.2f}")
     print(json.dumps({"benchmark": "eagle_propose", "threads": args.threads, "prompts": len(rows),

@@ -551,7 +551,6 @@ def test_eagle_head_steps_through_the_kernels_as_through_torch(default_model):
     d.k[:, :, :n0].normal_()
     d.v[:, :, :n0].normal_()
     key = torch.arange(n0 + 3)
-
     kops = d.kops
 
     def both(tokens, feats, slots, visible):
