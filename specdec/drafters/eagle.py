@@ -41,8 +41,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models.llama import (ATTEND_HEAD_SIZES, ATTEND_MAX_T, BLOCK_MAX_ROWS, PACK_BATCH_HINT, Linear, block_linear,
-                             block_rows_ok, cpu_has_bf16, is_vnni, mkldnn_packing_available, packed_linear)
+from ..models.llama import (ATTEND_MAX_T, BLOCK_MAX_ROWS, PACK_BATCH_HINT, Linear, additive_mask, block_linear,
+                             block_rows_ok, cpu_has_bf16, fused_step_ok, mkldnn_packing_available, packed_linear)
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
 
@@ -182,7 +182,7 @@ def block_drafting(linears, W: torch.Tensor, target_model):
     projections are packed (packing releases their weights)."""
     from ..kernels import loaded
     from ..models.gguf_blocks import quantize_q8_0
-    from ..models.llama import kernel_args
+    from ..models.llama import is_vnni, kernel_args
 
     ops = loaded()
     head_q = getattr(target_model, "head_q", None)
@@ -210,9 +210,7 @@ def kernel_steps(head: EagleHead, head_blocks):
 
     ops = loaded()
     lins = (head.wqkv, head.wo, head.w_gate_up, head.w_down)
-    if ops is None or head_blocks is None or head.hidden % 16 or head.head_dim not in ATTEND_HEAD_SIZES \
-            or head.head_dim % 32 or head.heads % head.kv_heads or not all(
-                is_vnni(lin.qargs) and lin.bias is None and lin.packed_bias is None for lin in lins):
+    if head_blocks is None or head.heads % head.kv_heads or not fused_step_ok(ops, head.hidden, head.head_dim, lins):
         return None
     return ops
 
@@ -350,11 +348,8 @@ class EagleDrafter:
         the kernel reads ([B, 1, G*T, S], row g*T + t: token t of query head g). The numbers differ
         from `_step`'s torch path by the order of float sums only."""
         h, kops = self.head, self.kops
-        B, T, S = visible.shape
-        mask = None
-        if not bool(visible.all()):
-            add = torch.zeros(B, T, S).masked_fill_(~visible, float("-inf"))
-            mask = add[:, None].repeat(1, 1, h.heads // h.kv_heads, 1)
+        S = visible.shape[-1]
+        mask = None if bool(visible.all()) else additive_mask(visible, h.heads // h.kv_heads)
         x = h.fc(torch.cat((F.embedding(tokens, self.embed), feats), dim=-1))
         cos, sin = h._cos_sin(positions)
         o = kops.rope_attend(h.wqkv(kops.rms_norm(x, h.attn_norm, h.eps)), cos, sin, self.k, self.v, start, h.heads,

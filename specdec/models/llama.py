@@ -360,6 +360,22 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def fused_step_ok(kops, hidden: int, head_dim: int, lins) -> bool:
+    """Whether a decoder layer of this width and head size, with projections `lins` (qkv, o,
+    gate/up, down), can take a fused decoding step through the kernels `kops`: every projection
+    on the integer kernels without a bias, and shapes the kernels' norms and attention take."""
+    return kops is not None and hidden % 16 == 0 and head_dim in ATTEND_HEAD_SIZES and head_dim % 32 == 0 and all(
+        is_vnni(lin.qargs) and lin.bias is None and lin.packed_bias is None for lin in lins)
+
+
+def additive_mask(allowed: torch.Tensor, groups: int, dtype=torch.float32) -> torch.Tensor:
+    """allowed [B, T, S] (bool: token t may attend to slot s) -> the additive mask [B, 1, groups * T, S]
+    the folded attention and the kernels' attention read (0 where allowed, -inf elsewhere; row
+    g * T + t is token t for query head g)."""
+    add = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    return add[:, None].repeat(1, 1, groups, 1)
+
+
 class Block(nn.Module):
     kops = None  # the kernels (torch.ops.specdec_q) for the layer's decoding steps (attach_blocks)
     # a decoding step's calls with every projection on the integer kernels and no biases (the
@@ -447,9 +463,7 @@ class Block(nn.Module):
         """Block.fast for this layer, or None where the step needs the general path: a projection
         not on the integer kernels or with a bias, or a norm width the kernel does not take."""
         lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-        if self.kops is None or self.attn_norm.shape[0] % 16 or self.head_dim not in ATTEND_HEAD_SIZES or \
-                self.head_dim % 32 or not all(is_vnni(lin.qargs) and lin.bias is None and lin.packed_bias is None
-                                              for lin in lins):
+        if not fused_step_ok(self.kops, self.attn_norm.shape[0], self.head_dim, lins):
             return None
         calls = [(lin.qargs[0], lin.qargs[1], lin.qargs[4]) for lin in lins]
         return (*calls[0], *calls[1], *calls[2], *calls[3], self.attn_norm.detach(), self.mlp_norm.detach(), self.eps)
@@ -666,8 +680,7 @@ class LlamaModel(nn.Module):
             rel_c = rel.clamp(0, T - 1)
             tree = torch.gather(attn_mask.to(torch.bool), 2, rel_c[:, None, :].expand(-1, T, -1))  # [B, T, S]
             allowed = (rel[:, None, :] < 0) | (in_block[:, None, :] & tree)
-        add = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, float("-inf"))
-        return add[:, None].repeat(1, 1, groups, 1)  # row g * T + t is token t for query head g
+        return additive_mask(allowed, groups, dtype)
 
     # -- loading -----------------------------------------------------------------------
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
