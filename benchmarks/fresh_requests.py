@@ -5,9 +5,11 @@ The adaptive methods learn as they go: prompt lookup its per-position acceptance
 of a verified token, `auto` also the EAGLE head's drafting time and accepted tokens. A process
 that answers one prompt pays for that learning on every request; one that answers many pays
 once. This benchmark measures the difference on the default model, greedy, batch 1: per
-prompt, plain decoding, then each method with a drafter built for that request ("fresh") and
-with one drafter kept across all requests ("reused"), interleaved, every request's text checked
-equal to plain decoding. Time per request is the whole `generate` call (the drafter's set-up for
+prompt, plain decoding, then each method with a drafter built for that request ("fresh"),
+with a drafter built for that request that starts from what the previous request's drafter
+learned ("saved": what `specdec generate` does by default since learned.py, here without the
+file), and with one drafter kept across all requests ("reused"), interleaved, every request's
+text checked equal to plain decoding. Time per request is the whole `generate` call (the drafter's set-up for
 the request, prefill and decode); the drafter's construction (loading a head, a CLI call's
 start-up) is not timed. Reported per category as speedup over plain decoding (the sum of median
 times), and one JSON document as the last line.
@@ -38,7 +40,12 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variants", default="fresh,saved,reused",
+                    help="comma-separated: fresh, saved, reused (see above). Default: all three")
     args = ap.parse_args()
+    hows = [h.strip() for h in args.variants.split(",") if h.strip()]
+    if not hows or set(hows) - {"fresh", "saved", "reused"}:
+        ap.error(f"--variants: choose from fresh, saved, reused (got {args.variants!r})")
     torch.set_num_threads(args.threads)
 
     from specdec.bench.tasks import load_humaneval, load_jsonl, select
@@ -62,7 +69,8 @@ def main() -> int:
     if not tasks:
         ap.error("no prompts: raise --per-category or --humaneval")
     encoded = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
-    variants = ["none"] + [f"{m}:{how}" for m in methods for how in ("fresh", "reused")]
+    variants = ["none"] + [f"{m}:{how}" for m in methods for how in hows]
+    saved = {m: None for m in methods}  # what the last "saved" request's engine learned (JSON, as on disk)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     times: dict[str, dict[int, list[float]]] = {v: {} for v in variants}
     equal = {v: 0 for v in variants}
@@ -73,8 +81,12 @@ def main() -> int:
                 method, _, how = v.partition(":")
                 eng = engine(method) if how != "reused" else reused[method]
                 t0 = time.perf_counter()
+                if how == "saved" and saved[method] is not None:
+                    eng.relearn(json.loads(saved[method]))  # timed: a CLI call reads the file too
                 [r] = eng.generate([ids], params)
                 times[v].setdefault(i, []).append(time.perf_counter() - t0)
+                if how == "saved":
+                    saved[method] = json.dumps(eng.learned())
                 if v == "none":
                     plain = r.tokens
                 equal[v] += r.tokens == plain

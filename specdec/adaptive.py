@@ -15,6 +15,8 @@ This module knows nothing about models; it sees only counts and seconds.
 
 from __future__ import annotations
 
+import math
+
 
 class AdaptiveK:
     def __init__(self, cost_hint: float | None = None, decay: float = 0.9, probe_every: int = 16) -> None:
@@ -72,6 +74,22 @@ class AdaptiveK:
         prev = self.t_fwd.get(kk)
         self.t_fwd[kk] = verify_s if prev is None else 0.8 * prev + 0.2 * verify_s
 
+    def learned(self) -> dict:
+        """Acceptance (capped at 8 guesses' worth) and times, for a later run (learned.py)."""
+        f = min(1.0, 8.0 / self.prop) if self.prop > 0 else 1.0
+        return {"acc": f * self.acc, "prop": f * self.prop, "t_draft": self.t_draft,
+                "t_fwd": {str(k): v for k, v in self.t_fwd.items()}}
+
+    def relearn(self, state: dict) -> None:
+        acc, prop, t_draft = float(state["acc"]), float(state["prop"]), state["t_draft"]
+        t_fwd = {int(k): float(v) for k, v in state["t_fwd"].items()}
+        values = [acc, prop] + list(t_fwd.values()) + ([] if t_draft is None else [float(t_draft)])
+        if not all(math.isfinite(v) and v >= 0 for v in values) or acc > prop or prop == 0 or min(t_fwd, default=0) < 0:
+            raise ValueError("learned draft-length policy out of range")
+        self.acc, self.prop = acc, prop
+        self.t_draft = None if t_draft is None else float(t_draft)
+        self.t_fwd = t_fwd
+
 
 class DecayedLine:
     """y ~ a + b x, fitted by exponentially decayed least squares (recent points count most).
@@ -101,6 +119,12 @@ class DecayedLine:
     def intercept(self, slope: float) -> float:
         w, sx, sy, _, _ = self.s
         return (sy - slope * sx) / w
+
+    def scaled(self, max_weight: float) -> list[float]:
+        """The sums scaled so that they weigh at most max_weight points (same fitted line): what a
+        later run starts from (learned.py), so that its own points soon outweigh them."""
+        f = min(1.0, max_weight / self.s[0]) if self.s[0] > 0 else 1.0
+        return [f * v for v in self.s]
 
 
 class BatchGuard:
@@ -154,6 +178,18 @@ class BatchGuard:
                 choice = not choice  # keep the other mode measured
         self.decisions[choice] += 1
         return choice
+
+    def learned(self) -> dict:
+        """The measured rates per band and mode, for a later run (learned.py); None before any."""
+        return {"rate": [[b, s, r] for (b, s), r in self.rate.items()]} if self.rate else None
+
+    def relearn(self, state: dict) -> None:
+        rate = {}
+        for b, s, r in state["rate"]:
+            if not (isinstance(b, int) and isinstance(s, bool) and math.isfinite(float(r)) and float(r) > 0):
+                raise ValueError("learned guard rate out of range")
+            rate[(b, s)] = float(r)
+        self.rate = rate
 
     def observe(self, rows: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One step of `rows` rows committed `tokens` tokens in `seconds` (drafting included)."""

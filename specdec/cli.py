@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from . import learned
 from .text import check_text
 from .types import SpecdecError
 
@@ -157,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON object per prompt (text, token ids, stats) instead of streaming text; "
                         "token_ids are every generated id (an EOS and a matched stop string's tokens included)")
     g.add_argument("--quiet", action="store_true", help="no summary or progress on stderr")
+    g.add_argument("--fresh", action="store_true",
+                   help="ngram, auto and the other adaptive methods start from their priors: neither read nor "
+                        "update what earlier runs on this machine learned about guess acceptance and step costs "
+                        "(kept in learned.json in specdec's cache folder; SPECDEC_LEARNED=0 does the same). "
+                        "Output text does not depend on it, only speed")
     add_model_args(g)
     add_sampling_args(g)
     add_train_parser(sub)
@@ -1077,6 +1083,17 @@ def build_engine(args, target, quiet: bool):
     return Engine(target.model, drafter, k=method_k(args), eos_ids=target.eos_ids), draft_lm
 
 
+def learned_key(args, target) -> str:
+    """The learned.py entry of a generate run: machine, threads, model, weights and every
+    setting that changes what the adaptive methods measure."""
+    import torch
+
+    method = " ".join(str(v) for v in (args.method, args.draft, getattr(args, "k", None), args.tree,
+                                       args.tree_depth, args.tree_width, args.tree_nodes,
+                                       getattr(args, "draft_confidence", None)))
+    return learned.key(str(target.path), target.weights, args.dtype, method, torch.get_num_threads())
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -1096,6 +1113,9 @@ def cmd_generate(args) -> int:
     if target.tokenizer is None:
         raise SpecdecError(f"{target.path} has no tokenizer; specdec generate needs one to read text prompts")
     engine, _ = build_engine(args, target, quiet)
+    memory = None if args.fresh else learned_key(args, target)
+    if memory is not None:
+        learned.restore(engine, memory)
     tok = target.tokenizer
     # a --prompts-file row's own "chat" (true / false) wins over --chat / --raw
     chats = [args.chat if chat is None else chat for _, chat in rows_in]
@@ -1144,6 +1164,8 @@ def cmd_generate(args) -> int:
         for key, res in zip(chunk, results):
             outputs[key] = res
     wall = time.perf_counter() - t_all
+    if memory is not None:
+        learned.save(engine, memory)
 
     def final_text(res) -> str:
         text = tok.decode(res.tokens, skip_special_tokens=True)

@@ -56,6 +56,23 @@ class Engine:
         if drafter is not None and hasattr(drafter, "skip"):
             self.guard = BatchGuard(min_rows=2 if getattr(drafter, "gates_itself", False) else 1)
 
+    def learned(self) -> dict:
+        """What the drafter, its draft-length policy and the guard learned while decoding, for a
+        later run to start from (learned.py); {} when nothing adapts."""
+        out = {}
+        for name, part in (("drafter", self.drafter), ("k_policy", self.k_policy), ("guard", self.guard)):
+            state = part.learned() if hasattr(part, "learned") else None
+            if state:
+                out[name] = state
+        return out
+
+    def relearn(self, state: dict) -> None:
+        """Start from `learned()`'s output of an earlier run of the same method on the same
+        machine and model. ValueError (and possibly a part restored) if it does not fit."""
+        for name, part in (("drafter", self.drafter), ("k_policy", self.k_policy), ("guard", self.guard)):
+            if state.get(name) and hasattr(part, "relearn"):
+                part.relearn(state[name])
+
     # ------------------------------------------------------------------------------------
     def generate(
         self,

@@ -8,8 +8,15 @@ weight then moves them by far more than the 1e-4 tolerance.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# What `specdec generate` learned in earlier runs (specdec/learned.py) must not carry from one
+# test to the next, nor from the user's own runs: off for the whole suite (its subprocesses too);
+# tests/test_learned.py points it at a file of its own.
+os.environ["SPECDEC_LEARNED"] = "0"
 
 TOL = 1e-4  # max abs logit difference, fp32
 

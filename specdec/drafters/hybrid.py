@@ -35,6 +35,7 @@ import time
 import torch
 
 from .. import tree as tree_mod
+from ..learned import seconds
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register, timing_free
 from .ngram import NgramDrafter
@@ -166,6 +167,24 @@ class HybridDrafter:
     def keep_rows(self, rows) -> None:
         self.draft.keep_rows(rows)
         self.ngram.keep_rows(rows)
+
+    def learned(self) -> dict:
+        """The lookup's policy, the draft model's acceptance (capped at 8 guesses' worth) and
+        times, and the draft-length policy's, for a later run (learned.py)."""
+        f = min(1.0, 8.0 / self.prop) if self.prop > 0 else 1.0
+        return {"ngram": self.ngram.learned(), "acc": f * self.acc, "prop": f * self.prop, "t_tok": self.t_tok,
+                "t_step": self.t_step, "k_policy": self.k_policy.learned() if self.k_policy is not None else None}
+
+    def relearn(self, state: dict) -> None:
+        acc, prop = seconds(state["acc"], "acceptance"), seconds(state["prop"], "proposals")
+        t_tok, t_step = seconds(state["t_tok"], "t_tok"), seconds(state["t_step"], "t_step")
+        if acc is None or not prop or acc > prop:
+            raise ValueError("learned draft acceptance out of range")
+        if state.get("ngram"):
+            self.ngram.relearn(state["ngram"])
+        if self.k_policy is not None and state.get("k_policy"):
+            self.k_policy.relearn(state["k_policy"])
+        self.acc, self.prop, self.t_tok, self.t_step = acc, prop, t_tok, t_step
 
 
 class LookupEagleDrafter:
@@ -392,6 +411,24 @@ class LookupEagleDrafter:
         """A new request joins as the last row (the server's continuous batching); its prompt's
         target features arrive with its first proposal, as after `begin`."""
         self.eagle.add_row(max_len)
+
+    def learned(self) -> dict:
+        """The lookup's policy, the tree's gain and size, the head's drafting time and the mean
+        step, for a later run to start from (learned.py): with the head's time known, the gate
+        decides from the first step instead of probing first."""
+        return {"ngram": self.ngram.learned(), "gain": self.gain, "nodes": self.nodes,
+                "t_draft": self.t_draft, "t_step": self.t_step}
+
+    def relearn(self, state: dict) -> None:
+        gain, nodes = seconds(state["gain"], "gain"), seconds(state["nodes"], "nodes")
+        t_draft, t_step = seconds(state["t_draft"], "t_draft"), seconds(state["t_step"], "t_step")
+        if state.get("ngram"):
+            self.ngram.relearn(state["ngram"])
+        if gain is not None:
+            self.gain = gain
+        if nodes:
+            self.nodes = nodes
+        self.t_draft, self.t_step = t_draft, t_step
 
 
 def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:

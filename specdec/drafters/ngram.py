@@ -32,6 +32,7 @@ prior r = 0.08. Its lengths then follow only from the text and the seed.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -134,6 +135,33 @@ class LengthPolicy:
     def observe_time(self, j: int, seconds: float) -> None:
         self.times.observe(j, seconds)
 
+    def learned(self, max_seen: float = 8.0, max_times: float = 16.0) -> dict:
+        """What this policy has learned, for a later run to start from (learned.py): acceptance
+        counts capped at max_seen per (match length, position) and the step-time line at
+        max_times points, so that a new text soon outweighs an old one."""
+        acc, seen = [], []
+        for a_row, s_row in zip(self.acc, self.seen):
+            f = [min(1.0, max_seen / s) if s > 0 else 1.0 for s in s_row]
+            acc.append([a * g for a, g in zip(a_row, f)])
+            seen.append([s * g for s, g in zip(s_row, f)])
+        return {"acc": acc, "seen": seen, "times": self.times.scaled(max_times)}
+
+    def relearn(self, state: dict) -> None:
+        """Start from `learned()`'s output of an earlier run. ValueError if its shape does not fit
+        this policy (another max_n or max_k): nothing is changed then."""
+        acc, seen, times = state["acc"], state["seen"], state["times"]
+        shape = [len(r) for r in self.acc]
+        if [len(r) for r in acc] != shape or [len(r) for r in seen] != shape or len(times) != 5:
+            raise ValueError("learned acceptance tables of another shape")
+        acc = [[float(v) for v in r] for r in acc]
+        seen = [[float(v) for v in r] for r in seen]
+        times = [float(v) for v in times]
+        if not all(0.0 <= a <= s < math.inf for ar, sr in zip(acc, seen) for a, s in zip(ar, sr)):
+            raise ValueError("learned acceptance counts out of range")
+        if not all(math.isfinite(v) for v in times):
+            raise ValueError("learned step times out of range")
+        self.acc, self.seen, self.times.s = acc, seen, times
+
 
 class NgramDrafter:
     cost_hint = 0.0
@@ -227,6 +255,14 @@ class NgramDrafter:
     def keep_rows(self, rows) -> None:
         if self._last is not None:
             self._last = [self._last[r] for r in rows]
+
+    def learned(self) -> dict | None:
+        """What the length policy learned (None without one), for a later run (learned.py)."""
+        return None if self.policy is None else {"policy": self.policy.learned()}
+
+    def relearn(self, state: dict) -> None:
+        if self.policy is not None and state.get("policy") is not None:
+            self.policy.relearn(state["policy"])
 
 
 @register("ngram")

@@ -1,0 +1,218 @@
+"""What the adaptive methods learned, carried from one run to the next (specdec/learned.py):
+the saved state is capped and round-trips, a malformed file or entry is ignored without
+stopping a run, other entries survive a save, a restored `auto` decides from its first step,
+and none of it changes output: greedy equals transformers' plain greedy decoding, and a seeded
+sample gives the same text whatever was restored."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdec import learned
+from specdec.adaptive import AdaptiveK, BatchGuard, DecayedLine
+from specdec.drafters.ngram import LengthPolicy, NgramDrafter
+from specdec.engine import Engine
+from specdec.types import SamplingParams
+
+from oracle import hf_greedy
+from test_eagle import _one_thread, drafter, prompts, target, target_dir  # noqa: F401  (fixture)
+
+
+def test_decayed_line_scaled_keeps_the_fitted_line_and_caps_the_weight():
+    line = DecayedLine(0.99)
+    for i in range(60):
+        line.observe(i % 5, 0.01 + 0.002 * (i % 5) + 1e-4 * (i % 3))
+    small = DecayedLine(0.99)
+    small.s = line.scaled(16.0)
+    assert small.weight == pytest.approx(16.0) and line.weight > 40
+    assert small.slope() == pytest.approx(line.slope())
+    assert small.intercept(small.slope()) == pytest.approx(line.intercept(line.slope()))
+    few = DecayedLine(0.99)
+    few.observe(1, 2.0)
+    assert few.scaled(16.0) == few.s  # under the cap: unchanged
+
+
+def test_length_policy_round_trips_capped_and_refuses_what_does_not_fit():
+    pol = LengthPolicy(max_n=4, max_k=8)
+    for i in range(200):
+        pol.observe(2, 4, 3 if i % 4 else 0)
+        pol.observe_time(i % 4, 0.01 + 0.003 * (i % 4))
+    state = json.loads(json.dumps(pol.learned()))  # as it goes through the file
+    assert max(max(r) for r in state["seen"]) == pytest.approx(8.0)
+    new = LengthPolicy(max_n=4, max_k=8)
+    new.relearn(state)
+    assert new.r == pytest.approx(pol.r) and new.step_seconds() == pytest.approx(pol.step_seconds())
+    assert new.expected(2, 4) == pytest.approx(pol.expected(2, 4))  # same acceptance, fewer counts
+    assert new.seen[2][0] < pol.seen[2][0]
+    before = (new.acc, new.seen, list(new.times.s))
+    for bad in (dict(state, acc=state["acc"][:-1]),  # another max_n
+                dict(state, seen=[r[:-1] for r in state["seen"]]),  # another max_k
+                dict(state, acc=[[9.0] * 8] + state["acc"][1:]),  # more accepted than seen
+                dict(state, times=[1.0, float("nan"), 0, 0, 0])):
+        with pytest.raises(ValueError):
+            new.relearn(bad)
+        assert (new.acc, new.seen, new.times.s) == before
+
+
+def test_adaptive_k_and_guard_round_trip():
+    k = AdaptiveK(cost_hint=None)
+    for _ in range(30):
+        k.observe(3, [3], [2], 0.003, 0.02)
+    k2 = AdaptiveK(cost_hint=None)
+    k2.relearn(json.loads(json.dumps(k.learned())))
+    assert k2.alpha == pytest.approx(k.alpha) and k2.prop == pytest.approx(8.0)
+    assert k2.t_fwd == pytest.approx(k.t_fwd) and k2.choose_k(6) == k.choose_k(6)
+    with pytest.raises(ValueError):
+        k2.relearn(dict(k.learned(), acc=-1.0))
+    g = BatchGuard(min_rows=1)
+    assert g.learned() is None  # nothing measured, nothing to save
+    g.rate = {(0, True): 120.0, (0, False): 80.0}
+    g2 = BatchGuard(min_rows=1)
+    g2.relearn(json.loads(json.dumps(g.learned())))
+    assert g2.rate == g.rate
+
+
+class _Part:
+    def __init__(self, value=None):
+        self.value = value
+
+    def learned(self):
+        return {"value": self.value}
+
+    def relearn(self, state):
+        if not isinstance(state["value"], int):
+            raise ValueError("not an int")
+        self.value = state["value"]
+
+
+def test_the_file_keeps_other_entries_and_ignores_what_it_cannot_read(tmp_path, monkeypatch):
+    f = tmp_path / "sub" / "learned.json"
+    monkeypatch.setenv("SPECDEC_LEARNED", str(f))
+    assert learned.path() == f
+    assert not learned.restore(_Part(), "a")  # no file yet
+    assert learned.save(_Part(1), "a") and learned.save(_Part(2), "b")
+    p = _Part()
+    assert learned.restore(p, "a") and p.value == 1
+    assert learned.restore(p, "b") and p.value == 2
+    data = json.loads(f.read_text())
+    data["entries"]["a"]["state"] = {"value": "x"}  # an entry the part refuses
+    f.write_text(json.dumps(data))
+    p = _Part(7)
+    assert not learned.restore(p, "a") and p.value == 7
+    f.write_text("{not json")  # a broken file: ignored, then replaced by a good one
+    assert not learned.restore(p, "b")
+    assert learned.save(_Part(3), "b")
+    assert learned.restore(p, "b") and p.value == 3
+    data = json.loads(f.read_text())
+    data["version"] = learned.VERSION + 1  # a layout this version does not know
+    f.write_text(json.dumps(data))
+    assert not learned.restore(p, "b")
+    monkeypatch.setenv("SPECDEC_LEARNED", "0")
+    assert learned.path() is None and not learned.save(_Part(4), "d")
+    assert [x.name for x in f.parent.iterdir()] == ["learned.json"]  # no temporary files left
+
+
+def test_the_key_tells_machines_threads_models_and_methods_apart():
+    keys = {learned.key("m", "fp32", "float32", "ngram", 2), learned.key("m", "fp32", "float32", "auto", 2),
+            learned.key("m", "fp32", "float32", "ngram", 1), learned.key("m2", "fp32", "float32", "ngram", 2),
+            learned.key("m", "int16", "float32", "ngram", 2)}
+    assert len(keys) == 5
+    assert learned.cpu_name() in learned.key("m", "fp32", "float32", "ngram", 2)
+
+
+def _run(engine, params, ps):
+    return [r.tokens for r in engine.generate(ps, params)]
+
+
+def test_restored_auto_decides_from_its_first_step_and_stays_exact(monkeypatch):
+    """A fresh auto drafter does not draft a tree before a probe has timed the head; one restored
+    from a run that found trees paying drafts them from its first step, and one restored from a
+    run that found them not paying does not. Greedy output equals transformers' either way."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+    hf.generation_config.pad_token_id = 0
+    ps = prompts()
+    want = [hf_greedy(hf, p, 12) for p in ps]
+    first = drafter("lookup", depth=3, width=2, nodes=5)
+    assert _run(Engine(target().model, first, k=3), SamplingParams(max_new_tokens=12), ps) == want
+    assert first.rows_drafted["eagle"] == 0  # 12 tokens: before the first probe
+    state = json.loads(json.dumps(Engine(target().model, first, k=3).learned()))
+    state["drafter"].update(t_draft=1e-4, t_step=1e-2, gain=3.0)  # a head that paid well
+    pays = drafter("lookup", depth=3, width=2, nodes=5)
+    engine = Engine(target().model, pays, k=3)
+    engine.relearn(state)
+    assert pays.cost() is not None and pays.tree_pays()
+    assert _run(engine, SamplingParams(max_new_tokens=12), ps) == want
+    assert pays.rows_drafted["eagle"] > 0
+    state["drafter"].update(gain=0.0)  # a head that did not
+    idle = drafter("lookup", depth=3, width=2, nodes=5)
+    engine = Engine(target().model, idle, k=3)
+    engine.relearn(state)
+    assert not idle.tree_pays()
+    assert _run(engine, SamplingParams(max_new_tokens=12), ps) == want
+    assert idle.rows_drafted["eagle"] == 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "lookup"])
+def test_a_seeded_sample_does_not_depend_on_what_was_restored(method):
+    """Same seed, same text, whether the drafter starts from priors or from a state that would
+    change every timing-based choice (guesses nearly free, trees paying, lookups always held)."""
+    params = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=123)
+    rep = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5, 9, 2, 6, 3, 1]  # text that repeats: lookups fire
+    ps = [rep, prompts()[1]]
+
+    def make():
+        d = NgramDrafter() if method == "ngram" else drafter("lookup", depth=3, width=2, nodes=5)
+        return Engine(target().model, d, k=3)
+
+    plain = _run(make(), params, ps)
+    eng = make()
+    state = json.loads(json.dumps(eng.learned()))
+    pol = state["drafter"]["policy"] if method == "ngram" else state["drafter"]["ngram"]["policy"]
+    pol["acc"] = [[s for s in row] for row in pol["seen"]]  # every guess held
+    pol["times"] = [16.0, 16.0, 0.16, 32.0, 0.16]  # a verified token costs nothing
+    if method == "lookup":
+        state["drafter"].update(t_draft=1e-5, t_step=1e-2, gain=4.0)
+    eng.relearn(state)
+    assert _run(eng, params, ps) == plain
+
+
+@pytest.mark.default_model
+def test_generate_saves_and_restores_through_the_cli(tmp_path, monkeypatch, capsys):
+    """`specdec generate` writes an entry for a method that learns under SPECDEC_LEARNED (none
+    for --method none), reads it on the next call of the same method (same text), and
+    `--fresh` neither reads nor writes. (A tiny random model with the default tokenizer.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.cli import main
+    from specdec.models.loader import load_model
+
+    d = tmp_path / "m"
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    load_model().tokenizer.save_pretrained(d)
+    f = tmp_path / "learned.json"
+    monkeypatch.setenv("SPECDEC_LEARNED", str(f))
+    restored = []
+    real = learned.restore
+    monkeypatch.setattr(learned, "restore", lambda engine, k, file=None: restored.append(real(engine, k, file))
+                        or restored[-1])
+    args = ["generate", "--model", str(d), "--raw", "--json", "--max-new-tokens", "12", "--quiet", "--threads", "1",
+            "a b c a b c a b c a b c"]
+    texts = []
+    for method in ("ngram", "none", "ngram"):
+        assert main(args + ["--method", method]) == 0
+        texts.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert texts[0] == texts[1] == texts[2]
+    data = json.loads(f.read_text())
+    [k] = data["entries"]  # ngram learned something; none has nothing to keep
+    assert "| ngram " in k and "1 threads" in k
+    assert restored == [False, False, True]  # ngram: nothing yet; none: no entry; ngram: its entry
+    f.unlink()
+    assert main(args + ["--method", "ngram", "--fresh"]) == 0
+    assert not f.exists() and len(restored) == 3
