@@ -375,7 +375,7 @@ def test_lookup_eagle_drafts_its_first_tree_as_a_probe_and_times_it_on_the_next_
 
     from specdec.drafters import ngram
 
-    monkeypatch.setattr(ngram, "lookup_match", lambda *a, **k: (0, []))  # no lookups: every step wants the tree
+    monkeypatch.setattr(ngram.SuffixIndex, "match", lambda *a, **k: (0, []))  # no lookups: every step wants the tree
     d = drafter("lookup", depth=3, width=2, nodes=5)
     calls, tree_calls = [0], []
     propose, eagle_propose = d.propose, d.eagle.propose

@@ -57,6 +57,44 @@ def lookup_match(tokens: list[int], max_tokens: int, min_n: int, max_n: int) -> 
     return 0, []
 
 
+class SuffixIndex:
+    """`lookup_match` for one growing token list in O(max_n) a step instead of a scan of the
+    whole context (a 1500-token context: ~0.23 ms of Python a step, 2-3% of a decoding step):
+    for every n-gram length it keeps the latest end position of each n-gram seen, and indexes
+    only the positions added since the last call. Same answers as `lookup_match` (tested
+    against it). A list that is not the indexed one grown (no longer than where the index
+    ended, or other tokens just before it) is indexed afresh."""
+
+    CHECK = 8  # tokens compared at the end of the indexed part, to tell another list apart
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.max_n + 1)]
+        self.done = 0  # n-grams ending before this position are indexed
+        self.tail: list[int] = []  # the indexed list's tokens just before `done`
+
+    def match(self, tokens: list[int], max_tokens: int) -> tuple[int, list[int]]:
+        L = len(tokens)
+        if L <= self.done or tokens[max(0, self.done - self.CHECK) : self.done] != self.tail:
+            self._reset()
+        for e in range(self.done, L - 1):  # matches must end before the last token
+            for n in range(self.min_n, min(self.max_n, e + 1) + 1):
+                self.ends[n][tuple(tokens[e - n + 1 : e + 1])] = e
+        if L - 1 > self.done:
+            self.done = L - 1
+            self.tail = tokens[max(0, self.done - self.CHECK) : self.done]
+        if max_tokens <= 0:
+            return 0, []
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            end = self.ends[n].get(tuple(tokens[L - n :]))
+            if end is not None:
+                return n, tokens[end + 1 : end + 1 + max_tokens]
+        return 0, []
+
+
 def lookup(tokens: list[int], max_tokens: int, min_n: int, max_n: int) -> list[int]:
     """Tokens that followed the latest earlier occurrence of the longest matching suffix."""
     return lookup_match(tokens, max_tokens, min_n, max_n)[1]
@@ -185,10 +223,12 @@ class NgramDrafter:
         self.choose_length = choose_length
         self._last: list[tuple[int, int]] | None = None  # per row (n, proposed) of the last proposal
         self._t_end: float | None = None  # when the last proposal was handed over
+        self._index: list[SuffixIndex] = []  # per row: its context's n-grams (lookups without a scan)
         self.step_tokens = 0  # guesses the target verifies this step (a wrapping drafter may raise it)
 
     def begin(self, prompts, params, max_len) -> None:
         self._last = None
+        self._index = []
         self._t_end = None  # a new request's prefill must not count as a step
         # a seeded sample: a fresh policy that never reads the clock (lengths from the text alone)
         fresh = self.policy is not None and self.seeded_cut and timing_free(params)
@@ -208,8 +248,10 @@ class NgramDrafter:
         pol = self._policy(ctx.params)  # None: no cut (a seeded row of a batch that began unseeded)
         self._learner = pol if pol is not None else self.policy
         cut = pol is not None and self.choose_length
-        for t in ctx.tokens:
-            n, g = lookup_match(t, max_tokens, self.min_n, self.max_n) if max_tokens > 0 else (0, [])
+        while len(self._index) < len(ctx.tokens):  # a row joined (the server) or a new request
+            self._index.append(SuffixIndex(self.min_n, self.max_n))
+        for t, index in zip(ctx.tokens, self._index):
+            n, g = index.match(t, max_tokens)
             if g and cut:
                 g = g[: pol.choose(n, len(g))]
             guesses.append(g)
@@ -255,6 +297,8 @@ class NgramDrafter:
     def keep_rows(self, rows) -> None:
         if self._last is not None:
             self._last = [self._last[r] for r in rows]
+        rows = list(rows)
+        self._index = [self._index[r] for r in rows] if all(r < len(self._index) for r in rows) else []
 
     def learned(self) -> dict | None:
         """What the length policy learned (None without one), for a later run (learned.py)."""
