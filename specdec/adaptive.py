@@ -15,6 +15,7 @@ This module knows nothing about models; it sees only counts and seconds.
 
 from __future__ import annotations
 
+import bisect
 import math
 
 
@@ -89,6 +90,58 @@ class AdaptiveK:
         self.acc, self.prop = acc, prop
         self.t_draft = None if t_draft is None else float(t_draft)
         self.t_fwd = t_fwd
+
+
+class NodeOdds:
+    """How often a drafted tree node is accepted, by the drafter's probability of its path p
+    (the product of the head's probabilities from the root to the node), in bins of p with
+    exponentially decayed counts; before any observation a bin's odds are its middle p (a head
+    taken at its word). Knows nothing about models."""
+
+    EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9)  # bin i holds EDGES[i-1] <= p < EDGES[i]
+
+    def __init__(self, decay: float = 0.995, prior: float = 2.0) -> None:
+        self.decay = decay
+        lows, highs = (0.0,) + self.EDGES, self.EDGES + (1.0,)
+        self.seen = [prior] * len(lows)
+        self.acc = [prior * (lo + hi) / 2 for lo, hi in zip(lows, highs)]
+
+    def bin(self, p: float) -> int:
+        return bisect.bisect_right(self.EDGES, p)
+
+    def __call__(self, p: float) -> float:
+        i = self.bin(p)
+        return self.acc[i] / self.seen[i]
+
+    def observe(self, p: float, accepted: bool) -> None:
+        i = self.bin(p)
+        self.acc[i] = self.decay * self.acc[i] + (1.0 if accepted else 0.0)
+        self.seen[i] = self.decay * self.seen[i] + 1.0
+
+    def learned(self, max_seen: float = 8.0) -> dict:
+        f = [min(1.0, max_seen / s) for s in self.seen]
+        return {"acc": [a * g for a, g in zip(self.acc, f)], "seen": [s * g for s, g in zip(self.seen, f)]}
+
+    def relearn(self, state: dict) -> None:
+        acc, seen = [float(v) for v in state["acc"]], [float(v) for v in state["seen"]]
+        if len(acc) != len(self.acc) or len(seen) != len(self.seen):
+            raise ValueError("learned node odds of another shape")
+        if not all(0.0 <= a <= s < math.inf and s > 0 for a, s in zip(acc, seen)):
+            raise ValueError("learned node odds out of range")
+        self.acc, self.seen = acc, seen
+
+
+def best_prefix(values: list[float], c: float, r: float) -> int:
+    """How many of `values` (expected accepted tokens per node, best first) to verify: the m
+    that maximises committed tokens per unit of step time, (1 + sum(values[:m])) / (1 + c + r m),
+    with c the drafting cost and r the cost of a verified node, in plain steps."""
+    best_m, best, total = 0, 1.0 / (1.0 + c), 1.0
+    for m, v in enumerate(values, start=1):
+        total += v
+        rate = total / (1.0 + c + r * m)
+        if rate > best:
+            best_m, best = m, rate
+    return best_m
 
 
 class DecayedLine:

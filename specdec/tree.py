@@ -94,6 +94,22 @@ def _insert(tokens: list[int], parents: list[int], index: dict, seq: list[int], 
         node = index[key]
 
 
+def prune(tokens: list[int], parents: list[int], keep: list[int]) -> tuple[list[int], list[int]]:
+    """The subtree of nodes `keep` (1-based, any order; must hold every kept node's parent), in
+    the original order, parents renumbered. ValueError if a kept node's parent is not kept."""
+    kept = sorted(set(keep))
+    new = {0: 0}
+    out_tok, out_par = [], []
+    for i in kept:
+        p = parents[i - 1]
+        if p not in new:
+            raise ValueError(f"prune: node {i} is kept without its parent {p}")
+        out_tok.append(tokens[i - 1])
+        out_par.append(new[p])
+        new[i] = len(out_tok)
+    return out_tok, out_par
+
+
 def graft(tokens: list[int], parents: list[int], seq: list[int], max_nodes: int) -> tuple[list[int], list[int]]:
     """Add the chain `seq` (continuing from the root) to the tree (tokens, parents): follow the
     nodes it shares with the tree, append the rest as a branch (new nodes after the old

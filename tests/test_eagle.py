@@ -384,9 +384,9 @@ def test_lookup_eagle_drafts_its_first_tree_as_a_probe_and_times_it_on_the_next_
         calls[0] += 1
         return propose(ctx, k)
 
-    def tree(ctx, k, rows=None):
+    def tree(ctx, k, rows=None, min_logp=None):
         tree_calls.append(calls[0])
-        return eagle_propose(ctx, k, rows=rows)
+        return eagle_propose(ctx, k, rows=rows, min_logp=min_logp)
 
     d.propose, d.eagle.propose = counted, tree
     p = prompts()[1]

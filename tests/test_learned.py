@@ -175,8 +175,8 @@ def test_a_seeded_sample_does_not_depend_on_what_was_restored(method):
     pol = state["drafter"]["policy"] if method == "ngram" else state["drafter"]["ngram"]["policy"]
     pol["acc"] = [[s for s in row] for row in pol["seen"]]  # every guess held
     pol["times"] = [16.0, 16.0, 0.16, 32.0, 0.16]  # a verified token costs nothing
-    if method == "lookup":
-        state["drafter"].update(t_draft=1e-5, t_step=1e-2, gain=4.0)
+    if method == "lookup":  # and no tree node worth verifying (an unseeded request would cut every tree)
+        state["drafter"].update(t_draft=1e-5, t_step=1e-2, gain=4.0, odds={"acc": [0.0] * 10, "seen": [8.0] * 10})
     eng.relearn(state)
     assert _run(eng, params, ps) == plain
 

@@ -86,6 +86,17 @@ def test_graft_adds_a_chain_to_a_tree():
     assert tree.graft([], [], [4, 4], 1) == ([4], [0])
 
 
+def test_prune_keeps_a_subtree_in_order_with_parents_renumbered():
+    # tree: 5 -> (6 -> 7), 5 -> 8, 9 (root's second child)
+    toks, pars = [5, 6, 8, 9, 7], [0, 1, 1, 0, 2]
+    assert tree.prune(toks, pars, [5, 1, 2]) == ([5, 6, 7], [0, 1, 2])  # any order in, tree order out
+    assert tree.prune(toks, pars, [4, 1, 3]) == ([5, 8, 9], [0, 1, 0])
+    assert tree.prune(toks, pars, []) == ([], [])
+    assert tree.prune(toks, pars, range(1, 6)) == (toks, pars)
+    with pytest.raises(ValueError, match="without its parent"):
+        tree.prune(toks, pars, [1, 5])  # node 5 hangs under node 2
+
+
 def test_batch_and_masks_pad_ragged_trees():
     toks, pars, counts, mask, depth = tree.batch([([3, 4, 5], [0, 1, 0]), ([7], [0])])
     assert toks.tolist() == [[3, 4, 5], [7, 0, 0]] and counts.tolist() == [3, 1]

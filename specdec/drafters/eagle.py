@@ -296,6 +296,7 @@ class EagleDrafter:
         self.vocab_size = target_model.vocab_size
         self.tree, self.depth, self.width, self.nodes = tree, depth, width, nodes
         self.max_nodes = nodes if tree else 0
+        self.last_scores: list[list[float]] = []  # the last tree's path log-probabilities (per row, per node)
         self.cost_hint = None
 
     # -- cache ------------------------------------------------------------------------
@@ -436,11 +437,14 @@ class EagleDrafter:
         return out[torch.arange(B), last]
 
     @torch.inference_mode()
-    def propose(self, ctx: DraftContext, max_tokens: int, rows: list[int] | None = None) -> Draft:
+    def propose(self, ctx: DraftContext, max_tokens: int, rows: list[int] | None = None,
+                min_logp: float | None = None) -> Draft:
         """Draft for rows `rows` of the batch (default all; the Draft has one row per drafted
         row, in that order). Every row's new pairs still go into the head's cache (one cheap
         batched step), so a row left out has no backlog to catch up when it drafts again;
-        only the tree's expansions run for the drafted rows alone."""
+        only the tree's expansions run for the drafted rows alone. min_logp (trees): stop
+        expanding once no frontier node's path log-probability reaches it (deeper nodes
+        could only be less likely; a caller that would not verify them saves the head steps)."""
         B = len(ctx.tokens)
         sel = None if rows is None or list(rows) == list(range(B)) else list(rows)
         if max_tokens <= 0:
@@ -450,7 +454,7 @@ class EagleDrafter:
         if sel is not None:
             h = h[sel]
         if self.tree:
-            return self._propose_tree(h, min(self.depth, max_tokens), sel)
+            return self._propose_tree(h, min(self.depth, max_tokens), sel, min_logp)
         return self._propose_chain(ctx, h, max_tokens, sel)
 
     def _propose_chain(self, ctx, h, k, sel=None):
@@ -473,9 +477,10 @@ class EagleDrafter:
         return Draft(torch.stack(toks, 1), torch.full((B,), k, dtype=torch.long),
                      torch.stack(probs, 1) if probs else None)
 
-    def _propose_tree(self, h, depth, sel=None):
+    def _propose_tree(self, h, depth, sel=None, min_logp=None):
         """EAGLE-2: expand the best `width` nodes per depth, keep the best `nodes` overall
-        (for cache rows `sel`, default all)."""
+        (for cache rows `sel`, default all); with min_logp, stop at the depth where every
+        frontier node's path log-probability is below it."""
         B, D = h.shape
         W, N = self.width, self.nodes
         rows_t = None if sel is None else torch.tensor(sel)
@@ -498,6 +503,8 @@ class EagleDrafter:
         front_parent = None  # speculative slot of each frontier node's parent (None: the root)
         next_id = W + 1
         for d in range(1, depth):
+            if min_logp is not None and float(front_score.max()) < min_logp:
+                break  # every deeper node would be less likely still
             # run the head on the frontier: pair (feature of the parent's prediction, token)
             base = (d - 1) * W  # speculative slots base .. base + W - 1 hold this frontier
             slots = n0[:, None] + span[base : base + W][None]  # [B, W] cache slots
@@ -538,8 +545,10 @@ class EagleDrafter:
         # the n_keep best, ties to the lower id (a parent's id is lower than its children's, and a
         # child can tie its parent when the head is saturated), then in id order = topological order
         keep = torch.sort(-sc_all, dim=-1, stable=True).indices[:, :n_keep].sort(dim=-1).values.tolist()
+        sc_list = sc_all.tolist()
         out_tok = [[0] * n_keep for _ in range(B)]
         out_par = [[0] * n_keep for _ in range(B)]
+        self.last_scores = [[] for _ in range(B)]  # per row and kept node: its path's log-probability
         counts = []
         for b in range(B):
             index: dict[int, int] = {}  # node id -> position in the proposal (1-based)
@@ -550,6 +559,7 @@ class EagleDrafter:
                 n = len(index)
                 out_tok[b][n] = tok_all[b][i]
                 out_par[b][n] = 0 if p == 0 else index[p]
+                self.last_scores[b].append(sc_list[b][i])
                 index[i + 1] = n + 1
             counts.append(len(index))
         return Draft(torch.tensor(out_tok, dtype=torch.long).view(B, n_keep),

@@ -30,11 +30,13 @@ are set to one-hot vectors.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 from .. import tree as tree_mod
+from ..adaptive import NodeOdds, best_prefix
 from ..learned import seconds
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register, timing_free
@@ -215,6 +217,14 @@ class LookupEagleDrafter:
     still does not pay (up to 8x; back to `probe_every` once it pays). Seeded sampled requests
     skip the gate (timing must not decide which random numbers verification draws).
 
+    A drafted tree is cut to the nodes worth verifying (`trim`, on by default; never for
+    seeded samples, whose proposals must not depend on timing or on what was learnt): each node
+    of the head's tree has a path probability, the drafter learns how often nodes of that
+    probability are accepted (`adaptive.NodeOdds`), and keeps the best nodes for as long as one
+    more raises the expected committed tokens per unit of step time, (1 + sum of kept odds) /
+    (1 + c + r * kept). A confident head keeps its whole tree, an unsure one a node or two, or
+    none (the row then verifies only its lookup, if any). The cut trees feed the gate's node count.
+
     Until the head's drafting time has been measured the tree counts as not paying
     (`eager=False`, the default): a fresh drafter (one `specdec generate` call) decodes with
     prompt lookup alone and drafts its first tree as the gate's first probe, `probe_every` steps
@@ -226,8 +236,9 @@ class LookupEagleDrafter:
     needs_hidden = True
 
     def __init__(self, eagle, min_n: int = 1, max_n: int = 4, min_lookup: int = 2, probe_every: int = 16,
-                 gate: bool = True, graft: int = 6, eager: bool = False) -> None:
-        """eager: draft trees before the head's cost is measured (see the class docstring)."""
+                 gate: bool = True, graft: int = 6, eager: bool = False, trim: bool = True) -> None:
+        """eager: draft trees before the head's cost is measured; trim: verify only the tree's
+        nodes worth their verification (see the class docstring)."""
         self.eagle = eagle
         self.eager = eager
         self.ngram = NgramDrafter(min_n, max_n)
@@ -236,6 +247,10 @@ class LookupEagleDrafter:
         self.gates_itself = gate  # lookup lengths and the tree's gate price every guess
         self._probe_gap = probe_every  # steps between probes of a tree that does not pay (doubles, up to 8x)
         self.graft = graft  # lookup nodes a tree row may add to its tree (0: none)
+        self.trim = trim
+        self.odds = NodeOdds()  # P(a tree node is accepted | the head's path probability), learnt
+        self._node_p: dict[int, list[float]] = {}  # per tree row: its head nodes' path probabilities
+        self._trees = 0  # trees drafted (every probe_every-th is verified whole, so odds stay measured)
         self.max_nodes = eagle.max_nodes + graft
         self.vocab_size = eagle.vocab_size
         self.cost_hint = None
@@ -321,10 +336,11 @@ class LookupEagleDrafter:
                 self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every)
         elif run_tree:
             self._probe_gap = self.probe_every
-        return self.assemble(ctx, looked, [run_tree and not u for u in use_lookup], max_tokens, self.max_nodes)
+        return self.assemble(ctx, looked, [run_tree and not u for u in use_lookup], max_tokens, self.max_nodes,
+                             trim=self.trim and not fixed)
 
     def assemble(self, ctx: DraftContext, looked: list[list[int]], tree_rows: list[bool], max_tokens: int,
-                 max_nodes: int | None = None) -> Draft:
+                 max_nodes: int | None = None, trim: bool = False) -> Draft:
         """The proposal once each row's source is chosen: the head's tree for rows with
         tree_rows[b], the lookup chain looked[b] (possibly empty) for the others. With
         `max_nodes` above the tree's size, a tree row's lookup is grafted onto its tree too
@@ -332,9 +348,11 @@ class LookupEagleDrafter:
         whichever holds longer. The head runs only if some row takes its tree, and then
         expands the tree for those rows alone (every row's new pairs are fed to its cache);
         otherwise it just keeps the handed-over features. `propose` chooses with its own gate; the
-        server's batcher with its load model."""
+        server's batcher with its load model. With `trim`, a tree row keeps only its head's
+        nodes worth verifying (`_trim`)."""
         B = len(ctx.tokens)
         tree = None
+        self._node_p = {}
         self.t_head = 0.0  # seconds the head drafted in this call
         self.head_steady = False  # and whether that was a steady-state step (no prompt to catch up)
         self._tree_rows = None
@@ -347,7 +365,8 @@ class LookupEagleDrafter:
             # steady-state cost, so not timed), a few tokens in steady state
             behind = max(len(t) - 1 - n for t, n in zip(ctx.tokens, self.eagle.n))
             t1 = time.perf_counter()
-            tree = self.eagle.propose(ctx, min(self.eagle.depth, max_tokens), rows=sub)
+            tree = self.eagle.propose(ctx, min(self.eagle.depth, max_tokens), rows=sub,
+                                      min_logp=self._min_logp() if trim else None)
             self.t_head = time.perf_counter() - t1
             self.head_steady = behind <= max(self.ngram.max_n, self.eagle.depth) + 2
             if self.head_steady:
@@ -364,6 +383,12 @@ class LookupEagleDrafter:
             i += 1
             n = int(tree.counts[i])
             toks, pars = tree.tokens[i, :n].tolist(), tree.parents[i, :n].tolist()
+            probs = [math.exp(v) for v in self.eagle.last_scores[i]] if len(self.eagle.last_scores) > i else []
+            if len(probs) == n:
+                if trim:
+                    toks, pars, probs = self._trim(toks, pars, probs)
+                    n = len(toks)
+                self._node_p[b] = probs
             if looked[b] and max_nodes is not None and max_nodes > n:
                 toks, pars = tree_mod.graft(toks, pars, looked[b], max_nodes)
                 self.rows_drafted["graft"] += len(toks) > n
@@ -387,11 +412,45 @@ class LookupEagleDrafter:
             self.nodes = 0.9 * self.nodes + 0.1 * (sum(sizes) / len(sizes))
         return Draft(tokens, counts, None, parents)
 
+    def _min_logp(self) -> float | None:
+        """The path log-probability below which `_trim` would drop a node whatever else the tree
+        holds: its odds under r / (1 + c), the least a node must add (None: no such bound, or a
+        whole-tree probe is due). Below it the head need not expand."""
+        policy = self.ngram.policy
+        if policy is None or (self._trees + 1) % self.probe_every == 0:
+            return None
+        floor = policy.r / (1.0 + (self.cost() or 0.0))
+        lows = (0.0,) + self.odds.EDGES
+        worth = [lo for i, lo in enumerate(lows) if self.odds.acc[i] / self.odds.seen[i] > floor]
+        if not worth:
+            return math.inf  # not even a certain guess pays for its verification
+        return math.log(worth[0]) if worth[0] > 0 else None
+
+    def _trim(self, toks: list[int], pars: list[int], probs: list[float]):
+        """The head's tree cut to the nodes worth verifying: by their learnt odds of being accepted
+        (`NodeOdds`, from the head's path probabilities), the best first, as many as maximise
+        committed tokens per unit of step time given the head's cost c (already spent) and r per
+        verified node (adaptive.best_prefix). A node's path probability never exceeds its
+        parent's, so every cut keeps parents. Every probe_every-th tree is verified whole, so
+        that the odds of nodes the cut drops stay measured. Returns (tokens, parents, probs)."""
+        self._trees += 1
+        policy = self.ngram.policy
+        if policy is None or self._trees % self.probe_every == 0:
+            return toks, pars, probs
+        order = sorted(range(len(toks)), key=lambda j: (-probs[j], j))
+        m = best_prefix([self.odds(probs[j]) for j in order], self.cost() or 0.0, policy.r)
+        if m == len(toks):
+            return toks, pars, probs
+        keep = sorted(j + 1 for j in order[:m])
+        toks, pars = tree_mod.prune(toks, pars, keep)
+        return toks, pars, [probs[j - 1] for j in keep]
+
     def skip(self) -> None:
         """The engine decodes a step without drafting: do not time across it (the head's
         features wait in the engine and arrive with the next proposal)."""
         self._t_end = None
         self._tree_rows = None
+        self._node_p = {}
         self.ngram.skip()
 
     def commit(self, num_accepted, paths=None) -> None:
@@ -402,10 +461,17 @@ class LookupEagleDrafter:
             if got:
                 self.gain = 0.9 * self.gain + 0.1 * (sum(got) / len(got))
             self._tree_rows = None
+        if paths is not None:
+            for b, probs in self._node_p.items():  # the head's nodes: held or not, by path probability
+                held = set(paths[b])
+                for j, p in enumerate(probs, start=1):
+                    self.odds.observe(p, j in held)
+        self._node_p = {}
 
     def keep_rows(self, rows) -> None:
         self.eagle.keep_rows(rows)
         self.ngram.keep_rows(rows)
+        self._node_p = {}
 
     def add_row(self, max_len: int) -> None:
         """A new request joins as the last row (the server's continuous batching); its prompt's
@@ -417,13 +483,15 @@ class LookupEagleDrafter:
         step, for a later run to start from (learned.py): with the head's time known, the gate
         decides from the first step instead of probing first."""
         return {"ngram": self.ngram.learned(), "gain": self.gain, "nodes": self.nodes,
-                "t_draft": self.t_draft, "t_step": self.t_step}
+                "t_draft": self.t_draft, "t_step": self.t_step, "odds": self.odds.learned()}
 
     def relearn(self, state: dict) -> None:
         gain, nodes = seconds(state["gain"], "gain"), seconds(state["nodes"], "nodes")
         t_draft, t_step = seconds(state["t_draft"], "t_draft"), seconds(state["t_step"], "t_step")
         if state.get("ngram"):
             self.ngram.relearn(state["ngram"])
+        if state.get("odds"):
+            self.odds.relearn(state["odds"])
         if gain is not None:
             self.gain = gain
         if nodes:

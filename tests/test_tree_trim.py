@@ -1,0 +1,140 @@
+"""auto's tree trimming: the learnt odds of a node being accepted by its path probability
+(adaptive.NodeOdds), the choice of how many nodes to verify (adaptive.best_prefix, against a
+brute force), and the drafter's cut on a tiny random target: only nodes worth verifying go
+out (every probe_every-th tree whole), and greedy output still equals transformers' plain
+greedy output."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from specdec.adaptive import NodeOdds, best_prefix
+from specdec.engine import Engine
+from specdec.types import SamplingParams
+
+from oracle import hf_greedy
+from test_eagle import _one_thread, drafter, prompts, target, target_dir  # noqa: F401  (fixture)
+
+
+def test_node_odds_start_at_the_heads_word_and_learn():
+    odds = NodeOdds()
+    assert odds(0.95) == pytest.approx(0.95) and odds(0.5) == pytest.approx(0.525) and odds(0.0) == pytest.approx(0.01)
+    for _ in range(400):
+        odds.observe(0.5, False)
+        odds.observe(0.97, True)
+    assert odds(0.5) < 0.05 and odds(0.55) == odds(0.5)  # one bin
+    assert odds(0.97) > 0.9 and odds(0.3) == pytest.approx(0.375)  # other bins untouched
+    again = NodeOdds()
+    again.relearn(json.loads(json.dumps(odds.learned())))
+    assert again(0.5) == pytest.approx(odds(0.5)) and max(again.seen) == pytest.approx(8.0)
+    with pytest.raises(ValueError):
+        again.relearn({"acc": [0.0] * 3, "seen": [1.0] * 3})
+    with pytest.raises(ValueError):
+        again.relearn({"acc": [2.0] * 10, "seen": [1.0] * 10})
+
+
+def test_best_prefix_maximises_tokens_per_step_time():
+    # (1 + 0.7 + 0.4 + 0.25) / (1 + 0.6 + 0.15 * 3) = 1.146 beats 2 nodes (1.105) and 4 (1.136)
+    assert best_prefix([0.7, 0.4, 0.25, 0.15, 0.1], c=0.6, r=0.15) == 3
+    assert best_prefix([0.0, 0.0], c=0.5, r=0.1) == 0
+    assert best_prefix([0.3, 0.2, 0.01], c=0.0, r=0.0) == 3
+    assert best_prefix([], c=0.5, r=0.1) == 0
+    rng = random.Random(0)
+    for _ in range(300):
+        vals = sorted((rng.random() ** 2 for _ in range(rng.randrange(0, 9))), reverse=True)
+        c, r = rng.random(), rng.random() * 0.4
+        rates = [(1 + sum(vals[:m])) / (1 + c + r * m) for m in range(len(vals) + 1)]
+        assert rates[best_prefix(vals, c, r)] == pytest.approx(max(rates))
+
+
+def test_trimmed_trees_keep_greedy_exact_and_verify_only_nodes_worth_it(monkeypatch):
+    """Odds fixed at 0 below p = 0.3 and 1 from there (with a prior too heavy to move): every
+    tree that is not a whole-tree probe sends exactly the nodes with p >= 0.3, some trees are
+    cut, and greedy output equals transformers'. (Lookups off, gate off: a tree every step.)"""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.drafters import ngram
+
+    monkeypatch.setattr(ngram.SuffixIndex, "match", lambda *a, **k: (0, []))
+    d = drafter("lookup", depth=3, width=2, nodes=6, gate=False)
+    lows = (0.0,) + NodeOdds.EDGES
+    d.odds.seen = [1e9] * len(lows)
+    d.odds.acc = [1e9 if lo >= 0.3 else 0.0 for lo in lows]
+    sent, cuts = [], []
+    trim, commit = d._trim, d.commit
+
+    def spy_trim(toks, pars, probs):
+        out = trim(toks, pars, probs)
+        cuts.append((len(toks), len(out[0]), d._trees % d.probe_every == 0))
+        return out
+
+    def spy_commit(num_accepted, paths=None):
+        sent.extend((list(p), cuts[-1][2]) for p in d._node_p.values())
+        return commit(num_accepted, paths)
+
+    d._trim, d.commit = spy_trim, spy_commit
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+    hf.generation_config.pad_token_id = 0
+    ps = prompts()
+    want = [hf_greedy(hf, p, 40) for p in ps]
+    got = [Engine(target().model, d, k=3).generate([p], SamplingParams(max_new_tokens=40))[0].tokens for p in ps]
+    assert got == want
+    assert any(n_out < n_in for n_in, n_out, _ in cuts)  # some trees were cut
+    assert any(probe for _, _, probe in cuts)  # and some sent whole
+    for probs, probe in sent:
+        if not probe:
+            assert all(p >= 0.3 for p in probs)
+    assert any(p < 0.3 for probs, probe in sent if probe for p in probs)  # a probe measured the weak nodes
+
+
+def test_early_stop_drops_only_nodes_the_trim_would_drop(monkeypatch):
+    """The head stops expanding once every frontier node's path probability is below what a
+    node must reach to be kept: on every step of a run, the nodes of probability >= p* of the
+    head's full tree and of its early-stopped tree are the same paths, and the early stop
+    saves head steps."""
+    import math
+
+    from specdec.drafters import ngram
+
+    monkeypatch.setattr(ngram.SuffixIndex, "match", lambda *a, **k: (0, []))
+    d = drafter("lookup", depth=4, width=2, nodes=8, gate=False)
+    steps = {"full": 0, "cut": 0}
+    head_step, propose = d.eagle._step, d.eagle.propose
+    mode = ["full"]
+
+    def count_step(*a, **k):
+        steps[mode[0]] += 1
+        return head_step(*a, **k)
+
+    def paths(draft, scores, p_min):
+        toks, pars = draft.tokens[0].tolist(), draft.parents[0].tolist()
+        out = set()
+        for j, s in enumerate(scores, start=1):
+            if math.exp(s) >= p_min:
+                path, i = [], j
+                while i:
+                    path.append(toks[i - 1])
+                    i = pars[i - 1]
+                out.add(tuple(reversed(path)))
+        return out
+
+    compared = []
+
+    def both(ctx, k, rows=None, min_logp=None):
+        mode[0] = "cut"  # first, so that the head's catch-up on new tokens counts against it
+        cut = propose(ctx, k, rows=rows, min_logp=math.log(0.2))
+        cut_scores = list(d.eagle.last_scores[0])
+        mode[0] = "full"
+        full = propose(ctx, k, rows=rows)
+        compared.append(paths(full, d.eagle.last_scores[0], 0.2) == paths(cut, cut_scores, 0.2))
+        return cut
+
+    d.eagle._step, d.eagle.propose = count_step, both
+    for p in prompts():
+        Engine(target().model, d, k=4).generate([p], SamplingParams(max_new_tokens=30))
+    assert len(compared) > 20 and all(compared)
+    assert steps["cut"] < steps["full"]
