@@ -127,8 +127,8 @@ def save(engine, k: str, file: Path | None = None) -> bool:
     return True
 
 
-def seconds(v, name: str) -> float | None:
-    """A saved time (or other non-negative quantity) checked on the way in: None stays None."""
+def nonneg(v, name: str) -> float | None:
+    """A saved time, count or mean checked on the way in (finite, >= 0); None stays None."""
     if v is None:
         return None
     v = float(v)

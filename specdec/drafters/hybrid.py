@@ -37,7 +37,7 @@ import torch
 
 from .. import tree as tree_mod
 from ..adaptive import NodeOdds, best_prefix
-from ..learned import seconds
+from ..learned import nonneg
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register, timing_free
 from .ngram import NgramDrafter
@@ -178,8 +178,8 @@ class HybridDrafter:
                 "t_step": self.t_step, "k_policy": self.k_policy.learned() if self.k_policy is not None else None}
 
     def relearn(self, state: dict) -> None:
-        acc, prop = seconds(state["acc"], "acceptance"), seconds(state["prop"], "proposals")
-        t_tok, t_step = seconds(state["t_tok"], "t_tok"), seconds(state["t_step"], "t_step")
+        acc, prop = nonneg(state["acc"], "acceptance"), nonneg(state["prop"], "proposals")
+        t_tok, t_step = nonneg(state["t_tok"], "t_tok"), nonneg(state["t_step"], "t_step")
         if acc is None or not prop or acc > prop:
             raise ValueError("learned draft acceptance out of range")
         if state.get("ngram"):
@@ -250,7 +250,7 @@ class LookupEagleDrafter:
         self.trim = trim
         self.odds = NodeOdds()  # P(a tree node is accepted | the head's path probability), learnt
         self._node_p: dict[int, list[float]] = {}  # per tree row: its head nodes' path probabilities
-        self._trees = 0  # trees drafted (every probe_every-th is verified whole, so odds stay measured)
+        self._trees = 0  # steps that drafted trees (every probe_every-th verifies them whole: odds stay measured)
         self.max_nodes = eagle.max_nodes + graft
         self.vocab_size = eagle.vocab_size
         self.cost_hint = None
@@ -364,6 +364,9 @@ class LookupEagleDrafter:
             # pairs the head has not seen yet: a whole prompt right after a prefill (not a
             # steady-state cost, so not timed), a few tokens in steady state
             behind = max(len(t) - 1 - n for t, n in zip(ctx.tokens, self.eagle.n))
+            if trim:
+                self._trees += 1
+                trim = self._trees % self.probe_every != 0  # else a whole-tree probe
             t1 = time.perf_counter()
             tree = self.eagle.propose(ctx, min(self.eagle.depth, max_tokens), rows=sub,
                                       min_logp=self._min_logp() if trim else None)
@@ -414,10 +417,10 @@ class LookupEagleDrafter:
 
     def _min_logp(self) -> float | None:
         """The path log-probability below which `_trim` would drop a node whatever else the tree
-        holds: its odds under r / (1 + c), the least a node must add (None: no such bound, or a
-        whole-tree probe is due). Below it the head need not expand."""
+        holds: its odds under r / (1 + c), the least a node must add (None: no such bound).
+        Below it the head need not expand."""
         policy = self.ngram.policy
-        if policy is None or (self._trees + 1) % self.probe_every == 0:
+        if policy is None:
             return None
         floor = policy.r / (1.0 + (self.cost() or 0.0))
         lows = (0.0,) + self.odds.EDGES
@@ -431,11 +434,11 @@ class LookupEagleDrafter:
         (`NodeOdds`, from the head's path probabilities), the best first, as many as maximise
         committed tokens per unit of step time given the head's cost c (already spent) and r per
         verified node (adaptive.best_prefix). A node's path probability never exceeds its
-        parent's, so every cut keeps parents. Every probe_every-th tree is verified whole, so
-        that the odds of nodes the cut drops stay measured. Returns (tokens, parents, probs)."""
-        self._trees += 1
+        parent's, so every cut keeps parents. (`assemble` skips the cut on every probe_every-th
+        step with trees, so that the odds of nodes it drops stay measured.) Returns (tokens,
+        parents, probs)."""
         policy = self.ngram.policy
-        if policy is None or self._trees % self.probe_every == 0:
+        if policy is None:
             return toks, pars, probs
         order = sorted(range(len(toks)), key=lambda j: (-probs[j], j))
         m = best_prefix([self.odds(probs[j]) for j in order], self.cost() or 0.0, policy.r)
@@ -486,8 +489,8 @@ class LookupEagleDrafter:
                 "t_draft": self.t_draft, "t_step": self.t_step, "odds": self.odds.learned()}
 
     def relearn(self, state: dict) -> None:
-        gain, nodes = seconds(state["gain"], "gain"), seconds(state["nodes"], "nodes")
-        t_draft, t_step = seconds(state["t_draft"], "t_draft"), seconds(state["t_step"], "t_step")
+        gain, nodes = nonneg(state["gain"], "gain"), nonneg(state["nodes"], "nodes")
+        t_draft, t_step = nonneg(state["t_draft"], "t_draft"), nonneg(state["t_step"], "t_step")
         if state.get("ngram"):
             self.ngram.relearn(state["ngram"])
         if state.get("odds"):
