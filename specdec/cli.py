@@ -1114,8 +1114,7 @@ def cmd_generate(args) -> int:
         raise SpecdecError(f"{target.path} has no tokenizer; specdec generate needs one to read text prompts")
     engine, _ = build_engine(args, target, quiet)
     memory = None if args.fresh else learned_key(args, target)
-    if memory is not None:
-        learned.restore(engine, memory)
+    restored = memory is not None and learned.restore(engine, memory)
     tok = target.tokenizer
     # a --prompts-file row's own "chat" (true / false) wins over --chat / --raw
     chats = [args.chat if chat is None else chat for _, chat in rows_in]
@@ -1183,7 +1182,8 @@ def cmd_generate(args) -> int:
                               "finish_reason": res.stats.finish_reason, "stats": res.stats.as_dict()})
             obj = {"index": i, "prompt": p, "text": comps[0]["text"], "token_ids": comps[0]["token_ids"],
                    "finish_reason": comps[0]["finish_reason"], "stats": comps[0]["stats"],
-                   "method": args.method, "model": target.name, "weights": target.weights}
+                   "method": args.method, "model": target.name, "weights": target.weights,
+                   "learned_state": restored}
             if args.n > 1:
                 obj["completions"] = comps
             print(json.dumps(obj, ensure_ascii=False))

@@ -204,11 +204,14 @@ def test_generate_saves_and_restores_through_the_cli(tmp_path, monkeypatch, caps
                         or restored[-1])
     args = ["generate", "--model", str(d), "--raw", "--json", "--max-new-tokens", "12", "--quiet", "--threads", "1",
             "a b c a b c a b c a b c"]
-    texts = []
+    texts, states = [], []
     for method in ("ngram", "none", "ngram"):
         assert main(args + ["--method", method]) == 0
-        texts.append(json.loads(capsys.readouterr().out)["token_ids"])
+        obj = json.loads(capsys.readouterr().out)
+        texts.append(obj["token_ids"])
+        states.append(obj["learned_state"])
     assert texts[0] == texts[1] == texts[2]
+    assert states == [False, False, True]  # --json tells whether the run started from a saved state
     data = json.loads(f.read_text())
     [k] = data["entries"]  # ngram learned something; none has nothing to keep
     assert "| ngram " in k and "1 threads" in k
