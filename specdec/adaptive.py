@@ -10,6 +10,12 @@ cost growing with k measured rather than assumed flat. a is the running acceptan
 step times. When k = 0 wins (acceptance near zero, or drafting too dear) the policy still
 probes k = 1 every `probe_every` steps so that it notices when drafting starts to pay.
 
+Also here, on the same footing: `NodeOdds` and `best_prefix` (how many of a tree's nodes are
+worth verifying, from the learnt odds of a node by its draft probability), `DecayedLine`
+(decayed least squares for step times) and `BatchGuard` (speculate in a batch only while it
+beats plain decoding). Each can hand what it learnt to a later run (`learned()` / `relearn`,
+see learned.py).
+
 This module knows nothing about models; it sees only counts and seconds.
 """
 
