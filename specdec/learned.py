@@ -81,12 +81,13 @@ def _read(p: Path) -> dict:
         return {}
     if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
         return {}
+    data["entries"] = {k: v for k, v in data["entries"].items() if isinstance(v, dict)}  # drop what is not an entry
     return data
 
 
 def restore(engine, k: str, file: Path | None = None) -> bool:
-    """Start `engine` from the entry saved under k; False (engine untouched) if there is none
-    usable."""
+    """Start `engine` from the entry saved under k. False if there is none, or it does not fit
+    (a part of the engine may then start from it already: only speed depends on it)."""
     file = file or path()
     if file is None:
         return False
@@ -95,7 +96,7 @@ def restore(engine, k: str, file: Path | None = None) -> bool:
         return False
     try:
         engine.relearn(entry["state"])
-    except (KeyError, TypeError, ValueError):
+    except (AttributeError, KeyError, TypeError, ValueError):
         return False
     return True
 
@@ -111,7 +112,11 @@ def save(engine, k: str, file: Path | None = None) -> bool:
     entries = data["entries"]
     entries[k] = {"saved": time.time(), "state": state}
     if len(entries) > MAX_ENTRIES:
-        for old in sorted(entries, key=lambda e: entries[e].get("saved", 0))[: len(entries) - MAX_ENTRIES]:
+        def when(e):
+            t = entries[e].get("saved", 0)
+            return t if isinstance(t, (int, float)) else 0
+
+        for old in sorted(entries, key=when)[: len(entries) - MAX_ENTRIES]:
             del entries[old]
     tmp = None
     try:

@@ -107,12 +107,32 @@ def test_the_file_keeps_other_entries_and_ignores_what_it_cannot_read(tmp_path, 
     assert learned.save(_Part(3), "b")
     assert learned.restore(p, "b") and p.value == 3
     data = json.loads(f.read_text())
+    data["entries"]["x"] = ["not", "an", "entry"]  # valid JSON, not an entry: dropped on the next save
+    data["entries"]["b"]["state"] = {"value": {"a": "mapping where a number belongs"}}
+    f.write_text(json.dumps(data))
+    assert not learned.restore(p, "b") and not learned.restore(p, "x")
+    assert learned.save(_Part(5), "c") and "x" not in json.loads(f.read_text())["entries"]
+    data = json.loads(f.read_text())
     data["version"] = learned.VERSION + 1  # a layout this version does not know
     f.write_text(json.dumps(data))
     assert not learned.restore(p, "b")
+    eng = Engine(target().model, NgramDrafter(), k=3, k_policy=AdaptiveK())  # a real engine, a mangled entry
+    f.write_text(json.dumps({"version": learned.VERSION, "entries": {"e": {"state": {
+        "k_policy": {"acc": 1.0, "prop": 2.0, "t_draft": None, "t_fwd": [0.01, 0.02]}}}}}))
+    assert not learned.restore(eng, "e")
     monkeypatch.setenv("SPECDEC_LEARNED", "0")
     assert learned.path() is None and not learned.save(_Part(4), "d")
     assert [x.name for x in f.parent.iterdir()] == ["learned.json"]  # no temporary files left
+
+
+def test_the_file_keeps_the_newest_entries(tmp_path, monkeypatch):
+    f = tmp_path / "learned.json"
+    monkeypatch.setattr(learned, "MAX_ENTRIES", 2)
+    clock = iter([100.0, 200.0, 300.0])
+    monkeypatch.setattr(learned.time, "time", lambda: next(clock))
+    for k in ("old", "mid", "new"):
+        assert learned.save(_Part(1), k, f)
+    assert sorted(json.loads(f.read_text())["entries"]) == ["mid", "new"]
 
 
 def test_the_key_tells_machines_threads_models_and_methods_apart():
