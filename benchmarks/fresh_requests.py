@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -48,8 +47,9 @@ def main() -> int:
         ap.error(f"--variants: choose from fresh, saved, reused (got {args.variants!r})")
     torch.set_num_threads(args.threads)
 
+    from specdec.bench.runner import category_speedups
     from specdec.bench.tasks import load_humaneval, load_jsonl, select
-    from specdec.cli import build_engine, build_parser
+    from specdec.cli import generate_engine
     from specdec.models.loader import load_model
     from specdec.text import encode_prompt
     from specdec.types import SamplingParams
@@ -58,11 +58,7 @@ def main() -> int:
     if not methods:
         ap.error("--methods: name at least one method besides none")
     target = load_model(None, quiet=True)
-
-    def engine(method: str):
-        return build_engine(build_parser().parse_args(["generate", "x", "--method", method]), target, True)[0]
-
-    reused = {m: engine(m) for m in methods}
+    reused = {m: generate_engine(target, m) for m in methods}
     cats = args.categories.split(",") if args.categories else None
     tasks = (select(load_jsonl(args.data), cats, args.per_category) if args.per_category > 0 else [])
     tasks += load_humaneval()[: args.humaneval]
@@ -79,7 +75,7 @@ def main() -> int:
             plain = None
             for v in variants:
                 method, _, how = v.partition(":")
-                eng = engine(method) if how != "reused" else reused[method]
+                eng = generate_engine(target, method) if how != "reused" else reused[method]
                 t0 = time.perf_counter()
                 if how == "saved" and saved[method] is not None:
                     eng.relearn(json.loads(saved[method]))  # timed: a CLI call reads the file too
@@ -90,14 +86,10 @@ def main() -> int:
                 if v == "none":
                     plain = r.tokens
                 equal[v] += r.tokens == plain
-    groups = sorted({t.category for t in tasks}) + ["all"]
-    table = {}
+    table = category_speedups([t.category for t in tasks], times, "none", variants[1:])
     print(f"threads {args.threads}; {len(tasks)} prompts, {args.repeats} repeats; speedup over none (end to end)")
     print(f"{'category':16}" + "".join(f"{v:>14}" for v in variants[1:]))
-    for c in groups:
-        idx = [i for i, t in enumerate(tasks) if c == "all" or t.category == c]
-        base = sum(statistics.median(times["none"][i]) for i in idx)
-        table[c] = {v: round(base / sum(statistics.median(times[v][i]) for i in idx), 3) for v in variants[1:]}
+    for c in table:
         print(f"{c:16}" + "".join(f"{table[c][v]:14.2f}" for v in variants[1:]))
     runs = len(tasks) * args.repeats
     print("greedy equal to none: " + ", ".join(f"{v} {equal[v]}/{runs}" for v in variants[1:]))

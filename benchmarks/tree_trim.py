@@ -43,18 +43,15 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from specdec.adaptive import NodeOdds
+    from specdec.bench.runner import category_speedups
     from specdec.bench.tasks import load_humaneval, load_jsonl, select
-    from specdec.cli import build_engine, build_parser
+    from specdec.cli import generate_engine
     from specdec.models.loader import load_model
     from specdec.text import encode_prompt
     from specdec.types import SamplingParams
 
     target = load_model(None, quiet=True)
-
-    def engine(method: str):
-        return build_engine(build_parser().parse_args(["generate", "x", "--method", method]), target, True)[0]
-
-    engines = {"none": engine("none"), "trim": engine("auto"), "whole": engine("auto")}
+    engines = {v: generate_engine(target, m) for v, m in (("none", "none"), ("trim", "auto"), ("whole", "auto"))}
     if not hasattr(engines["trim"].drafter, "trim"):
         ap.error("the default target's auto drafter has no EAGLE head here")
     engines["whole"].drafter.trim = False
@@ -90,15 +87,11 @@ def main() -> int:
                 if v == "none":
                     plain = r.tokens
                 equal[v] += r.tokens == plain
-    groups = sorted({t.category for t in tasks}) + ["all"]
-    table = {}
+    table = category_speedups([t.category for t in tasks], times, "none", ["trim", "whole"])
     print(f"threads {args.threads}; {len(tasks)} prompts, {args.repeats} repeats; gate {args.gate}; "
           "speedup over none (end to end)")
     print(f"{'category':16}{'trim':>10}{'whole':>10}")
-    for c in groups:
-        idx = [i for i, t in enumerate(tasks) if c == "all" or t.category == c]
-        base = sum(statistics.median(times["none"][i]) for i in idx)
-        table[c] = {v: round(base / sum(statistics.median(times[v][i]) for i in idx), 3) for v in ("trim", "whole")}
+    for c in table:
         print(f"{c:16}{table[c]['trim']:10.2f}{table[c]['whole']:10.2f}")
     drafters = {}
     for v in ("trim", "whole"):

@@ -1083,6 +1083,12 @@ def build_engine(args, target, quiet: bool):
     return Engine(target.model, drafter, k=method_k(args), eos_ids=target.eos_ids), draft_lm
 
 
+def generate_engine(target, method: str, *flags: str):
+    """The engine `specdec generate --method METHOD [flags]` builds on a loaded target, every
+    other setting at its default (for benchmarks that run methods in one process)."""
+    return build_engine(build_parser().parse_args(["generate", "x", "--method", method, *flags]), target, True)[0]
+
+
 def learned_key(args, target) -> str:
     """The learned.py entry of a generate run: machine, threads, model, weights and every
     setting that changes what the adaptive methods measure."""

@@ -11,7 +11,7 @@ import torch
 
 from specdec.bench import peers as peers_mod
 from specdec.bench.report import format_table, write
-from specdec.bench.runner import Runner, run
+from specdec.bench.runner import Runner, category_speedups, run
 from specdec.bench.tasks import Task, load_humaneval, load_jsonl, select
 from specdec.cli import main
 from specdec.types import SpecdecError
@@ -216,3 +216,12 @@ assert pm.peak < start + 50 * 2**20, (pm.peak, start)
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-800:]
+
+
+def test_category_speedups_sum_median_times_per_category():
+    """Base time over a variant's time, each prompt's time the median of its repeats, summed per
+    category and over all prompts."""
+    times = {"none": {0: [2.0, 9.0, 2.2], 1: [4.0], 2: [1.0]},
+             "fast": {0: [1.0, 1.1, 5.0], 1: [2.0], 2: [2.0]}}
+    table = category_speedups(["a", "a", "b"], times, "none", ["fast"])
+    assert table == {"a": {"fast": round(6.2 / 3.1, 3)}, "b": {"fast": 0.5}, "all": {"fast": round(7.2 / 5.1, 3)}}

@@ -37,6 +37,20 @@ from ..metrics import summarize
 from .tasks import Task
 
 
+def category_speedups(categories: list[str], times: dict[str, dict[int, list[float]]], base: str,
+                      variants: list[str]) -> dict[str, dict[str, float]]:
+    """Per category of the prompts (categories[i]: prompt i's) and for "all": the base variant's
+    time over each variant's, each prompt's time the median of its repeats, summed over the
+    category's prompts (times[variant][i]: seconds of prompt i's runs). For the benchmarks that
+    time whole `generate` calls of several drafter variants against plain decoding."""
+    table = {}
+    for c in sorted(set(categories)) + ["all"]:
+        idx = [i for i, ci in enumerate(categories) if c == "all" or ci == c]
+        total = sum(statistics.median(times[base][i]) for i in idx)
+        table[c] = {v: round(total / sum(statistics.median(times[v][i]) for i in idx), 3) for v in variants}
+    return table
+
+
 @dataclass
 class Runner:
     name: str
