@@ -24,6 +24,22 @@ from __future__ import annotations
 import bisect
 import math
 
+from .learned import nonneg
+
+CARRIED_COUNTS = 8.0  # observations' worth of an acceptance rate that a later run starts from (learned.py)
+
+
+def carried(acc: float, seen: float, most: float = CARRIED_COUNTS) -> tuple[float, float]:
+    """Decayed counts (accepted, seen) scaled so that seen is at most `most`: the same rate,
+    which a later run's own observations soon outweigh (learned.py)."""
+    f = min(1.0, most / seen) if seen > 0 else 1.0
+    return f * acc, f * seen
+
+
+def counts_ok(acc: float, seen: float) -> bool:
+    """Whether saved counts can be decayed counts of a rate: 0 <= accepted <= seen, 0 < seen < inf."""
+    return 0.0 <= acc <= seen < math.inf and seen > 0
+
 
 class AdaptiveK:
     def __init__(self, cost_hint: float | None = None, decay: float = 0.9, probe_every: int = 16) -> None:
@@ -82,20 +98,16 @@ class AdaptiveK:
         self.t_fwd[kk] = verify_s if prev is None else 0.8 * prev + 0.2 * verify_s
 
     def learned(self) -> dict:
-        """Acceptance (capped at 8 guesses' worth) and times, for a later run (learned.py)."""
-        f = min(1.0, 8.0 / self.prop) if self.prop > 0 else 1.0
-        return {"acc": f * self.acc, "prop": f * self.prop, "t_draft": self.t_draft,
-                "t_fwd": {str(k): v for k, v in self.t_fwd.items()}}
+        """Acceptance (capped, `carried`) and times, for a later run (learned.py)."""
+        acc, prop = carried(self.acc, self.prop)
+        return {"acc": acc, "prop": prop, "t_draft": self.t_draft, "t_fwd": {str(k): v for k, v in self.t_fwd.items()}}
 
     def relearn(self, state: dict) -> None:
-        acc, prop, t_draft = float(state["acc"]), float(state["prop"]), state["t_draft"]
-        t_fwd = {int(k): float(v) for k, v in state["t_fwd"].items()}
-        values = [acc, prop] + list(t_fwd.values()) + ([] if t_draft is None else [float(t_draft)])
-        if not all(math.isfinite(v) and v >= 0 for v in values) or acc > prop or prop == 0 or min(t_fwd, default=0) < 0:
+        acc, prop, t_draft = float(state["acc"]), float(state["prop"]), nonneg(state["t_draft"], "draft time")
+        t_fwd = {int(k): nonneg(float(v), "step time") for k, v in state["t_fwd"].items()}
+        if not counts_ok(acc, prop) or min(t_fwd, default=0) < 0:
             raise ValueError("learned draft-length policy out of range")
-        self.acc, self.prop = acc, prop
-        self.t_draft = None if t_draft is None else float(t_draft)
-        self.t_fwd = t_fwd
+        self.acc, self.prop, self.t_draft, self.t_fwd = acc, prop, t_draft, t_fwd
 
 
 class NodeOdds:
@@ -124,15 +136,16 @@ class NodeOdds:
         self.acc[i] = self.decay * self.acc[i] + (1.0 if accepted else 0.0)
         self.seen[i] = self.decay * self.seen[i] + 1.0
 
-    def learned(self, max_seen: float = 8.0) -> dict:
-        f = [min(1.0, max_seen / s) for s in self.seen]
-        return {"acc": [a * g for a, g in zip(self.acc, f)], "seen": [s * g for s, g in zip(self.seen, f)]}
+    def learned(self) -> dict:
+        """The counts per bin, capped (`carried`), for a later run (learned.py)."""
+        acc, seen = zip(*(carried(a, s) for a, s in zip(self.acc, self.seen)))
+        return {"acc": list(acc), "seen": list(seen)}
 
     def relearn(self, state: dict) -> None:
         acc, seen = [float(v) for v in state["acc"]], [float(v) for v in state["seen"]]
         if len(acc) != len(self.acc) or len(seen) != len(self.seen):
             raise ValueError("learned node odds of another shape")
-        if not all(0.0 <= a <= s < math.inf and s > 0 for a, s in zip(acc, seen)):
+        if not all(counts_ok(a, s) for a, s in zip(acc, seen)):
             raise ValueError("learned node odds out of range")
         self.acc, self.seen = acc, seen
 

@@ -36,7 +36,7 @@ import time
 import torch
 
 from .. import tree as tree_mod
-from ..adaptive import NodeOdds, best_prefix
+from ..adaptive import NodeOdds, best_prefix, carried, counts_ok
 from ..learned import nonneg
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register, timing_free
@@ -171,16 +171,16 @@ class HybridDrafter:
         self.ngram.keep_rows(rows)
 
     def learned(self) -> dict:
-        """The lookup's policy, the draft model's acceptance (capped at 8 guesses' worth) and
-        times, and the draft-length policy's, for a later run (learned.py)."""
-        f = min(1.0, 8.0 / self.prop) if self.prop > 0 else 1.0
-        return {"ngram": self.ngram.learned(), "acc": f * self.acc, "prop": f * self.prop, "t_tok": self.t_tok,
+        """The lookup's policy, the draft model's acceptance (capped, `carried`) and times, and the
+        draft-length policy's, for a later run (learned.py)."""
+        acc, prop = carried(self.acc, self.prop)
+        return {"ngram": self.ngram.learned(), "acc": acc, "prop": prop, "t_tok": self.t_tok,
                 "t_step": self.t_step, "k_policy": self.k_policy.learned() if self.k_policy is not None else None}
 
     def relearn(self, state: dict) -> None:
-        acc, prop = nonneg(state["acc"], "acceptance"), nonneg(state["prop"], "proposals")
+        acc, prop = float(state["acc"]), float(state["prop"])
         t_tok, t_step = nonneg(state["t_tok"], "t_tok"), nonneg(state["t_step"], "t_step")
-        if acc is None or not prop or acc > prop:
+        if not counts_ok(acc, prop):
             raise ValueError("learned draft acceptance out of range")
         if state.get("ngram"):
             self.ngram.relearn(state["ngram"])

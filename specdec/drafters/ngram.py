@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from ..adaptive import DecayedLine
+from ..adaptive import CARRIED_COUNTS, DecayedLine, carried, counts_ok
 from .base import Draft, DraftContext, register, timing_free
 
 
@@ -173,15 +173,15 @@ class LengthPolicy:
     def observe_time(self, j: int, seconds: float) -> None:
         self.times.observe(j, seconds)
 
-    def learned(self, max_seen: float = 8.0, max_times: float = 16.0) -> dict:
+    def learned(self, max_seen: float = CARRIED_COUNTS, max_times: float = 16.0) -> dict:
         """What this policy has learned, for a later run to start from (learned.py): acceptance
         counts capped at max_seen per (match length, position) and the step-time line at
         max_times points, so that a new text soon outweighs an old one."""
         acc, seen = [], []
         for a_row, s_row in zip(self.acc, self.seen):
-            f = [min(1.0, max_seen / s) if s > 0 else 1.0 for s in s_row]
-            acc.append([a * g for a, g in zip(a_row, f)])
-            seen.append([s * g for s, g in zip(s_row, f)])
+            cells = [carried(a, s, max_seen) for a, s in zip(a_row, s_row)]
+            acc.append([a for a, _ in cells])
+            seen.append([s for _, s in cells])
         return {"acc": acc, "seen": seen, "times": self.times.scaled(max_times)}
 
     def relearn(self, state: dict) -> None:
@@ -194,7 +194,7 @@ class LengthPolicy:
         acc = [[float(v) for v in r] for r in acc]
         seen = [[float(v) for v in r] for r in seen]
         times = [float(v) for v in times]
-        if not all(0.0 <= a <= s < math.inf for ar, sr in zip(acc, seen) for a, s in zip(ar, sr)):
+        if not all(counts_ok(a, s) for ar, sr in zip(acc, seen) for a, s in zip(ar, sr)):
             raise ValueError("learned acceptance counts out of range")
         if not all(math.isfinite(v) for v in times):
             raise ValueError("learned step times out of range")
