@@ -132,6 +132,7 @@ def test_early_stop_drops_only_nodes_the_trim_would_drop(monkeypatch):
         mode[0] = "full"
         full = propose(ctx, k, rows=rows)
         compared.append(paths(full, d.eagle.last_scores[0], 0.2) == paths(cut, cut_scores, 0.2))
+        d.eagle.last_scores = [cut_scores]  # the scores of the tree handed back (the drafter cuts by them)
         return cut
 
     d.eagle._step, d.eagle.propose = count_step, both
@@ -139,3 +140,42 @@ def test_early_stop_drops_only_nodes_the_trim_would_drop(monkeypatch):
         Engine(target().model, d, k=4).generate([p], SamplingParams(max_new_tokens=30))
     assert len(compared) > 20 and all(compared)
     assert steps["cut"] < steps["full"]
+
+
+def test_sampling_through_trimmed_trees_matches_exact_distribution(monkeypatch):
+    """Unseeded sampled requests get cut trees (seeded ones never do): with the cut switched on
+    for these seeded rows, and its costs pinned so that it is deterministic (c 0.3, r 0.1),
+    the sampled continuations still follow the target's exact distribution (chi-square)."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.drafters import hybrid
+    from specdec.drafters.hybrid import LookupEagleDrafter
+    from specdec.drafters.ngram import LengthPolicy
+
+    from test_eagle import CTX, SV, chi2_against
+
+    monkeypatch.setattr(hybrid, "timing_free", lambda params: False)  # the cut on, as for an unseeded request
+    monkeypatch.setattr(LookupEagleDrafter, "cost", lambda self: 0.3)
+    monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.1))
+    tg = target(3, SV)
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(3, SV)), dtype=torch.float32).eval()
+    rows = [list(CTX[i % 2]) for i in range(800)]
+    out = {c: [] for c in CTX}
+    cuts = []
+    params = dict(temperature=0.9)
+    for s in range(5):
+        d = drafter("lookup", 3, SV, depth=2, width=3, nodes=6, min_lookup=2, min_n=2, gate=False)
+        trim = d._trim
+        def spy(toks, pars, probs, trim=trim):
+            out = trim(toks, pars, probs)
+            cuts.append((len(toks), len(out[0])))
+            return out
+
+        d._trim = spy
+        res = Engine(tg.model, d, k=2).generate(rows, SamplingParams(max_new_tokens=4, seed=900 + s, **params))
+        for p, r in zip(rows, res):
+            out[tuple(p)].append(r.tokens[:3])
+    assert any(n_out < n_in for n_in, n_out in cuts)  # trees were cut
+    assert any(n_out > 0 for _, n_out in cuts)  # and cut trees still verified nodes
+    for label, res in chi2_against(hf, out, params):
+        assert not res.rejected, f"trimmed trees {params} {label}: {res}"
