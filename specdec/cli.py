@@ -58,6 +58,11 @@ def _unit_interval(s: str) -> float:
 
 _positive_int = _int_at_least(1)
 _nonneg_int = _int_at_least(0)
+# most guesses (-k) and tree nodes a step may verify: with the pending token and a grafted lookup
+# that stays within the steps the kernels verify exactly (models/llama.py ATTEND_MAX_T = 64 tokens)
+MAX_GUESSES = 48
+_guesses = _int_at_least(0, MAX_GUESSES)
+_tree_nodes = _int_at_least(1, MAX_GUESSES)
 
 
 def add_weights_arg(p) -> None:
@@ -86,8 +91,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "target's hidden states; a dynamic token tree by default), medusa (Medusa heads; a static "
                         "tree chosen from their measured accuracies). Default: auto (exact, like every method: the "
                         "same greedy text as none, sampled text from the same distribution)")
-    g.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=None,
-                   help="most tokens drafted per step (0: none, i.e. plain decoding). ngram and auto propose fewer "
+    g.add_argument("-k", "--num-draft-tokens", dest="k", type=_guesses, default=None,
+                   help=f"most tokens drafted per step (0: none, i.e. plain decoding; at most {MAX_GUESSES}). ngram and auto propose fewer "
                         "where their guesses tend not to hold (adaptive); the eagle tree's depth is --tree-depth "
                         f"instead. Default: {', '.join(f'{m} {k}' for m, k in DEFAULT_K.items())}")
     g.add_argument("--draft-confidence", type=_unit_interval, default=None, metavar="P",
@@ -106,7 +111,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-depth", type=_positive_int, default=4, help="eagle tree: expansion steps (deepest path). Default: 4")
     g.add_argument("--tree-width", type=_positive_int, default=2,
                    help="eagle tree: nodes expanded per step and children per node. Default: 2")
-    g.add_argument("--tree-nodes", type=_positive_int, default=None,
+    g.add_argument("--tree-nodes", type=_tree_nodes, default=None,
                    help="tree nodes sent for verification (eagle: the best by cumulative draft probability; medusa: "
                         "the most probable from the heads' measured accuracies). On a CPU every verified node costs "
                         "compute, so small trees win. Default: "
@@ -198,8 +203,8 @@ def add_serve_parser(sub) -> None:
                    help="--method auto: an EAGLE head folder (from `specdec train eagle`) or a draft model; "
                         "--method draft: a draft model (a Llama-family folder or .gguf with the target's tokenizer). "
                         "Default: the ones shipped for the default model (auto: the EAGLE head)")
-    v.add_argument("-k", "--num-draft-tokens", dest="k", type=_nonneg_int, default=8,
-                   help="most guesses per row and step. Default: 8")
+    v.add_argument("-k", "--num-draft-tokens", dest="k", type=_guesses, default=8,
+                   help=f"most guesses per row and step (at most {MAX_GUESSES}). Default: 8")
     v.add_argument("--fixed-k", action="store_true",
                    help="always draft up to -k (no load-aware choice; for comparisons)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on. Default: 127.0.0.1")
@@ -482,7 +487,7 @@ def add_validate_parser(sub) -> None:
                    help="Medusa heads. Default: the ones shipped for the default target")
     v.add_argument("--tree-depth", type=_positive_int, default=4, help="eagle tree depth. Default: 4")
     v.add_argument("--tree-width", type=_positive_int, default=2, help="eagle tree width. Default: 2")
-    v.add_argument("--tree-nodes", type=_positive_int, default=None, help="tree nodes verified. Default: per method")
+    v.add_argument("--tree-nodes", type=_tree_nodes, default=None, help="tree nodes verified. Default: per method")
     v.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Default: float32")
     add_weights_arg(v)
     v.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads. Default: all cores")

@@ -122,9 +122,26 @@ def test_draft_path_that_is_missing_or_of_another_kind(default_model, tmp_path, 
 
 
 @pytest.mark.default_model
-def test_eagle_tree_larger_than_the_context(default_model, capsys):
-    assert main(["generate", "hi", "--method", "eagle", "--tree-nodes", "100000"]) == 2
-    assert "does not fit" in one_error_line(capsys.readouterr().err)
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "hi", "--method", "eagle", "--tree-nodes", "100000"], "--tree-nodes: must be <= 48, got 100000"),
+    (["generate", "hi", "--method", "ngram", "-k", "49"], "--num-draft-tokens: must be <= 48, got 49"),
+    (["serve", "-k", "64"], "--num-draft-tokens: must be <= 48, got 64"),
+])
+def test_steps_longer_than_the_kernels_verify_exactly_are_refused_before_loading(argv, needle, capsys):
+    """Guesses and tree nodes are capped (cli.MAX_GUESSES) so that a step stays within the tokens the
+    kernels verify bit for bit as plain decoding computes them (models/llama.py ATTEND_MAX_T)."""
+    from specdec.cli import MAX_GUESSES
+    from specdec.drafters.hybrid import LookupEagleDrafter
+    from specdec.models.llama import ATTEND_MAX_T
+
+    import inspect
+
+    graft = inspect.signature(LookupEagleDrafter).parameters["graft"].default  # lookup nodes auto adds to a tree
+    assert 1 + MAX_GUESSES + graft <= ATTEND_MAX_T
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
 
 
 def test_train_medusa_features_need_data(tmp_path, capsys):

@@ -279,6 +279,38 @@ def test_vnni_model_is_close_to_transformers_and_verifies_as_it_decodes(hidden, 
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])
+def test_vnni_batched_verification_of_more_than_block_max_rows_tokens_is_the_batch_decoded_one_at_a_time(act_bits):
+    """A batched step of B rows x T tokens with B * T above BLOCK_MAX_ROWS (a batch verifying its
+    guesses, the server's full batch) gives bit for bit the logits of decoding each token's path
+    one token a step in the same batch: chains and a tree after ragged prompts, and a step of
+    more than 16 tokens (-k 19). (Such steps left the kernels' RMS norm and fused step, and steps
+    of 17+ tokens the kernels' attention, for torch's, whose sums differ in the last bits, so a
+    near-tie could turn batched or long-k speculative greedy text away from plain decoding's.)"""
+    from conftest import prefill_ragged
+
+    from specdec.models.llama import BLOCK_MAX_ROWS
+
+    _, native = vnni_models(128, act_bits)
+    g = torch.Generator().manual_seed(21)
+    rows = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 5, 12, 7)]
+    B = len(rows)
+    tree = ancestor_mask([-1, 0, 0, 1, 3, 4])
+    for T, mask in ((5, None), (9, None), (6, tree), (20, None)):
+        assert B * T > BLOCK_MAX_ROWS
+        toks = torch.randint(0, 64, (B, T), generator=g)
+        cache, _, lens = prefill_ragged(native, rows, max_len=40)
+        depth = mask.sum(-1) - 1 if mask is not None else torch.arange(T)
+        am = None if mask is None else mask[None].expand(B, T, T)
+        step = native(toks, lens[:, None] + depth[None], cache, attn_mask=am)[0]
+        for t in range(T):
+            path = [i for i in range(T) if (mask[t, i] if mask is not None else i <= t)]
+            one, _, _ = prefill_ragged(native, rows, max_len=40)  # the same prefill, bit for bit
+            for j, i in enumerate(path):  # token t's path, one token a step for every row
+                logits = native(toks[:, i : i + 1], (lens + j)[:, None], one)[0]
+            assert torch.equal(logits[:, 0], step[:, t]), (T, t)
+
+
+@pytest.mark.parametrize("act_bits", [8, 16])
 def test_greedy_speculation_on_vnni_equals_plain_greedy_on_vnni(act_bits):
     """The oracle for the integer kernels is their own plain greedy decoding (their numbers are
     not transformers'): every drafter, batch 1 and 3; with 16-bit activations it is also

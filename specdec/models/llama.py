@@ -189,8 +189,12 @@ BLOCK_K_MAX_ROWS = 2
 # keys, the kernel beat SDPA at every step size up to 16 (whole steps of the default model on
 # int16 blocks, 2 threads, SDPA vs kernel: after 200 keys 7 / 9 / 16 new tokens 13.2 / 13.2 / 19.6
 # vs 7.2 / 11.4 / 16.1 ms; after 1500 keys 17.1 / 21.2 / 27.9 vs 11.9 / 14.3 / 22.4 ms; 5 tokens
-# level). Longer steps keep SDPA.
-ATTEND_MAX_T = 16
+# level). Up to 2026-12-02 steps of 17+ tokens kept SDPA, whose sums differ in the last bits, so
+# `-k 16` or more could turn speculative greedy text away from plain decoding's on a near-tie (a
+# 17-token step's logits differed by ~4e-3); now the kernel takes steps of up to 64 tokens (the
+# CLI caps guesses and tree nodes at 48, cli.MAX_GUESSES), exactness before the speed of such
+# rare long steps. Longer non-causal calls (the chunks of a long prefill after its first) keep SDPA.
+ATTEND_MAX_T = 64
 ATTEND_HEAD_SIZES = (16, 32, 64, 128)  # what the attention kernel takes
 
 # float32 chains longer than this (prefills) run in chunks of this many tokens, each through every
@@ -207,9 +211,14 @@ FUSED_DECODING_STEP = True
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, kops=None) -> torch.Tensor:
     """RMS norm of x's rows; through the kernels `kops` (a few microseconds instead of ~10) for
-    calls of up to BLOCK_MAX_ROWS float32 rows of a width the kernel takes, where given."""
+    float32 rows of a width the kernel takes, where given: calls of up to BLOCK_MAX_ROWS rows, and
+    every step of up to ATTEND_MAX_T tokens a row (x [B, T, D]) however many rows, so that a token
+    verified in a batch is normed by the same sums as decoded alone (torch's norm sums in another
+    order: a batch verifying 5 guesses a row for 4 rows took it, and a near-tie could then turn
+    batched speculative greedy text away from plain decoding's)."""
     D = x.shape[-1]
-    if kops is not None and D % 16 == 0 and x.numel() <= BLOCK_MAX_ROWS * D and x.dtype == torch.float32:
+    if kops is not None and D % 16 == 0 and x.dtype == torch.float32 and (
+            x.numel() <= BLOCK_MAX_ROWS * D or (x.dim() == 3 and x.shape[1] <= ATTEND_MAX_T)):
         return kops.rms_norm(x, w, eps)
     return F.rms_norm(x, (D,), w, eps)
 
@@ -402,9 +411,11 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache: KVCache, layer: int, start, uniform, mask, n_keys, causal=False):
         B, T, _ = x.shape
         f = self.fast
-        if (f is not None and FUSED_DECODING_STEP and not causal and T <= ATTEND_MAX_T and B * T <= BLOCK_MAX_ROWS
+        if (f is not None and FUSED_DECODING_STEP and not causal and T <= ATTEND_MAX_T
                 and x.dtype == torch.float32 and cache.k[layer].dtype == torch.float32):
-            # the fused decoding step below, its calls made straight (Block.fast)
+            # the fused decoding step below, its calls made straight (Block.fast); for any number of
+            # rows, since the integer kernels take every row count with a row's numbers unchanged
+            # (a batch of B rows x T tokens above BLOCK_MAX_ROWS took the torch-op path before)
             kops = self.kops
             qkv, qkv_b, qkv_n, o_op, o_b, o_n, gu_op, gu_b, gu_n, d_op, d_b, d_n, an, mn, eps = f
             o = kops.rope_attend(qkv(kops.rms_norm(x, an, eps), qkv_b, qkv_n), cos, sin, cache.k[layer],
