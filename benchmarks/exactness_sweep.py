@@ -31,9 +31,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="Spec-Bench style JSONL. Default: the shared dev set")
     ap.add_argument("--humaneval", type=int, default=164, help="first N HumanEval prompts (0: none). Default: all 164")
+    ap.add_argument("--stride", type=int, default=1, help="every N-th prompt only (a quicker sample). Default: 1")
     ap.add_argument("--methods", default="ngram,auto,draft", help="comma-separated specdec methods. Default: ngram,auto,draft")
     ap.add_argument("--batch", default="1,4", help="comma-separated batch sizes. Default: 1,4")
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Default: float32")
+    ap.add_argument("--weights", choices=("auto", "int16", "int8", "blocks", "fp32"), default="auto",
+                    help="the default model's weights (see specdec generate --help). Default: auto")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -48,11 +52,16 @@ def main() -> int:
     batches = [int(b) for b in args.batch.split(",") if b.strip()]
     if not methods or not batches or min(batches) < 1:
         ap.error("name at least one method besides none and batch sizes >= 1")
-    target = load_model(None, quiet=True)
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    target = load_model(None, dtype=dtype, quiet=True, weights=args.weights)
     tasks = (load_jsonl(args.data) if args.data else []) + (load_humaneval()[: args.humaneval] if args.humaneval else [])
+    if args.stride < 1:
+        ap.error("--stride must be >= 1")
+    tasks = tasks[:: args.stride]
     encoded = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    engines = {m: generate_engine(target, m) for m in ["none", *methods]}
+    flags = ("--dtype", args.dtype, "--weights", args.weights)
+    engines = {m: generate_engine(target, m, *flags) for m in ["none", *methods]}
     differ = {f"{m}@{b}": [] for b in batches for m in methods}
     t0 = time.time()
     for B in batches:
@@ -71,7 +80,7 @@ def main() -> int:
     rows = len(encoded)
     print("greedy equal to plain decoding: " + ", ".join(f"{k} {rows - len(v)}/{rows}" for k, v in differ.items()))
     print(json.dumps({"benchmark": "exactness_sweep", "prompts": rows, "max_new_tokens": args.max_new_tokens,
-                      "threads": args.threads, "differ": differ,
+                      "threads": args.threads, "dtype": args.dtype, "weights": args.weights, "differ": differ,
                       "equal": {k: rows - len(v) for k, v in differ.items()}}))
     return 1 if any(differ.values()) else 0
 
