@@ -398,3 +398,36 @@ def test_lookup_and_draft_batcher_sampling_matches_exact_distribution(monkeypatc
         monkeypatch, lambda: _draft_batcher(adaptive=False, draft_seed=4, max_batch=8, seed=3, vocab=SV,
                                             method="auto"), False, "auto+draft")
     assert s["draft_rows"] > 0 and s["lookup_rows"] > 0 and 0 < s["accepted"] < s["proposed"]
+
+
+@pytest.mark.default_model
+def test_full_batch_on_the_default_model_answers_as_each_prompt_decoded_alone(default_model):
+    """The server's batcher under load on the default model (integer kernels where the CPU has
+    them): 8 chat prompts at once over 8 rows, every step drafting up to 8 guesses a row (lookup
+    chains and EAGLE trees, --fixed-k), so steps score up to 72 row-tokens; each answer equals
+    plain greedy decoding of its prompt alone, as `specdec generate` gives it. (A mismatch needs a
+    near-tie, so these prompts passed before the 2026-12-02 fix too; the bit-for-bit guarantee
+    behind this is tested in test_gguf_blocks, batched steps of any size.)"""
+    from specdec.drafters.hybrid import lookup_eagle_for
+    from specdec.engine import Engine
+    from specdec.text import encode_prompt
+    from specdec.types import SamplingParams
+
+    lm = default_model
+    questions = ["Name three colours.", "Summarize: the cat sat on the mat. The cat sat on the mat again.",
+                 "Write a haiku about rain.", "What is 12 times 13?", "Translate to French: good morning",
+                 "List the days of the week.", "Explain what a compiler does in one sentence.",
+                 "Repeat after me: red, green, blue, red, green, blue."]
+    prompts = [encode_prompt(lm.tokenizer, q, True) for q in questions]
+    params = SamplingParams(max_new_tokens=24)
+    plain = Engine(lm.model, None, eos_ids=lm.eos_ids)
+    want = [plain.generate([p], params)[0].tokens for p in prompts]
+    b = ContinuousBatcher(lm.model, lm.eos_ids, method="auto", k_max=8, max_batch=8, max_context=512,
+                          adaptive=False, drafter=lookup_eagle_for(lm))
+    try:
+        got = _run(b, [(p, params) for p in prompts])
+    finally:
+        b.close()
+    assert got == want
+    s = b.stats()
+    assert s["proposed"] > 0 and s["tree_rows"] > 0
