@@ -16,7 +16,7 @@ import time
 
 from . import learned
 from .text import check_text
-from .types import SpecdecError
+from .types import MAX_GUESSES, SpecdecError
 
 METHODS = ("none", "ngram", "draft", "auto", "eagle", "medusa")
 DEFAULT_K = {"ngram": 8, "draft": 4, "auto": 8, "eagle": 5, "medusa": 4}  # measured on the Spec-Bench dev set (README)
@@ -58,9 +58,6 @@ def _unit_interval(s: str) -> float:
 
 _positive_int = _int_at_least(1)
 _nonneg_int = _int_at_least(0)
-# most guesses (-k) and tree nodes a step may verify: with the pending token and a grafted lookup
-# that stays within the steps the kernels verify exactly (models/llama.py ATTEND_MAX_T = 64 tokens)
-MAX_GUESSES = 48
 _guesses = _int_at_least(0, MAX_GUESSES)
 _tree_nodes = _int_at_least(1, MAX_GUESSES)
 

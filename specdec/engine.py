@@ -27,7 +27,7 @@ from . import tree as tree_mod
 from .adaptive import BatchGuard
 from .drafters.base import Draft, DraftContext, timing_free
 from .sampling import choose, make_generator, warp
-from .types import GenerationResult, SamplingParams, SpecdecError
+from .types import MAX_GUESSES, GenerationResult, SamplingParams, SpecdecError
 from .verify import verify_greedy, verify_stochastic, verify_tree_greedy, verify_tree_stochastic
 
 OnTokens = Callable[[int, list[int]], None]  # (row, newly committed ids)
@@ -39,8 +39,9 @@ class Engine:
         """model: follows the forward contract (native or adapter); drafter: a Drafter or
         None; k: draft length; k_policy: optional object with choose_k(max_k) and
         observe(step record) for adaptive drafting (see adaptive.py)."""
-        if k < 0:
-            raise SpecdecError(f"-k must be >= 0, got {k}")
+        if not 0 <= k <= MAX_GUESSES:
+            raise SpecdecError(f"-k must be between 0 and {MAX_GUESSES} (longer steps are not verified bit for bit "
+                               f"as plain decoding computes them), got {k}")
         self.model = model
         self.drafter = drafter
         self.k = k if drafter is not None else 0

@@ -18,6 +18,11 @@ class SpecdecError(Exception):
 
 SEED_LIMIT = 2**63  # torch generators take 64-bit seeds; batches and samples add small offsets
 
+# most guesses (-k) and tree nodes a step may verify: with the pending token and auto's grafted
+# lookup a step stays within the steps the kernels verify bit for bit as plain decoding computes
+# them (models/llama.py ATTEND_MAX_T = 64 tokens)
+MAX_GUESSES = 48
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -128,16 +128,24 @@ def test_draft_path_that_is_missing_or_of_another_kind(default_model, tmp_path, 
     (["serve", "-k", "64"], "--num-draft-tokens: must be <= 48, got 64"),
 ])
 def test_steps_longer_than_the_kernels_verify_exactly_are_refused_before_loading(argv, needle, capsys):
-    """Guesses and tree nodes are capped (cli.MAX_GUESSES) so that a step stays within the tokens the
-    kernels verify bit for bit as plain decoding computes them (models/llama.py ATTEND_MAX_T)."""
-    from specdec.cli import MAX_GUESSES
+    """Guesses and tree nodes are capped (types.MAX_GUESSES) so that a step stays within the tokens
+    the kernels verify bit for bit as plain decoding computes them (models/llama.py ATTEND_MAX_T);
+    the Engine and the server's batcher refuse more guesses too."""
     from specdec.drafters.hybrid import LookupEagleDrafter
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.engine import Engine
     from specdec.models.llama import ATTEND_MAX_T
+    from specdec.server.batcher import ContinuousBatcher
+    from specdec.types import MAX_GUESSES, SpecdecError
 
     import inspect
 
     graft = inspect.signature(LookupEagleDrafter).parameters["graft"].default  # lookup nodes auto adds to a tree
     assert 1 + MAX_GUESSES + graft <= ATTEND_MAX_T
+    with pytest.raises(SpecdecError, match="between 0 and 48"):
+        Engine(None, NgramDrafter(), k=MAX_GUESSES + 1)
+    with pytest.raises(SpecdecError, match="between 0 and 48"):
+        ContinuousBatcher(None, method="ngram", k_max=MAX_GUESSES + 1, thread=False)
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2

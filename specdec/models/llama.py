@@ -192,8 +192,8 @@ BLOCK_K_MAX_ROWS = 2
 # level). Up to 2026-12-02 steps of 17+ tokens kept SDPA, whose sums differ in the last bits, so
 # `-k 16` or more could turn speculative greedy text away from plain decoding's on a near-tie (a
 # 17-token step's logits differed by ~4e-3); now the kernel takes steps of up to 64 tokens (the
-# CLI caps guesses and tree nodes at 48, cli.MAX_GUESSES), exactness before the speed of such
-# rare long steps. Longer non-causal calls (the chunks of a long prefill after its first) keep SDPA.
+# CLI, the Engine and the batcher cap guesses at 48, types.MAX_GUESSES), exactness before the
+# speed of such rare long steps. Longer non-causal calls (the chunks of a long prefill after its first) keep SDPA.
 ATTEND_MAX_T = 64
 ATTEND_HEAD_SIZES = (16, 32, 64, 128)  # what the attention kernel takes
 

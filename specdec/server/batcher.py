@@ -67,7 +67,7 @@ from ..adaptive import BatchGuard, DecayedLine
 from ..drafters.base import DraftContext, timing_free
 from ..drafters.ngram import NgramDrafter, lookup_match
 from ..sampling import choose, make_generator, warp
-from ..types import SamplingParams, SpecdecError
+from ..types import MAX_GUESSES, SamplingParams, SpecdecError
 from ..verify import verify_greedy, verify_stochastic, verify_tree_greedy, verify_tree_stochastic
 
 
@@ -181,6 +181,9 @@ class ContinuousBatcher:
         if method == "draft" and not model_drafter:
             raise SpecdecError("method 'draft' needs a draft model the native loader runs (Llama family) with the "
                                "target's tokenizer")
+        if not 0 <= k_max <= MAX_GUESSES:
+            raise SpecdecError(f"k_max must be between 0 and {MAX_GUESSES} (longer steps are not verified bit for bit "
+                               f"as plain decoding computes them), got {k_max}")
         self.model = model
         self.eos = set(int(e) for e in eos_ids)
         self.method = method
