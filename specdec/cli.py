@@ -105,7 +105,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree", action=argparse.BooleanOptionalAction, default=True,
                    help="eagle, medusa: draft a token tree verified in one forward (eagle: dynamic, EAGLE-2; medusa: "
                         "static); --no-tree drafts a chain. Default: tree")
-    g.add_argument("--tree-depth", type=_positive_int, default=4, help="eagle tree: expansion steps (deepest path). Default: 4")
+    g.add_argument("--tree-depth", type=_tree_nodes, default=4, help="eagle tree: expansion steps (deepest path). Default: 4")
     g.add_argument("--tree-width", type=_positive_int, default=2,
                    help="eagle tree: nodes expanded per step and children per node. Default: 2")
     g.add_argument("--tree-nodes", type=_tree_nodes, default=None,
@@ -482,7 +482,7 @@ def add_validate_parser(sub) -> None:
     v.add_argument("--eagle", metavar="DIR", default=None, help="EAGLE head. Default: the one shipped for the default target")
     v.add_argument("--medusa", metavar="DIR", default=None,
                    help="Medusa heads. Default: the ones shipped for the default target")
-    v.add_argument("--tree-depth", type=_positive_int, default=4, help="eagle tree depth. Default: 4")
+    v.add_argument("--tree-depth", type=_tree_nodes, default=4, help="eagle tree depth. Default: 4")
     v.add_argument("--tree-width", type=_positive_int, default=2, help="eagle tree width. Default: 2")
     v.add_argument("--tree-nodes", type=_tree_nodes, default=None, help="tree nodes verified. Default: per method")
     v.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Default: float32")
