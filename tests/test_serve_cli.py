@@ -65,7 +65,11 @@ def _exact_completion_then_metrics(url: str, proc, default_model) -> dict:
 def test_serve_process_answers_exactly_and_stops_on_ctrl_c(default_model):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(SERVE + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C as a terminal sends it: a run started in the background (nohup, `&`) inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler (the cause of this test's
+    # two timeouts on 2026-12-02)
+    proc = subprocess.Popen(SERVE + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         metrics = _exact_completion_then_metrics(url, proc, default_model)
         assert float(metrics["specdec_generated_tokens_total"]) == 24
