@@ -52,11 +52,11 @@ def main() -> int:
     batches = [int(b) for b in args.batch.split(",") if b.strip()]
     if not methods or not batches or min(batches) < 1:
         ap.error("name at least one method besides none and batch sizes >= 1")
+    if args.stride < 1:
+        ap.error("--stride must be >= 1")
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     target = load_model(None, dtype=dtype, quiet=True, weights=args.weights)
     tasks = (load_jsonl(args.data) if args.data else []) + (load_humaneval()[: args.humaneval] if args.humaneval else [])
-    if args.stride < 1:
-        ap.error("--stride must be >= 1")
     tasks = tasks[:: args.stride]
     encoded = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)

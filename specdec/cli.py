@@ -59,7 +59,7 @@ def _unit_interval(s: str) -> float:
 _positive_int = _int_at_least(1)
 _nonneg_int = _int_at_least(0)
 _guesses = _int_at_least(0, MAX_GUESSES)
-_tree_nodes = _int_at_least(1, MAX_GUESSES)
+_one_to_max_guesses = _int_at_least(1, MAX_GUESSES)  # --tree-nodes, --tree-depth
 
 
 def add_weights_arg(p) -> None:
@@ -105,10 +105,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree", action=argparse.BooleanOptionalAction, default=True,
                    help="eagle, medusa: draft a token tree verified in one forward (eagle: dynamic, EAGLE-2; medusa: "
                         "static); --no-tree drafts a chain. Default: tree")
-    g.add_argument("--tree-depth", type=_tree_nodes, default=4, help="eagle tree: expansion steps (deepest path). Default: 4")
+    g.add_argument("--tree-depth", type=_one_to_max_guesses, default=4, help="eagle tree: expansion steps (deepest path). Default: 4")
     g.add_argument("--tree-width", type=_positive_int, default=2,
                    help="eagle tree: nodes expanded per step and children per node. Default: 2")
-    g.add_argument("--tree-nodes", type=_tree_nodes, default=None,
+    g.add_argument("--tree-nodes", type=_one_to_max_guesses, default=None,
                    help="tree nodes sent for verification (eagle: the best by cumulative draft probability; medusa: "
                         "the most probable from the heads' measured accuracies). On a CPU every verified node costs "
                         "compute, so small trees win. Default: "
@@ -482,9 +482,9 @@ def add_validate_parser(sub) -> None:
     v.add_argument("--eagle", metavar="DIR", default=None, help="EAGLE head. Default: the one shipped for the default target")
     v.add_argument("--medusa", metavar="DIR", default=None,
                    help="Medusa heads. Default: the ones shipped for the default target")
-    v.add_argument("--tree-depth", type=_tree_nodes, default=4, help="eagle tree depth. Default: 4")
+    v.add_argument("--tree-depth", type=_one_to_max_guesses, default=4, help="eagle tree depth. Default: 4")
     v.add_argument("--tree-width", type=_positive_int, default=2, help="eagle tree width. Default: 2")
-    v.add_argument("--tree-nodes", type=_tree_nodes, default=None, help="tree nodes verified. Default: per method")
+    v.add_argument("--tree-nodes", type=_one_to_max_guesses, default=None, help="tree nodes verified. Default: per method")
     v.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Default: float32")
     add_weights_arg(v)
     v.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads. Default: all cores")

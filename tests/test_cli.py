@@ -121,7 +121,6 @@ def test_draft_path_that_is_missing_or_of_another_kind(default_model, tmp_path, 
     assert f"{other} is not" in err and "it holds" in err and "--model" not in err
 
 
-@pytest.mark.default_model
 @pytest.mark.parametrize("argv,needle", [
     (["generate", "hi", "--method", "eagle", "--tree-nodes", "100000"], "--tree-nodes: must be <= 48, got 100000"),
     (["generate", "hi", "--method", "ngram", "-k", "49"], "--num-draft-tokens: must be <= 48, got 49"),
@@ -131,14 +130,14 @@ def test_steps_longer_than_the_kernels_verify_exactly_are_refused_before_loading
     """Guesses and tree nodes are capped (types.MAX_GUESSES) so that a step stays within the tokens
     the kernels verify bit for bit as plain decoding computes them (models/llama.py ATTEND_MAX_T);
     the Engine and the server's batcher refuse more guesses too."""
+    import inspect
+
     from specdec.drafters.hybrid import LookupEagleDrafter
     from specdec.drafters.ngram import NgramDrafter
     from specdec.engine import Engine
     from specdec.models.llama import ATTEND_MAX_T
     from specdec.server.batcher import ContinuousBatcher
     from specdec.types import MAX_GUESSES, SpecdecError
-
-    import inspect
 
     graft = inspect.signature(LookupEagleDrafter).parameters["graft"].default  # lookup nodes auto adds to a tree
     assert 1 + MAX_GUESSES + graft <= ATTEND_MAX_T

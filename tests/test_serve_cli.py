@@ -66,8 +66,8 @@ def test_serve_process_answers_exactly_and_stops_on_ctrl_c(default_model):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     # Ctrl-C as a terminal sends it: a run started in the background (nohup, `&`) inherits SIGINT
-    # ignored, and Python then installs no KeyboardInterrupt handler (the cause of this test's
-    # two timeouts on 2026-12-02)
+    # ignored, and Python then installs no KeyboardInterrupt handler (this test then timed out in
+    # suites started with nohup on 2026-12-02)
     proc = subprocess.Popen(SERVE + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
@@ -76,10 +76,10 @@ def test_serve_process_answers_exactly_and_stops_on_ctrl_c(default_model):
         assert float(metrics["specdec_tree_rows_total"]) > 0  # auto: the shipped head drafted trees
         proc.send_signal(signal.SIGINT)
         try:
-            rc = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:  # say where it hangs (twice at 30 s in the full suite on 2026-12-02)
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # say what the server printed, should it not stop
             proc.kill()
-            raise AssertionError(f"serve did not stop within 120 s of Ctrl-C; stderr: {proc.stderr.read()[-3000:]}")
+            raise AssertionError(f"serve did not stop within 30 s of Ctrl-C; stderr: {proc.stderr.read()[-3000:]}")
         assert rc == 0
         assert "stopping" in proc.stderr.read()
     finally:

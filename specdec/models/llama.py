@@ -193,7 +193,8 @@ BLOCK_K_MAX_ROWS = 2
 # `-k 16` or more could turn speculative greedy text away from plain decoding's on a near-tie (a
 # 17-token step's logits differed by ~4e-3); now the kernel takes steps of up to 64 tokens (the
 # CLI, the Engine and the batcher cap guesses at 48, types.MAX_GUESSES), exactness before the
-# speed of such rare long steps. Longer non-causal calls (the chunks of a long prefill after its first) keep SDPA.
+# speed of such rare long steps. Longer non-causal calls (the chunks of a long prefill after its
+# first) keep SDPA.
 ATTEND_MAX_T = 64
 ATTEND_HEAD_SIZES = (16, 32, 64, 128)  # what the attention kernel takes
 
@@ -212,7 +213,8 @@ FUSED_DECODING_STEP = True
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, kops=None) -> torch.Tensor:
     """RMS norm of x's rows; through the kernels `kops` (a few microseconds instead of ~10) for
     float32 rows of a width the kernel takes, where given: calls of up to BLOCK_MAX_ROWS rows, and
-    every step of up to ATTEND_MAX_T tokens a row (x [B, T, D]) however many rows, so that a token
+    every call of up to ATTEND_MAX_T tokens a row (x [B, T, D]: steps, and short prefills, which
+    every method shares) however many rows, so that a token
     verified in a batch is normed by the same sums as decoded alone (torch's norm sums in another
     order: a batch verifying 5 guesses a row for 4 rows took it, and a near-tie could then turn
     batched speculative greedy text away from plain decoding's)."""
