@@ -8,6 +8,8 @@ the heads here are small random perturbations of the initialisation or a few tra
 from __future__ import annotations
 
 import functools
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,12 +33,13 @@ def _one_thread():
         yield
 
 
-@functools.lru_cache(maxsize=None)
-def target_dir(seed: int, vocab: int = V, tmp=None):
-    import tempfile
-    from pathlib import Path
+# the tiny models and heads below live here; removed when the test process exits
+_TMP = tempfile.TemporaryDirectory(prefix="specdec-eagle-tests-")
 
-    d = Path(tempfile.mkdtemp(prefix=f"specdec-eagle-target{seed}-"))
+
+@functools.lru_cache(maxsize=None)
+def target_dir(seed: int, vocab: int = V):
+    d = Path(tempfile.mkdtemp(prefix=f"target{seed}-", dir=_TMP.name))
     tiny_hf_llama(seed, vocab=vocab, logit_scale=1.5).save_pretrained(str(d))
     return d
 
@@ -48,16 +51,13 @@ def target(seed: int = 0, vocab: int = V):
 
 @functools.lru_cache(maxsize=None)
 def head_dir(seed: int = 0, vocab: int = V, noise: float = 0.05):
-    import tempfile
-    from pathlib import Path
-
     tg = target(seed, vocab)
     head = init_head(tg)
     g = torch.Generator().manual_seed(42)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(noise * torch.randn(p.shape, generator=g))
-    d = Path(tempfile.mkdtemp(prefix="specdec-eagle-head-"))
+    d = Path(tempfile.mkdtemp(prefix="head-", dir=_TMP.name))
     save_eagle(head, d, {"target": "tiny", "target_vocab_size": vocab, "target_fingerprint": target_fingerprint(tg.model),
                          "vocab_subset": None})
     return d

@@ -21,7 +21,7 @@ from specdec.train.medusa import MedusaTrainConfig, train_medusa
 from specdec.types import SamplingParams, SpecdecError
 
 from oracle import hf_greedy, one_thread
-from test_eagle import CTX, SV, V, chi2_against, prompts, target, target_dir
+from test_eagle import _TMP, CTX, SV, V, chi2_against, prompts, target, target_dir
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -50,7 +50,7 @@ def heads_dir(seed: int = 0, vocab: int = V, noise: float = 0.3):
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(noise * torch.randn(p.shape, generator=g))
-    d = Path(tempfile.mkdtemp(prefix="specdec-medusa-"))
+    d = Path(tempfile.mkdtemp(prefix="medusa-", dir=_TMP.name))
     acc = [[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.2, 0.1]]
     save_medusa(heads, d, {"target": "tiny", "target_vocab_size": vocab, "target_fingerprint": target_fingerprint(tg.model),
                            "vocab_subset": None, "accuracy": acc, "tree": [list(t) for t in choose_tree(acc, 8)]})
