@@ -397,13 +397,10 @@ class LookupEagleDrafter:
                 self.rows_drafted["graft"] += len(toks) > n
             rows.append((toks, pars))
         N = max(len(t) for t, _ in rows)
-        tokens = torch.zeros(B, N, dtype=torch.long)
-        parents = torch.zeros(B, N, dtype=torch.long)
-        counts = torch.zeros(B, dtype=torch.long)
-        for b, (toks, pars) in enumerate(rows):
-            tokens[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-            parents[b, : len(pars)] = torch.tensor(pars, dtype=torch.long)
-            counts[b] = len(toks)
+        # padded in Python, one tensor each (a tensor per row cost more than the rest of the call)
+        tokens = torch.tensor([list(t) + [0] * (N - len(t)) for t, _ in rows], dtype=torch.long).reshape(B, N)
+        parents = torch.tensor([list(p) + [0] * (N - len(p)) for _, p in rows], dtype=torch.long).reshape(B, N)
+        counts = torch.tensor([len(t) for t, _ in rows], dtype=torch.long)
         # the lookup learns only from rows that verify its guesses, and times the target step
         # from here (the head's drafting is not part of it)
         self.ngram.verified([0 if t else len(g) for g, t in zip(looked, tree_rows)])

@@ -259,9 +259,7 @@ class NgramDrafter:
         self._last = last
         self.step_tokens = max((p for _, p in last), default=0)
         B, N = len(guesses), max((len(g) for g in guesses), default=0)
-        tokens = torch.zeros(B, N, dtype=torch.long)
-        for b, g in enumerate(guesses):
-            tokens[b, : len(g)] = torch.tensor(g, dtype=torch.long)
+        tokens = torch.tensor([list(g) + [0] * (N - len(g)) for g in guesses], dtype=torch.long).reshape(B, N)
         self._t_end = time.perf_counter()
         return Draft(tokens, torch.tensor([len(g) for g in guesses], dtype=torch.long))
 

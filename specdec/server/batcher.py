@@ -97,34 +97,70 @@ class Request:
         self.cancelled = True
 
 
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """x with m x = v for a small dense system (Gaussian elimination with partial pivoting, in
+    floats: a step's cost model is solved up to nine times a step, and torch's per-call overhead
+    made that a tenth of a two-row step); None if m is singular."""
+    n = len(v)
+    a = [list(row) + [v[i]] for i, row in enumerate(m)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda i: abs(a[i][c]))
+        if a[p][c] == 0.0:
+            return None
+        a[c], a[p] = a[p], a[c]
+        for i in range(c + 1, n):
+            f = a[i][c] / a[c][c]
+            if f:
+                for j in range(c, n + 1):
+                    a[i][j] -= f * a[c][j]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (a[i][n] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+    return x
+
+
 class _Fit:
     """t ~ a + r * A + b * A * K by exponentially decayed least squares (recent steps count most)."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
-        self.m = torch.zeros(3, 3, dtype=torch.float64)  # decayed sums of f f^T, f = (1, A, A*K)
-        self.v = torch.zeros(3, dtype=torch.float64)  # decayed sums of f * t
+        self.m = [[0.0] * 3 for _ in range(3)]  # decayed sums of f f^T, f = (1, A, A*K)
+        self.v = [0.0] * 3  # decayed sums of f * t
         self.weight = 0.0
         self.ks: dict[int, float] = {}  # decayed count of steps per draft length
+        self._coef: tuple[float, float, float] | None | bool = False  # solved coefficients (False: not yet)
 
     def observe(self, rows: int, k: int, seconds: float) -> None:
-        f = torch.tensor([1.0, rows, rows * k], dtype=torch.float64)
-        self.m = self.decay * self.m + torch.outer(f, f)
-        self.v = self.decay * self.v + f * seconds
-        self.weight = self.decay * self.weight + 1
-        self.ks = {kk: w * self.decay for kk, w in self.ks.items() if w > 0.05}
+        d = self.decay
+        f = (1.0, float(rows), float(rows * k))
+        self.m = [[d * self.m[i][j] + f[i] * f[j] for j in range(3)] for i in range(3)]
+        self.v = [d * self.v[i] + f[i] * seconds for i in range(3)]
+        self.weight = d * self.weight + 1
+        self.ks = {kk: w * d for kk, w in self.ks.items() if w > 0.05}
         self.ks[k] = self.ks.get(k, 0.0) + 1
+        self._coef = False
 
     def coefficients(self) -> tuple[float, float, float] | None:
         """(a, r, b), or None until there are 4 steps and two draft lengths to tell b."""
+        if self._coef is False:
+            self._coef = self._solve()
+        return self._coef
+
+    def _solve(self) -> tuple[float, float, float] | None:
         if self.weight < 4 or len(self.ks) < 2:
             return None
-        ridge = 1e-9 * float(self.m.diagonal().max()) * torch.eye(3, dtype=torch.float64)
-        a, r, b = torch.linalg.solve(self.m + ridge, self.v).tolist()
+        ridge = 1e-9 * max(self.m[i][i] for i in range(3))
+        m = [[self.m[i][j] + (ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
+        x = _solve(m, self.v)
+        if x is None:
+            return None
+        a, r, b = x
         if a < 0 or r < 0:  # one batch size only (or noise): a and r cannot be told apart
-            keep = [0, 2]
-            a, b = torch.linalg.solve(self.m[keep][:, keep] + ridge[:2, :2], self.v[keep]).tolist()
-            r = 0.0
+            keep = (0, 2)
+            x = _solve([[m[i][j] for j in keep] for i in keep], [self.v[i] for i in keep])
+            if x is None:
+                return None
+            (a, b), r = x, 0.0
         return max(a, 1e-6), max(r, 0.0), max(b, 0.0)
 
 
@@ -431,6 +467,8 @@ class ContinuousBatcher:
             return self.k_max, [ok and len(g) < 2 for ok, g in zip(draft_ok, guesses)]
         per_tok = self._draft_cost(A)
         best, gain = {False: (None, 0, [False] * A), True: (None, 0, [False] * A)}, 0.0  # without / with the draft
+        # per row, the lookup's expected committed tokens with its first j guesses (as _choose_k)
+        gains = [pol.expected(n, len(g)) if pol is not None else [1.0] for g, n in zip(guesses, matches)]
         for k in range(0, self.k_max + 1):
             if k > 0:
                 gain += self._draft_gain(k)
@@ -438,8 +476,7 @@ class ContinuousBatcher:
             if t is None:  # measure both ends first
                 k0 = self.k_max if self.totals["steps"] % 2 else 0
                 return k0, [ok and k0 > 0 and len(g) < 2 for ok, g in zip(draft_ok, guesses)]
-            looks = [pol.expected(n, min(k, len(g)))[-1] if pol is not None else 1.0
-                     for g, n in zip(guesses, matches)]
+            looks = [e[min(k, len(e) - 1)] for e in gains]
             options = [(False, sum(looks) / t, [False] * A)]
             if k > 0 and any(draft_ok):
                 use = [ok and 1.0 + gain > lk for ok, lk in zip(draft_ok, looks)]
@@ -498,12 +535,14 @@ class ContinuousBatcher:
             return self.k_max, [ok and not p for ok, p in zip(tree_ok, d.prefer_lookup(guesses, False))]
         pol = self.lookup.policy
         best = {False: (None, 0, [False] * A), True: (None, 0, [False] * A)}  # without / with trees
+        # per row, expected committed tokens with its first j guesses, j = 0 .. all it has
+        gains = [pol.expected(n, len(g)) for g, n in zip(guesses, matches)]
         for k in range(0, self.k_max + 1):
             t = self.steps.predict(A, k)
             if t is None:  # measure both ends first
                 k0 = self.k_max if self.totals["steps"] % 2 else 0
                 return k0, [ok and k0 > 0 for ok in tree_ok]
-            looks = [pol.expected(n, min(k, len(g)))[-1] for g, n in zip(guesses, matches)]
+            looks = [e[min(k, len(e) - 1)] for e in gains]
             options = [(False, sum(looks) / t, [False] * A)]
             if d is not None and k > 0 and any(tree_ok):
                 # a tree of the head's usual size, cut to k nodes: its measured gain, pro rata
@@ -552,7 +591,7 @@ class ContinuousBatcher:
         ctx = DraftContext([r.context for r in self.rows], self.rows[0].params, None, hidden_in)
         if self.lookup is not None and self.k_max > 0:
             d = self.lookup.propose(ctx, self.k_max)
-            guesses = [d.tokens[b, : int(d.counts[b])].tolist() for b in range(A)]
+            guesses = [g[:c] for g, c in zip(d.tokens.tolist(), d.counts.tolist())]
             matches = self.lookup.matches
         # a seeded sample never drafts a tree: which rows share its batch could tip the head's
         # near-ties and so change which random numbers its verification draws
