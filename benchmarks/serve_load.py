@@ -17,9 +17,13 @@ chunk / its tokens after the first; p50 and p95 over requests), the per-token la
 reader of the stream sees, and inter-token latency (ITL: gaps between streamed chunks divided
 by the tokens they carried; p50 and p95; its median hides speculation's gain, since most
 chunks still carry one token). Settings are run in turn per concurrency level (off, fixed,
-adaptive, off, ...) for `--repeats` rounds and the median is reported.
+adaptive, then adaptive, fixed, off: the order flips every repeat) for `--repeats` rounds and
+the median is reported, with the median of the per-repeat ratios adaptive / off ("paired":
+adjacent runs, so the machine's drift between repeats cancels). `--min-requests` makes the
+clients of a low concurrency level send more requests each, so that no level lasts only a
+few seconds.
 
-    python benchmarks/serve_load.py --concurrency 1,2,4,8,16,32 --out /tmp/serve-bench
+    python benchmarks/serve_load.py --concurrency 1,2,4,8,16,32 --min-requests 24 --out /tmp/serve-bench
 
 Prints a table and, as the last line, one JSON document; `--out` also gets a PNG plot.
 """
@@ -163,6 +167,9 @@ def main() -> int:
                     help="Spec-Bench JSONL (chat requests) or 'humaneval' (raw completions)")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32")
     ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--min-requests", type=int, default=0,
+                    help="at least this many requests per level (clients send more each at low concurrency, where "
+                         "a few requests make a level of a few seconds and the machine's drift dominates). Default: 0")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--max-batch", type=int, default=32)
@@ -206,8 +213,9 @@ def main() -> int:
     raw = {name: {c: [] for c in levels} for name in settings}
     for rep in range(args.repeats):
         for c in levels:
-            for name in settings:
-                res = drive(servers[name][1], prompts, c, args.requests_per_client, args.max_tokens, lm.tokenizer, chat)
+            for name in (list(settings) if rep % 2 == 0 else list(settings)[::-1]):  # order flips each repeat
+                per_client = max(args.requests_per_client, -(-args.min_requests // c))
+                res = drive(servers[name][1], prompts, c, per_client, args.max_tokens, lm.tokenizer, chat)
                 raw[name][c].append(res)
                 print(f"rep {rep} c={c:<3} {name:<9} {res['throughput']:7.1f} tok/s  ttft {res['ttft_p50']*1e3:7.0f} ms  "
                       f"TPOT p50 {res['token_p50']*1e3:6.1f} ms  p95 {res['token_p95']*1e3:6.1f} ms  "
@@ -215,18 +223,23 @@ def main() -> int:
                       file=sys.stderr)
     table = {name: {c: {k: statistics.median(r[k] for r in raw[name][c]) for k in raw[name][c][0]} for c in levels}
              for name in settings}
+    # adaptive / off per repeat: adjacent runs, so drift between repeats cancels
+    paired = {c: [a["throughput"] / o["throughput"] for a, o in zip(raw["adaptive"][c], raw["off"][c])] for c in levels}
     print(f"{'conc':>5} " + "".join(f"{n + ' tok/s':>16}{n + ' TPOT ms':>16}" for n in settings)
-          + f"{'adaptive/off':>14}{'TPOT off/adaptive':>19}")
+          + f"{'adaptive/off':>14}{'paired':>8}{'TPOT off/adaptive':>19}")
     for c in levels:
         line = f"{c:>5} "
         for n in settings:
             line += f"{table[n][c]['throughput']:>16.1f}{table[n][c]['token_p50'] * 1e3:>16.1f}"
         line += f"{table['adaptive'][c]['throughput'] / table['off'][c]['throughput']:>14.2f}"
+        line += f"{statistics.median(paired[c]):>8.2f}"
         line += f"{table['off'][c]['token_p50'] / table['adaptive'][c]['token_p50']:>19.2f}"
         print(line)
     metrics = {n: server_metrics(servers[n][1]) for n in settings}
     result = {"benchmark": "serve_load", "data": args.data, "threads": args.threads, "settings": settings, "max_tokens": args.max_tokens, "k": args.k,
-              "requests_per_client": args.requests_per_client, "repeats": args.repeats, "table": table,
+              "requests_per_client": args.requests_per_client, "min_requests": args.min_requests,
+              "repeats": args.repeats, "table": table,
+              "adaptive_over_off_per_repeat": {c: [round(r, 3) for r in paired[c]] for c in levels},
               "draft_k_last": {n: metrics[n].get("specdec_draft_length") for n in settings},
               "tree_rows": {n: metrics[n].get("specdec_tree_rows_total") for n in settings},
               "tau": {n: metrics[n].get("specdec_mean_accepted_length") for n in settings}}
