@@ -23,6 +23,20 @@ def test_step_model_fits_a_fixed_a_per_row_and_a_per_token_cost():
     assert abs(m.predict(3, 5) - (0.010 + 0.009 + 0.0005 * 15)) < 1e-6
 
 
+def test_step_model_predicts_a_single_batch_size_and_follows_new_steps():
+    """One batch size only: the fixed and per-row costs cannot be told apart, but the
+    prediction at that size must still be right; and a cached fit must follow new steps."""
+    m = StepModel()
+    for K in (0, 2, 4, 0, 2, 4):
+        m.observe(4, K, 0.010 + 0.002 * 4 + 0.0005 * 4 * K)
+    for K in (0, 3, 8):
+        assert abs(m.predict(4, K) - (0.018 + 0.002 * K)) < 1e-6
+    for _ in range(400):  # the machine got slower: every step now takes twice as long
+        for K in (0, 2, 4):
+            m.observe(4, K, 2 * (0.018 + 0.002 * K))
+    assert abs(m.predict(4, 3) - 2 * (0.018 + 0.006)) < 1e-4
+
+
 def test_one_row_speculates_again_after_a_full_batch():
     """The stuck case of a single line through A*(K+1): a full batch teaches a steep slope
     (rows are expensive), and one row then priced its guesses at that slope and never guessed."""

@@ -585,7 +585,8 @@ class ContinuousBatcher:
         guesses, matches = [[] for _ in range(A)], [0] * A
         hidden_in = None
         if self.trees:  # each feature goes to the head exactly once
-            hidden_in = [torch.cat(r.feats) if r.feats else None for r in self.rows]
+            hidden_in = [(r.feats[0] if len(r.feats) == 1 else torch.cat(r.feats)) if r.feats else None
+                         for r in self.rows]
             for r in self.rows:
                 r.feats = []
         ctx = DraftContext([r.context for r in self.rows], self.rows[0].params, None, hidden_in)
@@ -653,9 +654,7 @@ class ContinuousBatcher:
         else:
             counts = torch.tensor([len(g) for g in guesses], dtype=torch.long)
             K = int(counts.max())
-            drafted = torch.zeros(A, K, dtype=torch.long)
-            for b, g in enumerate(guesses):
-                drafted[b, : len(g)] = torch.tensor(g, dtype=torch.long)
+            drafted = torch.tensor([g + [0] * (K - len(g)) for g in guesses], dtype=torch.long).reshape(A, K)
             parents = None
         self.last_k = K
         inp = torch.cat([torch.tensor([[r.context[-1]] for r in self.rows], dtype=torch.long), drafted], 1)
@@ -668,7 +667,19 @@ class ContinuousBatcher:
             logits, hidden = self.model(inp, base[:, None] + torch.arange(K + 1)[None], cache)
         paths = [list(range(1, int(c) + 1)) for c in counts]  # chain: node j hangs under node j - 1
         nxt = torch.zeros(A, dtype=torch.long)
-        for b, r in enumerate(self.rows):  # each row verifies with its own sampling settings
+        # greedy chain rows (the usual case) verify in one call: the same argmax per row as one
+        # call per row (a tenth of a millisecond each, a few percent of a full batch's step)
+        plain = [b for b, r in enumerate(self.rows) if r.params.greedy and not (is_tree and use_tree[b])]
+        if plain:
+            sel = slice(None) if len(plain) == A else torch.tensor(plain)
+            a, n = verify_greedy(logits[sel], drafted[sel], counts[sel])
+            for b, ab, nb in zip(plain, a.tolist(), n.tolist()):
+                paths[b] = paths[b][:ab]
+                nxt[b] = nb
+        done = set(plain)
+        for b, r in enumerate(self.rows):  # each other row verifies with its own sampling settings
+            if b in done:
+                continue
             lg, gt, c = logits[b : b + 1], drafted[b : b + 1], counts[b : b + 1]
             if is_tree and use_tree[b]:  # lookup rows are chains, verified as chains in either mode
                 pr = parents[b : b + 1]
@@ -677,15 +688,10 @@ class ContinuousBatcher:
                 else:
                     p, n = verify_tree_stochastic(warp(lg, r.params), gt, pr, None, c, r.generator, [room[b]])
                 paths[b] = p[0]
-            else:
-                # the row's own guesses only: the random numbers a seeded row draws must not
-                # depend on how wide other rows' drafts made the batch
+            else:  # a sampled chain row: its own guesses only, so the random numbers a seeded row
+                # draws do not depend on how wide other rows' drafts made the batch
                 m = int(c[0])
-                lg, gt = lg[:, : m + 1], gt[:, :m]
-                if r.params.greedy:
-                    a, n = verify_greedy(lg, gt, c)
-                else:
-                    a, n = verify_stochastic(warp(lg, r.params), gt, None, c, r.generator)
+                a, n = verify_stochastic(warp(lg[:, : m + 1], r.params), gt[:, :m], None, c, r.generator)
                 paths[b] = paths[b][: int(a[0])]
             nxt[b] = n[0]
         n_acc = torch.tensor([len(p) for p in paths], dtype=torch.long)
@@ -723,16 +729,20 @@ class ContinuousBatcher:
             self.totals["tree_rows"] += sum(use_tree)
             self.totals["draft_rows"] += sum(use_draft)  # row-steps verifying the draft model's guesses
             self.totals["lookup_rows"] += sum(1 for g, u, t in zip(guesses, use_draft, use_tree) if g and not u and not t)
+        drafted_l, nxt_l, counts_l = drafted.tolist(), nxt.tolist(), counts.tolist()
         for b, r in enumerate(self.rows):
-            rows_kept = [0] + paths[b]
-            ids = [int(drafted[b, j - 1]) for j in paths[b]] + [int(nxt[b])]
+            # the rows of this step's output behind the committed tokens: the pending token's and
+            # the accepted nodes' (a chain's are the first ones: a view, not a copy)
+            n = len(paths[b])
+            kept = [0] + paths[b] if is_tree and use_tree[b] else slice(0, n + 1)
+            ids = [drafted_l[b][j - 1] for j in paths[b]] + [nxt_l[b]]
             if self.trees:
-                r.feats.append(hidden[b, rows_kept])
+                r.feats.append(hidden[b, kept])
             r.context.extend(ids)
-            r.proposed += int(counts[b])
-            r.accepted += len(paths[b])
+            r.proposed += counts_l[b]
+            r.accepted += n
             r.forwards += 1
-            self._emit(r, ids, _logprobs(logits[b, rows_kept], ids, r.logprobs))
+            self._emit(r, ids, _logprobs(logits[b, kept], ids, r.logprobs) if r.logprobs is not None else None)
         for i in reversed(range(len(self.rows))):
             reason = self._done_reason(self.rows[i])
             if reason:
