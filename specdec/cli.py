@@ -267,8 +267,15 @@ def cmd_serve(args) -> int:
     batcher = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=args.k, max_batch=args.max_batch,
                                 max_queue=args.max_queue, max_context=args.max_context, adaptive=not args.fixed_k,
                                 drafter=drafter, thread=False)
-    if args.log_level == "debug":
-        batcher.log = logging.getLogger("specdec.batcher")
+    if args.log_level == "debug":  # one line per step: batch size, draft cap, tree rows, guesses, accepted, time
+        log = logging.getLogger("specdec.batcher")
+        log.setLevel(logging.DEBUG)
+        if not log.handlers:  # nothing configures the root logger: without a handler the lines went nowhere
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("DEBUG:    [specdec] %(message)s"))
+            log.addHandler(handler)
+        log.propagate = False
+        batcher.log = log
     app = create_app(lm, batcher, args.served_model_name or lm.name, api_key=args.api_key,
                      request_timeout=args.request_timeout)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))

@@ -169,10 +169,14 @@ def test_auto_batcher_seeded_sample_does_not_depend_on_the_load():
 
 def _seeded_alone_and_shared(b):
     """A seeded sampled request run alone, then between two greedy ones, through batcher `b`
-    (closed after): (tokens alone, the three answers shared, stats after alone, stats after)."""
-    from oracle import one_thread
+    (closed after): (tokens alone, the three answers shared, stats after alone, stats after).
+    The greedy neighbours (verified together, apart from the sampled row) must equal
+    transformers' plain greedy output of the target (test_eagle's tiny model 0)."""
+    from transformers import AutoModelForCausalLM
+
+    from oracle import hf_greedy, one_thread
     from specdec.types import SamplingParams
-    from test_eagle import prompts
+    from test_eagle import prompts, target_dir
 
     seeded = SamplingParams(max_new_tokens=16, temperature=0.9, seed=11)
     with one_thread():
@@ -181,9 +185,14 @@ def _seeded_alone_and_shared(b):
             after_alone = b.stats()
             shared = _run(b, [(prompts()[1], SamplingParams(max_new_tokens=12)), (prompts()[0], seeded),
                               (prompts()[2], SamplingParams(max_new_tokens=20))])
-            return alone, shared, after_alone, b.stats()
+            stats = b.stats()
         finally:
             b.close()
+        hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+        hf.generation_config.pad_token_id = 0
+        assert shared[0] == hf_greedy(hf, prompts()[1], 12)
+        assert shared[2] == hf_greedy(hf, prompts()[2], 20)
+    return alone, shared, after_alone, stats
 
 
 @pytest.mark.parametrize("broken", [False, True])

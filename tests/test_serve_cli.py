@@ -1,6 +1,7 @@
 """`specdec serve` as a process, the way users start it: the model decodes in the main thread
 and HTTP runs in a second one. A greedy completion equals plain greedy decoding, /metrics
-shows the EAGLE head's trees at work (auto is the default method), Ctrl-C stops it cleanly,
+shows the EAGLE head's trees at work (auto is the default method), `--log-level debug` logs
+each step's decision, Ctrl-C stops it cleanly,
 and a port that is taken is a clear error; `--method draft` (the shipped draft model) and `--method
 auto --draft DRAFT_MODEL` answer exactly too, and a path that is not a model is refused before
 loading."""
@@ -68,7 +69,8 @@ def test_serve_process_answers_exactly_and_stops_on_ctrl_c(default_model):
     # Ctrl-C as a terminal sends it: a run started in the background (nohup, `&`) inherits SIGINT
     # ignored, and Python then installs no KeyboardInterrupt handler (this test then timed out in
     # suites started with nohup on 2026-12-02)
-    proc = subprocess.Popen(SERVE + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(SERVE + ["--port", str(port), "--log-level", "debug"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         metrics = _exact_completion_then_metrics(url, proc, default_model)
@@ -81,7 +83,9 @@ def test_serve_process_answers_exactly_and_stops_on_ctrl_c(default_model):
             proc.kill()
             raise AssertionError(f"serve did not stop within 30 s of Ctrl-C; stderr: {proc.stderr.read()[-3000:]}")
         assert rc == 0
-        assert "stopping" in proc.stderr.read()
+        err = proc.stderr.read()
+        assert "stopping" in err
+        assert "[specdec] step: batch 1, draft cap" in err  # --log-level debug: every step's decision
     finally:
         if proc.poll() is None:
             proc.kill()
