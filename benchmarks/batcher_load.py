@@ -12,7 +12,9 @@ setting commits the same tokens and the throughput ratio is the ratio of wall ti
 Per setting and level it reports tokens/s (median over repeats), the ratio to off per repeat
 (adjacent runs, so machine drift hits both alike) and their median, and where the time went
 in the last repeat: prefill seconds, and decoding steps by batch size with and without
-guesses (steps, seconds, committed tokens per step, milliseconds per step).
+guesses (steps, seconds, committed tokens per step, milliseconds per step, and of those the
+milliseconds outside the target's forward: drafting, the load-aware choice, verification,
+bookkeeping). Prints a line per run and level, then one JSON document.
 
     python benchmarks/batcher_load.py --concurrency 2,8 --requests 48 --repeats 3 --threads 2
 """
@@ -34,16 +36,34 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "spec_bench" / "dev.jsonl"
 
 
-class StepLog(logging.Handler):
-    """Collects the batcher's per-step debug lines (batch, draft cap, tree rows, guesses, accepted, ms)."""
+class TimedModel:
+    """The batcher's model, with the seconds of its last forward kept (everything else passes through)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model) -> None:
+        self.model, self.last = model, 0.0
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        out = self.model(*args, **kwargs)
+        self.last = time.perf_counter() - t
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+class StepLog(logging.Handler):
+    """Collects the batcher's per-step debug lines (batch, draft cap, tree rows, guesses, accepted,
+    ms), each with the step's forward time (the line is logged after the step's forward)."""
+
+    def __init__(self, timed: TimedModel) -> None:
         super().__init__(logging.DEBUG)
+        self.timed = timed
         self.steps: list[tuple] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.msg.startswith("step:"):
-            self.steps.append(record.args)
+            self.steps.append(tuple(record.args) + (self.timed.last * 1e3,))
 
 
 def make_batcher(setting: str, lm, k: int, max_batch: int):
@@ -102,15 +122,16 @@ def drive(batcher, prompts: list[list[int]], clients: int, total: int, max_token
 
 def breakdown(steps: list[tuple]) -> dict:
     """Decoding steps grouped by (batch size, guessed or not): count, seconds, tokens per step, ms per step."""
-    groups = defaultdict(lambda: [0, 0.0, 0])
-    for A, cap, trees, guesses, accepted, ms in steps:
+    groups = defaultdict(lambda: [0, 0.0, 0, 0.0])
+    for A, cap, trees, guesses, accepted, ms, fwd_ms in steps:
         g = groups[(A, guesses > 0)]
         g[0] += 1
         g[1] += ms / 1e3
         g[2] += A + accepted
+        g[3] += (ms - fwd_ms) / 1e3
     return {f"{A}{'+spec' if spec else ''}": {"steps": n, "seconds": round(s, 3), "tokens_per_step": round(t / n, 2),
-                                             "ms_per_step": round(1e3 * s / n, 2)}
-            for (A, spec), (n, s, t) in sorted(groups.items())}
+                                             "ms_per_step": round(1e3 * s / n, 2), "ms_outside_forward": round(1e3 * o / n, 2)}
+            for (A, spec), (n, s, t, o) in sorted(groups.items())}
 
 
 def main() -> int:
@@ -144,7 +165,8 @@ def main() -> int:
     logs = {}
     for s in settings:
         batchers[s] = make_batcher(s, lm, args.k, args.max_batch)
-        logs[s] = StepLog()
+        batchers[s].model = TimedModel(batchers[s].model)
+        logs[s] = StepLog(batchers[s].model)
         batchers[s].log = logging.getLogger(f"batcher_load.{s}")
         batchers[s].log.setLevel(logging.DEBUG)
         batchers[s].log.propagate = False
