@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import statistics
 import sys
@@ -67,7 +68,8 @@ def start(setting: str, args) -> tuple:
     port = free_port()
     cmd = [sys.executable, "-c", "import sys; from specdec.cli import main; sys.exit(main())", "serve",
            "--method", method, "-k", str(args.k), "--max-batch", str(args.max_batch), "--max-context", "1024",
-           "--port", str(port), "--threads", str(args.threads), "--log-level", "warning", "--served-model-name", "m"]
+           "--port", str(port), "--threads", str(args.threads), "--served-model-name", "m",
+           "--log-level", "debug" if args.step_log else "warning"]
     if not adaptive:
         cmd.append("--fixed-k")
     if with_draft:  # auto with the shipped draft model in the EAGLE head's place
@@ -76,7 +78,12 @@ def start(setting: str, args) -> tuple:
         cmd += ["--draft", str(DEFAULT_DRAFT_DIR)]
     if args.model:
         cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = subprocess.PIPE
+    if args.step_log:  # the server's debug lines (one per decode step) go to a file, read after each level
+        Path(args.step_log).mkdir(parents=True, exist_ok=True)
+        err = open(Path(args.step_log) / f"{setting}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    proc.log_path = Path(err.name) if args.step_log else None
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
     while True:
@@ -88,8 +95,22 @@ def start(setting: str, args) -> tuple:
             pass
         if proc.poll() is not None or time.time() - t0 > 300:
             proc.kill()
-            raise SystemExit(f"the {setting} server did not start: {proc.stderr.read()[-2000:]}")
+            said = proc.log_path.read_text() if proc.log_path else proc.stderr.read()
+            raise SystemExit(f"the {setting} server did not start: {said[-2000:]}")
         time.sleep(0.5)
+
+
+STEP_LINE = re.compile(r"step: batch (\d+), draft cap \d+, tree rows \d+, guesses (\d+), accepted \d+, ([\d.]+) ms")
+
+
+def step_seconds(path: Path, skip: int) -> tuple[int, dict]:
+    """From a server's debug log (`--step-log`), the decode steps logged after line `skip`:
+    (lines now, {"step_s": seconds in decode steps, "steps": how many, "spec_steps": those that
+    verified guesses}). The rest of a level's wall time is prefill, HTTP and waiting."""
+    lines = path.read_text().splitlines()
+    steps = [m.groups() for line in lines[skip:] if (m := STEP_LINE.search(line))]
+    return len(lines), {"step_s": sum(float(ms) for _, _, ms in steps) / 1e3, "steps": len(steps),
+                        "spec_steps": sum(1 for _, g, _ in steps if int(g) > 0)}
 
 
 def server_metrics(url: str) -> dict:
@@ -181,6 +202,9 @@ def main() -> int:
     ap.add_argument("--settings", default="off,fixed,adaptive,adaptive-ngram",
                     help="server settings to compare (of " + ", ".join(SETTINGS) + "); off and adaptive are needed "
                          "for the ratio columns")
+    ap.add_argument("--step-log", default=None, metavar="DIR",
+                    help="run the servers with --log-level debug, their stderr in DIR/<setting>.log, and report per "
+                         "level the seconds spent in decode steps (the rest of the wall time is prefill, HTTP, waiting)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -215,11 +239,17 @@ def main() -> int:
         for c in levels:
             for name in (list(settings) if rep % 2 == 0 else list(settings)[::-1]):  # order flips each repeat
                 per_client = max(args.requests_per_client, -(-args.min_requests // c))
+                log = servers[name][0].log_path
+                skip = step_seconds(log, 0)[0] if log else 0
                 res = drive(servers[name][1], prompts, c, per_client, args.max_tokens, lm.tokenizer, chat)
+                if log:
+                    res.update(step_seconds(log, skip)[1])
                 raw[name][c].append(res)
                 print(f"rep {rep} c={c:<3} {name:<9} {res['throughput']:7.1f} tok/s  ttft {res['ttft_p50']*1e3:7.0f} ms  "
                       f"TPOT p50 {res['token_p50']*1e3:6.1f} ms  p95 {res['token_p95']*1e3:6.1f} ms  "
-                      f"ITL p50 {res['itl_p50']*1e3:6.1f} ms  errors {res['errors']}",
+                      f"ITL p50 {res['itl_p50']*1e3:6.1f} ms  errors {res['errors']}"
+                      + (f"  in steps {res['step_s']:5.2f} s of {res['wall']:5.2f} ({res['steps']} steps, "
+                         f"{res['spec_steps']} with guesses)" if log else ""),
                       file=sys.stderr)
     table = {name: {c: {k: statistics.median(r[k] for r in raw[name][c]) for k in raw[name][c][0]} for c in levels}
              for name in settings}

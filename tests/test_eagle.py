@@ -181,6 +181,28 @@ def test_eagle_sampling_matches_exact_distribution(tree, params):
         assert not res.rejected, f"eagle tree={tree} {params} {label}: {res}"
 
 
+def test_rows_joining_and_leaving_keep_each_rows_head_cache():
+    """The server's pattern: rows join one at a time (the cache's row stores grow) and leave
+    (the last row moves into the freed slot, in place), or are kept in any order; each kept
+    row's head cache, pair count and features are the ones it had."""
+    d = drafter(True)
+    d.begin([], None, 40)
+    for _ in range(5):  # past the first store of 4 rows
+        d.add_row(40)
+    g = torch.Generator().manual_seed(3)
+    d.k.copy_(torch.randn(d.k.shape, generator=g))
+    d.v.copy_(torch.randn(d.v.shape, generator=g))
+    d.n = [10, 11, 12, 13, 14]
+    d.feat = [[torch.full((2,), float(i))] for i in range(5)]
+    for rows in ([0, 4, 2, 3], [2, 0, 1], [1]):  # row 1 leaves (4 moves in); a permutation; one kept
+        k, v, n, feat = d.k.clone(), d.v.clone(), list(d.n), list(d.feat)
+        d.keep_rows(rows)
+        assert torch.equal(d.k, k[rows]) and torch.equal(d.v, v[rows])
+        assert d.n == [n[r] for r in rows] and d.feat == [feat[r] for r in rows]
+    d.add_row(40)  # a row joins after leaves: empty, the kept row untouched
+    assert d.k.shape[0] == 2 and not d.k[1].any() and not d.v[1].any() and d.n[1] == 0
+
+
 def test_head_for_another_target_is_refused():
     other = target(7)  # same shapes, other weights
     with pytest.raises(SpecdecError, match="trained for another target"):

@@ -306,8 +306,11 @@ class EagleDrafter:
         if self.tree and self.nodes + 1 >= max_len:
             raise SpecdecError(f"an EAGLE tree of {self.nodes} nodes does not fit in a context of {max_len}")
         size = max_len + max(self.nodes, self.depth) + 2
-        self.k = torch.zeros(B, h.kv_heads, size, h.head_dim, dtype=self.embed.dtype)
-        self.v = torch.zeros_like(self.k)
+        # the cache's rows live in stores with room for more (a server's rows join and leave):
+        # self.k / self.v are views of the first B rows
+        self._ks = torch.zeros(B, h.kv_heads, size, h.head_dim, dtype=self.embed.dtype)
+        self._vs = torch.zeros_like(self._ks)
+        self.k, self.v = self._ks, self._vs
         self.n = [0] * B  # committed pairs in the cache per row (pair t sits at slot t)
         self.feat: list[list[torch.Tensor]] = [[] for _ in range(B)]  # known target features, per row
         self.last_h: torch.Tensor | None = None
@@ -578,16 +581,37 @@ class EagleDrafter:
         size = max_len + max(self.nodes, self.depth) + 2
         if self.k.shape[2] != size:
             raise ValueError(f"add_row: the cache holds {self.k.shape[2]} slots, a row of max_len {max_len} needs {size}")
-        self.k = torch.cat([self.k, self.k.new_zeros(1, *self.k.shape[1:])])
-        self.v = torch.cat([self.v, self.v.new_zeros(1, *self.v.shape[1:])])
+        B = self.k.shape[0]
+        if B == self._ks.shape[0]:  # the stores are full: double them (a join copies no rows most times;
+            # concatenating the whole cache on every join and leave cost ~50 MB of copies a request
+            # at 32 rows)
+            ks = self._ks.new_zeros(max(4, 2 * B), *self._ks.shape[1:])
+            vs = torch.zeros_like(ks)
+            ks[:B], vs[:B] = self._ks[:B], self._vs[:B]
+            self._ks, self._vs = ks, vs
+        else:
+            self._ks[B].zero_()
+            self._vs[B].zero_()
+        self.k, self.v = self._ks[: B + 1], self._vs[: B + 1]
         self.n.append(0)
         self.feat.append([])
         if self.last_h is not None:
             self.last_h = torch.cat([self.last_h, self.last_h.new_zeros(1, self.last_h.shape[1])])
 
     def keep_rows(self, rows) -> None:
+        rows = [int(r) for r in rows]
         idx = torch.as_tensor(rows, dtype=torch.long)
-        self.k, self.v = self.k[idx], self.v[idx]
+        if all(r >= j for j, r in enumerate(rows)):
+            # in place, in order: row j's source r >= j was no earlier row's destination (the
+            # server moves its last row into a freed slot; finished rows leave a batch in order)
+            for j, r in enumerate(rows):
+                if r != j:
+                    self._ks[j] = self._ks[r]
+                    self._vs[j] = self._vs[r]
+            self.k, self.v = self._ks[: len(rows)], self._vs[: len(rows)]
+        else:
+            self._ks, self._vs = self.k[idx], self.v[idx]
+            self.k, self.v = self._ks, self._vs
         self.n = [self.n[r] for r in rows]
         self.feat = [self.feat[r] for r in rows]
         if self.last_h is not None:
