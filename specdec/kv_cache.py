@@ -5,7 +5,9 @@ committed entries live in slots `0 .. lengths[b]-1`, in order. A forward over T 
 tokens writes them to slots `lengths[b] .. lengths[b]+T-1` and advances `lengths` by T
 (see `reserve`). Rolling back a rejected chain is lowering `lengths` (`truncate`);
 accepting one path of a verified tree moves that path's entries to the slots right
-after the committed prefix (`compact`). Nothing is ever reallocated.
+after the committed prefix (`compact`). Nothing is reallocated while the rows stay the same;
+rows that join (`append_rows`) go into room kept for them (doubled when full), rows that leave
+(`reorder_rows`) are compacted in place where the order allows.
 
 The cache knows nothing about models, tokens or positions: positions are the caller's
 business (for a tree, slot and position differ; see tree verification).
@@ -35,6 +37,9 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
         self.batch_size = batch_size
+        # the tensors that hold the rows, with room for more once rows join (`append_rows`):
+        # self.k / self.v are views of their first batch_size rows
+        self._ks, self._vs = list(self.k), list(self.v)
 
     # -- bookkeeping used by the model's forward -------------------------------------
     def reserve(self, num_tokens: int) -> tuple[torch.Tensor, int | None]:
@@ -127,14 +132,37 @@ class KVCache:
         if other.max_len != self.max_len or len(other.k) != len(self.k):
             raise ValueError(f"append_rows: caches of {other.max_len} and {self.max_len} slots, "
                              f"{len(other.k)} and {len(self.k)} layers")
-        self.k = [torch.cat([a, b]) for a, b in zip(self.k, other.k)]
-        self.v = [torch.cat([a, b]) for a, b in zip(self.v, other.v)]
+        B, n = self.batch_size, other.batch_size
+        if B + n > self._ks[0].shape[0]:  # no room: twice the rows (most joins then copy only their own)
+            cap = max(4, 2 * (B + n))
+            self._ks = [torch.cat([t[:B], t.new_zeros(cap - B, *t.shape[1:])]) for t in self._ks]
+            self._vs = [torch.cat([t[:B], t.new_zeros(cap - B, *t.shape[1:])]) for t in self._vs]
+        for stores, rows in ((self._ks, other.k), (self._vs, other.v)):
+            for t, o in zip(stores, rows):
+                t[B : B + n] = o
+        self._view(B + n)
         self.lengths = torch.cat([self.lengths, other.lengths])
-        self.batch_size = int(self.lengths.numel())
 
     def reorder_rows(self, rows: torch.Tensor) -> None:
         """Keep/permute batch rows (used when finished rows leave a batch)."""
-        self.k = [k[rows] for k in self.k]
-        self.v = [v[rows] for v in self.v]
-        self.lengths = self.lengths[rows]
-        self.batch_size = int(rows.numel())
+        order = [int(r) for r in torch.as_tensor(rows).tolist()]
+        if all(r >= j for j, r in enumerate(order)):
+            # in place, in order: row j's source r >= j was no earlier row's destination (rows
+            # that leave in order, or the last row moved into a freed slot): only moved rows copy,
+            # their committed entries only (slots past a row's length are never read)
+            lengths = self.lengths.tolist()
+            for j, r in enumerate(order):
+                if r != j:
+                    for t in self._ks + self._vs:
+                        t[j, :, : lengths[r]] = t[r, :, : lengths[r]]
+        else:
+            idx = torch.as_tensor(order, dtype=torch.long, device=self.lengths.device)
+            self._ks = [k[idx] for k in self.k]
+            self._vs = [v[idx] for v in self.v]
+        self._view(len(order))
+        self.lengths = self.lengths[torch.as_tensor(order, dtype=torch.long, device=self.lengths.device)]
+
+    def _view(self, rows: int) -> None:
+        self.k = [t[:rows] for t in self._ks]
+        self.v = [t[:rows] for t in self._vs]
+        self.batch_size = rows

@@ -204,3 +204,42 @@ def test_compact_moves_match_a_slot_by_slot_reference(B):
                 assert torch.equal(t[b, :, :b0], old[b, :, :b0]), "the committed prefix changed"
                 for i, node in enumerate(p):
                     assert torch.equal(t[b, :, b0 + i], old[b, :, b0 + node]), (trial, b, p, i)
+
+
+def test_rows_joining_and_leaving_keep_their_entries():
+    """Rows join one at a time past the room kept for them, leave (the last row into the freed
+    slot, or in order) and are permuted: each kept row's committed entries and length are the
+    ones it had, against the same operations done by concatenation and indexing (slots past a
+    row's length are never read, and a row moved in place does not carry them)."""
+    g = torch.Generator().manual_seed(5)
+
+    def same(got, want, lengths) -> bool:
+        return all(torch.equal(a[b, :, :n], w[b, :, :n]) for a, w in zip(got, want) for b, n in enumerate(lengths))
+
+    def one_row(length: int) -> KVCache:
+        c = KVCache(2, 1, 2, 4, 16)
+        for t in c.k + c.v:
+            t.copy_(torch.randn(t.shape, generator=g))
+        c.lengths[0] = length
+        return c
+
+    cache = KVCache(2, 0, 2, 4, 16)
+    want_k, want_v, want_len = [t.clone() for t in cache.k], [t.clone() for t in cache.v], []
+    for n in range(6):  # past the first room of 4 rows
+        row = one_row(n + 3)
+        want_k = [torch.cat([a, b]) for a, b in zip(want_k, row.k)]
+        want_v = [torch.cat([a, b]) for a, b in zip(want_v, row.v)]
+        want_len.append(n + 3)
+        cache.append_rows(row)
+    for order in ([0, 5, 2, 3, 4], [3, 1, 0, 2], [0, 2], [1, 0]):  # row 1 leaves, a permutation, in order, a swap
+        cache.reorder_rows(torch.tensor(order))
+        want_k, want_v = [t[order] for t in want_k], [t[order] for t in want_v]
+        want_len = [want_len[r] for r in order]
+        assert same(cache.k + cache.v, want_k + want_v, want_len)
+        assert cache.lengths.tolist() == want_len and cache.batch_size == len(order)
+        assert all(t.shape[0] == len(order) for t in cache.k + cache.v)
+    last = one_row(7)
+    cache.append_rows(last)  # joins after leaves: the kept rows untouched, the new one whole
+    assert same([t[:2] for t in cache.k + cache.v], want_k + want_v, want_len)
+    assert all(torch.equal(t[2], o[0]) for t, o in zip(cache.k + cache.v, last.k + last.v))
+    assert cache.lengths.tolist() == want_len + [7] and cache.k[0].shape[0] == 3
