@@ -103,14 +103,19 @@ def start(setting: str, args) -> tuple:
 STEP_LINE = re.compile(r"step: batch (\d+), draft cap \d+, tree rows \d+, guesses (\d+), accepted \d+, ([\d.]+) ms")
 
 
+PREFILL_LINE = re.compile(r"prefill: \d+ tokens, row \d+, ([\d.]+) ms")
+
+
 def step_seconds(path: Path, skip: int) -> tuple[int, dict]:
-    """From a server's debug log (`--step-log`), the decode steps logged after line `skip`:
-    (lines now, {"step_s": seconds in decode steps, "steps": how many, "spec_steps": those that
-    verified guesses}). The rest of a level's wall time is prefill, HTTP and waiting."""
+    """From a server's debug log (`--step-log`), the decode steps and prefills logged after line
+    `skip`: (lines now, {"step_s": seconds in decode steps, "steps": how many, "spec_steps":
+    those that verified guesses, "prefill_s": seconds in prefills}). The rest of a level's wall
+    time is HTTP and waiting."""
     lines = path.read_text().splitlines()
     steps = [m.groups() for line in lines[skip:] if (m := STEP_LINE.search(line))]
+    prefill = sum(float(m.group(1)) for line in lines[skip:] if (m := PREFILL_LINE.search(line)))
     return len(lines), {"step_s": sum(float(ms) for _, _, ms in steps) / 1e3, "steps": len(steps),
-                        "spec_steps": sum(1 for _, g, _ in steps if int(g) > 0)}
+                        "spec_steps": sum(1 for _, g, _ in steps if int(g) > 0), "prefill_s": prefill / 1e3}
 
 
 def server_metrics(url: str) -> dict:
@@ -204,7 +209,8 @@ def main() -> int:
                          "for the ratio columns")
     ap.add_argument("--step-log", default=None, metavar="DIR",
                     help="run the servers with --log-level debug, their stderr in DIR/<setting>.log, and report per "
-                         "level the seconds spent in decode steps (the rest of the wall time is prefill, HTTP, waiting)")
+                         "level the seconds spent in decode steps and in prefills (the rest of the wall time is HTTP "
+                         "and waiting)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -248,8 +254,8 @@ def main() -> int:
                 print(f"rep {rep} c={c:<3} {name:<9} {res['throughput']:7.1f} tok/s  ttft {res['ttft_p50']*1e3:7.0f} ms  "
                       f"TPOT p50 {res['token_p50']*1e3:6.1f} ms  p95 {res['token_p95']*1e3:6.1f} ms  "
                       f"ITL p50 {res['itl_p50']*1e3:6.1f} ms  errors {res['errors']}"
-                      + (f"  in steps {res['step_s']:5.2f} s of {res['wall']:5.2f} ({res['steps']} steps, "
-                         f"{res['spec_steps']} with guesses)" if log else ""),
+                      + (f"  in steps {res['step_s']:5.2f} s, prefills {res['prefill_s']:5.2f} s of {res['wall']:5.2f} "
+                         f"({res['steps']} steps, {res['spec_steps']} with guesses)" if log else ""),
                       file=sys.stderr)
     table = {name: {c: {k: statistics.median(r[k] for r in raw[name][c]) for k in raw[name][c][0]} for c in levels}
              for name in settings}

@@ -219,7 +219,8 @@ def add_serve_parser(sub) -> None:
                         "a stream ends with an error event) and its batch row is freed. Default: 600")
     v.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     v.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                   help="uvicorn log level; debug also logs each step's batch size and draft length")
+                   help="uvicorn log level; debug also logs each decode step (batch size, draft cap, tree rows, "
+                        "guesses, accepted, time) and each request's prefill")
 
 
 def cmd_serve(args) -> int:

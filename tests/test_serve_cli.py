@@ -86,6 +86,7 @@ def test_serve_process_answers_exactly_and_stops_on_ctrl_c(default_model):
         err = proc.stderr.read()
         assert "stopping" in err
         assert "[specdec] step: batch 1, draft cap" in err  # --log-level debug: every step's decision
+        assert "[specdec] prefill: " in err  # and every request's prefill
     finally:
         if proc.poll() is None:
             proc.kill()

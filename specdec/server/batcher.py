@@ -344,6 +344,7 @@ class ContinuousBatcher:
 
     @torch.inference_mode()
     def _prefill(self, req: Request) -> None:
+        t0 = time.perf_counter()
         L = len(req.prompt)
         one = self.model.new_cache(1, L + 1)
         logits, hidden = self.model(torch.tensor([req.prompt]), torch.arange(L)[None], one,
@@ -362,6 +363,8 @@ class ContinuousBatcher:
         req.context = list(req.prompt) + [first]
         req.first_token_s = time.perf_counter() - req.submitted
         self.rows.append(req)
+        if self.log is not None:
+            self.log.debug("prefill: %d tokens, row %d, %.1f ms", L, slot, (time.perf_counter() - t0) * 1e3)
         self._emit(req, [first], _logprobs(logits[0, :1], [first], req.logprobs))
         if self._done_reason(req):
             self._remove(self.rows.index(req), self._done_reason(req))
