@@ -20,6 +20,33 @@ import torch
 from .types import SpecdecError
 
 
+def with_room(stores: list[torch.Tensor], rows: int, more: int) -> list[torch.Tensor]:
+    """Row stores ([capacity, ...] each) whose first `rows` rows are kept, with room for `more`
+    rows after them: the same tensors if they have it, else copies with twice the rows needed
+    (the extra rows zero), so that rows joining one at a time copy the batch only now and then."""
+    if rows + more <= stores[0].shape[0]:
+        return stores
+    cap = max(4, 2 * (rows + more))
+    return [torch.cat([t[:rows], t.new_zeros(cap - rows, *t.shape[1:])]) for t in stores]
+
+
+def keep_in_place(stores: list[torch.Tensor], order: list[int], lengths: list[int] | None = None) -> bool:
+    """Make row j of every store row order[j], in place, where the order allows it: when every
+    order[j] >= j, row j's source was no earlier row's destination (rows that leave in order, or
+    the last row moved into a freed slot), so only moved rows copy, and of them only the first
+    lengths[r] slots (dim 2) when given. False (nothing moved) when the order needs a gather."""
+    if not all(r >= j for j, r in enumerate(order)):
+        return False
+    for j, r in enumerate(order):
+        if r != j:
+            for t in stores:
+                if lengths is None:
+                    t[j] = t[r]
+                else:
+                    t[j, :, : lengths[r]] = t[r, :, : lengths[r]]
+    return True
+
+
 class KVCache:
     def __init__(
         self,
@@ -133,10 +160,7 @@ class KVCache:
             raise ValueError(f"append_rows: caches of {other.max_len} and {self.max_len} slots, "
                              f"{len(other.k)} and {len(self.k)} layers")
         B, n = self.batch_size, other.batch_size
-        if B + n > self._ks[0].shape[0]:  # no room: twice the rows (most joins then copy only their own)
-            cap = max(4, 2 * (B + n))
-            self._ks = [torch.cat([t[:B], t.new_zeros(cap - B, *t.shape[1:])]) for t in self._ks]
-            self._vs = [torch.cat([t[:B], t.new_zeros(cap - B, *t.shape[1:])]) for t in self._vs]
+        self._ks, self._vs = with_room(self._ks, B, n), with_room(self._vs, B, n)
         for stores, rows in ((self._ks, other.k), (self._vs, other.v)):
             for t, o in zip(stores, rows):
                 t[B : B + n] = o
@@ -146,21 +170,13 @@ class KVCache:
     def reorder_rows(self, rows: torch.Tensor) -> None:
         """Keep/permute batch rows (used when finished rows leave a batch)."""
         order = [int(r) for r in torch.as_tensor(rows).tolist()]
-        if all(r >= j for j, r in enumerate(order)):
-            # in place, in order: row j's source r >= j was no earlier row's destination (rows
-            # that leave in order, or the last row moved into a freed slot): only moved rows copy,
-            # their committed entries only (slots past a row's length are never read)
-            lengths = self.lengths.tolist()
-            for j, r in enumerate(order):
-                if r != j:
-                    for t in self._ks + self._vs:
-                        t[j, :, : lengths[r]] = t[r, :, : lengths[r]]
-        else:
-            idx = torch.as_tensor(order, dtype=torch.long, device=self.lengths.device)
+        idx = torch.as_tensor(order, dtype=torch.long, device=self.lengths.device)
+        # moved rows carry their committed entries only (slots past a row's length are never read)
+        if not keep_in_place(self._ks + self._vs, order, self.lengths.tolist()):
             self._ks = [k[idx] for k in self.k]
             self._vs = [v[idx] for v in self.v]
         self._view(len(order))
-        self.lengths = self.lengths[torch.as_tensor(order, dtype=torch.long, device=self.lengths.device)]
+        self.lengths = self.lengths[idx]
 
     def _view(self, rows: int) -> None:
         self.k = [t[:rows] for t in self._ks]

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from ..models.llama import (ATTEND_MAX_T, BLOCK_MAX_ROWS, PACK_BATCH_HINT, Linear, additive_mask, block_linear,
                              block_rows_ok, cpu_has_bf16, fused_step_ok, mkldnn_packing_available, packed_linear)
+from ..kv_cache import keep_in_place, with_room
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
 
@@ -582,16 +583,11 @@ class EagleDrafter:
         if self.k.shape[2] != size:
             raise ValueError(f"add_row: the cache holds {self.k.shape[2]} slots, a row of max_len {max_len} needs {size}")
         B = self.k.shape[0]
-        if B == self._ks.shape[0]:  # the stores are full: double them (a join copies no rows most times;
-            # concatenating the whole cache on every join and leave cost ~50 MB of copies a request
-            # at 32 rows)
-            ks = self._ks.new_zeros(max(4, 2 * B), *self._ks.shape[1:])
-            vs = torch.zeros_like(ks)
-            ks[:B], vs[:B] = self._ks[:B], self._vs[:B]
-            self._ks, self._vs = ks, vs
-        else:
-            self._ks[B].zero_()
-            self._vs[B].zero_()
+        # room kept for joining rows (concatenating the whole cache on every join and leave cost
+        # ~50 MB of copies a request at 32 rows)
+        self._ks, self._vs = with_room([self._ks, self._vs], B, 1)
+        self._ks[B].zero_()
+        self._vs[B].zero_()
         self.k, self.v = self._ks[: B + 1], self._vs[: B + 1]
         self.n.append(0)
         self.feat.append([])
@@ -601,17 +597,9 @@ class EagleDrafter:
     def keep_rows(self, rows) -> None:
         rows = [int(r) for r in rows]
         idx = torch.as_tensor(rows, dtype=torch.long)
-        if all(r >= j for j, r in enumerate(rows)):
-            # in place, in order: row j's source r >= j was no earlier row's destination (the
-            # server moves its last row into a freed slot; finished rows leave a batch in order)
-            for j, r in enumerate(rows):
-                if r != j:
-                    self._ks[j] = self._ks[r]
-                    self._vs[j] = self._vs[r]
-            self.k, self.v = self._ks[: len(rows)], self._vs[: len(rows)]
-        else:
+        if not keep_in_place([self._ks, self._vs], rows):
             self._ks, self._vs = self.k[idx], self.v[idx]
-            self.k, self.v = self._ks, self._vs
+        self.k, self.v = self._ks[: len(rows)], self._vs[: len(rows)]
         self.n = [self.n[r] for r in rows]
         self.feat = [self.feat[r] for r in rows]
         if self.last_h is not None:
