@@ -16,6 +16,14 @@ share one thread pool), cached under a folder the caller names (the loader uses
 says why (no AVX-512, no compiler, a failed build, SPECDEC_GGUF_KERNELS=0). Nothing else in
 specdec depends on them: without them a GGUF model computes with its dequantised fp32 copy.
 
+`rowstable.cpp`, for CPUs with AVX2 and FMA (where qlinear.cpp cannot run), holds float32
+products (over fp32 weights, or over Q4_1 / Q8_0 blocks in gguf_blocks' K-major layout with the
+same numbers), RMS norm, rotation + cache write + attention and attention, each output computed
+the same way however many rows share the call, so that a verified token gets bit for bit the
+numbers of decoding it alone. `rowstable_ops()` builds and loads it the same way, as
+`torch.ops.specdec_rs` (None, and `rowstable_unavailable()` says why, where it cannot run or
+SPECDEC_ROWSTABLE=0).
+
 This module knows nothing about models or files other than its own source and build.
 """
 
@@ -48,34 +56,35 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build_flags(torch_dir: Path) -> list[str]:
+def _build_flags(torch_dir: Path, isa: list[str] | None = None) -> list[str]:
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     # -ffp-contract=off: a product and a sum written as two operations stay two roundings (GCC would
     # fuse them into one FMA, and the rotation would no longer give the Python path's numbers)
-    return ["-O3", "-std=gnu++17", "-shared", "-fPIC", "-fopenmp", "-w", "-ffp-contract=off",
-            "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2",
+    isa = isa if isa is not None else ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"]
+    return ["-O3", "-std=gnu++17", "-shared", "-fPIC", "-fopenmp", "-w", "-ffp-contract=off", *isa,
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
             f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
 
 
-def _build(cache_dir: Path, quiet: bool) -> Path:
-    """The compiled library (built now if this machine has none for this source and torch)."""
+def _build(cache_dir: Path, quiet: bool, source: Path = SOURCE, isa: list[str] | None = None,
+           what: str = "the GGUF block kernels") -> Path:
+    """The compiled library of `source` (built now if this machine has none for this source and torch)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     torch_dir = Path(torch.__file__).resolve().parent
-    flags = _build_flags(torch_dir)
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cxx, torch.__version__, sys.version, *flags]).encode())
+    flags = _build_flags(torch_dir, isa)
+    key = hashlib.sha256(source.read_bytes() + " ".join([cxx, torch.__version__, sys.version, *flags]).encode())
     out_dir = cache_dir / key.hexdigest()[:16]
-    lib = out_dir / "qlinear.so"
+    lib = out_dir / f"{source.stem}.so"
     if lib.is_file():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     if not quiet:
-        print("[specdec] building the GGUF block kernels once (~10 s) ...", file=sys.stderr, flush=True)
-    tmp = out_dir / f"qlinear.{os.getpid()}.so"
-    res = subprocess.run([cxx, str(SOURCE), "-o", str(tmp), *flags], capture_output=True, text=True)
+        print(f"[specdec] building {what} once (~10 s) ...", file=sys.stderr, flush=True)
+    tmp = out_dir / f"{source.stem}.{os.getpid()}.so"
+    res = subprocess.run([cxx, str(source), "-o", str(tmp), *flags], capture_output=True, text=True)
     if res.returncode != 0 or not tmp.is_file():
         lines = (res.stderr or res.stdout).strip().splitlines()
         errors = [ln for ln in lines if "error" in ln] or lines[-3:]
@@ -106,6 +115,43 @@ def ops(cache_dir: Path, quiet: bool = True):
                 why = f"the block kernels could not be built or loaded ({e})"
         _state["why"] = why
         return None
+
+
+ROWSTABLE_SOURCE = Path(__file__).with_name("rowstable.cpp")
+ROWSTABLE_FLAGS = {"avx2", "fma"}
+_rs_state: dict = {}
+
+
+def rowstable_ops(cache_dir: Path, quiet: bool = True):
+    """torch.ops.specdec_rs (linear, rms_norm, attend, rope_attend, silu_mul: float32 kernels whose
+    every output number is computed the same way however many rows share the call; see
+    rowstable.cpp), for CPUs with AVX2 and FMA where the AVX-512 kernels cannot run; None where
+    these cannot either (`rowstable_unavailable()` says why: no AVX2/FMA, no compiler, a failed
+    build, SPECDEC_ROWSTABLE=0). Built once into cache_dir like ops()."""
+    with _lock:
+        if "ops" in _rs_state or "why" in _rs_state:
+            return _rs_state.get("ops")
+        why = None
+        if os.environ.get("SPECDEC_ROWSTABLE", "1") == "0":
+            why = "SPECDEC_ROWSTABLE=0"
+        elif platform.machine() not in ("x86_64", "AMD64") or not ROWSTABLE_FLAGS <= _cpu_flags():
+            why = "this CPU lacks AVX2 and FMA"
+        if why is None:
+            try:
+                lib = _build(Path(cache_dir), quiet, ROWSTABLE_SOURCE, ["-mavx2", "-mfma"],
+                             "the row-stable float32 kernels")
+                torch.ops.load_library(str(lib))
+                _rs_state["ops"] = torch.ops.specdec_rs
+                return _rs_state["ops"]
+            except (RuntimeError, OSError) as e:
+                why = f"the row-stable kernels could not be built or loaded ({e})"
+        _rs_state["why"] = why
+        return None
+
+
+def rowstable_unavailable() -> str | None:
+    """Why rowstable_ops() returned None (None if not called or loaded)."""
+    return _rs_state.get("why")
 
 
 def has_vnni() -> bool:

@@ -219,8 +219,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, kops=None) -> torch.T
     order: a batch verifying 5 guesses a row for 4 rows took it, and a near-tie could then turn
     batched speculative greedy text away from plain decoding's)."""
     D = x.shape[-1]
-    if kops is not None and D % 16 == 0 and x.dtype == torch.float32 and (
-            x.numel() <= BLOCK_MAX_ROWS * D or (x.dim() == 3 and x.shape[1] <= ATTEND_MAX_T)):
+    if kops is not None and D % 16 == 0 and step_call(x):
         return kops.rms_norm(x, w, eps)
     return F.rms_norm(x, (D,), w, eps)
 
@@ -252,6 +251,15 @@ def block_rows_ok(args: tuple | None, x: torch.Tensor) -> bool:
     if args is None or x.dtype != torch.float32:
         return False
     return is_vnni(args) or x.numel() <= BLOCK_MAX_ROWS * x.shape[-1]
+
+
+def step_call(x: torch.Tensor) -> bool:
+    """Whether a float32 call belongs to a decoding step (or a short prefill, which every method
+    shares) rather than to a long prefill: x [B, T, D] with up to ATTEND_MAX_T tokens a row, or up
+    to BLOCK_MAX_ROWS rows in all. The row-stable kernels take exactly these calls (norms,
+    projections, LM head), so a token verified among others and decoded alone meet the same code."""
+    return x.dtype == torch.float32 and (
+        x.numel() <= BLOCK_MAX_ROWS * x.shape[-1] or (x.dim() == 3 and x.shape[1] <= ATTEND_MAX_T))
 
 
 def block_linear(x, op, packed, op_n, packed_n, rows: int) -> torch.Tensor:
@@ -291,8 +299,23 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 _no_init = threading.local()  # .on: build modules without random init (build_native loads weights next)
 
 
-def mkldnn_packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def mkldnn_packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN can prepack weights of this dtype here (bfloat16 needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT: on other CPUs a bf16 model computes with torch's plain products)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    ok = _packs.get(dtype)
+    if ok is None:
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), PACK_BATCH_HINT)
+            ok = True
+        except RuntimeError:
+            ok = False
+        _packs[dtype] = ok
+    return ok
+
+
+_packs: dict = {}  # dtype -> whether oneDNN packs it on this CPU
 
 
 def cpu_has_bf16() -> bool:
@@ -321,6 +344,11 @@ class Linear(nn.Linear):
     # GGUF block kernels (torch.ops.specdec_q.*) and their packed blocks (attach_blocks): float ones,
     # K-major for calls of 1-2 rows and N-major (if any) for 3-16, or one integer kernel for all
     qargs: tuple | None = None  # kernel_args(...): (kernel, blocks, N-major kernel, blocks, rows)
+    # the row-stable float32 kernels (kernels.rowstable_ops(), LlamaModel.use_rowstable) for the
+    # calls of decoding steps (step_call), over the plain weight (which then stays beside the packed
+    # copy) or, where given, over the GGUF blocks rs_blocks (op, K-major blocks, rows): the same numbers
+    rs = None
+    rs_blocks: tuple | None = None
 
     def reset_parameters(self) -> None:
         if not getattr(_no_init, "on", False):  # (build_native overwrites every weight anyway)
@@ -334,6 +362,12 @@ class Linear(nn.Linear):
             w, self.pack_dtype = w.to(dtype), dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
         self.packed_bias = None if self.bias is None else self.bias.detach().to(w.dtype)
+        if self.rs is not None:
+            if self.rs_blocks is None:
+                return  # (decoding steps read the plain weight and bias; long prefills the packed copy)
+            self.bias = self.packed_bias  # (decoding steps read the blocks, and the bias)
+            self.weight = None
+            return
         self.weight = None  # (the module's other code never reads it again)
         self.bias = None
 
@@ -357,6 +391,9 @@ class Linear(nn.Linear):
         return None if self.qargs is None else self.qargs[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rs is not None and step_call(x):
+            y = self.rs.linear(x, self.weight) if self.rs_blocks is None else self.rs_blocks[0](x, *self.rs_blocks[1:])
+            return y if self.bias is None else y + self.bias
         if block_rows_ok(self.qargs, x):
             y = block_linear(x, *self.qargs)
             bias = self.packed_bias if self.packed_bias is not None else self.bias
@@ -410,8 +447,13 @@ class Block(nn.Module):
 
     # the model calls .forward directly, and so does this block for its projections: skipping the
     # module-call machinery (hooks) saved ~0.4 ms a forward of 30 layers on this project's CPU
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, start, uniform, mask, n_keys, causal=False):
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, start, uniform, mask, n_keys, causal=False,
+                row_keys=None):
+        """row_keys: None, or [B] the slots each row can see at most (its keys end where its new
+        tokens do; the mask hides the rest): the row-stable kernels' attention then stops there
+        instead of at n_keys, with the same result (see LlamaModel.forward)."""
         B, T, _ = x.shape
+        rk = () if row_keys is None else (row_keys,)
         f = self.fast
         if (f is not None and FUSED_DECODING_STEP and not causal and T <= ATTEND_MAX_T
                 and x.dtype == torch.float32 and cache.k[layer].dtype == torch.float32):
@@ -434,7 +476,8 @@ class Block(nn.Module):
             # a decoding step through the kernels: rotation, cache write and attention in one call (the
             # numbers of the path below), whose attention gives a token verified among up to
             # ATTEND_MAX_T others the result it gets decoded alone, bit for bit (kernels/qlinear.cpp)
-            o = kops.rope_attend(self.wqkv.forward(h), cos, sin, cache.k[layer], cache.v[layer], start, H, n_keys, mask)
+            o = kops.rope_attend(self.wqkv.forward(h), cos, sin, cache.k[layer], cache.v[layer], start, H, n_keys, mask,
+                                 *rk)
             x = x + self.wo.forward(o)
             gu = self.w_gate_up.forward(rms_norm(x, self.mlp_norm, self.eps, kops))
             return x + self.w_down.forward(kops.silu_mul(gu))
@@ -452,7 +495,7 @@ class Block(nn.Module):
         if kernel_attn:
             # the kernels' attention (kernels/qlinear.cpp): a token verified among up to ATTEND_MAX_T
             # others attends bit for bit as it does decoded alone
-            o = kops.attend(q, cache.k[layer], cache.v[layer], n_keys, mask)
+            o = kops.attend(q, cache.k[layer], cache.v[layer], n_keys, mask, *rk)
         elif causal and adt != x.dtype:
             # a prefill from slot 0 (the same for every method): float32 is enough, and fast
             o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=Hkv != H)
@@ -572,9 +615,13 @@ class LlamaModel(nn.Module):
         causal = attn_mask is None and T > 1 and uniform == 0
         groups = self.cfg.num_heads // self.cfg.num_kv_heads
         mask = None if causal else self._mask(start, uniform, T, n_keys, attn_mask, groups, cache.k[0].dtype)
+        # rows of different lengths: each row's keys end where its new tokens do (the mask hides
+        # every slot after them: see _mask), so the row-stable kernels' attention stops there rather
+        # than at the longest row's end. Same bits (hidden slots add exact zeros)
+        row_keys = start + T if uniform is None and not causal and self.rowstable is not None else None
         x = self.embed(tokens)  # [B, T, D]
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, cache, i, start, uniform, mask, n_keys, causal)
+            x = layer.forward(x, cos, sin, cache, i, start, uniform, mask, n_keys, causal, row_keys)
         hidden = rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.layers[0].kops)  # [B, T, D]
         return self._logits(hidden, logits_at), hidden
 
@@ -587,7 +634,10 @@ class LlamaModel(nn.Module):
         if logits_at is not None:
             idx = logits_at.to(torch.long)
             h = torch.gather(hidden, 1, idx[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, M, D]
-        if block_rows_ok(self.head_q, h):
+        if self.rowstable is not None and step_call(h):
+            hb = self.head_rs_blocks
+            logits = self.rowstable.linear(h, self.lm_head_weight()) if hb is None else hb[0](h, *hb[1:])
+        elif block_rows_ok(self.head_q, h):
             logits = block_linear(h, *self.head_q)
         elif self.head_packed is not None:
             logits = packed_linear(h, self.head_packed)
@@ -600,7 +650,7 @@ class LlamaModel(nn.Module):
         projection already on integer (VNNI) block kernels, which take every call, only drops its
         fp32 weight instead, and a head on them gets no packed copy: packing after attach_blocks
         spares the load the fp32 copies' reorder (its time, and ~4 bytes a weight at the peak)."""
-        if not mkldnn_packing_available() or self.device.type != "cpu" or self.packed:
+        if not mkldnn_packing_available(self.dtype) or self.device.type != "cpu" or self.packed:
             return self
         for blk in self.layers:
             for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down):
@@ -647,6 +697,53 @@ class LlamaModel(nn.Module):
                 getattr(self.layers[int(i)], attr).attach(ops, b, act_bits)
             n += 1
         self.use_kernels(ops)
+        return n
+
+    rowstable = None  # the row-stable float32 kernels, where use_rowstable attached them
+    head_rs_blocks = None  # (op, K-major blocks, rows) of the LM head on them, if any
+
+    def use_rowstable(self, ops, blocks: dict | None = None) -> int:
+        """Compute decoding steps (step_call: up to ATTEND_MAX_T tokens a row) with the row-stable
+        float32 kernels `ops` (kernels.rowstable_ops()): projections, LM head, norms, rotation and
+        attention, each token's numbers the same whether it is decoded alone or verified among
+        others, so speculative greedy text equals plain greedy text bit for bit. Long prefills stay
+        on oneDNN (the same for every method). For a float32 model whose projections are not on
+        the AVX-512 block kernels (CPUs without AVX-512, `--weights fp32`). blocks: gguf_blocks'
+        "float" layout ({name: (kind, K-major, N-major, rows)}, load_blocks): those matrices are
+        read from their Q4_1 / Q8_0 blocks, with the numbers of their fp32 copies (which gguf_blocks
+        checked they rebuild bit for bit), ~5x fewer bytes a step. Call before pack(), which then
+        keeps the plain weight of each projection not on blocks beside its packed copy. Returns
+        how many matrices were put on blocks."""
+        if self.dtype != torch.float32:
+            raise SpecdecError("the row-stable kernels compute in float32 only")
+        if self.packed:
+            raise SpecdecError("use_rowstable must come before pack() (packing releases the plain weights)")
+        for blk in self.layers:
+            for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down):
+                if lin.qargs is not None:
+                    raise SpecdecError("a projection is on the GGUF block kernels; the row-stable kernels replace "
+                                       "the fp32 path only")
+                lin.rs = ops
+                lin.weight.data = lin.weight.data.contiguous()
+            blk.kops = ops
+            blk.fast = None
+        n = 0
+        for name, (kind, first, _second, rows) in (blocks or {}).items():
+            op = ops.q4_1_linear if kind == "Q4_1" else ops.q8_0_linear if kind == "Q8_0" else None
+            if op is None:
+                raise SpecdecError(f"GGUF blocks of kind {kind!r}: the row-stable kernels read Q4_1 and Q8_0")
+            if name == "head":
+                if rows != self.cfg.vocab_size:
+                    raise SpecdecError(f"GGUF blocks: the head has {rows} rows, the vocabulary {self.cfg.vocab_size}")
+                self.head_rs_blocks = (op, first, rows)
+            else:
+                _, i, attr = name.split(".")
+                lin = getattr(self.layers[int(i)], attr)
+                if rows != lin.out_features:
+                    raise SpecdecError(f"GGUF blocks with {rows} rows for a projection of {lin.out_features}")
+                lin.rs_blocks = (op, first, rows)
+            n += 1
+        self.rowstable = ops
         return n
 
     def use_kernels(self, ops) -> None:

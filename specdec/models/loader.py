@@ -329,10 +329,12 @@ WEIGHTS_HELP = (
     "logits within ~1e-4 relative of the fp32 copy's); int8: the same with 8-bit activations, as "
     "llama.cpp computes (a little faster, logits ~2%% off the fp32 copy's); blocks: the blocks "
     "times float32 activations (the fp32 copy's numbers up to the order of sums; CPUs with AVX-512 "
-    "but no VNNI); fp32: the dequantised fp32 copy. auto (the default): int16 where the CPU has "
-    "VNNI, else blocks where it has AVX-512, else fp32. Greedy speculation equals plain greedy "
-    "decoding under every choice; the choices' logits differ a little (int8 the most), so their "
-    "greedy texts can part after a near-tie")
+    "but no VNNI; on CPUs with AVX2 but no AVX-512, decoding steps read the blocks through the "
+    "AVX2 kernels with the numbers those kernels give the fp32 copy); fp32: the dequantised fp32 "
+    "copy (decoding steps through the AVX2 kernels where no block kernels run). auto (the "
+    "default): int16 where the CPU has VNNI, else blocks (AVX-512 or AVX2), else fp32. Greedy "
+    "speculation equals plain greedy decoding under every choice; the choices' logits differ a "
+    "little (int8 the most), so their greedy texts can part after a near-tie")
 
 
 def attach_gguf_blocks(lm: LoadedModel, weights: str = "auto", quiet: bool = False) -> None:
@@ -357,9 +359,26 @@ def attach_gguf_blocks(lm: LoadedModel, weights: str = "auto", quiet: bool = Fal
 
     ops = kernels.ops(cache_root() / "kernels", quiet)
     if ops is None:
-        if strict:
-            raise SpecdecError(f"--weights {weights}: {kernels.unavailable()}; use --weights fp32")
-        _log(f"computing with the dequantised fp32 weights: {kernels.unavailable()}", quiet)
+        # no AVX-512: the row-stable AVX2 kernels read the Q4_1 / Q8_0 blocks in decoding steps,
+        # with the fp32 copy's numbers (load_blocks checks that the blocks rebuild it exactly)
+        # (SPECDEC_GGUF_KERNELS=0 turns every block kernel off, these too; the fp32 path stays row-stable)
+        rs = kernels.rowstable_ops(cache_root() / "kernels", quiet) \
+            if weights in ("auto", "blocks") and os.environ.get("SPECDEC_GGUF_KERNELS", "1") != "0" else None
+        if rs is None:
+            if strict:
+                why = kernels.unavailable() if weights != "blocks" or kernels.rowstable_unavailable() is None else \
+                    f"{kernels.unavailable()}, and the AVX2 kernels cannot run either ({kernels.rowstable_unavailable()})"
+                raise SpecdecError(f"--weights {weights}: {why}; use --weights fp32")
+            _log(f"computing with the dequantised fp32 weights: {kernels.unavailable()}", quiet)
+            return
+        blocks, _notes = load_blocks(Path(lm.gguf), Path(lm.path), model.cfg, "float")
+        n = model.use_rowstable(rs, blocks) if blocks else 0
+        if strict and n == 0:
+            raise SpecdecError(f"--weights blocks: none of {Path(lm.gguf).name}'s matrices is Q4_0, Q4_1 or Q8_0; "
+                               "use --weights fp32")
+        total = 4 * model.cfg.num_layers + 1
+        lm.weights = f"gguf blocks, AVX2 ({n} of {total} matrices)" if n else "fp32"
+        _log(f"decoding steps read the GGUF blocks through the AVX2 kernels ({kernels.unavailable()})", quiet)
         return
     if weights in ("int16", "int8") and not kernels.has_vnni():
         raise SpecdecError(f"--weights {weights}: this CPU lacks AVX-512 VNNI (integer dot products); "
@@ -375,6 +394,27 @@ def attach_gguf_blocks(lm: LoadedModel, weights: str = "auto", quiet: bool = Fal
                            "use --weights fp32")
     what = "gguf blocks" if weights == "blocks" else f"gguf blocks x {weights} activations"
     lm.weights = f"{what} ({n} of {total} matrices)" if n else "fp32"
+
+
+def attach_rowstable(lm: LoadedModel, quiet: bool = False) -> None:
+    """Put a float32 native model that computes with its fp32 weights (no GGUF block kernels: a CPU
+    without AVX-512, `--weights fp32`, a model folder) on the row-stable float32 kernels for its
+    decoding steps (LlamaModel.use_rowstable), so that speculative greedy text equals plain greedy
+    text bit for bit there too; where they cannot run (no AVX2 / FMA, no compiler,
+    SPECDEC_ROWSTABLE=0) a one-line note says that a near-tie may part the two. Before pack()."""
+    model = lm.model
+    if (not getattr(model, "native", False) or model.dtype != torch.float32 or model.device.type != "cpu"
+            or model.packed or model.head_q is not None or model.rowstable is not None
+            or any(lin.qargs is not None for blk in model.layers for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))):
+        return
+    from .. import kernels
+
+    ops = kernels.rowstable_ops(cache_root() / "kernels", quiet)
+    if ops is None:
+        _log(f"decoding steps on oneDNN ({kernels.rowstable_unavailable()}): a verified token's sums run in another "
+             "order than decoded alone, so a near-tie can part speculative from plain greedy text", quiet)
+        return
+    model.use_rowstable(ops)
 
 
 def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None = None, quiet: bool = False,
@@ -404,6 +444,9 @@ def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None
                 "Pass a .gguf file, a Hugging Face model folder, or omit --model for the default model"
             )
     attach_gguf_blocks(lm, weights, quiet)  # (a GGUF's blocks; --weights blocks without one is an error)
+    if pack:  # (a target's fp32 decoding steps, where no blocks were attached; a draft loaded with
+        # pack=False may go on the block kernels next, and its numbers need not be row-stable)
+        attach_rowstable(lm, quiet)
     if pack and getattr(lm.model, "native", False):
         lm.model.pack()  # (a GGUF's model after its blocks: what they compute needs no packed copy)
     lm.load_s = time.perf_counter() - t0

@@ -1,0 +1,429 @@
+// Row-stable float32 kernels for CPUs with AVX2 and FMA but without AVX-512 (where qlinear.cpp
+// cannot run): a matrix product (over fp32 weights, or over a GGUF file's Q4_1 / Q8_0 blocks with
+// the same numbers), RMS norm, attention, and rotation + cache write + attention for decoding steps.
+//
+// Why: speculative greedy text must equal plain greedy text. A verification computes a guessed
+// token as one row among several (a chain, a tree, a batch), plain decoding computes it alone.
+// oneDNN and torch's reductions pick their kernels and blockings by the number of rows, so a
+// token's sums run in another order in the two (within ~2.5e-4 on the default model's logits),
+// and a near-tie between two tokens can then part the texts. Here every output number is computed
+// by one fixed sequence of operations that depends only on its own row's inputs and the shapes of
+// the weights, never on how many other rows share the call or on how the threads split the work:
+// - linear: out[m, n] = one 8-lane FMA chain over k in order (x[m, k:k+8] * w[n, k:k+8]), then a
+//   fixed horizontal sum (hsum8), then the k % 8 tail in order;
+// - rms_norm: the same 8-lane sum of squares per row;
+// - attention: per query, scores as 8-lane dot products in slot order, an exact maximum, exp by one
+//   polynomial (exactly 0 for hidden slots), and the weighted sum of values over the slots in order.
+//   Hidden slots add exact zeros, so a tree node or chain token attends exactly as it does decoded
+//   alone, and a row may stop at its own last visible slot (row_keys) with the same result.
+// The numbers are not those of oneDNN or torch: a model computes its decoding steps here and its
+// long prefills (shared by every decoding method) through oneDNN (models/llama.py decides).
+//
+// Built with -mavx2 -mfma -ffp-contract=off: a product and a sum written as two operations stay two
+// roundings, so the rotation gives the numbers of the torch expression models/llama.py uses.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// a fixed horizontal sum: ((0+4)+(2+6)) + ((1+5)+(3+7))
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// linear: x [M, K] @ w [N, K]^T. Tiles of MR rows x NR columns share their loads; every output
+// element keeps its own accumulator, so the tile sizes change nothing in its numbers.
+template <int MR, int NR>
+void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
+  __m256 acc[MR][NR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 3
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t K8 = K / 8 * 8;
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 wv[NR];
+#pragma GCC unroll 3
+    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+#pragma GCC unroll 3
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float s = hsum8(acc[i][j]);
+      for (int64_t k = K8; k < K; ++k) s += x[i * ldx + k] * w[j * K + k];
+      y[i * ldy + j] = s;
+    }
+}
+
+template <int NR>
+void tile_rows(int mr, const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
+  switch (mr) {
+    case 4: tile<4, NR>(x, ldx, w, K, y, ldy); break;
+    case 3: tile<3, NR>(x, ldx, w, K, y, ldy); break;
+    case 2: tile<2, NR>(x, ldx, w, K, y, ldy); break;
+    default: tile<1, NR>(x, ldx, w, K, y, ldy); break;
+  }
+}
+
+at::Tensor linear(const at::Tensor& x_, const at::Tensor& w) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "linear: float32 only");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && x_.size(-1) == w.size(1), "linear: w must be [N, K], contiguous");
+  const at::Tensor x = x_.contiguous();
+  const int64_t K = w.size(1), N = w.size(0), M = K ? x.numel() / K : 0;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t MR = 4, NR = 3, GROUP = 8 * NR;  // a group of columns: its weights stay in L2 across the rows
+  const int64_t groups = (N + GROUP - 1) / GROUP;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * GROUP, n1 = std::min(N, n0 + GROUP);
+      for (int64_t m = 0; m < M; m += MR) {
+        const int mr = static_cast<int>(std::min(MR, M - m));
+        for (int64_t n = n0; n < n1; n += NR) {
+          const int nr = static_cast<int>(std::min(NR, n1 - n));
+          const float* xt = xp + m * K;
+          const float* wt = wp + n * K;
+          float* yt = yp + m * N + n;
+          if (nr == 3) tile_rows<3>(mr, xt, K, wt, K, yt, N);
+          else if (nr == 2) tile_rows<2>(mr, xt, K, wt, K, yt, N);
+          else tile_rows<1>(mr, xt, K, wt, K, yt, N);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same products read from a GGUF file's Q4_1 / Q8_0 blocks in gguf_blocks' K-major layout
+// (output rows in groups of 4; per group and 32-weight block, Q4_1: d[4], m[4] float32 then 4 x 16
+// nibble bytes; Q8_0: d[4] float32 then 4 x 32 int8). Each weight is rebuilt in a register exactly
+// as the dequantised fp32 copy holds it (Q4_1: fma(q, d, m), d * q being exact; Q8_0: q * d) and
+// enters the same FMA chain as in `linear`, so the outputs equal `linear` over the fp32 copy bit for
+// bit, while a step reads ~0.75 (Q4_1) or ~1.1 (Q8_0) bytes a weight instead of 4.
+
+// the 8 weights of chunk c (0..3) of one output's Q4_1 block (nibbles: weights 0-15 low, 16-31 high)
+inline void q4_1_chunks(const uint8_t* q, __m256 d, __m256 m, __m256* w) {
+  const __m128i lo8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  const __m128i hi8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8));
+  const __m256i a = _mm256_cvtepu8_epi32(lo8), b = _mm256_cvtepu8_epi32(hi8);
+  const __m256i f = _mm256_set1_epi32(0x0F);
+  w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, f)), d, m);
+  w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, f)), d, m);
+  w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), d, m);
+  w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), d, m);
+}
+
+inline void q8_0_chunks(const int8_t* q, __m256 d, __m256* w) {
+  for (int c = 0; c < 4; ++c)
+    w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c)))), d);
+}
+
+// MR rows x one group of 4 outputs over all nb blocks
+template <int MR, bool Q4>
+void block_tile(const float* x, int64_t ldx, const uint8_t* g, int64_t nb, float* y, int64_t ldy) {
+  constexpr int64_t GB = Q4 ? 32 + 64 : 16 + 128;  // bytes of a group's block
+  __m256 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* p = g + blk * GB;
+    const float* ds = reinterpret_cast<const float*>(p);
+    for (int j = 0; j < 4; ++j) {
+      __m256 w[4];
+      if (Q4) q4_1_chunks(p + 32 + 16 * j, _mm256_set1_ps(ds[j]), _mm256_set1_ps(ds[4 + j]), w);
+      else q8_0_chunks(reinterpret_cast<const int8_t*>(p + 16 + 32 * j), _mm256_set1_ps(ds[j]), w);
+      for (int i = 0; i < MR; ++i) {
+        const float* xr = x + i * ldx + blk * 32;
+        for (int c = 0; c < 4; ++c) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8 * c), w[c], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) y[i * ldy + j] = hsum8(acc[i][j]);
+}
+
+template <bool Q4>
+at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat, "block linear: float32 activations only");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "block linear: packed blocks must be uint8");
+  const at::Tensor x = x_.contiguous();
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, nb = K / 32, groups = N / 4;
+  constexpr int64_t GB = Q4 ? 32 + 64 : 16 + 128;
+  TORCH_CHECK(K % 32 == 0 && N % 4 == 0 && packed.numel() == groups * nb * GB, "block linear: shapes do not match the blocks");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* bp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  // tasks of 6 groups (24 outputs); rows in tiles of 3, each tile one pass over the group's blocks
+  // with its sums in registers (rebuilding the weights per tile measured faster than rebuilding them
+  // once into a buffer for steps of 4-9 tokens)
+  constexpr int64_t GROUPS = 6, MR = 3;
+  at::parallel_for(0, (groups + GROUPS - 1) / GROUPS, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t g = t0 * GROUPS, g1 = std::min(groups, t1 * GROUPS); g < g1; ++g) {
+      const uint8_t* gp = bp + g * nb * GB;
+      for (int64_t m = 0; m < M; m += MR) {
+        const int64_t r = std::min(MR, M - m);
+        float* yt = yp + m * N + 4 * g;
+        if (r == 3) block_tile<3, Q4>(xp + m * K, K, gp, nb, yt, N);
+        else if (r == 2) block_tile<2, Q4>(xp + m * K, K, gp, nb, yt, N);
+        else block_tile<1, Q4>(xp + m * K, K, gp, nb, yt, N);
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return block_linear<true>(x, packed, n); }
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return block_linear<false>(x, packed, n); }
+
+// ---------------------------------------------------------------------------------------------
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.is_contiguous(), "rms_norm: float32 only");
+  const at::Tensor x = x_.contiguous();
+  const int64_t D = x.size(-1), M = D ? x.numel() / D : 0;
+  TORCH_CHECK(D % 8 == 0 && w.numel() == D, "rms_norm: the width must be a multiple of 8 and match the weight");
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = xp + r * D;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 v = _mm256_loadu_ps(xr + d);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(hsum8(acc) / static_cast<float>(D) + static_cast<float>(eps)));
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(yp + r * D + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + d), inv), _mm256_loadu_ps(wp + d)));
+  }
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// exp(x) for x <= 0 (scores minus their maximum), exactly 0 below -87 (a hidden slot's -inf among
+// them): exp(x) = 2^n exp(r), x = n ln 2 + r, |r| <= ln 2 / 2, exp(r) by a degree-6 polynomial
+// (Cephes' expf coefficients, ~1 ulp). One fixed computation per lane.
+inline __m256 exp_nonpos(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
+}
+
+// One query (Dh = 8 * NV) over the first S slots of its K/V head; mrow: its additive mask row or null.
+template <int NV>
+void attend_one(const float* q, const float* mrow, float* dst, const float* K, const float* V, int64_t S, float scale,
+                float* sc) {
+  constexpr int64_t Dh = 8 * NV;
+  __m256 qv[NV];
+  for (int d = 0; d < NV; ++d) qv[d] = _mm256_loadu_ps(q + 8 * d);
+  const int64_t S8 = (S + 7) / 8 * 8;
+  for (int64_t s = 0; s < S; ++s) {
+    const float* k = K + s * Dh;
+    __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+    for (int d = 1; d < NV; ++d) acc = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), acc);
+    const float r = hsum8(acc) * scale;
+    sc[s] = mrow ? r + mrow[s] : r;
+  }
+  for (int64_t s = S; s < S8; ++s) sc[s] = -INFINITY;
+  float mx = -INFINITY;
+  for (int64_t s = 0; s < S; ++s) mx = std::max(mx, sc[s]);
+  const __m256 m = _mm256_set1_ps(mx);
+  for (int64_t s = 0; s < S8; s += 8) _mm256_storeu_ps(sc + s, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc + s), m)));
+  __m256 o[NV];
+  for (int d = 0; d < NV; ++d) o[d] = _mm256_setzero_ps();
+  float l = 0.0f;
+  for (int64_t s = 0; s < S; ++s) {
+    const float w = sc[s];
+    l += w;
+    const __m256 p = _mm256_set1_ps(w);
+    const float* v = V + s * Dh;
+    for (int d = 0; d < NV; ++d) o[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * d), o[d]);
+  }
+  const __m256 iv = _mm256_set1_ps(1.0f / l);
+  for (int d = 0; d < NV; ++d) _mm256_storeu_ps(dst + 8 * d, _mm256_mul_ps(o[d], iv));
+}
+
+// out[b, h, t] = softmax(q . k / sqrt(Dh) + mask) @ v over the first S cache slots (row b: its first
+// rk[b] where rk is given), grouped-query heads (query head h reads K/V head h / G). mask: null or
+// additive [B, 1, G * T, S] (row g * T + t: token t of query head g of a K/V head; -inf = hidden), the
+// layout models/llama.py builds. q [B, H, T, Dh] contiguous; out at op + (b * so_b + t * so_t + h * so_h) * Dh.
+void attention_core(const float* qp, int64_t B, int64_t H, int64_t T, int64_t Dh, const float* kp, const float* vp,
+                    int64_t Hkv, int64_t Smax, int64_t S, const float* mp, const int64_t* rk, float* op, int64_t so_b,
+                    int64_t so_t, int64_t so_h) {
+  TORCH_CHECK(Dh == 16 || Dh == 32 || Dh == 64 || Dh == 128, "attend: head size ", Dh, " (the kernel takes 16, 32, 64, 128)");
+  const int64_t G = H / Hkv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+  const int64_t S8 = (S + 7) / 8 * 8;
+  at::parallel_for(0, B * H * T, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> sc(S8);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t t = w % T, h = (w / T) % H, b = w / (T * H);
+      const int64_t hk = h / G, g = h % G;
+      const int64_t Sb = rk ? std::min(S, rk[b]) : S;
+      const float* q = qp + ((b * H + h) * T + t) * Dh;
+      const float* mrow = mp ? mp + (b * G * T + g * T + t) * S : nullptr;
+      float* dst = op + (b * so_b + t * so_t + h * so_h) * Dh;
+      const float* K = kp + (b * Hkv + hk) * Smax * Dh;
+      const float* V = vp + (b * Hkv + hk) * Smax * Dh;
+      if (Dh == 64) attend_one<8>(q, mrow, dst, K, V, Sb, scale, sc.data());
+      else if (Dh == 128) attend_one<16>(q, mrow, dst, K, V, Sb, scale, sc.data());
+      else if (Dh == 32) attend_one<4>(q, mrow, dst, K, V, Sb, scale, sc.data());
+      else attend_one<2>(q, mrow, dst, K, V, Sb, scale, sc.data());
+    }
+  });
+}
+
+const float* mask_ptr(const c10::optional<at::Tensor>& mask, int64_t B, int64_t rows, int64_t S) {
+  if (!mask.has_value()) return nullptr;
+  const at::Tensor& m = *mask;
+  TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.size(0) == B && m.size(2) == rows && m.size(3) == S,
+              "attend: the mask must be [B, 1, G*T, S] float32");
+  return m.data_ptr<float>();
+}
+
+// row_keys (optional, [B], each 1..S): the slots row b can see at most (attention_core's rk)
+const int64_t* row_keys_ptr(const c10::optional<at::Tensor>& rk, int64_t B, int64_t S, at::Tensor& keep) {
+  if (!rk.has_value()) return nullptr;
+  keep = rk->to(at::kLong).contiguous();
+  TORCH_CHECK(keep.numel() == B, "attend: row_keys must hold one count per row");
+  const int64_t* p = keep.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(p[b] >= 1 && p[b] <= S, "attend: row_keys must lie in 1..n_keys");
+  return p;
+}
+
+at::Tensor attend(const at::Tensor& q_, const at::Tensor& kc, const at::Tensor& vc, int64_t S,
+                  const c10::optional<at::Tensor>& mask_, const c10::optional<at::Tensor>& row_keys) {
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
+              "attend: float32 only");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "attend: the cache must be contiguous");
+  const at::Tensor q = q_.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = q.size(3);
+  const int64_t Hkv = kc.size(1), Smax = kc.size(2);
+  TORCH_CHECK(Dh % 8 == 0 && H % Hkv == 0 && S >= 1 && S <= Smax && kc.size(3) == Dh, "attend: bad shapes");
+  const float* mp = mask_ptr(mask_, B, (H / Hkv) * T, S);
+  at::Tensor keep;
+  const int64_t* rk = row_keys_ptr(row_keys, B, S, keep);
+  at::Tensor out = at::empty({B, H, T, Dh}, q.options());
+  attention_core(q.data_ptr<float>(), B, H, T, Dh, kc.data_ptr<float>(), vc.data_ptr<float>(), Hkv, Smax, S, mp, rk,
+                 out.data_ptr<float>(), H * T, 1, T);
+  return out;
+}
+
+// A decoding step's attention from the fused projection qkv [B, T, (H + 2 Hkv) Dh]: rotate q and k
+// (x * cos + roll(x, Dh / 2) * sin: a product, a product and a sum, as models/llama.py computes it,
+// with its signed sin [B, T, 1, Dh]), write k and v to the cache at slots start[b] + t, attend over the
+// first S slots and return [B, T, H Dh]. The numbers of the torch rotation followed by `attend`.
+at::Tensor rope_attend(const at::Tensor& qkv_, const at::Tensor& cos_, const at::Tensor& sin_, at::Tensor kc, at::Tensor vc,
+                       const at::Tensor& start_, int64_t H, int64_t S, const c10::optional<at::Tensor>& mask_,
+                       const c10::optional<at::Tensor>& row_keys) {
+  TORCH_CHECK(qkv_.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && cos_.scalar_type() == at::kFloat,
+              "rope_attend: float32 only");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "rope_attend: the cache must be contiguous");
+  const at::Tensor qkv = qkv_.contiguous(), cs = cos_.contiguous(), sn = sin_.contiguous();
+  const at::Tensor start = start_.to(at::kLong).contiguous();
+  const int64_t B = qkv.size(0), T = qkv.size(1), Hkv = kc.size(1), Smax = kc.size(2), Dh = kc.size(3);
+  TORCH_CHECK(Dh % 16 == 0 && H % Hkv == 0 && qkv.size(2) == (H + 2 * Hkv) * Dh && cs.numel() == B * T * Dh &&
+              start.numel() == B && S >= 1 && S <= Smax, "rope_attend: bad shapes");
+  const float* mp = mask_ptr(mask_, B, (H / Hkv) * T, S);
+  at::Tensor keep;
+  const int64_t* rk = row_keys_ptr(row_keys, B, S, keep);
+  at::Tensor q = at::empty({B, H, T, Dh}, qkv.options());
+  const float* xp = qkv.data_ptr<float>();
+  const float* cp = cs.data_ptr<float>();
+  const float* sp = sn.data_ptr<float>();
+  const int64_t* st = start.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  const int64_t half = Dh / 2, W = (H + 2 * Hkv) * Dh;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = xp + (b * T + t) * W;
+      const float* c = cp + (b * T + t) * Dh;
+      const float* sg = sp + (b * T + t) * Dh;
+      const int64_t slot = st[b] + t;
+      TORCH_CHECK(slot < Smax, "rope_attend: the cache is full");
+      for (int64_t j = 0; j < H + Hkv; ++j) {
+        const float* x = row + j * Dh;
+        float* dst = j < H ? qp + ((b * H + j) * T + t) * Dh : kp + ((b * Hkv + (j - H)) * Smax + slot) * Dh;
+        for (int64_t d = 0; d < Dh; d += 8) {
+          const int64_t dr = (d + half) % Dh;  // roll by Dh / 2: element d takes x[(d + Dh / 2) mod Dh]
+          const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + d), _mm256_loadu_ps(c + d));
+          const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(x + dr), _mm256_loadu_ps(sg + d));
+          _mm256_storeu_ps(dst + d, _mm256_add_ps(a, r));
+        }
+      }
+      for (int64_t j = 0; j < Hkv; ++j)
+        std::memcpy(vp + ((b * Hkv + j) * Smax + slot) * Dh, row + (H + Hkv + j) * Dh, Dh * sizeof(float));
+    }
+  at::Tensor out = at::empty({B, T, H * Dh}, qkv.options());
+  attention_core(qp, B, H, T, Dh, kp, vp, Hkv, Smax, S, mp, rk, out.data_ptr<float>(), T * H, H, 1);
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  const int64_t I = gu.size(-1) / 2;
+  return at::silu(gu.narrow(-1, 0, I)).mul_(gu.narrow(-1, I, I));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specdec_rs, lib) {
+  lib.def("linear(Tensor x, Tensor w) -> Tensor");
+  lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  lib.def("attend(Tensor q, Tensor k_cache, Tensor v_cache, int n_keys, Tensor? mask, Tensor? row_keys=None) -> Tensor");
+  lib.def("rope_attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, int heads, "
+          "int n_keys, Tensor? mask, Tensor? row_keys=None) -> Tensor");
+  lib.def("silu_mul(Tensor gu) -> Tensor");
+  lib.def("q4_1_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  lib.def("q8_0_linear(Tensor x, Tensor packed, int n) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
+  lib.impl("linear", &linear);
+  lib.impl("rms_norm", &rms_norm);
+  lib.impl("attend", &attend);
+  lib.impl("rope_attend", &rope_attend);
+  lib.impl("silu_mul", &silu_mul);
+  lib.impl("q4_1_linear", &q4_1_linear);
+  lib.impl("q8_0_linear", &q8_0_linear);
+}
