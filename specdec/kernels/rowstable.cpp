@@ -125,45 +125,37 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w) {
 // enters the same FMA chain as in `linear`, so the outputs equal `linear` over the fp32 copy bit for
 // bit, while a step reads ~0.75 (Q4_1) or ~1.1 (Q8_0) bytes a weight instead of 4.
 
-// the 8 weights of chunk c (0..3) of one output's Q4_1 block (nibbles: weights 0-15 low, 16-31 high)
-inline void q4_1_chunks(const uint8_t* q, __m256 d, __m256 m, __m256* w) {
-  const __m128i lo8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
-  const __m128i hi8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8));
-  const __m256i a = _mm256_cvtepu8_epi32(lo8), b = _mm256_cvtepu8_epi32(hi8);
-  const __m256i f = _mm256_set1_epi32(0x0F);
-  w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, f)), d, m);
-  w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, f)), d, m);
-  w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), d, m);
-  w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), d, m);
-}
-
-inline void q8_0_chunks(const int8_t* q, __m256 d, __m256* w) {
-  for (int c = 0; c < 4; ++c)
-    w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c)))), d);
-}
-
-// MR rows x one group of 4 outputs over all nb blocks
-template <int MR, bool Q4>
-void block_tile(const float* x, int64_t ldx, const uint8_t* g, int64_t nb, float* y, int64_t ldy) {
+// MR rows x NJ of a group's 4 outputs (from output j0) over all nb blocks. Each 8-weight chunk is
+// rebuilt once and serves the MR rows; every output's sum keeps its own register.
+template <int MR, int NJ, bool Q4>
+void block_tile(const float* x, int64_t ldx, const uint8_t* g, int64_t nb, int j0, float* y, int64_t ldy) {
   constexpr int64_t GB = Q4 ? 32 + 64 : 16 + 128;  // bytes of a group's block
-  __m256 acc[MR][4];
+  __m256 acc[MR][NJ];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i f = _mm256_set1_epi32(0x0F);
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* p = g + blk * GB;
     const float* ds = reinterpret_cast<const float*>(p);
-    for (int j = 0; j < 4; ++j) {
-      __m256 w[4];
-      if (Q4) q4_1_chunks(p + 32 + 16 * j, _mm256_set1_ps(ds[j]), _mm256_set1_ps(ds[4 + j]), w);
-      else q8_0_chunks(reinterpret_cast<const int8_t*>(p + 16 + 32 * j), _mm256_set1_ps(ds[j]), w);
-      for (int i = 0; i < MR; ++i) {
-        const float* xr = x + i * ldx + blk * 32;
-        for (int c = 0; c < 4; ++c) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8 * c), w[c], acc[i][j]);
+    const float* xb = x + blk * 32;
+    for (int j = 0; j < NJ; ++j) {
+      const __m256 d = _mm256_set1_ps(ds[j0 + j]);
+      const __m256 m = Q4 ? _mm256_set1_ps(ds[4 + j0 + j]) : d;
+      const uint8_t* q = Q4 ? p + 32 + 16 * (j0 + j) : p + 16 + 32 * (j0 + j);
+      for (int c = 0; c < 4; ++c) {
+        __m256 w;
+        if (Q4) {  // nibbles: weights 0-15 low, 16-31 high
+          const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * (c & 1))));
+          w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c < 2 ? _mm256_and_si256(b, f) : _mm256_srli_epi32(b, 4)), d, m);
+        } else {
+          w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c)))), d);
+        }
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * ldx + 8 * c), w, acc[i][j]);
       }
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) y[i * ldy + j] = hsum8(acc[i][j]);
+    for (int j = 0; j < NJ; ++j) y[i * ldy + j0 + j] = hsum8(acc[i][j]);
 }
 
 template <bool Q4>
@@ -181,19 +173,25 @@ at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t 
   const float* xp = x.data_ptr<float>();
   const uint8_t* bp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  // tasks of 6 groups (24 outputs); rows in tiles of 3, each tile one pass over the group's blocks
-  // with its sums in registers (rebuilding the weights per tile measured faster than rebuilding them
-  // once into a buffer for steps of 4-9 tokens)
-  constexpr int64_t GROUPS = 6, MR = 3;
+  // tasks of 6 groups (24 outputs); rows in tiles of up to 6, each tile one pass over the group's
+  // blocks with its sums in registers: tiles of up to 3 rows take the group's 4 outputs at once,
+  // larger ones 2 at a time (12 sums either way)
+  constexpr int64_t GROUPS = 6, MR = 6;
   at::parallel_for(0, (groups + GROUPS - 1) / GROUPS, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t g = t0 * GROUPS, g1 = std::min(groups, t1 * GROUPS); g < g1; ++g) {
       const uint8_t* gp = bp + g * nb * GB;
       for (int64_t m = 0; m < M; m += MR) {
         const int64_t r = std::min(MR, M - m);
+        const float* xt = xp + m * K;
         float* yt = yp + m * N + 4 * g;
-        if (r == 3) block_tile<3, Q4>(xp + m * K, K, gp, nb, yt, N);
-        else if (r == 2) block_tile<2, Q4>(xp + m * K, K, gp, nb, yt, N);
-        else block_tile<1, Q4>(xp + m * K, K, gp, nb, yt, N);
+        switch (r) {
+          case 1: block_tile<1, 4, Q4>(xt, K, gp, nb, 0, yt, N); break;
+          case 2: block_tile<2, 4, Q4>(xt, K, gp, nb, 0, yt, N); break;
+          case 3: block_tile<3, 4, Q4>(xt, K, gp, nb, 0, yt, N); break;
+          case 4: for (int j0 = 0; j0 < 4; j0 += 2) block_tile<4, 2, Q4>(xt, K, gp, nb, j0, yt, N); break;
+          case 5: for (int j0 = 0; j0 < 4; j0 += 2) block_tile<5, 2, Q4>(xt, K, gp, nb, j0, yt, N); break;
+          default: for (int j0 = 0; j0 < 4; j0 += 2) block_tile<6, 2, Q4>(xt, K, gp, nb, j0, yt, N); break;
+        }
       }
     }
   });
