@@ -10,7 +10,11 @@ per step and τ for each, and one JSON document as the last line. Variants:
            steps take the kernels' norms and fused attention (EagleDrafter._kernel_step)
   torch    the same projections, but torch's norms, rotation and SDPA for the head's attention
   fp32, bf16  the head's projections packed for oneDNN in fp32 / bf16 (what runs where the
-           target is not on the kernels: `--weights fp32`, or a CPU without them)
+           target is on neither kernel family: `--weights fp32` on an AVX-512 CPU, or a CPU
+           without AVX2; where the AVX2 kernels run, the head's fp32 weights go through them)
+  onednn   on a CPU without AVX-512, where the target's steps run on the row-stable AVX2 kernels
+           (and so, by default, do the head's: `kernels` there): the head packed for oneDNN in
+           fp32 with torch's norms and attention, as before the head moved onto those kernels
 
     python benchmarks/eagle_propose.py --prompts 4 --max-new-tokens 128 --repeats 3 --variants kernels,torch
 """
@@ -39,11 +43,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", default="kernels,torch",
-                    help="comma-separated: kernels, torch, fp32, bf16 (see above). Default: kernels,torch")
+                    help="comma-separated: kernels, torch, fp32, bf16, onednn (see above). Default: kernels,torch")
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if not variants or set(variants) - {"kernels", "torch", "fp32", "bf16"}:
-        ap.error(f"--variants: choose from kernels, torch, fp32, bf16 (got {args.variants!r})")
+    if not variants or set(variants) - {"kernels", "torch", "fp32", "bf16", "onednn"}:
+        ap.error(f"--variants: choose from kernels, torch, fp32, bf16, onednn (got {args.variants!r})")
     if {"fp32", "bf16"} & set(variants) and {"kernels", "torch"} & set(variants):
         ap.error("--variants: fp32 / bf16 (a target off the kernels) and kernels / torch cannot share a run")
     torch.set_num_threads(args.threads)
@@ -69,9 +73,17 @@ def main() -> int:
 
     def make(variant: str):
         os.environ["SPECDEC_DRAFT_FP32"] = "1" if variant == "fp32" else "0"
-        d = REGISTRY["eagle"](target=target, draft=head, tree=True, depth=4, width=2, nodes=5)
+        rowstable = target.model.rowstable
+        if variant == "onednn":
+            if rowstable is None:
+                raise SystemExit("--variants onednn: the target's steps are not on the row-stable AVX2 kernels here")
+            target.model.rowstable = None  # (hidden while the drafter is built: it then packs for oneDNN)
+        try:
+            d = REGISTRY["eagle"](target=target, draft=head, tree=True, depth=4, width=2, nodes=5)
+        finally:
+            target.model.rowstable = rowstable
         if variant == "kernels" and d.kops is None:
-            raise SystemExit("the head's steps are not on the kernels here (no integer kernels on this CPU?)")
+            raise SystemExit("the head's steps are not on the kernels here (neither the AVX-512 nor the AVX2 kernels?)")
         if variant == "torch":
             d.kops = None
         times: list[float] = []

@@ -199,6 +199,115 @@ def test_greedy_speculation_on_rowstable_equals_plain_greedy_and_transformers():
                 assert [o.tokens for o in outs] == want[: len(batch)], type(drafter).__name__
 
 
+@functools.lru_cache(maxsize=None)
+def rs_target(on_blocks: bool):
+    """rs_models(128), or (on_blocks) a copy whose LM head is read from Q8_0 blocks on the AVX2
+    kernels, as a GGUF model's is: what makes drafters take Q8_0 copies of their own weights."""
+    from specdec.models.gguf_blocks import quantize_q8_0
+    from specdec.models.llama import build_native
+
+    hf, native = rs_models(128)
+    if on_blocks:
+        native = build_native(hf.config, hf.state_dict())
+        native.use_rowstable(rs_ops(), {"head": quantize_q8_0(native.lm_head_weight())})
+        native.pack()
+        assert native.head_rs_blocks is not None
+    return hf, native
+
+
+@pytest.mark.parametrize("on_blocks", [False, True])
+def test_eagle_head_drafts_on_the_rowstable_kernels_and_greedy_stays_exact(on_blocks):
+    """Where the target's steps are on the AVX2 kernels, an EAGLE head drafts on them too: its
+    projections and output head (Q8_0 copies where the target reads GGUF blocks, here its LM head;
+    else fp32) and its short steps' norms and fused attention. Its trees match the same head's
+    through torch's norms and attention, and greedy speculation with it equals plain greedy
+    decoding of the same model at batch 1 and 3 (and transformers' where the model is fp32)."""
+    from specdec.drafters.base import DraftContext
+    from specdec.drafters.eagle import EagleDrafter, head_from_target
+    from specdec.engine import Engine
+    from specdec.types import SamplingParams
+
+    ops = need_rs()
+    hf, native = rs_target(on_blocks)
+
+    def make():
+        torch.manual_seed(3)
+        head = head_from_target(native.cfg)
+        with torch.no_grad():
+            for prm in head.parameters():
+                prm.copy_(0.3 * torch.randn(prm.shape) + (1.0 if prm.dim() == 1 else 0.0))
+        return EagleDrafter(head.eval(), native, None, tree=True, depth=3, width=2, nodes=5)
+
+    d, ref = make(), make()
+    assert d.kops is ops and d.W_rs[0] == (ops.q8_0_linear if on_blocks else ops.linear)
+    assert all(lin.rs is ops and (lin.rs_blocks is not None) == on_blocks
+               for lin in (d.head.fc, d.head.wqkv, d.head.wo, d.head.w_gate_up, d.head.w_down))
+    ref.kops = None  # the same head's numbers through torch's norms, rotation and SDPA
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (6, 11, 9)]
+    hid = []
+    for p in prompts:
+        hid.append(native(torch.tensor([p]), torch.arange(len(p))[None], native.new_cache(1, 64))[1][0])
+    props = []
+    for dr in (d, ref):
+        dr.begin(prompts, SamplingParams(), 64)
+        props.append(dr.propose(DraftContext([list(p) for p in prompts], SamplingParams(), None, list(hid)), 3))
+    assert torch.equal(props[0].counts, props[1].counts) and props[0].counts.sum() > 0
+    for b in range(len(prompts)):
+        n = int(props[0].counts[b])
+        assert torch.equal(props[0].tokens[b, :n], props[1].tokens[b, :n])
+        assert torch.equal(props[0].parents[b, :n], props[1].parents[b, :n])
+    sp = SamplingParams(max_new_tokens=20)
+    want = [Engine(native, None, k=0).generate([p], sp)[0].tokens for p in prompts]
+    if not on_blocks:
+        assert want == [hf_greedy(hf, p, 20) for p in prompts]
+    with one_thread():
+        for batch in ([prompts[0]], prompts):
+            outs = Engine(native, make(), k=3).generate(batch, sp)
+            assert [o.tokens for o in outs] == want[: len(batch)]
+            assert sum(o.stats.proposed for o in outs) > 0
+
+
+@pytest.mark.parametrize("on_blocks", [False, True])
+@pytest.mark.parametrize("subset", [None, list(range(0, 64, 2))])
+def test_draft_model_drafts_on_the_rowstable_kernels_and_greedy_stays_exact(on_blocks, subset):
+    """Where the target's steps are on the AVX2 kernels, a draft model given the target
+    (DraftModelDrafter(target_model=...)) computes its steps there too: Q8_0 copies of its
+    projections (and of its head, or its vocabulary-subset head) where the target reads blocks,
+    fp32 weights otherwise; greedy speculation with it equals plain greedy decoding at batch 1
+    and 3."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.engine import Engine
+    from specdec.models.llama import build_native
+    from specdec.types import SamplingParams
+
+    ops = need_rs()
+    _, native = rs_target(on_blocks)
+    dhf = tiny_hf_llama(seed=77, vocab=64, hidden=64, layers=1)
+
+    def make():
+        return DraftModelDrafter(build_native(dhf.config, dhf.state_dict()), vocab_subset=subset, target_model=native)
+
+    d = make()
+    assert d.model.rowstable is ops and d.model.packed
+    assert all((lin.rs_blocks is not None) == on_blocks for blk in d.model.layers
+               for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))
+    if subset is None:
+        assert d.head_rs is None and (d.model.head_rs_blocks is not None) == on_blocks
+    else:
+        assert d.head_rs[0] == (ops.q8_0_linear if on_blocks else ops.linear) and d.head_packed is None
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (7, 10, 5)]
+    prompts[1] = prompts[1][:5] * 2
+    sp = SamplingParams(max_new_tokens=20)
+    want = [Engine(native, None, k=0).generate([p], sp)[0].tokens for p in prompts]
+    with one_thread():
+        for batch in ([prompts[0]], prompts):
+            outs = Engine(native, make(), k=4).generate(batch, sp)
+            assert [o.tokens for o in outs] == want[: len(batch)]
+            assert sum(o.stats.proposed for o in outs) > 0
+
+
 def test_use_rowstable_refuses_what_it_cannot_compute():
     from specdec.models.llama import build_native
     from specdec.types import SpecdecError

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.llama import block_linear, block_rows_ok, packed_linear
+from ..models.llama import block_linear, block_rows_ok, packed_linear, step_call
 from ..sampling import sample, warp
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
@@ -56,6 +56,42 @@ def draft_on_kernels(model, head: torch.Tensor, target_model):
     return head_q
 
 
+def draft_on_rowstable(model, head: torch.Tensor | None, target_model):
+    """Where the target's decoding steps run on the row-stable AVX2 kernels (CPUs without AVX-512:
+    target_model.rowstable) and `draft_on_kernels` did not apply, put an unpacked float32 native
+    draft model's decoding steps on them too (LlamaModel.use_rowstable), over Q8_0 copies of its
+    projections and LM head where the target reads GGUF blocks (its head is on them), over its fp32
+    weights otherwise; and return (op, *args) computing the subset head `head` [S, D] on them (None:
+    no subset head, or nothing changed: see model.rowstable). Lossy for the draft's own numbers
+    only, so exactness does not move."""
+    from ..models.gguf_blocks import quantize_q8_0
+
+    ops = getattr(target_model, "rowstable", None)
+    if ops is None or not getattr(model, "native", False) or model.dtype != torch.float32:
+        return None
+    on_blocks = getattr(target_model, "head_rs_blocks", None) is not None
+    if model.rowstable is None:  # (a draft GGUF's own blocks may have put it on them already)
+        if model.packed or any(lin.qargs is not None for blk in model.layers
+                               for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)):
+            return None
+        blocks = {}
+        if on_blocks:
+            for i, blk in enumerate(model.layers):
+                for attr in ("wqkv", "wo", "w_gate_up", "w_down"):
+                    b = quantize_q8_0(getattr(blk, attr).weight)
+                    if b is not None:
+                        blocks[f"layers.{i}.{attr}"] = b
+            if head is None and (b := quantize_q8_0(model.lm_head_weight())) is not None:
+                blocks["head"] = b
+        model.use_rowstable(ops, blocks)
+    elif model.rowstable is not ops:
+        return None
+    if head is None:
+        return None
+    hb = quantize_q8_0(head) if on_blocks else None
+    return (ops.linear, head.contiguous()) if hb is None else (ops.q8_0_linear, hb[1], hb[3])
+
+
 class DraftModelDrafter:
     def __init__(self, model, vocab_size: int | None = None, vocab_subset: list[int] | None = None,
                  confidence: float = 0.0, target_model=None) -> None:
@@ -71,6 +107,7 @@ class DraftModelDrafter:
         self.subset = None
         self.head_packed = self.head_dtype = None  # a prepacked subset head (eagle.pack_drafting_head)
         self.head_q = None  # or the subset head as Q8_0 blocks on the kernels (kernel_args)
+        self.head_rs = None  # or (op, *args) on the row-stable AVX2 kernels (draft_on_rowstable)
         native = getattr(model, "native", False)
         if vocab_subset is not None and native:
             self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
@@ -79,8 +116,10 @@ class DraftModelDrafter:
             self.head = model.lm_head_weight().detach()[self.subset].contiguous()  # [S, D]
             if target_model is not None:
                 self.head_q = draft_on_kernels(model, self.head, target_model)
-            if self.head_q is None:
-                self.head_packed, self.head_dtype = pack_drafting_head(self.head)
+        if target_model is not None and native and self.head_q is None:
+            self.head_rs = draft_on_rowstable(model, self.head if self.subset is not None else None, target_model)
+        if self.subset is not None and self.head_q is None and self.head_rs is None:
+            self.head_packed, self.head_dtype = pack_drafting_head(self.head)
         if target_model is not None and native:
             model.pack()  # the rest (a projection on the integer kernels only drops its fp32 weight)
         self.cost_hint = None  # measured by the engine
@@ -128,6 +167,8 @@ class DraftModelDrafter:
         """Scores [N, S] over the vocabulary subset for hidden states h [N, D]."""
         if block_rows_ok(self.head_q, h):
             return block_linear(h.contiguous(), *self.head_q)
+        if self.head_rs is not None and step_call(h):
+            return self.head_rs[0](h, *self.head_rs[1:])
         if self.head_packed is not None:
             return packed_linear(h.to(self.head_dtype), self.head_packed).float()
         return (h @ self.head.T).float()

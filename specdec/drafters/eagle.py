@@ -23,7 +23,9 @@ copies of its projections and subset head through the same kernels (`block_draft
 those are the integer kernels its short steps (the tree's expansions, a step's catch-up) also take
 the kernels' norms and fused rotation + cache write + attention (`rope_attend`, with the tree's
 visibility as an additive mask) instead of a dozen torch ops and SDPA (`_kernel_step`): its
-drafting only, so exactness is untouched.
+drafting only, so exactness is untouched. On CPUs without AVX-512, where the target's decoding
+steps run on the row-stable AVX2 kernels, the head does the same on those (`rowstable_drafting`:
+Q8_0 copies where the target reads GGUF blocks, fp32 weights otherwise).
 
 Files: `eagle.safetensors` (fc, layer; the target's embedding and head are not stored) and
 `specdec_eagle.json` (target name, hidden size, vocabulary size, a hash of the target's
@@ -42,7 +44,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..models.llama import (ATTEND_MAX_T, BLOCK_MAX_ROWS, PACK_BATCH_HINT, Linear, additive_mask, block_linear,
-                             block_rows_ok, cpu_has_bf16, fused_step_ok, mkldnn_packing_available, packed_linear)
+                             block_rows_ok, cpu_has_bf16, fused_step_ok, mkldnn_packing_available, packed_linear,
+                             step_call)
 from ..kv_cache import keep_in_place, with_room
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
@@ -202,16 +205,52 @@ def block_drafting(linears, W: torch.Tensor, target_model):
     return None if blocks is None else kernel_args(ops, blocks, act_bits=8)
 
 
-def kernel_steps(head: EagleHead, head_blocks):
-    """The kernels (torch.ops.specdec_q) a head's short drafting steps may run through
-    (EagleDrafter._kernel_step), or None: where `block_drafting` put the head's layer on the integer
-    kernels (the target computes on them; no biases in the layer) and its shapes are ones the
-    kernels' norms and attention take."""
+def rowstable_drafting(linears, W: torch.Tensor, target_model):
+    """Where the target's decoding steps run on the row-stable AVX2 kernels (CPUs without AVX-512:
+    target_model.rowstable, models.llama.LlamaModel.use_rowstable) and `block_drafting` did not
+    apply, put a drafter's float32 projections `linears` on those kernels, and return (op, *args)
+    computing its output head W [S, D] on them (op(h, *args)). Where the target reads a GGUF file's
+    blocks (its head is on them), the drafter's weights become Q8_0 copies too where the shapes
+    allow (a quarter of the bytes a drafting step reads), as `block_drafting` does on the AVX-512
+    kernels; else they stay float32. None (nothing changed) where the target is not on these
+    kernels. Only the drafter's own numbers move, so exactness does not depend on it. Call it
+    before the projections are packed."""
+    from ..models.gguf_blocks import quantize_q8_0
+
+    ops = getattr(target_model, "rowstable", None)
+    if ops is None or W.dtype != torch.float32:
+        return None
+    q8 = quantize_q8_0 if getattr(target_model, "head_rs_blocks", None) is not None else (lambda w: None)
+    for lin in linears:
+        if lin.weight is None or lin.weight.dtype != torch.float32 or lin.qargs is not None:
+            continue
+        blocks = q8(lin.weight)
+        lin.rs = ops
+        if blocks is not None:
+            lin.rs_blocks = (ops.q8_0_linear, blocks[1], blocks[3])
+        else:
+            lin.weight.data = lin.weight.data.contiguous()
+    blocks = q8(W)
+    return (ops.linear, W.contiguous()) if blocks is None else (ops.q8_0_linear, blocks[1], blocks[3])
+
+
+def kernel_steps(head: EagleHead, head_blocks, target_model=None):
+    """The kernels a head's short drafting steps may run through (EagleDrafter._kernel_step), or
+    None: the integer kernels (torch.ops.specdec_q) where `block_drafting` put the head's layer on
+    them (the target computes on them; no biases in the layer), else the row-stable AVX2 kernels
+    (torch.ops.specdec_rs) where `rowstable_drafting` put every projection of the layer on them;
+    and only for shapes the kernels' norms and attention take."""
     from ..kernels import loaded
 
-    ops = loaded()
     lins = (head.wqkv, head.wo, head.w_gate_up, head.w_down)
-    if head_blocks is None or head.heads % head.kv_heads or not fused_step_ok(ops, head.hidden, head.head_dim, lins):
+    if head.heads % head.kv_heads:
+        return None
+    rs = getattr(target_model, "rowstable", None)
+    if (rs is not None and all(lin.rs is rs and lin.bias is None for lin in lins) and head.hidden % 8 == 0
+            and head.head_dim in (16, 32, 64, 128)):
+        return rs
+    ops = loaded()
+    if head_blocks is None or not fused_step_ok(ops, head.hidden, head.head_dim, lins):
         return None
     return ops
 
@@ -289,9 +328,12 @@ class EagleDrafter:
             W = W[self.subset]
         self.W = W.contiguous()  # [S, D]
         h = head
-        self.W_blocks = block_drafting((h.fc, h.wqkv, h.wo, h.w_gate_up, h.w_down), self.W, target_model)
+        lins = (h.fc, h.wqkv, h.wo, h.w_gate_up, h.w_down)
+        self.W_blocks = block_drafting(lins, self.W, target_model)
+        # CPUs without AVX-512: the row-stable AVX2 kernels, where the target's steps run on them
+        self.W_rs = None if self.W_blocks is not None else rowstable_drafting(lins, self.W, target_model)
         self.W_packed, self.pack_dtype = pack_drafting_head(self.W)  # the head's layer packs alike
-        self.kops = kernel_steps(head, self.W_blocks)
+        self.kops = kernel_steps(head, self.W_blocks, target_model)
         if self.W_packed is not None:
             head.pack(self.pack_dtype)
         self.vocab_size = target_model.vocab_size
@@ -366,6 +408,8 @@ class EagleDrafter:
         """[..., D] -> [..., S] scores over the subset (or the full vocabulary)."""
         if block_rows_ok(self.W_blocks, h):
             return block_linear(h, *self.W_blocks)
+        if self.W_rs is not None and step_call(h):
+            return self.W_rs[0](h, *self.W_rs[1:])
         if self.W_packed is not None:
             return packed_linear(h.to(self.pack_dtype), self.W_packed).float()
         return h.float() @ self.W.float().T

@@ -363,11 +363,9 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
         self.packed_bias = None if self.bias is None else self.bias.detach().to(w.dtype)
         if self.rs is not None:
-            if self.rs_blocks is None:
-                return  # (decoding steps read the plain weight and bias; long prefills the packed copy)
-            self.bias = self.packed_bias  # (decoding steps read the blocks, and the bias)
-            self.weight = None
-            return
+            if self.rs_blocks is not None:
+                self.weight = None  # (decoding steps read the blocks and the plain bias; long calls the packed copy)
+            return  # (else decoding steps read the plain weight and bias)
         self.weight = None  # (the module's other code never reads it again)
         self.bias = None
 
