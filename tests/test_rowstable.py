@@ -176,6 +176,46 @@ def test_rowstable_model_is_close_to_transformers_and_batched_steps_are_tokens_d
     assert torch.allclose(torch.cat(got, 1), ref, atol=1e-4, rtol=1e-4)
 
 
+def test_layers_on_blocks_take_the_direct_step_calls_with_the_general_paths_numbers(monkeypatch):
+    """A model whose projections are all on (Q8_0) blocks on the AVX2 kernels makes its decoding
+    steps as direct kernel calls (Block.fast, no Linear.forward in between): for ragged rows and
+    a tree, each token's logits equal decoding it alone, and equal the general path's (torch's
+    rotation and `attend`, FUSED_DECODING_STEP off) bit for bit."""
+    from specdec.models import llama
+    from specdec.models.gguf_blocks import quantize_q8_0
+    from specdec.models.llama import build_native
+
+    ops = need_rs()
+    hf, _ = rs_models(128)
+    native = build_native(hf.config, hf.state_dict())
+    blocks = {f"layers.{i}.{a}": quantize_q8_0(getattr(blk, a).weight)
+              for i, blk in enumerate(native.layers) for a in ("wqkv", "wo", "w_gate_up", "w_down")}
+    assert native.use_rowstable(ops, blocks) == len(blocks)
+    native.pack()
+    assert all(blk.fast is not None for blk in native.layers)
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (8, 3, 11)]
+    B = len(rows)
+    tree = ancestor_mask([-1, 0, 0, 1, 3])
+    toks = torch.randint(0, 64, (B, 5), generator=g)
+    depth = tree.sum(-1) - 1
+
+    def step():
+        cache, _, lens = prefill_ragged(native, rows, max_len=32)
+        return lens, native(toks, lens[:, None] + depth[None], cache, attn_mask=tree[None].expand(B, 5, 5))[0]
+
+    lens, fast = step()
+    monkeypatch.setattr(llama, "FUSED_DECODING_STEP", False)
+    assert torch.equal(step()[1], fast)
+    monkeypatch.setattr(llama, "FUSED_DECODING_STEP", True)
+    for t in range(5):
+        path = [i for i in range(5) if tree[t, i]]
+        one, _, _ = prefill_ragged(native, rows, max_len=32)
+        for j, i in enumerate(path):
+            logits = native(toks[:, i : i + 1], (lens + j)[:, None], one)[0]
+        assert torch.equal(logits[:, 0], fast[:, t]), t
+
+
 def test_greedy_speculation_on_rowstable_equals_plain_greedy_and_transformers():
     """Every drafter at batch 1 and 3 gives plain greedy decoding's tokens on the row-stable
     model, and those are transformers' greedy tokens on these prompts."""

@@ -461,7 +461,7 @@ class Block(nn.Module):
             kops = self.kops
             qkv, qkv_b, qkv_n, o_op, o_b, o_n, gu_op, gu_b, gu_n, d_op, d_b, d_n, an, mn, eps = f
             o = kops.rope_attend(qkv(kops.rms_norm(x, an, eps), qkv_b, qkv_n), cos, sin, cache.k[layer],
-                                 cache.v[layer], start, self.n_heads, n_keys, mask)
+                                 cache.v[layer], start, self.n_heads, n_keys, mask, *rk)
             x = x + o_op(o, o_b, o_n)
             return x + d_op(kops.silu_mul(gu_op(kops.rms_norm(x, mn, eps), gu_b, gu_n)), d_b, d_n)
         H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
@@ -515,11 +515,20 @@ class Block(nn.Module):
 
     def fast_step_args(self) -> tuple | None:
         """Block.fast for this layer, or None where the step needs the general path: a projection
-        not on the integer kernels or with a bias, or a norm width the kernel does not take."""
+        not on the integer kernels (or, on the row-stable AVX2 kernels, not on GGUF blocks) or with
+        a bias, or a norm width or head size the kernels do not take. (The row-stable kernels take
+        the same calls as their general path makes: the same numbers, without its Python.)"""
         lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-        if not fused_step_ok(self.kops, self.attn_norm.shape[0], self.head_dim, lins):
+        rs = self.kops is not None and all(lin.rs is self.kops for lin in lins)
+        if rs:
+            if not (all(lin.rs_blocks is not None and lin.bias is None for lin in lins)
+                    and self.attn_norm.shape[0] % 8 == 0 and self.head_dim in ATTEND_HEAD_SIZES):
+                return None
+            calls = [lin.rs_blocks for lin in lins]
+        elif not fused_step_ok(self.kops, self.attn_norm.shape[0], self.head_dim, lins):
             return None
-        calls = [(lin.qargs[0], lin.qargs[1], lin.qargs[4]) for lin in lins]
+        else:
+            calls = [(lin.qargs[0], lin.qargs[1], lin.qargs[4]) for lin in lins]
         return (*calls[0], *calls[1], *calls[2], *calls[3], self.attn_norm.detach(), self.mlp_norm.detach(), self.eps)
 
 
@@ -741,6 +750,8 @@ class LlamaModel(nn.Module):
                     raise SpecdecError(f"GGUF blocks with {rows} rows for a projection of {lin.out_features}")
                 lin.rs_blocks = (op, first, rows)
             n += 1
+        for blk in self.layers:
+            blk.fast = blk.fast_step_args()  # (layers whose projections are all on blocks)
         self.rowstable = ops
         return n
 
