@@ -8,6 +8,7 @@ weight then moves them by far more than the 1e-4 tolerance.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -165,6 +166,29 @@ def path_to(parents: list[int], i: int) -> list[int]:
         out.append(i)
         i = parents[i]
     return out[::-1]
+
+
+@functools.lru_cache(maxsize=None)
+def built_kernels(which: str):
+    """The kernel library `which` ("blocks": the AVX-512 block kernels, torch.ops.specdec_q;
+    "rowstable": the AVX2 ones, torch.ops.specdec_rs), built once into the user cache; None where
+    it cannot run here."""
+    from specdec import kernels
+    from specdec.models.loader import cache_root
+
+    build = kernels.ops if which == "blocks" else kernels.rowstable_ops
+    return build(cache_root() / "kernels")
+
+
+def need_kernels(which: str):
+    """built_kernels(which), or skip the test (saying why) where it cannot run here."""
+    ops = built_kernels(which)
+    if ops is None:
+        from specdec import kernels
+
+        why = kernels.unavailable() if which == "blocks" else kernels.rowstable_unavailable()
+        pytest.skip(f"{which} kernels unavailable here: {why}")
+    return ops
 
 
 def prefill_ragged(native, rows: list[list[int]], max_len: int = 128):

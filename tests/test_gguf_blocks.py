@@ -17,25 +17,16 @@ import torch
 
 from specdec.models import gguf_blocks as gb
 
-from conftest import ancestor_mask
+from conftest import ancestor_mask, built_kernels, need_kernels
 from oracle import hf_greedy, one_thread, tiny_hf_llama
 
 
-@functools.lru_cache(maxsize=None)
 def kernel_ops():
-    from specdec import kernels
-    from specdec.models.loader import cache_root
-
-    return kernels.ops(cache_root() / "kernels")
+    return built_kernels("blocks")
 
 
 def need_ops():
-    ops = kernel_ops()
-    if ops is None:
-        from specdec import kernels
-
-        pytest.skip(f"block kernels unavailable here: {kernels.unavailable()}")
-    return ops
+    return need_kernels("blocks")
 
 
 def rand_q4_1(N: int, K: int, rng) -> tuple:

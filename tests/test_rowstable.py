@@ -13,25 +13,16 @@ import functools
 import pytest
 import torch
 
-from conftest import ancestor_mask, prefill_ragged
+from conftest import ancestor_mask, built_kernels, need_kernels, prefill_ragged
 from oracle import hf_greedy, one_thread, tiny_hf_llama
 
 
-@functools.lru_cache(maxsize=None)
 def rs_ops():
-    from specdec import kernels
-    from specdec.models.loader import cache_root
-
-    return kernels.rowstable_ops(cache_root() / "kernels")
+    return built_kernels("rowstable")
 
 
 def need_rs():
-    ops = rs_ops()
-    if ops is None:
-        from specdec import kernels
-
-        pytest.skip(f"row-stable kernels unavailable here: {kernels.rowstable_unavailable()}")
-    return ops
+    return need_kernels("rowstable")
 
 
 @pytest.mark.parametrize("K,N", [(64, 40), (576, 96), (37, 11), (8, 3)])
