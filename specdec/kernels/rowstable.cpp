@@ -125,13 +125,13 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w) {
 // enters the same FMA chain as in `linear`, so the outputs equal `linear` over the fp32 copy bit for
 // bit, while a step reads ~0.75 (Q4_1) or ~1.1 (Q8_0) bytes a weight instead of 4.
 
-// MR rows x NJ of a group's 4 outputs (from output j0) over all nb blocks. Each 8-weight chunk is
-// rebuilt once and serves the MR rows; every output's sum keeps its own register.
-// blocks ahead to prefetch (~0.8-1.2 KB; a prefetch never faults past the end): without it a 1-token
+// Blocks ahead to prefetch (~0.8-1.2 KB; a prefetch never faults past the end): without it a 1-token
 // step of the default model took 10.4-10.7 ms, with 4 / 8 / 16 / 24 ahead 9.8 / 9.4-9.55 / 9.5 / 9.5
-// (forward_costs.py, 2-core Zen 2); 3-token steps 15.0 -> 12.9 ms
+// (forward_costs.py, 2-core Zen 2); 3-token steps 15.0 -> 12.9 ms.
 constexpr int64_t PF = 8;
 
+// MR rows x NJ of a group's 4 outputs (from output j0) over all nb blocks. Each 8-weight chunk is
+// rebuilt once and serves the MR rows; every output's sum keeps its own register.
 template <int MR, int NJ, bool Q4>
 void block_tile(const float* x, int64_t ldx, const uint8_t* g, int64_t nb, int j0, float* y, int64_t ldy) {
   constexpr int64_t GB = Q4 ? 32 + 64 : 16 + 128;  // bytes of a group's block
