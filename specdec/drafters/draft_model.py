@@ -17,7 +17,7 @@ from ..models.llama import block_linear, block_rows_ok, packed_linear, step_call
 from ..sampling import sample, warp
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
-from .eagle import block_drafting, pack_drafting_head
+from .eagle import block_drafting, pack_drafting_head, rowstable_head
 
 
 def draw(scores: torch.Tensor, params, generator, subset: torch.Tensor | None, vocab_size: int):
@@ -69,7 +69,7 @@ def draft_on_rowstable(model, head: torch.Tensor | None, target_model):
     ops = getattr(target_model, "rowstable", None)
     if ops is None or not getattr(model, "native", False) or model.dtype != torch.float32:
         return None
-    on_blocks = getattr(target_model, "head_rs_blocks", None) is not None
+    on_blocks = target_model.head_rs_blocks is not None
     if model.rowstable is None:  # (a draft GGUF's own blocks may have put it on them already)
         if model.packed or any(lin.qargs is not None for blk in model.layers
                                for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)):
@@ -86,10 +86,7 @@ def draft_on_rowstable(model, head: torch.Tensor | None, target_model):
         model.use_rowstable(ops, blocks)
     elif model.rowstable is not ops:
         return None
-    if head is None:
-        return None
-    hb = quantize_q8_0(head) if on_blocks else None
-    return (ops.linear, head.contiguous()) if hb is None else (ops.q8_0_linear, hb[1], hb[3])
+    return None if head is None else rowstable_head(ops, head, on_blocks)
 
 
 class DraftModelDrafter:

@@ -43,9 +43,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models.llama import (ATTEND_MAX_T, BLOCK_MAX_ROWS, PACK_BATCH_HINT, Linear, additive_mask, block_linear,
-                             block_rows_ok, cpu_has_bf16, fused_step_ok, mkldnn_packing_available, packed_linear,
-                             step_call)
+from ..models.llama import (ATTEND_HEAD_SIZES, ATTEND_MAX_T, BLOCK_MAX_ROWS, PACK_BATCH_HINT, Linear, additive_mask,
+                             block_linear, block_rows_ok, cpu_has_bf16, fused_step_ok, mkldnn_packing_available,
+                             packed_linear, step_call)
 from ..kv_cache import keep_in_place, with_room
 from ..types import SpecdecError
 from .base import Draft, DraftContext, register
@@ -205,33 +205,42 @@ def block_drafting(linears, W: torch.Tensor, target_model):
     return None if blocks is None else kernel_args(ops, blocks, act_bits=8)
 
 
+def rowstable_head(ops, W: torch.Tensor, q8: bool) -> tuple:
+    """(op, *args) computing h @ W^T (W [S, D], a drafter's output head) on the row-stable AVX2
+    kernels `ops` as op(h, *args): over Q8_0 copies of W where `q8` (the target reads GGUF blocks)
+    and W's shape allows them, else over the fp32 W."""
+    from ..models.gguf_blocks import quantize_q8_0
+
+    blocks = quantize_q8_0(W) if q8 else None
+    return (ops.linear, W.contiguous()) if blocks is None else (ops.q8_0_linear, blocks[1], blocks[3])
+
+
 def rowstable_drafting(linears, W: torch.Tensor, target_model):
     """Where the target's decoding steps run on the row-stable AVX2 kernels (CPUs without AVX-512:
     target_model.rowstable, models.llama.LlamaModel.use_rowstable) and `block_drafting` did not
     apply, put a drafter's float32 projections `linears` on those kernels, and return (op, *args)
-    computing its output head W [S, D] on them (op(h, *args)). Where the target reads a GGUF file's
-    blocks (its head is on them), the drafter's weights become Q8_0 copies too where the shapes
-    allow (a quarter of the bytes a drafting step reads), as `block_drafting` does on the AVX-512
-    kernels; else they stay float32. None (nothing changed) where the target is not on these
-    kernels. Only the drafter's own numbers move, so exactness does not depend on it. Call it
-    before the projections are packed."""
+    computing its output head W [S, D] on them (`rowstable_head`). Where the target reads a GGUF
+    file's blocks (its head is on them), the drafter's weights become Q8_0 copies too where the
+    shapes allow (a quarter of the bytes a drafting step reads), as `block_drafting` does on the
+    AVX-512 kernels; else they stay float32. None (nothing changed) where the target is not on
+    these kernels. Only the drafter's own numbers move, so exactness does not depend on it. Call
+    it before the projections are packed."""
     from ..models.gguf_blocks import quantize_q8_0
 
     ops = getattr(target_model, "rowstable", None)
     if ops is None or W.dtype != torch.float32:
         return None
-    q8 = quantize_q8_0 if getattr(target_model, "head_rs_blocks", None) is not None else (lambda w: None)
+    on_blocks = target_model.head_rs_blocks is not None
     for lin in linears:
         if lin.weight is None or lin.weight.dtype != torch.float32 or lin.qargs is not None:
             continue
-        blocks = q8(lin.weight)
+        blocks = quantize_q8_0(lin.weight) if on_blocks else None
         lin.rs = ops
         if blocks is not None:
             lin.rs_blocks = (ops.q8_0_linear, blocks[1], blocks[3])
         else:
             lin.weight.data = lin.weight.data.contiguous()
-    blocks = q8(W)
-    return (ops.linear, W.contiguous()) if blocks is None else (ops.q8_0_linear, blocks[1], blocks[3])
+    return rowstable_head(ops, W, on_blocks)
 
 
 def kernel_steps(head: EagleHead, head_blocks, target_model=None):
@@ -247,7 +256,7 @@ def kernel_steps(head: EagleHead, head_blocks, target_model=None):
         return None
     rs = getattr(target_model, "rowstable", None)
     if (rs is not None and all(lin.rs is rs and lin.bias is None for lin in lins) and head.hidden % 8 == 0
-            and head.head_dim in (16, 32, 64, 128)):
+            and head.head_dim in ATTEND_HEAD_SIZES):
         return rs
     ops = loaded()
     if head_blocks is None or not fused_step_ok(ops, head.hidden, head.head_dim, lins):
