@@ -10,7 +10,7 @@ context length, or given). The replayed decode speedup is tokens / cost; it leav
 drafting time (~0.3% for lookup) and per-step overhead, and it matches measured decode
 speedups within a few percent on the prompts both were run on.
 
-    python benchmarks/ngram_replay.py --categories summarization,rag --per-category 20 --max-new-tokens 192
+    python benchmarks/experiments/ngram_replay.py --categories summarization,rag --per-category 20 --max-new-tokens 192
 
 Prints a table and, as the last line, one JSON document.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "spec_bench" / "dev.jsonl"
 
 

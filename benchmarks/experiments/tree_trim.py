@@ -1,7 +1,7 @@
 """`auto` with its EAGLE trees cut to the nodes worth verifying (the default) against the same
 drafter verifying whole trees, and how well the head's path probabilities predict acceptance.
 
-Since 2026-12-02 `LookupEagleDrafter` keeps, per tree, only the head's nodes whose learnt odds
+`LookupEagleDrafter` keeps, per tree, only the head's nodes whose learnt odds
 of being accepted (by their path probability) raise the expected committed tokens per unit of
 step time, and stops expanding once no frontier node could be kept. This benchmark runs, per
 prompt and interleaved, plain decoding, auto with trimming ("trim") and auto without ("whole"),
@@ -12,7 +12,7 @@ shows what trimming does to a tree step. The whole-tree variant's nodes give the
 table: the share of nodes accepted per bin of the head's path probability (all of them are
 verified there, so the table is unbiased).
 
-    python benchmarks/tree_trim.py --per-category 1 --humaneval 4 --repeats 2 --gate off --threads 2
+    python benchmarks/experiments/tree_trim.py --per-category 1 --humaneval 4 --repeats 2 --gate off --threads 2
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "dev.jsonl"
+DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "dev.jsonl"
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ Each configuration runs every prompt (greedy, batch 1, decode time only), interl
 prompt (the order flips every other prompt), one run each; prints tokens/s, the speedup
 over `none` and τ per prompt set (Spec-Bench dev, HumanEval) and overall.
 
-    python benchmarks/auto_graft.py none auto:g=0 auto:g=6 eagle:d=4:n=5 eagle:d=5:n=7 eagle:d=6:w=3:n=10
+    python benchmarks/experiments/auto_graft.py none auto:g=0 auto:g=6 eagle:d=4:n=5 eagle:d=5:n=7 eagle:d=6:w=3:n=10
 
 A configuration is `none`, `auto[:g=G][:d=D][:w=W][:n=N][:k=K]` (prompt lookup + the shipped
 EAGLE head; G lookup nodes grafted onto a tree row's tree, 0 = off; tree depth / width /
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "dev.jsonl"
+DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "dev.jsonl"
 
 
 def main() -> int:

@@ -14,8 +14,8 @@ builds load side by side) and times, interleaved, median of --repeats (--section
   * direct: whole steps with the layers' direct kernel calls (`Block.fast`) on and off (this
     checkout only; --base is not used).
 
-    python benchmarks/kernel_ab.py --base HEAD~1 --threads 2
-    python benchmarks/kernel_ab.py --base HEAD~1 --sections products --steps 1x200,5x200,1x800,5x800
+    python benchmarks/experiments/kernel_ab.py --base HEAD~1 --threads 2
+    python benchmarks/experiments/kernel_ab.py --base HEAD~1 --sections products --steps 1x200,5x200,1x800,5x800
 
 Only for the CPU kernels (AVX-512); prints a table and one JSON line.
 """
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cells(s: str) -> list[tuple[int, int]]:

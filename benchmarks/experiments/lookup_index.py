@@ -6,7 +6,7 @@ from 300 common ids, so that short n-grams repeat as in text), then 128 steps th
 2 tokens and look up a continuation of up to 8 (n = 4..1). Reports microseconds per step for
 both, and the index's first call (indexing the whole prompt). Python only; no model.
 
-    python benchmarks/lookup_index.py --lengths 200,600,1500
+    python benchmarks/experiments/lookup_index.py --lengths 200,600,1500
 """
 
 from __future__ import annotations
