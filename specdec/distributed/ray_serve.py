@@ -1,20 +1,21 @@
-"""`specdec serve --ray --replicas N`: the OpenAI-compatible server as a Ray Serve deployment.
+"""`specdec serve --ray --replicas N`: the OpenAI-compatible server as a Ray Serve application.
 
-Each replica is one Ray actor holding its own model, engine and continuous batcher, with the
-HTTP app that `server.app.create_app` builds mounted as the replica's ingress: the API, its
-flags and its errors are the single server's. Ray Serve's proxy takes the HTTP connection on
---host/--port and hands each request to a replica (the less loaded of two picked at random).
-Each replica runs --threads torch threads (default 1) and reserves that many CPUs from Ray, so
-replicas that share a node do not fight over its cores.
+Two deployments. `SpecdecEngine` replicas each hold their own model, engine and continuous
+batcher, and the HTTP app that `server.app.create_app` builds over them: the API, its flags
+and its errors are the single server's. Each runs --threads torch threads (default 1) and
+reserves that many CPUs from Ray, so replicas that share a node do not fight over its cores.
+`SpecdecRouter` is the HTTP ingress behind Ray Serve's proxy (--host/--port): it forwards each
+request as it came to an engine replica (the less loaded of two picked at random), which runs
+it through its app in process and streams the ASGI messages back. The router exists for the
+replica that dies: a request it had not answered yet goes once more to another replica, then
+fails with an OpenAI-style 503; a stream that had started ends with an error event. (Ray
+Serve's proxy alone answers the first with a bare 500 and cuts the second off silently.)
 
 /metrics on any replica answers for all of them: every replica posts its own /metrics text to
 a small named actor (the board) each second and on each /metrics call; the answer sums the
-counters, histograms and load gauges over the replicas seen in the last
-`STALE_S` seconds, recomputes the acceptance rate from the summed counts, and repeats every
-replica's own series with a `replica` label. A replica that dies takes its requests with it:
-Ray Serve's proxy answers those that were running on it with a bare HTTP 500 (the `openai`
-client retries it, by default twice) and ends a stream that had started without `[DONE]`;
-it routes new requests to the other replicas and starts a replacement.
+counters, histograms and load gauges over the replicas heard from in the last `STALE_S`
+seconds, recomputes the acceptance rate from the summed counts, and repeats every replica's
+own series with a `replica` label.
 
 Also a Ray Serve application that a cluster's own config deploys:
 `import_path: specdec.distributed.ray_serve:app_builder` with `args: {flags: "--method ngram"}`
@@ -24,6 +25,7 @@ Also a Ray Serve application that a cluster's own config deploys:
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shlex
 import signal
@@ -161,10 +163,10 @@ def aggregate_metrics(texts: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@serve.deployment(name="SpecdecServer", health_check_period_s=5, health_check_timeout_s=30)
-@serve.ingress()
-class SpecdecServer:
-    """One replica: its own model, engine and continuous batcher behind `create_app`'s API."""
+@serve.deployment(name="SpecdecEngine", health_check_period_s=5, health_check_timeout_s=30)
+class SpecdecEngine:
+    """One replica: its own model, engine and continuous batcher, and `create_app`'s HTTP app
+    over them, which `http` runs in process for each request the router forwards."""
 
     def __init__(self, args) -> None:
         import torch
@@ -175,13 +177,13 @@ class SpecdecServer:
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_tag if getattr(ctx, "replica_tag", None) else str(ctx.replica_id)
         self.board = ray.remote(num_cpus=0)(MetricsBoard).options(
-            name=BOARD_NAME, namespace=BOARD_NAMESPACE, get_if_exists=True,
-            lifetime="detached").remote()
-        self.own_metrics = None
+            name=BOARD_NAME, namespace=BOARD_NAMESPACE, get_if_exists=True, lifetime="detached").remote()
+        self.app, self.own_metrics = self._build_app()
         self._stop = threading.Event()
         threading.Thread(target=self._post_metrics_loop, name="specdec-metrics-post", daemon=True).start()
 
-    def __serve_build_asgi_app__(self):
+    def _build_app(self):
+        """create_app's app with /metrics answering for every replica; (app, its own /metrics)."""
         from fastapi.responses import PlainTextResponse
 
         from ..server.app import create_app
@@ -189,31 +191,57 @@ class SpecdecServer:
         args = self.args
         app = create_app(self.lm, self.batcher, args.served_model_name or self.lm.name, api_key=args.api_key,
                          request_timeout=args.request_timeout)
-        own = [r for r in app.router.routes if getattr(r, "path", None) == "/metrics"]
-        self.own_metrics = own[0].endpoint
-        app.router.routes.remove(own[0])
+        own = next(r for r in app.router.routes if getattr(r, "path", None) == "/metrics")
+        app.router.routes.remove(own)
 
         @app.get("/metrics")
         async def metrics():
-            text = await self._own_metrics_text()
+            text = (await own.endpoint()).body.decode()
             await self.board.post.remote(self.replica, text)
             texts = await self.board.recent.remote(STALE_S)
             texts[self.replica] = text
             return PlainTextResponse(aggregate_metrics(texts), media_type="text/plain; version=0.0.4")
 
-        return app
-
-    async def _own_metrics_text(self) -> str:
-        return (await self.own_metrics()).body.decode()
+        return app, own.endpoint
 
     def _post_metrics_loop(self) -> None:
         while not self._stop.wait(PUSH_EVERY_S):
-            if self.own_metrics is None:
-                continue
             try:
-                self.board.post.remote(self.replica, asyncio.run(self._own_metrics_text()))
+                text = asyncio.run(self.own_metrics()).body.decode()
+                self.board.post.remote(self.replica, text)
             except Exception:  # the board is being replaced, or Ray is shutting down: try again next tick
                 pass
+
+    async def http(self, request: dict, body: bytes):
+        """Run one HTTP request through the app in process, yielding its ASGI messages as the
+        app sends them (token by token for a stream). When the caller stops reading (the
+        client went away), the app sees a disconnect and frees the request's batch row."""
+        out: asyncio.Queue = asyncio.Queue()
+        gone = asyncio.Event()
+        sent_body = False
+
+        async def receive():
+            nonlocal sent_body
+            if not sent_body:
+                sent_body = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
+                 "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 0), "root_path": "",
+                 "method": request["method"], "path": request["path"], "raw_path": request["path"].encode(),
+                 "query_string": request["query_string"], "headers": request["headers"]}
+        task = asyncio.ensure_future(self.app(scope, receive, out.put))
+        task.add_done_callback(lambda _: out.put_nowait(None))
+        try:
+            while (message := await out.get()) is not None:
+                yield message
+            task.result()
+        finally:
+            gone.set()
+            if not task.done():
+                await asyncio.wait([task], timeout=5)
 
     def check_health(self) -> None:
         """Ray Serve's periodic check: a replica whose decode thread died is replaced."""
@@ -226,14 +254,92 @@ class SpecdecServer:
         self.batcher.close()
 
 
+REPLICA_LOST = ("the replica serving this request stopped before it finished (Ray Serve starts a replacement); "
+                "send the request again")
+
+
+@serve.deployment(name="SpecdecRouter", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+@serve.ingress()
+class SpecdecRouter:
+    """The HTTP ingress: forwards each request, as it came, to an engine replica (Ray Serve
+    picks the less loaded of two) and streams the answer back. A request whose replica dies
+    before answering goes once more to another replica (nothing of it reached the client,
+    so sending it again is safe) and then fails with an OpenAI-style 503 (Retry-After: 1);
+    a stream that had started ends with the `data: {"error": ...}` event a timed-out stream
+    ends with. Ray Serve's own proxy would answer the first with a bare 500 and end the
+    second without a word. Decodes nothing itself, so it reserves no CPU."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine.options(stream=True)
+
+    def __serve_build_asgi_app__(self):
+        async def app(scope, receive, send):  # a plain coroutine function: uvicorn takes it for ASGI 3
+            await self.asgi(scope, receive, send)
+
+        return app
+
+    async def asgi(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        request = {"method": scope["method"], "path": scope["path"], "query_string": scope.get("query_string", b""),
+                   "headers": [(bytes(k), bytes(v)) for k, v in scope["headers"]]}
+        forward = asyncio.ensure_future(self.forward(request, body, send))
+        client_gone = asyncio.ensure_future(receive())  # the next message can only be http.disconnect
+        await asyncio.wait([forward, client_gone], return_when=asyncio.FIRST_COMPLETED)
+        if not forward.done():  # cancelling the handle's stream cancels the replica's `http`
+            forward.cancel()
+        client_gone.cancel()
+        await asyncio.gather(forward, client_gone, return_exceptions=True)
+
+    async def forward(self, request: dict, body: bytes, send) -> None:
+        for attempt in (1, 2):
+            state = {"started": False, "stream": False}
+            try:
+                async for message in self.engine.http.remote(request, body):
+                    if message["type"] == "http.response.start":
+                        state["started"] = True
+                        state["stream"] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                              for k, v in message.get("headers", []))
+                    await send(message)
+                    if message["type"] == "http.response.body" and not message.get("more_body", False):
+                        return
+                raise RuntimeError("the replica's answer ended early")
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                if state["started"]:
+                    tail = ("data: " + json.dumps({"error": {"message": REPLICA_LOST, "type": "server_error"}})
+                            + "\n\n") if state["stream"] else ""
+                    await send({"type": "http.response.body", "body": tail.encode(), "more_body": False})
+                    return
+                if attempt == 2:
+                    err = json.dumps({"error": {"message": REPLICA_LOST, "type": "server_error", "param": None,
+                                                "code": "replica_lost"}}).encode()
+                    await send({"type": "http.response.start", "status": 503,
+                                "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                                            (b"content-length", str(len(err)).encode())]})
+                    await send({"type": "http.response.body", "body": err, "more_body": False})
+
+
 def deployment(args):
-    """The bound application for `serve.run`: --replicas replicas of --threads CPUs each."""
-    return SpecdecServer.options(
+    """The bound application for `serve.run`: the router in front of --replicas engine
+    replicas of --threads CPUs each."""
+    engine = SpecdecEngine.options(
         num_replicas=replica_count(args, ray),
         ray_actor_options={"num_cpus": engine_threads(args)},
         # the batcher queues and refuses (429) as the single server does, so let requests reach it
         max_ongoing_requests=args.max_batch + args.max_queue,
     ).bind(args)
+    return SpecdecRouter.bind(engine)
 
 
 def app_builder(config: dict):
