@@ -227,6 +227,27 @@ def test_load_spreads_over_both_replicas_and_metrics_add_up(client, ray_app):
 
 
 @needs_ray
+def test_a_client_that_goes_away_frees_its_row_on_the_replica(ray_app):
+    import http.client
+
+    before = settled_metrics(ray_app)["specdec_requests_cancelled_total"]
+    host, port = ray_app.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "Numbers: 1, 2,",
+                                                        "max_tokens": 500, "temperature": 0, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.close()  # mid-stream
+    for _ in range(60):
+        if metrics(ray_app)["specdec_requests_cancelled_total"] > before:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("the replica kept decoding for a client that had gone")
+
+
+@needs_ray
 def test_a_replica_killed_under_load_fails_its_requests_cleanly(client, ray_app, default_model, capsys):
     import openai
 

@@ -388,7 +388,8 @@ def serve_on_ray(args) -> int:
     """The `serve --ray` command: start (or join) Ray, deploy, serve until Ctrl-C or SIGTERM."""
     started = start_ray(args.address)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT too where a shell started us with it ignored
+        signal.signal(sig, lambda signum, frame: stop.set())
     try:
         try:
             run_app(args)
@@ -397,10 +398,7 @@ def serve_on_ray(args) -> int:
         print(f"[specdec] serving on http://{args.host}:{args.port}/v1 with {replica_count(args, ray)} Ray Serve "
               f"replicas of {engine_threads(args)} threads (method {args.method}, max batch {args.max_batch} each)",
               file=sys.stderr)
-        try:
-            while not stop.wait(1.0):
-                pass
-        except KeyboardInterrupt:
+        while not stop.wait(1.0):
             pass
         print("[specdec] stopping", file=sys.stderr)
     finally:
