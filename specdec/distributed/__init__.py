@@ -68,14 +68,16 @@ def start_ray(address: str | None, quiet: bool = False) -> bool:
     import logging
 
     common = dict(logging_level=logging.WARNING, log_to_driver=not quiet)
+    if not address:
+        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, object_store_memory=512 * 1024 * 1024,
+                 **common)
+        return True
     try:
-        if address:
-            ray.init(address=address, **common)
-        else:
-            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False,
-                     object_store_memory=512 * 1024 * 1024, **common)
-    except ConnectionError as e:
-        raise SpecdecError(f"could not reach the Ray cluster at {address!r}: {e}") from None
+        ray.init(address=address, **common)
+    except (ConnectionError, RuntimeError, TimeoutError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecdecError(f"could not join the Ray cluster at --address {address}: {first} (is `ray start --head` "
+                           "running there, and is this its address?)") from None
     return True
 
 
