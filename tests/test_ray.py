@@ -82,6 +82,15 @@ def test_ray_only_flags_need_ray(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+def test_an_unreachable_cluster_address_is_one_clear_error():
+    from specdec.distributed import check_reachable
+    from specdec.types import SpecdecError
+
+    with pytest.raises(SpecdecError, match=r"could not reach the Ray cluster at --address 127.0.0.1:\d+ .*ray start --head"):
+        check_reachable(f"127.0.0.1:{_free_port()}")  # a port nothing listens on
+    check_reachable("auto")  # left to Ray
+
+
 # --- batch generation on actors -----------------------------------------------------------
 @needs_ray
 @pytest.mark.real_guard  # the oracle runs as a user's single-process run does

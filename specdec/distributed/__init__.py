@@ -72,6 +72,7 @@ def start_ray(address: str | None, quiet: bool = False) -> bool:
         ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, object_store_memory=512 * 1024 * 1024,
                  **common)
         return True
+    check_reachable(address)
     try:
         ray.init(address=address, **common)
     except (ConnectionError, RuntimeError, TimeoutError) as e:
@@ -79,6 +80,21 @@ def start_ray(address: str | None, quiet: bool = False) -> bool:
         raise SpecdecError(f"could not join the Ray cluster at --address {address}: {first} (is `ray start --head` "
                            "running there, and is this its address?)") from None
     return True
+
+
+def check_reachable(address: str) -> None:
+    """For a HOST:PORT address, a TCP connection within 5 s, else one clear error (Ray itself
+    would retry an unreachable head for minutes). 'auto' and ray:// addresses go to Ray as given."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+    except OSError as e:
+        raise SpecdecError(f"could not reach the Ray cluster at --address {address} ({e.strerror or e}); is "
+                           "`ray start --head` running there, and is this the address it printed?") from None
 
 
 def engine_threads(args) -> int:
