@@ -15,6 +15,7 @@ import sys
 import time
 
 from . import learned
+from .distributed import add_generate_ray_args, add_serve_ray_args, wants_ray
 from .text import check_text
 from .types import MAX_GUESSES, SpecdecError
 
@@ -167,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "Output text does not depend on it, only speed")
     add_model_args(g)
     add_sampling_args(g)
+    add_generate_ray_args(g)
     add_train_parser(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)
@@ -221,6 +223,7 @@ def add_serve_parser(sub) -> None:
     v.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="uvicorn log level; debug also logs each decode step (batch size, draft cap, tree rows, "
                         "guesses, accepted, time) and each request's prefill")
+    add_serve_ray_args(v)
 
 
 def cmd_serve(args) -> int:
@@ -235,6 +238,10 @@ def cmd_serve(args) -> int:
     from .server.app import create_app
     from .server.batcher import ContinuousBatcher
 
+    if wants_ray(args):
+        from .distributed.ray_serve import serve_on_ray
+
+        return serve_on_ray(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     method, drafter = args.method, None
@@ -1116,6 +1123,10 @@ def cmd_generate(args) -> int:
     from .models.loader import load_model
     from .text import StreamPrinter, encode_prompt, find_stop, has_chat_template
 
+    if wants_ray(args):
+        from .distributed.ray_batch import generate_on_ray
+
+        return generate_on_ray(args)
     params = sampling_params(args)  # validate before loading anything
     rows_in = read_prompts(args)
     prompts = [p for p, _ in rows_in]
