@@ -54,6 +54,7 @@ distribution plain decoding computes). Stop strings are the caller's `stop_fn`."
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -70,6 +71,11 @@ from ..sampling import choose, make_generator, warp
 from ..types import MAX_GUESSES, SamplingParams, SpecdecError
 from ..verify import verify_greedy, verify_stochastic, verify_tree_greedy, verify_tree_stochastic
 
+errors = logging.getLogger("specdec.batcher")  # each failure once, with the request ids it ended
+
+# finish reasons of a request that did not end normally: its own row failed; the server shut down
+FAILED = ("error", "shutdown")
+
 
 @dataclass
 class Request:
@@ -82,7 +88,11 @@ class Request:
     trees: bool = True  # with method auto: may this request draft EAGLE trees or take a draft model's guesses
     # (False: prompt lookup only)
     logprobs: int | None = None  # None: off; N >= 0: each token's log-probability and the N most likely
+    prompt_logprobs: int | None = None  # as logprobs, for the prompt's tokens (set in prompt_lps at the prefill)
+    score_only: bool = False  # prefill (and prompt_logprobs) only: no token is generated
+    id: str = ""  # the caller's request id, for the log
     cancelled: bool = False
+    prompt_lps: list | None = None  # [None, (lp, alts), ...] per prompt token, when prompt_logprobs was asked
     tokens: list[int] = field(default_factory=list)
     context: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
@@ -258,19 +268,25 @@ class ContinuousBatcher:
         self.head_time = DecayedLine(0.98)  # the head's drafting seconds vs rows it drafts for (auto)
         self.last_k = 0
         self.lock = threading.Lock()
-        self.totals = dict(requests=0, finished=0, cancelled=0, tokens=0, proposed=0, accepted=0, forwards=0,
-                           steps=0, tree_rows=0, draft_rows=0, lookup_rows=0)
+        self.totals = dict(requests=0, finished=0, cancelled=0, failed=0, tokens=0, first_tokens=0, proposed=0,
+                           accepted=0, forwards=0, steps=0, tree_rows=0, draft_rows=0, lookup_rows=0)
         self.log = None  # a logging.Logger: one debug line per step (batch size, chosen draft length)
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._drain_until: float | None = None  # set by drain(): finish what runs, admit nothing new
+        self.ready = threading.Event()  # set once warm (see warm_up), or at once when no warm-up is asked
         self.thread = None
         if thread:
+            self.ready.set()
             self.thread = threading.Thread(target=self._loop, name="specdec-batcher", daemon=True)
             self.thread.start()
 
     # -- public -----------------------------------------------------------------------
     def submit(self, req: Request) -> None:
-        """Queue a request; raises queue.Full when the queue is full (the caller answers 429)."""
+        """Queue a request; raises queue.Full when the queue is full (the caller answers 429), and
+        SpecdecError when it cannot fit the context or the batcher is draining."""
+        if self.draining:
+            raise SpecdecError("the server is shutting down and takes no new requests")
         if len(req.prompt) + req.params.max_new_tokens + self.k_max + 2 > self.max_context:
             raise SpecdecError(f"prompt ({len(req.prompt)} tokens) plus max_tokens ({req.params.max_new_tokens}) "
                                f"exceeds the context of {self.max_context} tokens")
@@ -293,19 +309,57 @@ class ContinuousBatcher:
             t = dict(self.totals)
         t.update(batch=len(self.rows), queued=self.waiting.qsize(), draft_k=self.last_k,
                  alpha=t["accepted"] / t["proposed"] if t["proposed"] else 0.0,
-                 tau=(t["tokens"] - t["finished"] - t["cancelled"]) / t["forwards"] if t["forwards"] else 0.0)
+                 tau=(t["tokens"] - t["first_tokens"]) / t["forwards"] if t["forwards"] else 0.0)
         return t
 
-    def run(self, until: Callable[[], bool] | None = None) -> None:
-        """Decode until `close()` (from another thread) or until `until()` is true (checked
-        between steps). `specdec serve` runs this in the main
+    def run(self, until: Callable[[], bool] | None = None, warm: bool = False) -> None:
+        """Decode until `close()` (from another thread), until `until()` is true (checked
+        between steps) or until a `drain()` has ended. warm: first run `warm_up()` (`ready`
+        is set after it). `specdec serve` runs this in the main
         thread, with the HTTP server in a thread: with torch's OpenMP threads, every parallel
         kernel launched from a second thread on a machine with few cores pays a wake-up of
         its own thread team (libgomp stops spinning once there are more OpenMP threads than
         cores; our reading): measured on 2 cores, a decode step of the default model takes
         23.8 ms from a second thread and 15.4 ms from the main thread
         (benchmarks/thread_step.py)."""
+        if warm and not self.ready.is_set():
+            self.warm_up()
+        self.ready.set()
         self._loop(until)
+
+    def warm_up(self, steps: int = 12) -> float:
+        """Decode one made-up request on this thread (the model's): the first prefill and the
+        first speculative steps pay one-off costs (kernel dispatch, the drafters' buffers,
+        allocator growth) that would otherwise land on the first client, ~6 s against
+        ~0.35 s later on the default model. The prompt repeats itself, so prompt lookup and
+        the drafters guess and the verification paths run. Counters are restored after; the
+        cost model keeps what it measured. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        saved = dict(self.totals)
+        prompt = [(7 * i) % 97 + 10 for i in range(24)] * 3
+        done = threading.Event()
+        room = self.max_context - len(prompt) - self.k_max - 3
+        if room >= 1:
+            req = Request(prompt, SamplingParams(max_new_tokens=min(steps, room)), lambda *_: None,
+                          lambda *_: done.set(), id="warm-up")
+            req.generator = make_generator(0)
+            self._prefill(req)
+            while self.rows and not done.is_set():
+                self._step()
+        with self.lock:
+            self.totals = saved
+        return time.perf_counter() - t0
+
+    def drain(self, seconds: float) -> None:
+        """Stop admitting new requests; requests already submitted may run for `seconds` more,
+        then each still open ends with reason "shutdown" and the loop returns. Callable from any
+        thread (a signal handler included)."""
+        self._drain_until = time.perf_counter() + max(0.0, seconds)
+        self._wake.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_until is not None
 
     def close(self) -> None:
         self._stop.set()
@@ -313,9 +367,25 @@ class ContinuousBatcher:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=10)
 
+    def end_all(self, reason: str = "shutdown") -> None:
+        """End every running and queued request with `reason` (on the model thread, or once it
+        has stopped)."""
+        while self.rows:
+            self._remove(len(self.rows) - 1, reason)
+        while True:
+            try:
+                req = self.waiting.get_nowait()
+            except queue.Empty:
+                break
+            self._finish(req, "cancelled" if req.cancelled else reason)
+
     # -- worker -----------------------------------------------------------------------
     def _loop(self, until: Callable[[], bool] | None = None) -> None:
         while not self._stop.is_set() and not (until is not None and until()):
+            if self._drain_until is not None and (time.perf_counter() >= self._drain_until or
+                                                  (not self.rows and self.waiting.empty())):
+                self.end_all("shutdown")
+                return
             try:
                 self._admit()
                 if not self.rows:
@@ -323,13 +393,24 @@ class ContinuousBatcher:
                     self._wake.clear()
                     continue
                 self._step()
-            except Exception as e:  # never let one bad step kill the server: fail the rows in it
-                for r in list(self.rows):
-                    self._finish(r, f"error: {type(e).__name__}: {e}")
-                self.rows = []
-                self.cache.lengths.zero_()
-                if self.trees or self.drafting:
-                    self.drafter.keep_rows([])
+            except Exception as e:  # noqa: BLE001 - a failure no single row caused: end the rows in it
+                self._fail_step(e)
+
+    def _fail_step(self, e: Exception) -> None:
+        """A step failed outside any one row's work (the shared forward, say): its rows end with
+        an error (logged once, with their ids), the cache and drafters start empty, and the
+        server keeps serving."""
+        ids = [r.id for r in self.rows]
+        errors.error("decode step failed; ending its requests %s: %s: %s", ids, type(e).__name__, e, exc_info=e)
+        for r in self.rows:
+            self._finish(r, "error")
+        self.rows = []
+        self.cache.lengths.zero_()
+        if self.trees or self.drafting:
+            try:
+                self.drafter.keep_rows([])
+            except Exception:  # noqa: BLE001 - already failing: the log has the first error
+                errors.exception("resetting the drafter after a failed step failed too")
 
     def _admit(self) -> None:
         while len(self.rows) < self.max_batch:
@@ -338,18 +419,36 @@ class ContinuousBatcher:
             except queue.Empty:
                 return
             if req.cancelled:
-                self._finish(req, "cancelled", active=False)
+                self._finish(req, "cancelled")
                 continue
-            self._prefill(req)
+            try:
+                self._prefill(req)
+            except Exception as e:  # noqa: BLE001 - this request's own failure: it ends alone
+                self._fail_row(req, e, "prefill")
+
+    def _fail_row(self, req: Request, e: Exception, where: str) -> None:
+        """One request failed in its own work (prefill, sampling, verification, its stop
+        check): it ends alone with reason "error", logged once with its id."""
+        errors.error("request %s failed in its %s: %s: %s", req.id or "(no id)", where, type(e).__name__, e,
+                     exc_info=e)
+        if req in self.rows:
+            self._remove(self.rows.index(req), "error")
+        else:
+            self._finish(req, "error")
 
     @torch.inference_mode()
     def _prefill(self, req: Request) -> None:
         t0 = time.perf_counter()
         L = len(req.prompt)
         one = self.model.new_cache(1, L + 1)
-        logits, hidden = self.model(torch.tensor([req.prompt]), torch.arange(L)[None], one,
-                                    logits_at=torch.tensor([[L - 1]]))
-        first = int(choose(logits[:, 0], req.params, req.generator)[0])
+        at = torch.arange(L)[None] if req.prompt_logprobs is not None else torch.tensor([[L - 1]])
+        logits, hidden = self.model(torch.tensor([req.prompt]), torch.arange(L)[None], one, logits_at=at)
+        if req.prompt_logprobs is not None:
+            req.prompt_lps = [None] + _logprobs(logits[0, :-1], req.prompt[1:], req.prompt_logprobs)
+        if req.score_only:
+            self._finish(req, "length")
+            return
+        first = int(choose(logits[:, -1], req.params, req.generator)[0])
         slot = len(self.rows)
         if self.trees:
             self.drafter.add_row(self.max_context)
@@ -365,9 +464,12 @@ class ContinuousBatcher:
         self.rows.append(req)
         if self.log is not None:
             self.log.debug("prefill: %d tokens, row %d, %.1f ms", L, slot, (time.perf_counter() - t0) * 1e3)
-        self._emit(req, [first], _logprobs(logits[0, :1], [first], req.logprobs))
-        if self._done_reason(req):
-            self._remove(self.rows.index(req), self._done_reason(req))
+        with self.lock:
+            self.totals["first_tokens"] += 1
+        self._emit(req, [first], _logprobs(logits[0, -1:], [first], req.logprobs))
+        reason = self._done_reason(req)
+        if reason and req in self.rows:
+            self._remove(self.rows.index(req), reason)
 
     def _emit(self, req: Request, ids: list[int], lps: list | None = None) -> None:
         room = req.params.max_new_tokens - len(req.tokens)
@@ -398,12 +500,18 @@ class ContinuousBatcher:
             return "length"
         return ""
 
-    def _finish(self, req: Request, reason: str, active: bool = True) -> None:
+    def _finish(self, req: Request, reason: str) -> None:
+        """Count the request's end and tell its owner (a callback that fails is logged, never
+        raised into the decode loop)."""
+        kind = "cancelled" if reason == "cancelled" else "failed" if reason in FAILED else "finished"
         with self.lock:
-            self.totals["cancelled" if reason == "cancelled" else "finished"] += 1
-        req.on_done(reason, dict(prompt_tokens=len(req.prompt), completion_tokens=len(req.tokens),
-                                 proposed=req.proposed, accepted=req.accepted, forwards=req.forwards,
-                                 first_token_s=req.first_token_s))
+            self.totals[kind] += 1
+        try:
+            req.on_done(reason, dict(prompt_tokens=len(req.prompt), completion_tokens=len(req.tokens),
+                                     proposed=req.proposed, accepted=req.accepted, forwards=req.forwards,
+                                     first_token_s=req.first_token_s))
+        except Exception:  # noqa: BLE001 - the owner's problem, not the batch's
+            errors.exception("request %s: its on_done callback failed", req.id or "(no id)")
 
     def _remove(self, i: int, reason: str) -> None:
         """Row i leaves; the last active row moves into its slot."""
@@ -679,24 +787,17 @@ class ContinuousBatcher:
             for b, ab, nb in zip(plain, a.tolist(), n.tolist()):
                 paths[b] = paths[b][:ab]
                 nxt[b] = nb
+        failed: dict[int, Exception] = {}
         done = set(plain)
         for b, r in enumerate(self.rows):  # each other row verifies with its own sampling settings
             if b in done:
                 continue
-            lg, gt, c = logits[b : b + 1], drafted[b : b + 1], counts[b : b + 1]
-            if is_tree and use_tree[b]:  # lookup rows are chains, verified as chains in either mode
-                pr = parents[b : b + 1]
-                if r.params.greedy:
-                    p, n = verify_tree_greedy(lg, gt, pr, c, [room[b]])
-                else:
-                    p, n = verify_tree_stochastic(warp(lg, r.params), gt, pr, None, c, r.generator, [room[b]])
-                paths[b] = p[0]
-            else:  # a sampled chain row: its own guesses only, so the random numbers a seeded row
-                # draws do not depend on how wide other rows' drafts made the batch
-                m = int(c[0])
-                a, n = verify_stochastic(warp(lg[:, : m + 1], r.params), gt[:, :m], None, c, r.generator)
-                paths[b] = paths[b][: int(a[0])]
-            nxt[b] = n[0]
+            try:
+                paths[b], nxt[b] = self._verify_row(r, logits[b : b + 1], drafted[b : b + 1], counts[b : b + 1],
+                                                    parents[b : b + 1] if is_tree and use_tree[b] else None,
+                                                    room[b], paths[b])
+            except Exception as e:  # noqa: BLE001 - this row's own failure: it alone ends (below)
+                failed[b], paths[b] = e, []
         n_acc = torch.tensor([len(p) for p in paths], dtype=torch.long)
         if is_tree:
             cache.keep_paths(base, paths)
@@ -734,6 +835,8 @@ class ContinuousBatcher:
             self.totals["lookup_rows"] += sum(1 for g, u, t in zip(guesses, use_draft, use_tree) if g and not u and not t)
         drafted_l, nxt_l, counts_l = drafted.tolist(), nxt.tolist(), counts.tolist()
         for b, r in enumerate(self.rows):
+            if b in failed:
+                continue
             # the rows of this step's output behind the committed tokens: the pending token's and
             # the accepted nodes' (a chain's are the first ones: a view, not a copy)
             n = len(paths[b])
@@ -745,11 +848,44 @@ class ContinuousBatcher:
             r.proposed += counts_l[b]
             r.accepted += n
             r.forwards += 1
-            self._emit(r, ids, _logprobs(logits[b, kept], ids, r.logprobs) if r.logprobs is not None else None)
-        for i in reversed(range(len(self.rows))):
-            reason = self._done_reason(self.rows[i])
-            if reason:
-                self._remove(i, reason)
+            try:
+                self._emit(r, ids, _logprobs(logits[b, kept], ids, r.logprobs) if r.logprobs is not None else None)
+            except Exception as e:  # noqa: BLE001 - its owner's callback failed: this row alone ends
+                failed[b] = e
+        self._leave(failed)
+
+    def _verify_row(self, r: Request, lg, gt, c, parents, room: int, chain: list[int]):
+        """(accepted path, next token) of one row verified with its own sampling settings: a tree
+        (parents given) by the tree rule, else its chain; a sampled chain row verifies its own
+        guesses only, so the random numbers a seeded row draws do not depend on how wide other
+        rows' drafts made the batch."""
+        if parents is not None:
+            if r.params.greedy:
+                p, n = verify_tree_greedy(lg, gt, parents, c, [room])
+            else:
+                p, n = verify_tree_stochastic(warp(lg, r.params), gt, parents, None, c, r.generator, [room])
+            return p[0], n[0]
+        m = int(c[0])
+        a, n = verify_stochastic(warp(lg[:, : m + 1], r.params), gt[:, :m], None, c, r.generator)
+        return chain[: int(a[0])], n[0]
+
+    def _leave(self, failed: dict[int, Exception]) -> None:
+        """After a step: rows that failed in it end with an error, finished ones leave (a stop
+        check that raises fails its row alone)."""
+        reasons = {}
+        for i, r in enumerate(self.rows):
+            if i in failed:
+                continue
+            try:
+                reasons[i] = self._done_reason(r)
+            except Exception as e:  # noqa: BLE001
+                failed[i] = e
+        doomed = [(i, self.rows[i]) for i in sorted(set(failed) | {i for i, x in reasons.items() if x}, reverse=True)]
+        for i, r in doomed:
+            if i in failed:
+                self._fail_row(r, failed[i], "step")
+            else:
+                self._remove(i, reasons[i])
 
 
 _GREEDY = SamplingParams()  # the draft model's guesses are its argmax (one-hot q: exact for sampled rows too)
