@@ -240,7 +240,7 @@ class ContentPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: read by templates that know them
     role: StrictStr
-    content: StrictStr | list[ContentPart] | None = None
+    content: StrictStr | list[ContentPart] | None = Field(default=None, validate_default=True)
 
     @field_validator("role")
     @classmethod
