@@ -328,3 +328,29 @@ def test_health_metrics_and_counters(server):
     assert values["specdec_requests_total"] == sum(values[k] for k in (
         "specdec_requests_finished_total", "specdec_requests_cancelled_total", "specdec_requests_failed_total",
         "specdec_batch_size", "specdec_queue_size"))
+
+
+def test_openapi_describes_the_request_bodies(server):
+    """/openapi.json holds both request models, every $ref resolves, and a 200 may be JSON or a
+    stream of events (what schema-driven fuzzers such as schemathesis read)."""
+    code, text = http(server[0] + "/openapi.json")
+    doc = json.loads(text)
+    assert code == 200
+    schemas = doc["components"]["schemas"]
+    assert {"prompt", "echo", "logprobs"} <= set(schemas["CompletionRequest"]["properties"])
+    assert "messages" in schemas["ChatCompletionRequest"]["properties"]
+    refs = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            refs.extend(v for k, v in x.items() if k == "$ref")
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(doc)
+    assert refs and all(r.split("/")[-1] in schemas for r in refs), [r for r in refs if r.split("/")[-1] not in schemas]
+    ok = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert {"application/json", "text/event-stream"} <= set(ok)

@@ -53,4 +53,13 @@ def create_app(lm, batcher: ContinuousBatcher, model_name: str, api_key: str | N
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(admin.router)
+    openapi = app.openapi
+
+    def with_request_schemas() -> dict:
+        """FastAPI's document plus the request models (the routes read their bodies themselves)."""
+        doc = openapi()
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(completions.SCHEMA_DEFS)
+        return doc
+
+    app.openapi = with_request_schemas
     return app

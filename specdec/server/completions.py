@@ -35,10 +35,16 @@ router = APIRouter()
 MAX_CHOICES = 64  # prompts x n in one request, at most (or the server's --max-n if larger)
 
 
+SCHEMA_DEFS: dict = {}  # the request models' nested schemas, for /openapi.json's components (see app.py)
+
+
 def _openapi(schema) -> dict:
     """The request body's JSON schema and both 200 shapes (JSON, or a stream of events) for /openapi.json."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema.model_json_schema(
-                ref_template="#/components/schemas/{model}")}}},
+    body = schema.model_json_schema(ref_template="#/components/schemas/{model}")
+    SCHEMA_DEFS.update(body.pop("$defs", {}))
+    SCHEMA_DEFS[schema.__name__] = body
+    return {"requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{schema.__name__}"}}}},
             "responses": {"200": {"description": "the answer, or with stream: true server-sent events ending "
                                                  "with data: [DONE]",
                                   "content": {"application/json": {"schema": {"type": "object"}},
