@@ -1,8 +1,8 @@
 """`specdec serve` as a process, the way users start it: the model decodes in the main thread
 and HTTP runs in a second one. A greedy completion equals plain greedy decoding, /metrics
 shows the EAGLE head's trees at work (auto is the default method), `--log-level debug` logs
-each step's decision, Ctrl-C stops it cleanly,
-and a port that is taken is a clear error; `--method draft` (the shipped draft model) and `--method
+each step's decision, Ctrl-C stops it cleanly, SIGTERM drains (open streams end finished or
+with an error event, always with [DONE]), and a port that is taken is a clear error; `--method draft` (the shipped draft model) and `--method
 auto --draft DRAFT_MODEL` answer exactly too, and a path that is not a model is refused before
 loading."""
 

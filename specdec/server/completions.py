@@ -171,6 +171,7 @@ class _StreamText:
     def __init__(self) -> None:
         self.sent = 0  # characters of text sent
         self.lp_sent = 0  # tokens whose logprobs were sent
+        self.tokens = 0  # tokens received
         self.started = False
 
 
@@ -215,8 +216,7 @@ def _opening(shaper: Shaper, i: int) -> str | None:
 
 async def _stream(state, job: generation.Job, shaper: Shaper, usage: bool):
     texts = [_StreamText() for _ in job.choices]
-    first_token_at = last = None
-    tokens = 0
+    last = None
     try:
         async for i, kind in generation.events(job):
             st = texts[i]
@@ -226,10 +226,10 @@ async def _stream(state, job: generation.Job, shaper: Shaper, usage: bool):
                 if opening:
                     yield opening
             if kind == "tokens":
-                now = time.perf_counter()
-                if last is not None:
-                    state.metrics.per_token.observe(now - last)
-                first_token_at, last = first_token_at or now, now
+                now, count = time.perf_counter(), len(job.choices[i].tokens)
+                if last is not None:  # seconds per token since the last event, over the tokens it brought
+                    state.metrics.per_token.observe((now - last) / max(1, count - st.tokens))
+                last, st.tokens = now, count
                 piece = _delta(shaper, st, i, final=False)
             else:
                 piece = _delta(shaper, st, i, final=True)
