@@ -219,6 +219,9 @@ def add_serve_parser(sub) -> None:
                         "(capped at the model's context)")
     v.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take in all, queued and running, before it fails (408; "
                         "a stream ends with an error event) and its batch row is freed. Default: 600")
+    v.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds open requests may still run (no new ones are admitted) before each "
+                        "is ended (a stream with an error event and [DONE]). Default: 30")
     v.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     v.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="uvicorn log level; debug also logs each decode step (batch size, draft cap, tree rows, "
@@ -228,11 +231,8 @@ def add_serve_parser(sub) -> None:
 
 def cmd_serve(args) -> int:
     import logging
-    import signal
-    import threading
 
     import torch
-    import uvicorn
 
     from .models.loader import load_model
     from .server.app import create_app
@@ -286,29 +286,11 @@ def cmd_serve(args) -> int:
         batcher.log = log
     app = create_app(lm, batcher, args.served_model_name or lm.name, api_key=args.api_key,
                      request_timeout=args.request_timeout)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-
-    def serve_http():
-        try:
-            server.run()
-        finally:
-            batcher.close()  # the HTTP side ended (or never started): stop decoding
-
-    # the model runs in this (main) thread, HTTP in a second one: see ContinuousBatcher.run
-    http = threading.Thread(target=serve_http, name="specdec-http", daemon=True)
-    http.start()
-    signal.signal(signal.SIGTERM, lambda signum, frame: batcher.close())  # e.g. `docker stop`: finish the step, exit
     print(f"[specdec] serving {lm.name} on http://{args.host}:{args.port}/v1 (method {method}, "
           f"max batch {args.max_batch})", file=sys.stderr)
-    try:
-        batcher.run()
-    except KeyboardInterrupt:
-        print("[specdec] stopping", file=sys.stderr)
-    finally:
-        server.should_exit = True
-        http.join(timeout=10)
-    if not server.started:
-        raise SpecdecError(f"could not serve on {args.host}:{args.port} (see the error above: is the port in use, or the host not an address of this machine?)")
+    from .server.runner import serve
+
+    serve(app, batcher, args.host, args.port, args.log_level, drain_timeout=args.drain_timeout)
     return 0
 
 

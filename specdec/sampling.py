@@ -22,7 +22,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities [..., V] (fp32) after temperature / top-k / top-p / min-p."""
     if params.greedy:
         raise ValueError("warp() is for sampling; greedy decoding takes the argmax")
-    x = logits.float() / params.temperature
+    x = _scaled(logits, params.temperature)
     V = x.shape[-1]
     if 0 < params.top_k < V:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -41,6 +41,22 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(probs < params.min_p * top, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+# below this temperature, logits / T can overflow float32 (|logit| 100 at T 1e-37), or T itself
+# round to 0 in float32: the logits are shifted to max 0 first and divided in float64
+SMALL_TEMPERATURE = 1e-4
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in float32, finite wherever the logits are: at tiny temperatures the
+    row's maximum becomes 0 and every other logit a large negative number (or -inf), so the
+    softmax is the limit distribution (one-hot on the argmax, shared among exact ties) instead
+    of inf - inf = NaN. Softmax is unchanged by the shift; the usual path stays as it was."""
+    if temperature >= SMALL_TEMPERATURE:
+        return logits.float() / temperature
+    x = logits.double()
+    return ((x - x.amax(dim=-1, keepdim=True)) / temperature).float()
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -170,3 +170,32 @@ def test_sampling_params_accepts_edges():
     SamplingParams(seed=2**63 - 1)
     SamplingParams(seed=-(2**63))
     assert SamplingParams().greedy and not SamplingParams(temperature=0.1).greedy
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324, 1e-20, 9e-5])
+@pytest.mark.parametrize("kw", [{}, {"top_p": 0.5}, {"top_k": 3}, {"min_p": 0.5}])
+def test_tiny_temperatures_sample_the_argmax(temperature, kw):
+    """A temperature far below 1 is the limit distribution: all mass on the argmax (shared among
+    exact ties). Dividing float32 logits by 1e-40 overflowed to inf, softmax gave NaN and
+    torch.multinomial raised inside the server's batch."""
+    logits = 30.0 * torch.randn(4, 500, generator=torch.Generator().manual_seed(7))
+    logits[3, 10] = logits[3, 11] = logits[3].max() + 1.0  # an exact tie
+    probs = warp(logits, SamplingParams(temperature=temperature, **kw))
+    assert torch.isfinite(probs).all()
+    want = torch.zeros_like(probs)
+    want[torch.arange(3), logits[:3].argmax(-1)] = 1.0
+    want[3, 10] = want[3, 11] = 0.5
+    torch.testing.assert_close(probs[:3], want[:3], atol=1e-6, rtol=0)
+    if "top_p" not in kw:  # (top-p 0.5 keeps one of the two tied tokens, as transformers does)
+        torch.testing.assert_close(probs[3], want[3], atol=1e-6, rtol=0)
+    assert float(probs[3, 10] + probs[3, 11]) == pytest.approx(1.0)
+    g = make_generator(1)
+    assert (sample(probs[:3], g) == logits[:3].argmax(-1)).all()
+
+
+def test_moderate_temperatures_are_warped_as_before():
+    """Above SMALL_TEMPERATURE the logits are divided as they always were (bit for bit), so seeded
+    samples do not change."""
+    logits = 3.0 * torch.randn(2, 300, generator=torch.Generator().manual_seed(4))
+    for t in (1e-3, 0.7, 1.0, 5.0):
+        assert torch.equal(warp(logits, SamplingParams(temperature=t)), (logits / t).softmax(-1))

@@ -348,7 +348,7 @@ def test_stream_include_usage(client):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("echo", True), ("logit_bias", {"50": 10}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+    ("logit_bias", {"50": 10}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
     ("best_of", 3), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("response_format", {"type": "json_object"}), ("suffix", "tail"), ("repetition_penalty", 1.3),
 ])

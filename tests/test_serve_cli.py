@@ -1,8 +1,8 @@
 """`specdec serve` as a process, the way users start it: the model decodes in the main thread
 and HTTP runs in a second one. A greedy completion equals plain greedy decoding, /metrics
 shows the EAGLE head's trees at work (auto is the default method), `--log-level debug` logs
-each step's decision, Ctrl-C stops it cleanly,
-and a port that is taken is a clear error; `--method draft` (the shipped draft model) and `--method
+each step's decision, Ctrl-C stops it cleanly, SIGTERM drains (open streams end finished or
+with an error event, always with [DONE]), and a port that is taken is a clear error; `--method draft` (the shipped draft model) and `--method
 auto --draft DRAFT_MODEL` answer exactly too, and a path that is not a model is refused before
 loading."""
 
@@ -14,6 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -130,3 +132,81 @@ def test_serve_draft_that_is_not_a_model_is_a_clear_error(tmp_path):
                        timeout=180)
     assert p.returncode != 0
     assert f"{tmp_path} is not a draft model" in p.stderr
+
+
+def _stream_lines(url: str, body: dict, got: dict, key: str, first: threading.Event) -> None:
+    """Read one SSE response into got[key] = [data payloads]; sets `first` at the first event."""
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    events = got.setdefault(key, [])
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+    except Exception as e:  # noqa: BLE001 - "response ended prematurely" is what the test looks for
+        events.append(f"EXCEPTION {type(e).__name__}: {e}")
+        first.set()
+
+
+def test_sigterm_drains_and_ends_every_open_stream(default_model):
+    """SIGTERM with streams open: no request is admitted any more (503), each open stream ends
+    either finished or with an error event, always followed by data: [DONE], and the process
+    exits 0 soon after the drain time. /health says "starting" (503) until warm, then "ok"."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(SERVE + ["--port", str(port), "--method", "ngram", "--drain-timeout", "1",
+                                     "--max-batch", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        statuses = []
+        t0 = time.time()
+        while time.time() - t0 < 120:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    statuses.append(json.loads(r.read())["status"])
+                    break
+            except urllib.error.HTTPError as e:
+                statuses.append(json.loads(e.read())["status"])
+            except OSError:
+                pass
+            if proc.poll() is not None:
+                raise AssertionError(proc.stderr.read())
+            time.sleep(0.1)
+        assert statuses[-1] == "ok" and set(statuses) <= {"starting", "ok"}, statuses
+        got, firsts, threads = {}, [], []
+        for i, n in enumerate((400, 400, 3)):
+            first = threading.Event()
+            body = {"prompt": f"Story {i}: once upon a time", "max_tokens": n, "temperature": 1.2, "seed": i,
+                    "stream": True}
+            threads.append(threading.Thread(target=_stream_lines, args=(url, body, got, i, first)))
+            firsts.append(first)
+            threads[-1].start()
+        for f in firsts:
+            assert f.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        try:
+            _post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+            raise AssertionError("a request during the drain was admitted")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and "shutting down" in json.loads(e.read())["error"]["message"]
+        for t in threads:
+            t.join(timeout=30)
+        rc = proc.wait(timeout=30)
+        assert rc == 0
+        ended_by_error = 0
+        for i, events in got.items():
+            assert events[-1] == "[DONE]", (i, events[-3:])
+            last = json.loads(events[-2])
+            if "error" in last:
+                ended_by_error += 1
+                assert "shutting down" in last["error"]["message"]
+            else:
+                assert last["choices"][0]["finish_reason"] in ("stop", "length"), last
+        assert ended_by_error >= 1  # the 400-token streams could not finish in the 1 s drain
+        assert "drained and stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

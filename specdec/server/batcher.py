@@ -50,10 +50,19 @@ This module knows nothing about HTTP or text: it takes token ids and sampling se
 calls back with token ids (and, when a request asks for them, each token's log-probability
 under the target's raw distribution, before temperature and top-p, with the N most likely
 alternatives: the rows of the verification forward that produced the tokens, the same
-distribution plain decoding computes). Stop strings are the caller's `stop_fn`."""
+distribution plain decoding computes). Stop strings are the caller's `stop_fn`.
+
+One request never breaks another: a request whose own work fails (its prefill, its
+verification, its callbacks or stop check) ends alone with finish reason "error", logged once
+on the "specdec.batcher" logger with its id; only a failure of the shared forward ends the
+rows of that step (logged with their ids). The counters balance: requests = finished +
+cancelled + failed + running + queued. `warm_up` pays the first steps' one-off costs before a
+server reports ready; `drain` stops admitting and ends what is still open after a grace time
+(reason "shutdown")."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -70,6 +79,11 @@ from ..sampling import choose, make_generator, warp
 from ..types import MAX_GUESSES, SamplingParams, SpecdecError
 from ..verify import verify_greedy, verify_stochastic, verify_tree_greedy, verify_tree_stochastic
 
+errors = logging.getLogger("specdec.batcher")  # each failure once, with the request ids it ended
+
+# finish reasons of a request that did not end normally: its own row failed; the server shut down
+FAILED = ("error", "shutdown")
+
 
 @dataclass
 class Request:
@@ -82,7 +96,11 @@ class Request:
     trees: bool = True  # with method auto: may this request draft EAGLE trees or take a draft model's guesses
     # (False: prompt lookup only)
     logprobs: int | None = None  # None: off; N >= 0: each token's log-probability and the N most likely
+    prompt_logprobs: int | None = None  # as logprobs, for the prompt's tokens (set in prompt_lps at the prefill)
+    score_only: bool = False  # prefill (and prompt_logprobs) only: no token is generated
+    id: str = ""  # the caller's request id, for the log
     cancelled: bool = False
+    prompt_lps: list | None = None  # [None, (lp, alts), ...] per prompt token, when prompt_logprobs was asked
     tokens: list[int] = field(default_factory=list)
     context: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
@@ -200,6 +218,25 @@ class StepModel:
         return a + r * rows + b * rows * k
 
 
+@dataclass
+class _Step:
+    """One decode step's plan, from the proposal to the verification."""
+    A: int
+    room: list[int]  # tokens each row may still take beyond its pending one
+    k: int = 0  # the step's cap on guesses (0: a plain step)
+    caps: list[int] = field(default_factory=list)  # each row's own cap
+    guesses: list[list[int]] = field(default_factory=list)
+    use_tree: list[bool] = field(default_factory=list)
+    use_draft: list[bool] = field(default_factory=list)
+    drafted_k: int = 0  # the draft model's guesses per row (0: not run this step)
+    t_head: float = 0.0  # seconds the EAGLE head or the draft model drafted
+    counts: torch.Tensor | None = None  # [A] guesses per row
+    drafted: torch.Tensor | None = None  # [A, K]
+    parents: torch.Tensor | None = None  # [A, K] tree parents (None: chains)
+    K: int = 0
+    is_tree: bool = False
+
+
 class ContinuousBatcher:
     def __init__(self, model, eos_ids=(), method: str = "ngram", k_max: int = 8, max_batch: int = 16,
                  max_queue: int = 256, max_context: int | None = None, adaptive: bool = True, drafter=None,
@@ -258,19 +295,25 @@ class ContinuousBatcher:
         self.head_time = DecayedLine(0.98)  # the head's drafting seconds vs rows it drafts for (auto)
         self.last_k = 0
         self.lock = threading.Lock()
-        self.totals = dict(requests=0, finished=0, cancelled=0, tokens=0, proposed=0, accepted=0, forwards=0,
-                           steps=0, tree_rows=0, draft_rows=0, lookup_rows=0)
+        self.totals = dict(requests=0, finished=0, cancelled=0, failed=0, tokens=0, first_tokens=0, proposed=0,
+                           accepted=0, forwards=0, steps=0, tree_rows=0, draft_rows=0, lookup_rows=0)
         self.log = None  # a logging.Logger: one debug line per step (batch size, chosen draft length)
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._drain_until: float | None = None  # set by drain(): finish what runs, admit nothing new
+        self.ready = threading.Event()  # set once warm (see warm_up), or at once when no warm-up is asked
         self.thread = None
         if thread:
+            self.ready.set()
             self.thread = threading.Thread(target=self._loop, name="specdec-batcher", daemon=True)
             self.thread.start()
 
     # -- public -----------------------------------------------------------------------
     def submit(self, req: Request) -> None:
-        """Queue a request; raises queue.Full when the queue is full (the caller answers 429)."""
+        """Queue a request; raises queue.Full when the queue is full (the caller answers 429), and
+        SpecdecError when it cannot fit the context or the batcher is draining."""
+        if self.draining:
+            raise SpecdecError("the server is shutting down and takes no new requests")
         if len(req.prompt) + req.params.max_new_tokens + self.k_max + 2 > self.max_context:
             raise SpecdecError(f"prompt ({len(req.prompt)} tokens) plus max_tokens ({req.params.max_new_tokens}) "
                                f"exceeds the context of {self.max_context} tokens")
@@ -293,19 +336,57 @@ class ContinuousBatcher:
             t = dict(self.totals)
         t.update(batch=len(self.rows), queued=self.waiting.qsize(), draft_k=self.last_k,
                  alpha=t["accepted"] / t["proposed"] if t["proposed"] else 0.0,
-                 tau=(t["tokens"] - t["finished"] - t["cancelled"]) / t["forwards"] if t["forwards"] else 0.0)
+                 tau=(t["tokens"] - t["first_tokens"]) / t["forwards"] if t["forwards"] else 0.0)
         return t
 
-    def run(self, until: Callable[[], bool] | None = None) -> None:
-        """Decode until `close()` (from another thread) or until `until()` is true (checked
-        between steps). `specdec serve` runs this in the main
+    def run(self, until: Callable[[], bool] | None = None, warm: bool = False) -> None:
+        """Decode until `close()` (from another thread), until `until()` is true (checked
+        between steps) or until a `drain()` has ended. warm: first run `warm_up()` (`ready`
+        is set after it). `specdec serve` runs this in the main
         thread, with the HTTP server in a thread: with torch's OpenMP threads, every parallel
         kernel launched from a second thread on a machine with few cores pays a wake-up of
         its own thread team (libgomp stops spinning once there are more OpenMP threads than
         cores; our reading): measured on 2 cores, a decode step of the default model takes
         23.8 ms from a second thread and 15.4 ms from the main thread
         (benchmarks/thread_step.py)."""
+        if warm and not self.ready.is_set():
+            self.warm_up()
+        self.ready.set()
         self._loop(until)
+
+    def warm_up(self, steps: int = 12) -> float:
+        """Decode one made-up request on this thread (the model's): the first prefill and the
+        first speculative steps pay one-off costs (kernel dispatch, the drafters' buffers,
+        allocator growth) that would otherwise land on the first client, ~6 s against
+        ~0.35 s later on the default model. The prompt repeats itself, so prompt lookup and
+        the drafters guess and the verification paths run. Counters are restored after; the
+        cost model keeps what it measured. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        saved = dict(self.totals)
+        prompt = [(7 * i) % 97 + 10 for i in range(24)] * 3
+        done = threading.Event()
+        room = self.max_context - len(prompt) - self.k_max - 3
+        if room >= 1:
+            req = Request(prompt, SamplingParams(max_new_tokens=min(steps, room)), lambda *_: None,
+                          lambda *_: done.set(), id="warm-up")
+            req.generator = make_generator(0)
+            self._prefill(req)
+            while self.rows and not done.is_set():
+                self._step()
+        with self.lock:
+            self.totals = saved
+        return time.perf_counter() - t0
+
+    def drain(self, seconds: float) -> None:
+        """Stop admitting new requests; requests already submitted may run for `seconds` more,
+        then each still open ends with reason "shutdown" and the loop returns. Callable from any
+        thread (a signal handler included)."""
+        self._drain_until = time.perf_counter() + max(0.0, seconds)
+        self._wake.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_until is not None
 
     def close(self) -> None:
         self._stop.set()
@@ -313,9 +394,25 @@ class ContinuousBatcher:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=10)
 
+    def end_all(self, reason: str = "shutdown") -> None:
+        """End every running and queued request with `reason` (on the model thread, or once it
+        has stopped)."""
+        while self.rows:
+            self._remove(len(self.rows) - 1, reason)
+        while True:
+            try:
+                req = self.waiting.get_nowait()
+            except queue.Empty:
+                break
+            self._finish(req, "cancelled" if req.cancelled else reason)
+
     # -- worker -----------------------------------------------------------------------
     def _loop(self, until: Callable[[], bool] | None = None) -> None:
         while not self._stop.is_set() and not (until is not None and until()):
+            if self._drain_until is not None and (time.perf_counter() >= self._drain_until or
+                                                  (not self.rows and self.waiting.empty())):
+                self.end_all("shutdown")
+                return
             try:
                 self._admit()
                 if not self.rows:
@@ -323,13 +420,24 @@ class ContinuousBatcher:
                     self._wake.clear()
                     continue
                 self._step()
-            except Exception as e:  # never let one bad step kill the server: fail the rows in it
-                for r in list(self.rows):
-                    self._finish(r, f"error: {type(e).__name__}: {e}")
-                self.rows = []
-                self.cache.lengths.zero_()
-                if self.trees or self.drafting:
-                    self.drafter.keep_rows([])
+            except Exception as e:  # noqa: BLE001 - a failure no single row caused: end the rows in it
+                self._fail_step(e)
+
+    def _fail_step(self, e: Exception) -> None:
+        """A step failed outside any one row's work (the shared forward, say): its rows end with
+        an error (logged once, with their ids), the cache and drafters start empty, and the
+        server keeps serving."""
+        ids = [r.id for r in self.rows]
+        errors.error("decode step failed; ending its requests %s: %s: %s", ids, type(e).__name__, e, exc_info=e)
+        for r in self.rows:
+            self._finish(r, "error")
+        self.rows = []
+        self.cache.lengths.zero_()
+        if self.trees or self.drafting:
+            try:
+                self.drafter.keep_rows([])
+            except Exception:  # noqa: BLE001 - already failing: the log has the first error
+                errors.exception("resetting the drafter after a failed step failed too")
 
     def _admit(self) -> None:
         while len(self.rows) < self.max_batch:
@@ -338,18 +446,36 @@ class ContinuousBatcher:
             except queue.Empty:
                 return
             if req.cancelled:
-                self._finish(req, "cancelled", active=False)
+                self._finish(req, "cancelled")
                 continue
-            self._prefill(req)
+            try:
+                self._prefill(req)
+            except Exception as e:  # noqa: BLE001 - this request's own failure: it ends alone
+                self._fail_row(req, e, "prefill")
+
+    def _fail_row(self, req: Request, e: Exception, where: str) -> None:
+        """One request failed in its own work (prefill, sampling, verification, its stop
+        check): it ends alone with reason "error", logged once with its id."""
+        errors.error("request %s failed in its %s: %s: %s", req.id or "(no id)", where, type(e).__name__, e,
+                     exc_info=e)
+        if req in self.rows:
+            self._remove(self.rows.index(req), "error")
+        else:
+            self._finish(req, "error")
 
     @torch.inference_mode()
     def _prefill(self, req: Request) -> None:
         t0 = time.perf_counter()
         L = len(req.prompt)
         one = self.model.new_cache(1, L + 1)
-        logits, hidden = self.model(torch.tensor([req.prompt]), torch.arange(L)[None], one,
-                                    logits_at=torch.tensor([[L - 1]]))
-        first = int(choose(logits[:, 0], req.params, req.generator)[0])
+        at = torch.arange(L)[None] if req.prompt_logprobs is not None else torch.tensor([[L - 1]])
+        logits, hidden = self.model(torch.tensor([req.prompt]), torch.arange(L)[None], one, logits_at=at)
+        if req.prompt_logprobs is not None:
+            req.prompt_lps = [None] + _logprobs(logits[0, :-1], req.prompt[1:], req.prompt_logprobs)
+        if req.score_only:
+            self._finish(req, "length")
+            return
+        first = int(choose(logits[:, -1], req.params, req.generator)[0])
         slot = len(self.rows)
         if self.trees:
             self.drafter.add_row(self.max_context)
@@ -365,9 +491,12 @@ class ContinuousBatcher:
         self.rows.append(req)
         if self.log is not None:
             self.log.debug("prefill: %d tokens, row %d, %.1f ms", L, slot, (time.perf_counter() - t0) * 1e3)
-        self._emit(req, [first], _logprobs(logits[0, :1], [first], req.logprobs))
-        if self._done_reason(req):
-            self._remove(self.rows.index(req), self._done_reason(req))
+        with self.lock:
+            self.totals["first_tokens"] += 1
+        self._emit(req, [first], _logprobs(logits[0, -1:], [first], req.logprobs))
+        reason = self._done_reason(req)
+        if reason and req in self.rows:
+            self._remove(self.rows.index(req), reason)
 
     def _emit(self, req: Request, ids: list[int], lps: list | None = None) -> None:
         room = req.params.max_new_tokens - len(req.tokens)
@@ -398,12 +527,18 @@ class ContinuousBatcher:
             return "length"
         return ""
 
-    def _finish(self, req: Request, reason: str, active: bool = True) -> None:
+    def _finish(self, req: Request, reason: str) -> None:
+        """Count the request's end and tell its owner (a callback that fails is logged, never
+        raised into the decode loop)."""
+        kind = "cancelled" if reason == "cancelled" else "failed" if reason in FAILED else "finished"
         with self.lock:
-            self.totals["cancelled" if reason == "cancelled" else "finished"] += 1
-        req.on_done(reason, dict(prompt_tokens=len(req.prompt), completion_tokens=len(req.tokens),
-                                 proposed=req.proposed, accepted=req.accepted, forwards=req.forwards,
-                                 first_token_s=req.first_token_s))
+            self.totals[kind] += 1
+        try:
+            req.on_done(reason, dict(prompt_tokens=len(req.prompt), completion_tokens=len(req.tokens),
+                                     proposed=req.proposed, accepted=req.accepted, forwards=req.forwards,
+                                     first_token_s=req.first_token_s))
+        except Exception:  # noqa: BLE001 - the owner's problem, not the batch's
+            errors.exception("request %s: its on_done callback failed", req.id or "(no id)")
 
     def _remove(self, i: int, reason: str) -> None:
         """Row i leaves; the last active row moves into its slot."""
@@ -575,16 +710,62 @@ class ContinuousBatcher:
 
     @torch.inference_mode()
     def _step(self) -> None:
-        # drop cancelled rows first
-        for i in reversed(range(len(self.rows))):
+        """One speculative step for every row: propose, score in one target forward, verify each
+        row with its own settings, commit or roll back the caches, record, stream, let finished
+        rows leave. A row whose own work fails (its verification, its callbacks, its stop check)
+        ends alone with an error."""
+        for i in reversed(range(len(self.rows))):  # drop cancelled rows first
             if self.rows[i].cancelled:
                 self._remove(i, "cancelled")
-        A = len(self.rows)
-        if A == 0:
+        if not self.rows:
             return
         t0 = time.perf_counter()
-        cache = _RowsView(self.cache, A)
-        room = [min(r.params.max_new_tokens - len(r.tokens) - 1, self.max_context - len(r.context) - 2) for r in self.rows]
+        s = self._propose()
+        cache = _RowsView(self.cache, s.A)
+        base = cache.lengths.clone()
+        inp = torch.cat([torch.tensor([[r.context[-1]] for r in self.rows], dtype=torch.long), s.drafted], 1)
+        if s.is_tree:
+            s.parents, mask, depth = tree_mod.masks(s.parents, s.counts)
+            logits, hidden = self.model(inp, base[:, None] + depth, cache, attn_mask=mask)
+        else:
+            logits, hidden = self.model(inp, base[:, None] + torch.arange(s.K + 1)[None], cache)
+        paths, nxt, failed = self._verify(s, logits)
+        n_acc = torch.tensor([len(p) for p in paths], dtype=torch.long)
+        if s.is_tree:
+            cache.keep_paths(base, paths)
+        else:
+            cache.truncate(base + 1 + n_acc)
+        cache.sync()
+        self._commit_drafters(s, paths, n_acc)
+        self._record(s, n_acc, time.perf_counter() - t0)
+        drafted_l, nxt_l, counts_l = s.drafted.tolist(), nxt.tolist(), s.counts.tolist()
+        for b, r in enumerate(self.rows):
+            if b in failed:
+                continue
+            # the rows of this step's output behind the committed tokens: the pending token's and
+            # the accepted nodes' (a chain's are the first ones: a view, not a copy)
+            n = len(paths[b])
+            kept = [0] + paths[b] if s.is_tree and s.use_tree[b] else slice(0, n + 1)
+            ids = [drafted_l[b][j - 1] for j in paths[b]] + [nxt_l[b]]
+            if self.trees:
+                r.feats.append(hidden[b, kept])
+            r.context.extend(ids)
+            r.proposed += counts_l[b]
+            r.accepted += n
+            r.forwards += 1
+            try:
+                self._emit(r, ids, _logprobs(logits[b, kept], ids, r.logprobs) if r.logprobs is not None else None)
+            except Exception as e:  # noqa: BLE001 - its owner's callback failed: this row alone ends
+                failed[b] = e
+        self._leave(failed)
+
+    def _propose(self) -> _Step:
+        """This step's guesses: every row's lookup, the cap K and the rows that draft a tree or
+        take the draft model's guesses (cost model, then the batch guard), each row's own cap,
+        then the guesses packed as chains or trees."""
+        A = len(self.rows)
+        s = _Step(A=A, room=[min(r.params.max_new_tokens - len(r.tokens) - 1, self.max_context - len(r.context) - 2)
+                             for r in self.rows])
         guesses, matches = [[] for _ in range(A)], [0] * A
         hidden_in = None
         if self.trees:  # each feature goes to the head exactly once
@@ -607,149 +788,168 @@ class ContinuousBatcher:
                     for r in self.rows]
         use_draft = [False] * A
         if self.drafting:
-            k, use_draft = self._choose_draft(guesses, matches, draft_ok)
+            s.k, use_draft = self._choose_draft(guesses, matches, draft_ok)
             use_tree = [False] * A
         else:
-            k, use_tree = self._choose_k(guesses, matches, tree_ok)
-        if k > 0 and self.guard is not None and not self.guard.speculate(A):
-            k, use_tree, use_draft = 0, [False] * A, [False] * A
+            s.k, use_tree = self._choose_k(guesses, matches, tree_ok)
+        if s.k > 0 and self.guard is not None and not self.guard.speculate(A):
+            s.k, use_tree, use_draft = 0, [False] * A, [False] * A
+        s.caps = self._caps(s, guesses, matches)
+        s.use_draft = [u and c > 0 for u, c in zip(use_draft, s.caps)]
+        s.guesses = [[] if u else g[:c] for g, c, u in zip(guesses, s.caps, s.use_draft)]
+        s.drafted_k = max((c for c, u in zip(s.caps, s.use_draft) if u), default=0)
+        if s.drafted_k:
+            self._draft_model_guesses(s)
+        s.use_tree = [u and c > 0 for u, c in zip(use_tree, s.caps)]
+        self._pack(s, ctx)
+        return s
+
+    def _caps(self, s: _Step, guesses: list[list[int]], matches: list[int]) -> list[int]:
+        """Each row's cap on guesses this step: the step's K within its own cap and room; a
+        seeded sample takes its whole lookup up to its own cap, whatever the load, so the same
+        seed draws the same random numbers and gives the same text (load-aware mode already
+        proposed whole lookups; --fixed-k's drafter may have cut this one), and no draft-model
+        guesses (see the module docstring)."""
         caps = []
         for b, r in enumerate(self.rows):
             own = r.spec_k if r.spec_k is not None else self.k_max
             if timing_free(r.params) and self.lookup is not None:
-                # a seeded sample: its whole lookup up to its own cap, whatever the load, so the
-                # same seed draws the same random numbers and gives the same text (load-aware mode
-                # already proposed whole lookups; --fixed-k's drafter may have cut this one)
                 if self.lookup.choose_length:
                     matches[b], guesses[b] = lookup_match(r.context, self.k_max, self.lookup.min_n,
                                                           self.lookup.max_n)
-                caps.append(max(0, min(self.k_max, own, room[b])))
+                caps.append(max(0, min(self.k_max, own, s.room[b])))
             elif self.drafting and timing_free(r.params):
-                caps.append(0)  # a seeded sample: no draft-model guesses (see the module docstring)
+                caps.append(0)
             else:
-                caps.append(max(0, min(k, own, room[b])))
-        use_draft = [u and c > 0 for u, c in zip(use_draft, caps)]
-        guesses = [[] if u else g[:c] for g, c, u in zip(guesses, caps, use_draft)]
-        t_head = 0.0
-        drafted_k = max((c for c, u in zip(caps, use_draft) if u), default=0)
-        if drafted_k:
-            contexts = [r.context for r in self.rows]
-            # tokens the draft has not seen: a few in steady state, more for rows that took their
-            # lookup for a while (a one-off catch-up, not the cost of drafting: not timed)
-            behind = max(len(c) - len(f) for c, f in zip(contexts, self.drafter.fed))
-            t1 = time.perf_counter()
-            d = self.drafter.propose(DraftContext(contexts, _GREEDY, None), drafted_k)
-            t_head = time.perf_counter() - t1
-            if behind <= self.k_max + 2:
-                self.draft_time.observe(A, t_head / drafted_k)
-            guesses = [d.tokens[b, : min(int(d.counts[b]), caps[b])].tolist() if use_draft[b] else g
-                       for b, g in enumerate(guesses)]
-        use_tree = [u and c > 0 for u, c in zip(use_tree, caps)]
+                caps.append(max(0, min(s.k, own, s.room[b])))
+        return caps
+
+    def _draft_model_guesses(self, s: _Step) -> None:
+        """The draft model's guesses for the rows that take them (its drafting time measured)."""
+        contexts = [r.context for r in self.rows]
+        # tokens the draft has not seen: a few in steady state, more for rows that took their
+        # lookup for a while (a one-off catch-up, not the cost of drafting: not timed)
+        behind = max(len(c) - len(f) for c, f in zip(contexts, self.drafter.fed))
+        t1 = time.perf_counter()
+        d = self.drafter.propose(DraftContext(contexts, _GREEDY, None), s.drafted_k)
+        s.t_head = time.perf_counter() - t1
+        if behind <= self.k_max + 2:
+            self.draft_time.observe(s.A, s.t_head / s.drafted_k)
+        s.guesses = [d.tokens[b, : min(int(d.counts[b]), s.caps[b])].tolist() if s.use_draft[b] else g
+                     for b, g in enumerate(s.guesses)]
+
+    def _pack(self, s: _Step, ctx: DraftContext) -> None:
+        """The guesses as the forward takes them: [A, K] tokens, counts, and parents for trees."""
         if self.trees:
             # a tree row's lookup is grafted onto its tree, within the k_max slots a row reserves
-            draft = self.drafter.assemble(ctx, guesses, use_tree, self.k_max, max_nodes=self.k_max)
-            t_head = self.drafter.t_head
-            if t_head > 0 and self.drafter.head_steady:
-                self.head_time.observe(sum(use_tree), t_head)
-            counts = torch.minimum(draft.counts, torch.tensor(caps, dtype=torch.long))  # a tree cut to its first nodes stays a tree
-            K = int(counts.max())
-            drafted, parents = draft.tokens[:, :K], draft.parents[:, :K]
+            draft = self.drafter.assemble(ctx, s.guesses, s.use_tree, self.k_max, max_nodes=self.k_max)
+            s.t_head = self.drafter.t_head
+            if s.t_head > 0 and self.drafter.head_steady:
+                self.head_time.observe(sum(s.use_tree), s.t_head)
+            # a tree cut to its first nodes stays a tree
+            s.counts = torch.minimum(draft.counts, torch.tensor(s.caps, dtype=torch.long))
+            s.K = int(s.counts.max())
+            s.drafted, s.parents = draft.tokens[:, : s.K], draft.parents[:, : s.K]
         else:
-            counts = torch.tensor([len(g) for g in guesses], dtype=torch.long)
-            K = int(counts.max())
-            drafted = torch.tensor([g + [0] * (K - len(g)) for g in guesses], dtype=torch.long).reshape(A, K)
-            parents = None
-        self.last_k = K
-        inp = torch.cat([torch.tensor([[r.context[-1]] for r in self.rows], dtype=torch.long), drafted], 1)
-        base = cache.lengths.clone()
-        is_tree = parents is not None and K > 0 and any(use_tree)  # lookup rows alone: a plain chain step
-        if is_tree:
-            parents, mask, depth = tree_mod.masks(parents, counts)
-            logits, hidden = self.model(inp, base[:, None] + depth, cache, attn_mask=mask)
-        else:
-            logits, hidden = self.model(inp, base[:, None] + torch.arange(K + 1)[None], cache)
-        paths = [list(range(1, int(c) + 1)) for c in counts]  # chain: node j hangs under node j - 1
-        nxt = torch.zeros(A, dtype=torch.long)
+            s.counts = torch.tensor([len(g) for g in s.guesses], dtype=torch.long)
+            s.K = int(s.counts.max())
+            s.drafted = torch.tensor([g + [0] * (s.K - len(g)) for g in s.guesses], dtype=torch.long).reshape(s.A, s.K)
+        self.last_k = s.K
+        s.is_tree = s.parents is not None and s.K > 0 and any(s.use_tree)  # lookup rows alone: a plain chain step
+
+    def _verify(self, s: _Step, logits) -> tuple[list[list[int]], torch.Tensor, dict[int, Exception]]:
+        """(accepted path per row, next token per row, rows whose verification failed)."""
+        paths = [list(range(1, int(c) + 1)) for c in s.counts]  # chain: node j hangs under node j - 1
+        nxt = torch.zeros(s.A, dtype=torch.long)
         # greedy chain rows (the usual case) verify in one call: the same argmax per row as one
         # call per row (a tenth of a millisecond each, a few percent of a full batch's step)
-        plain = [b for b, r in enumerate(self.rows) if r.params.greedy and not (is_tree and use_tree[b])]
+        plain = [b for b, r in enumerate(self.rows) if r.params.greedy and not (s.is_tree and s.use_tree[b])]
         if plain:
-            sel = slice(None) if len(plain) == A else torch.tensor(plain)
-            a, n = verify_greedy(logits[sel], drafted[sel], counts[sel])
+            sel = slice(None) if len(plain) == s.A else torch.tensor(plain)
+            a, n = verify_greedy(logits[sel], s.drafted[sel], s.counts[sel])
             for b, ab, nb in zip(plain, a.tolist(), n.tolist()):
                 paths[b] = paths[b][:ab]
                 nxt[b] = nb
+        failed: dict[int, Exception] = {}
         done = set(plain)
         for b, r in enumerate(self.rows):  # each other row verifies with its own sampling settings
             if b in done:
                 continue
-            lg, gt, c = logits[b : b + 1], drafted[b : b + 1], counts[b : b + 1]
-            if is_tree and use_tree[b]:  # lookup rows are chains, verified as chains in either mode
-                pr = parents[b : b + 1]
-                if r.params.greedy:
-                    p, n = verify_tree_greedy(lg, gt, pr, c, [room[b]])
-                else:
-                    p, n = verify_tree_stochastic(warp(lg, r.params), gt, pr, None, c, r.generator, [room[b]])
-                paths[b] = p[0]
-            else:  # a sampled chain row: its own guesses only, so the random numbers a seeded row
-                # draws do not depend on how wide other rows' drafts made the batch
-                m = int(c[0])
-                a, n = verify_stochastic(warp(lg[:, : m + 1], r.params), gt[:, :m], None, c, r.generator)
-                paths[b] = paths[b][: int(a[0])]
-            nxt[b] = n[0]
-        n_acc = torch.tensor([len(p) for p in paths], dtype=torch.long)
-        if is_tree:
-            cache.keep_paths(base, paths)
-        else:
-            cache.truncate(base + 1 + n_acc)
-        cache.sync()
+            try:
+                paths[b], nxt[b] = self._verify_row(r, logits[b : b + 1], s.drafted[b : b + 1], s.counts[b : b + 1],
+                                                    s.parents[b : b + 1] if s.is_tree and s.use_tree[b] else None,
+                                                    s.room[b], paths[b])
+            except Exception as e:  # noqa: BLE001 - this row's own failure: it alone ends (in _leave)
+                failed[b], paths[b] = e, []
+        return paths, nxt, failed
+
+    def _commit_drafters(self, s: _Step, paths: list[list[int]], n_acc: torch.Tensor) -> None:
+        """Tell the drafters what each row kept."""
         if self.trees:
-            self.drafter.commit(n_acc.tolist(), paths=paths if is_tree else None)
+            self.drafter.commit(n_acc.tolist(), paths=paths if s.is_tree else None)
         elif self.drafting:
-            if drafted_k:  # (rows that took their lookup keep none of the draft's guesses)
-                self.drafter.commit([int(n) if u else 0 for n, u in zip(n_acc, use_draft)])
-                self._observe_draft([c if u else 0 for c, u in zip(caps, use_draft)], n_acc.tolist())
-            if self.lookup is not None and K > 0:
-                self.lookup.verified([0 if u else len(g) for g, u in zip(guesses, use_draft)])
+            if s.drafted_k:  # (rows that took their lookup keep none of the draft's guesses)
+                self.drafter.commit([int(n) if u else 0 for n, u in zip(n_acc, s.use_draft)])
+                self._observe_draft([c if u else 0 for c, u in zip(s.caps, s.use_draft)], n_acc.tolist())
+            if self.lookup is not None and s.K > 0:
+                self.lookup.verified([0 if u else len(g) for g, u in zip(s.guesses, s.use_draft)])
                 self.lookup.commit(n_acc.tolist())
-        elif self.drafter is not None and K > 0:
-            self.drafter.verified([len(g) for g in guesses])
+        elif self.drafter is not None and s.K > 0:
+            self.drafter.verified([len(g) for g in s.guesses])
             self.drafter.commit(n_acc.tolist())
-        dt = time.perf_counter() - t0
-        self.steps.observe(A, K, dt - t_head)  # the head's drafting is priced separately (_choose_k)
-        if self.guard is not None and not (self.trees and t_head > 0 and not self.drafter.head_steady):
+
+    def _record(self, s: _Step, n_acc: torch.Tensor, dt: float) -> None:
+        """The step's time into the cost model and the guard; the counters; the debug line."""
+        self.steps.observe(s.A, s.K, dt - s.t_head)  # the head's drafting is priced separately (_choose_k)
+        if self.guard is not None and not (self.trees and s.t_head > 0 and not self.drafter.head_steady):
             # (a step in which the head caught up on a prompt that just joined is a one-off
             # per request, not the steady cost of speculating: not counted)
-            self.guard.observe(A, k > 0, int(n_acc.sum()) + A, dt)
+            self.guard.observe(s.A, s.k > 0, int(n_acc.sum()) + s.A, dt)
         if self.log is not None:
-            self.log.debug("step: batch %d, draft cap %d, tree rows %d, guesses %d, accepted %d, %.1f ms", A, k,
-                           sum(use_tree), int(counts.sum()), int(n_acc.sum()), dt * 1e3)
+            self.log.debug("step: batch %d, draft cap %d, tree rows %d, guesses %d, accepted %d, %.1f ms", s.A, s.k,
+                           sum(s.use_tree), int(s.counts.sum()), int(n_acc.sum()), dt * 1e3)
         with self.lock:
             self.totals["steps"] += 1
-            self.totals["forwards"] += A
-            self.totals["proposed"] += int(counts.sum())
+            self.totals["forwards"] += s.A
+            self.totals["proposed"] += int(s.counts.sum())
             self.totals["accepted"] += int(n_acc.sum())
-            self.totals["tree_rows"] += sum(use_tree)
-            self.totals["draft_rows"] += sum(use_draft)  # row-steps verifying the draft model's guesses
-            self.totals["lookup_rows"] += sum(1 for g, u, t in zip(guesses, use_draft, use_tree) if g and not u and not t)
-        drafted_l, nxt_l, counts_l = drafted.tolist(), nxt.tolist(), counts.tolist()
-        for b, r in enumerate(self.rows):
-            # the rows of this step's output behind the committed tokens: the pending token's and
-            # the accepted nodes' (a chain's are the first ones: a view, not a copy)
-            n = len(paths[b])
-            kept = [0] + paths[b] if is_tree and use_tree[b] else slice(0, n + 1)
-            ids = [drafted_l[b][j - 1] for j in paths[b]] + [nxt_l[b]]
-            if self.trees:
-                r.feats.append(hidden[b, kept])
-            r.context.extend(ids)
-            r.proposed += counts_l[b]
-            r.accepted += n
-            r.forwards += 1
-            self._emit(r, ids, _logprobs(logits[b, kept], ids, r.logprobs) if r.logprobs is not None else None)
-        for i in reversed(range(len(self.rows))):
-            reason = self._done_reason(self.rows[i])
-            if reason:
-                self._remove(i, reason)
+            self.totals["tree_rows"] += sum(s.use_tree)
+            self.totals["draft_rows"] += sum(s.use_draft)  # row-steps verifying the draft model's guesses
+            self.totals["lookup_rows"] += sum(1 for g, u, t in zip(s.guesses, s.use_draft, s.use_tree)
+                                              if g and not u and not t)
+
+    def _verify_row(self, r: Request, lg, gt, c, parents, room: int, chain: list[int]):
+        """(accepted path, next token) of one row verified with its own sampling settings: a tree
+        (parents given) by the tree rule, else its chain; a sampled chain row verifies its own
+        guesses only, so the random numbers a seeded row draws do not depend on how wide other
+        rows' drafts made the batch."""
+        if parents is not None:
+            if r.params.greedy:
+                p, n = verify_tree_greedy(lg, gt, parents, c, [room])
+            else:
+                p, n = verify_tree_stochastic(warp(lg, r.params), gt, parents, None, c, r.generator, [room])
+            return p[0], n[0]
+        m = int(c[0])
+        a, n = verify_stochastic(warp(lg[:, : m + 1], r.params), gt[:, :m], None, c, r.generator)
+        return chain[: int(a[0])], n[0]
+
+    def _leave(self, failed: dict[int, Exception]) -> None:
+        """After a step: rows that failed in it end with an error, finished ones leave (a stop
+        check that raises fails its row alone)."""
+        reasons = {}
+        for i, r in enumerate(self.rows):
+            if i in failed:
+                continue
+            try:
+                reasons[i] = self._done_reason(r)
+            except Exception as e:  # noqa: BLE001
+                failed[i] = e
+        doomed = [(i, self.rows[i]) for i in sorted(set(failed) | {i for i, x in reasons.items() if x}, reverse=True)]
+        for i, r in doomed:
+            if i in failed:
+                self._fail_row(r, failed[i], "step")
+            else:
+                self._remove(i, reasons[i])
 
 
 _GREEDY = SamplingParams()  # the draft model's guesses are its argmax (one-hot q: exact for sampled rows too)

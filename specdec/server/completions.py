@@ -1,0 +1,254 @@
+"""POST /v1/completions and /v1/chat/completions: answers and streams in OpenAI's shapes.
+
+Non-streaming: one JSON object with every choice. Streaming (`stream: true`): server-sent
+events, each `data: {chunk}`; chat starts each choice with a role delta; text is held back
+while it could still become a stop string or ends in an incomplete UTF-8 sequence; each
+choice ends with a chunk carrying its finish reason; `stream_options.include_usage` adds a
+last chunk with empty choices and the usage; an error after the stream started is a
+`data: {"error": ...}` event; the stream always ends with `data: [DONE]`.
+
+Log-probabilities are the target's raw ones (before temperature and top-p), from the
+forward that produced each token, the same with or without speculation. With `echo`, a
+completion's logprobs start with the prompt's tokens (the first one's null: nothing
+predicts it), computed by the prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
+
+from ..text import find_stop
+from . import generation
+from .errors import APIError, guarded, internal_error, log
+from .requests import check_context, parse, sampling
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .textops import merge_logprobs
+
+router = APIRouter()
+
+MAX_CHOICES = 64  # prompts x n in one request, at most (or the server's --max-n if larger)
+
+
+SCHEMA_DEFS: dict = {}  # the request models' nested schemas, for /openapi.json's components (see app.py)
+
+
+def _openapi(schema) -> dict:
+    """The request body's JSON schema and both 200 shapes (JSON, or a stream of events) for /openapi.json."""
+    body = schema.model_json_schema(ref_template="#/components/schemas/{model}")
+    SCHEMA_DEFS.update(body.pop("$defs", {}))
+    SCHEMA_DEFS[schema.__name__] = body
+    return {"requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{schema.__name__}"}}}},
+            "responses": {"200": {"description": "the answer, or with stream: true server-sent events ending "
+                                                 "with data: [DONE]",
+                                  "content": {"application/json": {"schema": {"type": "object"}},
+                                              "text/event-stream": {"schema": {"type": "string"}}}}}}
+
+
+class Shaper:
+    """Builds one request's choices and chunks in OpenAI's shapes."""
+
+    def __init__(self, state, job: generation.Job, chat: bool, top: int | None, created: int) -> None:
+        self.state, self.text, self.job, self.chat, self.top = state, state.text, job, chat, top
+        self.obj = "chat.completion" if chat else "text_completion"
+        self.created = created
+
+    def envelope(self, choices: list, obj: str | None = None, **extra) -> dict:
+        return {"id": self.job.rid, "object": obj or self.obj, "created": self.created,
+                "model": self.state.model_name, "choices": choices, **extra}
+
+    def logprobs(self, c: generation.Choice, start: int, stop: int, offset: int = 0):
+        if self.top is None:
+            return None
+        if self.chat:
+            return self.text.chat_logprobs(c.tokens[start:stop], c.lps[start:stop])
+        return self.text.completion_logprobs(c.tokens[start:stop], c.lps[start:stop], offset)
+
+    def echo_logprobs(self, c: generation.Choice):
+        """The echoed prompt's logprobs (completions with echo and logprobs)."""
+        if self.top is None or c.echo is None or c.request.prompt_lps is None:
+            return None
+        return self.text.completion_logprobs(c.prompt_ids, c.request.prompt_lps)
+
+    def choice(self, i: int) -> dict:
+        c = self.job.choices[i]
+        text, reason = self.text.finish_text(c.tokens, self.job.stops, c.reason)
+        keep = self.text.kept_tokens(c.tokens, len(text))
+        echo = c.echo or ""
+        lp = self.logprobs(c, 0, keep, len(echo))
+        if self.chat:
+            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                    "finish_reason": reason}
+        return {"index": i, "text": echo + text, "finish_reason": reason,
+                "logprobs": merge_logprobs(self.echo_logprobs(c), lp) if self.top is not None else None}
+
+    def usage(self, reasons: list[str]) -> dict:
+        prompt = self.job.prompt_tokens
+        comp = sum(self.text.completion_tokens(c.tokens, self.job.stops, r) for c, r in zip(self.job.choices, reasons))
+        return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp}
+
+    def chunk(self, i: int, text: str, reason: str | None = None, lp=None) -> str:
+        if self.chat:
+            c = {"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": reason}
+        else:
+            c = {"index": i, "text": text, "finish_reason": reason, "logprobs": lp}
+        return "data: " + json.dumps(self.envelope([c], self.obj + ".chunk" if self.chat else self.obj)) + "\n\n"
+
+    def role_chunk(self, i: int) -> str:
+        c = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return "data: " + json.dumps(self.envelope([c], "chat.completion.chunk")) + "\n\n"
+
+
+def _observe(state, job: generation.Job, tokens: int) -> None:
+    dt = time.perf_counter() - job.t0
+    state.metrics.e2e.observe(dt)
+    for c in job.choices:
+        if c.stats.get("first_token_s") is not None:
+            state.metrics.ttft.observe(c.stats["first_token_s"])
+    if tokens:
+        state.metrics.per_token.observe(dt / max(1, tokens // len(job.choices)))
+
+
+async def _answer(state, req: HTTPRequest, job: generation.Job, shaper: Shaper, stream: bool, usage: bool):
+    if stream:
+        return StreamingResponse(_stream(state, job, shaper, usage), media_type="text/event-stream")
+    if not await generation.collect(job, req):
+        from fastapi.responses import Response
+
+        return Response(status_code=499)  # the client left; nobody reads this
+    choices = [shaper.choice(i) for i in range(len(job.choices))]
+    body = shaper.envelope(choices, usage=shaper.usage([c["finish_reason"] for c in choices]))
+    _observe(state, job, body["usage"]["completion_tokens"])
+    return body
+
+
+@router.post("/v1/completions", openapi_extra=_openapi(CompletionRequest))
+@guarded
+async def completions(req: HTTPRequest):
+    state = req.app.state.specdec
+    body = await parse(state, req, CompletionRequest)
+    prompts = body.prompts()
+    if len(prompts) * body.n > max(MAX_CHOICES, state.max_n):
+        raise APIError(400, f"{len(prompts)} prompts x n {body.n} is more than {max(MAX_CHOICES, state.max_n)} "
+                            "choices in one request; split it", param="prompt")
+    params, spec = sampling(state, body, body.new_tokens())
+    encoded = []
+    for p in prompts:
+        ids = state.text.encode_completion(p)
+        check_context(state, ids, body.new_tokens())
+        encoded.append((ids, (p if isinstance(p, str) else state.text.decode(p, special=True)) if body.echo else None))
+    rid = "cmpl-" + uuid.uuid4().hex[:24]
+    prompt_top = body.logprobs if body.echo and body.logprobs is not None else None
+    job = generation.submit(state, encoded, params, body.n, body.stops(), spec, body.logprobs, rid,
+                            prompt_top=prompt_top, score_only=body.max_tokens == 0)
+    shaper = Shaper(state, job, False, body.logprobs, int(time.time()))
+    return await _answer(state, req, job, shaper, body.stream, body.usage_wanted())
+
+
+@router.post("/v1/chat/completions", openapi_extra=_openapi(ChatCompletionRequest))
+@guarded
+async def chat_completions(req: HTTPRequest):
+    state = req.app.state.specdec
+    body = await parse(state, req, ChatCompletionRequest)
+    params, spec = sampling(state, body, body.new_tokens())
+    ids = state.text.encode_chat([{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages])
+    check_context(state, ids, body.new_tokens())
+    rid = "chatcmpl-" + uuid.uuid4().hex[:24]
+    job = generation.submit(state, [(ids, None)], params, body.n, body.stops(), spec, body.top(), rid)
+    shaper = Shaper(state, job, True, body.top(), int(time.time()))
+    return await _answer(state, req, job, shaper, body.stream, body.usage_wanted())
+
+
+class _StreamText:
+    """Per choice: the text and logprobs sent so far."""
+
+    def __init__(self) -> None:
+        self.sent = 0  # characters of text sent
+        self.lp_sent = 0  # tokens whose logprobs were sent
+        self.tokens = 0  # tokens received
+        self.started = False
+
+
+def _delta(shaper: Shaper, st: _StreamText, i: int, final: bool) -> str | None:
+    """The chunk with choice i's new text (None if nothing can be sent yet): text that might
+    still become a stop string, or that ends in an incomplete UTF-8 sequence, waits."""
+    job, text_ops = shaper.job, shaper.text
+    c = job.choices[i]
+    if final:
+        text, _ = text_ops.finish_text(c.tokens, job.stops, c.reason)
+        safe = len(text)
+    else:
+        text = text_ops.decode(c.tokens)
+        cut = find_stop(text, job.stops) if job.stops else None
+        safe = cut if cut is not None else len(text)
+        if job.stops and cut is None:  # hold back a possible partial stop string
+            safe = max(st.sent, len(text) - (max(len(s) for s in job.stops) - 1))
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+            safe = min(safe, len(text) - 1)
+    if safe <= st.sent:
+        return None
+    piece = text[st.sent:safe]
+    lp = None
+    if shaper.top is not None:  # the tokens now wholly inside the text sent
+        start = st.lp_sent
+        st.lp_sent = text_ops.kept_tokens(c.tokens, safe, start)
+        if st.lp_sent > start:
+            lp = shaper.logprobs(c, start, st.lp_sent, len(c.echo or "") + len(text_ops.decode(c.tokens[:start])))
+    st.sent = safe
+    return shaper.chunk(i, piece, None, lp)
+
+
+def _opening(shaper: Shaper, i: int) -> str | None:
+    """What a choice's stream starts with: chat's role delta, or a completion's echoed prompt."""
+    c = shaper.job.choices[i]
+    if shaper.chat:
+        return shaper.role_chunk(i)
+    if c.echo is not None:
+        return shaper.chunk(i, c.echo, None, shaper.echo_logprobs(c))
+    return None
+
+
+async def _stream(state, job: generation.Job, shaper: Shaper, usage: bool):
+    texts = [_StreamText() for _ in job.choices]
+    last = None
+    try:
+        async for i, kind in generation.events(job):
+            st = texts[i]
+            if not st.started:
+                st.started = True
+                opening = _opening(shaper, i)
+                if opening:
+                    yield opening
+            if kind == "tokens":
+                now, count = time.perf_counter(), len(job.choices[i].tokens)
+                if last is not None:  # seconds per token since the last event, over the tokens it brought
+                    state.metrics.per_token.observe((now - last) / max(1, count - st.tokens))
+                last, st.tokens = now, count
+                piece = _delta(shaper, st, i, final=False)
+            else:
+                piece = _delta(shaper, st, i, final=True)
+            if piece:
+                yield piece
+            if kind == "done":
+                _, reason = shaper.text.finish_text(job.choices[i].tokens, job.stops, job.choices[i].reason)
+                yield shaper.chunk(i, "", reason)
+        reasons = [shaper.text.finish_text(c.tokens, job.stops, c.reason)[1] for c in job.choices]
+        final = shaper.usage(reasons)
+        _observe(state, job, final["completion_tokens"])
+        if usage:  # OpenAI's shape: empty choices, the request's usage
+            yield "data: " + json.dumps(shaper.envelope([], shaper.obj + ".chunk" if shaper.chat else shaper.obj,
+                                                        usage=final)) + "\n\n"
+    except APIError as e:
+        yield e.event()
+    except Exception:  # noqa: BLE001 - the stream has started: an error event, not a 500
+        log.exception("request %s failed while streaming", job.rid)
+        yield internal_error(job.rid).event()
+    finally:
+        job.cancel()  # the client went away (or the stream failed): free the batch rows
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,70 @@
+"""/metrics in Prometheus' text format, through `prometheus_client`.
+
+Each app has its own registry (several apps may live in one process: tests, Ray replicas).
+Latency histograms are observed by the request handlers; the batcher's counters and gauges
+are read from `ContinuousBatcher.stats()` at scrape time by a collector, so they are always
+the batcher's own figures. Requests balance: requests_total = finished + cancelled + failed
++ running (batch_size) + queued (queue_size).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# (metric name without the _total suffix, stats() key, help)
+COUNTERS = (
+    ("specdec_requests", "requests", "requests submitted to the batcher"),
+    ("specdec_requests_finished", "finished", "requests that ended normally (stop, length, end of text)"),
+    ("specdec_requests_cancelled", "cancelled", "requests cancelled (client gone, timed out) before they ended"),
+    ("specdec_requests_failed", "failed", "requests that failed alone (an error in their own row) or at shutdown"),
+    ("specdec_generated_tokens", "tokens", "tokens generated"),
+    ("specdec_draft_tokens_proposed", "proposed", "guessed tokens verified by the target"),
+    ("specdec_draft_tokens_accepted", "accepted", "guessed tokens the target accepted"),
+    ("specdec_tree_rows", "tree_rows", "row-steps that verified an EAGLE tree"),
+    ("specdec_draft_model_rows", "draft_rows", "row-steps that verified a draft model's guesses"),
+    ("specdec_lookup_rows", "lookup_rows", "row-steps that verified prompt-lookup guesses"),
+)
+GAUGES = (
+    ("specdec_acceptance_rate", "alpha", "accepted / proposed guesses"),
+    ("specdec_mean_accepted_length", "tau", "tokens committed per target forward of a row"),
+    ("specdec_batch_size", "batch", "rows decoding now"),
+    ("specdec_queue_size", "queued", "requests waiting to join the batch"),
+    ("specdec_draft_length", "draft_k", "guess slots per row in the last step"),
+)
+
+
+class _BatcherCollector:
+    def __init__(self, batcher) -> None:
+        self.batcher = batcher
+
+    def collect(self):
+        s = self.batcher.stats()
+        for name, key, doc in COUNTERS:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], s[key])
+            yield c
+        for name, key, doc in GAUGES:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], s[key])
+            yield g
+
+
+class ServerMetrics:
+    """The registry /metrics renders: the batcher's figures and three latency histograms."""
+
+    def __init__(self, batcher) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_BatcherCollector(batcher))
+        self.ttft = Histogram("specdec_time_to_first_token_seconds", "seconds from arrival to the first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.per_token = Histogram("specdec_time_per_output_token_seconds", "seconds per generated token",
+                                   buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("specdec_request_seconds", "seconds from arrival to the last token",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) for a scrape."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,356 @@
+"""The server under hostile input and failures (a server on loopback over the default model):
+a poisoned request beside normal ones, a row that fails alone, bad input that used to be a
+500, disconnects that free their rows at once, counters that balance, and the completions API
+as clients use it (batched and token-id prompts, echo with prompt log-probabilities checked
+against the model's own logits, max_tokens 0 for scoring)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from test_serve import _free_port, http, plain_greedy
+
+pytestmark = pytest.mark.default_model
+
+MAX_CONTEXT = 512
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    import uvicorn
+
+    from specdec.drafters.hybrid import lookup_eagle_for
+    from specdec.server.app import create_app
+    from specdec.server.batcher import ContinuousBatcher
+
+    batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, method="auto", k_max=8, max_batch=8,
+                                max_queue=64, max_context=MAX_CONTEXT, drafter=lookup_eagle_for(default_model))
+    app = create_app(default_model, batcher, "smol", request_timeout=120)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", batcher
+    srv.should_exit = True
+    th.join(timeout=10)
+    batcher.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def balanced(batcher) -> bool:
+    s = batcher.stats()
+    return s["requests"] == s["finished"] + s["cancelled"] + s["failed"] + s["batch"] + s["queued"]
+
+
+def wait_idle(batcher, seconds: float = 10.0) -> None:
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        s = batcher.stats()
+        if s["batch"] == 0 and s["queued"] == 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the batcher did not go idle: {batcher.stats()}")
+
+
+def run_together(jobs: dict) -> dict:
+    """Run {name: callable} in threads at once; {name: result or the exception}."""
+    out = {}
+
+    def one(name, fn):
+        try:
+            out[name] = fn()
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            out[name] = e
+
+    threads = [threading.Thread(target=one, args=item) for item in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    return out
+
+
+NORMAL = ["Write a haiku about rain.", "List three prime numbers.", "What is the capital of France?"]
+
+
+@pytest.mark.parametrize("poison", [
+    {"temperature": 1e-40}, {"temperature": 5e-324}, {"temperature": 1e-40, "top_p": 1e-300},
+    {"temperature": 1e-30, "min_p": 0.999999, "top_k": 1}, {"temperature": 1e308}, {"temperature": 0.5, "seed": -2**63},
+])
+def test_extreme_settings_beside_normal_requests(server, default_model, poison):
+    """Extreme sampling settings sent while other requests decode: everyone is answered, the
+    others with their usual greedy text; temperatures near 0 give the greedy text."""
+    url, batcher = server
+    want = {p: plain_greedy(default_model, p, True, 24) for p in NORMAL}
+    jobs = {p: (lambda p=p: http(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": p}],
+                                                                "max_tokens": 24, "temperature": 0})) for p in NORMAL}
+    jobs["poison"] = lambda: http(url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": NORMAL[0]}], "max_tokens": 24, **poison})
+    t0 = time.time()
+    got = run_together(jobs)
+    assert time.time() - t0 < 60
+    for p in NORMAL:
+        code, text = got[p]
+        assert code == 200, text
+        assert json.loads(text)["choices"][0]["message"]["content"] == want[p]
+    code, text = got["poison"]
+    assert code == 200, text
+    if poison.get("temperature", 1) < 1e-20:  # the limit distribution: the argmax, as greedy
+        assert json.loads(text)["choices"][0]["message"]["content"] == want[NORMAL[0]]
+    wait_idle(batcher)
+    assert balanced(batcher), batcher.stats()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Requests with temperature 0.123 fail in their verification, 0.321 in their prefill."""
+    from specdec.server import batcher as batcher_mod
+
+    warp, choose = batcher_mod.warp, batcher_mod.choose
+
+    def bad_warp(logits, params):
+        if params.temperature == 0.123:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return warp(logits, params)
+
+    def bad_choose(logits, params, generator):
+        if params.temperature == 0.321:
+            raise RuntimeError("prefill exploded")
+        return choose(logits, params, generator)
+
+    monkeypatch.setattr(batcher_mod, "warp", bad_warp)
+    monkeypatch.setattr(batcher_mod, "choose", bad_choose)
+
+
+def test_a_failing_row_ends_alone(server, default_model, poisoned, caplog):
+    """A request that fails inside the batcher (in its prefill, or its own verification) gets an
+    OpenAI-shaped 500 at once, logged once with its id; the requests beside it finish with their
+    usual text; streams end with an error event and [DONE]; the counters balance."""
+    url, batcher = server
+    want = {p: plain_greedy(default_model, p, True, 40) for p in NORMAL}
+    jobs = {p: (lambda p=p: http(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": p}],
+                                                                "max_tokens": 40, "temperature": 0})) for p in NORMAL}
+    for t in (0.123, 0.321):
+        jobs[t] = lambda t=t: http(url + "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 200, "temperature": t})
+    jobs["stream"] = lambda: http(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 200,
+                                                            "temperature": 0.123, "stream": True})
+    with caplog.at_level(logging.ERROR, logger="specdec.batcher"):
+        got = run_together(jobs)
+    for p in NORMAL:
+        code, text = got[p]
+        assert code == 200 and json.loads(text)["choices"][0]["message"]["content"] == want[p], text
+    for t in (0.123, 0.321):
+        code, text = got[t]
+        err = json.loads(text)["error"]
+        assert code == 500 and err["type"] == "server_error" and "chatcmpl-" in err["message"], text
+        assert "RuntimeError" not in err["message"]  # internals stay in the log
+    code, text = got["stream"]
+    assert code == 200
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error", events[-3:]
+    failures = [r for r in caplog.records if "failed in its" in r.getMessage()]
+    assert len(failures) == 3, [r.getMessage() for r in failures]
+    assert all(("chatcmpl-" in r.getMessage() or "cmpl-" in r.getMessage()) for r in failures)
+    wait_idle(batcher)
+    assert balanced(batcher), batcher.stats()
+    assert batcher.stats()["failed"] >= 3
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"messages": [{"role": "user", "content": [{"type": {"a": 1}, "text": "x"}]}]}, "'content'"),
+    ({"messages": [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}]}, "'content'"),
+    ({"messages": [{"role": "bogus", "content": "hi"}]}, "role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**63 - 2, "n": 3, "temperature": 1}, "seed"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": float("nan")}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": float("inf")}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, "'n'"),
+    ({"messages": [{"role": "user"}]}, "'content'"),
+    ({"messages": []}, "messages"),
+])
+def test_bad_chat_input_is_a_400_not_a_500(server, body, needle):
+    code, text = http(server[0] + "/v1/chat/completions", {"max_tokens": 2, **body})
+    assert code == 400, text
+    err = json.loads(text)["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error", err
+
+
+@pytest.mark.parametrize("prompt,needle", [
+    ([], "prompt"), ([[]], "prompt"), ([1, "a"], "prompt"), ([10**9], "token id"), ([-1], "token id"),
+    ([[1, 2], [3, 10**12]], "token id"), ("", "empty"), (["a", ""], "empty"), ([1.5], "prompt"), ([True], "prompt"),
+])
+def test_bad_prompts_are_400s(server, prompt, needle):
+    code, text = http(server[0] + "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    assert code == 400, text
+    assert needle in json.loads(text)["error"]["message"]
+
+
+def test_every_role_and_developer_as_system(client, default_model):
+    """system, user, assistant, tool and developer messages are served; developer reads as system."""
+    msgs = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "tool", "content": "42"},
+            {"role": "user", "content": "And now?"}]
+    r = client.chat.completions.create(model="smol", messages=msgs, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    as_system = [{**msgs[0], "role": "system"}] + msgs[1:]
+    again = client.chat.completions.create(model="smol", messages=as_system, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == again.choices[0].message.content
+
+
+def test_batched_and_token_id_prompts_equal_single_prompts(client, default_model):
+    """A list of prompts, a list of token ids and a list of token-id lists give each prompt's text
+    as a single string prompt does, one choice per prompt and per n, in that order."""
+    from specdec.text import encode_prompt
+
+    prompts = ["def add(a, b):\n", "The capital of France is", "1, 2, 3,"]
+    single = [client.completions.create(model="smol", prompt=p, max_tokens=12, temperature=0).choices[0].text
+              for p in prompts]
+    batched = client.completions.create(model="smol", prompt=prompts, max_tokens=12, temperature=0)
+    assert [c.index for c in batched.choices] == [0, 1, 2]
+    assert [c.text for c in batched.choices] == single
+    ids = [encode_prompt(default_model.tokenizer, p, False) for p in prompts]
+    one = client.completions.create(model="smol", prompt=ids[1], max_tokens=12, temperature=0)
+    assert one.choices[0].text == single[1]
+    many = client.completions.create(model="smol", prompt=ids, max_tokens=12, temperature=0, n=2)
+    assert [c.index for c in many.choices] == list(range(6))
+    assert [c.text for c in many.choices] == [t for t in single for _ in range(2)]
+    assert many.usage.prompt_tokens == sum(len(i) for i in ids)
+    # seeded samples: a prompt gives the same text alone and in a batch
+    alone = client.completions.create(model="smol", prompt=prompts[2], max_tokens=10, temperature=0.9, seed=3, n=2)
+    mixed = client.completions.create(model="smol", prompt=prompts, max_tokens=10, temperature=0.9, seed=3, n=2)
+    assert [c.text for c in mixed.choices[4:]] == [c.text for c in alone.choices]
+
+
+def _prompt_logprobs(lm, ids: list[int]) -> torch.Tensor:
+    """log P(ids[i] | ids[:i]) for i >= 1 from one plain forward with logits at every position."""
+    cache = lm.model.new_cache(1, len(ids) + 1)
+    with torch.inference_mode():
+        logits, _ = lm.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache,
+                             logits_at=torch.arange(len(ids))[None])
+    lp = torch.log_softmax(logits[0, :-1].double(), -1)
+    return lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+
+@pytest.mark.parametrize("spec", [{"k": 0}, {"k": 8}])
+def test_echo_logprobs_score_the_prompt(client, default_model, spec):
+    """echo + logprobs (lm-evaluation-harness's log-likelihood request: token ids, max_tokens 1,
+    logprobs 1): the prompt's token log-probabilities (the first null) equal log-softmax of the
+    model's logits computed here, with and without speculation; max_tokens 0 scores only."""
+    from specdec.text import encode_prompt
+
+    text = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+    ids = encode_prompt(default_model.tokenizer, text, False)
+    want = _prompt_logprobs(default_model, ids)
+    for prompt in (ids, text):
+        r = client.completions.create(model="smol", prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                      extra_body={"speculative": spec})
+        lp = r.choices[0].logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        got = torch.tensor(lp.token_logprobs[1:len(ids)], dtype=torch.float64)
+        assert torch.allclose(got, want, atol=2e-3), (got - want).abs().max()
+        assert len(lp.tokens) == len(ids) + 1 and r.choices[0].text.startswith(text)
+        # lm-eval's greedy check: each token's logprob equals the best of its top_logprobs, or is below it
+        assert all(max(t.values()) >= v - 1e-6 for t, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+        assert lp.text_offset == sorted(lp.text_offset)
+    score = client.completions.create(model="smol", prompt=ids, max_tokens=0, temperature=0, logprobs=0, echo=True)
+    c = score.choices[0]
+    assert c.text == default_model.tokenizer.decode(ids) and c.finish_reason == "length"
+    assert len(c.logprobs.token_logprobs) == len(ids) and score.usage.completion_tokens == 0
+    assert torch.allclose(torch.tensor(c.logprobs.token_logprobs[1:], dtype=torch.float64), want, atol=2e-3)
+
+
+def test_streamed_echo_starts_with_the_prompt(server):
+    code, text = http(server[0] + "/v1/completions", {"prompt": "Hello there", "max_tokens": 6, "temperature": 0,
+                                                      "echo": True, "stream": True})
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert code == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["text"] == "Hello there"
+    whole = json.loads(http(server[0] + "/v1/completions", {"prompt": "Hello there", "max_tokens": 6,
+                                                            "temperature": 0, "echo": True})[1])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+
+
+def _send_and_leave(url: str, path: str, body: dict, after: float) -> None:
+    host, port = url.split("//")[1].split(":")
+    data = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        time.sleep(after)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_frees_its_row_at_once(server, stream):
+    url, batcher = server
+    wait_idle(batcher)
+    before = batcher.stats()
+    # sampled at a high temperature: no end of text in sight, no repetition for lookups to race through
+    _send_and_leave(url, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 1.5,
+                                             "seed": 1, "stream": stream}, after=0.5)
+    t0 = time.time()
+    wait_idle(batcher, seconds=5)
+    assert time.time() - t0 < 1.0  # noticed within a step or two, not after seconds
+    s = batcher.stats()
+    assert s["cancelled"] == before["cancelled"] + 1 and s["tokens"] > before["tokens"], (before, s)
+    assert balanced(batcher)
+
+
+def test_health_metrics_and_counters(server):
+    url, batcher = server
+    code, text = http(url + "/health")
+    assert code == 200 and json.loads(text)["status"] == "ok"
+    code, text = http(url + "/metrics")
+    for name in ("specdec_requests_total", "specdec_requests_failed_total", "specdec_requests_finished_total",
+                 "specdec_requests_cancelled_total", "specdec_batch_size", "specdec_queue_size",
+                 'specdec_request_seconds_bucket{le="+Inf"}'):
+        assert name in text, name
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["specdec_requests_total"] == sum(values[k] for k in (
+        "specdec_requests_finished_total", "specdec_requests_cancelled_total", "specdec_requests_failed_total",
+        "specdec_batch_size", "specdec_queue_size"))
+
+
+def test_openapi_describes_the_request_bodies(server):
+    """/openapi.json holds both request models, every $ref resolves, and a 200 may be JSON or a
+    stream of events (what schema-driven fuzzers such as schemathesis read)."""
+    code, text = http(server[0] + "/openapi.json")
+    doc = json.loads(text)
+    assert code == 200
+    schemas = doc["components"]["schemas"]
+    assert {"prompt", "echo", "logprobs"} <= set(schemas["CompletionRequest"]["properties"])
+    assert "messages" in schemas["ChatCompletionRequest"]["properties"]
+    refs = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            refs.extend(v for k, v in x.items() if k == "$ref")
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(doc)
+    assert refs and all(r.split("/")[-1] in schemas for r in refs), [r for r in refs if r.split("/")[-1] not in schemas]
+    ok = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert {"application/json", "text/event-stream"} <= set(ok)
