@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from . import learned
+from . import learned, threads
 from .text import check_text
 from .types import MAX_GUESSES, SpecdecError
 
@@ -114,7 +114,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "compute, so small trees win. Default: "
                         f"{', '.join(f'{m} {n}' for m, n in DEFAULT_TREE_NODES.items())} (measured on the dev set)")
     g.add_argument("--threads", type=_positive_int, default=None,
-                   help="torch CPU threads. Default: torch's choice (the number of cores)")
+                   help="CPU threads. Default: the cores other processes leave free, measured at start and "
+                        "re-checked every 0.5 s while decoding (threads waiting on a busy core stall every step); "
+                        "OMP_NUM_THREADS in the environment fixes the count too")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -217,7 +219,8 @@ def add_serve_parser(sub) -> None:
                         "(capped at the model's context)")
     v.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take in all, queued and running, before it fails (408; "
                         "a stream ends with an error event) and its batch row is freed. Default: 600")
-    v.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    v.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads. Default: the cores other processes leave free at start-up")
     v.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="uvicorn log level; debug also logs each decode step (batch size, draft cap, tree rows, "
                         "guesses, accepted, time) and each request's prefill")
@@ -235,8 +238,7 @@ def cmd_serve(args) -> int:
     from .server.app import create_app
     from .server.batcher import ContinuousBatcher
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads.start(args.threads)
     method, drafter = args.method, None
     if method not in ("auto", "draft") and args.draft:
         raise SpecdecError(f"--draft is only used with --method auto or draft (got --method {method})")
@@ -265,6 +267,7 @@ def cmd_serve(args) -> int:
             method = "ngram"
             print("[specdec] no EAGLE head for this model: the server drafts with prompt lookup (ngram); "
                   "pass --draft with a head from `specdec train eagle` or a draft model for auto", file=sys.stderr)
+    threads.settle()  # the free cores, measured while loading (the batcher may call threads.tick per step)
     batcher = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=args.k, max_batch=args.max_batch,
                                 max_queue=args.max_queue, max_context=args.max_context, adaptive=not args.fixed_k,
                                 drafter=drafter, thread=False)
@@ -1121,14 +1124,14 @@ def cmd_generate(args) -> int:
     prompts = [p for p, _ in rows_in]
     if args.system is not None:
         check_text(args.system, "--system")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads.start(args.threads)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     quiet = args.quiet
     target = load_model(args.model, dtype=dtype, quiet=quiet, weights=args.weights)
     if target.tokenizer is None:
         raise SpecdecError(f"{target.path} has no tokenizer; specdec generate needs one to read text prompts")
     engine, _ = build_engine(args, target, quiet)
+    threads.settle()  # the free cores, measured while loading
     memory = None if args.fresh else learned_key(args, target)
     restored = memory is not None and learned.restore(engine, memory)
     tok = target.tokenizer
