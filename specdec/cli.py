@@ -132,8 +132,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="stop when the output contains TEXT (repeatable); the text is cut before it")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, like every other specdec error (`specdec:
+    error: ...` and which --help to read), not the usage block; `--help` still prints the usage.
+    Subcommands inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"specdec: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="specdec",
         description="Exact speculative decoding for PyTorch language models.",
         epilog="Run 'specdec COMMAND --help' for a command's options.",
@@ -1113,6 +1122,13 @@ def learned_key(args, target) -> str:
     return learned.key(str(target.path), target.weights, args.dtype, method, torch.get_num_threads())
 
 
+def prompt_where(args, i: int, n: int) -> str:
+    """How an error names prompt i (from 0) of n: by file and number, by number, or "the prompt"."""
+    if args.prompts_file:
+        return f"{args.prompts_file}: prompt {i + 1}"
+    return f"prompt {i + 1}" if n > 1 else "the prompt"
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -1122,6 +1138,11 @@ def cmd_generate(args) -> int:
     params = sampling_params(args)  # validate before loading anything
     rows_in = read_prompts(args)
     prompts = [p for p, _ in rows_in]
+    for i, (p, _) in enumerate(rows_in):
+        blank = not p.strip() if isinstance(p, str) else all(not m["content"].strip() for m in p)
+        if blank:  # chat or raw alike: a chat template around nothing would be answered as if asked something
+            raise SpecdecError(f"{prompt_where(args, i, len(rows_in))} is empty: give the text for the model to "
+                               "answer (chat) or continue (raw)")
     if args.system is not None:
         check_text(args.system, "--system")
     threads.start(args.threads)
@@ -1144,10 +1165,7 @@ def cmd_generate(args) -> int:
         for note in ignored_flag_notes(args, params.greedy, engine.drafter, any_chat):
             print(f"[specdec] note: {note}", file=sys.stderr)
     for i, ids in enumerate(encoded):
-        if args.prompts_file:
-            where = f"{args.prompts_file}: prompt {i + 1}"
-        else:
-            where = f"prompt {i + 1}" if len(encoded) > 1 else "the prompt"
+        where = prompt_where(args, i, len(encoded))
         if not ids:
             raise SpecdecError(f"{where} is empty and goes in raw (--raw, a row's \"chat\": false, or a tokenizer "
                                "without a chat template): there is nothing to continue from")
