@@ -1113,12 +1113,14 @@ def generate_engine(target, method: str, *flags: str):
 
 def learned_key(args, target) -> str:
     """The learned.py entry of a generate run: machine, threads, model, weights and every
-    setting that changes what the adaptive methods measure."""
+    setting that changes what the adaptive methods measure (greedy or sampled among them:
+    sampling accepts far fewer guesses, and a greedy run's acceptance would mislead it)."""
     import torch
 
+    mode = "greedy" if getattr(args, "temperature", 0.0) <= 0 else "sampled"
     method = " ".join(str(v) for v in (args.method, args.draft, getattr(args, "k", None), args.tree,
                                        args.tree_depth, args.tree_width, args.tree_nodes,
-                                       getattr(args, "draft_confidence", None)))
+                                       getattr(args, "draft_confidence", None), mode))
     return learned.key(str(target.path), target.weights, args.dtype, method, torch.get_num_threads())
 
 
