@@ -6,8 +6,9 @@ one learned (as learned.json carries it between calls; "saved"), or from nothing
 --how fresh (`--fresh`, a first call). Per repeat and cell, plain decoding and auto run
 interleaved on the same prompts; time is the whole `generate` call (prefill included, the
 drafter's construction not). Batch 1 sends a category's prompts one by one; batched sends
-them as one batch. A cell's ratio is none's time / auto's time (>= 1: auto is faster), from
-the medians over repeats of each cell's summed times. Greedy cells also check that auto's
+them as one batch. A cell's ratio is auto's tokens per second / none's (>= 1: auto is faster),
+from the medians over repeats of each cell's generated tokens / summed times: sampled runs of
+the two methods draw different texts of different lengths, so times alone would not compare. Greedy cells also check that auto's
 tokens equal plain decoding's. Prints the table, then one JSON document as the last line.
 
     python benchmarks/auto_vs_none.py --per-category 2 --humaneval 2 --repeats 3 --threads 2
@@ -64,6 +65,7 @@ def main() -> int:
     plain = generate_engine(target, "none")
     saved = None  # what the last auto request learned (JSON, as on disk)
     times = {(cell, m): [] for cell in cells for m in ("none", "auto")}
+    rates = {(cell, m): [] for cell in cells for m in ("none", "auto")}
     unequal = []
     for _ in range(args.repeats):
         for cell in cells:
@@ -71,7 +73,7 @@ def main() -> int:
             params = SamplingParams(max_new_tokens=n, **samplings[samp])
             batches = [[p] for p in groups[cat]] if batching == "1" else [groups[cat]]
             for method in ("none", "auto"):
-                total = 0.0
+                total, tokens = 0.0, 0
                 for batch in batches:
                     eng = plain if method == "none" else generate_engine(target, "auto")
                     t0 = time.perf_counter()
@@ -79,6 +81,7 @@ def main() -> int:
                         eng.relearn(json.loads(saved))  # timed: a CLI call reads the file too
                     out = eng.generate(batch, params)
                     total += time.perf_counter() - t0
+                    tokens += sum(len(r.tokens) for r in out)
                     if method == "auto":
                         saved = json.dumps(eng.learned()) if args.how == "saved" else None
                         if samp == "greedy" and [r.tokens for r in out] != ref:
@@ -86,17 +89,20 @@ def main() -> int:
                     else:
                         ref = [r.tokens for r in out]
                 times[(cell, method)].append(total)
-            print(f"{cat} {samp} {n} batch {batching}: none {times[(cell, 'none')][-1]:.2f} s, "
-                  f"auto {times[(cell, 'auto')][-1]:.2f} s", file=sys.stderr, flush=True)
-    print(f"auto vs none ({args.how}), threads {args.threads}, medians of {args.repeats}; ratio = none time / auto time")
-    print(f"{'category':16} {'sampling':8} {'tokens':>6} {'batch':>5} {'none s':>8} {'auto s':>8} {'ratio':>6}")
+                rates[(cell, method)].append(tokens / total)
+            print(f"{cat} {samp} {n} batch {batching}: none {rates[(cell, 'none')][-1]:.1f} tok/s, "
+                  f"auto {rates[(cell, 'auto')][-1]:.1f} tok/s", file=sys.stderr, flush=True)
+    print(f"auto vs none ({args.how}), threads {args.threads}, medians of {args.repeats}; "
+          "ratio = auto tokens/s / none tokens/s")
+    print(f"{'category':16} {'sampling':8} {'tokens':>6} {'batch':>5} {'none t/s':>8} {'auto t/s':>8} {'ratio':>6}")
     doc = []
     for cell in cells:
-        tn, ta = statistics.median(times[(cell, 'none')]), statistics.median(times[(cell, 'auto')])
+        rn, ra = statistics.median(rates[(cell, 'none')]), statistics.median(rates[(cell, 'auto')])
         cat, samp, n, batching = cell
-        print(f"{cat:16} {samp:8} {n:6d} {batching:>5} {tn:8.3f} {ta:8.3f} {tn / ta:6.2f}")
+        print(f"{cat:16} {samp:8} {n:6d} {batching:>5} {rn:8.1f} {ra:8.1f} {ra / rn:6.2f}")
         doc.append({"category": cat, "sampling": samp, "max_new_tokens": n, "batch": batching,
-                    "none": times[(cell, 'none')], "auto": times[(cell, 'auto')], "ratio": tn / ta})
+                    "none_s": times[(cell, 'none')], "auto_s": times[(cell, 'auto')],
+                    "none_tok_s": rates[(cell, 'none')], "auto_tok_s": rates[(cell, 'auto')], "ratio": ra / rn})
     ratios = [d["ratio"] for d in doc]
     print(f"cells {len(doc)}: min ratio {min(ratios):.2f}, median {statistics.median(ratios):.2f}; "
           f"below 0.97: {sum(r < 0.97 for r in ratios)}; greedy unequal: {len(unequal)}")
