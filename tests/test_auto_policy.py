@@ -17,7 +17,6 @@ from specdec.types import SamplingParams
 
 from test_eagle import V, drafter, prompts, target
 
-GREEDY = SamplingParams(max_new_tokens=1)
 SEEDED = dict(temperature=0.8, seed=3)
 
 
@@ -85,7 +84,7 @@ def test_a_short_answer_pays_for_no_probe(no_lookups, sampling):
 
 def test_the_probes_wait_for_room_a_broken_rule_would_probe(no_lookups):
     """The room rule can fail: without it the same short answer probes at step 16."""
-    d = drafter("lookup", depth=3, width=2, nodes=5, )
+    d = drafter("lookup", depth=3, width=2, nodes=5)
     d.probe_room = 0
     trees = never_accepted(d, 0)
     Engine(target().model, d, k=3).generate([prompts()[1]], SamplingParams(max_new_tokens=40))
@@ -133,4 +132,3 @@ def test_learned_key_tells_greedy_from_sampled():
     keys = {cli.learned_key(cli.build_parser().parse_args(["generate", "x", *flags]), Target())
             for flags in ([], ["--temperature", "0.7"], ["--temperature", "0.7", "--seed", "1"])}
     assert len(keys) == 2  # greedy, sampled (seeded or not)
-    torch.manual_seed(0)
