@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from . import learned
+from . import learned, threads
 from .distributed import add_generate_ray_args, add_serve_ray_args, wants_ray
 from .text import check_text
 from .types import MAX_GUESSES, SpecdecError
@@ -115,7 +115,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "compute, so small trees win. Default: "
                         f"{', '.join(f'{m} {n}' for m, n in DEFAULT_TREE_NODES.items())} (measured on the dev set)")
     g.add_argument("--threads", type=_positive_int, default=None,
-                   help="torch CPU threads. Default: torch's choice (the number of cores)")
+                   help="CPU threads. Default: the cores other processes leave free, measured at start and "
+                        "re-checked every 0.5 s while decoding (threads waiting on a busy core stall every step); "
+                        "OMP_NUM_THREADS in the environment fixes the count too")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -131,8 +133,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="stop when the output contains TEXT (repeatable); the text is cut before it")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, like every other specdec error (`specdec:
+    error: ...` and which --help to read), not the usage block; `--help` still prints the usage.
+    Subcommands inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"specdec: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="specdec",
         description="Exact speculative decoding for PyTorch language models.",
         epilog="Run 'specdec COMMAND --help' for a command's options.",
@@ -222,7 +233,8 @@ def add_serve_parser(sub) -> None:
     v.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds open requests may still run (no new ones are admitted) before each "
                         "is ended (a stream with an error event and [DONE]). Default: 30")
-    v.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    v.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads. Default: the cores other processes leave free at start-up")
     v.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="uvicorn log level; debug also logs each decode step (batch size, draft cap, tree rows, "
                         "guesses, accepted, time) and each request's prefill")
@@ -242,8 +254,7 @@ def cmd_serve(args) -> int:
         from .distributed.ray_serve import serve_on_ray
 
         return serve_on_ray(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads.start(args.threads)
     method, drafter = args.method, None
     if method not in ("auto", "draft") and args.draft:
         raise SpecdecError(f"--draft is only used with --method auto or draft (got --method {method})")
@@ -272,6 +283,7 @@ def cmd_serve(args) -> int:
             method = "ngram"
             print("[specdec] no EAGLE head for this model: the server drafts with prompt lookup (ngram); "
                   "pass --draft with a head from `specdec train eagle` or a draft model for auto", file=sys.stderr)
+    threads.settle()  # the free cores, measured while loading (the batcher may call threads.tick per step)
     batcher = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=args.k, max_batch=args.max_batch,
                                 max_queue=args.max_queue, max_context=args.max_context, adaptive=not args.fixed_k,
                                 drafter=drafter, thread=False)
@@ -1090,13 +1102,22 @@ def generate_engine(target, method: str, *flags: str):
 
 def learned_key(args, target) -> str:
     """The learned.py entry of a generate run: machine, threads, model, weights and every
-    setting that changes what the adaptive methods measure."""
+    setting that changes what the adaptive methods measure (greedy or sampled among them:
+    sampling accepts far fewer guesses, and a greedy run's acceptance would mislead it)."""
     import torch
 
+    mode = "greedy" if getattr(args, "temperature", 0.0) <= 0 else "sampled"
     method = " ".join(str(v) for v in (args.method, args.draft, getattr(args, "k", None), args.tree,
                                        args.tree_depth, args.tree_width, args.tree_nodes,
-                                       getattr(args, "draft_confidence", None)))
+                                       getattr(args, "draft_confidence", None), mode))
     return learned.key(str(target.path), target.weights, args.dtype, method, torch.get_num_threads())
+
+
+def prompt_where(args, i: int, n: int) -> str:
+    """How an error names prompt i (from 0) of n: by file and number, by number, or "the prompt"."""
+    if args.prompts_file:
+        return f"{args.prompts_file}: prompt {i + 1}"
+    return f"prompt {i + 1}" if n > 1 else "the prompt"
 
 
 def cmd_generate(args) -> int:
@@ -1112,16 +1133,21 @@ def cmd_generate(args) -> int:
     params = sampling_params(args)  # validate before loading anything
     rows_in = read_prompts(args)
     prompts = [p for p, _ in rows_in]
+    for i, (p, _) in enumerate(rows_in):
+        blank = not p.strip() if isinstance(p, str) else all(not m["content"].strip() for m in p)
+        if blank:  # chat or raw alike: a chat template around nothing would be answered as if asked something
+            raise SpecdecError(f"{prompt_where(args, i, len(rows_in))} is empty: give the text for the model to "
+                               "answer (chat) or continue (raw)")
     if args.system is not None:
         check_text(args.system, "--system")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads.start(args.threads)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     quiet = args.quiet
     target = load_model(args.model, dtype=dtype, quiet=quiet, weights=args.weights)
     if target.tokenizer is None:
         raise SpecdecError(f"{target.path} has no tokenizer; specdec generate needs one to read text prompts")
     engine, _ = build_engine(args, target, quiet)
+    threads.settle()  # the free cores, measured while loading
     memory = None if args.fresh else learned_key(args, target)
     restored = memory is not None and learned.restore(engine, memory)
     tok = target.tokenizer
@@ -1134,10 +1160,7 @@ def cmd_generate(args) -> int:
         for note in ignored_flag_notes(args, params.greedy, engine.drafter, any_chat):
             print(f"[specdec] note: {note}", file=sys.stderr)
     for i, ids in enumerate(encoded):
-        if args.prompts_file:
-            where = f"{args.prompts_file}: prompt {i + 1}"
-        else:
-            where = f"prompt {i + 1}" if len(encoded) > 1 else "the prompt"
+        where = prompt_where(args, i, len(encoded))
         if not ids:
             raise SpecdecError(f"{where} is empty and goes in raw (--raw, a row's \"chat\": false, or a tokenizer "
                                "without a chat template): there is nothing to continue from")

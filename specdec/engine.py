@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from . import threads
 from . import tree as tree_mod
 from .adaptive import BatchGuard
 from .drafters.base import Draft, DraftContext, timing_free
@@ -161,6 +162,7 @@ class Engine:
                     drafter.keep_rows(alive)
                 rows = [rows[i] for i in alive]
             A = len(rows)
+            threads.tick()  # follow the cores other processes leave free (threads.py)
 
             # 1 propose
             t1 = time.perf_counter()

@@ -266,7 +266,7 @@ def test_empty_raw_prompt(default_model, tmp_path, capsys):
     f.write_text('{"prompt": "hi"}\n{"prompt": "", "chat": false}\n')
     assert main(["generate", "--prompts-file", str(f), "--max-new-tokens", "1"]) == 2
     line = one_error_line(capsys.readouterr().err)
-    assert f"{f}: prompt 2 is empty" in line and '"chat": false' in line
+    assert f"{f}: prompt 2 is empty" in line
 
 
 @pytest.mark.default_model
@@ -376,3 +376,41 @@ def test_notes_for_options_that_do_nothing(argv, drafter, chat, expect):
     assert len(notes) == len(expect), notes
     for note, want in zip(notes, expect):
         assert note.startswith(want), (note, want)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["generate", "hi", "--max-new-tokens", "x"], "--max-new-tokens: expected a whole number, got 'x'"),
+    (["genrate"], "invalid choice: 'genrate'"),
+    (["train", "draft"], "the following arguments are required: --out"),
+])
+def test_argparse_error_is_one_line_without_usage(args, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "usage:" not in err
+    assert needle in one_error_line(err) and "--help" in err
+
+
+def test_help_still_prints_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--help"])
+    assert e.value.code == 0 and "usage: specdec generate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [["generate", ""], ["generate", "  \n", "--chat"], ["generate", "", "--raw"]])
+def test_empty_prompt_refused_in_chat_and_raw_before_loading(args, capsys, monkeypatch):
+    import specdec.models.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded a model for an empty prompt"))
+    assert main(args) == 2
+    assert "the prompt is empty" in one_error_line(capsys.readouterr().err)
+
+
+def test_empty_chat_row_of_a_prompts_file_is_named(tmp_path, capsys, monkeypatch):
+    import specdec.models.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded a model for an empty prompt"))
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi"}\n{"messages": [{"role": "user", "content": ""}]}\n')
+    assert main(["generate", "--prompts-file", str(f)]) == 2
+    assert f"{f}: prompt 2 is empty" in one_error_line(capsys.readouterr().err)

@@ -189,6 +189,14 @@ class HybridDrafter:
         self.acc, self.prop, self.t_tok, self.t_step = acc, prop, t_tok, t_step
 
 
+# A seeded sample's tree gate prices the tree at fixed costs (its drafting must not depend on
+# timing): the head's drafting time in plain steps and the cost of one verified node, as
+# measured for the default model on a 2-core AVX2 CPU (the head's tree 4.4 ms against an
+# 8.3 ms plain step; a verified token ~8% of a step, as the lookup's prior).
+SEEDED_TREE_COST = 0.5
+SEEDED_NODE_COST = 0.08
+
+
 class LookupEagleDrafter:
     """Prompt lookup where the text repeats, an EAGLE tree elsewhere (`--method auto` for a
     target that has an EAGLE head).
@@ -214,8 +222,15 @@ class LookupEagleDrafter:
     fails (a head that guesses badly for this text, or long contexts that make verification
     dear), rows without a long lookup fall back to plain prompt lookup, and the tree is
     probed after `probe_every` steps, then after twice as many each time a probe finds it
-    still does not pay (up to 8x; back to `probe_every` once it pays). Seeded sampled requests
-    skip the gate (timing must not decide which random numbers verification draws).
+    still does not pay (up to 8x; back to `probe_every` once it pays). A probe catches the
+    head up on the whole context, which a short answer never earns back, so probes (and a
+    first tree) wait until at least `probe_room` tokens may still come.
+
+    Seeded sampled requests get a gate of their own that never reads the clock (timing must
+    not decide which random numbers verification draws): it starts afresh with each request,
+    learns the tree's accepted tokens per step from that request's probes alone, and prices
+    the tree at the fixed SEEDED_TREE_COST + SEEDED_NODE_COST per verified node; it probes on
+    the same schedule, counted in steps. Its choices follow from the text and the seed only.
 
     A drafted tree is cut to the nodes worth verifying (`trim`, on by default; never for
     seeded samples, whose proposals must not depend on timing or on what was learnt): each node
@@ -236,10 +251,18 @@ class LookupEagleDrafter:
     needs_hidden = True
 
     def __init__(self, eagle, min_n: int = 1, max_n: int = 4, min_lookup: int = 2, probe_every: int = 16,
-                 gate: bool = True, graft: int = 6, eager: bool = False, trim: bool = True) -> None:
+                 gate: bool = True, graft: int = 6, eager: bool = False, trim: bool = True,
+                 probe_room: int = 32) -> None:
         """eager: draft trees before the head's cost is measured; trim: verify only the tree's
-        nodes worth their verification (see the class docstring)."""
+        nodes worth their verification; probe_room: the fewest tokens a request may still
+        generate for a probe to be worth its catch-up (see the class docstring)."""
         self.eagle = eagle
+        self.probe_room = probe_room
+        self._steps = 0  # proposals since `begin` (each commits at least one token)
+        self._room = None  # the request's max_new_tokens
+        self.seeded_gain: float | None = None  # a seeded request's accepted tokens per tree step (None: unprobed)
+        self._seeded = False
+        self._seeded_skipped, self._seeded_gap = 0, probe_every
         self.eager = eager
         self.ngram = NgramDrafter(min_n, max_n)
         self.min_lookup = min_lookup
@@ -278,6 +301,8 @@ class LookupEagleDrafter:
     def tree_pays(self) -> bool:
         if not self.gate:
             return True
+        if self._seeded:
+            return self.seeded_gain is not None and self.seeded_gain > SEEDED_TREE_COST + SEEDED_NODE_COST * self.nodes_fixed
         c = self.cost()
         if c is None:
             return self.eager  # not measured yet: only the gate's probe drafts the first tree
@@ -302,10 +327,24 @@ class LookupEagleDrafter:
             out.append(j > 0 and policy.expected(n, j)[-1] / (1.0 + r * j) >= tree)
         return out
 
+    @property
+    def nodes_fixed(self) -> float:
+        """The nodes a seeded sample's tree verifies: the head's whole tree (never trimmed for
+        seeded samples) and its grafted lookup at most."""
+        return float(self.eagle.max_nodes or self.eagle.depth)
+
+    def room_to_probe(self) -> bool:
+        """Whether enough of the request may still come for a probe to pay for its catch-up."""
+        return self._room is None or self._room - self._steps >= self.probe_room
+
     def begin(self, prompts, params, max_len) -> None:
         self.eagle.begin(prompts, params, max_len)
         self.ngram.begin(prompts, params, max_len)
         self._t_end = None  # a prefill is not a step
+        self._steps, self._room = 0, getattr(params, "max_new_tokens", None)
+        self._seeded = timing_free(params)
+        if self._seeded:  # a clockless gate of its own, afresh (class docstring)
+            self.seeded_gain, self._seeded_skipped, self._seeded_gap = None, 0, self.probe_every
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         t0 = time.perf_counter()
@@ -321,11 +360,15 @@ class LookupEagleDrafter:
         ng = self.ngram.propose(ctx, max_tokens)
         looked = [ng.tokens[b, : int(ng.counts[b])].tolist() for b in range(B)]
         fixed = timing_free(ctx.params)
+        self._seeded = fixed  # (a row of a batch that began unseeded follows the batch's seed)
+        self._steps += 1
         use_lookup = self.prefer_lookup(looked, fixed)
         run_tree = not all(use_lookup)
-        if run_tree and not fixed and not self.tree_pays():
+        if run_tree and fixed:
+            run_tree = self._seeded_gate()
+        elif run_tree and not self.tree_pays():
             self._skipped += 1
-            if self._skipped < self._probe_gap:
+            if self._skipped < self._probe_gap or not self.room_to_probe():
                 run_tree = False  # plain prompt lookup for every row
             elif self.cost() is None:
                 # the first probe catches the head up on the context: the next step that would draft
@@ -338,6 +381,20 @@ class LookupEagleDrafter:
             self._probe_gap = self.probe_every
         return self.assemble(ctx, looked, [run_tree and not u for u in use_lookup], max_tokens, self.max_nodes,
                              trim=self.trim and not fixed)
+
+    def _seeded_gate(self) -> bool:
+        """A seeded sample's tree gate (class docstring): from step counts and this request's
+        accepted tokens only."""
+        if self.tree_pays():
+            self._seeded_gap = self.probe_every
+            return True
+        self._seeded_skipped += 1
+        if self._seeded_skipped < self._seeded_gap or not self.room_to_probe():
+            return False
+        self._seeded_skipped = 0
+        if self.seeded_gain is not None:  # probes that keep finding no pay come half as often
+            self._seeded_gap = min(2 * self._seeded_gap, 8 * self.probe_every)
+        return True
 
     def assemble(self, ctx: DraftContext, looked: list[list[int]], tree_rows: list[bool], max_tokens: int,
                  max_nodes: int | None = None, trim: bool = False) -> Draft:
@@ -458,7 +515,10 @@ class LookupEagleDrafter:
         self.eagle.commit(num_accepted, paths)
         if self._tree_rows is not None:
             got = [int(n) for n, t in zip(num_accepted, self._tree_rows) if t]
-            if got:
+            if got and self._seeded:  # the request's own gain (its first probe: a measurement, not a prior)
+                mean = sum(got) / len(got)
+                self.seeded_gain = mean if self.seeded_gain is None else 0.8 * self.seeded_gain + 0.2 * mean
+            elif got:
                 self.gain = 0.9 * self.gain + 0.1 * (sum(got) / len(got))
             self._tree_rows = None
         if paths is not None:

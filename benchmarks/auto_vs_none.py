@@ -1,0 +1,114 @@
+"""The default method against plain decoding, cell by cell: `auto` / `none` time per category,
+greedy and sampled, short and long answers, one request at a time and batched.
+
+What a user gets from `specdec generate` calls: each auto request starts from what the previous
+one learned (as learned.json carries it between calls; "saved"), or from nothing with
+--how fresh (`--fresh`, a first call). Per repeat and cell, plain decoding and auto run
+interleaved on the same prompts; time is the whole `generate` call (prefill included, the
+drafter's construction not). Batch 1 sends a category's prompts one by one; batched sends
+them as one batch. A cell's ratio is auto's tokens per second / none's (>= 1: auto is faster),
+from the medians over repeats of each cell's generated tokens / summed times: sampled runs of
+the two methods draw different texts of different lengths, so times alone would not compare. Greedy cells also check that auto's
+tokens equal plain decoding's. Prints the table, then one JSON document as the last line.
+
+    python benchmarks/auto_vs_none.py --per-category 2 --humaneval 2 --repeats 3 --threads 2
+    python benchmarks/auto_vs_none.py --categories qa,writing --lengths 32 --samplings greedy --batching 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_DATA = next((p for p in (Path(__file__).resolve().parents[2] / "shared", Path("/work/shared"))
+                     if (p / "data" / "spec_bench" / "dev.jsonl").exists()),
+                    Path("/work/shared")) / "data" / "spec_bench" / "dev.jsonl"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=str(DEFAULT_DATA), help="Spec-Bench style JSONL. Default: the shared dev set")
+    ap.add_argument("--categories", default=None, help="comma-separated categories of --data. Default: all")
+    ap.add_argument("--per-category", type=int, default=2, help="prompts per category. Default: 2")
+    ap.add_argument("--humaneval", type=int, default=2, help="first N HumanEval prompts (0: none). Default: 2")
+    ap.add_argument("--lengths", default="32,256", help="comma-separated --max-new-tokens. Default: 32,256")
+    ap.add_argument("--samplings", default="greedy,t0.7", help="greedy and/or t0.7 (temperature 0.7, seed 1)")
+    ap.add_argument("--batching", default="1,all", help="1 (one prompt at a time) and/or all (a category at once)")
+    ap.add_argument("--how", default="saved", choices=("saved", "fresh"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from specdec.bench.tasks import load_humaneval, load_jsonl, select
+    from specdec.cli import generate_engine
+    from specdec.models.loader import load_model
+    from specdec.text import encode_prompt
+    from specdec.types import SamplingParams
+
+    target = load_model(None, quiet=True)
+    cats = args.categories.split(",") if args.categories else None
+    tasks = select(load_jsonl(args.data), cats, args.per_category) if args.per_category > 0 else []
+    tasks += load_humaneval()[: args.humaneval]
+    groups: dict[str, list[list[int]]] = {}
+    for t in tasks:
+        groups.setdefault(t.category, []).append(encode_prompt(target.tokenizer, t.prompt, t.chat))
+    samplings = {"greedy": {}, "t0.7": {"temperature": 0.7, "seed": 1}}
+    cells = [(c, s, n, b) for c in groups for s in args.samplings.split(",") for n in map(int, args.lengths.split(","))
+             for b in args.batching.split(",")]
+    plain = generate_engine(target, "none")
+    saved = None  # what the last auto request learned (JSON, as on disk)
+    times = {(cell, m): [] for cell in cells for m in ("none", "auto")}
+    rates = {(cell, m): [] for cell in cells for m in ("none", "auto")}
+    unequal = []
+    for _ in range(args.repeats):
+        for cell in cells:
+            cat, samp, n, batching = cell
+            params = SamplingParams(max_new_tokens=n, **samplings[samp])
+            batches = [[p] for p in groups[cat]] if batching == "1" else [groups[cat]]
+            for method in ("none", "auto"):
+                total, tokens = 0.0, 0
+                for batch in batches:
+                    eng = plain if method == "none" else generate_engine(target, "auto")
+                    t0 = time.perf_counter()
+                    if method == "auto" and args.how == "saved" and saved is not None:
+                        eng.relearn(json.loads(saved))  # timed: a CLI call reads the file too
+                    out = eng.generate(batch, params)
+                    total += time.perf_counter() - t0
+                    tokens += sum(len(r.tokens) for r in out)
+                    if method == "auto":
+                        saved = json.dumps(eng.learned()) if args.how == "saved" else None
+                        if samp == "greedy" and [r.tokens for r in out] != ref:
+                            unequal.append(cell)
+                    else:
+                        ref = [r.tokens for r in out]
+                times[(cell, method)].append(total)
+                rates[(cell, method)].append(tokens / total)
+            print(f"{cat} {samp} {n} batch {batching}: none {rates[(cell, 'none')][-1]:.1f} tok/s, "
+                  f"auto {rates[(cell, 'auto')][-1]:.1f} tok/s", file=sys.stderr, flush=True)
+    print(f"auto vs none ({args.how}), threads {args.threads}, medians of {args.repeats}; "
+          "ratio = auto tokens/s / none tokens/s")
+    print(f"{'category':16} {'sampling':8} {'tokens':>6} {'batch':>5} {'none t/s':>8} {'auto t/s':>8} {'ratio':>6}")
+    doc = []
+    for cell in cells:
+        rn, ra = statistics.median(rates[(cell, 'none')]), statistics.median(rates[(cell, 'auto')])
+        cat, samp, n, batching = cell
+        print(f"{cat:16} {samp:8} {n:6d} {batching:>5} {rn:8.1f} {ra:8.1f} {ra / rn:6.2f}")
+        doc.append({"category": cat, "sampling": samp, "max_new_tokens": n, "batch": batching,
+                    "none_s": times[(cell, 'none')], "auto_s": times[(cell, 'auto')],
+                    "none_tok_s": rates[(cell, 'none')], "auto_tok_s": rates[(cell, 'auto')], "ratio": ra / rn})
+    ratios = [d["ratio"] for d in doc]
+    print(f"cells {len(doc)}: min ratio {min(ratios):.2f}, median {statistics.median(ratios):.2f}; "
+          f"below 0.97: {sum(r < 0.97 for r in ratios)}; greedy unequal: {len(unequal)}")
+    print(json.dumps({"benchmark": "auto_vs_none", "args": vars(args), "cells": doc, "unequal": [list(c) for c in unequal]}))
+    return 1 if unequal else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

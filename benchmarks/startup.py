@@ -1,0 +1,101 @@
+"""Start-up of `specdec generate` on a warm cache: wall time to the first streamed byte, and where
+it goes.
+
+Two measurements per repeat, interleaved:
+- end to end: a `specdec generate PROMPT --max-new-tokens 1` subprocess per method, timed from
+  launch to its first stdout byte (the first token) and to its exit;
+- stages, in one fresh subprocess each: import torch, import specdec.cli, load the model,
+  build the method's engine (its drafter: the EAGLE head for auto), encode the prompt, and the
+  first token (prefill; the kernels' first calls).
+Medians over repeats. The cache (converted weights, built kernels) must be warm: run one
+`specdec generate` first.
+
+    python benchmarks/startup.py --repeats 3 --methods none,auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "Name three colours."
+
+STAGES = r"""
+import json, sys, time
+t = [("start", time.perf_counter())]
+import torch
+t.append(("import torch", time.perf_counter()))
+from specdec import cli
+t.append(("import specdec.cli", time.perf_counter()))
+from specdec.models.loader import load_model
+target = load_model(None, quiet=True)
+t.append(("load model", time.perf_counter()))
+engine = cli.generate_engine(target, sys.argv[1])
+t.append(("build engine", time.perf_counter()))
+from specdec.text import encode_prompt
+ids = encode_prompt(target.tokenizer, sys.argv[2], None)
+t.append(("encode prompt", time.perf_counter()))
+from specdec.types import SamplingParams
+engine.generate([ids], SamplingParams(max_new_tokens=1))
+t.append(("first token", time.perf_counter()))
+print(json.dumps({b[0]: b[1] - a[1] for a, b in zip(t, t[1:])}))
+"""
+
+
+def end_to_end(method: str) -> tuple[float, float]:
+    """(seconds to the first stdout byte, seconds to exit) of one generate call."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--method", method,
+                          "--max-new-tokens", "1", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.read(1)
+    first = time.perf_counter() - t0
+    p.communicate()
+    if p.returncode != 0:
+        raise SystemExit(f"generate --method {method} failed (exit {p.returncode})")
+    return first, time.perf_counter() - t0
+
+
+def stages(method: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", STAGES, method, PROMPT], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(out.stderr[-800:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--methods", default="none,auto")
+    args = ap.parse_args()
+    methods = args.methods.split(",")
+    e2e = {m: [] for m in methods}
+    parts = {m: [] for m in methods}
+    for _ in range(args.repeats):
+        for m in methods:
+            e2e[m].append(end_to_end(m))
+            parts[m].append(stages(m))
+    load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else "?"
+    print(f"medians of {args.repeats}; load average {' '.join(load)}")
+    doc = {}
+    for m in methods:
+        first = statistics.median(f for f, _ in e2e[m])
+        total = statistics.median(w for _, w in e2e[m])
+        st = {k: statistics.median(p[k] for p in parts[m]) for k in parts[m][0]}
+        print(f"{m}: first token {first:.2f} s, exit {total:.2f} s; stages: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
+        doc[m] = {"first_token_s": [f for f, _ in e2e[m]], "exit_s": [w for _, w in e2e[m]], "stages": parts[m]}
+    print(json.dumps({"benchmark": "startup", "repeats": args.repeats, "methods": doc}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
