@@ -243,9 +243,9 @@ class LookupEagleDrafter:
     Until the head's drafting time has been measured the tree counts as not paying
     (`eager=False`, the default): a fresh drafter (one `specdec generate` call) decodes with
     prompt lookup alone and drafts its first tree as the gate's first probe, `probe_every` steps
-    in, which also measures c. Drafting trees from the first step (`eager=True`, before
-    2026-12-02) made every request pay the head's catch-up on its whole prompt and several tree
-    steps at the optimistic prior, more than they gained on CPUs where verifying a tree is dear
+    in, which also measures c. Drafting trees from the first step (`eager=True`) makes every
+    request pay the head's catch-up on its whole prompt and several tree
+    steps at the optimistic prior, more than they gain on CPUs where verifying a tree is dear
     (benchmarks/fresh_requests.py)."""
 
     needs_hidden = True

@@ -209,8 +209,8 @@ class NgramDrafter:
         """adaptive: learn acceptance per (match length, position); choose_length: also cut each
         lookup to the length that pays (False: propose whole lookups and let the caller cap them,
         as the server's batcher does with its own cost model); seeded_cut: cut a seeded sample's
-        lookups with a clockless policy of its own (False: propose them whole, as before
-        2026-12-01; benchmarks/seeded_lookup.py compares the two)."""
+        lookups with a clockless policy of its own (False: propose them whole;
+        benchmarks/seeded_lookup.py compares the two)."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
