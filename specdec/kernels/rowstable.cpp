@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -207,6 +208,365 @@ at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t 
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return block_linear<true>(x, packed, n); }
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return block_linear<false>(x, packed, n); }
+
+// ---------------------------------------------------------------------------------------------
+// gguf_linear / gguf_rows: products and row lookups straight from a GGUF tensor's bytes as the file
+// holds them (N rows of K / BS blocks each, row-major; typically a view of the memory-mapped file),
+// for F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K. No copy of the weights.
+//
+// Numbers. A decoder rebuilds 8 weights at a time in a register with exactly the float32 values
+// gguf.quants.dequantize gives; every type's formula has at most one rounding:
+//  - Q8_0: q * d; Q4_0, Q5_0: d * (q - 8 | 16); Q6_K: (d * sc) * (q - 32): exact products (an 11-bit
+//    float16 scale times integers of <= 13 bits), so fma(q, d, -8d) etc. give the same exact value;
+//  - Q4_1, Q5_1: d * q + m, and Q4_K, Q5_K: (d * sc) * q - dmin * m: the products are exact (<= 22
+//    significant bits), the sum is the one rounding, which fma(q, d, m) performs the same way;
+//  - F16, BF16, F32: exact conversions.
+// (This holds for finite scales; a block whose float16 scale is inf or NaN may differ in which of
+// inf / NaN it gives.) Each output then runs `linear`'s sum: one 8-lane FMA chain over k in order,
+// hsum8, the k % 8 tail in order (float types only), so
+//     gguf_linear(x, raw) == linear(x, dequantize(raw))   bit for bit, for every type and every M,
+// and a row's outputs never depend on the other rows in the call. Small calls (M <= FUSED_ROWS)
+// rebuild the weights in registers, one pass over a group of weight rows per tile of up to 6
+// activation rows; larger ones rebuild a group of weight rows into a per-thread float32 buffer (in
+// L2) and run `linear`'s tiles over it: the same numbers either way.
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+
+// 8 of a 32-weight block's 4-bit quants: chunk c (weights 8c..8c+7) of 16 bytes holding weights
+// 0-15 in the low nibbles and 16-31 in the high ones, as int32 lanes
+inline __m256i nibbles(const uint8_t* q16, int c) {
+  const __m256i b = _mm256_cvtepu8_epi32(load8(q16 + 8 * (c & 1)));
+  return c < 2 ? _mm256_and_si256(b, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(b, 4);
+}
+
+// 16 where bit (lane) of `bits` is set: the fifth bit of Q5_0 / Q5_1 quants
+inline __m256i high_bits8(uint32_t bits) {
+  const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane), lane);
+  return _mm256_and_si256(on, _mm256_set1_epi32(16));
+}
+
+inline __m256 fma_i(__m256i q, __m256 d, __m256 m) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m); }
+
+// Decoders: BS weights in BB bytes a block; block(p, f) calls f(c, w) for its 8-weight chunks in order.
+struct DecF32 {
+  static constexpr int BS = 8, BB = 32;
+  template <class F> static inline void block(const uint8_t* p, F&& f) { f(0, _mm256_loadu_ps(reinterpret_cast<const float*>(p))); }
+  static float one(const uint8_t* row, int64_t k) { float v; std::memcpy(&v, row + 4 * k, 4); return v; }
+};
+struct DecF16 {
+  static constexpr int BS = 8, BB = 16;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    f(0, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static float one(const uint8_t* row, int64_t k) { return f16_at(row + 2 * k); }
+};
+struct DecBF16 {
+  static constexpr int BS = 8, BB = 16;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    f(0, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+  }
+  static float one(const uint8_t* row, int64_t k) {
+    uint16_t h; std::memcpy(&h, row + 2 * k, 2);
+    const uint32_t u = static_cast<uint32_t>(h) << 16; float v; std::memcpy(&v, &u, 4); return v;
+  }
+};
+struct DecQ4_0 {  // d, 16 bytes of nibbles: d * (q - 8)
+  static constexpr int BS = 32, BB = 18;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    const float ds = f16_at(p);
+    const __m256 d = _mm256_set1_ps(ds), o = _mm256_set1_ps(-8.0f * ds);
+    for (int c = 0; c < 4; ++c) f(c, fma_i(nibbles(p + 2, c), d, o));
+  }
+};
+struct DecQ4_1 {  // d, m, 16 bytes of nibbles: d * q + m
+  static constexpr int BS = 32, BB = 20;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    const __m256 d = _mm256_set1_ps(f16_at(p)), m = _mm256_set1_ps(f16_at(p + 2));
+    for (int c = 0; c < 4; ++c) f(c, fma_i(nibbles(p + 4, c), d, m));
+  }
+};
+struct DecQ5_0 {  // d, 32 high bits, 16 bytes of nibbles: d * (q - 16)
+  static constexpr int BS = 32, BB = 22;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    const float ds = f16_at(p);
+    uint32_t qh; std::memcpy(&qh, p + 2, 4);
+    const __m256 d = _mm256_set1_ps(ds), o = _mm256_set1_ps(-16.0f * ds);
+    for (int c = 0; c < 4; ++c) f(c, fma_i(_mm256_or_si256(nibbles(p + 6, c), high_bits8(qh >> (8 * c))), d, o));
+  }
+};
+struct DecQ5_1 {  // d, m, 32 high bits, 16 bytes of nibbles: d * q + m
+  static constexpr int BS = 32, BB = 24;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    const __m256 d = _mm256_set1_ps(f16_at(p)), m = _mm256_set1_ps(f16_at(p + 2));
+    uint32_t qh; std::memcpy(&qh, p + 4, 4);
+    for (int c = 0; c < 4; ++c) f(c, fma_i(_mm256_or_si256(nibbles(p + 8, c), high_bits8(qh >> (8 * c))), d, m));
+  }
+};
+struct DecQ8_0 {  // d, 32 int8: q * d
+  static constexpr int BS = 32, BB = 34;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    const __m256 d = _mm256_set1_ps(f16_at(p));
+    for (int c = 0; c < 4; ++c) f(c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p + 2 + 8 * c))), d));
+  }
+};
+
+// Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from 12 bytes (gguf's Q4_K.get_scale_min),
+// as d * sc and -(dmin * m)
+inline void k_scales(const uint8_t* p, float* dsc, float* ndm) {
+  const float d = f16_at(p), dmin = f16_at(p + 2);
+  const uint8_t* s = p + 4;
+  for (int j = 0; j < 4; ++j) {
+    dsc[j] = d * static_cast<float>(s[j] & 63);
+    ndm[j] = -(dmin * static_cast<float>(s[4 + j] & 63));
+    dsc[4 + j] = d * static_cast<float>((s[8 + j] & 0xF) | ((s[j] >> 2) & 0x30));
+    ndm[4 + j] = -(dmin * static_cast<float>((s[8 + j] >> 4) | ((s[4 + j] >> 2) & 0x30)));
+  }
+}
+
+struct DecQ4_K {  // d, dmin, scales, 128 bytes of nibbles (sub-blocks 2i, 2i+1: low, high of bytes 32i..)
+  static constexpr int BS = 256, BB = 144;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    float dsc[8], ndm[8];
+    k_scales(p, dsc, ndm);
+    for (int s = 0; s < 8; ++s) {
+      const __m256 d = _mm256_set1_ps(dsc[s]), m = _mm256_set1_ps(ndm[s]);
+      const uint8_t* q = p + 16 + 32 * (s >> 1);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i b = _mm256_cvtepu8_epi32(load8(q + 8 * c));
+        f(4 * s + c, fma_i((s & 1) ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0xF)), d, m));
+      }
+    }
+  }
+};
+struct DecQ5_K {  // d, dmin, scales, 32 bytes of high bits (bit s of byte l: weight 32s + l), 128 bytes of nibbles
+  static constexpr int BS = 256, BB = 176;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    float dsc[8], ndm[8];
+    k_scales(p, dsc, ndm);
+    for (int s = 0; s < 8; ++s) {
+      const __m256 d = _mm256_set1_ps(dsc[s]), m = _mm256_set1_ps(ndm[s]);
+      const __m256i bit = _mm256_set1_epi32(1 << s), sixteen = _mm256_set1_epi32(16);
+      const uint8_t* q = p + 48 + 32 * (s >> 1);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i b = _mm256_cvtepu8_epi32(load8(q + 8 * c));
+        const __m256i lo = (s & 1) ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0xF));
+        const __m256i h = _mm256_cvtepu8_epi32(load8(p + 16 + 8 * c));
+        const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_and_si256(h, bit), bit), sixteen);
+        f(4 * s + c, fma_i(_mm256_or_si256(lo, hi), d, m));
+      }
+    }
+  }
+};
+struct DecQ6_K {  // 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, d: (d * sc) * (q - 32)
+  static constexpr int BS = 256, BB = 210;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    const float d = f16_at(p + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+    const __m256i mask4 = _mm256_set1_epi32(0xF), mask2 = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
+    for (int c = 0; c < 32; ++c) {  // weights 8c..8c+7 = half h, r = 8c % 128 within it
+      const int h = c >> 4, r = (8 * c) & 127;
+      const __m256i l = _mm256_cvtepu8_epi32(load8(p + 64 * h + (r & 63)));
+      const __m256i u = _mm256_cvtepu8_epi32(load8(p + 128 + 32 * h + (r & 31)));
+      const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(l, _mm_cvtsi32_si128(4 * (r >> 6))), mask4);
+      const __m256i hi = _mm256_and_si256(_mm256_srl_epi32(u, _mm_cvtsi32_si128(2 * (r >> 5))), mask2);
+      const __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc[c >> 1]));
+      f(c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), off)), ds));
+    }
+  }
+};
+
+// One weight row's K float32 values (gguf.quants.dequantize's), into out.
+template <class D>
+void dequant_row(const uint8_t* row, int64_t K, float* out) {
+  const int64_t nb = K / D::BS;
+  for (int64_t b = 0; b < nb; ++b)
+    D::block(row + b * D::BB, [&](int c, __m256 w) { _mm256_storeu_ps(out + b * D::BS + 8 * c, w); });
+  if constexpr (D::BS == 8)
+    for (int64_t k = nb * 8; k < K; ++k) out[k] = D::one(row, k);
+}
+
+// Bytes ahead of each weight row's current block to prefetch (a prefetch never faults past the end).
+constexpr int64_t GGUF_PF = 512;
+
+// MR activation rows x NR weight rows (row-major blocks, rb bytes a row) over nb blocks: each chunk of 8
+// weights is rebuilt once and serves the MR rows; every output keeps its own register.
+template <class D, int MR, int NR>
+void gguf_tile(const float* x, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, float* y, int64_t ldy) {
+  __m256 acc[MR][NR];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * D::BS;
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* p = w + j * rb + b * D::BB;
+      if (D::BB >= 64 || (b & (64 / D::BB - 1)) == 0)
+        for (int o = 0; o < D::BB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + GGUF_PF + o), _MM_HINT_T0);
+      D::block(p, [&](int c, __m256 wv) {
+#pragma GCC unroll 6
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * K + 8 * c), wv, acc[i][j]);
+      });
+    }
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum8(acc[i][j]);
+}
+
+// rows n0..n1 of the output for activation rows m..m+mr (mr <= 6) by gguf_tile
+template <class D, int MR>
+void gguf_tiles(const float* x, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, float* y, int64_t N) {
+  constexpr int NR = MR <= 3 ? 4 : 2;
+  const int64_t nb = K / D::BS;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) gguf_tile<D, MR, NR>(x, K, w + n * rb, rb, nb, y + n, N);
+  for (; n < n1; ++n) gguf_tile<D, MR, 1>(x, K, w + n * rb, rb, nb, y + n, N);
+}
+
+constexpr int64_t FUSED_ROWS = 6;  // calls of up to this many activation rows rebuild weights in registers
+
+template <class D>
+void gguf_linear_impl(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, float* yp) {
+  const int64_t rb = K / D::BS * D::BB + (D::BS == 8 ? (K % 8) * (D::BB / 8) : 0);
+  if (M <= FUSED_ROWS && K % 8 == 0) {
+    constexpr int64_t GROUP = 24;  // weight rows a task
+    at::parallel_for(0, (N + GROUP - 1) / GROUP, 1, [&](int64_t t0, int64_t t1) {
+      const int64_t n0 = t0 * GROUP, n1 = std::min(N, t1 * GROUP);
+      switch (M) {
+        case 1: gguf_tiles<D, 1>(xp, K, wp, rb, n0, n1, yp, N); break;
+        case 2: gguf_tiles<D, 2>(xp, K, wp, rb, n0, n1, yp, N); break;
+        case 3: gguf_tiles<D, 3>(xp, K, wp, rb, n0, n1, yp, N); break;
+        case 4: gguf_tiles<D, 4>(xp, K, wp, rb, n0, n1, yp, N); break;
+        case 5: gguf_tiles<D, 5>(xp, K, wp, rb, n0, n1, yp, N); break;
+        default: gguf_tiles<D, 6>(xp, K, wp, rb, n0, n1, yp, N); break;
+      }
+    });
+    return;
+  }
+  // groups of weight rows rebuilt into a buffer of <= ~96 KB, a multiple of `linear`'s 3 columns
+  constexpr int64_t MR = 4, NR = 3;
+  const int64_t group = std::max<int64_t>(NR, (24576 / std::max<int64_t>(K, 1)) / NR * NR);
+  at::parallel_for(0, (N + group - 1) / group, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(std::is_same<D, DecF32>::value ? 0 : group * K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * group, n1 = std::min(N, n0 + group);
+      const float* wf;
+      if constexpr (std::is_same<D, DecF32>::value) {
+        wf = reinterpret_cast<const float*>(wp + n0 * rb);
+      } else {
+        for (int64_t n = n0; n < n1; ++n) dequant_row<D>(wp + n * rb, K, buf.data() + (n - n0) * K);
+        wf = buf.data();
+      }
+      for (int64_t m = 0; m < M; m += MR) {
+        const int mr = static_cast<int>(std::min(MR, M - m));
+        for (int64_t n = n0; n < n1; n += NR) {
+          const int nr = static_cast<int>(std::min(NR, n1 - n));
+          const float* xt = xp + m * K;
+          const float* wt = wf + (n - n0) * K;
+          float* yt = yp + m * N + n;
+          if (nr == 3) tile_rows<3>(mr, xt, K, wt, K, yt, N);
+          else if (nr == 2) tile_rows<2>(mr, xt, K, wt, K, yt, N);
+          else tile_rows<1>(mr, xt, K, wt, K, yt, N);
+        }
+      }
+    }
+  });
+}
+
+// ggml type id -> (weights a block, bytes a block); 0 for a type these kernels do not read
+struct GgufType { int bs, bb; const char* name; };
+GgufType gguf_type(int64_t t) {
+  switch (t) {
+    case 0: return {1, 4, "F32"};
+    case 1: return {1, 2, "F16"};
+    case 2: return {32, 18, "Q4_0"};
+    case 3: return {32, 20, "Q4_1"};
+    case 6: return {32, 22, "Q5_0"};
+    case 7: return {32, 24, "Q5_1"};
+    case 8: return {32, 34, "Q8_0"};
+    case 12: return {256, 144, "Q4_K"};
+    case 13: return {256, 176, "Q5_K"};
+    case 14: return {256, 210, "Q6_K"};
+    case 30: return {1, 2, "BF16"};
+    default: return {0, 0, ""};
+  }
+}
+
+// the checked bytes-per-row of a [?, K] tensor of type t held in raw
+int64_t gguf_row_bytes(const char* op, const at::Tensor& raw, int64_t t, int64_t K) {
+  const GgufType g = gguf_type(t);
+  TORCH_CHECK(g.bs > 0, op, ": ggml type ", t, " is not one these kernels read (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+              "Q4_K, Q5_K, Q6_K)");
+  TORCH_CHECK(K > 0 && K % g.bs == 0, op, ": ", g.name, " rows hold whole blocks of ", g.bs, " weights; K=", K, " is not a multiple");
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous(), op, ": the raw tensor must be contiguous uint8 bytes");
+  return K / g.bs * g.bb;
+}
+
+template <class F>
+void with_decoder(int64_t t, F&& f) {
+  switch (t) {
+    case 0: f(DecF32{}); break;
+    case 1: f(DecF16{}); break;
+    case 2: f(DecQ4_0{}); break;
+    case 3: f(DecQ4_1{}); break;
+    case 6: f(DecQ5_0{}); break;
+    case 7: f(DecQ5_1{}); break;
+    case 8: f(DecQ8_0{}); break;
+    case 12: f(DecQ4_K{}); break;
+    case 13: f(DecQ5_K{}); break;
+    case 14: f(DecQ6_K{}); break;
+    default: f(DecBF16{}); break;  // 30; gguf_row_bytes has rejected any other
+  }
+}
+
+at::Tensor gguf_linear(const at::Tensor& x_, const at::Tensor& raw, int64_t t, int64_t N, int64_t K) {
+  const int64_t rb = gguf_row_bytes("gguf_linear", raw, t, K);
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.dim() >= 1 && x_.size(-1) == K,
+              "gguf_linear: x must be float32 [..., K] with K=", K);
+  TORCH_CHECK(N >= 0 && raw.numel() == N * rb, "gguf_linear: ", gguf_type(t).name, " [", N, ", ", K, "] takes ", N * rb,
+              " bytes; the raw tensor holds ", raw.numel());
+  const at::Tensor x = x_.contiguous();
+  const int64_t M = x.numel() / K;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = raw.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  with_decoder(t, [&](auto d) { gguf_linear_impl<decltype(d)>(xp, M, K, wp, N, yp); });
+  return y;
+}
+
+at::Tensor gguf_rows(const at::Tensor& raw, int64_t t, const at::Tensor& ids_, int64_t K) {
+  const int64_t rb = gguf_row_bytes("gguf_rows", raw, t, K);
+  TORCH_CHECK(raw.numel() % rb == 0, "gguf_rows: ", raw.numel(), " bytes are not whole ", gguf_type(t).name, " rows of K=", K);
+  const int64_t N = raw.numel() / rb;
+  const at::Tensor ids = ids_.to(at::kLong).contiguous();
+  const int64_t n = ids.numel();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "gguf_rows: row ", ip[i], " is outside 0..", N - 1);
+  at::Tensor out = at::empty({n, K}, at::kFloat);
+  const uint8_t* wp = raw.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  with_decoder(t, [&](auto d) {
+    at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) dequant_row<decltype(d)>(wp + ip[i] * rb, K, op + i * K);
+    });
+  });
+  return out;
+}
 
 // ---------------------------------------------------------------------------------------------
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
@@ -422,6 +782,8 @@ TORCH_LIBRARY(specdec_rs, lib) {
   lib.def("silu_mul(Tensor gu) -> Tensor");
   lib.def("q4_1_linear(Tensor x, Tensor packed, int n) -> Tensor");
   lib.def("q8_0_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  lib.def("gguf_linear(Tensor x, Tensor raw, int ggml_type, int N, int K) -> Tensor");
+  lib.def("gguf_rows(Tensor raw, int ggml_type, Tensor ids, int K) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
   lib.impl("linear", &linear);
@@ -431,4 +793,6 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
   lib.impl("silu_mul", &silu_mul);
   lib.impl("q4_1_linear", &q4_1_linear);
   lib.impl("q8_0_linear", &q8_0_linear);
+  lib.impl("gguf_linear", &gguf_linear);
+  lib.impl("gguf_rows", &gguf_rows);
 }
