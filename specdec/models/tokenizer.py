@@ -189,3 +189,46 @@ def light_config(d: Path) -> SimpleNamespace | None:
     cfg = SimpleNamespace(**raw)
     cfg.rope_parameters = dict(rope)
     return cfg
+
+
+def gguf_tokenizer(gf, cache_dir: Path, quiet: bool = False):
+    """The tokenizer a GGUF file's metadata describes (`gf`: models.gguf_file.GGUFFile), no hub
+    access: converted once by transformers' GGUF tokenizer reader (vocabulary, merges, special
+    tokens, chat template) and saved as a tokenizer folder under `cache_dir`, keyed by the hash of
+    the file's metadata bytes; later loads read that folder (a FastTokenizer where it is plain)."""
+    import hashlib
+    import os
+    import shutil
+    import sys
+
+    key = hashlib.sha256(memoryview(gf.bytes[: gf.kv_end])).hexdigest()[:24]
+    out = Path(cache_dir) / key
+    if not (out / "tokenizer_config.json").is_file():
+        if not quiet:
+            print(f"[specdec] reading the tokenizer from {gf.path.name}'s metadata once (cached in {out}) ...",
+                  file=sys.stderr, flush=True)
+        import logging
+
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
+        except Exception as e:  # transformers raises many types for tokenizers it does not know
+            from ..types import SpecdecError
+
+            raise SpecdecError(f"cannot read the tokenizer from {gf.path.name}'s metadata "
+                             f"({type(e).__name__}: {str(e)[:200]})") from e
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save_pretrained(str(tmp))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    tok = load_fast_tokenizer(out)
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(out))
+    return tok
