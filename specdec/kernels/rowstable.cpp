@@ -236,6 +236,13 @@ inline float f16_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+// the float16 at p, converted, in all 8 lanes (a broadcast load and one conversion)
+inline __m256 f16_set1(const uint8_t* p) {
+  int16_t h;
+  std::memcpy(&h, p, 2);
+  return _mm256_cvtph_ps(_mm_set1_epi16(h));
+}
+
 inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 
 // 8 of a 32-weight block's 4-bit quants: chunk c (weights 8c..8c+7) of 16 bytes holding weights
@@ -256,19 +263,19 @@ inline __m256 fma_i(__m256i q, __m256 d, __m256 m) { return _mm256_fmadd_ps(_mm2
 
 // Decoders: BS weights in BB bytes a block; block(p, f) calls f(c, w) for its 8-weight chunks in order.
 struct DecF32 {
-  static constexpr int BS = 8, BB = 32;
+  static constexpr int BS = 8, BB = 32, PARTS = 1;
   template <class F> static inline void block(const uint8_t* p, F&& f) { f(0, _mm256_loadu_ps(reinterpret_cast<const float*>(p))); }
   static float one(const uint8_t* row, int64_t k) { float v; std::memcpy(&v, row + 4 * k, 4); return v; }
 };
 struct DecF16 {
-  static constexpr int BS = 8, BB = 16;
+  static constexpr int BS = 8, BB = 16, PARTS = 1;
   template <class F> static inline void block(const uint8_t* p, F&& f) {
     f(0, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   static float one(const uint8_t* row, int64_t k) { return f16_at(row + 2 * k); }
 };
 struct DecBF16 {
-  static constexpr int BS = 8, BB = 16;
+  static constexpr int BS = 8, BB = 16, PARTS = 1;
   template <class F> static inline void block(const uint8_t* p, F&& f) {
     const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     f(0, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
@@ -279,122 +286,154 @@ struct DecBF16 {
   }
 };
 struct DecQ4_0 {  // d, 16 bytes of nibbles: d * (q - 8)
-  static constexpr int BS = 32, BB = 18;
+  static constexpr int BS = 32, BB = 18, PARTS = 1;
   template <class F> static inline void block(const uint8_t* p, F&& f) {
-    const float ds = f16_at(p);
-    const __m256 d = _mm256_set1_ps(ds), o = _mm256_set1_ps(-8.0f * ds);
+    const __m256 d = f16_set1(p), o = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
     for (int c = 0; c < 4; ++c) f(c, fma_i(nibbles(p + 2, c), d, o));
   }
 };
 struct DecQ4_1 {  // d, m, 16 bytes of nibbles: d * q + m
-  static constexpr int BS = 32, BB = 20;
+  static constexpr int BS = 32, BB = 20, PARTS = 1;
   template <class F> static inline void block(const uint8_t* p, F&& f) {
-    const __m256 d = _mm256_set1_ps(f16_at(p)), m = _mm256_set1_ps(f16_at(p + 2));
+    const __m256 d = f16_set1(p), m = f16_set1(p + 2);
     for (int c = 0; c < 4; ++c) f(c, fma_i(nibbles(p + 4, c), d, m));
   }
 };
 struct DecQ5_0 {  // d, 32 high bits, 16 bytes of nibbles: d * (q - 16)
-  static constexpr int BS = 32, BB = 22;
+  static constexpr int BS = 32, BB = 22, PARTS = 1;
   template <class F> static inline void block(const uint8_t* p, F&& f) {
-    const float ds = f16_at(p);
     uint32_t qh; std::memcpy(&qh, p + 2, 4);
-    const __m256 d = _mm256_set1_ps(ds), o = _mm256_set1_ps(-16.0f * ds);
+    const __m256 d = f16_set1(p), o = _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
     for (int c = 0; c < 4; ++c) f(c, fma_i(_mm256_or_si256(nibbles(p + 6, c), high_bits8(qh >> (8 * c))), d, o));
   }
 };
 struct DecQ5_1 {  // d, m, 32 high bits, 16 bytes of nibbles: d * q + m
-  static constexpr int BS = 32, BB = 24;
+  static constexpr int BS = 32, BB = 24, PARTS = 1;
   template <class F> static inline void block(const uint8_t* p, F&& f) {
-    const __m256 d = _mm256_set1_ps(f16_at(p)), m = _mm256_set1_ps(f16_at(p + 2));
+    const __m256 d = f16_set1(p), m = f16_set1(p + 2);
     uint32_t qh; std::memcpy(&qh, p + 4, 4);
     for (int c = 0; c < 4; ++c) f(c, fma_i(_mm256_or_si256(nibbles(p + 8, c), high_bits8(qh >> (8 * c))), d, m));
   }
 };
 struct DecQ8_0 {  // d, 32 int8: q * d
-  static constexpr int BS = 32, BB = 34;
+  static constexpr int BS = 32, BB = 34, PARTS = 1;
   template <class F> static inline void block(const uint8_t* p, F&& f) {
-    const __m256 d = _mm256_set1_ps(f16_at(p));
+    const __m256 d = f16_set1(p);
     for (int c = 0; c < 4; ++c) f(c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p + 2 + 8 * c))), d));
   }
 };
 
-// Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from 12 bytes (gguf's Q4_K.get_scale_min),
-// as d * sc and -(dmin * m)
+// Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from 12 bytes (gguf's Q4_K.get_scale_min,
+// four bytes at a time as ggml does), as d * sc and -(dmin * m): dsc[8], ndm[8]
 inline void k_scales(const uint8_t* p, float* dsc, float* ndm) {
-  const float d = f16_at(p), dmin = f16_at(p + 2);
-  const uint8_t* s = p + 4;
-  for (int j = 0; j < 4; ++j) {
-    dsc[j] = d * static_cast<float>(s[j] & 63);
-    ndm[j] = -(dmin * static_cast<float>(s[4 + j] & 63));
-    dsc[4 + j] = d * static_cast<float>((s[8 + j] & 0xF) | ((s[j] >> 2) & 0x30));
-    ndm[4 + j] = -(dmin * static_cast<float>((s[8 + j] >> 4) | ((s[4 + j] >> 2) & 0x30)));
-  }
+  uint32_t a, b, c;
+  std::memcpy(&a, p + 4, 4);
+  std::memcpy(&b, p + 8, 4);
+  std::memcpy(&c, p + 12, 4);
+  const uint64_t sc = (a & 0x3f3f3f3fu) | static_cast<uint64_t>((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+  const uint64_t mn = (b & 0x3f3f3f3fu) | static_cast<uint64_t>(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+  const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn))));
+  _mm256_storeu_ps(dsc, _mm256_mul_ps(f16_set1(p), s));
+  _mm256_storeu_ps(ndm, _mm256_xor_ps(_mm256_mul_ps(f16_set1(p + 2), m), _mm256_set1_ps(-0.0f)));
 }
 
+// K-quant decoders also split a block into PARTS parts of 4 chunks after prepare() has read its
+// scales, so that a tile can interleave its weight rows part by part (independent FMA chains in flight).
+struct KScales {
+  alignas(32) float dsc[8], ndm[8];
+};
 struct DecQ4_K {  // d, dmin, scales, 128 bytes of nibbles (sub-blocks 2i, 2i+1: low, high of bytes 32i..)
-  static constexpr int BS = 256, BB = 144;
-  template <class F> static inline void block(const uint8_t* p, F&& f) {
-    float dsc[8], ndm[8];
-    k_scales(p, dsc, ndm);
-    for (int s = 0; s < 8; ++s) {
-      const __m256 d = _mm256_set1_ps(dsc[s]), m = _mm256_set1_ps(ndm[s]);
-      const uint8_t* q = p + 16 + 32 * (s >> 1);
-      for (int c = 0; c < 4; ++c) {
-        const __m256i b = _mm256_cvtepu8_epi32(load8(q + 8 * c));
-        f(4 * s + c, fma_i((s & 1) ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0xF)), d, m));
-      }
+  static constexpr int BS = 256, BB = 144, PARTS = 8;
+  using St = KScales;
+  static inline void prepare(const uint8_t* p, St& st) { k_scales(p, st.dsc, st.ndm); }
+  template <class F> static inline void part(const uint8_t* p, const St& st, int s, F&& f) {
+    const __m256 d = _mm256_broadcast_ss(st.dsc + s), m = _mm256_broadcast_ss(st.ndm + s);
+    const uint8_t* q = p + 16 + 32 * (s >> 1);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i b = _mm256_cvtepu8_epi32(load8(q + 8 * c));
+      f(4 * s + c, fma_i((s & 1) ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0xF)), d, m));
     }
   }
 };
+// 32 quant bytes (weights 0..31 of a part) as 4 chunks of 8 int32 lanes, in order; Signed: int8 quants
+template <bool Signed, class F>
+inline void widen32(__m256i q, F&& g) {
+  const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
+  const __m128i parts[4] = {a, _mm_unpackhi_epi64(a, a), b, _mm_unpackhi_epi64(b, b)};
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) g(c, Signed ? _mm256_cvtepi8_epi32(parts[c]) : _mm256_cvtepu8_epi32(parts[c]));
+}
+
 struct DecQ5_K {  // d, dmin, scales, 32 bytes of high bits (bit s of byte l: weight 32s + l), 128 bytes of nibbles
-  static constexpr int BS = 256, BB = 176;
-  template <class F> static inline void block(const uint8_t* p, F&& f) {
-    float dsc[8], ndm[8];
-    k_scales(p, dsc, ndm);
-    for (int s = 0; s < 8; ++s) {
-      const __m256 d = _mm256_set1_ps(dsc[s]), m = _mm256_set1_ps(ndm[s]);
-      const __m256i bit = _mm256_set1_epi32(1 << s), sixteen = _mm256_set1_epi32(16);
-      const uint8_t* q = p + 48 + 32 * (s >> 1);
-      for (int c = 0; c < 4; ++c) {
-        const __m256i b = _mm256_cvtepu8_epi32(load8(q + 8 * c));
-        const __m256i lo = (s & 1) ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0xF));
-        const __m256i h = _mm256_cvtepu8_epi32(load8(p + 16 + 8 * c));
-        const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_and_si256(h, bit), bit), sixteen);
-        f(4 * s + c, fma_i(_mm256_or_si256(lo, hi), d, m));
-      }
-    }
+  static constexpr int BS = 256, BB = 176, PARTS = 8;
+  using St = KScales;
+  static inline void prepare(const uint8_t* p, St& st) { k_scales(p, st.dsc, st.ndm); }
+  // part s, built 32 bytes at a time: the nibbles of bytes 48 + 32 (s / 2).. (low for even s) | bit s of bytes 16.. as 16
+  template <class F> static inline void part(const uint8_t* p, const St& st, int s, F&& f) {
+    const __m256 d = _mm256_broadcast_ss(st.dsc + s), m = _mm256_broadcast_ss(st.ndm + s);
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 48 + 32 * (s >> 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    const __m256i lo = _mm256_and_si256((s & 1) ? _mm256_srli_epi16(qs, 4) : qs, _mm256_set1_epi8(0x0F));
+    const __m256i hb = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);  // bit s -> bit 4
+    const __m256i q = _mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
+    widen32<false>(q, [&](int c, __m256i v) { f(4 * s + c, fma_i(v, d, m)); });
   }
 };
 struct DecQ6_K {  // 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, d: (d * sc) * (q - 32)
-  static constexpr int BS = 256, BB = 210;
-  template <class F> static inline void block(const uint8_t* p, F&& f) {
-    const float d = f16_at(p + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-    const __m256i mask4 = _mm256_set1_epi32(0xF), mask2 = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
-    for (int c = 0; c < 32; ++c) {  // weights 8c..8c+7 = half h, r = 8c % 128 within it
-      const int h = c >> 4, r = (8 * c) & 127;
-      const __m256i l = _mm256_cvtepu8_epi32(load8(p + 64 * h + (r & 63)));
-      const __m256i u = _mm256_cvtepu8_epi32(load8(p + 128 + 32 * h + (r & 31)));
-      const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(l, _mm_cvtsi32_si128(4 * (r >> 6))), mask4);
-      const __m256i hi = _mm256_and_si256(_mm256_srl_epi32(u, _mm_cvtsi32_si128(2 * (r >> 5))), mask2);
-      const __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc[c >> 1]));
-      f(c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), off)), ds));
-    }
+  static constexpr int BS = 256, BB = 210, PARTS = 8;
+  struct St {
+    alignas(32) float ds[16];
+  };
+  static inline void prepare(const uint8_t* p, St& st) {
+    const __m256 d = f16_set1(p + 208);
+    _mm256_storeu_ps(st.ds, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p + 192)))));
+    _mm256_storeu_ps(st.ds + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p + 200)))));
+  }
+  // part s = 4h + t: weights 128h + 32t + l (l = 0..31): the low nibble of byte 64h + 32(t & 1) + l (the
+  // high one for t >= 2), and bits 2t, 2t + 1 of byte 128 + 32h + l; built 32 bytes at a time
+  template <class F> static inline void part(const uint8_t* p, const St& st, int s, F&& f) {
+    const int h = s >> 2, t = s & 3;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * (t & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0F));
+    const __m256i hb = t < 2 ? _mm256_slli_epi16(qh, 4 - 2 * t) : _mm256_srli_epi16(qh, 2 * t - 4);  // bits 2t.. -> 4..
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x30))), _mm256_set1_epi8(32));
+    widen32<true>(q, [&](int c, __m256i v) {
+      f(4 * s + c, _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(st.ds + 2 * s + (c >> 1))));
+    });
   }
 };
+
+// a whole block's chunks in order, for any decoder
+template <class D, class F>
+inline void decode_block(const uint8_t* p, F&& f) {
+  if constexpr (D::PARTS == 1) {
+    D::block(p, f);
+  } else {
+    typename D::St st;
+    D::prepare(p, st);
+#pragma GCC unroll 8
+    for (int s = 0; s < D::PARTS; ++s) D::part(p, st, s, f);
+  }
+}
 
 // One weight row's K float32 values (gguf.quants.dequantize's), into out.
 template <class D>
 void dequant_row(const uint8_t* row, int64_t K, float* out) {
   const int64_t nb = K / D::BS;
   for (int64_t b = 0; b < nb; ++b)
-    D::block(row + b * D::BB, [&](int c, __m256 w) { _mm256_storeu_ps(out + b * D::BS + 8 * c, w); });
+    decode_block<D>(row + b * D::BB, [&](int c, __m256 w) { _mm256_storeu_ps(out + b * D::BS + 8 * c, w); });
   if constexpr (D::BS == 8)
     for (int64_t k = nb * 8; k < K; ++k) out[k] = D::one(row, k);
 }
 
-// Bytes ahead of each weight row's current block to prefetch (a prefetch never faults past the end).
-constexpr int64_t GGUF_PF = 512;
+// Prefetch (a prefetch never faults past the end): a tile's NR weight rows are NR short streams, too
+// short for the hardware prefetchers when rows are short, so each block prefetches the same block of
+// the same row in the next tile (NR rows further) when a tile holds <= GGUF_PF_TILE bytes, else the
+// bytes GGUF_PF_ROW ahead in its own row.
+constexpr int64_t GGUF_PF_TILE = 4096, GGUF_PF_ROW = 512;
 
 // MR activation rows x NR weight rows (row-major blocks, rb bytes a row) over nb blocks: each chunk of 8
 // weights is rebuilt once and serves the MR rows; every output keeps its own register.
@@ -405,17 +444,32 @@ void gguf_tile(const float* x, int64_t K, const uint8_t* w, int64_t rb, int64_t 
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t pf = NR * rb <= GGUF_PF_TILE ? NR * rb : GGUF_PF_ROW;
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * D::BS;
+    const uint8_t* pb = w + b * D::BB;
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) {
-      const uint8_t* p = w + j * rb + b * D::BB;
-      if (D::BB >= 64 || (b & (64 / D::BB - 1)) == 0)
-        for (int o = 0; o < D::BB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + GGUF_PF + o), _MM_HINT_T0);
-      D::block(p, [&](int c, __m256 wv) {
+    for (int j = 0; j < NR; ++j)
+      for (int o = 0; o < D::BB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pb + j * rb + pf + o), _MM_HINT_T0);
+    if constexpr (D::PARTS == 1) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j)
+        D::block(pb + j * rb, [&](int c, __m256 wv) {
 #pragma GCC unroll 6
-        for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * K + 8 * c), wv, acc[i][j]);
-      });
+          for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * K + 8 * c), wv, acc[i][j]);
+        });
+    } else {  // the NR rows part by part: NR * MR independent chains in flight
+      typename D::St st[NR];
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) D::prepare(pb + j * rb, st[j]);
+#pragma GCC unroll 8
+      for (int s = 0; s < D::PARTS; ++s)
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j)
+          D::part(pb + j * rb, st[j], s, [&](int c, __m256 wv) {
+#pragma GCC unroll 6
+            for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * K + 8 * c), wv, acc[i][j]);
+          });
     }
   }
 #pragma GCC unroll 6
