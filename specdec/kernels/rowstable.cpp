@@ -225,7 +225,7 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n)
 // inf / NaN it gives.) Each output then runs `linear`'s sum: one 8-lane FMA chain over k in order,
 // hsum8, the k % 8 tail in order (float types only), so
 //     gguf_linear(x, raw) == linear(x, dequantize(raw))   bit for bit, for every type and every M,
-// and a row's outputs never depend on the other rows in the call. Small calls (M <= FUSED_ROWS)
+// and a row's outputs never depend on the other rows in the call. Small calls (M <= fused_rows)
 // rebuild the weights in registers, one pass over a group of weight rows per tile of up to 6
 // activation rows; larger ones rebuild a group of weight rows into a per-thread float32 buffer (in
 // L2) and run `linear`'s tiles over it: the same numbers either way.
@@ -488,12 +488,16 @@ void gguf_tiles(const float* x, int64_t K, const uint8_t* w, int64_t rb, int64_t
   for (; n < n1; ++n) gguf_tile<D, MR, 1>(x, K, w + n * rb, rb, nb, y + n, N);
 }
 
-constexpr int64_t FUSED_ROWS = 6;  // calls of up to this many activation rows rebuild weights in registers
+// Calls of up to this many activation rows rebuild the weights in registers, larger ones into a buffer
+// (where the buffered products were as fast or faster, one thread on a 2-core Zen 3):
+// 4+ rows for the K-quants (their rebuilding costs more), 6+ for the others.
+template <class D>
+constexpr int64_t fused_rows() { return D::PARTS > 1 ? 3 : 5; }
 
 template <class D>
 void gguf_linear_impl(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, float* yp) {
   const int64_t rb = K / D::BS * D::BB + (D::BS == 8 ? (K % 8) * (D::BB / 8) : 0);
-  if (M <= FUSED_ROWS && K % 8 == 0) {
+  if (M <= fused_rows<D>() && K % 8 == 0) {
     constexpr int64_t GROUP = 24;  // weight rows a task
     at::parallel_for(0, (N + GROUP - 1) / GROUP, 1, [&](int64_t t0, int64_t t1) {
       const int64_t n0 = t0 * GROUP, n1 = std::min(N, t1 * GROUP);
