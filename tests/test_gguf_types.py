@@ -131,3 +131,21 @@ def test_bad_tensors_give_one_clear_error():
     with pytest.raises(SpecdecError, match=r"Q4_K \[4, 512\] tensor takes 1152 bytes, but the file gives 1100"):
         kernels.check_gguf_tensor(raw[:1100], q4k, 4, 512, "blk.0.attn_q.weight")
     kernels.check_gguf_tensor(raw, q4k, 4, 512)
+
+
+def test_cat_is_the_separate_products_side_by_side():
+    """gguf_linear_cat over weights of mixed types (a q/k/v-like stack) equals the separate products
+    concatenated, bit for bit, in both of the kernels' paths; mismatched lists are refused."""
+    ops = need_kernels("rowstable")
+    k = 512
+    parts = [(t, n) + case(t, n, k, seed=t)[:1] for t, n in ((kernels.Q4_K, 40), (kernels.Q6_K, 9), (kernels.Q8_0, 0),
+                                                            (F16, 13))]
+    g = torch.Generator().manual_seed(3)
+    for m in (1, 3, 5, 64):
+        x = torch.randn(m, k, generator=g)
+        y = ops.gguf_linear_cat(x, [p[2] for p in parts], [p[0] for p in parts], [p[1] for p in parts], k)
+        assert torch.equal(y, torch.cat([ops.gguf_linear(x, raw, t, n, k) for t, n, raw in parts], dim=1)), m
+    with pytest.raises(RuntimeError, match="one type and one row count for each raw tensor"):
+        ops.gguf_linear_cat(x, [parts[0][2]], [parts[0][0], parts[1][0]], [40], k)
+    with pytest.raises(RuntimeError, match=r"Q6_K \[10, 512\] takes 4200 bytes; the raw tensor holds 3780"):
+        ops.gguf_linear_cat(x, [parts[0][2], parts[1][2]], [parts[0][0], parts[1][0]], [40, 10], k)

@@ -213,6 +213,8 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n)
 // gguf_linear / gguf_rows: products and row lookups straight from a GGUF tensor's bytes as the file
 // holds them (N rows of K / BS blocks each, row-major; typically a view of the memory-mapped file),
 // for F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K. No copy of the weights.
+// gguf_linear_cat multiplies by several such tensors (q, k, v; gate, up; of any types) in one call
+// and one parallel region, their outputs side by side: the numbers of separate gguf_linear calls.
 //
 // Numbers. A decoder rebuilds 8 weights at a time in a register with exactly the float32 values
 // gguf.quants.dequantize gives; every type's formula has at most one rounding:
@@ -495,51 +497,52 @@ template <class D>
 constexpr int64_t fused_rows() { return D::PARTS > 1 ? 3 : 5; }
 
 template <class D>
-void gguf_linear_impl(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, float* yp) {
-  const int64_t rb = K / D::BS * D::BB + (D::BS == 8 ? (K % 8) * (D::BB / 8) : 0);
-  if (M <= fused_rows<D>() && K % 8 == 0) {
-    constexpr int64_t GROUP = 24;  // weight rows a task
-    at::parallel_for(0, (N + GROUP - 1) / GROUP, 1, [&](int64_t t0, int64_t t1) {
-      const int64_t n0 = t0 * GROUP, n1 = std::min(N, t1 * GROUP);
-      switch (M) {
-        case 1: gguf_tiles<D, 1>(xp, K, wp, rb, n0, n1, yp, N); break;
-        case 2: gguf_tiles<D, 2>(xp, K, wp, rb, n0, n1, yp, N); break;
-        case 3: gguf_tiles<D, 3>(xp, K, wp, rb, n0, n1, yp, N); break;
-        case 4: gguf_tiles<D, 4>(xp, K, wp, rb, n0, n1, yp, N); break;
-        case 5: gguf_tiles<D, 5>(xp, K, wp, rb, n0, n1, yp, N); break;
-        default: gguf_tiles<D, 6>(xp, K, wp, rb, n0, n1, yp, N); break;
-      }
-    });
+bool in_registers(int64_t M, int64_t K) { return M <= fused_rows<D>() && K % 8 == 0; }
+
+// The weight rows a task takes: 24 rebuilt in registers, or a buffer's worth (<= ~96 KB, a multiple
+// of `linear`'s 3 columns).
+template <class D>
+int64_t task_rows(int64_t M, int64_t K) {
+  return in_registers<D>(M, K) ? 24 : std::max<int64_t>(3, (24576 / std::max<int64_t>(K, 1)) / 3 * 3);
+}
+
+// Output columns n0..n1 (at most task_rows) of one weight (rb bytes a row at wp) for all M rows of x,
+// into yp (the weight's first output column; row stride ldy); buf: the calling thread's buffer.
+template <class D>
+void gguf_columns(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t rb, int64_t n0, int64_t n1,
+                  float* yp, int64_t ldy, std::vector<float>& buf) {
+  if (in_registers<D>(M, K)) {
+    switch (M) {
+      case 1: gguf_tiles<D, 1>(xp, K, wp, rb, n0, n1, yp, ldy); break;
+      case 2: gguf_tiles<D, 2>(xp, K, wp, rb, n0, n1, yp, ldy); break;
+      case 3: gguf_tiles<D, 3>(xp, K, wp, rb, n0, n1, yp, ldy); break;
+      case 4: gguf_tiles<D, 4>(xp, K, wp, rb, n0, n1, yp, ldy); break;
+      case 5: gguf_tiles<D, 5>(xp, K, wp, rb, n0, n1, yp, ldy); break;
+      default: gguf_tiles<D, 6>(xp, K, wp, rb, n0, n1, yp, ldy); break;
+    }
     return;
   }
-  // groups of weight rows rebuilt into a buffer of <= ~96 KB, a multiple of `linear`'s 3 columns
   constexpr int64_t MR = 4, NR = 3;
-  const int64_t group = std::max<int64_t>(NR, (24576 / std::max<int64_t>(K, 1)) / NR * NR);
-  at::parallel_for(0, (N + group - 1) / group, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf(std::is_same<D, DecF32>::value ? 0 : group * K);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * group, n1 = std::min(N, n0 + group);
-      const float* wf;
-      if constexpr (std::is_same<D, DecF32>::value) {
-        wf = reinterpret_cast<const float*>(wp + n0 * rb);
-      } else {
-        for (int64_t n = n0; n < n1; ++n) dequant_row<D>(wp + n * rb, K, buf.data() + (n - n0) * K);
-        wf = buf.data();
-      }
-      for (int64_t m = 0; m < M; m += MR) {
-        const int mr = static_cast<int>(std::min(MR, M - m));
-        for (int64_t n = n0; n < n1; n += NR) {
-          const int nr = static_cast<int>(std::min(NR, n1 - n));
-          const float* xt = xp + m * K;
-          const float* wt = wf + (n - n0) * K;
-          float* yt = yp + m * N + n;
-          if (nr == 3) tile_rows<3>(mr, xt, K, wt, K, yt, N);
-          else if (nr == 2) tile_rows<2>(mr, xt, K, wt, K, yt, N);
-          else tile_rows<1>(mr, xt, K, wt, K, yt, N);
-        }
-      }
+  const float* wf;
+  if constexpr (std::is_same<D, DecF32>::value) {
+    wf = reinterpret_cast<const float*>(wp + n0 * rb);
+  } else {
+    if (static_cast<int64_t>(buf.size()) < (n1 - n0) * K) buf.resize((n1 - n0) * K);
+    for (int64_t n = n0; n < n1; ++n) dequant_row<D>(wp + n * rb, K, buf.data() + (n - n0) * K);
+    wf = buf.data();
+  }
+  for (int64_t m = 0; m < M; m += MR) {
+    const int mr = static_cast<int>(std::min(MR, M - m));
+    for (int64_t n = n0; n < n1; n += NR) {
+      const int nr = static_cast<int>(std::min(NR, n1 - n));
+      const float* xt = xp + m * K;
+      const float* wt = wf + (n - n0) * K;
+      float* yt = yp + m * ldy + n;
+      if (nr == 3) tile_rows<3>(mr, xt, K, wt, K, yt, ldy);
+      else if (nr == 2) tile_rows<2>(mr, xt, K, wt, K, yt, ldy);
+      else tile_rows<1>(mr, xt, K, wt, K, yt, ldy);
     }
-  });
+  }
 }
 
 // ggml type id -> (weights a block, bytes a block); 0 for a type these kernels do not read
@@ -588,23 +591,59 @@ void with_decoder(int64_t t, F&& f) {
   }
 }
 
-at::Tensor gguf_linear(const at::Tensor& x_, const at::Tensor& raw, int64_t t, int64_t N, int64_t K) {
-  const int64_t rb = gguf_row_bytes("gguf_linear", raw, t, K);
+// One weight of a product: its bytes, type, rows, bytes a row, and its first output column.
+struct WeightPart {
+  const uint8_t* w;
+  int64_t type, N, rb, col;
+};
+
+// y [M, ldy] columns of every part: one parallel region over all parts' tasks.
+void gguf_linear_parts(const float* xp, int64_t M, int64_t K, const std::vector<WeightPart>& parts, float* yp, int64_t ldy) {
+  std::vector<int64_t> rows(parts.size()), first(parts.size() + 1, 0);
+  for (size_t p = 0; p < parts.size(); ++p) {
+    with_decoder(parts[p].type, [&](auto d) { rows[p] = task_rows<decltype(d)>(M, K); });
+    first[p + 1] = first[p] + (parts[p].N + rows[p] - 1) / rows[p];
+  }
+  at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf;
+    size_t p = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+      while (t >= first[p + 1]) ++p;
+      const WeightPart& wp = parts[p];
+      const int64_t n0 = (t - first[p]) * rows[p], n1 = std::min(wp.N, n0 + rows[p]);
+      with_decoder(wp.type, [&](auto d) {
+        gguf_columns<decltype(d)>(xp, M, K, wp.w, wp.rb, n0, n1, yp + wp.col, ldy, buf);
+      });
+    }
+  });
+}
+
+// x [..., K] @ the concatenation of the weights' rows^T -> [..., sum of N]; each weight's bytes checked.
+at::Tensor gguf_linear_cat(const at::Tensor& x_, at::TensorList raws, at::IntArrayRef types, at::IntArrayRef Ns, int64_t K) {
+  TORCH_CHECK(raws.size() >= 1 && raws.size() == types.size() && raws.size() == Ns.size(),
+              "gguf_linear: give one type and one row count for each raw tensor");
   TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.dim() >= 1 && x_.size(-1) == K,
               "gguf_linear: x must be float32 [..., K] with K=", K);
-  TORCH_CHECK(N >= 0 && raw.numel() == N * rb, "gguf_linear: ", gguf_type(t).name, " [", N, ", ", K, "] takes ", N * rb,
-              " bytes; the raw tensor holds ", raw.numel());
+  std::vector<WeightPart> parts;
+  int64_t cols = 0;
+  for (size_t p = 0; p < raws.size(); ++p) {
+    const int64_t rb = gguf_row_bytes("gguf_linear", raws[p], types[p], K);
+    TORCH_CHECK(Ns[p] >= 0 && raws[p].numel() == Ns[p] * rb, "gguf_linear: ", gguf_type(types[p]).name, " [", Ns[p], ", ", K,
+                "] takes ", Ns[p] * rb, " bytes; the raw tensor holds ", raws[p].numel());
+    if (Ns[p] > 0) parts.push_back({raws[p].data_ptr<uint8_t>(), types[p], Ns[p], rb, cols});
+    cols += Ns[p];
+  }
   const at::Tensor x = x_.contiguous();
   const int64_t M = x.numel() / K;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
+  shape.back() = cols;
   at::Tensor y = at::empty(shape, x.options());
-  if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = raw.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  with_decoder(t, [&](auto d) { gguf_linear_impl<decltype(d)>(xp, M, K, wp, N, yp); });
+  if (M > 0 && cols > 0) gguf_linear_parts(x.data_ptr<float>(), M, K, parts, y.data_ptr<float>(), cols);
   return y;
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& raw, int64_t t, int64_t N, int64_t K) {
+  return gguf_linear_cat(x, {raw}, {t}, {N}, K);
 }
 
 at::Tensor gguf_rows(const at::Tensor& raw, int64_t t, const at::Tensor& ids_, int64_t K) {
@@ -842,6 +881,7 @@ TORCH_LIBRARY(specdec_rs, lib) {
   lib.def("q8_0_linear(Tensor x, Tensor packed, int n) -> Tensor");
   lib.def("gguf_linear(Tensor x, Tensor raw, int ggml_type, int N, int K) -> Tensor");
   lib.def("gguf_rows(Tensor raw, int ggml_type, Tensor ids, int K) -> Tensor");
+  lib.def("gguf_linear_cat(Tensor x, Tensor[] raws, int[] ggml_types, int[] Ns, int K) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
   lib.impl("linear", &linear);
@@ -853,4 +893,5 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
   lib.impl("q8_0_linear", &q8_0_linear);
   lib.impl("gguf_linear", &gguf_linear);
   lib.impl("gguf_rows", &gguf_rows);
+  lib.impl("gguf_linear_cat", &gguf_linear_cat);
 }
