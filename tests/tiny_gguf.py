@@ -108,3 +108,41 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def dequantized_state_dict(path: Path) -> dict:
+    """A GGUF file's weights as a float32 state dict with transformers' names and row order
+    (gguf.quants.dequantize of every tensor; llama.cpp's q/k rows of a Llama file put back): the
+    fp32 copy the native model's GGUF path must compute like, for tests only."""
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from specdec.models.gguf_file import GGUFFile
+    from specdec.models.gguf_model import llama_row_order
+
+    gf = GGUFFile(path)
+    cfg = gf.model_config()
+    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+    per_layer = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
+    sd = {}
+    for name, t in gf.tensors.items():
+        base, kind = name.rsplit(".", 1)
+        if base.startswith("blk."):
+            _, i, part = base.split(".", 2)
+            hf = f"model.layers.{i}.{per_layer[part]}"
+        elif base in names:
+            hf = names[base]
+        else:
+            continue
+        w = dequantize(np.ascontiguousarray(gf.raw(name)), GGMLQuantizationType(t.type_id)).reshape(t.rows, -1)
+        w = torch.from_numpy(np.array(w, dtype=np.float32)).reshape(-1) if t.rows == 1 else torch.from_numpy(
+            np.array(w, dtype=np.float32))
+        if gf.architecture in ("llama", "mistral") and base.endswith(("attn_q", "attn_k")):
+            heads = cfg.num_attention_heads if base.endswith("attn_q") else cfg.num_key_value_heads
+            w = w[llama_row_order(w.shape[0], heads)]
+        sd[f"{hf}.{kind}"] = w
+    return sd
