@@ -14,6 +14,7 @@ Tiny Llama and Qwen2 files with random blocks of every supported type (tests/tin
 from __future__ import annotations
 
 import functools
+import json
 import warnings
 from pathlib import Path
 
@@ -273,3 +274,26 @@ def test_sampled_row_check_catches_a_kernel_that_misreads_a_type(gguf_dir, monke
     monkeypatch.setattr(gguf_model, "kernel_ops", broken)
     with pytest.raises(SpecdecError, match=r"misread tensor .* \(Q5_1\)"):
         load(path)
+
+
+def test_a_tokenizer_class_of_its_own_is_read_plainly_only_where_it_matches_transformers(tmp_path):
+    """_mark_plain_if_equal keeps transformers' class where a probe text tokenizes differently."""
+    from transformers import AutoTokenizer
+
+    from specdec.models import tokenizer as tk
+
+    src = tiny(tmp_path, "llama", Q8_0)
+    hf = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    for broken in (False, True):
+        d = tmp_path / f"tok{int(broken)}"
+        hf.save_pretrained(str(d))
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        cfg["tokenizer_class"] = "SomeTokenizer"
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+        if broken:  # the saved tokenizer.json no longer tokenizes as `hf` does
+            tj = json.loads((d / "tokenizer.json").read_text())
+            tj["model"]["merges"] = tj["model"]["merges"][:1]
+            (d / "tokenizer.json").write_text(json.dumps(tj))
+        tk._mark_plain_if_equal(d, hf)
+        kept = json.loads((d / "tokenizer_config.json").read_text())["tokenizer_class"]
+        assert kept == ("SomeTokenizer" if broken else "TokenizersBackend")

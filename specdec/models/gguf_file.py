@@ -130,11 +130,13 @@ class GGUFFile:
             raise SpecdecError(f"{self.path}: GGUF version {version} is too old (2 or newer is read)")
         off = 24
         self.meta: dict = {}
+        self.meta_spans: dict[str, tuple[int, int]] = {}  # key -> its entry's bytes (start, end)
         for _ in range(n_kv):
+            start = off
             key, off = self._string(buf, off)
             (vtype,), off = struct.unpack_from("<I", buf, off), off + 4
             self.meta[key], off = self._value(buf, off, vtype)
-        self.kv_end = off  # the metadata's bytes end here (the tokenizer cache keys on them)
+            self.meta_spans[key] = (start, off)
         self.tensors: dict[str, TensorInfo] = {}
         infos = []
         for _ in range(n_tensors):
@@ -204,6 +206,16 @@ class GGUFFile:
     def get(self, key: str, default=None):
         """meta[key] with `{arch}.` put in front of a key that starts with a dot."""
         return self.meta.get(self.architecture + key if key.startswith(".") else key, default)
+
+    def tokenizer_digest(self) -> str:
+        """sha256 of the tokenizer.* metadata entries' bytes: files that share a tokenizer share it."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for key in sorted(k for k in self.meta_spans if k.startswith("tokenizer.")):
+            a, b = self.meta_spans[key]
+            h.update(memoryview(self._mm)[a:b])
+        return h.hexdigest()
 
     def strings(self, key: str) -> list[str] | None:
         v = self.meta.get(key)
