@@ -297,3 +297,15 @@ def test_a_tokenizer_class_of_its_own_is_read_plainly_only_where_it_matches_tran
         tk._mark_plain_if_equal(d, hf)
         kept = json.loads((d / "tokenizer_config.json").read_text())["tokenizer_class"]
         assert kept == ("SomeTokenizer" if broken else "TokenizersBackend")
+
+
+def test_hf_layer_state_is_the_dequantised_layer_in_transformers_order(gguf_dir):
+    """What training an EAGLE head from a GGUF target reads: the layer as transformers loads it."""
+    from tiny_gguf import dequantized_state_dict
+
+    path = tiny(gguf_dir, "llama", Q4_K)
+    got = load(path).model.hf_layer_state(1)
+    want = dequantized_state_dict(path)
+    assert got.keys() <= want.keys() and len(got) == 9
+    for k, v in got.items():
+        assert torch.equal(v, want[k]), k

@@ -311,7 +311,10 @@ class GGUFFile:
             rope_theta=theta, rope_parameters=rope, hidden_act="silu",
             tie_word_embeddings="output.weight" not in self.tensors,
             max_position_embeddings=int(self.get(".context_length", 2048)), sliding_window=None,
-            attention_bias=False, mlp_bias=False, use_sliding_window=False)
+            attention_bias=False, mlp_bias=False, use_sliding_window=False,
+            bos_token_id=self.meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.meta.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=self.meta.get("tokenizer.ggml.padding_token_id"))
 
     def eos_ids(self) -> list[int]:
         """End-of-text ids the metadata names (eos, end of turn, end of message)."""

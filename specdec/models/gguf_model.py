@@ -253,6 +253,27 @@ class GGUFLlamaModel(LlamaModel):
         return self.head.nbytes + sum(lin.nbytes for blk in self.layers
                                       for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))
 
+    def hf_layer_state(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's weights dequantised to float32 (gguf.quants.dequantize) under transformers'
+        names and row order: what training a drafter initialised from a target layer reads (an
+        EAGLE head); a copy of one layer, never the model."""
+        p, out = f"model.layers.{i}.", {}
+        blk = self.layers[i]
+        names = {"wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "wo": ("self_attn.o_proj",),
+                 "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"), "w_down": ("mlp.down_proj",)}
+        for attr, hf_names in names.items():
+            lin = getattr(blk, attr)
+            w = torch.cat([torch.from_numpy(dequantize(raw, t, k)) for raw, t, _, k in lin.parts])
+            if lin.out_order is not None:
+                w = w[lin.out_order]
+            start = 0
+            for name, (_, _, n, _) in zip(hf_names, lin.parts):
+                out[p + name + ".weight"] = w[start:start + n]
+                start += n
+        out[p + "input_layernorm.weight"] = blk.attn_norm.detach().clone()
+        out[p + "post_attention_layernorm.weight"] = blk.mlp_norm.detach().clone()
+        return out
+
     def matrices(self):
         """(name, raw bytes, ggml type, N, K) of every matrix the model multiplies by."""
         named = [("output" if not self.cfg.tie_embeddings else "token_embd", self.head)]
