@@ -19,7 +19,7 @@ specdec depends on them: without them a GGUF model computes with its dequantised
 `rowstable.cpp`, for CPUs with AVX2 and FMA (where qlinear.cpp cannot run), holds float32
 products (over fp32 weights, over Q4_1 / Q8_0 blocks in gguf_blocks' K-major layout with the
 same numbers, or straight over a GGUF tensor's own bytes of any type in GGUF_TYPES: gguf_linear,
-gguf_rows), RMS norm, rotation + cache write + attention and attention, each output computed
+gguf_linear_cat for several tensors side by side, gguf_rows for embedding rows), RMS norm, rotation + cache write + attention and attention, each output computed
 the same way however many rows share the call, so that a verified token gets bit for bit the
 numbers of decoding it alone. `rowstable_ops()` builds and loads it the same way, as
 `torch.ops.specdec_rs` (None, and `rowstable_unavailable()` says why, where it cannot run or
@@ -130,11 +130,12 @@ _rs_state: dict = {}
 
 
 def rowstable_ops(cache_dir: Path, quiet: bool = True):
-    """torch.ops.specdec_rs (linear, gguf_linear, gguf_rows, rms_norm, attend, rope_attend, silu_mul: float32 kernels whose
-    every output number is computed the same way however many rows share the call; see
-    rowstable.cpp), for CPUs with AVX2, FMA and F16C (every x86 CPU with AVX2 since 2013) where the AVX-512 kernels cannot run; None where
-    these cannot either (`rowstable_unavailable()` says why: no AVX2/FMA, no compiler, a failed
-    build, SPECDEC_ROWSTABLE=0). Built once into cache_dir like ops()."""
+    """torch.ops.specdec_rs (linear, gguf_linear, gguf_linear_cat, gguf_rows, rms_norm, attend,
+    rope_attend, silu_mul: float32 kernels whose every output number is computed the same way
+    however many rows share the call; see rowstable.cpp), for x86 CPUs with AVX2, FMA and F16C
+    (AVX-512 CPUs included); None where these cannot run (`rowstable_unavailable()` says why: no
+    AVX2/FMA/F16C, no compiler, a failed build, SPECDEC_ROWSTABLE=0). Built once into cache_dir
+    like ops()."""
     with _lock:
         if "ops" in _rs_state or "why" in _rs_state:
             return _rs_state.get("ops")

@@ -263,7 +263,9 @@ inline __m256i high_bits8(uint32_t bits) {
 
 inline __m256 fma_i(__m256i q, __m256 d, __m256 m) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m); }
 
-// Decoders: BS weights in BB bytes a block; block(p, f) calls f(c, w) for its 8-weight chunks in order.
+// Decoders: BS weights in BB bytes a block; block(p, f) calls f(c, w) for its 8-weight chunks in order
+// (the K-quants instead read a block's scales with prepare() and its chunks PARTS parts at a time with
+// part(); decode_block() walks any decoder's block in order).
 struct DecF32 {
   static constexpr int BS = 8, BB = 32, PARTS = 1;
   template <class F> static inline void block(const uint8_t* p, F&& f) { f(0, _mm256_loadu_ps(reinterpret_cast<const float*>(p))); }
