@@ -12,6 +12,9 @@ printing medians:
 
     python3 benchmarks/gguf_kernels.py bandwidth raw repack --threads 2
     python3 benchmarks/gguf_kernels.py raw --types Q4_K,Q6_K --m 1,4 --shapes 1536x1536,8960x1536
+    python3 benchmarks/gguf_kernels.py bandwidth raw --threads 1 --types Q4_K,Q8_0 --m 1 --shapes 151936x1536,16384x8960
+
+(the last: matrices far larger than the caches, read from memory, against the bandwidth figures)
 """
 
 from __future__ import annotations
