@@ -158,6 +158,8 @@ def measure_decode(threads: int, max_new: int, n_prompts: int, k: int) -> dict:
             rates[name].append(len(r.tokens) / (time.perf_counter() - t))
             base = r.tokens if name == "none" else base
             equal[name] += r.tokens == base
+            print(f"prompt {len(rates[name])}: {name} {rates[name][-1]:.2f} tok/s, equal to plain: {r.tokens == base}",
+                  file=sys.stderr, flush=True)
     out = {"cpu": cpu_name(), "threads": threads, "prompts": n_prompts, "max_new_tokens": max_new, "k": k}
     for name in methods:
         out[name] = {"tok_s_median": round(statistics.median(rates[name]), 2),
