@@ -71,10 +71,24 @@ def reference_rows(raw: torch.Tensor, ggml_type: int, ids: torch.Tensor, K: int)
     return torch.from_numpy(dequantize(raw[ids], ggml_type, K))
 
 
+class _LinearOp:
+    """gguf_linear, carrying gguf_linear_cat as `.cat` (GGUFLinear takes several parts in one call)."""
+
+    __slots__ = ("op", "cat")
+
+    def __init__(self, op, cat) -> None:
+        self.op, self.cat = op, cat
+
+    def __call__(self, *args):
+        return self.op(*args)
+
+
 def kernel_ops(rowstable):
     """(gguf_linear, gguf_rows, True) of the row-stable kernels `rowstable` where they hold them,
     else the slow reference's (reference_linear, reference_rows, False)."""
     if rowstable is not None and hasattr(rowstable, "gguf_linear") and hasattr(rowstable, "gguf_rows"):
+        if hasattr(rowstable, "gguf_linear_cat"):
+            return _LinearOp(rowstable.gguf_linear, rowstable.gguf_linear_cat), rowstable.gguf_rows, True
         return rowstable.gguf_linear, rowstable.gguf_rows, True
     return reference_linear, reference_rows, False
 
@@ -92,19 +106,27 @@ class GGUFLinear(nn.Module):
                  out_order: torch.Tensor | None = None) -> None:
         super().__init__()
         self.parts = parts  # [(raw uint8 [N, row bytes], ggml type, N, K)]
-        self.op = op
+        self.op = getattr(op, "op", op)  # (the bare kernel: no wrapper call in a step)
         self.in_features = parts[0][3]
         self.out_features = sum(p[2] for p in parts)
         self.bias = bias
         self.out_order = out_order
+        # the kernels' gguf_linear_cat (the same numbers as one gguf_linear per part) where they have it
+        self.op_cat = getattr(op, "cat", None)
+        self.cat_args = None
+        if self.op_cat is not None and len(parts) > 1:
+            self.cat_args = ([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        op = self.op
-        ys = [op(x2, *p) for p in self.parts]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+        if self.cat_args is not None:  # q, k, v (gate, up) in one kernel call, outputs side by side
+            y = self.op_cat(x2, *self.cat_args)
+        else:
+            op = self.op
+            ys = [op(x2, *p) for p in self.parts]
+            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         if self.out_order is not None:
             y = y.index_select(1, self.out_order)
         if self.bias is not None:
