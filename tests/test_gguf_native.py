@@ -110,7 +110,7 @@ def test_llama3_frequency_factors_divide_the_rotary_frequencies(gguf_dir):
     assert torch.allclose(m.inv_freq, base / torch.linspace(1.0, 8.0, 32))
 
 
-@pytest.mark.parametrize("t", [Q4_K, Q6_K, Q5_0, BF16])
+@pytest.mark.parametrize("t", [Q4_K, Q6_K, Q5_0, BF16, Q4_1, Q8_0, Q4_0])
 def test_a_verified_tokens_logits_are_its_logits_decoded_alone(gguf_dir, t):
     """After a shared prefill, 5 tokens verified in one call (a chain, and as a batch of 2 rows)
     get bit for bit the logits of feeding them one at a time: the kernels' products, norms and

@@ -227,6 +227,16 @@ class GGUFFile:
         t = self.tensors[name]
         return self.bytes[t.offset: t.offset + t.n_bytes].reshape(t.rows, -1)
 
+    def release(self, view) -> None:
+        """Give the pages under `view` (a slice of this file's bytes) back to the page cache
+        (MADV_DONTNEED on the whole pages inside it); reading them again maps them back in."""
+        a = view.numpy() if hasattr(view, "numpy") else view
+        start = a.ctypes.data - self.bytes.ctypes.data
+        page = mmap.PAGESIZE
+        lo, hi = -(-start // page) * page, (start + a.nbytes) // page * page
+        if hi > lo and hasattr(self._mm, "madvise"):
+            self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     def floats(self, name: str) -> np.ndarray:
         """A small float tensor (norm weights, biases) as float32 [n] (a copy)."""
         t = self.tensors[name]

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..types import SpecdecError
 from .gguf_file import GGUFFile, TensorInfo
-from .llama import LlamaConfig, LlamaModel, _no_init
+from .llama import LlamaConfig, LlamaModel, _no_init, step_call
 
 
 def llama_row_order(n_rows: int, n_head: int) -> torch.Tensor:
@@ -118,6 +118,9 @@ class GGUFLinear(nn.Module):
             self.cat_args = ([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rs_blocks is not None and step_call(x):  # (see repack_for_steps)
+            y = self.rs_blocks[0](x, *self.rs_blocks[1:])
+            return y if self.bias is None else y + self.bias
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
@@ -162,6 +165,38 @@ class GGUFEmbedding(nn.Module):
             self._weight = self.rows_op(self.raw, self.ggml_type, torch.arange(self.num_embeddings),
                                         self.embedding_dim)
         return self._weight
+
+
+STEP_KINDS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # what the AVX2 kernels' repacked step products read
+
+
+def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile) -> bool:
+    """Decoding steps of a projection whose parts are all Q4_0 / Q4_1 or all Q8_0 run on the
+    row-stable kernels' q4_1_linear / q8_0_linear over the blocks repacked K-major
+    (models/gguf_blocks; llama's q/k rows reordered there instead of the outputs): ~30% faster a
+    step than gguf_linear on these types, and the same numbers (both equal the float product over
+    the dequantised weights bit for bit). The file's pages of the repacked tensors are given back
+    (madvise), so the model still holds about one copy of its bytes. Returns whether it did."""
+    from . import gguf_blocks as gb
+
+    kinds = {STEP_KINDS.get(p[1]) for p in lin.parts}
+    if kops is None or None in kinds or len({"Q8_0" in k for k in kinds}) != 1 or lin.in_features % 32 \
+            or lin.out_features % gb.G:
+        return False
+    decoded = []
+    for raw, t, _, _ in lin.parts:
+        a = raw.numpy()
+        decoded.append(gb._q8(a) if t == 8 else gb._q4(a, STEP_KINDS[t]))
+    fused = tuple(np.concatenate([d[i] for d in decoded], axis=0) for i in range(len(decoded[0])))
+    if lin.out_order is not None:
+        fused = tuple(a[lin.out_order.numpy()] for a in fused)
+    kind = "Q8_0" if len(fused) == 2 else "Q4_1"
+    _, kmajor, _ = gb.pack(kind, fused, "float")
+    op = kops.q8_0_linear if kind == "Q8_0" else kops.q4_1_linear
+    lin.rs, lin.rs_blocks = kops, (op, kmajor, lin.out_features)
+    for raw, *_ in lin.parts:  # (prefills still read them: the pages come back from the file then)
+        gf.release(raw)
+    return True
 
 
 class GGUFLlamaModel(LlamaModel):
@@ -225,6 +260,12 @@ class GGUFLlamaModel(LlamaModel):
             self.inv_freq = self.inv_freq / factors
         self.rowstable = kops
         self._head_weight = None
+        if kops is not None and hasattr(kops, "q4_1_linear"):
+            for blk in self.layers:
+                for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down):
+                    repack_for_steps(lin, kops, gf)
+                blk.fast = blk.fast_step_args()  # (direct kernel calls where every projection was repacked)
+            repack_for_steps(self.head, kops, gf)
 
     def _tensor(self, name: str) -> TensorInfo:
         t = self.gguf.tensors.get(name)
