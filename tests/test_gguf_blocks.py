@@ -358,132 +358,62 @@ def test_attach_refuses_a_wrong_shape():
         native.attach_blocks(ops, {"layers.0.wo": (kind, pk, pn, rows + 4)})
 
 
-# -- GGUF files ---------------------------------------------------------------------------------
-def _llama_cpp_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's permutation of q / k rows when it writes a Llama GGUF (transformers undoes it)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+# -- GGUF bytes ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_decoders_rebuild_gguf_dequantize_of_the_same_bytes(kind):
+    """_q4 / _q8 read a GGUF tensor's bytes into the (q, d[, m]) the packers take; dequantised
+    they equal gguf.quants.dequantize of the same bytes (the independent reference: no fp32
+    copy of a model is needed to check a packing)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
 
+    from gguf_random import Q4_0, Q4_1, Q8_0, random_blocks
 
-def _raw_q4_1(q, d, m) -> np.ndarray:
-    N, nb = d.shape
-    return np.concatenate([d.astype(np.float16).view(np.uint8).reshape(N, nb, 2),
-                           m.astype(np.float16).view(np.uint8).reshape(N, nb, 2), q], axis=2).reshape(N, -1)
-
-
-def write_tiny_gguf(tmp_path, rng):
-    """A 1-layer Llama GGUF with Q4_1 projections (q / k rows in llama.cpp's order) and a Q8_0
-    token embedding (tied head), plus the fp32 copy transformers' reader makes of it (HF names and
-    row order). Returns (gguf path, fp32 dir, config)."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-    from safetensors.torch import save_file
-
-    from specdec.models.llama import LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
-                      num_kv_heads=2, head_dim=16, tie_embeddings=True)
-    w = GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
-    sd = {}
-    shapes = {"attn_q": (64, "q_proj", 4), "attn_k": (32, "k_proj", 2), "attn_v": (32, "v_proj", 0),
-              "attn_output": (64, "o_proj", 0), "ffn_gate": (96, "gate_proj", 0), "ffn_up": (96, "up_proj", 0)}
-    for name, (N, hf_name, heads) in shapes.items():
-        q, d, m = rand_q4_1(N, 64, rng)
-        fp32 = gb._dequant_q4(q, d, m)
-        part = "self_attn" if name.startswith("attn") else "mlp"
-        sd[f"model.layers.0.{part}.{hf_name}.weight"] = torch.from_numpy(fp32.copy())
-        raw = _raw_q4_1(q, d, m)
-        if heads:
-            raw = _llama_cpp_rows(raw, heads)
-        w.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=GGMLQuantizationType.Q4_1)
-    q, d, m = rand_q4_1(64, 96, rng)
-    sd["model.layers.0.mlp.down_proj.weight"] = torch.from_numpy(gb._dequant_q4(q, d, m))
-    w.add_tensor("blk.0.ffn_down.weight", _raw_q4_1(q, d, m), raw_dtype=GGMLQuantizationType.Q4_1)
-    qe, de = rand_q8_0(64, 64, rng)
-    sd["model.embed_tokens.weight"] = torch.from_numpy(gb._dequant_q8(qe, de))
-    raw = np.concatenate([de.astype(np.float16).view(np.uint8).reshape(64, 2, 2), qe.view(np.uint8)], axis=2)
-    w.add_tensor("token_embd.weight", raw.reshape(64, -1), raw_dtype=GGMLQuantizationType.Q8_0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    fp32_dir = tmp_path / "fp32"
-    fp32_dir.mkdir()
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(fp32_dir / "model.safetensors"))
-    return tmp_path / "tiny.gguf", fp32_dir, cfg
-
-
-def test_build_blocks_rebuilds_the_fp32_copy_and_undoes_llama_cpps_row_order(tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    path, fp32_dir, cfg = write_tiny_gguf(tmp_path, np.random.default_rng(7))
-    blocks, notes = gb.build_blocks(path, fp32_dir, cfg)
-    assert notes == [] and sorted(blocks) == ["head", "layers.0.w_down", "layers.0.w_gate_up", "layers.0.wo",
-                                              "layers.0.wqkv"]
-    assert blocks["head"][0] == "Q8_0" and blocks["layers.0.wqkv"][3] == 128
-    # cached: a second call reads the same bytes back
-    first, _ = gb.load_blocks(path, fp32_dir, cfg)
-    again, _ = gb.load_blocks(path, fp32_dir, cfg)
-    assert (fp32_dir / gb.BLOCKS_FILE).is_file()
-    for k in first:
-        assert first[k][0] == again[k][0] and first[k][3] == again[k][3]
-        assert torch.equal(first[k][1], again[k][1]) and torch.equal(first[k][2], again[k][2])
-    # a matrix whose blocks do not rebuild its fp32 copy bit for bit is left to the fp32 path
-    sd = load_file(str(fp32_dir / "model.safetensors"))
-    sd["model.layers.0.self_attn.k_proj.weight"][3, 5] += 1e-6
-    save_file(sd, str(fp32_dir / "model.safetensors"))
-    blocks, notes = gb.build_blocks(path, fp32_dir, cfg)
-    assert "layers.0.wqkv" not in blocks and len(blocks) == 4
-    assert any("layers.0.wqkv" in n and "do not rebuild" in n for n in notes)
+    t = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}[kind]
+    raw = random_blocks(t, 24, 96, np.random.default_rng(5))
+    want = dequantize(raw, GGMLQuantizationType(t)).reshape(24, 96)
+    got = gb._dequant_q8(*gb._q8(raw)) if kind == "Q8_0" else gb._dequant_q4(*gb._q4(raw, kind))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(np.abs(want).max()))
+    if kind == "Q8_0":
+        assert np.array_equal(got, want)  # (one rounding each: d * q)
+    broken = raw.copy()
+    broken[0, 2] ^= 0xFF  # a flipped quant byte is seen
+    back = gb._dequant_q8(*gb._q8(broken)) if kind == "Q8_0" else gb._dequant_q4(*gb._q4(broken, kind))
+    assert not np.array_equal(back, want)
 
 
 # -- the default model ------------------------------------------------------------------------
 @pytest.mark.default_model
 def test_default_model_computes_with_its_blocks(default_model):
-    """All 121 matrices of the shipped GGUF rebuild its fp32 copy exactly, so all are attached
-    where the kernels run (auto: the integer kernels with 16-bit activations where the CPU has
-    VNNI); next-token logits stay close to the fp32 copy's: float activations within summation
-    noise, 16-bit ones within ~1e-2, 8-bit ones (llama.cpp's arithmetic) within ~2 (of ~10-35)."""
-    from specdec import kernels
-    from specdec.models.loader import load_model
+    """The shipped GGUF computes from its own blocks (Q4_1 projections, Q8_0 embedding and tied
+    head), no fp32 copy; next-token logits equal transformers' GGUF loading of the same file
+    within float32 summation noise, with the same argmax."""
+    from transformers import AutoModelForCausalLM
 
-    ops = need_ops()
-    auto = "int16" if kernels.has_vnni() else "blocks"
-    assert default_model.weights == ("gguf blocks" if auto == "blocks" else "gguf blocks x int16 activations") + \
-        " (121 of 121 matrices)"
-    fp32 = load_model(quiet=True, weights="fp32")
-    assert fp32.weights == "fp32" and fp32.model.head_q is None
-    ids = default_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    from specdec.models.loader import default_model_path
+
+    lm = default_model
+    assert lm.weights == "gguf blocks (F32, Q4_1, Q8_0)" and getattr(lm.model, "gguf_native", False)
+    assert all(lin.weight is None for blk in lm.model.layers for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))
+    ids = lm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
     toks = torch.tensor([ids])
-
-    def last_steps(m):
-        cache = m.new_cache(1, len(ids) + 8)
-        m(toks[:, :-6], torch.arange(len(ids) - 6)[None], cache)
-        return m(toks[:, -6:], torch.arange(len(ids) - 6, len(ids))[None], cache)[0]
-
-    want = last_steps(fp32.model)
-    tolerances = {"blocks": 2e-3, "int16": 5e-2, "int8": 2.0}
-    for weights, tol in tolerances.items():
-        if weights != "blocks" and not kernels.has_vnni():
-            continue
-        lm = default_model if weights == auto else load_model(quiet=True, weights=weights)
-        got = last_steps(lm.model)
-        assert (got - want).abs().max().item() < tol, weights
-        if weights != "int8":
-            assert torch.equal(got.argmax(-1), want.argmax(-1)), weights
-        assert lm.model.weight_bytes_per_token() < fp32.model.weight_bytes_per_token() / 4
+    m = lm.model
+    cache = m.new_cache(1, len(ids) + 8)
+    m(toks[:, :-6], torch.arange(len(ids) - 6)[None], cache)
+    got = m(toks[:, -6:], torch.arange(len(ids) - 6, len(ids))[None], cache)[0]
+    p = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(toks).logits[:, -6:]
+    assert (got - want).abs().max().item() < 2e-3
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert m.weight_bytes_per_token() < m.num_parameters()  # under a byte a weight (fp32: 4)
 
 
-def test_weights_option_errors(monkeypatch, tmp_path):
-    """--weights blocks says what is missing instead of silently using fp32."""
-    from specdec import kernels
-    from specdec.models.loader import LoadedModel, attach_gguf_blocks
+def test_weights_option_errors(tmp_path):
+    """--weights says what does not apply instead of silently doing something else."""
+    from specdec.models.loader import check_weights_choice, load_model
     from specdec.types import SpecdecError
-
-    _, native, _ = block_models()
-    lm = LoadedModel(native, None, "tiny", str(tmp_path), "tiny")
-    with pytest.raises(SpecdecError, match="needs a GGUF model"):
-        attach_gguf_blocks(lm, "blocks", quiet=True)
-    # and through load_model, for a Hugging Face folder
-    from specdec.models.loader import load_model
 
     hf, _, _ = block_models()
     hf.save_pretrained(tmp_path / "hf")
@@ -491,24 +421,12 @@ def test_weights_option_errors(monkeypatch, tmp_path):
         load_model(str(tmp_path / "hf"), quiet=True, with_tokenizer=False, weights="blocks")
     assert load_model(str(tmp_path / "hf"), quiet=True, with_tokenizer=False).weights == "fp32"
     with pytest.raises(SpecdecError, match="weights must be one of"):
-        attach_gguf_blocks(lm, "int4", quiet=True)
-    attach_gguf_blocks(lm, "auto", quiet=True)  # not a GGUF: nothing to do
-    assert lm.weights == "fp32"
-    lm.gguf = str(tmp_path / "x.gguf")
-    monkeypatch.setattr(kernels, "_state", {})
-    monkeypatch.setenv("SPECDEC_GGUF_KERNELS", "0")
-    for strict in ("blocks", "int16", "int8"):
-        with pytest.raises(SpecdecError, match="SPECDEC_GGUF_KERNELS=0"):
-            attach_gguf_blocks(lm, strict, quiet=True)
-    attach_gguf_blocks(lm, "auto", quiet=True)
-    assert lm.weights == "fp32"
-    # a CPU without VNNI: int16 / int8 say so (and what to use instead)
-    monkeypatch.delenv("SPECDEC_GGUF_KERNELS")
-    monkeypatch.setattr(kernels, "_state", {"ops": object()})
-    monkeypatch.setattr(kernels, "has_vnni", lambda: False)
-    for strict in ("int16", "int8"):
-        with pytest.raises(SpecdecError, match="lacks AVX-512 VNNI.*--weights blocks"):
-            attach_gguf_blocks(lm, strict, quiet=True)
+        check_weights_choice("int4", False)
+    for strict in ("fp32", "int16", "int8"):
+        with pytest.raises(SpecdecError, match="a GGUF model computes from its own blocks"):
+            check_weights_choice(strict, True)
+    check_weights_choice("blocks", True)
+    check_weights_choice("auto", True)
 
 
 # -- drafters on the kernels --------------------------------------------------------------------

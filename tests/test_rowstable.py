@@ -384,27 +384,31 @@ def test_default_model_without_block_kernels_verifies_bit_for_bit(default_model)
 
 
 @pytest.mark.default_model
-def test_default_model_on_avx2_blocks_computes_the_fp32_copys_numbers(default_model):
-    """Without AVX-512 the default model's decoding steps read its GGUF blocks through the AVX2
-    kernels (`--weights auto`); `--weights fp32` computes them from the fp32 copy with the same
-    kernels. The logits of the same steps (one token, and a 5-token verification) are equal bit for
-    bit: the blocks change the bytes read, not the numbers."""
-    from specdec import kernels
-    from specdec.models.loader import load_model
+def test_default_model_on_gguf_blocks_computes_the_fp32_copys_numbers(default_model):
+    """The default model's decoding steps read its GGUF file's bytes through gguf_linear /
+    gguf_rows; the same model built from the file's dequantised weights (gguf.quants.dequantize)
+    on the row-stable float32 kernels computes the same steps (one token, and a 5-token
+    verification) to the same logits bit for bit: the blocks change the bytes read, not the
+    numbers."""
+    from pathlib import Path
 
-    if kernels.loaded() is not None or default_model.model.rowstable is None:
-        pytest.skip("the AVX-512 block kernels run here")
-    assert default_model.weights.startswith("gguf blocks, AVX2")
-    fp32 = load_model(quiet=True, weights="fp32")
-    assert fp32.weights == "fp32" and fp32.model.rowstable is not None and fp32.model.head_rs_blocks is None
+    from specdec.models.llama import build_native
+    from tiny_gguf import dequantized_state_dict
+
+    ops = need_rs()
+    if not getattr(default_model.model, "gguf_native", False) or default_model.model.rowstable is None:
+        pytest.skip("the default model is not on the GGUF kernels here")
+    fp32 = build_native(default_model.hf_config, dequantized_state_dict(Path(default_model.gguf)))
+    fp32.use_rowstable(ops)
+    fp32.pack()
     ids = default_model.tokenizer.encode("Name a planet and one fact about it.")
     L = len(ids)
     outs = []
     with torch.inference_mode():
-        for lm in (default_model, fp32):
-            cache = lm.model.new_cache(1, L + 8)
-            lm.model(torch.tensor([ids]), torch.arange(L)[None], cache)
-            one = lm.model(torch.tensor([[ids[-1]]]), torch.tensor([[L]]), cache)[0]
-            five = lm.model(torch.tensor([ids[:5]]), (L + 1 + torch.arange(5))[None], cache)[0]
+        for m in (default_model.model, fp32):
+            cache = m.new_cache(1, L + 8)
+            m(torch.tensor([ids]), torch.arange(L)[None], cache)
+            one = m(torch.tensor([[ids[-1]]]), torch.tensor([[L]]), cache)[0]
+            five = m(torch.tensor([ids[:5]]), (L + 1 + torch.arange(5))[None], cache)[0]
             outs.append((one, five))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -133,6 +133,10 @@ def _hf_model(path):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    p = Path(path)
+    if p.is_file():  # a GGUF file (the native model reads it in place): transformers' own GGUF loading
+        m = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    else:
+        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     m.generation_config.pad_token_id = m.generation_config.pad_token_id or 0
     return m

@@ -69,8 +69,10 @@ def draft_on_rowstable(model, head: torch.Tensor | None, target_model):
     ops = getattr(target_model, "rowstable", None)
     if ops is None or not getattr(model, "native", False) or model.dtype != torch.float32:
         return None
-    on_blocks = target_model.head_rs_blocks is not None
-    if model.rowstable is None:  # (a draft GGUF's own blocks may have put it on them already)
+    on_blocks = target_model.head_rs_blocks is not None or getattr(target_model, "gguf_native", False)
+    if getattr(model, "gguf_native", False) and model.rowstable is ops:
+        pass  # a draft read from a GGUF file computes on these kernels from its own blocks already
+    elif model.rowstable is None:
         if model.packed or any(lin.qargs is not None for blk in model.layers
                                for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)):
             return None

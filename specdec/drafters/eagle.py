@@ -230,7 +230,7 @@ def rowstable_drafting(linears, W: torch.Tensor, target_model):
     ops = getattr(target_model, "rowstable", None)
     if ops is None or W.dtype != torch.float32:
         return None
-    on_blocks = target_model.head_rs_blocks is not None
+    on_blocks = target_model.head_rs_blocks is not None or getattr(target_model, "gguf_native", False)
     for lin in linears:
         if lin.weight is None or lin.weight.dtype != torch.float32 or lin.qargs is not None:
             continue

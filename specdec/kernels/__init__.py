@@ -17,12 +17,16 @@ says why (no AVX-512, no compiler, a failed build, SPECDEC_GGUF_KERNELS=0). Noth
 specdec depends on them: without them a GGUF model computes with its dequantised fp32 copy.
 
 `rowstable.cpp`, for CPUs with AVX2 and FMA (where qlinear.cpp cannot run), holds float32
-products (over fp32 weights, or over Q4_1 / Q8_0 blocks in gguf_blocks' K-major layout with the
-same numbers), RMS norm, rotation + cache write + attention and attention, each output computed
+products (over fp32 weights, over Q4_1 / Q8_0 blocks in gguf_blocks' K-major layout with the
+same numbers, or straight over a GGUF tensor's own bytes of any type in GGUF_TYPES: gguf_linear,
+gguf_linear_cat for several tensors side by side, gguf_rows for embedding rows), RMS norm, rotation + cache write + attention and attention, each output computed
 the same way however many rows share the call, so that a verified token gets bit for bit the
 numbers of decoding it alone. `rowstable_ops()` builds and loads it the same way, as
 `torch.ops.specdec_rs` (None, and `rowstable_unavailable()` says why, where it cannot run or
 SPECDEC_ROWSTABLE=0).
+
+`GGUF_TYPES`, `row_bytes()` and `check_gguf_tensor()` describe and check the tensors gguf_linear
+and gguf_rows read, raising SpecdecError for a type they do not read or a size that does not fit.
 
 This module knows nothing about models or files other than its own source and build.
 """
@@ -37,8 +41,11 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+
+from specdec.types import SpecdecError
 
 SOURCE = Path(__file__).with_name("qlinear.cpp")
 NEEDED_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2"}  # what _build_flags compiles for
@@ -118,16 +125,17 @@ def ops(cache_dir: Path, quiet: bool = True):
 
 
 ROWSTABLE_SOURCE = Path(__file__).with_name("rowstable.cpp")
-ROWSTABLE_FLAGS = {"avx2", "fma"}
+ROWSTABLE_FLAGS = {"avx2", "fma", "f16c"}
 _rs_state: dict = {}
 
 
 def rowstable_ops(cache_dir: Path, quiet: bool = True):
-    """torch.ops.specdec_rs (linear, rms_norm, attend, rope_attend, silu_mul: float32 kernels whose
-    every output number is computed the same way however many rows share the call; see
-    rowstable.cpp), for CPUs with AVX2 and FMA where the AVX-512 kernels cannot run; None where
-    these cannot either (`rowstable_unavailable()` says why: no AVX2/FMA, no compiler, a failed
-    build, SPECDEC_ROWSTABLE=0). Built once into cache_dir like ops()."""
+    """torch.ops.specdec_rs (linear, gguf_linear, gguf_linear_cat, gguf_rows, rms_norm, attend,
+    rope_attend, silu_mul: float32 kernels whose every output number is computed the same way
+    however many rows share the call; see rowstable.cpp), for x86 CPUs with AVX2, FMA and F16C
+    (AVX-512 CPUs included); None where these cannot run (`rowstable_unavailable()` says why: no
+    AVX2/FMA/F16C, no compiler, a failed build, SPECDEC_ROWSTABLE=0). Built once into cache_dir
+    like ops()."""
     with _lock:
         if "ops" in _rs_state or "why" in _rs_state:
             return _rs_state.get("ops")
@@ -135,10 +143,10 @@ def rowstable_ops(cache_dir: Path, quiet: bool = True):
         if os.environ.get("SPECDEC_ROWSTABLE", "1") == "0":
             why = "SPECDEC_ROWSTABLE=0"
         elif platform.machine() not in ("x86_64", "AMD64") or not ROWSTABLE_FLAGS <= _cpu_flags():
-            why = "this CPU lacks AVX2 and FMA"
+            why = "this CPU lacks AVX2, FMA and F16C (the row-stable kernels need all three)"
         if why is None:
             try:
-                lib = _build(Path(cache_dir), quiet, ROWSTABLE_SOURCE, ["-mavx2", "-mfma"],
+                lib = _build(Path(cache_dir), quiet, ROWSTABLE_SOURCE, ["-mavx2", "-mfma", "-mf16c"],
                              "the row-stable float32 kernels")
                 torch.ops.load_library(str(lib))
                 _rs_state["ops"] = torch.ops.specdec_rs
@@ -168,3 +176,57 @@ def loaded():
 def unavailable() -> str | None:
     """Why ops() returned None (None if it has not been called or the kernels loaded)."""
     return _state.get("why")
+
+
+class GgufType(NamedTuple):
+    """A ggml tensor type the row-stable kernels read: its id in GGUF files, weights and bytes a block."""
+
+    id: int
+    block_size: int
+    block_bytes: int
+
+
+# ggml type ids (gguf.GGMLQuantizationType's values) of the types gguf_linear / gguf_rows read
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+GGUF_TYPES: dict[str, GgufType] = {
+    "F32": GgufType(F32, 1, 4), "F16": GgufType(F16, 1, 2), "BF16": GgufType(BF16, 1, 2),
+    "Q4_0": GgufType(Q4_0, 32, 18), "Q4_1": GgufType(Q4_1, 32, 20), "Q5_0": GgufType(Q5_0, 32, 22),
+    "Q5_1": GgufType(Q5_1, 32, 24), "Q8_0": GgufType(Q8_0, 32, 34), "Q4_K": GgufType(Q4_K, 256, 144),
+    "Q5_K": GgufType(Q5_K, 256, 176), "Q6_K": GgufType(Q6_K, 256, 210),
+}
+_BY_ID = {t.id: (name, t) for name, t in GGUF_TYPES.items()}
+
+
+def gguf_type_name(ggml_type: int) -> str:
+    """The name of ggml type id `ggml_type` ("Q4_K"; gguf's name, or "type N", for one not in GGUF_TYPES)."""
+    if ggml_type in _BY_ID:
+        return _BY_ID[ggml_type][0]
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(ggml_type).name
+    except (ImportError, ValueError):
+        return f"type {ggml_type}"
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes of one k-weight row of type `ggml_type` in a GGUF file; SpecdecError for a type the
+    kernels do not read or a k that is not whole blocks."""
+    if ggml_type not in _BY_ID:
+        raise SpecdecError(
+            f"GGUF tensors of type {gguf_type_name(ggml_type)} are not supported (supported: "
+            f"{', '.join(GGUF_TYPES)}); convert the model to one of these, e.g. with llama.cpp's llama-quantize")
+    name, t = _BY_ID[ggml_type]
+    if k <= 0 or k % t.block_size:
+        raise SpecdecError(f"a {name} row holds whole blocks of {t.block_size} weights; a row of {k} does not")
+    return k // t.block_size * t.block_bytes
+
+
+def check_gguf_tensor(raw: torch.Tensor, ggml_type: int, n: int, k: int, what: str = "tensor") -> None:
+    """SpecdecError unless `raw` holds exactly the bytes of an [n, k] tensor of type `ggml_type` as
+    uint8 (what gguf_linear(x, raw, ggml_type, n, k) and gguf_rows read); `what` names it."""
+    need = n * row_bytes(ggml_type, k)
+    if raw.dtype != torch.uint8 or raw.numel() != need:
+        raise SpecdecError(
+            f"{what}: a {gguf_type_name(ggml_type)} [{n}, {k}] tensor takes {need} bytes, but the file gives "
+            f"{raw.numel()} {raw.dtype} elements; the GGUF file is truncated or corrupt")

@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -207,6 +208,464 @@ at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t 
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return block_linear<true>(x, packed, n); }
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return block_linear<false>(x, packed, n); }
+
+// ---------------------------------------------------------------------------------------------
+// gguf_linear / gguf_rows: products and row lookups straight from a GGUF tensor's bytes as the file
+// holds them (N rows of K / BS blocks each, row-major; typically a view of the memory-mapped file),
+// for F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K. No copy of the weights.
+// gguf_linear_cat multiplies by several such tensors (q, k, v; gate, up; of any types) in one call
+// and one parallel region, their outputs side by side: the numbers of separate gguf_linear calls.
+//
+// Numbers. A decoder rebuilds 8 weights at a time in a register with exactly the float32 values
+// gguf.quants.dequantize gives; every type's formula has at most one rounding:
+//  - Q8_0: q * d; Q4_0, Q5_0: d * (q - 8 | 16); Q6_K: (d * sc) * (q - 32): exact products (an 11-bit
+//    float16 scale times integers of <= 13 bits), so fma(q, d, -8d) etc. give the same exact value;
+//  - Q4_1, Q5_1: d * q + m, and Q4_K, Q5_K: (d * sc) * q - dmin * m: the products are exact (<= 22
+//    significant bits), the sum is the one rounding, which fma(q, d, m) performs the same way;
+//  - F16, BF16, F32: exact conversions.
+// (This holds for finite scales; a block whose float16 scale is inf or NaN may differ in which of
+// inf / NaN it gives.) Each output then runs `linear`'s sum: one 8-lane FMA chain over k in order,
+// hsum8, the k % 8 tail in order (float types only), so
+//     gguf_linear(x, raw) == linear(x, dequantize(raw))   bit for bit, for every type and every M,
+// and a row's outputs never depend on the other rows in the call. Small calls (M <= fused_rows)
+// rebuild the weights in registers, one pass over a group of weight rows per tile of up to 6
+// activation rows; larger ones rebuild a group of weight rows into a per-thread float32 buffer (in
+// L2) and run `linear`'s tiles over it: the same numbers either way.
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// the float16 at p, converted, in all 8 lanes (a broadcast load and one conversion)
+inline __m256 f16_set1(const uint8_t* p) {
+  int16_t h;
+  std::memcpy(&h, p, 2);
+  return _mm256_cvtph_ps(_mm_set1_epi16(h));
+}
+
+inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+
+// 8 of a 32-weight block's 4-bit quants: chunk c (weights 8c..8c+7) of 16 bytes holding weights
+// 0-15 in the low nibbles and 16-31 in the high ones, as int32 lanes
+inline __m256i nibbles(const uint8_t* q16, int c) {
+  const __m256i b = _mm256_cvtepu8_epi32(load8(q16 + 8 * (c & 1)));
+  return c < 2 ? _mm256_and_si256(b, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(b, 4);
+}
+
+// 16 where bit (lane) of `bits` is set: the fifth bit of Q5_0 / Q5_1 quants
+inline __m256i high_bits8(uint32_t bits) {
+  const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane), lane);
+  return _mm256_and_si256(on, _mm256_set1_epi32(16));
+}
+
+inline __m256 fma_i(__m256i q, __m256 d, __m256 m) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m); }
+
+// Decoders: BS weights in BB bytes a block; block(p, f) calls f(c, w) for its 8-weight chunks in order
+// (the K-quants instead read a block's scales with prepare() and its chunks PARTS parts at a time with
+// part(); decode_block() walks any decoder's block in order).
+struct DecF32 {
+  static constexpr int BS = 8, BB = 32, PARTS = 1;
+  template <class F> static inline void block(const uint8_t* p, F&& f) { f(0, _mm256_loadu_ps(reinterpret_cast<const float*>(p))); }
+  static float one(const uint8_t* row, int64_t k) { float v; std::memcpy(&v, row + 4 * k, 4); return v; }
+};
+struct DecF16 {
+  static constexpr int BS = 8, BB = 16, PARTS = 1;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    f(0, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static float one(const uint8_t* row, int64_t k) { return f16_at(row + 2 * k); }
+};
+struct DecBF16 {
+  static constexpr int BS = 8, BB = 16, PARTS = 1;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    f(0, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+  }
+  static float one(const uint8_t* row, int64_t k) {
+    uint16_t h; std::memcpy(&h, row + 2 * k, 2);
+    const uint32_t u = static_cast<uint32_t>(h) << 16; float v; std::memcpy(&v, &u, 4); return v;
+  }
+};
+struct DecQ4_0 {  // d, 16 bytes of nibbles: d * (q - 8)
+  static constexpr int BS = 32, BB = 18, PARTS = 1;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    const __m256 d = f16_set1(p), o = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    for (int c = 0; c < 4; ++c) f(c, fma_i(nibbles(p + 2, c), d, o));
+  }
+};
+struct DecQ4_1 {  // d, m, 16 bytes of nibbles: d * q + m
+  static constexpr int BS = 32, BB = 20, PARTS = 1;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    const __m256 d = f16_set1(p), m = f16_set1(p + 2);
+    for (int c = 0; c < 4; ++c) f(c, fma_i(nibbles(p + 4, c), d, m));
+  }
+};
+struct DecQ5_0 {  // d, 32 high bits, 16 bytes of nibbles: d * (q - 16)
+  static constexpr int BS = 32, BB = 22, PARTS = 1;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    uint32_t qh; std::memcpy(&qh, p + 2, 4);
+    const __m256 d = f16_set1(p), o = _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
+    for (int c = 0; c < 4; ++c) f(c, fma_i(_mm256_or_si256(nibbles(p + 6, c), high_bits8(qh >> (8 * c))), d, o));
+  }
+};
+struct DecQ5_1 {  // d, m, 32 high bits, 16 bytes of nibbles: d * q + m
+  static constexpr int BS = 32, BB = 24, PARTS = 1;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    const __m256 d = f16_set1(p), m = f16_set1(p + 2);
+    uint32_t qh; std::memcpy(&qh, p + 4, 4);
+    for (int c = 0; c < 4; ++c) f(c, fma_i(_mm256_or_si256(nibbles(p + 8, c), high_bits8(qh >> (8 * c))), d, m));
+  }
+};
+struct DecQ8_0 {  // d, 32 int8: q * d
+  static constexpr int BS = 32, BB = 34, PARTS = 1;
+  template <class F> static inline void block(const uint8_t* p, F&& f) {
+    const __m256 d = f16_set1(p);
+    for (int c = 0; c < 4; ++c) f(c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p + 2 + 8 * c))), d));
+  }
+};
+
+// Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from 12 bytes (gguf's Q4_K.get_scale_min,
+// four bytes at a time as ggml does), as d * sc and -(dmin * m): dsc[8], ndm[8]
+inline void k_scales(const uint8_t* p, float* dsc, float* ndm) {
+  uint32_t a, b, c;
+  std::memcpy(&a, p + 4, 4);
+  std::memcpy(&b, p + 8, 4);
+  std::memcpy(&c, p + 12, 4);
+  const uint64_t sc = (a & 0x3f3f3f3fu) | static_cast<uint64_t>((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+  const uint64_t mn = (b & 0x3f3f3f3fu) | static_cast<uint64_t>(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+  const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn))));
+  _mm256_storeu_ps(dsc, _mm256_mul_ps(f16_set1(p), s));
+  _mm256_storeu_ps(ndm, _mm256_xor_ps(_mm256_mul_ps(f16_set1(p + 2), m), _mm256_set1_ps(-0.0f)));
+}
+
+// K-quant decoders also split a block into PARTS parts of 4 chunks after prepare() has read its
+// scales, so that a tile can interleave its weight rows part by part (independent FMA chains in flight).
+struct KScales {
+  alignas(32) float dsc[8], ndm[8];
+};
+struct DecQ4_K {  // d, dmin, scales, 128 bytes of nibbles (sub-blocks 2i, 2i+1: low, high of bytes 32i..)
+  static constexpr int BS = 256, BB = 144, PARTS = 8;
+  using St = KScales;
+  static inline void prepare(const uint8_t* p, St& st) { k_scales(p, st.dsc, st.ndm); }
+  template <class F> static inline void part(const uint8_t* p, const St& st, int s, F&& f) {
+    const __m256 d = _mm256_broadcast_ss(st.dsc + s), m = _mm256_broadcast_ss(st.ndm + s);
+    const uint8_t* q = p + 16 + 32 * (s >> 1);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i b = _mm256_cvtepu8_epi32(load8(q + 8 * c));
+      f(4 * s + c, fma_i((s & 1) ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0xF)), d, m));
+    }
+  }
+};
+// 32 quant bytes (weights 0..31 of a part) as 4 chunks of 8 int32 lanes, in order; Signed: int8 quants
+template <bool Signed, class F>
+inline void widen32(__m256i q, F&& g) {
+  const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
+  const __m128i parts[4] = {a, _mm_unpackhi_epi64(a, a), b, _mm_unpackhi_epi64(b, b)};
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) g(c, Signed ? _mm256_cvtepi8_epi32(parts[c]) : _mm256_cvtepu8_epi32(parts[c]));
+}
+
+struct DecQ5_K {  // d, dmin, scales, 32 bytes of high bits (bit s of byte l: weight 32s + l), 128 bytes of nibbles
+  static constexpr int BS = 256, BB = 176, PARTS = 8;
+  using St = KScales;
+  static inline void prepare(const uint8_t* p, St& st) { k_scales(p, st.dsc, st.ndm); }
+  // part s, built 32 bytes at a time: the nibbles of bytes 48 + 32 (s / 2).. (low for even s) | bit s of bytes 16.. as 16
+  template <class F> static inline void part(const uint8_t* p, const St& st, int s, F&& f) {
+    const __m256 d = _mm256_broadcast_ss(st.dsc + s), m = _mm256_broadcast_ss(st.ndm + s);
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 48 + 32 * (s >> 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    const __m256i lo = _mm256_and_si256((s & 1) ? _mm256_srli_epi16(qs, 4) : qs, _mm256_set1_epi8(0x0F));
+    const __m256i hb = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);  // bit s -> bit 4
+    const __m256i q = _mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
+    widen32<false>(q, [&](int c, __m256i v) { f(4 * s + c, fma_i(v, d, m)); });
+  }
+};
+struct DecQ6_K {  // 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, d: (d * sc) * (q - 32)
+  static constexpr int BS = 256, BB = 210, PARTS = 8;
+  struct St {
+    alignas(32) float ds[16];
+  };
+  static inline void prepare(const uint8_t* p, St& st) {
+    const __m256 d = f16_set1(p + 208);
+    _mm256_storeu_ps(st.ds, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p + 192)))));
+    _mm256_storeu_ps(st.ds + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p + 200)))));
+  }
+  // part s = 4h + t: weights 128h + 32t + l (l = 0..31): the low nibble of byte 64h + 32(t & 1) + l (the
+  // high one for t >= 2), and bits 2t, 2t + 1 of byte 128 + 32h + l; built 32 bytes at a time
+  template <class F> static inline void part(const uint8_t* p, const St& st, int s, F&& f) {
+    const int h = s >> 2, t = s & 3;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * (t & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0F));
+    const __m256i hb = t < 2 ? _mm256_slli_epi16(qh, 4 - 2 * t) : _mm256_srli_epi16(qh, 2 * t - 4);  // bits 2t.. -> 4..
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x30))), _mm256_set1_epi8(32));
+    widen32<true>(q, [&](int c, __m256i v) {
+      f(4 * s + c, _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(st.ds + 2 * s + (c >> 1))));
+    });
+  }
+};
+
+// a whole block's chunks in order, for any decoder
+template <class D, class F>
+inline void decode_block(const uint8_t* p, F&& f) {
+  if constexpr (D::PARTS == 1) {
+    D::block(p, f);
+  } else {
+    typename D::St st;
+    D::prepare(p, st);
+#pragma GCC unroll 8
+    for (int s = 0; s < D::PARTS; ++s) D::part(p, st, s, f);
+  }
+}
+
+// One weight row's K float32 values (gguf.quants.dequantize's), into out.
+template <class D>
+void dequant_row(const uint8_t* row, int64_t K, float* out) {
+  const int64_t nb = K / D::BS;
+  for (int64_t b = 0; b < nb; ++b)
+    decode_block<D>(row + b * D::BB, [&](int c, __m256 w) { _mm256_storeu_ps(out + b * D::BS + 8 * c, w); });
+  if constexpr (D::BS == 8)
+    for (int64_t k = nb * 8; k < K; ++k) out[k] = D::one(row, k);
+}
+
+// Prefetch (a prefetch never faults past the end): a tile's NR weight rows are NR interleaved streams
+// that the hardware prefetchers follow poorly, so each block prefetches the same block of the same row
+// in the next tile (NR rows further on). From memory, one thread, 151936x1536 / 16384x8960 weights:
+// Q8_0 2.3 -> 6-8 GB/s and 6.3-7.4 -> 8.5 GB/s, Q4_K 2.8-2.9 -> 3.3 GB/s at 8960 wide, against 512
+// bytes ahead in its own row; 2 or 4 tiles ahead were no better than 1.
+
+// MR activation rows x NR weight rows (row-major blocks, rb bytes a row) over nb blocks: each chunk of 8
+// weights is rebuilt once and serves the MR rows; every output keeps its own register.
+template <class D, int MR, int NR>
+void gguf_tile(const float* x, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, float* y, int64_t ldy) {
+  __m256 acc[MR][NR];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t pf = NR * rb;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * D::BS;
+    const uint8_t* pb = w + b * D::BB;
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j)
+      for (int o = 0; o < D::BB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pb + j * rb + pf + o), _MM_HINT_T0);
+    if constexpr (D::PARTS == 1) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j)
+        D::block(pb + j * rb, [&](int c, __m256 wv) {
+#pragma GCC unroll 6
+          for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * K + 8 * c), wv, acc[i][j]);
+        });
+    } else {  // the NR rows part by part: NR * MR independent chains in flight
+      typename D::St st[NR];
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) D::prepare(pb + j * rb, st[j]);
+#pragma GCC unroll 8
+      for (int s = 0; s < D::PARTS; ++s)
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j)
+          D::part(pb + j * rb, st[j], s, [&](int c, __m256 wv) {
+#pragma GCC unroll 6
+            for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * K + 8 * c), wv, acc[i][j]);
+          });
+    }
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum8(acc[i][j]);
+}
+
+// rows n0..n1 of the output for activation rows m..m+mr (mr <= 6) by gguf_tile
+template <class D, int MR>
+void gguf_tiles(const float* x, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, float* y, int64_t N) {
+  constexpr int NR = MR <= 3 ? 4 : 2;
+  const int64_t nb = K / D::BS;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) gguf_tile<D, MR, NR>(x, K, w + n * rb, rb, nb, y + n, N);
+  for (; n < n1; ++n) gguf_tile<D, MR, 1>(x, K, w + n * rb, rb, nb, y + n, N);
+}
+
+// Calls of up to this many activation rows rebuild the weights in registers, larger ones into a buffer
+// (where the buffered products were as fast or faster, one thread on a 2-core Zen 3):
+// 4+ rows for the K-quants (their rebuilding costs more), 6+ for the others.
+template <class D>
+constexpr int64_t fused_rows() { return D::PARTS > 1 ? 3 : 5; }
+
+template <class D>
+bool in_registers(int64_t M, int64_t K) { return M <= fused_rows<D>() && K % 8 == 0; }
+
+// The weight rows a task takes: 24 rebuilt in registers, or a buffer's worth (<= ~96 KB, a multiple
+// of `linear`'s 3 columns).
+template <class D>
+int64_t task_rows(int64_t M, int64_t K) {
+  return in_registers<D>(M, K) ? 24 : std::max<int64_t>(3, (24576 / std::max<int64_t>(K, 1)) / 3 * 3);
+}
+
+// Output columns n0..n1 (at most task_rows) of one weight (rb bytes a row at wp) for all M rows of x,
+// into yp (the weight's first output column; row stride ldy); buf: the calling thread's buffer.
+template <class D>
+void gguf_columns(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t rb, int64_t n0, int64_t n1,
+                  float* yp, int64_t ldy, std::vector<float>& buf) {
+  if (in_registers<D>(M, K)) {
+    switch (M) {
+      case 1: gguf_tiles<D, 1>(xp, K, wp, rb, n0, n1, yp, ldy); break;
+      case 2: gguf_tiles<D, 2>(xp, K, wp, rb, n0, n1, yp, ldy); break;
+      case 3: gguf_tiles<D, 3>(xp, K, wp, rb, n0, n1, yp, ldy); break;
+      case 4: gguf_tiles<D, 4>(xp, K, wp, rb, n0, n1, yp, ldy); break;
+      case 5: gguf_tiles<D, 5>(xp, K, wp, rb, n0, n1, yp, ldy); break;
+      default: gguf_tiles<D, 6>(xp, K, wp, rb, n0, n1, yp, ldy); break;
+    }
+    return;
+  }
+  constexpr int64_t MR = 4, NR = 3;
+  const float* wf;
+  if constexpr (std::is_same<D, DecF32>::value) {
+    wf = reinterpret_cast<const float*>(wp + n0 * rb);
+  } else {
+    if (static_cast<int64_t>(buf.size()) < (n1 - n0) * K) buf.resize((n1 - n0) * K);
+    for (int64_t n = n0; n < n1; ++n) dequant_row<D>(wp + n * rb, K, buf.data() + (n - n0) * K);
+    wf = buf.data();
+  }
+  for (int64_t m = 0; m < M; m += MR) {
+    const int mr = static_cast<int>(std::min(MR, M - m));
+    for (int64_t n = n0; n < n1; n += NR) {
+      const int nr = static_cast<int>(std::min(NR, n1 - n));
+      const float* xt = xp + m * K;
+      const float* wt = wf + (n - n0) * K;
+      float* yt = yp + m * ldy + n;
+      if (nr == 3) tile_rows<3>(mr, xt, K, wt, K, yt, ldy);
+      else if (nr == 2) tile_rows<2>(mr, xt, K, wt, K, yt, ldy);
+      else tile_rows<1>(mr, xt, K, wt, K, yt, ldy);
+    }
+  }
+}
+
+// ggml type id -> (weights a block, bytes a block); 0 for a type these kernels do not read
+struct GgufType { int bs, bb; const char* name; };
+GgufType gguf_type(int64_t t) {
+  switch (t) {
+    case 0: return {1, 4, "F32"};
+    case 1: return {1, 2, "F16"};
+    case 2: return {32, 18, "Q4_0"};
+    case 3: return {32, 20, "Q4_1"};
+    case 6: return {32, 22, "Q5_0"};
+    case 7: return {32, 24, "Q5_1"};
+    case 8: return {32, 34, "Q8_0"};
+    case 12: return {256, 144, "Q4_K"};
+    case 13: return {256, 176, "Q5_K"};
+    case 14: return {256, 210, "Q6_K"};
+    case 30: return {1, 2, "BF16"};
+    default: return {0, 0, ""};
+  }
+}
+
+// the checked bytes-per-row of a [?, K] tensor of type t held in raw
+int64_t gguf_row_bytes(const char* op, const at::Tensor& raw, int64_t t, int64_t K) {
+  const GgufType g = gguf_type(t);
+  TORCH_CHECK(g.bs > 0, op, ": ggml type ", t, " is not one these kernels read (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+              "Q4_K, Q5_K, Q6_K)");
+  TORCH_CHECK(K > 0 && K % g.bs == 0, op, ": ", g.name, " rows hold whole blocks of ", g.bs, " weights; K=", K, " is not a multiple");
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous(), op, ": the raw tensor must be contiguous uint8 bytes");
+  return K / g.bs * g.bb;
+}
+
+template <class F>
+void with_decoder(int64_t t, F&& f) {
+  switch (t) {
+    case 0: f(DecF32{}); break;
+    case 1: f(DecF16{}); break;
+    case 2: f(DecQ4_0{}); break;
+    case 3: f(DecQ4_1{}); break;
+    case 6: f(DecQ5_0{}); break;
+    case 7: f(DecQ5_1{}); break;
+    case 8: f(DecQ8_0{}); break;
+    case 12: f(DecQ4_K{}); break;
+    case 13: f(DecQ5_K{}); break;
+    case 14: f(DecQ6_K{}); break;
+    default: f(DecBF16{}); break;  // 30; gguf_row_bytes has rejected any other
+  }
+}
+
+// One weight of a product: its bytes, type, rows, bytes a row, and its first output column.
+struct WeightPart {
+  const uint8_t* w;
+  int64_t type, N, rb, col;
+};
+
+// y [M, ldy] columns of every part: one parallel region over all parts' tasks.
+void gguf_linear_parts(const float* xp, int64_t M, int64_t K, const std::vector<WeightPart>& parts, float* yp, int64_t ldy) {
+  std::vector<int64_t> rows(parts.size()), first(parts.size() + 1, 0);
+  for (size_t p = 0; p < parts.size(); ++p) {
+    with_decoder(parts[p].type, [&](auto d) { rows[p] = task_rows<decltype(d)>(M, K); });
+    first[p + 1] = first[p] + (parts[p].N + rows[p] - 1) / rows[p];
+  }
+  at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf;
+    size_t p = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+      while (t >= first[p + 1]) ++p;
+      const WeightPart& wp = parts[p];
+      const int64_t n0 = (t - first[p]) * rows[p], n1 = std::min(wp.N, n0 + rows[p]);
+      with_decoder(wp.type, [&](auto d) {
+        gguf_columns<decltype(d)>(xp, M, K, wp.w, wp.rb, n0, n1, yp + wp.col, ldy, buf);
+      });
+    }
+  });
+}
+
+// x [..., K] @ the concatenation of the weights' rows^T -> [..., sum of N]; each weight's bytes checked.
+at::Tensor gguf_linear_cat(const at::Tensor& x_, at::TensorList raws, at::IntArrayRef types, at::IntArrayRef Ns, int64_t K) {
+  TORCH_CHECK(raws.size() >= 1 && raws.size() == types.size() && raws.size() == Ns.size(),
+              "gguf_linear: give one type and one row count for each raw tensor");
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.dim() >= 1 && x_.size(-1) == K,
+              "gguf_linear: x must be float32 [..., K] with K=", K);
+  std::vector<WeightPart> parts;
+  int64_t cols = 0;
+  for (size_t p = 0; p < raws.size(); ++p) {
+    const int64_t rb = gguf_row_bytes("gguf_linear", raws[p], types[p], K);
+    TORCH_CHECK(Ns[p] >= 0 && raws[p].numel() == Ns[p] * rb, "gguf_linear: ", gguf_type(types[p]).name, " [", Ns[p], ", ", K,
+                "] takes ", Ns[p] * rb, " bytes; the raw tensor holds ", raws[p].numel());
+    if (Ns[p] > 0) parts.push_back({raws[p].data_ptr<uint8_t>(), types[p], Ns[p], rb, cols});
+    cols += Ns[p];
+  }
+  const at::Tensor x = x_.contiguous();
+  const int64_t M = x.numel() / K;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = cols;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M > 0 && cols > 0) gguf_linear_parts(x.data_ptr<float>(), M, K, parts, y.data_ptr<float>(), cols);
+  return y;
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& raw, int64_t t, int64_t N, int64_t K) {
+  return gguf_linear_cat(x, {raw}, {t}, {N}, K);
+}
+
+at::Tensor gguf_rows(const at::Tensor& raw, int64_t t, const at::Tensor& ids_, int64_t K) {
+  const int64_t rb = gguf_row_bytes("gguf_rows", raw, t, K);
+  TORCH_CHECK(raw.numel() % rb == 0, "gguf_rows: ", raw.numel(), " bytes are not whole ", gguf_type(t).name, " rows of K=", K);
+  const int64_t N = raw.numel() / rb;
+  const at::Tensor ids = ids_.to(at::kLong).contiguous();
+  const int64_t n = ids.numel();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "gguf_rows: row ", ip[i], " is outside 0..", N - 1);
+  at::Tensor out = at::empty({n, K}, at::kFloat);
+  const uint8_t* wp = raw.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  with_decoder(t, [&](auto d) {
+    at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) dequant_row<decltype(d)>(wp + ip[i] * rb, K, op + i * K);
+    });
+  });
+  return out;
+}
 
 // ---------------------------------------------------------------------------------------------
 at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
@@ -422,6 +881,9 @@ TORCH_LIBRARY(specdec_rs, lib) {
   lib.def("silu_mul(Tensor gu) -> Tensor");
   lib.def("q4_1_linear(Tensor x, Tensor packed, int n) -> Tensor");
   lib.def("q8_0_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  lib.def("gguf_linear(Tensor x, Tensor raw, int ggml_type, int N, int K) -> Tensor");
+  lib.def("gguf_rows(Tensor raw, int ggml_type, Tensor ids, int K) -> Tensor");
+  lib.def("gguf_linear_cat(Tensor x, Tensor[] raws, int[] ggml_types, int[] Ns, int K) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
   lib.impl("linear", &linear);
@@ -431,4 +893,7 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
   lib.impl("silu_mul", &silu_mul);
   lib.impl("q4_1_linear", &q4_1_linear);
   lib.impl("q8_0_linear", &q8_0_linear);
+  lib.impl("gguf_linear", &gguf_linear);
+  lib.impl("gguf_rows", &gguf_rows);
+  lib.impl("gguf_linear_cat", &gguf_linear_cat);
 }

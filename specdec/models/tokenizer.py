@@ -189,3 +189,78 @@ def light_config(d: Path) -> SimpleNamespace | None:
     cfg = SimpleNamespace(**raw)
     cfg.rope_parameters = dict(rope)
     return cfg
+
+
+_PROBES = ["def quicksort(arr):\n    if len(arr) <= 1:\n\t\treturn arr  # done", "  leading and trailing  ",
+           "Ünïcödé — 東京 🙂 ﬁ", "<|im_start|>user\nhi<|im_end|>", "a\r\n\r\nb 12345 3.14"]
+
+
+def _mark_plain_if_equal(d: Path, tok) -> None:
+    """Where transformers saved a tokenizer under a class of its own (Qwen2Tokenizer, ...) that,
+    read from `d` as a FastTokenizer, encodes, decodes and renders the chat template exactly as
+    `tok` does on probe texts, record the class as plain in d's tokenizer_config.json, so later
+    loads skip transformers (~1.5 s of every start-up); otherwise leave it to AutoTokenizer."""
+    cfg_file = d / "tokenizer_config.json"
+    config = json.loads(cfg_file.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") in _PLAIN_CLASSES:
+        return
+    saved = dict(config)
+    config["tokenizer_class"] = "TokenizersBackend"
+    cfg_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    fast = load_fast_tokenizer(d)
+    same = fast is not None
+    try:
+        for text in _PROBES if same else ():
+            ids = tok.encode(text)
+            same = same and fast.encode(text) == ids and fast.decode(ids) == tok.decode(ids)
+        if same and getattr(tok, "chat_template", None):
+            msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": _PROBES[0]}]
+            want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            same = fast.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == want
+    except Exception:  # a template or tokenizer that one side cannot run: keep transformers'
+        same = False
+    if not same:
+        cfg_file.write_text(json.dumps(saved, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def gguf_tokenizer(gf, cache_dir: Path, quiet: bool = False):
+    """The tokenizer a GGUF file's metadata describes (`gf`: models.gguf_file.GGUFFile), no hub
+    access: converted once by transformers' GGUF tokenizer reader (vocabulary, merges, special
+    tokens, chat template) and saved as a tokenizer folder under `cache_dir`, keyed by the hash of
+    the file's tokenizer metadata (files of one family share it); later loads read that folder (a
+    FastTokenizer where it is plain or checked equal to transformers' on probe texts)."""
+    import os
+    import shutil
+    import sys
+
+    out = Path(cache_dir) / gf.tokenizer_digest()[:24]
+    if not (out / "tokenizer_config.json").is_file():
+        if not quiet:
+            print(f"[specdec] reading the tokenizer from {gf.path.name}'s metadata once (cached in {out}) ...",
+                  file=sys.stderr, flush=True)
+        import logging
+
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
+        except Exception as e:  # transformers raises many types for tokenizers it does not know
+            from ..types import SpecdecError
+
+            raise SpecdecError(f"cannot read the tokenizer from {gf.path.name}'s metadata "
+                             f"({type(e).__name__}: {str(e)[:200]})") from e
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save_pretrained(str(tmp))
+        _mark_plain_if_equal(tmp, tok)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    tok = load_fast_tokenizer(out)
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(out))
+    return tok

@@ -214,6 +214,9 @@ def train_step(head, opt, E, W, batch, cfg, gen: torch.Generator, lr: float, bf1
 def _hf_state(target) -> dict:
     from ..models.loader import _read_state_dict
 
+    if getattr(target.model, "gguf_native", False):  # a GGUF target: its last layer, dequantised
+        return target.model.hf_layer_state(target.model.cfg.num_layers - 1)
+
     return {k: v.float() for k, v in _read_state_dict(Path(target.path)).items()}
 
 

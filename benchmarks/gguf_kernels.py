@@ -1,0 +1,149 @@
+"""Speed of the row-stable GGUF kernels (torch.ops.specdec_rs.gguf_linear) on random blocks.
+
+Three parts, each timing its variants interleaved (one call of each in turn, repeated) and
+printing medians:
+- `bandwidth`: the machine's memory bandwidth, as a large torch copy (bytes read + written) and a
+  large sum (bytes read), to compare the kernels' GB/s with;
+- `raw`: gguf_linear over the Qwen2.5 1.5B matrix shapes (1536x1536, 8960x1536, 1536x8960,
+  151936x1536) for each type and row count M: ms a call and GB/s of weight bytes read;
+- `repack`: gguf_linear on the file's own Q4_1 / Q8_0 bytes against q4_1_linear / q8_0_linear on
+  the repacked K-major copy (models/gguf_blocks.py), on the default model's shapes (SmolLM2-135M:
+  576x576, 960x576 fused qkv, 3072x576 fused gate/up, 576x1536, 49152x576 head), M = 1..6.
+
+    python3 benchmarks/gguf_kernels.py bandwidth raw repack --threads 2
+    python3 benchmarks/gguf_kernels.py raw --types Q4_K,Q6_K --m 1,4 --shapes 1536x1536,8960x1536
+    python3 benchmarks/gguf_kernels.py bandwidth raw --threads 1 --types Q4_K,Q8_0 --m 1 --shapes 151936x1536,16384x8960
+
+(the last: matrices far larger than the caches, read from memory, against the bandwidth figures)
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from gguf_random import random_blocks  # noqa: E402
+
+from specdec import kernels  # noqa: E402
+from specdec.models.loader import cache_root  # noqa: E402
+
+QWEN_SHAPES = "1536x1536,8960x1536,1536x8960,151936x1536"
+SMOL_SHAPES = "576x576,960x576,3072x576,576x1536,49152x576"
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def interleaved(variants: dict, reps: int, budget_s: float) -> dict[str, tuple[float, float]]:
+    """(median, minimum) seconds a call of each variant, calling them in turn `reps` times (at least
+    3; fewer once budget_s has passed), after one warm-up call each. The minimum is shown beside the
+    median because other processes on a shared machine stretch single calls."""
+    for f in variants.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    t_start = time.perf_counter()
+    for r in range(reps):
+        for k, f in variants.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+        if r >= 2 and time.perf_counter() - t_start > budget_s:
+            break
+    return {k: (statistics.median(v), min(v)) for k, v in times.items()}
+
+
+def bandwidth(reps: int) -> None:
+    a = torch.empty(2**28 // 4 * 4, dtype=torch.float32).fill_(1.0)  # 1 GiB
+    b = torch.empty_like(a)
+    t = interleaved({"copy": lambda: b.copy_(a), "sum": lambda: a.sum()}, reps, 60)
+    gb = a.numel() * 4 / 1e9
+    print(f"memory, median (best): copy {2 * gb / t['copy'][0]:.1f} ({2 * gb / t['copy'][1]:.1f}) GB/s (read + write), "
+          f"sum {gb / t['sum'][0]:.1f} ({gb / t['sum'][1]:.1f}) GB/s (read) over {gb:.2f} GB, {torch.get_num_threads()} threads")
+
+
+def raw_table(ops, types: list[str], shapes: list[tuple[int, int]], ms: list[int], reps: int) -> None:
+    rng = np.random.default_rng(0)
+    print("| type | N x K | MB | " + " | ".join(f"M={m}: median ms (GB/s), best ms (GB/s)" for m in ms) + " |")
+    print("|---|---|---|" + "---|" * len(ms))
+    for n, k in shapes:
+        mats = {}
+        for name in types:
+            t = kernels.GGUF_TYPES[name].id
+            mats[name] = (t, torch.from_numpy(random_blocks(t, n, k, rng).reshape(-1)))
+        for name, (t, raw) in mats.items():
+            cells = []
+            for m in ms:
+                x = torch.randn(m, k)
+                med, best = interleaved({name: lambda: ops.gguf_linear(x, raw, t, n, k)}, reps, 20)[name]
+                cells.append(f"{med * 1e3:.3f} ({raw.numel() / med / 1e9:.1f}), best {best * 1e3:.3f} "
+                             f"({raw.numel() / best / 1e9:.1f})")
+            print(f"| {name} | {n}x{k} | {raw.numel() / 1e6:.1f} | " + " | ".join(cells) + " |", flush=True)
+
+
+def repack_table(ops, shapes: list[tuple[int, int]], ms: list[int], reps: int) -> None:
+    from specdec.models import gguf_blocks as gb
+
+    rng = np.random.default_rng(1)
+    print("| type | N x K | M | raw ms | repacked ms | raw / repacked | best: raw / repacked |")
+    print("|---|---|---|---|---|---|---|")
+    for name, pack, op in (("Q4_1", lambda r: gb._pack_q4(*gb._q4(r, "Q4_1")), ops.q4_1_linear),
+                           ("Q8_0", lambda r: gb._pack_q8(*gb._q8(r)), ops.q8_0_linear)):
+        t = kernels.GGUF_TYPES[name].id
+        for n, k in shapes:
+            raw_np = random_blocks(t, n, k, rng)
+            raw, packed = torch.from_numpy(raw_np.reshape(-1)), pack(raw_np)
+            for m in ms:
+                x = torch.randn(m, k)
+                assert torch.equal(ops.gguf_linear(x, raw, t, n, k), op(x, packed, n))
+                med = interleaved({"raw": lambda: ops.gguf_linear(x, raw, t, n, k),
+                                   "packed": lambda: op(x, packed, n)}, reps, 20)
+                (r, r_best), (p, p_best) = med["raw"], med["packed"]
+                print(f"| {name} | {n}x{k} | {m} | {r * 1e3:.3f} | {p * 1e3:.3f} | {r / p:.2f} | {r_best / p_best:.2f} |",
+                      flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack"])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,F16")
+    ap.add_argument("--shapes", default=None, help=f"NxK,... (raw: {QWEN_SHAPES}; repack: {SMOL_SHAPES})")
+    ap.add_argument("--m", default=None, help="row counts (raw: 1,4,64,256; repack: 1,2,3,4,5,6)")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    ops = kernels.rowstable_ops(cache_root() / "kernels", quiet=False)
+    if ops is None:
+        sys.exit(f"the row-stable kernels cannot run here: {kernels.rowstable_unavailable()}")
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+
+    def parse_shapes(default: str) -> list[tuple[int, int]]:
+        return [tuple(int(v) for v in s.split("x")) for s in (a.shapes or default).split(",")]
+
+    for part in a.parts:
+        if part == "bandwidth":
+            bandwidth(a.reps)
+        elif part == "raw":
+            raw_table(ops, a.types.split(","), parse_shapes(QWEN_SHAPES),
+                      [int(v) for v in (a.m or "1,4,64,256").split(",")], a.reps)
+        else:
+            repack_table(ops, parse_shapes(SMOL_SHAPES), [int(v) for v in (a.m or "1,2,3,4,5,6").split(",")], a.reps)
+
+
+if __name__ == "__main__":
+    main()

