@@ -183,7 +183,8 @@ class SpecdecEngine:
         threading.Thread(target=self._post_metrics_loop, name="specdec-metrics-post", daemon=True).start()
 
     def _build_app(self):
-        """create_app's app with /metrics answering for every replica; (app, its own /metrics)."""
+        """create_app's app with /metrics answering for every replica; (app, a function giving this
+        replica's own /metrics text). A middleware answers /metrics before the app's own route."""
         from fastapi.responses import PlainTextResponse
 
         from ..server.app import create_app
@@ -191,24 +192,27 @@ class SpecdecEngine:
         args = self.args
         app = create_app(self.lm, self.batcher, args.served_model_name or self.lm.name, api_key=args.api_key,
                          request_timeout=args.request_timeout)
-        own = next(r for r in app.router.routes if getattr(r, "path", None) == "/metrics")
-        app.router.routes.remove(own)
 
-        @app.get("/metrics")
-        async def metrics():
-            text = (await own.endpoint()).body.decode()
+        def own_text() -> str:
+            body, _content_type = app.state.specdec.metrics.render()
+            return body.decode() if isinstance(body, bytes) else body
+
+        @app.middleware("http")
+        async def metrics_for_every_replica(request, call_next):
+            if request.url.path != "/metrics" or request.method != "GET":
+                return await call_next(request)
+            text = own_text()
             await self.board.post.remote(self.replica, text)
             texts = await self.board.recent.remote(STALE_S)
             texts[self.replica] = text
             return PlainTextResponse(aggregate_metrics(texts), media_type="text/plain; version=0.0.4")
 
-        return app, own.endpoint
+        return app, own_text
 
     def _post_metrics_loop(self) -> None:
         while not self._stop.wait(PUSH_EVERY_S):
             try:
-                text = asyncio.run(self.own_metrics()).body.decode()
-                self.board.post.remote(self.replica, text)
+                self.board.post.remote(self.replica, self.own_metrics())
             except Exception:  # the board is being replaced, or Ray is shutting down: try again next tick
                 pass
 
