@@ -4,7 +4,7 @@ Each step picks the k in 0..k_max that maximises expected committed tokens per s
 
     E(k) / time(k),   E(k) = 1 + a + a^2 + ... + a^k,   time(k) = t_fwd(k) + k * t_draft,
 
-the speedup formula of DESIGN.md ((1 + a + ... + a^k) / (1 + c k)) with the target's own
+the speedup formula of docs/design.md ((1 + a + ... + a^k) / (1 + c k)) with the target's own
 cost growing with k measured rather than assumed flat. a is the running acceptance rate
 (exponentially decayed counts, so it follows the text); t_draft and t_fwd(k) are measured
 step times. When k = 0 wins (acceptance near zero, or drafting too dear) the policy still

@@ -435,7 +435,7 @@ def add_validate_parser(sub) -> None:
                     "method and k, per sample and overall with the spread; (2) throughput and latency (TTFT, "
                     "per-token p50/p95) with speculation off, at a fixed k and load-aware, at each concurrency, "
                     "through the batched engine `specdec serve` uses, and where speculation stops paying; "
-                    "(3) the speedup DESIGN.md's formula predicts from alpha and the draft cost c next to the "
+                    "(3) the speedup docs/design.md's formula predicts from alpha and the draft cost c next to the "
                     "measured one, with the measured factors that explain the gap; (4) exactness: greedy outputs "
                     "equal with and without speculation on every sample, and a seeded chi-square check of the "
                     "first sampled tokens against the target's exact probabilities; (5) a verdict (enable or not, "

@@ -2,7 +2,7 @@
 
 The warping order follows transformers' `generate`: temperature, then top-k, then top-p,
 then min-p. The same `warp` is applied to the target's and the draft's logits, so that
-speculative verification compares like with like (DESIGN.md: p and q after the same
+speculative verification compares like with like (docs/design.md: p and q after the same
 warping). Greedy (temperature 0) is argmax (through the native kernels where a GGUF target
 loaded them: the same indices, faster) and never calls `warp`.
 

@@ -1,4 +1,4 @@
-"""Independent oracles for the exactness tests (DESIGN.md: "Exactness is measured, not assumed").
+"""Independent oracles for the exactness tests (docs/design.md "Why the output is exact").
 
 Nothing here imports the code under test except where a test explicitly needs a specdec
 type to talk to the engine (the Draft/DraftContext value types, `build_native`):

@@ -1,5 +1,5 @@
 """Greedy exactness: speculative output == transformers' plain greedy output, token for token
-(DESIGN.md "Exactness is measured, not assumed"), for every drafter, batch 1 and a ragged
+(docs/design.md "Why the output is exact"), for every drafter, batch 1 and a ragged
 batch of 3, k in {1, 4}; plus EOS inside an accepted draft, max_new_tokens reached during an
 accepted run, and stop_fn.
 

@@ -1,4 +1,4 @@
-"""Sampling exactness, end to end (DESIGN.md "Exactness is measured, not assumed").
+"""Sampling exactness, end to end (docs/design.md "Why the output is exact").
 
 A tiny random target (vocabulary 16) and two fixed contexts of different lengths, batched
 together (ragged rows). The exact distribution of the first three generated tokens,

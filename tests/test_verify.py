@@ -1,5 +1,5 @@
 """verify_greedy / verify_stochastic (pure functions) against worked examples and exact
-distributions (DESIGN.md "Verification", "Exactness is measured, not assumed").
+distributions (docs/design.md "Why the output is exact").
 
 The distribution checks draw many seeded trials (batched as rows of one call) and apply a
 chi-square test at alpha = 1e-3 against the *analytic* target distribution; the same check

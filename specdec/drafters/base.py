@@ -1,4 +1,4 @@
-"""The drafter interface (DESIGN.md) and the registry of drafting methods.
+"""The drafter interface (docs/design.md, "The drafter protocol") and the registry of drafting methods.
 
 A drafter guesses up to `max_tokens` next tokens per row; the engine verifies them and
 tells the drafter how many were accepted. The engine calls only `propose` and `commit`

@@ -68,7 +68,7 @@ def target_fingerprint(model, legacy: bool = False) -> str:
     """A short hash of the target's LM head (a head trained for it must see the same one).
     The sampled rows are rounded to bfloat16 first, so the same target loaded in float32 or
     bfloat16 (`--dtype`) gives the same hash; `legacy`: the hash of the unrounded rows, which
-    heads trained before 2026-12-01 recorded."""
+    older heads recorded."""
     w = model.lm_head_weight().detach().float()
     sample = w[:: max(1, w.shape[0] // 256)].contiguous()
     if not legacy:

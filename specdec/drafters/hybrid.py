@@ -10,7 +10,7 @@ skipping it for a step needs no extra work.
 
 The draft model is only worth running while its guesses pay for themselves: drafting one
 token costs c target steps and gains alpha_d tokens on average, so it pays iff
-alpha_d > c (the k = 1 case of DESIGN.md's formula). The drafter measures both itself:
+alpha_d > c (the k = 1 case of docs/design.md's formula). The drafter measures both itself:
 alpha_d from the rows the draft model proposed for, the draft time per token from its own
 propose calls, and the target step time as the wall time between two propose calls.
 While it does not pay, rows without lookup guesses get none (as with `--method ngram`),

@@ -2,7 +2,7 @@
 
 One implementation covers: grouped-query attention, optional q/k/v (and o) bias (Qwen2),
 optional MLP bias, tied or untied embeddings, RoPE of type default / linear / llama3 /
-yarn. The forward contract (DESIGN.md):
+yarn. The forward contract (docs/design.md):
 
     forward(tokens [B,T], positions [B,T], cache, attn_mask=None) -> (logits [B,T,V], hidden [B,T,D])
 
@@ -189,9 +189,9 @@ BLOCK_K_MAX_ROWS = 2
 # keys, the kernel beat SDPA at every step size up to 16 (whole steps of the default model on
 # int16 blocks, 2 threads, SDPA vs kernel: after 200 keys 7 / 9 / 16 new tokens 13.2 / 13.2 / 19.6
 # vs 7.2 / 11.4 / 16.1 ms; after 1500 keys 17.1 / 21.2 / 27.9 vs 11.9 / 14.3 / 22.4 ms; 5 tokens
-# level). Up to 2026-12-02 steps of 17+ tokens kept SDPA, whose sums differ in the last bits, so
-# `-k 16` or more could turn speculative greedy text away from plain decoding's on a near-tie (a
-# 17-token step's logits differed by ~4e-3); now the kernel takes steps of up to 64 tokens (the
+# level). SDPA's sums differ in the last bits for different step sizes, so steps of 17+ tokens on
+# SDPA could turn speculative greedy text away from plain decoding's on a near-tie (a 17-token
+# step's logits differed by ~4e-3); so the kernel takes steps of up to 64 tokens (the
 # CLI, the Engine and the batcher cap guesses at 48, types.MAX_GUESSES), exactness before the
 # speed of such rare long steps. Longer non-causal calls (the chunks of a long prefill after its
 # first) keep SDPA.

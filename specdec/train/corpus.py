@@ -1,4 +1,4 @@
-"""Local training text for drafters (DESIGN.md "Data at hand"), all offline.
+"""Local training text for drafters (docs/design.md "Data at hand"), all offline.
 
 Sources: the Python standard library's own sources (not site-packages), the text
 documentation Debian packages install under /usr/share/doc, and instruction prompts

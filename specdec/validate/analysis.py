@@ -1,6 +1,6 @@
 """Figures and the verdict of `specdec validate`, from the raw counts of `measure.py`.
 
-Predicted vs measured speedup. The prediction is DESIGN.md's formula from the measured
+Predicted vs measured speedup. The prediction is docs/design.md's formula from the measured
 acceptance alpha and draft cost c, generalised to steps that draft different numbers of
 tokens: a step that drafts k_i tokens commits sum_{j<=k_i} alpha^j tokens on average if
 every guess holds independently with probability alpha, and costs 1 + c*k_i target forwards.

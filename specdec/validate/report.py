@@ -165,7 +165,7 @@ def html_report(result: dict, images: dict[str, str]) -> str:
     preds = {n: s["prediction"] for n, s in cfg.items() if "prediction" in s}
     if preds:
         parts.append("<h2>Predicted vs measured</h2><p>Predicted: (F + &Sigma; alpha<sup>j</sup> P<sub>j</sub>) / "
-                     "(F + c &Sigma; P<sub>j</sub>) from the measured alpha and draft cost c (DESIGN.md's formula for "
+                     "(F + c &Sigma; P<sub>j</sub>) from the measured alpha and draft cost c (docs/design.md's formula for "
                      "steps of different draft lengths). The measured decode speedup is the prediction times three "
                      "measured factors; their product reproduces it.</p>")
         rows = [[e(n), _f(p["alpha_used"]), _f(p["draft_cost_c"], ".3f"), _f(p["predicted"]), _f(p["measured"]),
