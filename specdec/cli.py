@@ -241,26 +241,18 @@ def add_serve_parser(sub) -> None:
     add_serve_ray_args(v)
 
 
-def cmd_serve(args) -> int:
-    import logging
-
-    import torch
-
+def serve_model_and_drafter(args, quiet: bool = False):
+    """(model, method, drafter) as `specdec serve` builds them from its flags: a draft model, the
+    EAGLE head beside prompt lookup, or prompt lookup alone (`auto` without a head); `serve` and
+    `serve --ray`'s replicas share it."""
     from .models.loader import load_model
-    from .server.app import create_app
-    from .server.batcher import ContinuousBatcher
 
-    if wants_ray(args):
-        from .distributed.ray_serve import serve_on_ray
-
-        return serve_on_ray(args)
-    threads.start(args.threads)
     method, drafter = args.method, None
     if method not in ("auto", "draft") and args.draft:
         raise SpecdecError(f"--draft is only used with --method auto or draft (got --method {method})")
     if args.draft:
         _check_draft_path(args.draft, method)  # before loading anything
-    lm = load_model(args.model, weights=args.weights)
+    lm = load_model(args.model, weights=args.weights, quiet=quiet)
     if lm.tokenizer is None:
         raise SpecdecError("the model has no tokenizer; the server needs one to read text")
     from .drafters.eagle import is_eagle_dir
@@ -281,8 +273,24 @@ def cmd_serve(args) -> int:
         drafter = lookup_eagle_for(lm, args.draft)
         if drafter is None:
             method = "ngram"
-            print("[specdec] no EAGLE head for this model: the server drafts with prompt lookup (ngram); "
-                  "pass --draft with a head from `specdec train eagle` or a draft model for auto", file=sys.stderr)
+            if not quiet:
+                print("[specdec] no EAGLE head for this model: the server drafts with prompt lookup (ngram); "
+                      "pass --draft with a head from `specdec train eagle` or a draft model for auto", file=sys.stderr)
+    return lm, method, drafter
+
+
+def cmd_serve(args) -> int:
+    import logging
+
+    from .server.app import create_app
+    from .server.batcher import ContinuousBatcher
+
+    if wants_ray(args):
+        from .distributed.ray_serve import serve_on_ray
+
+        return serve_on_ray(args)
+    threads.start(args.threads)
+    lm, method, drafter = serve_model_and_drafter(args)
     threads.settle()  # the free cores, measured while loading (the batcher may call threads.tick per step)
     batcher = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=args.k, max_batch=args.max_batch,
                                 max_queue=args.max_queue, max_context=args.max_context, adaptive=not args.fixed_k,

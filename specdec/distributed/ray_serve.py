@@ -49,38 +49,13 @@ MEAN_GAUGES = {"specdec_mean_accepted_length", "specdec_draft_length"}
 
 
 def build_batcher(args):
-    """(model, batcher, method) as `specdec serve` builds them from its flags (the same choice
-    of drafter: a draft model, the EAGLE head beside prompt lookup, or prompt lookup alone);
-    the batcher decodes in its own thread, since a replica's main thread is Ray's."""
-    import os
-
-    from ..cli import _check_draft_path
-    from ..drafters.eagle import is_eagle_dir
-    from ..models.loader import default_draft_for, load_model
+    """(model, batcher, method) as `specdec serve` builds them from its flags
+    (cli.serve_model_and_drafter); the batcher decodes in its own thread, since a replica's main
+    thread is Ray's."""
+    from ..cli import serve_model_and_drafter
     from ..server.batcher import ContinuousBatcher
 
-    method, drafter = args.method, None
-    if method not in ("auto", "draft") and args.draft:
-        raise SpecdecError(f"--draft is only used with --method auto or draft (got --method {method})")
-    if args.draft:
-        _check_draft_path(args.draft, method)
-    lm = load_model(args.model, weights=args.weights, quiet=True)
-    if lm.tokenizer is None:
-        raise SpecdecError("the model has no tokenizer; the server needs one to read text")
-    if method == "draft" or (method == "auto" and args.draft and not is_eagle_dir(os.path.expanduser(args.draft))):
-        from ..drafters import REGISTRY
-
-        path = args.draft or default_draft_for(lm)
-        if path is None:
-            raise SpecdecError("--method draft needs --draft PATH (a draft model with the target's tokenizer); "
-                               "only the default model ships with a draft")
-        drafter = REGISTRY["draft"](target=lm, draft=load_model(str(path), dtype=lm.model.dtype, pack=False))
-    elif method == "auto":
-        from ..drafters.hybrid import lookup_eagle_for
-
-        drafter = lookup_eagle_for(lm, args.draft)
-        if drafter is None:
-            method = "ngram"
+    lm, method, drafter = serve_model_and_drafter(args, quiet=True)
     batcher = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=args.k, max_batch=args.max_batch,
                                 max_queue=args.max_queue, max_context=args.max_context, adaptive=not args.fixed_k,
                                 drafter=drafter, thread=True)
