@@ -207,10 +207,42 @@ def prefill_ragged(native, rows: list[list[int]], max_len: int = 128):
 
 @pytest.fixture(scope="session")
 def default_model():
-    """The embedded SmolLM2-135M default (converted from GGUF once into the user cache)."""
+    """The embedded SmolLM2-135M default, computed from its GGUF file in place."""
     from specdec.models.loader import load_model
 
     return load_model(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def default_hf_folder(default_model, tmp_path_factory):
+    """The default model as a Hugging Face folder without weights: config.json as transformers
+    reads it from the GGUF file, and the tokenizer folder specdec converted from the file's
+    metadata (what tokenizer and config tests compare against transformers)."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from specdec.models.gguf_file import GGUFFile
+    from specdec.models.loader import cache_root
+
+    gguf = Path(default_model.gguf)
+    folder = tmp_path_factory.mktemp("default-hf")
+    for f in (cache_root() / "tokenizers" / GGUFFile(gguf).tokenizer_digest()[:24]).iterdir():
+        shutil.copy(f, folder / f.name)
+    AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def default_hf_model(default_model):
+    """transformers' own float32 model of the default GGUF file (its GGUF reader dequantises it)."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    gguf = Path(default_model.gguf)
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(autouse=True)

@@ -158,17 +158,14 @@ def test_train_medusa_features_need_data(tmp_path, capsys):
 
 # -- integration on the default model ---------------------------------------------------
 @pytest.mark.default_model
-def test_generate_json_matches_transformers_greedy(default_model, capsys):
-    from transformers import AutoModelForCausalLM
-
+def test_generate_json_matches_transformers_greedy(default_model, default_hf_model, capsys):
     from specdec.text import encode_prompt
 
     prompt = "Name three colours."
     assert main(["generate", prompt, "--json", "--max-new-tokens", "12", "--quiet"]) == 0
     obj = json.loads(capsys.readouterr().out.strip().splitlines()[0])
     ids = encode_prompt(default_model.tokenizer, prompt, None)
-    hf = AutoModelForCausalLM.from_pretrained(default_model.path, dtype=torch.float32).eval()
-    ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+    ref = default_hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                       max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
     assert obj["token_ids"] == ref
     assert obj["text"] == default_model.tokenizer.decode(ref, skip_special_tokens=True)

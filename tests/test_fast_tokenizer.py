@@ -30,10 +30,10 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def pair(default_model):
+def pair(default_hf_folder):
     from transformers import AutoTokenizer
 
-    d = Path(default_model.path)
+    d = default_hf_folder
     fast = load_fast_tokenizer(d)
     assert isinstance(fast, FastTokenizer), "the default model's folder should take the fast path"
     return fast, AutoTokenizer.from_pretrained(str(d))
@@ -152,10 +152,10 @@ def test_save_pretrained_round_trip(pair, tmp_path):
     assert hf2.apply_chat_template(CHATS[1], tokenize=False) == fast.apply_chat_template(CHATS[1], tokenize=False)
 
 
-def _copy(default_model, tmp_path) -> Path:
+def _copy(default_hf_folder, tmp_path) -> Path:
     d = tmp_path / "m"
     d.mkdir()
-    for f in Path(default_model.path).iterdir():
+    for f in default_hf_folder.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, d / f.name)
     return d
@@ -165,28 +165,28 @@ def _copy(default_model, tmp_path) -> Path:
     {"tokenizer_class": "LlamaTokenizerFast"}, {"clean_up_tokenization_spaces": True},
     {"add_bos_token": True}, {"additional_special_tokens": ["<x>"]},
 ])
-def test_unusual_tokenizer_folders_go_to_transformers(default_model, tmp_path, change):
-    d = _copy(default_model, tmp_path)
+def test_unusual_tokenizer_folders_go_to_transformers(default_hf_folder, tmp_path, change):
+    d = _copy(default_hf_folder, tmp_path)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, **change}))
     assert load_fast_tokenizer(d) is None
 
 
-def test_missing_tokenizer_files_go_to_transformers(default_model, tmp_path):
-    d = _copy(default_model, tmp_path)
+def test_missing_tokenizer_files_go_to_transformers(default_hf_folder, tmp_path):
+    d = _copy(default_hf_folder, tmp_path)
     (d / "tokenizer.json").unlink()
     assert load_fast_tokenizer(d) is None
 
 
-def test_light_config_matches_autoconfig(default_model, tmp_path):
+def test_light_config_matches_autoconfig(default_hf_folder, tmp_path):
     from transformers import AutoConfig
 
-    d = Path(default_model.path)
+    d = default_hf_folder
     light = light_config(d)
     assert light is not None
     assert LlamaConfig.from_hf(light) == LlamaConfig.from_hf(AutoConfig.from_pretrained(str(d)))
     # the legacy top-level rope_theta spelling gives the same native config
-    d2 = _copy(default_model, tmp_path)
+    d2 = _copy(default_hf_folder, tmp_path)
     raw = json.loads((d2 / "config.json").read_text())
     raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
     (d2 / "config.json").write_text(json.dumps(raw))
@@ -197,8 +197,8 @@ def test_light_config_matches_autoconfig(default_model, tmp_path):
     {"model_type": "qwen2"}, {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
     {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, {"rms_norm_eps": None},
 ])
-def test_unusual_configs_go_to_autoconfig(default_model, tmp_path, change):
-    d = _copy(default_model, tmp_path)
+def test_unusual_configs_go_to_autoconfig(default_hf_folder, tmp_path, change):
+    d = _copy(default_hf_folder, tmp_path)
     raw = json.loads((d / "config.json").read_text())
     raw.update(change)
     if change.get("rms_norm_eps", 0) is None:
@@ -207,12 +207,12 @@ def test_unusual_configs_go_to_autoconfig(default_model, tmp_path, change):
     assert light_config(d) is None
 
 
-def test_a_post_processor_that_adds_bos(default_model, tmp_path):
+def test_a_post_processor_that_adds_bos(default_hf_folder, tmp_path):
     """A tokenizer.json whose post-processor adds BOS: plain encode adds it, the chat template's ids do not
     (transformers tokenizes a rendered chat without special tokens; the template writes its own)."""
     from transformers import AutoTokenizer
 
-    d = _copy(default_model, tmp_path)
+    d = _copy(default_hf_folder, tmp_path)
     tj = json.loads((d / "tokenizer.json").read_text())
     tj["post_processor"] = {"type": "TemplateProcessing",
                             "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},

@@ -6,6 +6,7 @@ response is complete and is exactly what that prompt gives alone, memory back to
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -24,10 +25,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(default_model):
+@contextlib.contextmanager
+def serving(app):
+    """Run `app` with uvicorn in a thread on a free loopback port; yields its base URL."""
     import uvicorn
 
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{srv.config.port}"
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
     from specdec.server.app import create_app
     from specdec.server.batcher import ContinuousBatcher
 
@@ -37,17 +55,8 @@ def server(default_model):
     batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, method="auto", k_max=8, max_batch=8,
                                 max_queue=200, max_context=MAX_CONTEXT, drafter=lookup_eagle_for(default_model))
     app = create_app(default_model, batcher, "smol", api_key="sekrit", request_timeout=120)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", batcher
-    srv.should_exit = True
-    th.join(timeout=10)
+    with serving(app) as url:
+        yield url, batcher
     batcher.close()
 
 

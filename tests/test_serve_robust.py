@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from test_serve import _free_port, http, plain_greedy
+from test_serve import http, plain_greedy, serving
 
 pytestmark = pytest.mark.default_model
 
@@ -24,8 +24,6 @@ MAX_CONTEXT = 512
 
 @pytest.fixture(scope="module")
 def server(default_model):
-    import uvicorn
-
     from specdec.drafters.hybrid import lookup_eagle_for
     from specdec.server.app import create_app
     from specdec.server.batcher import ContinuousBatcher
@@ -33,17 +31,8 @@ def server(default_model):
     batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, method="auto", k_max=8, max_batch=8,
                                 max_queue=64, max_context=MAX_CONTEXT, drafter=lookup_eagle_for(default_model))
     app = create_app(default_model, batcher, "smol", request_timeout=120)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", batcher
-    srv.should_exit = True
-    th.join(timeout=10)
+    with serving(app) as url:
+        yield url, batcher
     batcher.close()
 
 
