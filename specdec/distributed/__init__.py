@@ -8,7 +8,6 @@ fans work out and gathers it: decoding is the engine's, HTTP is `server.app.crea
 
 from __future__ import annotations
 
-import argparse
 import os
 
 from ..types import SpecdecError
@@ -25,21 +24,13 @@ def require_ray():
     return ray
 
 
-def positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
 def add_cluster_args(group) -> None:
     """--ray, --replicas, --address: shared by `generate` and `serve`."""
+    from ..cli import _positive_int  # (cli imports this module; by the time it adds arguments it is loaded)
+
     group.add_argument("--ray", action="store_true",
                        help=f"run on Ray (needs the ray extra: {RAY_INSTALL})")
-    group.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+    group.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
                        help="--ray: engines to run, each with --threads threads (default 1). "
                             "Default: the cluster's CPUs divided by --threads")
     group.add_argument("--address", default=None, metavar="ADDR",
