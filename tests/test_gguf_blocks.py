@@ -427,6 +427,9 @@ def test_weights_option_errors(tmp_path):
             check_weights_choice(strict, True)
     check_weights_choice("blocks", True)
     check_weights_choice("auto", True)
+    for integer in ("int16", "int8"):  # a folder: no model runs on the integer kernels now
+        with pytest.raises(SpecdecError, match="no model runs on the integer kernels"):
+            check_weights_choice(integer, False)
 
 
 # -- drafters on the kernels --------------------------------------------------------------------

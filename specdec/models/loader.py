@@ -272,13 +272,13 @@ def check_weights_choice(weights: str, is_gguf: bool) -> None:
     """One clear error for a --weights choice that does not apply to this model."""
     if weights not in WEIGHTS:
         raise SpecdecError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if is_gguf and weights not in ("auto", "blocks"):
+        raise SpecdecError(f"--weights {weights}: a GGUF model computes from its own blocks (no fp32 copy, no "
+                           "integer re-packing); use --weights auto")
     if weights in ("int16", "int8"):
         raise SpecdecError(f"--weights {weights}: no model runs on the integer kernels now (a GGUF file computes from "
                            "its blocks on the row-stable kernels, a Hugging Face folder with its float weights); "
                            "use --weights auto")
-    if is_gguf and weights not in ("auto", "blocks"):
-        raise SpecdecError(f"--weights {weights}: a GGUF model computes from its own blocks (no fp32 copy, no "
-                           "integer re-packing); use --weights auto")
     if not is_gguf and weights not in ("auto", "fp32"):
         raise SpecdecError(f"--weights {weights} needs a GGUF model (--model FILE.gguf or the default model)")
 
