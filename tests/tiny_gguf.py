@@ -6,6 +6,11 @@ random blocks of `ggml_type` (tests/gguf_random.py), norms and biases float32, a
 byte-level BPE tokenizer (the 256 byte symbols, a few merges, three special tokens) with a chat
 template in the metadata, as llama.cpp's converter writes them. Llama files hold q and k rows in
 llama.cpp's interleaved order, as real ones do (the loader must undo it).
+
+Mistral files are what llama.cpp writes for Mistral models: architecture "llama", a name that says
+Mistral (transformers then builds its Mistral model), and a SentencePiece-style vocabulary
+(`tokenizer="llama"`: <unk> <s> </s>, the 256 byte tokens, scored pieces; BOS added).
+`rope_scaling` writes `{arch}.rope.scaling.*` keys (type, factor, original_context_length, ...).
 """
 
 from __future__ import annotations
@@ -41,21 +46,36 @@ def tokens() -> list[str]:
     return _byte_symbols() + [m.replace(" ", "") for m in MERGES] + SPECIALS
 
 
+SPM_PIECES = ["▁", "▁t", "he", "▁the", "in", "▁a", "er", "on", "▁s", "re"]
+
+
+def spm_tokens() -> list[str]:
+    """A SentencePiece-style vocabulary of the same size: <unk> <s> </s>, byte tokens, pieces."""
+    return ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+
+
 VOCAB = len(tokens())
 EOS_ID = VOCAB - 1  # <|im_end|>
+assert len(spm_tokens()) == VOCAB
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: int = 0, layers: int = LAYERS,
-                    head_type: int | None = None, rope_freqs: bool = False) -> Path:
+                    head_type: int | None = None, rope_freqs=False, name: str | None = None,
+                    tokenizer: str = "gpt2", rope_scaling: dict | None = None, extra_tensor: str | None = None,
+                    untied: bool | None = None, context: int = 512) -> Path:
     """Write the tiny model (module docstring); head_type: the LM head's type (default ggml_type);
-    rope_freqs: add Llama 3.1's frequency-factor tensor."""
+    rope_freqs: add Llama 3.1's frequency-factor tensor (True: factors 1..8, or the factors given);
+    name: general.name; tokenizer: "gpt2" (byte-level BPE) or "llama" (SentencePiece-style);
+    rope_scaling: {key: value} written as {arch}.rope.scaling.{key}; extra_tensor: a float tensor of
+    this name that no supported architecture reads; untied: write output.weight (default: qwen2);
+    context: the context length."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{arch}")
+    w.add_name(name or f"tiny-{arch}")
     w.add_block_count(layers)
-    w.add_context_length(512)
+    w.add_context_length(context)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
@@ -64,17 +84,36 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(VOCAB)
-    toks = tokens()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(toks)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in toks])
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(toks.index("<|im_start|>"))
-    w.add_eos_token_id(EOS_ID)
-    w.add_pad_token_id(toks.index("<|endoftext|>"))
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (rope_scaling or {}).items():
+        full = f"{arch}.rope.scaling.{key}"
+        if isinstance(value, str):
+            w.add_string(full, value)
+        elif isinstance(value, int):
+            w.add_uint32(full, value)
+        else:
+            w.add_float32(full, float(value))
+    if tokenizer == "llama":
+        toks = spm_tokens()
+        w.add_tokenizer_model("llama")
+        w.add_token_list(toks)
+        w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))])
+        w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES))
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(True)
+    else:
+        toks = tokens()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(toks)
+        w.add_token_types([3 if t in SPECIALS else 1 for t in toks])
+        w.add_token_merges(MERGES)
+        w.add_bos_token_id(toks.index("<|im_start|>"))
+        w.add_eos_token_id(EOS_ID)
+        w.add_pad_token_id(toks.index("<|endoftext|>"))
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHAT_TEMPLATE)
 
     def mat(name: str, n: int, k: int, t: int = ggml_type) -> None:
         w.add_tensor(name, random_blocks(t, n, k, rng), raw_dtype=GGMLQuantizationType(t))
@@ -99,10 +138,13 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
         mat(p + "ffn_up.weight", FFN, HIDDEN)
         mat(p + "ffn_down.weight", HIDDEN, FFN)
     vec("output_norm.weight", HIDDEN, 0.1, 1.0)
-    if arch == "qwen2":  # untied head
+    if arch == "qwen2" if untied is None else untied:
         mat("output.weight", VOCAB, HIDDEN, ggml_type if head_type is None else head_type)
-    if rope_freqs:
-        w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, HEAD_DIM // 2).astype(np.float32))
+    if rope_freqs is not False:
+        factors = np.linspace(1.0, 8.0, HEAD_DIM // 2) if rope_freqs is True else rope_freqs
+        w.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))
+    if extra_tensor:
+        vec(extra_tensor, HIDDEN, 0.1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -141,7 +183,7 @@ def dequantized_state_dict(path: Path) -> dict:
         w = dequantize(np.ascontiguousarray(gf.raw(name)), GGMLQuantizationType(t.type_id)).reshape(t.rows, -1)
         w = torch.from_numpy(np.array(w, dtype=np.float32)).reshape(-1) if t.rows == 1 else torch.from_numpy(
             np.array(w, dtype=np.float32))
-        if gf.architecture in ("llama", "mistral") and base.endswith(("attn_q", "attn_k")):
+        if gf.architecture == "llama" and base.endswith(("attn_q", "attn_k")):
             heads = cfg.num_attention_heads if base.endswith("attn_q") else cfg.num_key_value_heads
             w = w[llama_row_order(w.shape[0], heads)]
         sd[f"{hf}.{kind}"] = w

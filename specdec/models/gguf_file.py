@@ -6,7 +6,9 @@ seconds for a 150k-token vocabulary; here the string arrays stay undecoded until
 needs them) and maps the file copy-on-write, so each tensor is a zero-copy uint8 view of the
 file's bytes (`raw(name)`: [rows, bytes a row]) that the page cache backs: nothing is dequantised
 or copied. `model_config()` turns the metadata into the attributes the native model reads
-(llama / mistral / qwen2), `check_blocks()` checks that every block scale (and every value of a
+(llama, which Mistral files also carry, and qwen2; RoPE scaling linear, YaRN, or Llama 3's
+frequency factors), `check_tensor_names()` refuses a tensor the model would not read (a variant
+it does not compute), `check_tensor()` checks that every block scale (and every value of a
 float tensor) is finite, and `unsupported()` names tensors of a type the kernels do not read.
 
 Errors are one line each (SpecdecError): not a GGUF file, a truncated file, an unsupported
@@ -28,7 +30,12 @@ import numpy as np
 from ..types import SpecdecError
 
 GGUF_MAGIC = b"GGUF"
-ARCHITECTURES = ("llama", "mistral", "qwen2")  # what the native model runs (mistral files say "llama" mostly)
+# what the native model runs; llama.cpp writes Llama 2 / 3 and Mistral models as "llama" (q and k rows
+# interleaved per head, Llama 3.1's rope_freqs), Qwen2 / Qwen2.5 as "qwen2" (q/k/v bias, untied head)
+ARCHITECTURES = ("llama", "qwen2")
+# llama.cpp's YaRN settings that this model computes as llama.cpp's defaults do (other values: refused)
+YARN_DEFAULTS = {".rope.scaling.yarn_ext_factor": (1.0, -1.0), ".rope.scaling.yarn_attn_factor": (1.0,),
+                 ".rope.scaling.attn_factor": (1.0,), ".rope.scaling.yarn_log_multiplier": (0.0,)}
 
 # ggml type id -> (name, weights a block, bytes a block); the types the kernels read (kernels.GGUF_TYPES)
 GGML_TYPES = {
@@ -281,7 +288,7 @@ class GGUFFile:
         arch = self.architecture
         if arch not in ARCHITECTURES:
             raise SpecdecError(f"{self.path.name}: architecture {arch!r} is not supported (supported: "
-                               f"{', '.join(ARCHITECTURES)})")
+                               f"{', '.join(ARCHITECTURES)}; llama.cpp writes Mistral and Llama 3 models as llama)")
         return arch
 
     def model_config(self) -> SimpleNamespace:
@@ -304,16 +311,8 @@ class GGUFFile:
             raise SpecdecError(f"{self.path.name} has no token_embd.weight tensor")
         vocab = int(self.get(".vocab_size", embd.rows))
         theta = float(self.get(".rope.freq_base", 10000.0))
-        rope = {"rope_type": "default", "rope_theta": theta}
-        stype = str(self.get(".rope.scaling.type", "none"))
-        factor = float(self.get(".rope.scaling.factor", 1.0))
-        if stype in ("linear", "yarn") and factor != 1.0:
-            rope.update(rope_type=stype, factor=factor)
-            if stype == "yarn":
-                rope["original_max_position_embeddings"] = int(self.get(".rope.scaling.original_context_length"))
-        elif stype not in ("none", "linear", "yarn"):
-            raise SpecdecError(f"{self.path.name}: RoPE scaling {stype!r} is not supported (linear, yarn, or "
-                               "Llama-3's frequency factors)")
+        rope = self.rope_parameters(theta)
+        self.check_tensor_names(int(self.get(".block_count")))
         return SimpleNamespace(
             model_type=arch, vocab_size=vocab, hidden_size=D, intermediate_size=int(self.get(".feed_forward_length")),
             num_hidden_layers=int(self.get(".block_count")), num_attention_heads=H, num_key_value_heads=Hkv,
@@ -325,6 +324,52 @@ class GGUFFile:
             bos_token_id=self.meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=self.meta.get("tokenizer.ggml.eos_token_id"),
             pad_token_id=self.meta.get("tokenizer.ggml.padding_token_id"))
+
+    def rope_parameters(self, theta: float) -> dict:
+        """transformers' rope_parameters for the file's `{arch}.rope.scaling.*` keys: none, linear
+        (positions divided by the factor), YaRN (factor, original context, beta_fast / beta_slow as
+        llama.cpp reads them); Llama 3's scaling is a tensor (rope_freqs.weight, gguf_model). Any
+        other type, or a YaRN setting the model would not compute as llama.cpp does: one line."""
+        rope = {"rope_type": "default", "rope_theta": theta}
+        stype = str(self.get(".rope.scaling.type", "none"))
+        factor = float(self.get(".rope.scaling.factor", 1.0) or 1.0)
+        key = self.architecture + ".rope.scaling.type"
+        if stype not in ("none", "linear", "yarn"):
+            raise SpecdecError(f"{self.path.name}: RoPE scaling {stype!r} ({key}) is not supported; supported: "
+                               "none, linear, yarn, and Llama 3's frequency factors (rope_freqs.weight)")
+        if stype == "none" or factor == 1.0:
+            return rope
+        rope.update(rope_type=stype, factor=factor)
+        if stype == "yarn":
+            orig = self.get(".rope.scaling.original_context_length")
+            if orig is None:
+                raise SpecdecError(f"{self.path.name}: YaRN RoPE scaling without "
+                                   f"{self.architecture}.rope.scaling.original_context_length")
+            rope["original_max_position_embeddings"] = int(orig)
+            for k, name in ((".rope.scaling.yarn_beta_fast", "beta_fast"), (".rope.scaling.yarn_beta_slow", "beta_slow")):
+                if self.get(k) is not None:
+                    rope[name] = float(self.get(k))
+            for k, allowed in YARN_DEFAULTS.items():
+                v = self.get(k)
+                if v is not None and float(v) not in allowed:
+                    raise SpecdecError(f"{self.path.name}: YaRN with {self.architecture}{k} = {float(v):g} is not "
+                                       f"supported (only {allowed[0]:g})")
+        return rope
+
+    def check_tensor_names(self, n_layers: int) -> None:
+        """Raise, naming it, on a tensor the native model would not read (a bias or norm of an
+        architecture variant it does not compute): ignoring it would give other numbers."""
+        arch = self.architecture
+        known = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
+        layer = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+        for i in range(n_layers):
+            known.update(f"blk.{i}.{n}.weight" for n in layer)
+            if arch == "qwen2":
+                known.update(f"blk.{i}.attn_{n}.bias" for n in "qkv")
+        extra = [n for n in self.tensors if n not in known]
+        if extra:
+            raise SpecdecError(f"{self.path.name}: tensor {extra[0]} ({len(extra)} such) is not part of the "
+                               f"{arch} model specdec computes (a variant it does not support)")
 
     def eos_ids(self) -> list[int]:
         """End-of-text ids the metadata names (eos, end of turn, end of message)."""

@@ -11,7 +11,7 @@ A model spec can be:
     reachable; offline, a clear error says how to point at a local directory instead.
 
 Llama-family configs get the native model (`llama.py`); anything else falls back to the
-transformers adapter, chosen automatically (GGUF files: native only; llama, mistral and qwen2). This is the only module of `models/` that
+transformers adapter, chosen automatically (GGUF files: native only; llama, which Mistral files also carry, and qwen2). This is the only module of `models/` that
 touches files.
 """
 
@@ -305,15 +305,20 @@ class _LateProgress:
             self.bar.close()
 
 
-def check_gguf(gf, quiet: bool = False) -> None:
-    """Before any work: every tensor of a type the kernels read, and every block scale (and every
-    value of a float tensor) finite. One line names what is wrong."""
+def check_gguf_types(gf) -> None:
+    """Every tensor of a type the kernels read (from the header); one line names the first that is not."""
     from .gguf_file import SUPPORTED_TYPES
 
     bad = gf.unsupported()
     if bad:
         raise SpecdecError(f"{gf.path.name}: tensor {bad[0].name} is of type {bad[0].type_name}, which specdec does "
                            f"not read ({len(bad)} such tensors; supported: {', '.join(SUPPORTED_TYPES)})")
+
+
+def check_gguf(gf, quiet: bool = False) -> None:
+    """Before any work: every tensor of a type the kernels read, and every block scale (and every
+    value of a float tensor) finite. One line names what is wrong."""
+    check_gguf_types(gf)
     progress = _LateProgress(len(gf.tensors), f"checking {gf.path.name}", quiet)
     try:
         for t in gf.tensors.values():
@@ -336,14 +341,17 @@ def load_gguf(path: Path, source: str, quiet: bool = False, with_tokenizer: bool
 
     t0 = time.perf_counter()
     if native is False:
-        raise SpecdecError(f"{path.name}: a GGUF file runs on the native model only (llama, mistral, qwen2)")
+        raise SpecdecError(f"{path.name}: a GGUF file runs on the native model only (llama, qwen2)")
     gf = GGUFFile(path)
+    # what is not supported is refused from the header, before any block is read: the architecture,
+    # a tensor type, RoPE scaling, a tensor the model would not read
     gf.check_architecture()
-    check_gguf(gf, quiet)
+    check_gguf_types(gf)
     hf = gf.model_config()
     problem = native_support_problem(hf)
     if problem:
         raise SpecdecError(f"{path.name}: {problem} is not supported")
+    check_gguf(gf, quiet)
     rs = kernels.rowstable_ops(cache_root() / "kernels", quiet)
     linear_op, rows_op, on_kernels = kernel_ops(rs)
     if not on_kernels:
