@@ -1,9 +1,12 @@
 """Plain (non-speculative) decode speed: specdec vs transformers `generate`, same run.
 
-Same weights (the default model's converted fp32 folder, or --model), same prompts (first
-turns of Spec-Bench dev, chat template), greedy, fp32, EOS ignored so every run makes
-exactly --max-new-tokens tokens, same thread count. The two engines are interleaved per
-repeat so machine drift hits both alike; the median over repeats is reported. Also
+Same weights, same prompts (first turns of Spec-Bench dev, chat template), greedy, EOS ignored
+so every run makes exactly --max-new-tokens tokens, same thread count. The peer is transformers
+`generate` in fp32 on the same weights: for a GGUF target (the default model, or --model
+FILE.gguf) transformers' own GGUF loading, which dequantises every tensor to an fp32 copy
+(specdec computes from the file's blocks), for a model folder the folder itself; `--peer none`
+skips it (a large GGUF's fp32 copy takes ~4 bytes a weight and minutes to build). The two engines
+are interleaved per repeat so machine drift hits both alike; the median over repeats is reported. Also
 measures memory bandwidth (a large tensor reduction) to give the batch-1 limit
 
     tokens/s <= bandwidth / (bytes of weights read per token)
@@ -11,6 +14,7 @@ measures memory bandwidth (a large tensor reduction) to give the batch-1 limit
 and how close each engine gets. Prints a table, then one JSON document as the last line.
 
     python benchmarks/plain_decode.py --prompts 4 --max-new-tokens 64 --repeats 3
+    python benchmarks/plain_decode.py --model FILE.gguf --peer none
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = ROOT.parent / "shared" / "data" / "spec_bench" / "dev.jsonl"
+DEFAULT_DATA = next((p for p in (ROOT / "shared", ROOT.parent / "shared", Path("/work/shared")) if p.is_dir()),
+                    ROOT / "shared") / "data" / "spec_bench" / "dev.jsonl"
 
 
 def measure_bandwidth(mb: int = 1024, repeats: int = 5) -> float:
@@ -60,22 +65,26 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--peer", choices=("transformers", "none"), default="transformers",
+                    help="transformers: its fp32 generate on the same weights (a GGUF dequantised by transformers' "
+                         "GGUF loading); none: specdec alone")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
+    from specdec.bench.peers import _hf_model
     from specdec.engine import Engine
     from specdec.models.loader import load_model
     from specdec.text import encode_prompt
     from specdec.types import SamplingParams
 
-    hf_logging.set_verbosity_error()
     lm = load_model(args.model, quiet=True)
-    hf = AutoModelForCausalLM.from_pretrained(lm.path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
+    peer = None
+    if args.peer == "transformers":
+        peer = ("transformers generate, fp32 dequantised from the same GGUF by transformers" if lm.gguf
+                else "transformers generate, fp32, the same folder")
+        hf = _hf_model(lm.path)  # (a GGUF file: transformers' own GGUF loading)
+        hf.generation_config.eos_token_id = None
+    print(f"peer: {peer or 'none (--peer none)'}", file=sys.stderr)
     prompts = [encode_prompt(lm.tokenizer, p, None) for p in load_prompts(Path(args.data), args.prompts)]
     N = args.max_new_tokens
     engine = Engine(lm.model, eos_ids=())  # EOS ignored: both engines make exactly N tokens
@@ -94,27 +103,29 @@ def main() -> int:
         return time.perf_counter() - t, out[0, len(ids):].tolist(), None
 
     run_specdec(prompts[0])  # warm-up both
-    run_hf(prompts[0])
-    rates = {"specdec": [], "transformers": []}
+    if peer:
+        run_hf(prompts[0])
+    rates = {"specdec": [], "transformers": []} if peer else {"specdec": []}
     decode_rates = []
     agree = 0
     for rep in range(args.repeats):
-        tot = {"specdec": 0.0, "transformers": 0.0}
+        tot = dict.fromkeys(rates, 0.0)
         dec = 0.0
         for ids in prompts:
             ts, toks_s, d = run_specdec(ids)
-            th, toks_h, _ = run_hf(ids)
             tot["specdec"] += ts
-            tot["transformers"] += th
             dec += d
-            if rep == 0:
-                agree += toks_s == toks_h
+            if peer:
+                th, toks_h, _ = run_hf(ids)
+                tot["transformers"] += th
+                if rep == 0:
+                    agree += toks_s == toks_h
         n_tok = N * len(prompts)
         for k in rates:
             rates[k].append(n_tok / tot[k])
         decode_rates.append((N - 1) * len(prompts) / dec)
-        print(f"repeat {rep + 1}/{args.repeats}: specdec {rates['specdec'][-1]:.1f} tok/s, "
-              f"transformers {rates['transformers'][-1]:.1f} tok/s", file=sys.stderr)
+        print(f"repeat {rep + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in rates.items()),
+              file=sys.stderr)
 
     bw = measure_bandwidth()
     wbytes = lm.model.weight_bytes_per_token()
@@ -132,23 +143,27 @@ def main() -> int:
         "repeats": args.repeats,
         "specdec_tok_s": round(med["specdec"], 2),
         "specdec_decode_only_tok_s": round(med_decode, 2),
-        "transformers_tok_s": round(med["transformers"], 2),
-        "ratio_specdec_over_transformers": round(med["specdec"] / med["transformers"], 3),
+        "weights": lm.weights,
+        "peer": peer,
+        "transformers_tok_s": round(med["transformers"], 2) if peer else None,
+        "ratio_specdec_over_transformers": round(med["specdec"] / med["transformers"], 3) if peer else None,
         "bandwidth_gb_s": round(bw / 1e9, 2),
         "weight_bytes_per_token": wbytes,
         "bandwidth_limit_tok_s": round(limit, 2),
         "limit_over_specdec_decode": round(limit / med_decode, 3),
-        "greedy_outputs_equal": f"{agree}/{len(prompts)}",
+        "greedy_outputs_equal": f"{agree}/{len(prompts)}" if peer else None,
     }
     print()
     print(f"{'engine':<28}{'tok/s (median)':>16}")
     print(f"{'specdec none (end to end)':<28}{med['specdec']:>16.2f}")
     print(f"{'specdec none (decode only)':<28}{med_decode:>16.2f}")
-    print(f"{'transformers generate':<28}{med['transformers']:>16.2f}")
+    if peer:
+        print(f"{'transformers generate':<28}{med['transformers']:>16.2f}   ({peer})")
     print(f"{'bandwidth limit':<28}{limit:>16.2f}   ({bw / 1e9:.1f} GB/s / {wbytes / 1e6:.0f} MB per token)")
-    print(f"ratio specdec / transformers: {result['ratio_specdec_over_transformers']:.2f}x; "
-          f"limit / specdec decode: {result['limit_over_specdec_decode']:.2f}x; "
-          f"greedy outputs equal: {result['greedy_outputs_equal']}; threads {args.threads}")
+    if peer:
+        print(f"ratio specdec / transformers: {result['ratio_specdec_over_transformers']:.2f}x; "
+              f"greedy outputs equal: {result['greedy_outputs_equal']}; ", end="")
+    print(f"limit / specdec decode: {result['limit_over_specdec_decode']:.2f}x; threads {args.threads}")
     print(json.dumps(result))
     return 0
 
