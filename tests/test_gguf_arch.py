@@ -4,7 +4,7 @@ Tiny files written by the test (tests/tiny_gguf.py), the logits compared with tr
 GGUF loading of the same file (its dequantiser, its undoing of llama.cpp's q/k row order, its
 architecture code), the greedy tokens compared too:
   * Llama with grouped-query attention (4 query heads, 2 K/V heads), tied and untied head;
-  * Qwen2 (q/k/v bias, untied head);
+  * Qwen2 (q/k/v bias), untied and tied head;
   * Mistral as llama.cpp writes it (architecture "llama", a SentencePiece-style vocabulary with
     BOS): transformers' Mistral model over the weights transformers read from the file;
   * RoPE scaling: Llama 3's frequency factors (rope_freqs.weight, computed in the test as
@@ -108,6 +108,7 @@ ARCHS = {  # stem: (arch, write_tiny_gguf keywords)
     "llama-gqa": ("llama", {}),
     "llama-gqa-untied": ("llama", {"untied": True}),
     "qwen2": ("qwen2", {}),
+    "qwen2-tied": ("qwen2", {"untied": False}),
 }
 
 

@@ -213,7 +213,7 @@ class GGUFLlamaModel(LlamaModel):
         finally:
             _no_init.on = False
         self.gguf = gf
-        permute = gf.architecture in ("llama", "mistral")
+        permute = gf.architecture == "llama"
         D, Dh, H, Hkv, I = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
 
         def mat(name: str, n: int, k: int) -> tuple:
