@@ -228,8 +228,16 @@ def test_a_truncated_file_says_so(gguf_dir, tmp_path):
         assert "\n" not in str(e.value)
 
 
-def test_an_unsupported_type_names_the_tensor_and_the_supported_ones(tmp_path):
+def test_an_unsupported_type_names_the_tensor_and_the_supported_ones(tmp_path, monkeypatch):
+    """From the header alone: no block is read before the refusal."""
     from gguf import GGMLQuantizationType, GGUFWriter
+
+    from specdec.models import gguf_file
+
+    def no_block_reads(self, t):
+        raise AssertionError(f"read the blocks of {t.name} before refusing")
+
+    monkeypatch.setattr(gguf_file.GGUFFile, "check_tensor", no_block_reads)
 
     w = GGUFWriter(str(tmp_path / "q2k.gguf"), "llama")
     w.add_tensor("token_embd.weight", np.zeros((4, 84), dtype=np.uint8), raw_dtype=GGMLQuantizationType.Q2_K)
