@@ -378,3 +378,24 @@ def test_openapi_describes_the_request_bodies(server):
     assert refs and all(r.split("/")[-1] in schemas for r in refs), [r for r in refs if r.split("/")[-1] not in schemas]
     ok = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
     assert {"application/json", "text/event-stream"} <= set(ok)
+
+
+def test_a_row_that_joined_since_the_last_lookup_can_leave_at_its_prefill():
+    """The server's batcher admits rows between steps, and a row whose first token ends it (end of
+    text at once, max_tokens 1) leaves at its prefill: the lookup drafter then keeps rows that its
+    last proposal never saw (this raised IndexError and failed the request with a 500)."""
+    from specdec.drafters.base import DraftContext
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.types import SamplingParams
+
+    d = NgramDrafter()
+    d.begin([[1, 2, 3, 1, 2]], SamplingParams(), 100)
+    d.propose(DraftContext([[1, 2, 3, 1, 2]], SamplingParams(), None), 4)
+    d.keep_rows([0, 1])  # rows 0 and 1 stay of 0, 1 (joined) and 2 (joined, left at its prefill)
+    rows = [[1, 2, 3, 1, 2], [5, 6, 5]]
+    draft = d.propose(DraftContext(rows, SamplingParams(), None), 4)
+    fresh = NgramDrafter()  # the oracle: a drafter that starts with these two rows
+    fresh.begin(rows, SamplingParams(), 100)
+    want = fresh.propose(DraftContext(rows, SamplingParams(), None), 4)
+    assert draft.counts.tolist() == want.counts.tolist() == [3, 2]  # 3 1 2 after "1 2", 6 5 after "5"
+    assert torch.equal(draft.tokens, want.tokens)
