@@ -15,7 +15,7 @@ import sys
 import time
 
 from . import learned, threads
-from .distributed import add_generate_ray_args, add_serve_ray_args, wants_ray
+from .distributed import add_generate_ray_args, add_serve_ray_args, add_train_ray_args, wants_ray
 from .text import check_text
 from .types import MAX_GUESSES, SpecdecError
 
@@ -709,6 +709,7 @@ def add_train_parser(sub) -> None:
                         "dtype). Default: float32")
     d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_train_ray_args(d)
 
     from .train.eagle import EagleTrainConfig
 
@@ -758,6 +759,7 @@ def add_train_parser(sub) -> None:
     e.add_argument("--seed", type=int, default=0, help="seed for collection and shuffling. Default: 0")
     e.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_train_ray_args(e)
     add_train_medusa_parser(tsub, c)
 
 
@@ -806,6 +808,7 @@ def _train_target_and_data(args):
     import torch
 
     from .models.loader import load_model
+    from .distributed.ray_collect import train_ray_args
     from .train.distill import CollectConfig, collect
 
     if getattr(args, "features", None) and args.data is None:
@@ -825,7 +828,7 @@ def _train_target_and_data(args):
         if target.tokenizer is None:
             raise SpecdecError("the target has no tokenizer; collecting training text needs one")
         collect(target, out, CollectConfig(chat_prompts=args.chat_prompts, text_windows=args.text_windows,
-                                           seed=args.seed), quiet=args.quiet)
+                                           seed=args.seed), quiet=args.quiet, ray_args=train_ray_args(args))
     return target, out, data
 
 
@@ -867,6 +870,7 @@ def cmd_train(args) -> int:
 
     import torch
 
+    from .distributed.ray_collect import train_ray_args
     from .models.loader import load_model
     from .train.distill import CollectConfig, StudentConfig, TrainConfig, collect, read_init, train
 
@@ -894,7 +898,7 @@ def cmd_train(args) -> int:
                            generic_prompts=args.generic_prompts, code_prompts=args.code_prompts,
                            code_body_lines=args.code_body_lines,
                            self_prompts=args.self_prompts)
-        collect(target, out, cc, quiet=args.quiet)
+        collect(target, out, cc, quiet=args.quiet, ray_args=train_ray_args(args))
     if args.stage in ("all", "train"):
         sc = init_shape or StudentConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
                                          num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,
