@@ -13,6 +13,13 @@ Setups are interleaved within each of --rounds rounds; the table gives medians o
 
     python benchmarks/ray_serve.py --clients 1,2,4,8 --rounds 2
 
+--hops N instead times where Ray's overhead sits, N times each, interleaved: the same 1-token
+request to the plain one-thread server over HTTP; to a one-thread Ray Serve replica through a
+deployment handle (a Ray actor call into the replica's in-process app: no HTTP, no router); and
+to the same replica through Ray Serve's HTTP proxy and the router (what a client gets).
+
+    python benchmarks/ray_serve.py --hops 30
+
 Prints a table, then one JSON document as the last line.
 """
 
@@ -97,14 +104,8 @@ def measure(url: str, levels: list[int], requests: int, max_tokens: int) -> dict
 
 
 def run_plain(threads: int, levels, requests, max_tokens) -> dict:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")}
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--port", str(port), "--threads",
-                             str(threads), "--max-context", "512", "--log-level", "warning"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, url = start_plain(threads)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url)
         return measure(url, levels, requests, max_tokens)
     finally:
         proc.terminate()
@@ -133,6 +134,61 @@ def run_ray(replicas: int, threads: int, levels, requests, max_tokens) -> dict:
         ray.shutdown()
 
 
+def start_plain(threads: int):
+    """(process, url) of a plain `specdec serve` that answers."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")}
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--port", str(port), "--threads",
+                             str(threads), "--max-context", "512", "--log-level", "warning"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url)
+    return proc, url
+
+
+def hops(reps: int) -> dict:
+    """Median seconds of one 1-token request by each path (see the module docstring)."""
+    import ray
+    from ray import serve
+
+    from specdec.cli import build_parser
+    from specdec.distributed import start_ray
+    from specdec.distributed.ray_serve import run_app
+
+    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    raw = json.dumps(body).encode()
+    asgi_request = {"method": "POST", "path": "/v1/completions", "query_string": b"",
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+    proc, plain_url = start_plain(1)
+    start_ray(None, quiet=True)
+    try:
+        args = build_parser().parse_args(["serve", "--ray", "--replicas", "1", "--threads", "1",
+                                          "--port", str(free_port()), "--max-context", "512"])
+        ray_url = run_app(args, name="bench")
+        wait_ready(ray_url)
+        handle = serve.get_deployment_handle("SpecdecEngine", app_name="bench").options(stream=True)
+
+        def direct():
+            messages = list(handle.http.remote(asgi_request, raw))
+            assert messages[0]["status"] == 200, messages
+
+        paths = {"plain server, HTTP": lambda: post(plain_url, body),
+                 "Ray replica, handle (no HTTP)": direct,
+                 "Ray Serve, HTTP proxy + router": lambda: post(ray_url, body)}
+        times = {name: [] for name in paths}
+        for _ in range(reps):
+            for name, fn in paths.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        serve.shutdown()
+        return {name: statistics.median(t) for name, t in times.items()}
+    finally:
+        ray.shutdown()
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", default="1,2,4,8", help="client counts. Default: 1,2,4,8")
@@ -140,7 +196,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per request. Default: 32")
     ap.add_argument("--rounds", type=int, default=2, help="rounds over the setups (medians reported). Default: 2")
     ap.add_argument("--cores", type=int, default=os.cpu_count(), help="T and R. Default: the machine's cores")
+    ap.add_argument("--hops", type=int, default=0, metavar="N",
+                    help="instead: time one 1-token request by each path N times (see above)")
     a = ap.parse_args()
+    os.environ.setdefault("SPECDEC_LEARNED", "0")
+    if a.hops:
+        result = hops(a.hops)
+        for name, sec in result.items():
+            print(f"{name:<34}{sec * 1e3:>8.1f} ms")
+        print(json.dumps({"hops_median_s": result, "reps": a.hops}))
+        return
     levels = [int(x) for x in a.clients.split(",")]
     os.environ.setdefault("SPECDEC_LEARNED", "0")
     n = a.cores

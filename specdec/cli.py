@@ -15,7 +15,7 @@ import sys
 import time
 
 from . import learned, threads
-from .distributed import add_generate_ray_args, add_serve_ray_args, wants_ray
+from .distributed import add_generate_ray_args, add_serve_ray_args, add_train_ray_args, wants_ray
 from .text import check_text
 from .types import MAX_GUESSES, SpecdecError
 
@@ -709,6 +709,7 @@ def add_train_parser(sub) -> None:
                         "dtype). Default: float32")
     d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_train_ray_args(d)
 
     from .train.eagle import EagleTrainConfig
 
@@ -758,6 +759,7 @@ def add_train_parser(sub) -> None:
     e.add_argument("--seed", type=int, default=0, help="seed for collection and shuffling. Default: 0")
     e.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_train_ray_args(e)
     add_train_medusa_parser(tsub, c)
 
 
@@ -806,6 +808,7 @@ def _train_target_and_data(args):
     import torch
 
     from .models.loader import load_model
+    from .distributed.ray_collect import train_ray_args
     from .train.distill import CollectConfig, collect
 
     if getattr(args, "features", None) and args.data is None:
@@ -825,7 +828,7 @@ def _train_target_and_data(args):
         if target.tokenizer is None:
             raise SpecdecError("the target has no tokenizer; collecting training text needs one")
         collect(target, out, CollectConfig(chat_prompts=args.chat_prompts, text_windows=args.text_windows,
-                                           seed=args.seed), quiet=args.quiet)
+                                           seed=args.seed), quiet=args.quiet, ray_args=train_ray_args(args))
     return target, out, data
 
 
@@ -867,6 +870,7 @@ def cmd_train(args) -> int:
 
     import torch
 
+    from .distributed.ray_collect import train_ray_args
     from .models.loader import load_model
     from .train.distill import CollectConfig, StudentConfig, TrainConfig, collect, read_init, train
 
@@ -894,7 +898,7 @@ def cmd_train(args) -> int:
                            generic_prompts=args.generic_prompts, code_prompts=args.code_prompts,
                            code_body_lines=args.code_body_lines,
                            self_prompts=args.self_prompts)
-        collect(target, out, cc, quiet=args.quiet)
+        collect(target, out, cc, quiet=args.quiet, ray_args=train_ray_args(args))
     if args.stage in ("all", "train"):
         sc = init_shape or StudentConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
                                          num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,
@@ -1128,11 +1132,36 @@ def prompt_where(args, i: int, n: int) -> str:
     return f"prompt {i + 1}" if n > 1 else "the prompt"
 
 
+def encode_prompts(args, tok, rows_in: list[tuple], max_context: int, drafter, greedy: bool):
+    """(every prompt's ids, notes to print) as `generate` reads them: a --prompts-file row's own
+    "chat" (true / false) wins over --chat / --raw; an empty raw prompt or one longer than the
+    context is a SpecdecError; the notes name ignored flags and prompts that leave less room than
+    --max-new-tokens. Shared with the Ray actors of `generate --ray`."""
+    from .text import encode_prompt, has_chat_template
+
+    chats = [args.chat if chat is None else chat for _, chat in rows_in]
+    encoded = [encode_prompt(tok, p, chat, args.system) for (p, _), chat in zip(rows_in, chats)]
+    any_chat = any(isinstance(p, list) or c is True or (c is None and has_chat_template(tok))
+                   for (p, _), c in zip(rows_in, chats))
+    notes = ignored_flag_notes(args, greedy, drafter, any_chat)
+    for i, ids in enumerate(encoded):
+        where = prompt_where(args, i, len(encoded))
+        if not ids:
+            raise SpecdecError(f"{where} is empty and goes in raw (--raw, a row's \"chat\": false, or a tokenizer "
+                               "without a chat template): there is nothing to continue from")
+        if len(ids) + 1 > max_context:
+            raise SpecdecError(f"{where} has {len(ids)} tokens but the model's context is {max_context}")
+        if len(ids) + args.max_new_tokens > max_context:
+            notes.append(f"{where} has {len(ids)} tokens, so at most {max_context - len(ids)} of --max-new-tokens "
+                         f"{args.max_new_tokens} fit in the model's context ({max_context})")
+    return encoded, notes
+
+
 def cmd_generate(args) -> int:
     import torch
 
     from .models.loader import load_model
-    from .text import StreamPrinter, encode_prompt, find_stop, has_chat_template
+    from .text import StreamPrinter, find_stop
 
     if wants_ray(args):
         from .distributed.ray_batch import generate_on_ray
@@ -1159,25 +1188,10 @@ def cmd_generate(args) -> int:
     memory = None if args.fresh else learned_key(args, target)
     restored = memory is not None and learned.restore(engine, memory)
     tok = target.tokenizer
-    # a --prompts-file row's own "chat" (true / false) wins over --chat / --raw
-    chats = [args.chat if chat is None else chat for _, chat in rows_in]
-    encoded = [encode_prompt(tok, p, chat, args.system) for (p, _), chat in zip(rows_in, chats)]
+    encoded, notes = encode_prompts(args, tok, rows_in, target.model.max_context, engine.drafter, params.greedy)
     if not quiet:
-        any_chat = any(isinstance(p, list) or c is True or (c is None and has_chat_template(tok))
-                       for (p, _), c in zip(rows_in, chats))
-        for note in ignored_flag_notes(args, params.greedy, engine.drafter, any_chat):
+        for note in notes:
             print(f"[specdec] note: {note}", file=sys.stderr)
-    for i, ids in enumerate(encoded):
-        where = prompt_where(args, i, len(encoded))
-        if not ids:
-            raise SpecdecError(f"{where} is empty and goes in raw (--raw, a row's \"chat\": false, or a tokenizer "
-                               "without a chat template): there is nothing to continue from")
-        if len(ids) + 1 > target.model.max_context:
-            raise SpecdecError(f"{where} has {len(ids)} tokens but the model's context is {target.model.max_context}")
-        if len(ids) + args.max_new_tokens > target.model.max_context and not quiet:
-            print(f"[specdec] note: {where} has {len(ids)} tokens, so at most {target.model.max_context - len(ids)} of "
-                  f"--max-new-tokens {args.max_new_tokens} fit in the model's context "
-                  f"({target.model.max_context})", file=sys.stderr)
     if args.n > 1 and params.greedy and not quiet:
         print(f"[specdec] note: --n {args.n} with greedy decoding gives {args.n} identical completions; "
               "pass --temperature > 0 to sample", file=sys.stderr)

@@ -74,8 +74,9 @@ def test_ray_flag_without_ray_says_how_to_install(monkeypatch, prompts_file, tmp
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["generate", "x", "--out", "d"], "--out only apply with --ray"),
-    (["serve", "--replicas", "2"], "--replicas only apply with --ray"),
+    (["generate", "x", "--out", "d"], "--out only applies with --ray"),
+    (["serve", "--replicas", "2"], "--replicas only applies with --ray"),
+    (["serve", "--max-replicas", "2", "--address", "auto"], "--address, --max-replicas only apply with --ray"),
 ])
 def test_ray_only_flags_need_ray(argv, needle, capsys):
     assert main(argv) == 2
@@ -89,6 +90,67 @@ def test_an_unreachable_cluster_address_is_one_clear_error():
     with pytest.raises(SpecdecError, match=r"could not reach the Ray cluster at --address 127.0.0.1:\d+ .*ray start --head"):
         check_reachable(f"127.0.0.1:{_free_port()}")  # a port nothing listens on
     check_reachable("auto")  # left to Ray
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--replicas", "2", "--max-replicas", "3"], "a fixed --replicas N or autoscaling with --max-replicas N, not both"),
+    (["--min-replicas", "2"], "give --max-replicas N too"),
+    (["--max-replicas", "2", "--min-replicas", "3"], "--min-replicas 3 is more than --max-replicas 2"),
+])
+def test_autoscaling_flags_that_do_not_fit_are_one_error_before_ray_starts(flags, needle, monkeypatch, capsys):
+    import specdec.distributed as dist
+
+    monkeypatch.setattr(dist, "start_ray", lambda *a, **k: pytest.fail("Ray was started"))
+    monkeypatch.setitem(sys.modules, "ray", None)  # also without Ray installed: the flags are checked first
+    from specdec.distributed import autoscaling
+    from specdec.types import SpecdecError
+
+    with pytest.raises(SpecdecError, match=needle):
+        autoscaling(build_parser().parse_args(["serve", "--ray", *flags]))
+
+
+@needs_ray
+def test_app_builder_maps_flags_to_the_deployments_and_refuses_bad_ones():
+    """The application a cluster's Serve config deploys (import_path ...:app_builder, args: {flags})."""
+    from specdec.distributed.ray_serve import app_builder
+
+    def engine_config(app):
+        [engine] = app._bound_deployment.init_args  # the router is bound to the engine deployment
+        return engine._bound_deployment._deployment_config, engine._bound_deployment.ray_actor_options
+
+    config, actor = engine_config(app_builder({"flags": "--max-replicas 3 --target-ongoing 4 --drain-timeout 7 "
+                                                        "--threads 2"}))
+    scaling = config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 3, 4)
+    assert config.graceful_shutdown_timeout_s == 7 + 5 and actor["num_cpus"] == 2
+    config, _ = engine_config(app_builder({"flags": "--replicas 2 --max-batch 6"}))
+    assert config.num_replicas == 2 and config.autoscaling_config is None
+    assert config.max_ongoing_requests == 6 + 256  # a full batch plus the batcher's queue reach the replica
+    for bad, needle in (({"flags": "--max-batch zero"}, "--max-batch: expected a whole number, got 'zero'"),
+                        ({"flags": "--replicas 2 --max-replicas 3"}, "not both"),
+                        ({"flag": "--replicas 2"}, "takes one argument, flags")):
+        with pytest.raises(ValueError, match=needle) as e:
+            app_builder(bad)
+        assert "\n" not in str(e.value) and "specdec: error" not in str(e.value)
+
+
+def test_generate_and_its_ray_actors_check_prompts_with_one_function(default_model, tmp_path):
+    """cli.encode_prompts, which `generate` and EngineWorker.encode both call: a row's own "chat"
+    wins over --chat, an empty raw prompt and one past the context are errors naming the file
+    and row, a prompt that leaves less room than --max-new-tokens is a note."""
+    from specdec.cli import encode_prompts
+    from specdec.text import encode_prompt
+    from specdec.types import SpecdecError
+
+    tok = default_model.tokenizer
+    args = build_parser().parse_args(["generate", "--prompts-file", "P.jsonl", "--max-new-tokens", "40"])
+    ids, notes = encode_prompts(args, tok, [("Hi there", False), ("Hi there", None)], 64, None, True)
+    assert ids == [encode_prompt(tok, "Hi there", False), encode_prompt(tok, "Hi there", None)] and ids[0] != ids[1]
+    assert any("P.jsonl: prompt 2 has" in n and "of --max-new-tokens 40 fit" in n for n in notes)
+    with pytest.raises(SpecdecError, match=r"P.jsonl: prompt 2 is empty and goes in raw"):
+        encode_prompts(args, tok, [("Hi", False), ("", False)], 64, None, True)
+    with pytest.raises(SpecdecError, match=r"P.jsonl: prompt 1 has \d+ tokens but the model's context is 4"):
+        encode_prompts(args, tok, [("one two three four five six", False)], 4, None, True)
 
 
 # --- batch generation on actors -----------------------------------------------------------
@@ -139,6 +201,48 @@ def test_batch_resumes_after_an_interruption(local_ray, default_model, prompts_f
     assert "holds the results of another job" in capsys.readouterr().err
 
 
+# --- training data on actors ------------------------------------------------------------
+@needs_ray
+@pytest.mark.real_guard
+def test_training_data_on_actors_equals_the_single_process_greedy_rows_and_resumes(local_ray, default_model, tmp_path):
+    """`train draft --ray`'s collection: each shard alternates a greedy and a sampled batch of one
+    prompt; the greedy rows equal the single-process run's bit for bit, sampled rows answer the
+    same prompts, and a rerun keeps the shards that exist and rebuilds a missing one exactly."""
+    import torch
+
+    from specdec.train.distill import CollectConfig, collect
+
+    cfg = CollectConfig(chat_prompts=4, chat_batch=1, shard_rows=2, max_new_tokens=8, text_windows=0, seed=0)
+    one = collect(default_model, tmp_path / "one", cfg, quiet=True)
+    args = build_parser().parse_args(["train", "draft", "--out", str(tmp_path / "ray"), "--ray", "--replicas", "2"])
+    on_ray = collect(default_model, tmp_path / "ray", cfg, quiet=True, ray_args=args)
+    names = sorted(p.name for p in one.glob("shard_*.pt"))
+    assert names == sorted(p.name for p in on_ray.glob("shard_*.pt")) == ["shard_0000.pt", "shard_0001.pt"]
+    for name in names:
+        a, b = torch.load(one / name), torch.load(on_ray / name)
+        assert len(a) == len(b) == 2
+        (ta, la, ia, va), (tb, lb, ib, vb) = a[0], b[0]  # the greedy batch
+        assert ta == tb and la == lb and torch.equal(ia, ib) and torch.equal(va, vb)
+        assert a[1][0][:a[1][1]] == b[1][0][:b[1][1]] and len(b[1][0]) > b[1][1]  # same prompt, an answer
+    first = torch.load(on_ray / "shard_0001.pt")
+    torch.save(["kept"], on_ray / "shard_0000.pt")
+    (on_ray / "shard_0001.pt").unlink()
+    collect(default_model, tmp_path / "ray", cfg, quiet=True, ray_args=args)
+    assert torch.load(on_ray / "shard_0000.pt") == ["kept"]  # done shards are skipped
+    again = torch.load(on_ray / "shard_0001.pt")  # a missing one is rebuilt, sampled rows included
+    assert all(x[0] == y[0] and torch.equal(x[2], y[2]) for x, y in zip(first, again)) and len(first) == len(again)
+
+
+def test_train_ray_flags_without_ray_are_one_error():
+    from specdec.distributed.ray_collect import train_ray_args
+    from specdec.types import SpecdecError
+
+    parse = build_parser().parse_args
+    assert train_ray_args(parse(["train", "eagle", "--out", "x"])) is None  # --out is train's own flag
+    with pytest.raises(SpecdecError, match="--replicas only applies with --ray"):
+        train_ray_args(parse(["train", "draft", "--out", "x", "--replicas", "2"]))
+
+
 # --- Ray Serve replicas -------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -148,13 +252,17 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_app(local_ray):
+    """Two replicas deployed as a cluster's Serve config deploys them (app_builder), HTTP as
+    `serve --ray` starts it."""
     from ray import serve
 
-    from specdec.distributed.ray_serve import run_app, stop_app, wait_until_ready
+    from specdec.distributed.ray_serve import app_builder, stop_app, wait_until_ready
 
-    args = build_parser().parse_args(["serve", "--ray", "--replicas", "2", "--port", str(_free_port()),
-                                      "--max-batch", "8", "--max-context", "640", "--log-level", "warning"])
-    url = run_app(args, name="specdec-test")
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(app_builder({"flags": "--replicas 2 --max-batch 8 --max-context 640 --log-level warning "
+                                    "--drain-timeout 3"}), name="specdec-test", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
     assert wait_until_ready(url, 120), "the replicas did not come up in 120 s"
     yield url
     stop_app("specdec-test")
@@ -233,6 +341,16 @@ def test_load_spreads_over_both_replicas_and_metrics_add_up(client, ray_app):
     assert after["specdec_requests_total"] - before["specdec_requests_total"] == sum(per_replica.values()) == n
     assert after["specdec_generated_tokens_total"] - before["specdec_generated_tokens_total"] == sum(results)
     assert after['specdec_request_seconds_bucket{le="+Inf"}'] == after["specdec_request_seconds_count"] >= n
+    # one unit in counters and histograms, summed over the replicas alike
+    assert after["specdec_request_seconds_count"] == after["specdec_requests_finished_total"]
+
+
+@needs_ray
+def test_replicas_warm_up_before_they_report_ready(ray_app):
+    from ray import serve
+
+    handle = serve.get_deployment_handle("SpecdecEngine", app_name="specdec-test")
+    assert all(handle.warm_up_seconds.remote().result() > 0 for _ in range(6))
 
 
 @needs_ray
@@ -310,3 +428,48 @@ def test_a_replica_killed_under_load_fails_its_requests_cleanly(client, ray_app,
         time.sleep(1)
     else:
         pytest.fail("Ray Serve did not start a replacement replica within 120 s")
+
+
+@needs_ray
+def test_drain_lets_open_requests_finish_and_ends_the_rest(ray_app, client):
+    """What SIGTERM does to `serve --ray` (drain_replicas, last in this module since it stops the
+    replicas admitting): a short request finishes, a long stream ends with an error event and
+    [DONE], a long plain request gets a 503, a new request gets a 503, and the drain returns once
+    nothing is open."""
+    import http.client
+
+    from specdec.distributed.ray_serve import drain_replicas
+
+    host, port = ray_app.removeprefix("http://").split(":")
+    out = {}
+
+    def post(name, body):
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({"model": "SmolLM2-135M-Instruct", **body}),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        out[name] = (r.status, r.read().decode())
+
+    long = {"prompt": "Once upon a time", "max_tokens": 600, "temperature": 1.5, "seed": 1}
+    jobs = {"short": {"prompt": "Hi", "max_tokens": 4}, "stream": {**long, "stream": True}, "plain": long}
+    threads = [threading.Thread(target=post, args=item) for item in jobs.items()]
+    for t in threads:
+        t.start()
+    for _ in range(100):  # every request admitted
+        if sum(v for k, v in metrics(ray_app).items() if k.startswith("specdec_batch_size{")) >= 2:
+            break
+        time.sleep(0.1)
+    t0 = time.time()
+    drain = threading.Thread(target=drain_replicas, args=(3.0,))
+    drain.start()
+    time.sleep(1.5)  # the replicas see the drain within a second
+    post("late", {"prompt": "Hi", "max_tokens": 4})
+    drain.join(timeout=60)
+    for t in threads:
+        t.join(timeout=60)
+    assert not drain.is_alive() and time.time() - t0 < 30
+    assert out["short"][0] == 200 and json.loads(out["short"][1])["choices"][0]["finish_reason"] == "length"
+    assert out["late"][0] == 503 and "shutting down" in out["late"][1]
+    assert out["plain"][0] == 503 and "shutting down" in out["plain"][1]
+    events = [e for e in out["stream"][1].split("\n\n") if e]
+    assert out["stream"][0] == 200 and '"error"' in events[-2] and events[-1] == "data: [DONE]", events[-3:]

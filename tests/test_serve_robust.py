@@ -319,6 +319,41 @@ def test_health_metrics_and_counters(server):
         "specdec_batch_size", "specdec_queue_size"))
 
 
+def _scrape(url: str) -> dict[str, float]:
+    text = http(url + "/metrics")[1]
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_counters_and_latency_histograms_count_the_same_unit(default_model):
+    """One unit, the choice (a prompt x one of n), in the counters and the histograms: after n > 1,
+    batched prompts, a stream, a scoring-only request and a client that left, the end-to-end
+    histogram counts exactly the finished choices, the first-token and per-token histograms the
+    finished choices that generated a token."""
+    from specdec.server.app import create_app
+    from specdec.server.batcher import ContinuousBatcher
+
+    batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, method="none", k_max=0, max_batch=8,
+                                max_queue=16, max_context=MAX_CONTEXT, thread=True)
+    with serving(create_app(default_model, batcher, "smol", request_timeout=60)) as url:
+        bodies = [{"prompt": "One, two,", "max_tokens": 5, "n": 2, "temperature": 0.7, "seed": 1},  # 2 choices
+                  {"prompt": ["Red, green,", "Cats and"], "max_tokens": 4},  # 2 choices
+                  {"prompt": "Hello", "max_tokens": 3, "n": 2, "stream": True, "temperature": 0.5, "seed": 2},  # 2
+                  {"prompt": "Score me", "max_tokens": 0, "echo": True, "logprobs": 0}]  # 1, no token
+        for body in bodies:
+            assert http(url + "/v1/completions", {"model": "smol", **body})[0] == 200
+        _send_and_leave(url, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 300,
+                                                 "temperature": 1.5, "seed": 1}, after=0.3)  # cancelled
+        wait_idle(batcher)
+        m = _scrape(url)
+    batcher.close()
+    assert m["specdec_requests_total"] == 8 and m["specdec_requests_cancelled_total"] == 1
+    assert m["specdec_requests_finished_total"] == 7
+    assert m["specdec_request_seconds_count"] == m["specdec_requests_finished_total"]
+    assert m["specdec_time_to_first_token_seconds_count"] == 6
+    assert m["specdec_time_per_output_token_seconds_count"] == 6
+
+
 def test_openapi_describes_the_request_bodies(server):
     """/openapi.json holds both request models, every $ref resolves, and a 200 may be JSON or a
     stream of events (what schema-driven fuzzers such as schemathesis read)."""
@@ -343,3 +378,24 @@ def test_openapi_describes_the_request_bodies(server):
     assert refs and all(r.split("/")[-1] in schemas for r in refs), [r for r in refs if r.split("/")[-1] not in schemas]
     ok = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
     assert {"application/json", "text/event-stream"} <= set(ok)
+
+
+def test_a_row_that_joined_since_the_last_lookup_can_leave_at_its_prefill():
+    """The server's batcher admits rows between steps, and a row whose first token ends it (end of
+    text at once, max_tokens 1) leaves at its prefill: the lookup drafter then keeps rows that its
+    last proposal never saw (this raised IndexError and failed the request with a 500)."""
+    from specdec.drafters.base import DraftContext
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.types import SamplingParams
+
+    d = NgramDrafter()
+    d.begin([[1, 2, 3, 1, 2]], SamplingParams(), 100)
+    d.propose(DraftContext([[1, 2, 3, 1, 2]], SamplingParams(), None), 4)
+    d.keep_rows([0, 1])  # rows 0 and 1 stay of 0, 1 (joined) and 2 (joined, left at its prefill)
+    rows = [[1, 2, 3, 1, 2], [5, 6, 5]]
+    draft = d.propose(DraftContext(rows, SamplingParams(), None), 4)
+    fresh = NgramDrafter()  # the oracle: a drafter that starts with these two rows
+    fresh.begin(rows, SamplingParams(), 100)
+    want = fresh.propose(DraftContext(rows, SamplingParams(), None), 4)
+    assert draft.counts.tolist() == want.counts.tolist() == [3, 2]  # 3 1 2 after "1 2", 6 5 after "5"
+    assert torch.equal(draft.tokens, want.tokens)

@@ -43,9 +43,11 @@ def check_cluster_flags(args) -> None:
     if args.ray:
         return
     given = [f for f, v in (("--replicas", args.replicas), ("--address", args.address),
-                            ("--out", getattr(args, "out", None))) if v is not None]
+                            ("--out", getattr(args, "out", None) if args.command == "generate" else None), ("--min-replicas", getattr(args, "min_replicas", None)),
+                            ("--max-replicas", getattr(args, "max_replicas", None)),
+                            ("--target-ongoing", getattr(args, "target_ongoing", None))) if v is not None]
     if given:
-        raise SpecdecError(f"{', '.join(given)} only apply with --ray")
+        raise SpecdecError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with --ray")
 
 
 def start_ray(address: str | None, quiet: bool = False) -> bool:
@@ -111,10 +113,43 @@ def add_generate_ray_args(parser) -> None:
                         "them; a part file per finished batch, so a rerun of the same command resumes)")
 
 
+def add_train_ray_args(parser) -> None:
+    """`train draft|eagle`'s Ray options: the target answers the training prompts on actors."""
+    g = parser.add_argument_group("Ray (the target answers the training prompts on engine actors)")
+    add_cluster_args(g)
+
+
 def add_serve_ray_args(parser) -> None:
-    """`serve`'s Ray options (one argument group)."""
+    """`serve`'s Ray options (one argument group): a fixed --replicas N, or autoscaling between
+    --min-replicas and --max-replicas on the requests in flight per replica."""
+    from ..cli import _positive_int
+
     g = parser.add_argument_group("Ray Serve (replicas, each with its own engine and batcher)")
     add_cluster_args(g)
+    g.add_argument("--max-replicas", type=_positive_int, default=None, metavar="N",
+                   help="--ray: autoscale on queue depth, up to N replicas (instead of a fixed --replicas)")
+    g.add_argument("--min-replicas", type=_positive_int, default=None, metavar="N",
+                   help="--ray with --max-replicas: replicas kept however idle. Default: 1")
+    g.add_argument("--target-ongoing", type=_positive_int, default=None, metavar="R",
+                   help="--ray with --max-replicas: requests in flight (running + queued) per replica that "
+                        "autoscaling aims at; more add replicas, fewer remove them. Default: --max-batch")
+
+
+def autoscaling(args) -> dict | None:
+    """Ray Serve's autoscaling_config from --min-replicas/--max-replicas/--target-ongoing, or None
+    for a fixed number of replicas; one error for flags that do not fit together."""
+    lo, hi, target = (getattr(args, k, None) for k in ("min_replicas", "max_replicas", "target_ongoing"))
+    if hi is None:
+        if lo is not None or target is not None:
+            raise SpecdecError("--min-replicas and --target-ongoing tune autoscaling: give --max-replicas N too")
+        return None
+    if args.replicas is not None:
+        raise SpecdecError("give a fixed --replicas N or autoscaling with --max-replicas N, not both")
+    lo = 1 if lo is None else lo
+    if lo > hi:
+        raise SpecdecError(f"--min-replicas {lo} is more than --max-replicas {hi}")
+    return {"min_replicas": lo, "initial_replicas": lo, "max_replicas": hi,
+            "target_ongoing_requests": target or args.max_batch}
 
 
 def wants_ray(args) -> bool:

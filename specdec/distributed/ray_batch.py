@@ -65,32 +65,17 @@ class EngineWorker:
     def ready(self) -> str | None:
         return self.error
 
-    def encode(self, rows_in: list[tuple], where: str) -> dict:
-        """Every prompt's ids, checked as single-process `generate` checks them, plus the notes
-        it prints: {"ids", "notes", "error"}."""
-        from ..cli import ignored_flag_notes, sampling_params
-        from ..text import encode_prompt, has_chat_template
+    def encode(self, rows_in: list[tuple]) -> dict:
+        """Every prompt's ids, checked as single-process `generate` checks them (cli.encode_prompts),
+        plus the notes it prints: {"ids", "notes", "error"}."""
+        from ..cli import encode_prompts, sampling_params
 
-        args, tok, ctx = self.args, self.target.tokenizer, self.target.model.max_context
-        chats = [args.chat if chat is None else chat for _, chat in rows_in]
         try:
-            encoded = [encode_prompt(tok, p, chat, args.system) for (p, _), chat in zip(rows_in, chats)]
+            ids, notes = encode_prompts(self.args, self.target.tokenizer, rows_in, self.target.model.max_context,
+                                        self.engine.drafter, sampling_params(self.args).greedy)
         except SpecdecError as e:
             return {"ids": None, "notes": [], "error": str(e)}
-        any_chat = any(isinstance(p, list) or c is True or (c is None and has_chat_template(tok))
-                       for (p, _), c in zip(rows_in, chats))
-        notes = ignored_flag_notes(args, sampling_params(args).greedy, self.engine.drafter, any_chat)
-        for i, ids in enumerate(encoded):
-            at = f"{where}: prompt {i + 1}"
-            if not ids:
-                return {"ids": None, "notes": notes, "error": f"{at} is empty and goes in raw (--raw, a row's "
-                        "\"chat\": false, or a tokenizer without a chat template): there is nothing to continue from"}
-            if len(ids) + 1 > ctx:
-                return {"ids": None, "notes": notes, "error": f"{at} has {len(ids)} tokens but the model's context is {ctx}"}
-            if len(ids) + args.max_new_tokens > ctx:
-                notes.append(f"{at} has {len(ids)} tokens, so at most {ctx - len(ids)} of --max-new-tokens "
-                             f"{args.max_new_tokens} fit in the model's context ({ctx})")
-        return {"ids": encoded, "notes": notes, "error": None}
+        return {"ids": ids, "notes": notes, "error": None}
 
     def generate(self, start: int, rows: list[tuple[int, int]], ids: list[list[int]]) -> list[dict]:
         """Decode one chunk (rows[start:start + batch] of the single-process run) with the
@@ -195,7 +180,7 @@ def run_chunks(ray, args, d: Path, rows_in: list[tuple], pending: list[tuple[int
         for err in ray.get([w.ready.remote() for w in workers]):
             if err:
                 raise SpecdecError(err)
-        checked = ray.get(workers[0].encode.remote(rows_in, args.prompts_file))
+        checked = ray.get(workers[0].encode.remote(rows_in))
         if not args.quiet:
             for note in checked["notes"]:
                 print(f"[specdec] note: {note}", file=sys.stderr)
@@ -204,32 +189,45 @@ def run_chunks(ray, args, d: Path, rows_in: list[tuple], pending: list[tuple[int
         ids, prompts = checked["ids"], [p for p, _ in rows_in]
         bar = tqdm(total=sum(len(rows) for _, rows in pending), unit="row", desc="[specdec] generate",
                    disable=args.quiet, file=sys.stderr)
-        todo, inflight = list(pending), {}
 
-        def submit(w):
-            if todo:
-                start, rows = todo.pop(0)
-                inflight[w.generate.remote(start, rows, [ids[i] for i, _ in rows])] = (w, start, rows)
-
-        for w in workers * 2:
-            submit(w)
-        while inflight:
-            [ref], _ = ray.wait(list(inflight), num_returns=1)
-            w, start, rows = inflight.pop(ref)
-            try:
-                objs = ray.get(ref)
-            except ray.exceptions.RayActorError as e:
-                raise SpecdecError(f"an engine actor died decoding rows {start}-{start + len(rows) - 1} after "
-                                   f"Ray's retries ({type(e).__name__}); finished chunks are kept under {d}: "
-                                   "rerun the same command to resume") from None
+        def done(job, objs):
+            start, rows = job
             write_part(d, start, objs, prompts)
             bar.update(len(rows))
-            submit(w)
+
+        spread(ray, workers, pending, lambda w, job: w.generate.remote(job[0], job[1], [ids[i] for i, _ in job[1]]),
+               done, lambda job: f"rows {job[0]}-{job[0] + len(job[1]) - 1}", d)
         bar.close()
     finally:
         for w in workers:
             ray.kill(w)
     return len(workers)
+
+
+def spread(ray, workers: list, jobs: list, call, done, describe, where) -> None:
+    """Run every job on the actors, two in flight per actor so none waits between jobs; `done(job,
+    result)` as each finishes (in the driver, so results are written one at a time). call(actor,
+    job) starts a job (an ObjectRef); describe(job) names it in the error of an actor that died
+    after Ray's retries, which says the finished jobs are kept under `where`."""
+    todo, inflight = list(jobs), {}
+
+    def submit(w):
+        if todo:
+            job = todo.pop(0)
+            inflight[call(w, job)] = (w, job)
+
+    for w in workers * 2:
+        submit(w)
+    while inflight:
+        [ref], _ = ray.wait(list(inflight), num_returns=1)
+        w, job = inflight.pop(ref)
+        try:
+            result = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            raise SpecdecError(f"an engine actor died on {describe(job)} after Ray's retries ({type(e).__name__}); "
+                               f"finished work is kept under {where}: rerun the same command to resume") from None
+        done(job, result)
+        submit(w)
 
 
 def generate_on_ray(args) -> int:

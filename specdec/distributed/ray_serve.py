@@ -17,6 +17,18 @@ counters, histograms and load gauges over the replicas heard from in the last `S
 seconds, recomputes the acceptance rate from the summed counts, and repeats every replica's
 own series with a `replica` label.
 
+Start and stop as `specdec serve` does: a replica warms up (the batcher's `warm_up`, the text
+side) before its constructor returns, so Ray Serve routes nothing to it until it is warm. On
+SIGTERM or Ctrl-C, `serve --ray` posts a drain to the board; each replica sees it within
+`PUSH_EVERY_S`, stops admitting (503, /health "draining") and lets its open requests run for up
+to --drain-timeout seconds (then ends them: a stream with an error event and `data: [DONE]`);
+once every replica reports none open, the application is deleted. A replica that Ray Serve
+itself stops (autoscaling down, a redeploy) gets the same grace: Serve routes nothing new to it
+and waits up to --drain-timeout for its requests (`graceful_shutdown_timeout_s`).
+
+--replicas N is fixed; --max-replicas N autoscales on queue depth (Ray Serve's autoscaling on
+the requests in flight per replica, running and queued, aiming at --target-ongoing).
+
 Also a Ray Serve application that a cluster's own config deploys:
 `import_path: specdec.distributed.ray_serve:app_builder` with `args: {flags: "--method ngram"}`
 (the `specdec serve` flags, as one string).
@@ -25,6 +37,8 @@ Also a Ray Serve application that a cluster's own config deploys:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import re
 import shlex
@@ -34,7 +48,7 @@ import threading
 import time
 
 from ..types import SpecdecError
-from . import engine_threads, replica_count, require_ray, start_ray
+from . import autoscaling, engine_threads, replica_count, require_ray, start_ray
 
 ray = require_ray()
 from ray import serve  # noqa: E402  (after the check that says how to install Ray)
@@ -50,31 +64,48 @@ MEAN_GAUGES = {"specdec_mean_accepted_length", "specdec_draft_length"}
 
 def build_batcher(args):
     """(model, batcher, method) as `specdec serve` builds them from its flags
-    (cli.serve_model_and_drafter); the batcher decodes in its own thread, since a replica's main
-    thread is Ray's."""
+    (cli.serve_model_and_drafter); the caller warms the batcher and runs it in a thread of its
+    own, since a replica's main thread is Ray's."""
     from ..cli import serve_model_and_drafter
     from ..server.batcher import ContinuousBatcher
 
     lm, method, drafter = serve_model_and_drafter(args, quiet=True)
     batcher = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=args.k, max_batch=args.max_batch,
                                 max_queue=args.max_queue, max_context=args.max_context, adaptive=not args.fixed_k,
-                                drafter=drafter, thread=True)
+                                drafter=drafter, thread=False)
     return lm, batcher, method
 
 
 class MetricsBoard:
-    """The latest /metrics text of each replica, with when it came."""
+    """The latest /metrics text of each replica, with when it came and how many requests it had
+    open; and the drain `serve --ray` asks for at shutdown, which every post answers with."""
 
     def __init__(self) -> None:
         self.texts: dict[str, tuple[float, str]] = {}
+        self.open: dict[str, tuple[float, int]] = {}
+        self.drain_until: float | None = None
+        self.drain_since: float | None = None
 
-    def post(self, replica: str, text: str) -> None:
-        self.texts[replica] = (time.time(), text)
+    def post(self, replica: str, text: str, open_requests: int = 0) -> float | None:
+        """Record a replica's metrics; returns the seconds left of an asked-for drain, else None."""
+        now = time.time()
+        self.texts[replica] = (now, text)
+        self.open[replica] = (now, open_requests)
+        return None if self.drain_until is None else max(0.0, self.drain_until - now)
 
     def recent(self, max_age_s: float) -> dict[str, str]:
         now = time.time()
         self.texts = {r: (t, x) for r, (t, x) in self.texts.items() if now - t <= max_age_s}
         return {r: x for r, (t, x) in self.texts.items()}
+
+    def drain(self, seconds: float) -> None:
+        self.drain_since, self.drain_until = time.time(), time.time() + seconds
+
+    def drained(self) -> bool:
+        """Every replica heard from lately has posted since the drain began with nothing open."""
+        now = time.time()
+        live = {r: v for r, v in self.open.items() if now - v[0] <= STALE_S}
+        return self.drain_since is not None and all(t > self.drain_since and n == 0 for t, n in live.values())
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
@@ -138,13 +169,17 @@ def aggregate_metrics(texts: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@serve.deployment(name="SpecdecEngine", health_check_period_s=5, health_check_timeout_s=30)
+@serve.deployment(name="SpecdecEngine", health_check_period_s=5, health_check_timeout_s=30,
+                  graceful_shutdown_wait_loop_s=1)
 class SpecdecEngine:
     """One replica: its own model, engine and continuous batcher, and `create_app`'s HTTP app
-    over them, which `http` runs in process for each request the router forwards."""
+    over them, which `http` runs in process for each request the router forwards. Warm before
+    the constructor returns (Ray Serve routes nothing to it until then)."""
 
     def __init__(self, args) -> None:
         import torch
+
+        from ..server.runner import warm_text
 
         torch.set_num_threads(engine_threads(args))
         self.args = args
@@ -154,6 +189,11 @@ class SpecdecEngine:
         self.board = ray.remote(num_cpus=0)(MetricsBoard).options(
             name=BOARD_NAME, namespace=BOARD_NAMESPACE, get_if_exists=True, lifetime="detached").remote()
         self.app, self.own_metrics = self._build_app()
+        warm_text(self.app.state.specdec)
+        self.warm_up_s = self.batcher.warm_up()
+        self.decoder = threading.Thread(target=self.batcher.run, name="specdec-batcher", daemon=True)
+        self.decoder.start()
+        self.batcher.ready.wait(30)
         self._stop = threading.Event()
         threading.Thread(target=self._post_metrics_loop, name="specdec-metrics-post", daemon=True).start()
 
@@ -185,11 +225,17 @@ class SpecdecEngine:
         return app, own_text
 
     def _post_metrics_loop(self) -> None:
+        """Post this replica's /metrics and open requests each tick; start draining when the board
+        says a drain was asked for."""
         while not self._stop.wait(PUSH_EVERY_S):
             try:
-                self.board.post.remote(self.replica, self.own_metrics())
+                s = self.batcher.stats()
+                left = ray.get(self.board.post.remote(self.replica, self.own_metrics(), s["batch"] + s["queued"]),
+                               timeout=10)
             except Exception:  # the board is being replaced, or Ray is shutting down: try again next tick
-                pass
+                continue
+            if left is not None and not self.batcher.draining:
+                self.batcher.drain(left)
 
     async def http(self, request: dict, body: bytes):
         """Run one HTTP request through the app in process, yielding its ASGI messages as the
@@ -222,15 +268,20 @@ class SpecdecEngine:
             if not task.done():
                 await asyncio.wait([task], timeout=5)
 
+    def warm_up_seconds(self) -> float:
+        """How long this replica's warm-up took (before it reported ready)."""
+        return self.warm_up_s
+
     def check_health(self) -> None:
-        """Ray Serve's periodic check: a replica whose decode thread died is replaced."""
-        thread = self.batcher.thread
-        if thread is None or not thread.is_alive():
+        """Ray Serve's periodic check: a replica whose decode thread died is replaced (one that
+        ended a drain is being stopped, not replaced)."""
+        if not self.decoder.is_alive() and not self.batcher.draining:
             raise RuntimeError("the batcher's decode thread is not running")
 
     def __del__(self) -> None:
         self._stop.set()
         self.batcher.close()
+        self.decoder.join(timeout=10)
 
 
 REPLICA_LOST = ("the replica serving this request stopped before it finished (Ray Serve starts a replacement); "
@@ -310,25 +361,43 @@ class SpecdecRouter:
 
 
 def deployment(args):
-    """The bound application for `serve.run`: the router in front of --replicas engine
-    replicas of --threads CPUs each."""
+    """The bound application for `serve.run`: the router in front of the engine replicas
+    (--replicas of them, or autoscaled between --min-replicas and --max-replicas) of --threads
+    CPUs each. Ray Serve gives a replica it stops --drain-timeout seconds for its open requests
+    (the router a few more, to pass their answers on)."""
+    scaling = autoscaling(args)
+    size = {"autoscaling_config": scaling} if scaling else {"num_replicas": replica_count(args, ray)}
     engine = SpecdecEngine.options(
-        num_replicas=replica_count(args, ray),
+        **size,
         ray_actor_options={"num_cpus": engine_threads(args)},
         # the batcher queues and refuses (429) as the single server does, so let requests reach it
         max_ongoing_requests=args.max_batch + args.max_queue,
+        graceful_shutdown_timeout_s=args.drain_timeout + 5,
     ).bind(args)
-    return SpecdecRouter.bind(engine)
+    return SpecdecRouter.options(graceful_shutdown_timeout_s=args.drain_timeout + 10).bind(engine)
 
 
 def app_builder(config: dict):
     """Ray Serve application builder for a cluster's config: `args: {flags: "..."}` holds
-    `specdec serve` flags (--replicas, --threads, --method ...)."""
+    `specdec serve` flags (--replicas, --threads, --method ...). Bad flags raise one ValueError
+    that says which (argparse would exit the process Ray builds the application in)."""
     from ..cli import build_parser
 
-    flags = config.get("flags", "") if isinstance(config, dict) else ""
-    args = build_parser().parse_args(["serve", *shlex.split(flags), "--ray"])
-    return deployment(args)
+    if not isinstance(config, dict) or not isinstance(config.get("flags", ""), str) or set(config) - {"flags"}:
+        raise ValueError('specdec\'s Ray Serve application takes one argument, flags: the `specdec serve` flags as '
+                         'one string, e.g. args: {flags: "--method ngram --replicas 2"}')
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            args = build_parser().parse_args(["serve", *shlex.split(config.get("flags", "")), "--ray"])
+    except SystemExit:
+        lines = said.getvalue().strip().splitlines() or ["not valid"]
+        raise ValueError(f"specdec serve flags {config.get('flags', '')!r}: "
+                         f"{lines[-1].removeprefix('specdec: error: ')}") from None
+    try:
+        return deployment(args)
+    except SpecdecError as e:
+        raise ValueError(str(e)) from None
 
 
 def wait_until_ready(url: str, timeout_s: float) -> bool:
@@ -363,8 +432,23 @@ def stop_app(name: str = APP_NAME) -> None:
         pass
 
 
+def drain_replicas(seconds: float) -> None:
+    """Ask every replica to drain (see the module docstring) and wait until none has a request
+    open, or the drain time and a tick for the replicas to end what was left have passed."""
+    print(f"[specdec] stopping: finishing open requests (at most {seconds:g} s), admitting none", file=sys.stderr)
+    try:
+        board = ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
+        ray.get(board.drain.remote(seconds), timeout=10)
+        end = time.time() + seconds + 2 * PUSH_EVERY_S + 2
+        while time.time() < end and not ray.get(board.drained.remote(), timeout=10):
+            time.sleep(0.5)
+    except Exception:  # noqa: BLE001 - no board (no replica came up) or Ray already going down: stop anyway
+        pass
+
+
 def serve_on_ray(args) -> int:
     """The `serve --ray` command: start (or join) Ray, deploy, serve until Ctrl-C or SIGTERM."""
+    autoscaling(args)  # flags that do not fit together fail before Ray starts
     started = start_ray(args.address)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT too where a shell started us with it ignored
@@ -374,12 +458,15 @@ def serve_on_ray(args) -> int:
             run_app(args)
         except Exception as e:  # a replica that could not start (bad model path, bad flags) ends up here
             raise SpecdecError(f"the Ray Serve deployment did not start: {str(e).strip().splitlines()[-1]}") from None
-        print(f"[specdec] serving on http://{args.host}:{args.port}/v1 with {replica_count(args, ray)} Ray Serve "
+        scaling = autoscaling(args)
+        size = (f"{scaling['min_replicas']}-{scaling['max_replicas']} (autoscaled)" if scaling
+                else str(replica_count(args, ray)))
+        print(f"[specdec] serving on http://{args.host}:{args.port}/v1 with {size} Ray Serve "
               f"replicas of {engine_threads(args)} threads (method {args.method}, max batch {args.max_batch} each)",
               file=sys.stderr)
         while not stop.wait(1.0):
             pass
-        print("[specdec] stopping", file=sys.stderr)
+        drain_replicas(args.drain_timeout)
     finally:
         if started:  # a local instance of our own: stopping Ray stops everything on it, even if a
             ray.shutdown()  # signal to the whole process group already took Ray's own daemons down

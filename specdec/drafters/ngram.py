@@ -293,9 +293,9 @@ class NgramDrafter:
                 pol.observe(n, p, int(a))
 
     def keep_rows(self, rows) -> None:
-        if self._last is not None:
-            self._last = [self._last[r] for r in rows]
         rows = list(rows)
+        if self._last is not None:  # a row that joined since the last proposal has none: that step is over
+            self._last = [self._last[r] for r in rows] if all(r < len(self._last) for r in rows) else None
         self._index = [self._index[r] for r in rows] if all(r < len(self._index) for r in rows) else []
 
     def learned(self) -> dict | None:

@@ -105,16 +105,6 @@ class Shaper:
         return "data: " + json.dumps(self.envelope([c], "chat.completion.chunk")) + "\n\n"
 
 
-def _observe(state, job: generation.Job, tokens: int) -> None:
-    dt = time.perf_counter() - job.t0
-    state.metrics.e2e.observe(dt)
-    for c in job.choices:
-        if c.stats.get("first_token_s") is not None:
-            state.metrics.ttft.observe(c.stats["first_token_s"])
-    if tokens:
-        state.metrics.per_token.observe(dt / max(1, tokens // len(job.choices)))
-
-
 async def _answer(state, req: HTTPRequest, job: generation.Job, shaper: Shaper, stream: bool, usage: bool):
     if stream:
         return StreamingResponse(_stream(state, job, shaper, usage), media_type="text/event-stream")
@@ -124,7 +114,6 @@ async def _answer(state, req: HTTPRequest, job: generation.Job, shaper: Shaper, 
         return Response(status_code=499)  # the client left; nobody reads this
     choices = [shaper.choice(i) for i in range(len(job.choices))]
     body = shaper.envelope(choices, usage=shaper.usage([c["finish_reason"] for c in choices]))
-    _observe(state, job, body["usage"]["completion_tokens"])
     return body
 
 
@@ -171,7 +160,6 @@ class _StreamText:
     def __init__(self) -> None:
         self.sent = 0  # characters of text sent
         self.lp_sent = 0  # tokens whose logprobs were sent
-        self.tokens = 0  # tokens received
         self.started = False
 
 
@@ -216,7 +204,6 @@ def _opening(shaper: Shaper, i: int) -> str | None:
 
 async def _stream(state, job: generation.Job, shaper: Shaper, usage: bool):
     texts = [_StreamText() for _ in job.choices]
-    last = None
     try:
         async for i, kind in generation.events(job):
             st = texts[i]
@@ -226,10 +213,6 @@ async def _stream(state, job: generation.Job, shaper: Shaper, usage: bool):
                 if opening:
                     yield opening
             if kind == "tokens":
-                now, count = time.perf_counter(), len(job.choices[i].tokens)
-                if last is not None:  # seconds per token since the last event, over the tokens it brought
-                    state.metrics.per_token.observe((now - last) / max(1, count - st.tokens))
-                last, st.tokens = now, count
                 piece = _delta(shaper, st, i, final=False)
             else:
                 piece = _delta(shaper, st, i, final=True)
@@ -240,7 +223,6 @@ async def _stream(state, job: generation.Job, shaper: Shaper, usage: bool):
                 yield shaper.chunk(i, "", reason)
         reasons = [shaper.text.finish_text(c.tokens, job.stops, c.reason)[1] for c in job.choices]
         final = shaper.usage(reasons)
-        _observe(state, job, final["completion_tokens"])
         if usage:  # OpenAI's shape: empty choices, the request's usage
             yield "data: " + json.dumps(shaper.envelope([], shaper.obj + ".chunk" if shaper.chat else shaper.obj,
                                                         usage=final)) + "\n\n"

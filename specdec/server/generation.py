@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..text import find_stop
 from ..types import SamplingParams, SpecdecError
-from .batcher import Request
+from .batcher import FAILED, Request
 from .errors import APIError, internal_error
 
 
@@ -77,6 +77,8 @@ def submit(state, prompts: list[tuple[list[int], str | None]], params: SamplingP
                 loop.call_soon_threadsafe(job.out.put_nowait, (i, "tokens", (list(new), lps)))
 
             def on_done(reason, stats, i=i):
+                if reason != "cancelled" and reason not in FAILED:  # the batcher counted it finished
+                    state.metrics.observe_finished(time.perf_counter() - job.t0, stats)
                 loop.call_soon_threadsafe(job.out.put_nowait, (i, "done", (reason, stats)))
 
             r = Request(list(ids), p, on_tokens, on_done, stop_fn=stop_fn if stops else None, spec_k=spec_k,

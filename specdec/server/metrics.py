@@ -1,10 +1,15 @@
 """/metrics in Prometheus' text format, through `prometheus_client`.
 
 Each app has its own registry (several apps may live in one process: tests, Ray replicas).
-Latency histograms are observed by the request handlers; the batcher's counters and gauges
-are read from `ContinuousBatcher.stats()` at scrape time by a collector, so they are always
-the batcher's own figures. Requests balance: requests_total = finished + cancelled + failed
-+ running (batch_size) + queued (queue_size).
+The unit is the batcher's request: one choice of an HTTP request (one prompt and one sample of
+`n`), so a request with n = 2 or with three batched prompts counts 2 or 3 times, in the
+counters and in the histograms alike. The batcher's counters and gauges are read from
+`ContinuousBatcher.stats()` at scrape time by a collector, so they are always the batcher's
+own figures. Requests balance: requests_total = finished + cancelled + failed + running
+(batch_size) + queued (queue_size). The latency histograms observe each finished choice once,
+as it ends (`observe_finished`), so specdec_request_seconds_count equals
+specdec_requests_finished_total, and the time-to-first-token and per-token histograms count
+the finished choices that generated a token (all but scoring-only ones).
 """
 
 from __future__ import annotations
@@ -58,12 +63,24 @@ class ServerMetrics:
     def __init__(self, batcher) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_BatcherCollector(batcher))
-        self.ttft = Histogram("specdec_time_to_first_token_seconds", "seconds from arrival to the first token",
+        self.ttft = Histogram("specdec_time_to_first_token_seconds",
+                              "per finished choice with a token: seconds from its submission to its first token",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.per_token = Histogram("specdec_time_per_output_token_seconds", "seconds per generated token",
+        self.per_token = Histogram("specdec_time_per_output_token_seconds",
+                                   "per finished choice with a token: its seconds over its generated tokens",
                                    buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("specdec_request_seconds", "seconds from arrival to the last token",
+        self.e2e = Histogram("specdec_request_seconds",
+                             "per finished choice: seconds from the HTTP request's arrival to its last token",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def observe_finished(self, seconds: float, stats: dict) -> None:
+        """One choice that ended normally, `seconds` after its HTTP request arrived; stats: the
+        batcher's (completion_tokens, first_token_s). Called from the batcher's thread
+        (prometheus_client's histograms are thread-safe)."""
+        self.e2e.observe(seconds)
+        if stats["completion_tokens"] and stats.get("first_token_s") is not None:
+            self.ttft.observe(stats["first_token_s"])
+            self.per_token.observe(seconds / stats["completion_tokens"])
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) for a scrape."""

@@ -20,7 +20,7 @@ import time
 from ..types import SpecdecError
 
 
-def _warm_text(state) -> None:
+def warm_text(state) -> None:
     """The text side's one-off costs (the chat template's compilation, the tokenizer's caches)."""
     text = state.text
     try:
@@ -57,7 +57,7 @@ def serve(app, batcher, host: str, port: int, log_level: str = "info", drain_tim
     signal.signal(signal.SIGTERM, on_sigterm)
     t0 = time.perf_counter()
     try:
-        _warm_text(app.state.specdec)
+        warm_text(app.state.specdec)
         batcher.run(warm=True)
     except KeyboardInterrupt:
         print("[specdec] stopping", file=sys.stderr)

@@ -217,8 +217,21 @@ def _text_windows(tokenizer, cfg: CollectConfig, rng: random.Random) -> list[lis
     return windows
 
 
-def collect(target, out: Path, cfg: CollectConfig, quiet: bool = False) -> Path:
-    """Stage 1 (see module docstring). Returns the data folder."""
+def collect(target, out: Path, cfg: CollectConfig, quiet: bool = False, ray_args=None) -> Path:
+    """Stage 1 (see module docstring). Returns the data folder. ray_args: the `train --ray` flags,
+    to have the target answer the prompts on Ray actors (distributed.ray_collect)."""
+    if ray_args is not None:
+        from ..distributed.ray_collect import AnswerPool
+
+        pool = AnswerPool(ray_args, cfg, quiet)
+        try:
+            return _collect(target, out, cfg, quiet, pool)
+        finally:
+            pool.close()
+    return _collect(target, out, cfg, quiet, None)
+
+
+def _collect(target, out: Path, cfg: CollectConfig, quiet: bool, pool) -> Path:
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     (data / "collect.json").write_text(json.dumps(asdict(cfg), indent=1))
@@ -233,6 +246,12 @@ def collect(target, out: Path, cfg: CollectConfig, quiet: bool = False) -> Path:
         """Shards of the target's answers, shard_rows prompts each, alternating greedy and
         sampled batches; a shard that exists is skipped."""
         bar = _progress(len(prompts), desc, quiet)
+        if pool is not None:  # on Ray actors (greedy batches equal; sampled ones seeded per shard)
+            shards = [(name, prompts[s : s + cfg.shard_rows]) for name, s in zip(names, range(0, len(prompts), cfg.shard_rows))]
+            bar.update(sum(len(p) for name, p in shards if (data / name).exists()))
+            pool.answer(data, [(name, p) for name, p in shards if not (data / name).exists()], chat, bar)
+            bar.close()
+            return
         for name, s in zip(names, range(0, len(prompts), cfg.shard_rows)):
             chunk = prompts[s : s + cfg.shard_rows]
             if (data / name).exists():
