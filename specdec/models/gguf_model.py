@@ -86,7 +86,11 @@ class _LinearOp:
 def kernel_ops(rowstable):
     """(gguf_linear, gguf_rows, True) of the row-stable kernels `rowstable` where they hold them,
     else the slow reference's (reference_linear, reference_rows, False)."""
+    from .. import kernels
+
     if rowstable is not None and hasattr(rowstable, "gguf_linear") and hasattr(rowstable, "gguf_rows"):
+        if kernels.gguf_act8() and hasattr(rowstable, "gguf_linear_cat_q8"):  # (K-quants: 8-bit activations)
+            return _LinearOp(rowstable.gguf_linear_q8, rowstable.gguf_linear_cat_q8), rowstable.gguf_rows, True
         if hasattr(rowstable, "gguf_linear_cat"):
             return _LinearOp(rowstable.gguf_linear, rowstable.gguf_linear_cat), rowstable.gguf_rows, True
         return rowstable.gguf_linear, rowstable.gguf_rows, True
@@ -363,6 +367,10 @@ def check_sampled_rows(model: GGUFLlamaModel, rows_per_matrix: int = 2, seed: in
         ref = x.double().numpy() @ W.T
         y = model.head.op(x, sub, t, len(rows), k).double().numpy()
         bound = 1e-5 * (np.abs(x.double().numpy()) @ np.abs(W).T) + 1e-30
+        if t in (12, 13, 14) and model.head.op is getattr(model.rowstable, "gguf_linear_q8", None):  # 8-bit activations
+            from ..kernels import act8_error_bound
+
+            bound = act8_error_bound(x.numpy(), W)
         if not np.isfinite(y).all() or (np.abs(y - ref) > bound).any():
             err = float(np.nanmax(np.abs(y - ref)))
             raise SpecdecError(f"the kernels misread tensor {name} ({GGML_TYPES[t][0]}): sampled rows differ from "
