@@ -70,22 +70,19 @@ def test_products_are_the_dequantised_weights_products(t):
         assert torch.equal(ops.gguf_linear(x3, raw, t, n, k), ops.linear(x3, w))
 
 
-K_QUANTS = (kernels.Q4_K, kernels.Q5_K, kernels.Q6_K)
-
-
 def act8_inputs(m: int, k: int, g: torch.Generator) -> torch.Tensor:
     """Activations with outliers (the per-slice scales matter) and, in row 0, an all-zero slice."""
     x = torch.randn(m, k, generator=g) * (0.05 + 8 * torch.rand(m, k, generator=g) ** 6)
-    x[0, :256] = 0.0
+    x[0, :min(k, 256)] = 0.0
     return x
 
 
 @pytest.mark.parametrize("t", TYPES, ids=[NAMES[t] for t in TYPES])
 def test_act8_products_are_the_rounded_activations_products(t):
-    """gguf_linear_q8: for the K-quants, the float64 product of the activations rounded as
-    kernels.act8_slices states (256-wide slices, max|x| / 127) by gguf's dequantised weights within
-    float32 rounding, and so the unrounded product within kernels.act8_error_bound; every other type
-    is gguf_linear's product bit for bit."""
+    """gguf_linear_q8: for the quantised types, the float64 product of the activations rounded as
+    kernels.act8_slices states (slices of kernels.ACT8_SLICE[t], max|x| / 127) by gguf's dequantised
+    weights within float32 rounding, and so the unrounded product within kernels.act8_error_bound;
+    the float types give gguf_linear's product bit for bit."""
     ops = need_kernels("rowstable")
     g = torch.Generator().manual_seed(11 * t)
     for i, (n, k) in enumerate(shapes(t)):
@@ -94,14 +91,14 @@ def test_act8_products_are_the_rounded_activations_products(t):
         for m in (1, 2, 3, 4, 5, 7, 64):
             x = act8_inputs(m, k, g)
             y = ops.gguf_linear_q8(x, raw, t, n, k)
-            if t not in K_QUANTS:
+            if t not in kernels.ACT8_SLICE:
                 assert torch.equal(y, ops.gguf_linear(x, raw, t, n, k)), (NAMES[t], m)
                 continue
             yd = y.double().numpy()
-            xq, _ = kernels.act8_slices(x.numpy())
+            xq, _ = kernels.act8_slices(x.numpy(), kernels.ACT8_SLICE[t])
             assert (np.abs(yd - xq @ wd.T) <= 1e-5 * (np.abs(xq) @ np.abs(wd).T) + 1e-30).all(), (NAMES[t], n, k, m)
             exact = x.double().numpy() @ wd.T
-            assert (np.abs(yd - exact) <= kernels.act8_error_bound(x.numpy(), wd)).all(), (NAMES[t], n, k, m)
+            assert (np.abs(yd - exact) <= kernels.act8_error_bound(x.numpy(), wd, t)).all(), (NAMES[t], n, k, m)
         x3 = act8_inputs(6, k, g).view(2, 3, k)
         assert torch.equal(ops.gguf_linear_q8(x3, raw, t, n, k), ops.gguf_linear_q8(x3.reshape(6, k), raw, t, n, k).view(2, 3, n))
 

@@ -549,37 +549,45 @@ void gguf_columns(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
 
 // ---------------------------------------------------------------------------------------------
 // gguf_linear_q8 / gguf_linear_cat_q8: the same products with each activation row first rounded to
-// 8 bits, and the K-quant blocks (Q4_K, Q5_K, Q6_K) multiplied as integer dot products, as llama.cpp
-// does (its Q8_K activations and ggml_vec_dot_q{4,5,6}_K_q8_K): every 256-wide slice of a row gets the
-// scale dx = max|x| / 127 and the 8-bit values q = round(x / dx) (q = 0 for an all-zero slice), with
-// the sums of each 16 of them. A weight block then contributes, for one row,
+// 8 bits, and the quantised blocks multiplied as integer dot products, as llama.cpp does. Every slice
+// of a row (256 wide for the K-quants, as llama.cpp's Q8_K; 32 for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0,
+// as its Q8_0 / Q8_1) gets the scale dx = max|x| / 127 and the 8-bit values q = round(x / dx) (0 for
+// an all-zero slice). A K-quant block then contributes, for one row,
 //     d * dx * sum_s (scale_s * <q_w, q_x>_s)  +  c * dx * sum_l coef_l * bsum_l
 // where the first sum is exact int32 arithmetic (_mm256_maddubs_epi16 / _mm256_madd_epi16 over the
 // block's unsigned quants), and the second folds in what the unsigned quants leave out (Q4_K / Q5_K:
-// the mins, c = -dmin; Q6_K: the offset 32, c = -d). Integers are exact whatever their order, and the
-// two float accumulations run block by block in order, so a row's outputs still never depend on the
-// other rows or the threads: row-stable, as the float path. The numbers are not the float path's: the
-// 8-bit rounding of the activations parts them from the dequantised product by ~0.3% of sum |x w|
-// (tests/test_gguf_types.py bounds it). Every other type computes as in gguf_linear.
+// the mins, c = -dmin; Q6_K: the offset 32, c = -d); the block types are alike (int32_tile). Integers
+// are exact whatever their order, and the float accumulations run block by block in order, so a row's
+// outputs still never depend on the other rows or the threads: row-stable, as the float path. The
+// numbers are not the float path's: the product is that of the rounded activations (to float32
+// rounding), ~0.2-0.5% of sum |x w| from the unrounded one (tests/test_gguf_types.py states both).
+// F32 / F16 / BF16 compute as in gguf_linear.
 
-// One activation row rounded to 8 bits in 256-wide slices (K % 256 == 0).
+constexpr int64_t INT_MR = 4;  // activation rows a tile of the integer paths takes at most
+
+// Activation rows rounded to 8 bits in slices of S (256 for the K-quants, 32 for the 32-weight
+// block types; K % S == 0): q [M, K], the scale d of each slice, the sums of each 16 q, and (S = 32)
+// sx = d * (sum of the slice's q) for the block types' offsets and minimums.
 struct Q8Rows {
-  std::vector<int8_t> q;      // [M, K]
-  std::vector<float> d;       // [M, K / 256]
-  std::vector<int16_t> bsum;  // [M, K / 16]
+  int64_t S = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, sx;
+  std::vector<int16_t> bsum;
 };
 
-void quantize_rows_q8(const float* x, int64_t M, int64_t K, Q8Rows& r) {
-  const int64_t nb = K / 256;
+void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r) {
+  const int64_t nb = M * K / S;  // slices of all rows (rows are contiguous)
+  r.S = S;
   r.q.resize(M * K);
-  r.d.resize(M * nb);
+  r.d.resize(nb);
+  r.sx.resize(S == 32 ? nb : 0);
   r.bsum.resize(M * K / 16);
-  at::parallel_for(0, M * nb, 16, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, nb, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const float* xb = x + b * 256;  // (row m, slice i) at b = m * nb + i: rows are contiguous
+      const float* xb = x + b * S;
       __m256 mx = _mm256_setzero_ps();
       const __m256 sign = _mm256_set1_ps(-0.0f);
-      for (int k = 0; k < 256; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + k)));
+      for (int k = 0; k < S; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + k)));
       __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
       m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
       m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
@@ -587,18 +595,21 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, Q8Rows& r) {
       const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
       r.d[b] = d;
       const __m256 iv = _mm256_set1_ps(id);
-      int8_t* q = r.q.data() + b * 256;
-      for (int k = 0; k < 256; k += 8) {
+      int8_t* q = r.q.data() + b * S;
+      for (int k = 0; k < S; k += 8) {
         const __m256i v = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + k), iv),
                                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
         _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(w16, w16));
       }
-      for (int l = 0; l < 16; ++l) {
-        int s = 0;
-        for (int k = 0; k < 16; ++k) s += q[16 * l + k];
-        r.bsum[b * 16 + l] = static_cast<int16_t>(s);
+      int total = 0;
+      for (int l = 0; l < S / 16; ++l) {
+        int sum = 0;
+        for (int k = 0; k < 16; ++k) sum += q[16 * l + k];
+        r.bsum[b * (S / 16) + l] = static_cast<int16_t>(sum);
+        total += sum;
       }
+      if (S == 32) r.sx[b] = d * static_cast<float>(total);
     }
   });
 }
@@ -720,9 +731,6 @@ void int_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64
     for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum8(acc[i][j]);
 }
 
-#ifndef INT_MR
-#define INT_MR 4
-#endif
 // rows n0..n1 of the output for all M activation rows, in tiles of up to 3 rows
 template <class D>
 void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, float* y,
@@ -746,14 +754,135 @@ void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64
   }
 }
 
+// The 32-weight block types on 8-bit activations (llama.cpp's ggml_vec_dot_q*_q8_0 / _q8_1): a block
+// contributes d * dx * <q_w, q_x> + c * sx, the dot product exact in int32 (the quants unsigned, or
+// for Q8_0 signed through |q_w| and the sign moved onto q_x), c the block's offset (Q4_0: -8 d,
+// Q5_0: -16 d) or minimum (Q4_1, Q5_1), sx = dx * sum q_x (Q8Rows). Per output: a float32 vector
+// accumulation of the first terms and a scalar one of the second, block by block in order.
+inline __m256i nibbles32(const uint8_t* q16) {  // weights 0-15 low nibbles, 16-31 high
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q16));
+  const __m128i f = _mm_set1_epi8(0x0F);
+  return _mm256_setr_m128i(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f));
+}
+inline __m256i bits16_32(const uint8_t* qh) {  // 16 in byte i where bit i of the 32 bits is set
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(h)), shuf);
+  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+struct Int32Q4_0 {
+  static constexpr int BB = 18;
+  static constexpr bool SIGNED = false, CORR = true;
+  static inline __m256i quants(const uint8_t* p) { return nibbles32(p + 2); }
+  static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = -8.0f * d; }
+};
+struct Int32Q4_1 {
+  static constexpr int BB = 20;
+  static constexpr bool SIGNED = false, CORR = true;
+  static inline __m256i quants(const uint8_t* p) { return nibbles32(p + 4); }
+  static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = f16_at(p + 2); }
+};
+struct Int32Q5_0 {
+  static constexpr int BB = 22;
+  static constexpr bool SIGNED = false, CORR = true;
+  static inline __m256i quants(const uint8_t* p) { return _mm256_or_si256(nibbles32(p + 6), bits16_32(p + 2)); }
+  static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = -16.0f * d; }
+};
+struct Int32Q5_1 {
+  static constexpr int BB = 24;
+  static constexpr bool SIGNED = false, CORR = true;
+  static inline __m256i quants(const uint8_t* p) { return _mm256_or_si256(nibbles32(p + 8), bits16_32(p + 4)); }
+  static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = f16_at(p + 2); }
+};
+struct Int32Q8_0 {
+  static constexpr int BB = 34;
+  static constexpr bool SIGNED = true, CORR = false;
+  static inline __m256i quants(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)); }
+  static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = 0.0f; }
+};
+
+template <class D, int MR, int NR>
+void int32_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, float* y, int64_t ldy) {
+  __m256 acc[MR][NR];
+  float accc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps(), accc[i][j] = 0.0f;
+  const int64_t pf = NR * rb;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = w + b * D::BB;
+    for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(pb + j * rb + pf), _MM_HINT_T0);
+    __m256i xq[MR];
+    float dx[MR], sx[MR];
+    for (int i = 0; i < MR; ++i) {
+      const int64_t xb = (row0 + i) * nb + b;
+      xq[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + xb * 32));
+      dx[i] = xr.d[xb];
+      if (D::CORR) sx[i] = xr.sx[xb];
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m256i wq = D::quants(pb + j * rb);
+      float d, c;
+      D::scales(pb + j * rb, d, c);
+      const __m256i wa = D::SIGNED ? _mm256_sign_epi8(wq, wq) : wq;
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xs = D::SIGNED ? _mm256_sign_epi8(xq[i], wq) : xq[i];
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[i]), _mm256_cvtepi32_ps(dot), acc[i][j]);
+        if (D::CORR) accc[i][j] = std::fma(c, sx[i], accc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum8(acc[i][j]) + accc[i][j];
+}
+
+template <class D>
+void int32_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, float* y,
+                   int64_t ldy) {
+  const int64_t nb = K / 32;
+  for (int64_t m = 0; m < M; m += INT_MR) {
+    const int64_t mr = std::min<int64_t>(INT_MR, M - m);
+    float* ym = y + m * ldy;
+    int64_t n = n0;
+    if (mr == 1) {
+      for (; n + 4 <= n1; n += 4) int32_tile<D, 1, 4>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
+      for (; n < n1; ++n) int32_tile<D, 1, 1>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
+    } else if (mr == 2) {
+      for (; n + 2 <= n1; n += 2) int32_tile<D, 2, 2>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
+      for (; n < n1; ++n) int32_tile<D, 2, 1>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
+    } else if (mr == 3) {
+      for (; n < n1; ++n) int32_tile<D, 3, 1>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
+    } else {
+      for (; n < n1; ++n) int32_tile<D, 4, 1>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
+    }
+  }
+}
+
 // whether type t has an integer path, and that path's columns
-bool has_int_path(int64_t t) { return t == 12 || t == 13 || t == 14; }
+// (the activations' slice width: 256 for the K-quants, 32 for the block types, 0 for a type without)
+int64_t int_slice(int64_t t) {
+  switch (t) {
+    case 12: case 13: case 14: return 256;
+    case 2: case 3: case 6: case 7: case 8: return 32;
+    default: return 0;
+  }
+}
 
 void int_path(int64_t t, const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1,
               float* y, int64_t ldy) {
-  if (t == 12) int_columns<IntQ4_K>(xr, M, K, w, rb, n0, n1, y, ldy);
-  else if (t == 13) int_columns<IntQ5_K>(xr, M, K, w, rb, n0, n1, y, ldy);
-  else int_columns<IntQ6_K>(xr, M, K, w, rb, n0, n1, y, ldy);
+  switch (t) {
+    case 12: int_columns<IntQ4_K>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 13: int_columns<IntQ5_K>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 14: int_columns<IntQ6_K>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 2: int32_columns<Int32Q4_0>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 3: int32_columns<Int32Q4_1>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 6: int32_columns<Int32Q5_0>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 7: int32_columns<Int32Q5_1>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    default: int32_columns<Int32Q8_0>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+  }
 }
 
 // ggml type id -> (weights a block, bytes a block); 0 for a type these kernels do not read
@@ -813,15 +942,16 @@ struct WeightPart {
 void gguf_linear_parts(const float* xp, int64_t M, int64_t K, const std::vector<WeightPart>& parts, float* yp, int64_t ldy,
                        bool act8 = false) {
   std::vector<int64_t> rows(parts.size()), first(parts.size() + 1, 0);
-  std::vector<char> on_int(parts.size(), 0);
-  Q8Rows xr;
+  std::vector<int64_t> slice(parts.size(), 0);
+  Q8Rows x256, x32;
   for (size_t p = 0; p < parts.size(); ++p) {
-    on_int[p] = act8 && has_int_path(parts[p].type);
-    if (on_int[p]) rows[p] = 24;
+    slice[p] = act8 ? int_slice(parts[p].type) : 0;
+    if (slice[p]) rows[p] = 24;
     else with_decoder(parts[p].type, [&](auto d) { rows[p] = task_rows<decltype(d)>(M, K); });
     first[p + 1] = first[p] + (parts[p].N + rows[p] - 1) / rows[p];
   }
-  if (std::find(on_int.begin(), on_int.end(), 1) != on_int.end()) quantize_rows_q8(xp, M, K, xr);
+  if (std::find(slice.begin(), slice.end(), 256) != slice.end()) quantize_rows_q8(xp, M, K, 256, x256);
+  if (std::find(slice.begin(), slice.end(), 32) != slice.end()) quantize_rows_q8(xp, M, K, 32, x32);
   at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf;
     size_t p = 0;
@@ -829,8 +959,8 @@ void gguf_linear_parts(const float* xp, int64_t M, int64_t K, const std::vector<
       while (t >= first[p + 1]) ++p;
       const WeightPart& wp = parts[p];
       const int64_t n0 = (t - first[p]) * rows[p], n1 = std::min(wp.N, n0 + rows[p]);
-      if (on_int[p]) {
-        int_path(wp.type, xr, M, K, wp.w, wp.rb, n0, n1, yp + wp.col, ldy);
+      if (slice[p]) {
+        int_path(wp.type, slice[p] == 256 ? x256 : x32, M, K, wp.w, wp.rb, n0, n1, yp + wp.col, ldy);
         continue;
       }
       with_decoder(wp.type, [&](auto d) {
