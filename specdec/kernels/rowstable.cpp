@@ -625,6 +625,7 @@ struct KInt {
 };
 
 struct IntQ4_K {
+  static constexpr int BS = 256;
   static constexpr int BB = 144;
   static inline void scales(const uint8_t* p, KInt& st) {
     uint32_t a, b, c;
@@ -647,6 +648,7 @@ struct IntQ4_K {
   }
 };
 struct IntQ5_K {
+  static constexpr int BS = 256;
   static constexpr int BB = 176;
   static inline void prepare(const uint8_t* p, KInt& st) { IntQ4_K::scales(p, st); }
   static inline __m256i quants(const uint8_t* p, int s) {
@@ -658,6 +660,7 @@ struct IntQ5_K {
   }
 };
 struct IntQ6_K {
+  static constexpr int BS = 256;
   static constexpr int BB = 210;
   static inline void prepare(const uint8_t* p, KInt& st) {
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));  // 16 int8
@@ -731,29 +734,6 @@ void int_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64
     for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum8(acc[i][j]);
 }
 
-// rows n0..n1 of the output for all M activation rows, in tiles of up to 3 rows
-template <class D>
-void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, float* y,
-                 int64_t ldy) {
-  const int64_t nb = K / 256;
-  for (int64_t m = 0; m < M; m += INT_MR) {
-    const int64_t mr = std::min<int64_t>(INT_MR, M - m);
-    float* ym = y + m * ldy;
-    int64_t n = n0;
-    if (mr == 1) {
-      for (; n + 4 <= n1; n += 4) int_tile<D, 1, 4>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
-      for (; n < n1; ++n) int_tile<D, 1, 1>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
-    } else if (mr == 2) {
-      for (; n + 2 <= n1; n += 2) int_tile<D, 2, 2>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
-      for (; n < n1; ++n) int_tile<D, 2, 1>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
-    } else if (mr == 3) {
-      for (; n < n1; ++n) int_tile<D, 3, 1>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
-    } else {
-      for (; n < n1; ++n) int_tile<D, 4, 1>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
-    }
-  }
-}
-
 // The 32-weight block types on 8-bit activations (llama.cpp's ggml_vec_dot_q*_q8_0 / _q8_1): a block
 // contributes d * dx * <q_w, q_x> + c * sx, the dot product exact in int32 (the quants unsigned, or
 // for Q8_0 signed through |q_w| and the sign moved onto q_x), c the block's offset (Q4_0: -8 d,
@@ -773,30 +753,35 @@ inline __m256i bits16_32(const uint8_t* qh) {  // 16 in byte i where bit i of th
   return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
 }
 struct Int32Q4_0 {
+  static constexpr int BS = 32;
   static constexpr int BB = 18;
   static constexpr bool SIGNED = false, CORR = true;
   static inline __m256i quants(const uint8_t* p) { return nibbles32(p + 2); }
   static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = -8.0f * d; }
 };
 struct Int32Q4_1 {
+  static constexpr int BS = 32;
   static constexpr int BB = 20;
   static constexpr bool SIGNED = false, CORR = true;
   static inline __m256i quants(const uint8_t* p) { return nibbles32(p + 4); }
   static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = f16_at(p + 2); }
 };
 struct Int32Q5_0 {
+  static constexpr int BS = 32;
   static constexpr int BB = 22;
   static constexpr bool SIGNED = false, CORR = true;
   static inline __m256i quants(const uint8_t* p) { return _mm256_or_si256(nibbles32(p + 6), bits16_32(p + 2)); }
   static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = -16.0f * d; }
 };
 struct Int32Q5_1 {
+  static constexpr int BS = 32;
   static constexpr int BB = 24;
   static constexpr bool SIGNED = false, CORR = true;
   static inline __m256i quants(const uint8_t* p) { return _mm256_or_si256(nibbles32(p + 8), bits16_32(p + 4)); }
   static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = f16_at(p + 2); }
 };
 struct Int32Q8_0 {
+  static constexpr int BS = 32;
   static constexpr int BB = 34;
   static constexpr bool SIGNED = true, CORR = false;
   static inline __m256i quants(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)); }
@@ -839,29 +824,35 @@ void int32_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int
     for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum8(acc[i][j]) + accc[i][j];
 }
 
+// one tile of either integer path (the K-quants' decoders have BS = 256, the block types' BS = 32)
+template <class D, int MR, int NR>
+inline void any_int_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, float* y, int64_t ldy) {
+  if constexpr (D::BS == 256) int_tile<D, MR, NR>(xr, row0, K, w, rb, K / 256, y, ldy);
+  else int32_tile<D, MR, NR>(xr, row0, K, w, rb, K / 32, y, ldy);
+}
+
+// rows n0..n1 of the output for all M activation rows, in tiles of up to INT_MR rows
 template <class D>
-void int32_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, float* y,
-                   int64_t ldy) {
-  const int64_t nb = K / 32;
+void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, float* y,
+                 int64_t ldy) {
   for (int64_t m = 0; m < M; m += INT_MR) {
     const int64_t mr = std::min<int64_t>(INT_MR, M - m);
     float* ym = y + m * ldy;
     int64_t n = n0;
     if (mr == 1) {
-      for (; n + 4 <= n1; n += 4) int32_tile<D, 1, 4>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
-      for (; n < n1; ++n) int32_tile<D, 1, 1>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
+      for (; n + 4 <= n1; n += 4) any_int_tile<D, 1, 4>(xr, m, K, w + n * rb, rb, ym + n, ldy);
+      for (; n < n1; ++n) any_int_tile<D, 1, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
     } else if (mr == 2) {
-      for (; n + 2 <= n1; n += 2) int32_tile<D, 2, 2>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
-      for (; n < n1; ++n) int32_tile<D, 2, 1>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
+      for (; n + 2 <= n1; n += 2) any_int_tile<D, 2, 2>(xr, m, K, w + n * rb, rb, ym + n, ldy);
+      for (; n < n1; ++n) any_int_tile<D, 2, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
     } else if (mr == 3) {
-      for (; n < n1; ++n) int32_tile<D, 3, 1>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
+      for (; n < n1; ++n) any_int_tile<D, 3, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
     } else {
-      for (; n < n1; ++n) int32_tile<D, 4, 1>(xr, m, K, w + n * rb, rb, nb, ym + n, ldy);
+      for (; n < n1; ++n) any_int_tile<D, 4, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
     }
   }
 }
 
-// whether type t has an integer path, and that path's columns
 // (the activations' slice width: 256 for the K-quants, 32 for the block types, 0 for a type without)
 int64_t int_slice(int64_t t) {
   switch (t) {
@@ -877,11 +868,11 @@ void int_path(int64_t t, const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* 
     case 12: int_columns<IntQ4_K>(xr, M, K, w, rb, n0, n1, y, ldy); break;
     case 13: int_columns<IntQ5_K>(xr, M, K, w, rb, n0, n1, y, ldy); break;
     case 14: int_columns<IntQ6_K>(xr, M, K, w, rb, n0, n1, y, ldy); break;
-    case 2: int32_columns<Int32Q4_0>(xr, M, K, w, rb, n0, n1, y, ldy); break;
-    case 3: int32_columns<Int32Q4_1>(xr, M, K, w, rb, n0, n1, y, ldy); break;
-    case 6: int32_columns<Int32Q5_0>(xr, M, K, w, rb, n0, n1, y, ldy); break;
-    case 7: int32_columns<Int32Q5_1>(xr, M, K, w, rb, n0, n1, y, ldy); break;
-    default: int32_columns<Int32Q8_0>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 2: int_columns<Int32Q4_0>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 3: int_columns<Int32Q4_1>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 6: int_columns<Int32Q5_0>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 7: int_columns<Int32Q5_1>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    default: int_columns<Int32Q8_0>(xr, M, K, w, rb, n0, n1, y, ldy); break;
   }
 }
 
