@@ -329,13 +329,18 @@ struct DecQ8_0 {  // d, 32 int8: q * d
 
 // Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from 12 bytes (gguf's Q4_K.get_scale_min,
 // four bytes at a time as ggml does), as d * sc and -(dmin * m): dsc[8], ndm[8]
-inline void k_scales(const uint8_t* p, float* dsc, float* ndm) {
+// (the 8 scales and the 8 mins as bytes of sc and mn, sub-block 0 lowest)
+inline void k_scale_bytes(const uint8_t* p, uint64_t& sc, uint64_t& mn) {
   uint32_t a, b, c;
   std::memcpy(&a, p + 4, 4);
   std::memcpy(&b, p + 8, 4);
   std::memcpy(&c, p + 12, 4);
-  const uint64_t sc = (a & 0x3f3f3f3fu) | static_cast<uint64_t>((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
-  const uint64_t mn = (b & 0x3f3f3f3fu) | static_cast<uint64_t>(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+  sc = (a & 0x3f3f3f3fu) | static_cast<uint64_t>((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+  mn = (b & 0x3f3f3f3fu) | static_cast<uint64_t>(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+}
+inline void k_scales(const uint8_t* p, float* dsc, float* ndm) {
+  uint64_t sc, mn;
+  k_scale_bytes(p, sc, mn);
   const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
   const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn))));
   _mm256_storeu_ps(dsc, _mm256_mul_ps(f16_set1(p), s));
@@ -628,12 +633,8 @@ struct IntQ4_K {
   static constexpr int BS = 256;
   static constexpr int BB = 144;
   static inline void scales(const uint8_t* p, KInt& st) {
-    uint32_t a, b, c;
-    std::memcpy(&a, p + 4, 4);
-    std::memcpy(&b, p + 8, 4);
-    std::memcpy(&c, p + 12, 4);
-    const uint64_t sc = (a & 0x3f3f3f3fu) | static_cast<uint64_t>((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
-    const uint64_t mn = (b & 0x3f3f3f3fu) | static_cast<uint64_t>(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+    uint64_t sc, mn;
+    k_scale_bytes(p, sc, mn);
     for (int s = 0; s < 8; ++s) st.scl[s] = _mm256_set1_epi16(static_cast<int16_t>((sc >> (8 * s)) & 0xFF));
     // mins per 16-slice: m_0 m_0 m_1 m_1 ...
     const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mn));
