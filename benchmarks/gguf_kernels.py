@@ -4,7 +4,7 @@ Three parts, each timing its variants interleaved (one call of each in turn, rep
 printing medians:
 - `bandwidth`: the machine's memory bandwidth, as a large torch copy (bytes read + written) and a
   large sum (bytes read), to compare the kernels' GB/s with;
-- `raw`: gguf_linear over the Qwen2.5 1.5B matrix shapes (1536x1536, 8960x1536, 1536x8960,
+- `raw`: gguf_linear_q8 (or `--op gguf_linear`, the float path) over the Qwen2.5 1.5B matrix shapes (1536x1536, 8960x1536, 1536x8960,
   151936x1536) for each type and row count M: ms a call and GB/s of weight bytes read;
 - `repack`: gguf_linear on the file's own Q4_1 / Q8_0 bytes against q4_1_linear / q8_0_linear on
   the repacked K-major copy (models/gguf_blocks.py), on the default model's shapes (SmolLM2-135M:
@@ -75,8 +75,9 @@ def bandwidth(reps: int) -> None:
           f"sum {gb / t['sum'][0]:.1f} ({gb / t['sum'][1]:.1f}) GB/s (read) over {gb:.2f} GB, {torch.get_num_threads()} threads")
 
 
-def raw_table(ops, types: list[str], shapes: list[tuple[int, int]], ms: list[int], reps: int) -> None:
+def raw_table(ops, types: list[str], shapes: list[tuple[int, int]], ms: list[int], reps: int, op: str) -> None:
     rng = np.random.default_rng(0)
+    linear = getattr(ops, op)
     print("| type | N x K | MB | " + " | ".join(f"M={m}: median ms (GB/s), best ms (GB/s)" for m in ms) + " |")
     print("|---|---|---|" + "---|" * len(ms))
     for n, k in shapes:
@@ -88,7 +89,7 @@ def raw_table(ops, types: list[str], shapes: list[tuple[int, int]], ms: list[int
             cells = []
             for m in ms:
                 x = torch.randn(m, k)
-                med, best = interleaved({name: lambda: ops.gguf_linear(x, raw, t, n, k)}, reps, 20)[name]
+                med, best = interleaved({name: lambda: linear(x, raw, t, n, k)}, reps, 20)[name]
                 cells.append(f"{med * 1e3:.3f} ({raw.numel() / med / 1e9:.1f}), best {best * 1e3:.3f} "
                              f"({raw.numel() / best / 1e9:.1f})")
             print(f"| {name} | {n}x{k} | {raw.numel() / 1e6:.1f} | " + " | ".join(cells) + " |", flush=True)
@@ -124,6 +125,8 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,F16")
     ap.add_argument("--shapes", default=None, help=f"NxK,... (raw: {QWEN_SHAPES}; repack: {SMOL_SHAPES})")
     ap.add_argument("--m", default=None, help="row counts (raw: 1,4,64,256; repack: 1,2,3,4,5,6)")
+    ap.add_argument("--op", default="gguf_linear_q8", choices=["gguf_linear_q8", "gguf_linear"],
+                    help="raw: the 8-bit-activation path (the default) or the float path")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -140,7 +143,7 @@ def main() -> None:
             bandwidth(a.reps)
         elif part == "raw":
             raw_table(ops, a.types.split(","), parse_shapes(QWEN_SHAPES),
-                      [int(v) for v in (a.m or "1,4,64,256").split(",")], a.reps)
+                      [int(v) for v in (a.m or "1,4,64,256").split(",")], a.reps, a.op)
         else:
             repack_table(ops, parse_shapes(SMOL_SHAPES), [int(v) for v in (a.m or "1,2,3,4,5,6").split(",")], a.reps)
 

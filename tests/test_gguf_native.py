@@ -24,6 +24,7 @@ import torch
 
 from gguf_random import BF16, F16, F32, NAMES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from oracle import one_thread
+from specdec import kernels
 from specdec.types import SamplingParams, SpecdecError
 from tiny_gguf import EOS_ID, VOCAB, write_tiny_gguf
 
@@ -70,24 +71,32 @@ TOKENS = torch.tensor([[5, 17, 99, 200, 3, 8, 260, 42, 42, 7]])
 
 
 @pytest.mark.parametrize("arch,t", [("llama", t) for t in ALL_TYPES] + [("qwen2", t) for t in (F16, Q8_0, Q4_K, Q6_K)])
-def test_logits_equal_transformers_gguf_loading(gguf_dir, arch, t):
+def test_logits_equal_transformers_gguf_loading(gguf_dir, arch, t, monkeypatch):
+    """The float path (SPECDEC_GGUF_ACT8=0) within float32 rounding of transformers. The quantised
+    types' default 8-bit-activation path (kernels.gguf_act8) only roughly: each product is the rounded
+    activations' product to ~1e-7 (tests/test_gguf_types.py), but the rounding (~0.5% a product)
+    compounds through these random layers (up to ~6% of the largest logit on Q6_K)."""
     path = tiny(gguf_dir, arch, t)
-    m = load(path).model
-    T = TOKENS.shape[1]
-    logits, _ = m(TOKENS, torch.arange(T)[None], m.new_cache(1, 32))
     ref = hf_logits(path, TOKENS)
     scale = float(ref.abs().max())
     assert scale > 1.0  # (the model is not degenerate)
-    assert float((logits - ref).abs().max()) <= 2e-5 * scale, NAMES[t]
+    for act8, tol in (("0", 2e-5), ("1", 0.1 if t in kernels.ACT8_SLICE else 2e-5)):
+        monkeypatch.setenv("SPECDEC_GGUF_ACT8", act8)
+        m = load(path).model
+        T = TOKENS.shape[1]
+        logits, _ = m(TOKENS, torch.arange(T)[None], m.new_cache(1, 32))
+        assert float((logits - ref).abs().max()) <= tol * scale, (NAMES[t], act8)
 
 
-def test_qwen2_with_a_q6_k_head_on_q4_k_matrices_as_q4_k_m_files_mix_them(gguf_dir):
+def test_qwen2_with_a_q6_k_head_on_q4_k_matrices_as_q4_k_m_files_mix_them(gguf_dir, monkeypatch):
     path = tiny(gguf_dir, "qwen2", Q4_K, head_type=Q6_K)
-    m = load(path).model
-    assert {p[1] for p in m.head.parts} == {Q6_K}
-    logits, _ = m(TOKENS, torch.arange(TOKENS.shape[1])[None], m.new_cache(1, 32))
     ref = hf_logits(path, TOKENS)
-    assert float((logits - ref).abs().max()) <= 2e-5 * float(ref.abs().max())
+    for act8, tol in (("0", 2e-5), ("1", 0.1)):
+        monkeypatch.setenv("SPECDEC_GGUF_ACT8", act8)
+        m = load(path).model
+        assert {p[1] for p in m.head.parts} == {Q6_K}
+        logits, _ = m(TOKENS, torch.arange(TOKENS.shape[1])[None], m.new_cache(1, 32))
+        assert float((logits - ref).abs().max()) <= tol * float(ref.abs().max()), act8
 
 
 def test_a_wrong_q_k_row_order_is_caught(gguf_dir, monkeypatch):

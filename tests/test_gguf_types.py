@@ -70,29 +70,64 @@ def test_products_are_the_dequantised_weights_products(t):
         assert torch.equal(ops.gguf_linear(x3, raw, t, n, k), ops.linear(x3, w))
 
 
+def act8_inputs(m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Activations with outliers (the per-slice scales matter) and, in row 0, an all-zero slice."""
+    x = torch.randn(m, k, generator=g) * (0.05 + 8 * torch.rand(m, k, generator=g) ** 6)
+    x[0, :min(k, 256)] = 0.0
+    return x
+
+
 @pytest.mark.parametrize("t", TYPES, ids=[NAMES[t] for t in TYPES])
-def test_a_rows_outputs_do_not_depend_on_the_other_rows_or_threads(t):
-    """The same token's outputs bit for bit alone, and first, in the middle or last among 2-300 rows,
-    with one thread or two."""
+def test_act8_products_are_the_rounded_activations_products(t):
+    """gguf_linear_q8: for the quantised types, the float64 product of the activations rounded as
+    kernels.act8_slices states (slices of kernels.ACT8_SLICE[t], max|x| / 127) by gguf's dequantised
+    weights within float32 rounding, and so the unrounded product within kernels.act8_error_bound;
+    the float types give gguf_linear's product bit for bit."""
     ops = need_kernels("rowstable")
+    g = torch.Generator().manual_seed(11 * t)
+    for i, (n, k) in enumerate(shapes(t)):
+        raw, w = case(t, n, k, seed=100 * t + i)
+        wd = w.double().numpy()
+        for m in (1, 2, 3, 4, 5, 7, 64):
+            x = act8_inputs(m, k, g)
+            y = ops.gguf_linear_q8(x, raw, t, n, k)
+            if t not in kernels.ACT8_SLICE:
+                assert torch.equal(y, ops.gguf_linear(x, raw, t, n, k)), (NAMES[t], m)
+                continue
+            yd = y.double().numpy()
+            xq, _ = kernels.act8_slices(x.numpy(), kernels.ACT8_SLICE[t])
+            assert (np.abs(yd - xq @ wd.T) <= 1e-5 * (np.abs(xq) @ np.abs(wd).T) + 1e-30).all(), (NAMES[t], n, k, m)
+            exact = x.double().numpy() @ wd.T
+            assert (np.abs(yd - exact) <= kernels.act8_error_bound(x.numpy(), wd, t)).all(), (NAMES[t], n, k, m)
+        x3 = act8_inputs(6, k, g).view(2, 3, k)
+        assert torch.equal(ops.gguf_linear_q8(x3, raw, t, n, k), ops.gguf_linear_q8(x3.reshape(6, k), raw, t, n, k).view(2, 3, n))
+
+
+@pytest.mark.parametrize("op", ["gguf_linear", "gguf_linear_q8"])
+@pytest.mark.parametrize("t", TYPES, ids=[NAMES[t] for t in TYPES])
+def test_a_rows_outputs_do_not_depend_on_the_other_rows_or_threads(t, op):
+    """The same token's outputs bit for bit alone, and first, in the middle or last among 2-300 rows,
+    with one thread or two, on the float path and on the 8-bit-activation one."""
+    ops = need_kernels("rowstable")
+    gguf_linear = getattr(ops, op)
     k = 512
     raw, _ = case(t, 30, k, seed=t)
     g = torch.Generator().manual_seed(7 * t)
     tok = torch.randn(1, k, generator=g)
-    alone = ops.gguf_linear(tok, raw, t, 30, k)[0]
+    alone = gguf_linear(tok, raw, t, 30, k)[0]
     for m in (2, 5, 7, 64, 300):
         others = torch.randn(m - 1, k, generator=g)
         for pos in sorted({0, m // 2, m - 1}):
             x = torch.cat([others[:pos], tok, others[pos:]])
-            assert torch.equal(ops.gguf_linear(x, raw, t, 30, k)[pos], alone), (NAMES[t], m, pos)
+            assert torch.equal(gguf_linear(x, raw, t, 30, k)[pos], alone), (NAMES[t], m, pos)
     threads = torch.get_num_threads()
     x = torch.cat([tok, torch.randn(8, k, generator=g)])
     try:
         torch.set_num_threads(1)
-        one = ops.gguf_linear(x, raw, t, 30, k)
+        one = gguf_linear(x, raw, t, 30, k)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, ops.gguf_linear(x, raw, t, 30, k))
+    assert torch.equal(one, gguf_linear(x, raw, t, 30, k))
     assert torch.equal(one[0], alone)
 
 
@@ -145,6 +180,8 @@ def test_cat_is_the_separate_products_side_by_side():
         x = torch.randn(m, k, generator=g)
         y = ops.gguf_linear_cat(x, [p[2] for p in parts], [p[0] for p in parts], [p[1] for p in parts], k)
         assert torch.equal(y, torch.cat([ops.gguf_linear(x, raw, t, n, k) for t, n, raw in parts], dim=1)), m
+        y = ops.gguf_linear_cat_q8(x, [p[2] for p in parts], [p[0] for p in parts], [p[1] for p in parts], k)
+        assert torch.equal(y, torch.cat([ops.gguf_linear_q8(x, raw, t, n, k) for t, n, raw in parts], dim=1)), m
     with pytest.raises(RuntimeError, match="one type and one row count for each raw tensor"):
         ops.gguf_linear_cat(x, [parts[0][2]], [parts[0][0], parts[1][0]], [40], k)
     with pytest.raises(RuntimeError, match=r"Q6_K \[10, 512\] takes 4200 bytes; the raw tensor holds 3780"):

@@ -6,8 +6,8 @@
   schedule for the number of assistant tokens).
 * llama.cpp through llama-cpp-python on the model's GGUF file: plain (`llamacpp`) and its
   prompt-lookup drafter (`llamacpp-lookup`, `LlamaPromptLookupDecoding(num_pred_tokens=k)`).
-  It runs the GGUF's own quantised weights, so its greedy output is not expected to equal
-  specdec's fp32 output token for token; the report says so.
+  Both engines read the same file's blocks with 8-bit activations, but round and sum in their
+  own ways, so greedy texts may part after a near-tie; the report says how far they agree.
 
 Each peer is a `Peer` with `generate(ids, params) -> list[int]` (new token ids, EOS
 included if it was produced). A peer that cannot be built (package missing, no GGUF file)

@@ -43,6 +43,7 @@ import threading
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from specdec.types import SpecdecError
@@ -195,6 +196,45 @@ GGUF_TYPES: dict[str, GgufType] = {
     "Q5_K": GgufType(Q5_K, 256, 176), "Q6_K": GgufType(Q6_K, 256, 210),
 }
 _BY_ID = {t.id: (name, t) for name, t in GGUF_TYPES.items()}
+
+
+def gguf_act8() -> bool:
+    """Whether GGUF models multiply their quantised matrices with 8-bit activations and integer dot
+    products (gguf_linear_q8 / gguf_linear_cat_q8, as llama.cpp does): the default, 2-2.5x faster a
+    K-quant product on one thread than the float path and still row-stable, so greedy speculation
+    stays exact. SPECDEC_GGUF_ACT8=0 keeps the float path (gguf_linear: bit for bit the float product
+    over gguf's dequantised weights). F32 / F16 / BF16 compute the same on both."""
+    return os.environ.get("SPECDEC_GGUF_ACT8", "1") != "0"
+
+
+# the activations' slice width on gguf_linear_q8's integer path, by ggml type (others: float path)
+ACT8_SLICE = {Q4_K: 256, Q5_K: 256, Q6_K: 256, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32}
+
+
+def act8_slices(x: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x rounded as gguf_linear_q8 rounds it, the rounding step of each element), float64 [M, K]:
+    each `width`-wide slice of a row scaled by d = max|x| / 127 (float32, as the kernel computes it),
+    rounded to the nearest integer (ties to even) and scaled back. An independent statement of the
+    kernel's rounding, for the tests and check_sampled_rows."""
+    x32 = np.asarray(x, dtype=np.float32)
+    m, k = x32.shape
+    s = x32.reshape(m, k // width, width)
+    amax = np.abs(s).max(axis=2, keepdims=True)
+    d = amax / np.float32(127.0)
+    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    q = np.rint(s * inv)
+    xq = (q.astype(np.float64) * d.astype(np.float64)).reshape(m, k)
+    return xq, np.broadcast_to(d.astype(np.float64), s.shape).reshape(m, k)
+
+
+def act8_error_bound(x: np.ndarray, w: np.ndarray, ggml_type: int) -> np.ndarray:
+    """[M, N] bound of |gguf_linear_q8(x, W) - x @ W.T| for W of a type in ACT8_SLICE (w: its
+    dequantised float64 rows): the activations' rounding, |x - x8| <= d / 2 each, times |w|, plus
+    float32 rounding of the block sums (1e-4 of sum |x8| |w|: the integer sums are exact, a few float
+    operations a block)."""
+    xq, d = act8_slices(x, ACT8_SLICE[ggml_type])
+    aw = np.abs(w)
+    return 0.5 * (d @ aw.T) * (1 + 1e-6) + 1e-4 * (np.abs(xq) @ aw.T) + 1e-30
 
 
 def gguf_type_name(ggml_type: int) -> str:

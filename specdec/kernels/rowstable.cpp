@@ -329,13 +329,18 @@ struct DecQ8_0 {  // d, 32 int8: q * d
 
 // Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from 12 bytes (gguf's Q4_K.get_scale_min,
 // four bytes at a time as ggml does), as d * sc and -(dmin * m): dsc[8], ndm[8]
-inline void k_scales(const uint8_t* p, float* dsc, float* ndm) {
+// (the 8 scales and the 8 mins as bytes of sc and mn, sub-block 0 lowest)
+inline void k_scale_bytes(const uint8_t* p, uint64_t& sc, uint64_t& mn) {
   uint32_t a, b, c;
   std::memcpy(&a, p + 4, 4);
   std::memcpy(&b, p + 8, 4);
   std::memcpy(&c, p + 12, 4);
-  const uint64_t sc = (a & 0x3f3f3f3fu) | static_cast<uint64_t>((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
-  const uint64_t mn = (b & 0x3f3f3f3fu) | static_cast<uint64_t>(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+  sc = (a & 0x3f3f3f3fu) | static_cast<uint64_t>((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+  mn = (b & 0x3f3f3f3fu) | static_cast<uint64_t>(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+}
+inline void k_scales(const uint8_t* p, float* dsc, float* ndm) {
+  uint64_t sc, mn;
+  k_scale_bytes(p, sc, mn);
   const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
   const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn))));
   _mm256_storeu_ps(dsc, _mm256_mul_ps(f16_set1(p), s));
@@ -547,6 +552,331 @@ void gguf_columns(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// gguf_linear_q8 / gguf_linear_cat_q8: the same products with each activation row first rounded to
+// 8 bits, and the quantised blocks multiplied as integer dot products, as llama.cpp does. Every slice
+// of a row (256 wide for the K-quants, as llama.cpp's Q8_K; 32 for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0,
+// as its Q8_0 / Q8_1) gets the scale dx = max|x| / 127 and the 8-bit values q = round(x / dx) (0 for
+// an all-zero slice). A K-quant block then contributes, for one row,
+//     d * dx * sum_s (scale_s * <q_w, q_x>_s)  +  c * dx * sum_l coef_l * bsum_l
+// where the first sum is exact int32 arithmetic (_mm256_maddubs_epi16 / _mm256_madd_epi16 over the
+// block's unsigned quants), and the second folds in what the unsigned quants leave out (Q4_K / Q5_K:
+// the mins, c = -dmin; Q6_K: the offset 32, c = -d); the block types are alike (int32_tile). Integers
+// are exact whatever their order, and the float accumulations run block by block in order, so a row's
+// outputs still never depend on the other rows or the threads: row-stable, as the float path. The
+// numbers are not the float path's: the product is that of the rounded activations (to float32
+// rounding), ~0.2-0.5% of sum |x w| from the unrounded one (tests/test_gguf_types.py states both).
+// F32 / F16 / BF16 compute as in gguf_linear.
+
+constexpr int64_t INT_MR = 4;  // activation rows a tile of the integer paths takes at most
+
+// Activation rows rounded to 8 bits in slices of S (256 for the K-quants, 32 for the 32-weight
+// block types; K % S == 0): q [M, K], the scale d of each slice, the sums of each 16 q, and (S = 32)
+// sx = d * (sum of the slice's q) for the block types' offsets and minimums.
+struct Q8Rows {
+  int64_t S = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, sx;
+  std::vector<int16_t> bsum;
+};
+
+void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r) {
+  const int64_t nb = M * K / S;  // slices of all rows (rows are contiguous)
+  r.S = S;
+  r.q.resize(M * K);
+  r.d.resize(nb);
+  r.sx.resize(S == 32 ? nb : 0);
+  r.bsum.resize(M * K / 16);
+  at::parallel_for(0, nb, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xb = x + b * S;
+      __m256 mx = _mm256_setzero_ps();
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      for (int k = 0; k < S; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + k)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      r.d[b] = d;
+      const __m256 iv = _mm256_set1_ps(id);
+      int8_t* q = r.q.data() + b * S;
+      for (int k = 0; k < S; k += 8) {
+        const __m256i v = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + k), iv),
+                                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(w16, w16));
+      }
+      int total = 0;
+      for (int l = 0; l < S / 16; ++l) {
+        int sum = 0;
+        for (int k = 0; k < 16; ++k) sum += q[16 * l + k];
+        r.bsum[b * (S / 16) + l] = static_cast<int16_t>(sum);
+        total += sum;
+      }
+      if (S == 32) r.sx[b] = d * static_cast<float>(total);
+    }
+  });
+}
+
+// Integer-path K-quant decoders. prepare() reads a block's scales: d and c (float), scl[s] (int16
+// lanes: the scale of each 16-bit product lane of part s) and coef (int16 [16]: the factor of each
+// 16-slice sum of q_x in the correction); quants(p, s) gives part s's 32 unsigned quants as bytes, in
+// the order of q_x[32 s .. 32 s + 31].
+struct KInt {
+  float d, c;
+  __m256i scl[8];
+  __m256i coef;
+};
+
+struct IntQ4_K {
+  static constexpr int BS = 256;
+  static constexpr int BB = 144;
+  static inline void scales(const uint8_t* p, KInt& st) {
+    uint64_t sc, mn;
+    k_scale_bytes(p, sc, mn);
+    for (int s = 0; s < 8; ++s) st.scl[s] = _mm256_set1_epi16(static_cast<int16_t>((sc >> (8 * s)) & 0xFF));
+    // mins per 16-slice: m_0 m_0 m_1 m_1 ...
+    const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mn));
+    st.coef = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+    st.d = f16_at(p);
+    st.c = -f16_at(p + 2);
+  }
+  static inline void prepare(const uint8_t* p, KInt& st) { scales(p, st); }
+  static inline __m256i quants(const uint8_t* p, int s) {
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * (s >> 1)));
+    return _mm256_and_si256((s & 1) ? _mm256_srli_epi16(qs, 4) : qs, _mm256_set1_epi8(0x0F));
+  }
+};
+struct IntQ5_K {
+  static constexpr int BS = 256;
+  static constexpr int BB = 176;
+  static inline void prepare(const uint8_t* p, KInt& st) { IntQ4_K::scales(p, st); }
+  static inline __m256i quants(const uint8_t* p, int s) {
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 48 + 32 * (s >> 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    const __m256i lo = _mm256_and_si256((s & 1) ? _mm256_srli_epi16(qs, 4) : qs, _mm256_set1_epi8(0x0F));
+    const __m256i hb = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
+    return _mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
+  }
+};
+struct IntQ6_K {
+  static constexpr int BS = 256;
+  static constexpr int BB = 210;
+  static inline void prepare(const uint8_t* p, KInt& st) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));  // 16 int8
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc);
+    st.coef = _mm256_slli_epi16(sc16, 5);  // 32 * sc_l
+    alignas(32) int16_t s16[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s16), sc16);
+    for (int s = 0; s < 8; ++s)
+      st.scl[s] = _mm256_setr_m128i(_mm_set1_epi16(s16[2 * s]), _mm_set1_epi16(s16[2 * s + 1]));
+    st.d = f16_at(p + 208);
+    st.c = -st.d;
+  }
+  static inline __m256i quants(const uint8_t* p, int s) {
+    const int h = s >> 2, t = s & 3;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * (t & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0F));
+    const __m256i hb = t < 2 ? _mm256_slli_epi16(qh, 4 - 2 * t) : _mm256_srli_epi16(qh, 2 * t - 4);
+    return _mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+  }
+};
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// MR activation rows x NR weight rows over nb 256-blocks. Per output: a float32 vector accumulation of
+// d * dx times the 8 int32 lanes of the scaled dot products, block by block, and a scalar one of
+// c * dx times the correction; out = hsum8(vector) + scalar.
+template <class D, int MR, int NR>
+void int_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, float* y, int64_t ldy) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t pf = NR * rb;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = w + b * D::BB;
+    for (int j = 0; j < NR; ++j)
+      for (int o = 0; o < D::BB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pb + j * rb + pf + o), _MM_HINT_T0);
+    KInt st[NR];
+    for (int j = 0; j < NR; ++j) D::prepare(pb + j * rb, st[j]);
+    __m256i isum[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) isum[i][j] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) {
+      __m256i xq[MR];
+      for (int i = 0; i < MR; ++i)
+        xq[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + (row0 + i) * K + b * 256 + 32 * s));
+      for (int j = 0; j < NR; ++j) {
+        const __m256i wq = D::quants(pb + j * rb, s);
+        for (int i = 0; i < MR; ++i)
+          isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq[i]), st[j].scl[s]));
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const int64_t xb = (row0 + i) * (K / 256) + b;
+      const float dx = xr.d[xb];
+      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bsum.data() + xb * 16));
+      for (int j = 0; j < NR; ++j) {
+        const __m256i corr = _mm256_madd_epi16(st[j].coef, bs);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(st[j].d * dx), _mm256_cvtepi32_ps(isum[i][j]), acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(st[j].c * dx), _mm256_cvtepi32_ps(corr), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum8(acc[i][j]);
+}
+
+// The 32-weight block types on 8-bit activations (llama.cpp's ggml_vec_dot_q*_q8_0 / _q8_1): a block
+// contributes d * dx * <q_w, q_x> + c * sx, the dot product exact in int32 (the quants unsigned, or
+// for Q8_0 signed through |q_w| and the sign moved onto q_x), c the block's offset (Q4_0: -8 d,
+// Q5_0: -16 d) or minimum (Q4_1, Q5_1), sx = dx * sum q_x (Q8Rows). Per output: a float32 vector
+// accumulation of the first terms and a scalar one of the second, block by block in order.
+inline __m256i nibbles32(const uint8_t* q16) {  // weights 0-15 low nibbles, 16-31 high
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q16));
+  const __m128i f = _mm_set1_epi8(0x0F);
+  return _mm256_setr_m128i(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f));
+}
+inline __m256i bits16_32(const uint8_t* qh) {  // 16 in byte i where bit i of the 32 bits is set
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(h)), shuf);
+  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+struct Int32Q4_0 {
+  static constexpr int BS = 32;
+  static constexpr int BB = 18;
+  static constexpr bool SIGNED = false, CORR = true;
+  static inline __m256i quants(const uint8_t* p) { return nibbles32(p + 2); }
+  static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = -8.0f * d; }
+};
+struct Int32Q4_1 {
+  static constexpr int BS = 32;
+  static constexpr int BB = 20;
+  static constexpr bool SIGNED = false, CORR = true;
+  static inline __m256i quants(const uint8_t* p) { return nibbles32(p + 4); }
+  static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = f16_at(p + 2); }
+};
+struct Int32Q5_0 {
+  static constexpr int BS = 32;
+  static constexpr int BB = 22;
+  static constexpr bool SIGNED = false, CORR = true;
+  static inline __m256i quants(const uint8_t* p) { return _mm256_or_si256(nibbles32(p + 6), bits16_32(p + 2)); }
+  static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = -16.0f * d; }
+};
+struct Int32Q5_1 {
+  static constexpr int BS = 32;
+  static constexpr int BB = 24;
+  static constexpr bool SIGNED = false, CORR = true;
+  static inline __m256i quants(const uint8_t* p) { return _mm256_or_si256(nibbles32(p + 8), bits16_32(p + 4)); }
+  static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = f16_at(p + 2); }
+};
+struct Int32Q8_0 {
+  static constexpr int BS = 32;
+  static constexpr int BB = 34;
+  static constexpr bool SIGNED = true, CORR = false;
+  static inline __m256i quants(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)); }
+  static inline void scales(const uint8_t* p, float& d, float& c) { d = f16_at(p); c = 0.0f; }
+};
+
+template <class D, int MR, int NR>
+void int32_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, float* y, int64_t ldy) {
+  __m256 acc[MR][NR];
+  float accc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps(), accc[i][j] = 0.0f;
+  const int64_t pf = NR * rb;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = w + b * D::BB;
+    for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(pb + j * rb + pf), _MM_HINT_T0);
+    __m256i xq[MR];
+    float dx[MR], sx[MR];
+    for (int i = 0; i < MR; ++i) {
+      const int64_t xb = (row0 + i) * nb + b;
+      xq[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + xb * 32));
+      dx[i] = xr.d[xb];
+      if (D::CORR) sx[i] = xr.sx[xb];
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m256i wq = D::quants(pb + j * rb);
+      float d, c;
+      D::scales(pb + j * rb, d, c);
+      const __m256i wa = D::SIGNED ? _mm256_sign_epi8(wq, wq) : wq;
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xs = D::SIGNED ? _mm256_sign_epi8(xq[i], wq) : xq[i];
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[i]), _mm256_cvtepi32_ps(dot), acc[i][j]);
+        if (D::CORR) accc[i][j] = std::fma(c, sx[i], accc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum8(acc[i][j]) + accc[i][j];
+}
+
+// one tile of either integer path (the K-quants' decoders have BS = 256, the block types' BS = 32)
+template <class D, int MR, int NR>
+inline void any_int_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, float* y, int64_t ldy) {
+  if constexpr (D::BS == 256) int_tile<D, MR, NR>(xr, row0, K, w, rb, K / 256, y, ldy);
+  else int32_tile<D, MR, NR>(xr, row0, K, w, rb, K / 32, y, ldy);
+}
+
+// rows n0..n1 of the output for all M activation rows, in tiles of up to INT_MR rows
+template <class D>
+void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, float* y,
+                 int64_t ldy) {
+  for (int64_t m = 0; m < M; m += INT_MR) {
+    const int64_t mr = std::min<int64_t>(INT_MR, M - m);
+    float* ym = y + m * ldy;
+    int64_t n = n0;
+    if (mr == 1) {
+      for (; n + 4 <= n1; n += 4) any_int_tile<D, 1, 4>(xr, m, K, w + n * rb, rb, ym + n, ldy);
+      for (; n < n1; ++n) any_int_tile<D, 1, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
+    } else if (mr == 2) {
+      for (; n + 2 <= n1; n += 2) any_int_tile<D, 2, 2>(xr, m, K, w + n * rb, rb, ym + n, ldy);
+      for (; n < n1; ++n) any_int_tile<D, 2, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
+    } else if (mr == 3) {
+      for (; n < n1; ++n) any_int_tile<D, 3, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
+    } else {
+      for (; n < n1; ++n) any_int_tile<D, 4, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
+    }
+  }
+}
+
+// (the activations' slice width: 256 for the K-quants, 32 for the block types, 0 for a type without)
+int64_t int_slice(int64_t t) {
+  switch (t) {
+    case 12: case 13: case 14: return 256;
+    case 2: case 3: case 6: case 7: case 8: return 32;
+    default: return 0;
+  }
+}
+
+void int_path(int64_t t, const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1,
+              float* y, int64_t ldy) {
+  switch (t) {
+    case 12: int_columns<IntQ4_K>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 13: int_columns<IntQ5_K>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 14: int_columns<IntQ6_K>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 2: int_columns<Int32Q4_0>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 3: int_columns<Int32Q4_1>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 6: int_columns<Int32Q5_0>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    case 7: int_columns<Int32Q5_1>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+    default: int_columns<Int32Q8_0>(xr, M, K, w, rb, n0, n1, y, ldy); break;
+  }
+}
+
 // ggml type id -> (weights a block, bytes a block); 0 for a type these kernels do not read
 struct GgufType { int bs, bb; const char* name; };
 GgufType gguf_type(int64_t t) {
@@ -600,12 +930,20 @@ struct WeightPart {
 };
 
 // y [M, ldy] columns of every part: one parallel region over all parts' tasks.
-void gguf_linear_parts(const float* xp, int64_t M, int64_t K, const std::vector<WeightPart>& parts, float* yp, int64_t ldy) {
+// act8: the K-quant parts on the 8-bit activations' integer path (gguf_linear_q8).
+void gguf_linear_parts(const float* xp, int64_t M, int64_t K, const std::vector<WeightPart>& parts, float* yp, int64_t ldy,
+                       bool act8 = false) {
   std::vector<int64_t> rows(parts.size()), first(parts.size() + 1, 0);
+  std::vector<int64_t> slice(parts.size(), 0);
+  Q8Rows x256, x32;
   for (size_t p = 0; p < parts.size(); ++p) {
-    with_decoder(parts[p].type, [&](auto d) { rows[p] = task_rows<decltype(d)>(M, K); });
+    slice[p] = act8 ? int_slice(parts[p].type) : 0;
+    if (slice[p]) rows[p] = 24;
+    else with_decoder(parts[p].type, [&](auto d) { rows[p] = task_rows<decltype(d)>(M, K); });
     first[p + 1] = first[p] + (parts[p].N + rows[p] - 1) / rows[p];
   }
+  if (std::find(slice.begin(), slice.end(), 256) != slice.end()) quantize_rows_q8(xp, M, K, 256, x256);
+  if (std::find(slice.begin(), slice.end(), 32) != slice.end()) quantize_rows_q8(xp, M, K, 32, x32);
   at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf;
     size_t p = 0;
@@ -613,6 +951,10 @@ void gguf_linear_parts(const float* xp, int64_t M, int64_t K, const std::vector<
       while (t >= first[p + 1]) ++p;
       const WeightPart& wp = parts[p];
       const int64_t n0 = (t - first[p]) * rows[p], n1 = std::min(wp.N, n0 + rows[p]);
+      if (slice[p]) {
+        int_path(wp.type, slice[p] == 256 ? x256 : x32, M, K, wp.w, wp.rb, n0, n1, yp + wp.col, ldy);
+        continue;
+      }
       with_decoder(wp.type, [&](auto d) {
         gguf_columns<decltype(d)>(xp, M, K, wp.w, wp.rb, n0, n1, yp + wp.col, ldy, buf);
       });
@@ -621,7 +963,8 @@ void gguf_linear_parts(const float* xp, int64_t M, int64_t K, const std::vector<
 }
 
 // x [..., K] @ the concatenation of the weights' rows^T -> [..., sum of N]; each weight's bytes checked.
-at::Tensor gguf_linear_cat(const at::Tensor& x_, at::TensorList raws, at::IntArrayRef types, at::IntArrayRef Ns, int64_t K) {
+at::Tensor gguf_linear_cat_impl(const at::Tensor& x_, at::TensorList raws, at::IntArrayRef types, at::IntArrayRef Ns,
+                                int64_t K, bool act8) {
   TORCH_CHECK(raws.size() >= 1 && raws.size() == types.size() && raws.size() == Ns.size(),
               "gguf_linear: give one type and one row count for each raw tensor");
   TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.dim() >= 1 && x_.size(-1) == K,
@@ -640,12 +983,21 @@ at::Tensor gguf_linear_cat(const at::Tensor& x_, at::TensorList raws, at::IntArr
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = cols;
   at::Tensor y = at::empty(shape, x.options());
-  if (M > 0 && cols > 0) gguf_linear_parts(x.data_ptr<float>(), M, K, parts, y.data_ptr<float>(), cols);
+  if (M > 0 && cols > 0) gguf_linear_parts(x.data_ptr<float>(), M, K, parts, y.data_ptr<float>(), cols, act8);
   return y;
 }
 
+at::Tensor gguf_linear_cat(const at::Tensor& x, at::TensorList raws, at::IntArrayRef types, at::IntArrayRef Ns, int64_t K) {
+  return gguf_linear_cat_impl(x, raws, types, Ns, K, false);
+}
+at::Tensor gguf_linear_cat_q8(const at::Tensor& x, at::TensorList raws, at::IntArrayRef types, at::IntArrayRef Ns, int64_t K) {
+  return gguf_linear_cat_impl(x, raws, types, Ns, K, true);
+}
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& raw, int64_t t, int64_t N, int64_t K) {
-  return gguf_linear_cat(x, {raw}, {t}, {N}, K);
+  return gguf_linear_cat_impl(x, {raw}, {t}, {N}, K, false);
+}
+at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& raw, int64_t t, int64_t N, int64_t K) {
+  return gguf_linear_cat_impl(x, {raw}, {t}, {N}, K, true);
 }
 
 at::Tensor gguf_rows(const at::Tensor& raw, int64_t t, const at::Tensor& ids_, int64_t K) {
@@ -884,6 +1236,8 @@ TORCH_LIBRARY(specdec_rs, lib) {
   lib.def("gguf_linear(Tensor x, Tensor raw, int ggml_type, int N, int K) -> Tensor");
   lib.def("gguf_rows(Tensor raw, int ggml_type, Tensor ids, int K) -> Tensor");
   lib.def("gguf_linear_cat(Tensor x, Tensor[] raws, int[] ggml_types, int[] Ns, int K) -> Tensor");
+  lib.def("gguf_linear_q8(Tensor x, Tensor raw, int ggml_type, int N, int K) -> Tensor");
+  lib.def("gguf_linear_cat_q8(Tensor x, Tensor[] raws, int[] ggml_types, int[] Ns, int K) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
   lib.impl("linear", &linear);
@@ -896,4 +1250,6 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
   lib.impl("gguf_linear", &gguf_linear);
   lib.impl("gguf_rows", &gguf_rows);
   lib.impl("gguf_linear_cat", &gguf_linear_cat);
+  lib.impl("gguf_linear_q8", &gguf_linear_q8);
+  lib.impl("gguf_linear_cat_q8", &gguf_linear_cat_q8);
 }

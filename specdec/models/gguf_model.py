@@ -86,7 +86,11 @@ class _LinearOp:
 def kernel_ops(rowstable):
     """(gguf_linear, gguf_rows, True) of the row-stable kernels `rowstable` where they hold them,
     else the slow reference's (reference_linear, reference_rows, False)."""
+    from .. import kernels
+
     if rowstable is not None and hasattr(rowstable, "gguf_linear") and hasattr(rowstable, "gguf_rows"):
+        if kernels.gguf_act8() and hasattr(rowstable, "gguf_linear_cat_q8"):  # (K-quants: 8-bit activations)
+            return _LinearOp(rowstable.gguf_linear_q8, rowstable.gguf_linear_cat_q8), rowstable.gguf_rows, True
         if hasattr(rowstable, "gguf_linear_cat"):
             return _LinearOp(rowstable.gguf_linear, rowstable.gguf_linear_cat), rowstable.gguf_rows, True
         return rowstable.gguf_linear, rowstable.gguf_rows, True
@@ -175,8 +179,9 @@ def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile) -> bool:
     row-stable kernels' q4_1_linear / q8_0_linear over the blocks repacked K-major
     (models/gguf_blocks; llama's q/k rows reordered there instead of the outputs): ~30% faster a
     step than gguf_linear on these types, and the same numbers (both equal the float product over
-    the dequantised weights bit for bit). The file's pages of the repacked tensors are given back
-    (madvise), so the model still holds about one copy of its bytes. Returns whether it did."""
+    the dequantised weights bit for bit; its other calls then stay on gguf_linear, not on
+    gguf_linear_q8). The file's pages of the repacked tensors are given back (madvise), so the
+    model still holds about one copy of its bytes. Returns whether it did."""
     from . import gguf_blocks as gb
 
     kinds = {STEP_KINDS.get(p[1]) for p in lin.parts}
@@ -194,6 +199,8 @@ def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile) -> bool:
     _, kmajor, _ = gb.pack(kind, fused, "float")
     op = kops.q8_0_linear if kind == "Q8_0" else kops.q4_1_linear
     lin.rs, lin.rs_blocks = kops, (op, kmajor, lin.out_features)
+    # long prefills on the float path too (not gguf_linear_q8's 8-bit activations): one set of numbers
+    lin.op, lin.op_cat = kops.gguf_linear, kops.gguf_linear_cat
     for raw, *_ in lin.parts:  # (prefills still read them: the pages come back from the file then)
         gf.release(raw)
     return True
@@ -351,6 +358,7 @@ def check_sampled_rows(model: GGUFLlamaModel, rows_per_matrix: int = 2, seed: in
     """On `rows_per_matrix` rows of every matrix (the first and random others) and a few embedding
     rows: gguf_linear / gguf_rows against gguf.quants.dequantize and a float64 product. Raises
     (one line, naming the tensor and type) where they part by more than float32 sums allow."""
+    from .. import kernels
     from .gguf_file import GGML_TYPES
 
     g = torch.Generator().manual_seed(seed)
@@ -363,6 +371,8 @@ def check_sampled_rows(model: GGUFLlamaModel, rows_per_matrix: int = 2, seed: in
         ref = x.double().numpy() @ W.T
         y = model.head.op(x, sub, t, len(rows), k).double().numpy()
         bound = 1e-5 * (np.abs(x.double().numpy()) @ np.abs(W).T) + 1e-30
+        if t in kernels.ACT8_SLICE and model.head.op is getattr(model.rowstable, "gguf_linear_q8", None):
+            bound = kernels.act8_error_bound(x.numpy(), W, t)  # (8-bit activations)
         if not np.isfinite(y).all() or (np.abs(y - ref) > bound).any():
             err = float(np.nanmax(np.abs(y - ref)))
             raise SpecdecError(f"the kernels misread tensor {name} ({GGML_TYPES[t][0]}): sampled rows differ from "
