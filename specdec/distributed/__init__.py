@@ -26,11 +26,11 @@ def require_ray():
 
 def add_cluster_args(group) -> None:
     """--ray, --replicas, --address: shared by `generate` and `serve`."""
-    from ..cli import _positive_int  # (cli imports this module; by the time it adds arguments it is loaded)
+    from ..argtypes import positive_int
 
     group.add_argument("--ray", action="store_true",
                        help=f"run on Ray (needs the ray extra: {RAY_INSTALL})")
-    group.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
+    group.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                        help="--ray: engines to run, each with --threads threads (default 1). "
                             "Default: the cluster's CPUs divided by --threads")
     group.add_argument("--address", default=None, metavar="ADDR",

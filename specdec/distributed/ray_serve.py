@@ -50,16 +50,11 @@ MEAN_GAUGES = {"specdec_mean_accepted_length", "specdec_draft_length"}
 
 def build_batcher(args):
     """(model, batcher, method) as `specdec serve` builds them from its flags
-    (cli.serve_model_and_drafter); the batcher decodes in its own thread, since a replica's main
+    (config.build_batcher); the batcher decodes in its own thread, since a replica's main
     thread is Ray's."""
-    from ..cli import serve_model_and_drafter
-    from ..server.batcher import ContinuousBatcher
+    from ..config import SpecConfig, build_batcher
 
-    lm, method, drafter = serve_model_and_drafter(args, quiet=True)
-    batcher = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=args.k, max_batch=args.max_batch,
-                                max_queue=args.max_queue, max_context=args.max_context, adaptive=not args.fixed_k,
-                                drafter=drafter, thread=True)
-    return lm, batcher, method
+    return build_batcher(SpecConfig.from_args(args), quiet=True, thread=True)
 
 
 class MetricsBoard:
@@ -324,7 +319,7 @@ def deployment(args):
 def app_builder(config: dict):
     """Ray Serve application builder for a cluster's config: `args: {flags: "..."}` holds
     `specdec serve` flags (--replicas, --threads, --method ...)."""
-    from ..cli import build_parser
+    from ..flags import build_parser
 
     flags = config.get("flags", "") if isinstance(config, dict) else ""
     args = build_parser().parse_args(["serve", *shlex.split(flags), "--ray"])
