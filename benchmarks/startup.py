@@ -37,7 +37,8 @@ t.append(("import specdec.cli", time.perf_counter()))
 from specdec.models.loader import load_model
 target = load_model(None, quiet=True)
 t.append(("load model", time.perf_counter()))
-engine = cli.generate_engine(target, sys.argv[1])
+from specdec.config import SpecConfig, build_engine
+engine = build_engine(SpecConfig(method=sys.argv[1]), target)
 t.append(("build engine", time.perf_counter()))
 from specdec.text import encode_prompt
 ids = encode_prompt(target.tokenizer, sys.argv[2], None)
