@@ -191,7 +191,7 @@ def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile) -> bool:
     if lin.out_order is not None:
         fused = tuple(a[lin.out_order.numpy()] for a in fused)
     kind = "Q8_0" if len(fused) == 2 else "Q4_1"
-    _, kmajor, _ = gb.pack(kind, fused, "float")
+    kmajor = gb._pack_q8(*fused) if kind == "Q8_0" else gb._pack_q4(*fused)  # (K-major only: steps read no other)
     op = kops.q8_0_linear if kind == "Q8_0" else kops.q4_1_linear
     lin.rs, lin.rs_blocks = kops, (op, kmajor, lin.out_features)
     for raw, *_ in lin.parts:  # (prefills still read them: the pages come back from the file then)
