@@ -20,7 +20,7 @@ from .config import (DEFAULT_K, DEFAULT_TREE_NODES, METHODS, SpecConfig, build_e
                      unused_setting_notes)
 from .distributed import wants_ray
 from .flags import build_parser
-from .prompts import prompt_where, read_prompts
+from .prompts import check_encoded, prompt_where, read_prompts
 from .text import check_text
 from .types import SpecdecError
 
@@ -423,17 +423,10 @@ def cmd_generate(args) -> int:
                        for (p, _), c in zip(rows_in, chats))
         for note in unused_setting_notes(cfg, engine.drafter, any_chat, args.system):
             print(f"[specdec] note: {note}", file=sys.stderr)
-    for i, ids in enumerate(encoded):
-        where = prompt_where(args, i, len(encoded))
-        if not ids:
-            raise SpecdecError(f"{where} is empty and goes in raw (--raw, a row's \"chat\": false, or a tokenizer "
-                               "without a chat template): there is nothing to continue from")
-        if len(ids) + 1 > target.model.max_context:
-            raise SpecdecError(f"{where} has {len(ids)} tokens but the model's context is {target.model.max_context}")
-        if len(ids) + args.max_new_tokens > target.model.max_context and not quiet:
-            print(f"[specdec] note: {where} has {len(ids)} tokens, so at most {target.model.max_context - len(ids)} of "
-                  f"--max-new-tokens {args.max_new_tokens} fit in the model's context "
-                  f"({target.model.max_context})", file=sys.stderr)
+    notes = check_encoded(encoded, target.model.max_context, args.max_new_tokens,
+                          lambda i: prompt_where(args, i, len(encoded)))
+    for note in [] if quiet else notes:
+        print(f"[specdec] note: {note}", file=sys.stderr)
     if args.n > 1 and params.greedy and not quiet:
         print(f"[specdec] note: --n {args.n} with greedy decoding gives {args.n} identical completions; "
               "pass --temperature > 0 to sample", file=sys.stderr)
@@ -469,29 +462,35 @@ def cmd_generate(args) -> int:
 
     if stream:
         printer.finish(final_text(outputs[rows[0]]))
-    elif args.json:
+    else:
+        print_outputs(args, prompts, outputs, final_text, {"method": args.method, "model": target.name,
+                                                           "weights": target.weights, "learned_state": restored})
+    sys.stdout.flush()
+    if not quiet:
+        print_summary(list(outputs.values()), cfg, wall, target.weights)
+    return 0
+
+
+def print_outputs(args, prompts: list, outputs: dict, final_text, run: dict) -> None:
+    """The completions of a run that does not stream: with --json one object per prompt (its
+    first completion's fields, every completion under "completions" with --n > 1, and `run`'s
+    fields), else each completion under a `=== prompt I[, sample S] ===` line."""
+    if args.json:
         for i, p in enumerate(prompts):
             comps = []
             for s in range(args.n):
                 res = outputs[(i, s)]
                 comps.append({"text": final_text(res), "token_ids": res.tokens,
                               "finish_reason": res.stats.finish_reason, "stats": res.stats.as_dict()})
-            obj = {"index": i, "prompt": p, "text": comps[0]["text"], "token_ids": comps[0]["token_ids"],
-                   "finish_reason": comps[0]["finish_reason"], "stats": comps[0]["stats"],
-                   "method": args.method, "model": target.name, "weights": target.weights,
-                   "learned_state": restored}
+            obj = {"index": i, "prompt": p, **comps[0], **run}
             if args.n > 1:
                 obj["completions"] = comps
             print(json.dumps(obj, ensure_ascii=False))
-    else:
-        for (i, s), res in outputs.items():
-            label = f"prompt {i + 1}" + (f", sample {s + 1}" if args.n > 1 else "")
-            print(f"=== {label} ===")
-            print(final_text(res))
-    sys.stdout.flush()
-    if not quiet:
-        print_summary(list(outputs.values()), cfg, wall, target.weights)
-    return 0
+        return
+    for (i, s), res in outputs.items():
+        label = f"prompt {i + 1}" + (f", sample {s + 1}" if args.n > 1 else "")
+        print(f"=== {label} ===")
+        print(final_text(res))
 
 
 def print_summary(results, cfg: SpecConfig, wall: float, weights: str = "fp32") -> None:

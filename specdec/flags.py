@@ -367,6 +367,11 @@ def add_train_parser(sub) -> None:
     d.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
 
+    add_train_eagle_parser(tsub, c)
+    add_train_medusa_parser(tsub, c)
+
+
+def add_train_eagle_parser(tsub, c) -> None:
     from .train.eagle import EagleTrainConfig
 
     e_cfg = EagleTrainConfig()
@@ -415,7 +420,6 @@ def add_train_parser(sub) -> None:
     e.add_argument("--seed", type=int, default=0, help="seed for collection and shuffling. Default: 0")
     e.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_train_medusa_parser(tsub, c)
 
 
 def add_train_medusa_parser(tsub, c) -> None:

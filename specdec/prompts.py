@@ -44,3 +44,19 @@ def prompt_where(args, i: int, n: int) -> str:
     if args.prompts_file:
         return f"{args.prompts_file}: prompt {i + 1}"
     return f"prompt {i + 1}" if n > 1 else "the prompt"
+
+
+def check_encoded(encoded: list[list[int]], max_context: int, max_new_tokens: int, where) -> list[str]:
+    """Refuse (one line, naming the prompt by `where(i)`) a prompt with no tokens or one that fills
+    the model's context; returns a note for each prompt that leaves fewer than max_new_tokens."""
+    notes = []
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise SpecdecError(f"{where(i)} is empty and goes in raw (--raw, a row's \"chat\": false, or a tokenizer "
+                               "without a chat template): there is nothing to continue from")
+        if len(ids) + 1 > max_context:
+            raise SpecdecError(f"{where(i)} has {len(ids)} tokens but the model's context is {max_context}")
+        if len(ids) + max_new_tokens > max_context:
+            notes.append(f"{where(i)} has {len(ids)} tokens, so at most {max_context - len(ids)} of --max-new-tokens "
+                         f"{max_new_tokens} fit in the model's context ({max_context})")
+    return notes
