@@ -31,7 +31,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from specdec.bench.tasks import dev_and_humaneval
-    from specdec.cli import generate_engine
+    from specdec.config import SpecConfig, build_engine
     from specdec.drafters import hybrid
     from specdec.models.loader import load_model
     from specdec.types import SamplingParams
@@ -40,7 +40,7 @@ def main() -> int:
     prompts = dev_and_humaneval(target.tokenizer, args.data, max(args.per_category, 1), args.humaneval)
     if args.per_category <= 0:
         prompts = [p for p in prompts if p[0] == "humaneval"]
-    engine = generate_engine(target, "auto")
+    engine = build_engine(SpecConfig(method="auto"), target)
     drafter = engine.drafter
     steps: dict[str, dict[int, list[float]]] = {"tree": {}, "chain": {}}
     last = {"kind": None, "nodes": 0, "end": None}

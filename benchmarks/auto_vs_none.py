@@ -47,7 +47,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from specdec.bench.tasks import load_humaneval, load_jsonl, select
-    from specdec.cli import generate_engine
+    from specdec.config import SpecConfig, build_engine
     from specdec.models.loader import load_model
     from specdec.text import encode_prompt
     from specdec.types import SamplingParams
@@ -62,7 +62,7 @@ def main() -> int:
     samplings = {"greedy": {}, "t0.7": {"temperature": 0.7, "seed": 1}}
     cells = [(c, s, n, b) for c in groups for s in args.samplings.split(",") for n in map(int, args.lengths.split(","))
              for b in args.batching.split(",")]
-    plain = generate_engine(target, "none")
+    plain = build_engine(SpecConfig(method="none"), target)
     saved = None  # what the last auto request learned (JSON, as on disk)
     times = {(cell, m): [] for cell in cells for m in ("none", "auto")}
     rates = {(cell, m): [] for cell in cells for m in ("none", "auto")}
@@ -75,7 +75,7 @@ def main() -> int:
             for method in ("none", "auto"):
                 total, tokens = 0.0, 0
                 for batch in batches:
-                    eng = plain if method == "none" else generate_engine(target, "auto")
+                    eng = plain if method == "none" else build_engine(SpecConfig(method="auto"), target)
                     t0 = time.perf_counter()
                     if method == "auto" and args.how == "saved" and saved is not None:
                         eng.relearn(json.loads(saved))  # timed: a CLI call reads the file too

@@ -39,7 +39,7 @@ def main() -> int:
 
     import specdec
     from specdec.bench.tasks import load_jsonl, select
-    from specdec.cli import generate_engine
+    from specdec.config import SpecConfig, build_engine
     from specdec.models.loader import load_model
     from specdec.text import encode_prompt
     from specdec.types import SamplingParams
@@ -53,7 +53,7 @@ def main() -> int:
     enc = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
     engines = {}
     for m in methods:
-        eng = generate_engine(target, m)
+        eng = build_engine(SpecConfig(method=m), target)
         engines[m] = eng
         eng.generate(enc[:1], SamplingParams(max_new_tokens=8))  # warm up (packing, first-call costs)
     print(f"specdec from {Path(specdec.__file__).parent}; threads {torch.get_num_threads()}")

@@ -43,7 +43,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from specdec.bench.tasks import load_humaneval, load_jsonl
-    from specdec.cli import generate_engine
+    from specdec.config import SpecConfig, build_engine
     from specdec.models.loader import load_model
     from specdec.text import encode_prompt
     from specdec.types import SamplingParams
@@ -60,8 +60,8 @@ def main() -> int:
     tasks = tasks[:: args.stride]
     encoded = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    flags = ("--dtype", args.dtype, "--weights", args.weights)
-    engines = {m: generate_engine(target, m, *flags) for m in ["none", *methods]}
+    engines = {m: build_engine(SpecConfig(method=m, dtype=args.dtype, weights=args.weights), target)
+               for m in ["none", *methods]}
     differ = {f"{m}@{b}": [] for b in batches for m in methods}
     t0 = time.time()
     for B in batches:

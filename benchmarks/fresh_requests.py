@@ -49,7 +49,7 @@ def main() -> int:
 
     from specdec.bench.runner import category_speedups
     from specdec.bench.tasks import load_humaneval, load_jsonl, select
-    from specdec.cli import generate_engine
+    from specdec.config import SpecConfig, build_engine
     from specdec.models.loader import load_model
     from specdec.text import encode_prompt
     from specdec.types import SamplingParams
@@ -58,7 +58,7 @@ def main() -> int:
     if not methods:
         ap.error("--methods: name at least one method besides none")
     target = load_model(None, quiet=True)
-    reused = {m: generate_engine(target, m) for m in methods}
+    reused = {m: build_engine(SpecConfig(method=m), target) for m in methods}
     cats = args.categories.split(",") if args.categories else None
     tasks = (select(load_jsonl(args.data), cats, args.per_category) if args.per_category > 0 else [])
     tasks += load_humaneval()[: args.humaneval]
@@ -75,7 +75,7 @@ def main() -> int:
             plain = None
             for v in variants:
                 method, _, how = v.partition(":")
-                eng = generate_engine(target, method) if how != "reused" else reused[method]
+                eng = build_engine(SpecConfig(method=method), target) if how != "reused" else reused[method]
                 t0 = time.perf_counter()
                 if how == "saved" and saved[method] is not None:
                     eng.relearn(json.loads(saved[method]))  # timed: a CLI call reads the file too

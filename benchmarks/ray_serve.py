@@ -116,7 +116,7 @@ def run_ray(replicas: int, threads: int, levels, requests, max_tokens) -> dict:
     import ray
     from ray import serve
 
-    from specdec.cli import build_parser
+    from specdec.flags import build_parser
     from specdec.distributed import start_ray
     from specdec.distributed.ray_serve import run_app, stop_app
 

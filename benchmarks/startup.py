@@ -8,9 +8,12 @@ Two measurements per repeat, interleaved:
   build the method's engine (its drafter: the EAGLE head for auto), encode the prompt, and the
   first token (prefill; the kernels' first calls).
 Medians over repeats. The cache (converted weights, built kernels) must be warm: run one
-`specdec generate` first.
+`specdec generate` first. --baseline DIR (another checkout, e.g. `git worktree add --detach
+/tmp/before main`) times its end-to-end runs too, interleaved with this checkout's, for a
+before/after ratio measured in one run.
 
     python benchmarks/startup.py --repeats 3 --methods none,auto
+    python benchmarks/startup.py --repeats 3 --methods none,auto --baseline /tmp/before
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ t.append(("import specdec.cli", time.perf_counter()))
 from specdec.models.loader import load_model
 target = load_model(None, quiet=True)
 t.append(("load model", time.perf_counter()))
-engine = cli.generate_engine(target, sys.argv[1])
+from specdec.config import SpecConfig, build_engine
+engine = build_engine(SpecConfig(method=sys.argv[1]), target)
 t.append(("build engine", time.perf_counter()))
 from specdec.text import encode_prompt
 ids = encode_prompt(target.tokenizer, sys.argv[2], None)
@@ -49,9 +53,9 @@ print(json.dumps({b[0]: b[1] - a[1] for a, b in zip(t, t[1:])}))
 """
 
 
-def end_to_end(method: str) -> tuple[float, float]:
-    """(seconds to the first stdout byte, seconds to exit) of one generate call."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def end_to_end(method: str, root: Path = ROOT) -> tuple[float, float]:
+    """(seconds to the first stdout byte, seconds to exit) of one generate call of the checkout at root."""
+    env = dict(os.environ, PYTHONPATH=str(root))
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--method", method,
                           "--max-new-tokens", "1", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
@@ -75,13 +79,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", default="none,auto")
+    ap.add_argument("--baseline", metavar="DIR", default=None,
+                    help="another checkout to time end to end, interleaved with this one")
     args = ap.parse_args()
     methods = args.methods.split(",")
     e2e = {m: [] for m in methods}
+    base = {m: [] for m in methods}
     parts = {m: [] for m in methods}
-    for _ in range(args.repeats):
+    for i in range(args.repeats):
         for m in methods:
+            if args.baseline and i % 2:  # (alternate which goes first)
+                base[m].append(end_to_end(m, Path(args.baseline)))
             e2e[m].append(end_to_end(m))
+            if args.baseline and not i % 2:
+                base[m].append(end_to_end(m, Path(args.baseline)))
             parts[m].append(stages(m))
     load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else "?"
     print(f"medians of {args.repeats}; load average {' '.join(load)}")
@@ -93,6 +104,10 @@ def main() -> int:
         print(f"{m}: first token {first:.2f} s, exit {total:.2f} s; stages: "
               + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
         doc[m] = {"first_token_s": [f for f, _ in e2e[m]], "exit_s": [w for _, w in e2e[m]], "stages": parts[m]}
+        if args.baseline:
+            b = statistics.median(f for f, _ in base[m])
+            print(f"{m}: baseline {args.baseline}: first token {b:.2f} s; this checkout / baseline {first / b:.2f}")
+            doc[m]["baseline_first_token_s"] = [f for f, _ in base[m]]
     print(json.dumps({"benchmark": "startup", "repeats": args.repeats, "methods": doc}))
     return 0
 

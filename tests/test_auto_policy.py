@@ -124,11 +124,12 @@ def test_seeded_gate_drafts_trees_while_they_pay():
 
 
 def test_learned_key_tells_greedy_from_sampled():
-    from specdec import cli
+    from specdec.config import SpecConfig
+    from specdec.flags import build_parser
 
     class Target:
         path, weights = "m.gguf", "fp32"
 
-    keys = {cli.learned_key(cli.build_parser().parse_args(["generate", "x", *flags]), Target())
+    keys = {SpecConfig.from_args(build_parser().parse_args(["generate", "x", *flags])).learned_key(Target())
             for flags in ([], ["--temperature", "0.7"], ["--temperature", "0.7", "--seed", "1"])}
     assert len(keys) == 2  # greedy, sampled (seeded or not)

@@ -361,15 +361,16 @@ def test_batches_of_samples_differ(default_model, capsys):
 def test_notes_for_options_that_do_nothing(argv, drafter, chat, expect):
     """Options that do not apply to the run (tree shapes for chain methods, filters with greedy, a system
     message with raw prompts) used to be dropped without a word."""
-    from specdec.cli import build_parser, ignored_flag_notes, sampling_params
+    from specdec.config import SpecConfig, unused_setting_notes
     from specdec.drafters.hybrid import LookupEagleDrafter
+    from specdec.flags import build_parser
 
     args = build_parser().parse_args(["generate", "x", *argv])
     from specdec.drafters.draft_model import DraftModelDrafter
 
     d = {"lookup-eagle": object.__new__(LookupEagleDrafter), "other": object(), None: None,
          "draft": object.__new__(DraftModelDrafter)}[drafter]
-    notes = ignored_flag_notes(args, sampling_params(args).greedy, d, chat)
+    notes = unused_setting_notes(SpecConfig.from_args(args), d, chat, args.system)
     assert len(notes) == len(expect), notes
     for note, want in zip(notes, expect):
         assert note.startswith(want), (note, want)

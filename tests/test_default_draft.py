@@ -6,11 +6,9 @@ medusa (tree and chain)."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from specdec.cli import build_engine
+from specdec.config import SpecConfig, build_engine
 from specdec.drafters.eagle import DEFAULT_EAGLE_DIR, default_eagle_for
 from specdec.drafters.medusa import DEFAULT_MEDUSA_DIR, default_medusa_for
 from specdec.models.loader import DEFAULT_DRAFT_DIR, default_draft_for
@@ -32,9 +30,8 @@ def test_default_draft_ships_and_loads(default_model):
     assert default_medusa_for(default_model) == DEFAULT_MEDUSA_DIR, "the default Medusa heads are missing"
 
 
-def _args(method, tree=True, draft=None):
-    return argparse.Namespace(method=method, draft=draft, k=None, tree=tree, tree_depth=4, tree_width=2,
-                              tree_nodes=None)
+def _config(method, tree=True, draft=None):
+    return SpecConfig(method=method, draft=draft, tree=tree)
 
 
 @pytest.mark.default_model
@@ -47,11 +44,12 @@ def test_greedy_speculation_equals_plain_on_default_model(default_model, method,
     tok = default_model.tokenizer
     ids = [encode_prompt(tok, p, chat) for p, chat in PROMPTS]
     params = SamplingParams(max_new_tokens=48)
-    plain_engine, _ = build_engine(_args("none"), default_model, quiet=True)
+    plain_engine = build_engine(_config("none"), default_model)
     plain = [plain_engine.generate([x], params)[0].tokens for x in ids]
-    engine, draft_lm = build_engine(_args(method, tree, draft), default_model, quiet=True)
-    if method == "draft" or draft is not None:
-        assert draft_lm is not None and draft_lm.draft_meta and len(draft_lm.draft_meta["vocab_subset"]) > 0
+    engine = build_engine(_config(method, tree, draft), default_model)
+    if method == "draft" or draft is not None:  # the shipped draft, with its vocabulary-subset head
+        draft_drafter = engine.drafter.draft if draft else engine.drafter
+        assert draft_drafter.subset is not None and len(draft_drafter.subset) > 0
     if method == "auto":  # the default target's auto: lookup + the shipped EAGLE head; --draft MODEL: + the draft
         assert isinstance(engine.drafter, HybridDrafter if draft else LookupEagleDrafter)
     one_by_one = [engine.generate([x], params)[0] for x in ids]
@@ -80,9 +78,9 @@ def test_greedy_speculation_equals_plain_in_bfloat16(default_model_bf16, method)
     lm = default_model_bf16
     ids = [encode_prompt(lm.tokenizer, p, chat) for p, chat in PROMPTS]
     params = SamplingParams(max_new_tokens=48)
-    plain_engine, _ = build_engine(_args("none"), lm, quiet=True)
+    plain_engine = build_engine(_config("none"), lm)
     plain = [plain_engine.generate([x], params)[0].tokens for x in ids]
-    engine, _ = build_engine(_args(method), lm, quiet=True)
+    engine = build_engine(_config(method), lm)
     one_by_one = [engine.generate([x], params)[0] for x in ids]
     assert [r.tokens for r in one_by_one] == plain
     assert sum(r.stats.accepted for r in one_by_one) > 0

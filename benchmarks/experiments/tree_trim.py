@@ -45,13 +45,13 @@ def main() -> int:
     from specdec.adaptive import NodeOdds
     from specdec.bench.runner import category_speedups
     from specdec.bench.tasks import load_humaneval, load_jsonl, select
-    from specdec.cli import generate_engine
+    from specdec.config import SpecConfig, build_engine
     from specdec.models.loader import load_model
     from specdec.text import encode_prompt
     from specdec.types import SamplingParams
 
     target = load_model(None, quiet=True)
-    engines = {v: generate_engine(target, m) for v, m in (("none", "none"), ("trim", "auto"), ("whole", "auto"))}
+    engines = {v: build_engine(SpecConfig(method=m), target) for v, m in (("none", "none"), ("trim", "auto"), ("whole", "auto"))}
     if not hasattr(engines["trim"].drafter, "trim"):
         ap.error("the default target's auto drafter has no EAGLE head here")
     engines["whole"].drafter.trim = False

@@ -26,11 +26,11 @@ def require_ray():
 
 def add_cluster_args(group) -> None:
     """--ray, --replicas, --address: shared by `generate` and `serve`."""
-    from ..cli import _positive_int  # (cli imports this module; by the time it adds arguments it is loaded)
+    from ..argtypes import positive_int
 
     group.add_argument("--ray", action="store_true",
                        help=f"run on Ray (needs the ray extra: {RAY_INSTALL})")
-    group.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
+    group.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                        help="--ray: engines to run, each with --threads threads (default 1). "
                             "Default: the cluster's CPUs divided by --threads")
     group.add_argument("--address", default=None, metavar="ADDR",
@@ -122,15 +122,15 @@ def add_train_ray_args(parser) -> None:
 def add_serve_ray_args(parser) -> None:
     """`serve`'s Ray options (one argument group): a fixed --replicas N, or autoscaling between
     --min-replicas and --max-replicas on the requests in flight per replica."""
-    from ..cli import _positive_int
+    from ..argtypes import positive_int
 
     g = parser.add_argument_group("Ray Serve (replicas, each with its own engine and batcher)")
     add_cluster_args(g)
-    g.add_argument("--max-replicas", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--max-replicas", type=positive_int, default=None, metavar="N",
                    help="--ray: autoscale on queue depth, up to N replicas (instead of a fixed --replicas)")
-    g.add_argument("--min-replicas", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--min-replicas", type=positive_int, default=None, metavar="N",
                    help="--ray with --max-replicas: replicas kept however idle. Default: 1")
-    g.add_argument("--target-ongoing", type=_positive_int, default=None, metavar="R",
+    g.add_argument("--target-ongoing", type=positive_int, default=None, metavar="R",
                    help="--ray with --max-replicas: requests in flight (running + queued) per replica that "
                         "autoscaling aims at; more add replicas, fewer remove them. Default: --max-batch")
 

@@ -15,7 +15,7 @@ Plain Ray actors, not Ray Data: Ray Data's streaming executor schedules its own 
 write tasks beside the actor pool and needs CPUs for them, so on a small node whose CPUs all
 hold engines it stalls, and its own output files would not give per-chunk resumption.
 
-This module does the fan-out and the files; decoding is the engine's (built by cli.build_engine).
+This module does the fan-out and the files; decoding is the engine's (built by config.build_engine).
 """
 
 from __future__ import annotations
@@ -46,19 +46,18 @@ class EngineWorker:
         import torch
 
         from .. import learned
-        from ..cli import build_engine, learned_key
-        from ..models.loader import load_model
+        from ..config import SpecConfig, build_engine, load_target
 
         self.args, self.error = args, None
         torch.set_num_threads(engine_threads(args))
         try:
-            dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-            self.target = load_model(args.model, dtype=dtype, quiet=True, weights=args.weights)
+            self.cfg = SpecConfig.from_args(args)
+            self.target = load_target(self.cfg, quiet=True)
             if self.target.tokenizer is None:
                 raise SpecdecError(f"{self.target.path} has no tokenizer; specdec generate needs one to read text prompts")
-            self.engine, _ = build_engine(args, self.target, True)
+            self.engine = build_engine(self.cfg, self.target)
             # read what earlier runs learned (speed only); many actors never write the file at once
-            self.restored = not args.fresh and learned.restore(self.engine, learned_key(args, self.target))
+            self.restored = not args.fresh and learned.restore(self.engine, self.cfg.learned_key(self.target))
         except SpecdecError as e:
             self.error = str(e)
 
@@ -66,13 +65,13 @@ class EngineWorker:
         return self.error
 
     def encode(self, rows_in: list[tuple]) -> dict:
-        """Every prompt's ids, checked as single-process `generate` checks them (cli.encode_prompts),
+        """Every prompt's ids, checked as single-process `generate` checks them (prompts.encode_prompts),
         plus the notes it prints: {"ids", "notes", "error"}."""
-        from ..cli import encode_prompts, sampling_params
+        from ..prompts import encode_prompts
 
         try:
-            ids, notes = encode_prompts(self.args, self.target.tokenizer, rows_in, self.target.model.max_context,
-                                        self.engine.drafter, sampling_params(self.args).greedy)
+            ids, notes = encode_prompts(self.args, self.cfg, self.target.tokenizer, rows_in,
+                                        self.target.model.max_context, self.engine.drafter)
         except SpecdecError as e:
             return {"ids": None, "notes": [], "error": str(e)}
         return {"ids": ids, "notes": notes, "error": None}
@@ -80,11 +79,10 @@ class EngineWorker:
     def generate(self, start: int, rows: list[tuple[int, int]], ids: list[list[int]]) -> list[dict]:
         """Decode one chunk (rows[start:start + batch] of the single-process run) with the
         seed that run gives it; one `--json`-shaped object per row."""
-        from ..cli import sampling_params
         from ..text import find_stop
 
         args, tok = self.args, self.target.tokenizer
-        params = sampling_params(args)
+        params = self.cfg.sampling
         if params.seed is not None:  # as cmd_generate: each batch draws from its own seeded stream
             params = dataclasses.replace(params, seed=params.seed + start)
 
@@ -232,7 +230,8 @@ def spread(ray, workers: list, jobs: list, call, done, describe, where) -> None:
 
 def generate_on_ray(args) -> int:
     """The `generate --ray` command: see the module docstring."""
-    from ..cli import read_prompts, sampling_params
+    from ..config import SpecConfig
+    from ..prompts import read_prompts
 
     ray = require_ray()
     if not args.prompts_file:
@@ -240,7 +239,7 @@ def generate_on_ray(args) -> int:
     if not args.out:
         raise SpecdecError("--ray writes its results under --out DIR (one JSON object per prompt in "
                            f"DIR/{RESULTS}); give a folder")
-    sampling_params(args)  # validate before starting anything
+    SpecConfig.from_args(args)  # bad settings fail before starting anything
     rows_in = read_prompts(args)
     d = prepare_out(args.out, job_identity(args, rows_in))
     rows = [(i, s) for i in range(len(rows_in)) for s in range(args.n)]

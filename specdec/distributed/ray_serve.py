@@ -64,16 +64,11 @@ MEAN_GAUGES = {"specdec_mean_accepted_length", "specdec_draft_length"}
 
 def build_batcher(args):
     """(model, batcher, method) as `specdec serve` builds them from its flags
-    (cli.serve_model_and_drafter); the caller warms the batcher and runs it in a thread of its
+    (config.build_batcher); the caller warms the batcher and runs it in a thread of its
     own, since a replica's main thread is Ray's."""
-    from ..cli import serve_model_and_drafter
-    from ..server.batcher import ContinuousBatcher
+    from ..config import SpecConfig, build_batcher
 
-    lm, method, drafter = serve_model_and_drafter(args, quiet=True)
-    batcher = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=args.k, max_batch=args.max_batch,
-                                max_queue=args.max_queue, max_context=args.max_context, adaptive=not args.fixed_k,
-                                drafter=drafter, thread=False)
-    return lm, batcher, method
+    return build_batcher(SpecConfig.from_args(args), quiet=True, thread=False)
 
 
 class MetricsBoard:
@@ -381,7 +376,7 @@ def app_builder(config: dict):
     """Ray Serve application builder for a cluster's config: `args: {flags: "..."}` holds
     `specdec serve` flags (--replicas, --threads, --method ...). Bad flags raise one ValueError
     that says which (argparse would exit the process Ray builds the application in)."""
-    from ..cli import build_parser
+    from ..flags import build_parser
 
     if not isinstance(config, dict) or not isinstance(config.get("flags", ""), str) or set(config) - {"flags"}:
         raise ValueError('specdec\'s Ray Serve application takes one argument, flags: the `specdec serve` flags as '

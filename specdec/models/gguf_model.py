@@ -174,29 +174,38 @@ class GGUFEmbedding(nn.Module):
 STEP_KINDS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # what the AVX2 kernels' repacked step products read
 
 
-def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile) -> bool:
+def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile, saved=None) -> bool:
     """Decoding steps of a projection whose parts are all Q4_0 / Q4_1 or all Q8_0 run on the
     row-stable kernels' q4_1_linear / q8_0_linear over the blocks repacked K-major
     (models/gguf_blocks; llama's q/k rows reordered there instead of the outputs): ~30% faster a
     step than gguf_linear on these types, and the same numbers (both equal the float product over
     the dequantised weights bit for bit; its other calls then stay on gguf_linear, not on
     gguf_linear_q8). The file's pages of the repacked tensors are given back (madvise), so the
-    model still holds about one copy of its bytes. Returns whether it did."""
+    model still holds about one copy of its bytes. `saved` (a .npy path) keeps the repacked blocks
+    between runs: read back memory-mapped when it exists (a start then skips the repacking),
+    written when it does not. Returns whether it did."""
     from . import gguf_blocks as gb
 
     kinds = {STEP_KINDS.get(p[1]) for p in lin.parts}
     if kops is None or None in kinds or len({"Q8_0" in k for k in kinds}) != 1 or lin.in_features % 32 \
             or lin.out_features % gb.G:
         return False
-    decoded = []
-    for raw, t, _, _ in lin.parts:
-        a = raw.numpy()
-        decoded.append(gb._q8(a) if t == 8 else gb._q4(a, STEP_KINDS[t]))
-    fused = tuple(np.concatenate([d[i] for d in decoded], axis=0) for i in range(len(decoded[0])))
-    if lin.out_order is not None:
-        fused = tuple(a[lin.out_order.numpy()] for a in fused)
-    kind = "Q8_0" if len(fused) == 2 else "Q4_1"
-    _, kmajor, _ = gb.pack(kind, fused, "float")
+    kind = "Q8_0" if "Q8_0" in kinds else "Q4_1"
+    if saved is not None and lin.out_order is not None:  # (the row order is part of what was packed)
+        import zlib
+
+        saved = saved.with_name(f"{saved.stem}.{zlib.crc32(lin.out_order.numpy().tobytes()):08x}.npy")
+    kmajor = _read_saved(saved)
+    if kmajor is None:
+        decoded = []
+        for raw, t, _, _ in lin.parts:
+            a = raw.numpy()
+            decoded.append(gb._q8(a) if t == 8 else gb._q4(a, STEP_KINDS[t]))
+        fused = tuple(np.concatenate([d[i] for d in decoded], axis=0) for i in range(len(decoded[0])))
+        if lin.out_order is not None:
+            fused = tuple(a[lin.out_order.numpy()] for a in fused)
+        kmajor = gb._pack_q8(*fused) if kind == "Q8_0" else gb._pack_q4(*fused)  # (K-major only: steps read no other)
+        _write_saved(saved, kmajor)
     op = kops.q8_0_linear if kind == "Q8_0" else kops.q4_1_linear
     lin.rs, lin.rs_blocks = kops, (op, kmajor, lin.out_features)
     # long prefills on the float path too (not gguf_linear_q8's 8-bit activations): one set of numbers
@@ -206,6 +215,32 @@ def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile) -> bool:
     return True
 
 
+def _read_saved(path):
+    """The repacked blocks saved at `path` (memory-mapped, copy-on-write), or None."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        return torch.from_numpy(np.load(path, mmap_mode="c"))
+    except (OSError, ValueError):
+        return None  # (unreadable or cut short: repack instead, and write it again)
+
+
+def _write_saved(path, blocks: torch.Tensor) -> None:
+    """Save repacked blocks at `path` (atomically: a reader never sees half a file); an
+    unwritable cache is no error, the next start repacks again."""
+    if path is None:
+        return
+    import os
+
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(tmp, blocks.numpy())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
 class GGUFLlamaModel(LlamaModel):
     """LlamaModel whose projections, LM head and embedding read a GGUF file's bytes (module
     docstring); norms, rotation and attention of decoding steps run on the row-stable kernels
@@ -213,7 +248,9 @@ class GGUFLlamaModel(LlamaModel):
 
     gguf_native = True
 
-    def __init__(self, cfg: LlamaConfig, gf: GGUFFile, linear_op, rows_op, kops) -> None:
+    def __init__(self, cfg: LlamaConfig, gf: GGUFFile, linear_op, rows_op, kops, repacked_dir=None) -> None:
+        """repacked_dir: where repack_for_steps keeps this file's repacked blocks between runs
+        (loader.repacked_dir; None: repack at every load)."""
         _no_init.on = True  # (the float weights LlamaModel makes are replaced below before any use)
         try:
             super().__init__(cfg)
@@ -268,11 +305,14 @@ class GGUFLlamaModel(LlamaModel):
         self.rowstable = kops
         self._head_weight = None
         if kops is not None and hasattr(kops, "q4_1_linear"):
-            for blk in self.layers:
-                for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down):
-                    repack_for_steps(lin, kops, gf)
+            def saved(name: str):
+                return None if repacked_dir is None else repacked_dir / f"{name}.npy"
+
+            for i, blk in enumerate(self.layers):
+                for attr in ("wqkv", "wo", "w_gate_up", "w_down"):
+                    repack_for_steps(getattr(blk, attr), kops, gf, saved(f"blk.{i}.{attr}"))
                 blk.fast = blk.fast_step_args()  # (direct kernel calls where every projection was repacked)
-            repack_for_steps(self.head, kops, gf)
+            repack_for_steps(self.head, kops, gf, saved("output"))
 
     def _tensor(self, name: str) -> TensorInfo:
         t = self.gguf.tensors.get(name)

@@ -328,11 +328,45 @@ def check_gguf(gf, quiet: bool = False) -> None:
         progress.close()
 
 
+def checked_stamp(path: Path, linear_op) -> Path:
+    """The cache file whose presence says that the GGUF file at `path`, as it is now (size and
+    modification time), passed load_gguf's checks (check_gguf, check_sampled_rows) on these
+    kernels (their source, torch, the product chosen): a later load of the unchanged file skips
+    them. They read every block scale and a sample of every matrix (~0.4 s on the default model
+    at each start), and their answer cannot change while the file and the kernels do not."""
+    import hashlib
+
+    from .. import kernels
+
+    st = path.stat()
+    ident = "\0".join([str(path.resolve()), str(st.st_size), str(st.st_mtime_ns), torch.__version__,
+                       str(getattr(linear_op, "op", linear_op))])
+    key = hashlib.sha256(ident.encode() + kernels.ROWSTABLE_SOURCE.read_bytes())
+    return cache_root() / "checked" / key.hexdigest()[:24]
+
+
+def repacked_dir(path: Path) -> Path:
+    """Where the decode-step layout of the GGUF file at `path` (as it is now: size, modification
+    time) is kept between runs (gguf_model.repack_for_steps), keyed also by the code that packs
+    it and the kernels that read it, so a change to either repacks. About the file's size on disk;
+    a start reads it memory-mapped instead of repacking (~0.4 s on the default model)."""
+    import hashlib
+
+    from .. import kernels
+    from . import gguf_blocks, gguf_model
+
+    st = path.stat()
+    ident = "\0".join([str(path.resolve()), str(st.st_size), str(st.st_mtime_ns)])
+    code = b"".join(Path(m.__file__).read_bytes() for m in (gguf_blocks, gguf_model))
+    key = hashlib.sha256(ident.encode() + code + kernels.ROWSTABLE_SOURCE.read_bytes())
+    return cache_root() / "repacked" / key.hexdigest()[:24]
+
+
 def load_gguf(path: Path, source: str, quiet: bool = False, with_tokenizer: bool = True,
               native: bool | None = None) -> LoadedModel:
     """A GGUF file's model computing from the file's bytes (models/gguf_model.py), its tokenizer
     from the file's metadata (models/tokenizer.gguf_tokenizer), checked as check_gguf and
-    gguf_model.check_sampled_rows say."""
+    gguf_model.check_sampled_rows say on its first load (checked_stamp)."""
     from .. import kernels
     from .gguf_file import GGUFFile
     from .gguf_model import GGUFLlamaModel, check_sampled_rows, kernel_ops
@@ -351,15 +385,24 @@ def load_gguf(path: Path, source: str, quiet: bool = False, with_tokenizer: bool
     problem = native_support_problem(hf)
     if problem:
         raise SpecdecError(f"{path.name}: {problem} is not supported")
-    check_gguf(gf, quiet)
     rs = kernels.rowstable_ops(cache_root() / "kernels", quiet)
     linear_op, rows_op, on_kernels = kernel_ops(rs)
+    stamp = checked_stamp(path, linear_op)
+    checked = stamp.is_file()  # the block checks below ran on this file with these kernels before
+    if not checked:
+        check_gguf(gf, quiet)
     if not on_kernels:
         why = kernels.rowstable_unavailable() or "the kernels lack gguf_linear"
         _log(f"the GGUF kernels cannot run here ({why}): computing with a slow reference that dequantises "
              "every matrix into memory", quiet)
-    model = GGUFLlamaModel(LlamaConfig.from_hf(hf), gf, linear_op, rows_op, rs)
-    check_sampled_rows(model)
+    model = GGUFLlamaModel(LlamaConfig.from_hf(hf), gf, linear_op, rows_op, rs, repacked_dir(path))
+    if not checked:
+        check_sampled_rows(model)
+        try:
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            stamp.touch()
+        except OSError:
+            pass  # (an unwritable cache: the checks run again next time)
     tok = gguf_tokenizer(gf, cache_root() / "tokenizers", quiet) if with_tokenizer else None
     eos = set(gf.eos_ids())
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:

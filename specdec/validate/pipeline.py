@@ -73,10 +73,13 @@ def run(target, samples: Samples, configs: list[measure.Config], none_engine, op
             levels = sorted(set(opts.concurrency))
             reference = [r["tokens"] for r in raw["none"]["samples"]]
             bar = _bar(opts.repeats * len(levels) * len(measure.LOAD_SETTINGS), "under load", opts.quiet)
-            from ..drafters.hybrid import lookup_eagle_for
+            from ..config import SpecConfig, serve_drafter
 
-            # the server's own drafting: auto (prompt lookup + the EAGLE head) where the target has a head
-            make = (lambda: lookup_eagle_for(target)) if lookup_eagle_for(target) is not None else None
+            # the server's own drafting (config.serve_drafter): auto (prompt lookup + the EAGLE head)
+            # where the target has a head, else prompt lookup
+            server = SpecConfig(method="auto")
+            has_head = serve_drafter(server, target, quiet=True)[0] == "auto"
+            make = (lambda: serve_drafter(server, target, quiet=True)[1]) if has_head else None
             load = measure.load(target.model, target.eos_ids, enc, params, levels, opts.load_k, opts.min_requests,
                                 opts.repeats, reference, bar, make_drafter=make)
             bar.close()

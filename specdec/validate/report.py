@@ -109,6 +109,64 @@ text-align:right}th{background:#f3f3f3}td:first-child{text-align:left}.ok{color:
 code,pre{background:#f6f6f6;padding:2px 4px;font-size:12px;white-space:pre-wrap}small{color:#666}"""
 
 
+def _html_load(result: dict, images: dict[str, str]) -> list[str]:
+    """The "Under load" section: off / fixed / load-aware per concurrency level."""
+    parts: list[str] = []
+    load = result.get("load")
+    if load:
+        parts.append(f"<h2>Under load</h2><p>The server's batched engine with its own speculation "
+                     f"({load.get('drafting', 'prompt lookup')}, k = {load['k']}): off, fixed k, load-aware; at each concurrency C, C clients send requests "
+                     f"back to back (at least {load['min_requests']} per level), medians of {load['repeats']} "
+                     "rounds. TPOT: time per output token of a request (first to last token / tokens after the "
+                     "first; p50, p95 over requests), the per-token latency a reader of the stream sees. ITL: each "
+                     "gap between deliveries / the tokens delivered; its median hides speculation's gain, as most "
+                     "deliveries still carry one token.</p>")
+        t = load["table"]
+        f = result["load_findings"]["by_concurrency"]
+        rows = []
+        for c in load["levels"]:
+            for name in ("off", "fixed", "adaptive"):
+                s = t[name][c]
+                gain = "" if name == "off" else (f"{_f(f[c][name]['throughput_vs_off'])} / "
+                                                 f"{_f(f[c][name]['latency_gain'])}")
+                rows.append([str(c), name, _f(s["throughput"], ".1f"), _f(1e3 * s["ttft_p50"], ".0f"),
+                             _f(1e3 * s["token_p50"], ".1f"), _f(1e3 * s["token_p95"], ".1f"),
+                             _f(1e3 * s.get("itl_p50", 0), ".1f"), _f(1e3 * s.get("itl_p95", 0), ".1f"),
+                             _f(s["mean_guesses"]), gain,
+                             f"<span class='{'fail' if s['failures'] else 'ok'}'>{s['failures']}</span>",
+                             f"{s['equal']}/{s['checked']}"])
+        parts.append(_table(["clients", "setting", "tok/s", "TTFT p50 ms", "TPOT p50 ms", "TPOT p95 ms",
+                             "ITL p50 ms", "ITL p95 ms",
+                             "guesses/row/step", "throughput / latency gain vs off", "failed", "greedy equal"], rows))
+        if "load" in images:
+            parts.append(f"<img src='{images['load']}'>")
+    return parts
+
+
+def _html_distribution(result: dict) -> list[str]:
+    """The "Distribution check" section: one row per sampled-continuation test."""
+    e = html.escape
+    parts: list[str] = []
+    dist = result.get("distribution", [])
+    if dist:
+        parts.append("<h2>Distribution check</h2><p>Seeded sampled continuations with speculation vs the target's "
+                     "exact probabilities from plain forwards over every sampled prefix. Two tests: chi-square over "
+                     "every prefix seen at least 30 times, and, over every token after the first (the first comes "
+                     "from the prefill; speculation produces the rest), the randomised probability integral "
+                     "transform (tokens ordered by probability), which is uniform exactly when the tokens follow "
+                     "the target. Fails when either p-value is below 0.001 / 2. The drafters guess at every step "
+                     "here (prompt lookup without its adaptive length, auto without its gate), so there are "
+                     "guesses to verify.</p>")
+        rows = [[e(d["config"]), e(str(d["sample"])), str(d["draws"]), f"{d['tokens']} @ T={d['temperature']}",
+                 f"{d['accepted']}/{d['proposed']}", f"{d['groups']} ({_f(d['chi2'], '.1f')}, {d['dof']} dof)",
+                 _f(d["p_value_grouped"], ".3g"), str(d["speculated_tokens"]), _f(d["pit_p_value"], ".3g"),
+                 _f(d["tv_first_token"], ".3f"),
+                 f"<span class='{'fail' if d['status'] == 'FAIL' else 'ok'}'>{d['status']}</span>"] for d in dist]
+        parts.append(_table(["config", "sample", "draws", "tokens", "guesses accepted", "groups (chi2, dof)",
+                             "p grouped", "speculated tokens", "p PIT", "TV first token", "result"], rows))
+    return parts
+
+
 def html_report(result: dict, images: dict[str, str]) -> str:
     v = result["verdict"]
     e = html.escape
@@ -176,51 +234,7 @@ def html_report(result: dict, images: dict[str, str]) -> str:
                              "x acceptance runs", "x verify cost", "x overhead", "why"], rows))
         if "predicted" in images:
             parts.append(f"<img src='{images['predicted']}'>")
-    load = result.get("load")
-    if load:
-        parts.append(f"<h2>Under load</h2><p>The server's batched engine with its own speculation "
-                     f"({load.get('drafting', 'prompt lookup')}, k = {load['k']}): off, fixed k, load-aware; at each concurrency C, C clients send requests "
-                     f"back to back (at least {load['min_requests']} per level), medians of {load['repeats']} "
-                     "rounds. TPOT: time per output token of a request (first to last token / tokens after the "
-                     "first; p50, p95 over requests), the per-token latency a reader of the stream sees. ITL: each "
-                     "gap between deliveries / the tokens delivered; its median hides speculation's gain, as most "
-                     "deliveries still carry one token.</p>")
-        t = load["table"]
-        f = result["load_findings"]["by_concurrency"]
-        rows = []
-        for c in load["levels"]:
-            for name in ("off", "fixed", "adaptive"):
-                s = t[name][c]
-                gain = "" if name == "off" else (f"{_f(f[c][name]['throughput_vs_off'])} / "
-                                                 f"{_f(f[c][name]['latency_gain'])}")
-                rows.append([str(c), name, _f(s["throughput"], ".1f"), _f(1e3 * s["ttft_p50"], ".0f"),
-                             _f(1e3 * s["token_p50"], ".1f"), _f(1e3 * s["token_p95"], ".1f"),
-                             _f(1e3 * s.get("itl_p50", 0), ".1f"), _f(1e3 * s.get("itl_p95", 0), ".1f"),
-                             _f(s["mean_guesses"]), gain,
-                             f"<span class='{'fail' if s['failures'] else 'ok'}'>{s['failures']}</span>",
-                             f"{s['equal']}/{s['checked']}"])
-        parts.append(_table(["clients", "setting", "tok/s", "TTFT p50 ms", "TPOT p50 ms", "TPOT p95 ms",
-                             "ITL p50 ms", "ITL p95 ms",
-                             "guesses/row/step", "throughput / latency gain vs off", "failed", "greedy equal"], rows))
-        if "load" in images:
-            parts.append(f"<img src='{images['load']}'>")
-    dist = result.get("distribution", [])
-    if dist:
-        parts.append("<h2>Distribution check</h2><p>Seeded sampled continuations with speculation vs the target's "
-                     "exact probabilities from plain forwards over every sampled prefix. Two tests: chi-square over "
-                     "every prefix seen at least 30 times, and, over every token after the first (the first comes "
-                     "from the prefill; speculation produces the rest), the randomised probability integral "
-                     "transform (tokens ordered by probability), which is uniform exactly when the tokens follow "
-                     "the target. Fails when either p-value is below 0.001 / 2. The drafters guess at every step "
-                     "here (prompt lookup without its adaptive length, auto without its gate), so there are "
-                     "guesses to verify.</p>")
-        rows = [[e(d["config"]), e(str(d["sample"])), str(d["draws"]), f"{d['tokens']} @ T={d['temperature']}",
-                 f"{d['accepted']}/{d['proposed']}", f"{d['groups']} ({_f(d['chi2'], '.1f')}, {d['dof']} dof)",
-                 _f(d["p_value_grouped"], ".3g"), str(d["speculated_tokens"]), _f(d["pit_p_value"], ".3g"),
-                 _f(d["tv_first_token"], ".3f"),
-                 f"<span class='{'fail' if d['status'] == 'FAIL' else 'ok'}'>{d['status']}</span>"] for d in dist]
-        parts.append(_table(["config", "sample", "draws", "tokens", "guesses accepted", "groups (chi2, dof)",
-                             "p grouped", "speculated tokens", "p PIT", "TV first token", "result"], rows))
+    parts += _html_load(result, images) + _html_distribution(result)
     sk = result["samples"]["skipped"]
     if sk or result.get("skipped_methods"):
         parts.append("<h2>Skipped</h2><ul>" + "".join(f"<li>sample {e(str(x['id']))}: {e(x['reason'])}</li>"

@@ -1,0 +1,139 @@
+"""The Python API: `specdec.load(...)` returns a `Speculator`, whose `generate` takes text and
+returns text with its figures. Everything is built from a `SpecConfig` by specdec.config's
+builder, exactly as `specdec generate` builds it, so the same settings give the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .config import SpecConfig, build_engine, load_target
+from .types import RequestStats, SamplingParams, SpecdecError
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(SpecConfig) if f.name != "sampling")
+
+
+@dataclass
+class Completion:
+    """One generated answer: `text` (stop strings cut off, special tokens skipped), `token_ids`
+    (every generated id, an EOS and a matched stop string's tokens included), `finish_reason`
+    ("eos", "length" or "stop") and `stats` (RequestStats: acceptance alpha, tokens per target
+    forward tau, prefill and decode seconds, ...)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: RequestStats
+
+
+class Speculator:
+    """A target model with its drafter and engine, built once from a SpecConfig and reused across
+    `generate` calls (adaptive drafters keep what they learn between calls).
+
+    Attributes: `config` (the SpecConfig), `target` (the LoadedModel: `.model`, `.tokenizer`,
+    `.name`, `.weights`), `engine` (the Engine, for token-id level use)."""
+
+    def __init__(self, config: SpecConfig, quiet: bool = True) -> None:
+        from . import threads
+
+        self.config = config
+        threads.start(config.threads)  # (the free cores are measured while loading, as generate does)
+        self.target = load_target(config, quiet)
+        if self.target.tokenizer is None:
+            raise SpecdecError(f"{self.target.path} has no tokenizer; Speculator.generate needs one to read text")
+        self.engine = build_engine(config, self.target, quiet)
+        threads.settle()
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def generate(self, prompt: str | list | Sequence[str | list], *, stop: Sequence[str] = (),
+                 chat: bool | None = None, system: str | None = None,
+                 on_text: Callable[[int, str], None] | None = None, **sampling) -> Completion | list[Completion]:
+        """Complete one prompt (returns a Completion) or a list of prompts decoded as one batch
+        (returns a list, in order).
+
+        A prompt is text or a list of OpenAI-style messages ({"role", "content"}). chat=None
+        uses the tokenizer's chat template when it has one (True requires it, False sends the
+        text raw); system is the template's system message. stop: strings that end a row (cut
+        from its text). on_text(row, text): each row's newly decoded text as it comes.
+        sampling: max_new_tokens, temperature (0: greedy), top_k, top_p, min_p, seed; the
+        config's sampling defaults for the rest."""
+        from .text import check_text, encode_prompt, find_stop
+
+        unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise SpecdecError(f"generate() got unknown option(s) {', '.join(unknown)}; sampling options are "
+                               f"{', '.join(SAMPLING_FIELDS)}")
+        params = dataclasses.replace(self.config.sampling, **sampling)
+        single = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict))
+        prompts = [prompt] if single else list(prompt)
+        if not prompts:
+            raise SpecdecError("generate() needs at least one prompt")
+        tok, ctx = self.tokenizer, self.target.model.max_context
+        encoded = []
+        for i, p in enumerate(prompts):
+            where = "the prompt" if single else f"prompt {i + 1}"
+            if isinstance(p, str):
+                check_text(p, where)
+            blank = not p.strip() if isinstance(p, str) else all(not str(m.get("content", "")).strip() for m in p)
+            if blank:
+                raise SpecdecError(f"{where} is empty: give the text for the model to answer (chat) or continue (raw)")
+            ids = encode_prompt(tok, p, chat, system)
+            if len(ids) + 1 > ctx:
+                raise SpecdecError(f"{where} has {len(ids)} tokens but the model's context is {ctx}")
+            encoded.append(ids)
+        stops = [s for s in stop if s]
+
+        def cut(text: str) -> str:
+            at = find_stop(text, stops)
+            return text if at is None else text[:at]
+
+        on_tokens = None
+        if on_text is not None:
+            sent = [""] * len(encoded)
+            so_far: list[list[int]] = [[] for _ in encoded]
+
+            def on_tokens(row, ids):
+                so_far[row] += list(ids)
+                text = tok.decode(so_far[row], skip_special_tokens=True)
+                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+                    return
+                if text.startswith(sent[row]) and len(text) > len(sent[row]):
+                    on_text(row, text[len(sent[row]):])
+                    sent[row] = text
+
+        def stop_fn(row, ids):
+            return find_stop(tok.decode(ids, skip_special_tokens=True), stops) is not None
+
+        results = self.engine.generate(encoded, params, on_tokens, stop_fn if stops else None)
+        out = [Completion(cut(tok.decode(r.tokens, skip_special_tokens=True)), list(r.tokens),
+                          r.stats.finish_reason, r.stats) for r in results]
+        return out[0] if single else out
+
+
+def load(model: str | None = None, draft: str | None = None, method: str = "auto", *,
+         config: SpecConfig | None = None, quiet: bool = True, **settings) -> Speculator:
+    """A Speculator for `model` (a .gguf file, a Hugging Face folder, a hub id; None: the
+    embedded default model) drafting with `method` ("auto", "none", "ngram", "draft", "eagle",
+    "medusa") and `draft` (the drafter's files; None: the ones shipped for the default model).
+
+    settings: any other SpecConfig field (k, threads, weights, dtype, tree, tree_depth,
+    tree_width, tree_nodes, draft_confidence) and the default sampling of generate calls
+    (max_new_tokens, temperature, top_k, top_p, min_p, seed). Or pass a whole `config`.
+    Bad values raise SpecdecError with one line saying what is wrong."""
+    if config is None:
+        unknown = sorted(set(settings) - set(CONFIG_FIELDS) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise SpecdecError(f"load() got unknown setting(s) {', '.join(unknown)}; settings are "
+                               f"{', '.join(CONFIG_FIELDS + SAMPLING_FIELDS)}")
+        sampling = SamplingParams(**{k: v for k, v in settings.items() if k in SAMPLING_FIELDS})
+        config = SpecConfig(model=model, draft=draft, method=method, sampling=sampling,
+                            **{k: v for k, v in settings.items() if k in CONFIG_FIELDS})
+    elif settings or model is not None or draft is not None or method != "auto":
+        raise SpecdecError("load() takes either a config or settings, not both")
+    return Speculator(config, quiet)
