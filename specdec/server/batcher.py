@@ -71,13 +71,12 @@ from typing import Callable
 
 import torch
 
-from .. import tree as tree_mod
 from ..adaptive import BatchGuard, DecayedLine
-from ..drafters.base import DraftContext, timing_free
+from ..core.step import run_step
+from ..drafters.base import Draft, DraftContext, timing_free
 from ..drafters.ngram import NgramDrafter, lookup_match
-from ..sampling import choose, make_generator, warp
+from ..sampling import choose, make_generator
 from ..types import MAX_GUESSES, SamplingParams, SpecdecError
-from ..verify import verify_greedy, verify_stochastic, verify_tree_greedy, verify_tree_stochastic
 
 errors = logging.getLogger("specdec.batcher")  # each failure once, with the request ids it ended
 
@@ -722,39 +721,28 @@ class ContinuousBatcher:
         t0 = time.perf_counter()
         s = self._propose()
         cache = _RowsView(self.cache, s.A)
-        base = cache.lengths.clone()
-        inp = torch.cat([torch.tensor([[r.context[-1]] for r in self.rows], dtype=torch.long), s.drafted], 1)
-        if s.is_tree:
-            s.parents, mask, depth = tree_mod.masks(s.parents, s.counts)
-            logits, hidden = self.model(inp, base[:, None] + depth, cache, attn_mask=mask)
-        else:
-            logits, hidden = self.model(inp, base[:, None] + torch.arange(s.K + 1)[None], cache)
-        paths, nxt, failed = self._verify(s, logits)
-        n_acc = torch.tensor([len(p) for p in paths], dtype=torch.long)
-        if s.is_tree:
-            cache.keep_paths(base, paths)
-        else:
-            cache.truncate(base + 1 + n_acc)
+        draft = Draft(s.drafted, s.counts, None, s.parents if s.is_tree else None)
+        res = run_step(self.model, cache, [r.context[-1] for r in self.rows], draft, [r.params for r in self.rows],
+                       [r.generator for r in self.rows], s.room, s.use_tree)
         cache.sync()
-        self._commit_drafters(s, paths, n_acc)
+        n_acc = torch.tensor(res.accepted, dtype=torch.long)
+        self._commit_drafters(s, res.paths, n_acc)
         self._record(s, n_acc, time.perf_counter() - t0)
-        drafted_l, nxt_l, counts_l = s.drafted.tolist(), nxt.tolist(), s.counts.tolist()
+        drafted_l, counts_l, failed = s.drafted.tolist(), s.counts.tolist(), res.failed
         for b, r in enumerate(self.rows):
             if b in failed:
                 continue
             # the rows of this step's output behind the committed tokens: the pending token's and
             # the accepted nodes' (a chain's are the first ones: a view, not a copy)
-            n = len(paths[b])
-            kept = [0] + paths[b] if s.is_tree and s.use_tree[b] else slice(0, n + 1)
-            ids = [drafted_l[b][j - 1] for j in paths[b]] + [nxt_l[b]]
+            kept, ids = res.kept(b), res.ids(b, drafted_l[b])
             if self.trees:
-                r.feats.append(hidden[b, kept])
+                r.feats.append(res.hidden[b, kept])
             r.context.extend(ids)
             r.proposed += counts_l[b]
-            r.accepted += n
+            r.accepted += len(res.paths[b])
             r.forwards += 1
             try:
-                self._emit(r, ids, _logprobs(logits[b, kept], ids, r.logprobs) if r.logprobs is not None else None)
+                self._emit(r, ids, _logprobs(res.logits[b, kept], ids, r.logprobs) if r.logprobs is not None else None)
             except Exception as e:  # noqa: BLE001 - its owner's callback failed: this row alone ends
                 failed[b] = e
         self._leave(failed)
@@ -857,32 +845,6 @@ class ContinuousBatcher:
         self.last_k = s.K
         s.is_tree = s.parents is not None and s.K > 0 and any(s.use_tree)  # lookup rows alone: a plain chain step
 
-    def _verify(self, s: _Step, logits) -> tuple[list[list[int]], torch.Tensor, dict[int, Exception]]:
-        """(accepted path per row, next token per row, rows whose verification failed)."""
-        paths = [list(range(1, int(c) + 1)) for c in s.counts]  # chain: node j hangs under node j - 1
-        nxt = torch.zeros(s.A, dtype=torch.long)
-        # greedy chain rows (the usual case) verify in one call: the same argmax per row as one
-        # call per row (a tenth of a millisecond each, a few percent of a full batch's step)
-        plain = [b for b, r in enumerate(self.rows) if r.params.greedy and not (s.is_tree and s.use_tree[b])]
-        if plain:
-            sel = slice(None) if len(plain) == s.A else torch.tensor(plain)
-            a, n = verify_greedy(logits[sel], s.drafted[sel], s.counts[sel])
-            for b, ab, nb in zip(plain, a.tolist(), n.tolist()):
-                paths[b] = paths[b][:ab]
-                nxt[b] = nb
-        failed: dict[int, Exception] = {}
-        done = set(plain)
-        for b, r in enumerate(self.rows):  # each other row verifies with its own sampling settings
-            if b in done:
-                continue
-            try:
-                paths[b], nxt[b] = self._verify_row(r, logits[b : b + 1], s.drafted[b : b + 1], s.counts[b : b + 1],
-                                                    s.parents[b : b + 1] if s.is_tree and s.use_tree[b] else None,
-                                                    s.room[b], paths[b])
-            except Exception as e:  # noqa: BLE001 - this row's own failure: it alone ends (in _leave)
-                failed[b], paths[b] = e, []
-        return paths, nxt, failed
-
     def _commit_drafters(self, s: _Step, paths: list[list[int]], n_acc: torch.Tensor) -> None:
         """Tell the drafters what each row kept."""
         if self.trees:
@@ -917,21 +879,6 @@ class ContinuousBatcher:
             self.totals["draft_rows"] += sum(s.use_draft)  # row-steps verifying the draft model's guesses
             self.totals["lookup_rows"] += sum(1 for g, u, t in zip(s.guesses, s.use_draft, s.use_tree)
                                               if g and not u and not t)
-
-    def _verify_row(self, r: Request, lg, gt, c, parents, room: int, chain: list[int]):
-        """(accepted path, next token) of one row verified with its own sampling settings: a tree
-        (parents given) by the tree rule, else its chain; a sampled chain row verifies its own
-        guesses only, so the random numbers a seeded row draws do not depend on how wide other
-        rows' drafts made the batch."""
-        if parents is not None:
-            if r.params.greedy:
-                p, n = verify_tree_greedy(lg, gt, parents, c, [room])
-            else:
-                p, n = verify_tree_stochastic(warp(lg, r.params), gt, parents, None, c, r.generator, [room])
-            return p[0], n[0]
-        m = int(c[0])
-        a, n = verify_stochastic(warp(lg[:, : m + 1], r.params), gt[:, :m], None, c, r.generator)
-        return chain[: int(a[0])], n[0]
 
     def _leave(self, failed: dict[int, Exception]) -> None:
         """After a step: rows that failed in it end with an error, finished ones leave (a stop
