@@ -12,6 +12,9 @@ second than plain ones (a few rows already make a CPU step compute-bound); for d
 do not price their own guesses (a draft model, Medusa, an EAGLE head alone) a single row is
 guarded too.
 
+Scoring, verification and the cache commit are `core.step.run_step`, the same step the
+server's batcher runs; the drafter is used only through `drafters.Drafter`.
+
 The engine yields token ids through a callback and knows nothing about tokenization,
 text, files or HTTP. Stop strings are the caller's business (`stop_fn`).
 """
@@ -25,7 +28,7 @@ import torch
 
 from . import threads
 from .adaptive import BatchGuard
-from .drafters.base import Draft, DraftContext, timing_free
+from .drafters.base import Draft, DraftContext, Drafter, timing_free
 from .core.step import run_step
 from .sampling import choose, make_generator
 from .types import MAX_GUESSES, GenerationResult, SamplingParams, SpecdecError
@@ -42,6 +45,8 @@ class Engine:
         if not 0 <= k <= MAX_GUESSES:
             raise SpecdecError(f"-k must be between 0 and {MAX_GUESSES} (longer steps are not verified bit for bit "
                                f"as plain decoding computes them), got {k}")
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise SpecdecError(f"a drafter must subclass specdec.drafters.Drafter (got {type(drafter).__name__})")
         self.model = model
         self.drafter = drafter
         self.k = k if drafter is not None else 0
@@ -54,15 +59,15 @@ class Engine:
         # are guarded at a single row too, so a draft model or head that does not pay for its
         # cost on this text or machine falls back to plain decoding instead of slowing it down
         self.guard = None
-        if drafter is not None and hasattr(drafter, "skip"):
-            self.guard = BatchGuard(min_rows=2 if getattr(drafter, "gates_itself", False) else 1)
+        if drafter is not None and drafter.may_skip:
+            self.guard = BatchGuard(min_rows=2 if drafter.gates_itself else 1)
 
     def learned(self) -> dict:
         """What the drafter, its draft-length policy and the guard learned while decoding, for a
         later run to start from (learned.py); {} when nothing adapts."""
         out = {}
-        for name, part in (("drafter", self.drafter), ("k_policy", self.k_policy), ("guard", self.guard)):
-            state = part.learned() if hasattr(part, "learned") else None
+        for name, part in self._learners():
+            state = part.learned()
             if state:
                 out[name] = state
         return out
@@ -70,9 +75,14 @@ class Engine:
     def relearn(self, state: dict) -> None:
         """Start from `learned()`'s output of an earlier run of the same method on the same
         machine and model. ValueError (and possibly a part restored) if it does not fit."""
-        for name, part in (("drafter", self.drafter), ("k_policy", self.k_policy), ("guard", self.guard)):
-            if state.get(name) and hasattr(part, "relearn"):
+        for name, part in self._learners():
+            if state.get(name):
                 part.relearn(state[name])
+
+    def _learners(self):
+        """(name, part) of the parts that adapt: the drafter, the k policy, the guard."""
+        return [(n, p) for n, p in (("drafter", self.drafter), ("k_policy", self.k_policy), ("guard", self.guard))
+                if p is not None]
 
     # ------------------------------------------------------------------------------------
     def generate(
@@ -110,7 +120,7 @@ class Engine:
         gen = make_generator(params.seed)
         k_max = self.k
         # room for the longest draft: k tokens, or a tree drafter's node budget
-        width = max(k_max, int(getattr(drafter, "max_nodes", 0) or 0)) if drafter is not None else 0
+        width = max(k_max, drafter.max_nodes) if drafter is not None else 0
         max_len = min(model.max_context, max(len(p) for p in prompts) + params.max_new_tokens + width + 1)
         results = [GenerationResult() for _ in range(B)]
         self._batches += 1
@@ -135,7 +145,7 @@ class Engine:
         logits, hidden = model(toks, pos, cache, logits_at=(lens - 1)[:, None])
         cache.truncate(lens)
         # target features of committed positions not yet handed to a drafter that reads them (EAGLE)
-        wants_hidden = drafter is not None and getattr(drafter, "needs_hidden", False)
+        wants_hidden = drafter is not None and drafter.needs_hidden
         feats = [[hidden[b, : len(p)]] if wants_hidden else [] for b, p in enumerate(prompts)]
         first = choose(logits[:, 0], params, gen)
         prefill_s = time.perf_counter() - t0
