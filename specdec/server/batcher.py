@@ -76,6 +76,7 @@ from typing import Callable
 
 import torch
 
+from .. import threads
 from ..adaptive import BatchGuard, DecayedLine
 from ..core.step import run_step
 from ..drafters.base import Draft, DraftContext, Drafter, timing_free
@@ -738,6 +739,7 @@ class ContinuousBatcher:
                 self._remove(i, "cancelled")
         if not self.rows:
             return
+        threads.tick()  # follow the cores other processes leave free (threads.py), as generate does
         t0 = time.perf_counter()
         s = self._propose()
         cache = _RowsView(self.cache, s.A)
