@@ -12,6 +12,9 @@ second than plain ones (a few rows already make a CPU step compute-bound); for d
 do not price their own guesses (a draft model, Medusa, an EAGLE head alone) a single row is
 guarded too.
 
+Scoring, verification and the cache commit are `core.step.run_step`, the same step the
+server's batcher runs; the drafter is used only through `drafters.Drafter`.
+
 The engine yields token ids through a callback and knows nothing about tokenization,
 text, files or HTTP. Stop strings are the caller's business (`stop_fn`).
 """
@@ -24,12 +27,11 @@ from typing import Callable
 import torch
 
 from . import threads
-from . import tree as tree_mod
 from .adaptive import BatchGuard
-from .drafters.base import Draft, DraftContext, timing_free
-from .sampling import choose, make_generator, warp
+from .drafters.base import Draft, DraftContext, Drafter, timing_free
+from .core.step import run_step
+from .sampling import choose, make_generator
 from .types import MAX_GUESSES, GenerationResult, SamplingParams, SpecdecError
-from .verify import verify_greedy, verify_stochastic, verify_tree_greedy, verify_tree_stochastic
 
 OnTokens = Callable[[int, list[int]], None]  # (row, newly committed ids)
 StopFn = Callable[[int, list[int]], bool]  # (row, all generated ids) -> stop now?
@@ -43,6 +45,8 @@ class Engine:
         if not 0 <= k <= MAX_GUESSES:
             raise SpecdecError(f"-k must be between 0 and {MAX_GUESSES} (longer steps are not verified bit for bit "
                                f"as plain decoding computes them), got {k}")
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise SpecdecError(f"a drafter must subclass specdec.drafters.Drafter (got {type(drafter).__name__})")
         self.model = model
         self.drafter = drafter
         self.k = k if drafter is not None else 0
@@ -55,15 +59,15 @@ class Engine:
         # are guarded at a single row too, so a draft model or head that does not pay for its
         # cost on this text or machine falls back to plain decoding instead of slowing it down
         self.guard = None
-        if drafter is not None and hasattr(drafter, "skip"):
-            self.guard = BatchGuard(min_rows=2 if getattr(drafter, "gates_itself", False) else 1)
+        if drafter is not None and drafter.may_skip:
+            self.guard = BatchGuard(min_rows=2 if drafter.gates_itself else 1)
 
     def learned(self) -> dict:
         """What the drafter, its draft-length policy and the guard learned while decoding, for a
         later run to start from (learned.py); {} when nothing adapts."""
         out = {}
-        for name, part in (("drafter", self.drafter), ("k_policy", self.k_policy), ("guard", self.guard)):
-            state = part.learned() if hasattr(part, "learned") else None
+        for name, part in self._learners():
+            state = part.learned()
             if state:
                 out[name] = state
         return out
@@ -71,9 +75,14 @@ class Engine:
     def relearn(self, state: dict) -> None:
         """Start from `learned()`'s output of an earlier run of the same method on the same
         machine and model. ValueError (and possibly a part restored) if it does not fit."""
-        for name, part in (("drafter", self.drafter), ("k_policy", self.k_policy), ("guard", self.guard)):
-            if state.get(name) and hasattr(part, "relearn"):
+        for name, part in self._learners():
+            if state.get(name):
                 part.relearn(state[name])
+
+    def _learners(self):
+        """(name, part) of the parts that adapt: the drafter, the k policy, the guard."""
+        return [(n, p) for n, p in (("drafter", self.drafter), ("k_policy", self.k_policy), ("guard", self.guard))
+                if p is not None]
 
     # ------------------------------------------------------------------------------------
     def generate(
@@ -111,7 +120,7 @@ class Engine:
         gen = make_generator(params.seed)
         k_max = self.k
         # room for the longest draft: k tokens, or a tree drafter's node budget
-        width = max(k_max, int(getattr(drafter, "max_nodes", 0) or 0)) if drafter is not None else 0
+        width = max(k_max, drafter.max_nodes) if drafter is not None else 0
         max_len = min(model.max_context, max(len(p) for p in prompts) + params.max_new_tokens + width + 1)
         results = [GenerationResult() for _ in range(B)]
         self._batches += 1
@@ -136,7 +145,7 @@ class Engine:
         logits, hidden = model(toks, pos, cache, logits_at=(lens - 1)[:, None])
         cache.truncate(lens)
         # target features of committed positions not yet handed to a drafter that reads them (EAGLE)
-        wants_hidden = drafter is not None and getattr(drafter, "needs_hidden", False)
+        wants_hidden = drafter is not None and drafter.needs_hidden
         feats = [[hidden[b, : len(p)]] if wants_hidden else [] for b, p in enumerate(prompts)]
         first = choose(logits[:, 0], params, gen)
         prefill_s = time.perf_counter() - t0
@@ -193,60 +202,29 @@ class Engine:
                 draft, K, is_tree = Draft.empty(A), 0, False
             t2 = time.perf_counter()
 
-            # 2 score: the pending token and the drafts in one target forward
-            inp = torch.empty(A, K + 1, dtype=torch.long)
-            inp[:, 0] = torch.tensor([context[r][-1] for r in rows])
-            inp[:, 1:] = draft.tokens
-            base = cache.lengths.clone()
-            if is_tree:
-                parents, mask, depth = tree_mod.masks(draft.parents, draft.counts)
-                logits, hidden = model(inp, base[:, None] + depth, cache, attn_mask=mask)  # [A, K+1, V]
-            else:
-                logits, hidden = model(inp, base[:, None] + torch.arange(K + 1)[None, :], cache)  # [A, K+1, V]
-
-            # 3 verify
-            paths = None
-            if is_tree:
-                if params.greedy:
-                    paths, nxt = verify_tree_greedy(logits, draft.tokens, parents, draft.counts, room)
-                else:
-                    paths, nxt = verify_tree_stochastic(warp(logits, params), draft.tokens, parents, draft.probs,
-                                                        draft.counts, gen, room)
-                n_acc = torch.tensor([len(p) for p in paths], dtype=torch.long)
-            elif params.greedy:
-                n_acc, nxt = verify_greedy(logits, draft.tokens, draft.counts)
-            else:
-                target_probs = warp(logits, params)
-                n_acc, nxt = verify_stochastic(target_probs, draft.tokens, draft.probs, draft.counts, gen)
-
-            # 4 commit / roll back: keep pending + accepted drafts in the cache
-            # e.g. cache [a b], pending c, drafts [d e f], 2 accepted -> cache [a b c d e], pending r
-            if is_tree:
-                cache.keep_paths(base, paths)
-            else:
-                cache.truncate(base + 1 + n_acc)
+            # 2-4 score, verify, commit / roll back (core/step.py)
+            res = run_step(model, cache, [context[r][-1] for r in rows], draft, params, gen, room)
+            n_acc = res.accepted
             if drafter is not None and K > 0:
                 if is_tree:
-                    drafter.commit(n_acc.tolist(), paths=paths)
+                    drafter.commit(n_acc, paths=res.paths)
                 else:
-                    drafter.commit(n_acc.tolist())
+                    drafter.commit(n_acc)
             t3 = time.perf_counter()
 
             # 5 record
             new = []
+            guessed = draft.tokens.tolist()
             for i, r in enumerate(rows):
-                a = int(n_acc[i])
-                if is_tree:
-                    ids = [int(draft.tokens[i, j - 1]) for j in paths[i]] + [int(nxt[i])]
-                else:
-                    ids = draft.tokens[i, :a].tolist() + [int(nxt[i])]
+                a = n_acc[i]
+                ids = res.ids(i, guessed[i])
                 context[r].extend(ids)
                 if wants_hidden:  # features of the pending token and the accepted drafts
-                    feats[r].append(hidden[i, [0] + paths[i]] if is_tree else hidden[i, : 1 + a])
+                    feats[r].append(res.hidden[i, res.kept(i)])
                 st = results[r].stats
                 st.target_forwards += 1
                 # a tree counts as a chain as deep as the tree: acceptance by depth
-                c = int(depth[i, : 1 + int(draft.counts[i])].max()) if is_tree else int(draft.counts[i])
+                c = res.proposed_depth(i, int(draft.counts[i]))
                 st.proposed += c
                 st.accepted += a
                 if c:
@@ -255,7 +233,7 @@ class Engine:
                 st.verify_s += t3 - t2
                 new.append(ids)
             if self.k_policy is not None:
-                self.k_policy.observe(k_step, draft.counts.tolist(), n_acc.tolist(), t2 - t1, t3 - t2)
+                self.k_policy.observe(k_step, draft.counts.tolist(), n_acc, t2 - t1, t3 - t2)
             keep = self._commit_tokens(rows, new, results, params, on_tokens, stop_fn, max_len, cache)
             if guard is not None:
                 guard.observe(A, spec, sum(len(ids) for ids in new), time.perf_counter() - t1)

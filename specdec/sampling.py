@@ -89,3 +89,19 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     else:
         g.manual_seed(int(seed))
     return g
+
+
+def draw(scores: torch.Tensor, params, generator, subset: torch.Tensor | None, vocab_size: int):
+    """One draft step from scores [B, S] (over `subset` ids if given): (token ids [B], q [B, V]
+    padded to the target's vocabulary, or None for greedy argmax guesses)."""
+    if params.greedy:
+        idx, q = scores.argmax(-1), None
+    else:
+        q_head = warp(scores, params)  # scores over the subset warp like the full vocabulary with -inf outside it
+        idx = sample(q_head, generator)
+        q = torch.zeros(scores.shape[0], vocab_size)
+        if subset is None:
+            q[:, : q_head.shape[-1]] = q_head
+        else:
+            q[:, subset] = q_head
+    return (subset[idx] if subset is not None else idx), q

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.drafters.base import Drafter
+
 
 @contextlib.contextmanager
 def one_thread():
@@ -273,8 +275,9 @@ def _draft(tokens: list[list[int]], probs: torch.Tensor | None):
     return Draft(out, counts, probs)
 
 
-class _Base:
+class _Base(Drafter):
     cost_hint = 0.0
+    may_skip = False  # every step proposes: the checks want every step verified
 
     def __init__(self) -> None:
         self.begun = 0
@@ -284,7 +287,7 @@ class _Base:
         self.begun += 1
         self.rows = len(prompts)
 
-    def commit(self, num_accepted) -> None:
+    def commit(self, num_accepted, paths=None) -> None:
         self.commits.append(list(num_accepted))
 
     def keep_rows(self, rows) -> None:

@@ -138,18 +138,19 @@ def test_sampling_with_steps_alternating_plain_and_speculative_follows_the_targe
     from test_eagle import CTX, SV, chi2_against
     from transformers import AutoModelForCausalLM
 
+    import specdec.core.step as step_mod
     import specdec.engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "timing_free", lambda params: False)
     if broken:  # plain steps take the most likely token instead of sampling it
-        orig_verify = engine_mod.verify_stochastic
+        orig_verify = step_mod.verify_stochastic
 
         def verify(probs, tokens, q, counts, gen):
             if int(counts.sum()) == 0:
                 return torch.zeros_like(counts), probs[:, 0].argmax(-1)
             return orig_verify(probs, tokens, q, counts, gen)
 
-        monkeypatch.setattr(engine_mod, "verify_stochastic", verify)
+        monkeypatch.setattr(step_mod, "verify_stochastic", verify)
     params = dict(temperature=0.9)
     tg = target(3, SV)
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir(3, SV)), dtype=torch.float32).eval()

@@ -8,6 +8,7 @@ import torch
 
 from specdec.adaptive import DecayedLine
 from specdec.drafters.ngram import LengthPolicy, NgramDrafter
+import specdec.core.step as step_mod
 from specdec.server.batcher import ContinuousBatcher, StepModel
 
 
@@ -203,12 +204,11 @@ def test_auto_batcher_sampling_matches_exact_distribution(monkeypatch, broken):
     tree rule (no residual) the same check fails."""
     import test_tree
     from specdec.drafters.hybrid import LookupEagleDrafter
-    from specdec.server import batcher as batcher_mod
     from test_eagle import SV
 
     monkeypatch.setattr(LookupEagleDrafter, "prefer_lookup", lambda self, looked, fixed: [False] * len(looked))
     if broken:
-        monkeypatch.setattr(batcher_mod, "verify_tree_stochastic", test_tree.broken_tree_verify)
+        monkeypatch.setattr(step_mod, "verify_tree_stochastic", test_tree.broken_tree_verify)
     s, b = _chi2_through_batcher(
         monkeypatch, lambda: _auto_batcher(adaptive=False, max_batch=8, seed=3, vocab=SV, min_lookup=1, min_n=1),
         broken, "auto")
@@ -344,11 +344,10 @@ def test_draft_batcher_sampling_matches_exact_distribution(monkeypatch, broken):
     caps) the first three tokens follow the target's exact distribution (chi-square); with a
     broken rule (the recovered token drawn from p, not the residual) the same check fails."""
     import oracle
-    from specdec.server import batcher as batcher_mod
     from test_eagle import SV
 
     if broken:
-        monkeypatch.setattr(batcher_mod, "verify_stochastic", oracle.broken_verify_stochastic)
+        monkeypatch.setattr(step_mod, "verify_stochastic", oracle.broken_verify_stochastic)
     s, _ = _chi2_through_batcher(
         monkeypatch, lambda: _draft_batcher(adaptive=False, draft_seed=4, max_batch=8, seed=3, vocab=SV), broken, "draft")
     assert 0 < s["accepted"] < s["proposed"]

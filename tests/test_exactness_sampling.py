@@ -25,6 +25,7 @@ import functools
 import pytest
 import torch
 
+import specdec.core.step
 import specdec.engine
 from specdec.drafters.base import DraftContext
 from specdec.drafters.draft_model import DraftModelDrafter
@@ -202,7 +203,7 @@ def test_broken_engine_is_caught(monkeypatch, name):
     (Not with random deterministic guesses: averaged over a uniformly random guess x that
     mistake happens to be unbiased, p(x) 1[y=x] + (1 - p(x)) p(y) averaging to p(y).)"""
     _, drafter_name, params, k, max_new = next(s for s in SETTINGS if s[0] == name)
-    monkeypatch.setattr(specdec.engine, "verify_stochastic", broken_verify_stochastic)
+    monkeypatch.setattr(specdec.core.step, "verify_stochastic", broken_verify_stochastic)
     drafter = make_drafter(drafter_name, params["temperature"], params.get("top_k", 0), params.get("top_p", 1.0))
     samples, st = sample(drafter, params, k, max_new, seed0=77, calls=4 if drafter_name == "ngram" else 3)
     assert st["proposed"] > 0 and st["accepted"] < st["proposed"]

@@ -110,9 +110,10 @@ def test_extreme_settings_beside_normal_requests(server, default_model, poison):
 @pytest.fixture
 def poisoned(monkeypatch):
     """Requests with temperature 0.123 fail in their verification, 0.321 in their prefill."""
+    from specdec.core import step as step_mod
     from specdec.server import batcher as batcher_mod
 
-    warp, choose = batcher_mod.warp, batcher_mod.choose
+    warp, choose = step_mod.warp, batcher_mod.choose
 
     def bad_warp(logits, params):
         if params.temperature == 0.123:
@@ -124,7 +125,7 @@ def poisoned(monkeypatch):
             raise RuntimeError("prefill exploded")
         return choose(logits, params, generator)
 
-    monkeypatch.setattr(batcher_mod, "warp", bad_warp)
+    monkeypatch.setattr(step_mod, "warp", bad_warp)
     monkeypatch.setattr(batcher_mod, "choose", bad_choose)
 
 

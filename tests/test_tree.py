@@ -12,6 +12,7 @@ import functools
 import pytest
 import torch
 
+import specdec.core.step
 import specdec.engine
 from specdec import tree
 from specdec.engine import Engine
@@ -300,7 +301,7 @@ def broken_tree_verify(target_probs, tokens, parents, draft_probs, counts, gener
 @pytest.mark.parametrize("name", ["iid-2x2-t1.0", "topk-2x2-t0.8-topp0.9"])
 def test_broken_tree_rule_is_caught(monkeypatch, name):
     _, mode, branching, params = next(s for s in TREE_SETTINGS if s[0] == name)
-    monkeypatch.setattr(specdec.engine, "verify_tree_stochastic", broken_tree_verify)
+    monkeypatch.setattr(specdec.core.step, "verify_tree_stochastic", broken_tree_verify)
     samples, _ = sample_tree(mode, branching, params, seed0=99, calls=3)
     results = chi2_views(samples, params)
     assert any(r.rejected for _, r in results), [f"{lb}: {r}" for lb, r in results]

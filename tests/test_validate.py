@@ -11,6 +11,7 @@ import pytest
 import torch
 from oracle import broken_verify_stochastic, hf_greedy, native_of, one_thread, tiny_hf_llama  # noqa: F401
 
+import specdec.core.step
 import specdec.engine
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
@@ -142,7 +143,7 @@ def test_distribution_check_passes_the_engine_and_catches_a_broken_one(tiny, mon
     _, model = tiny
     ok = measure.distribution(_ngram_config(model), model, PROMPT, draws=400, tokens=4, temperature=1.0, seed=3)
     assert ok["passed"] and ok["exercised"] and ok["proposed"] > 0 and ok["accepted"] > 0, ok
-    monkeypatch.setattr(specdec.engine, "verify_stochastic", broken_verify_stochastic)
+    monkeypatch.setattr(specdec.core.step, "verify_stochastic", broken_verify_stochastic)
     bad = measure.distribution(_ngram_config(model), model, PROMPT, draws=400, tokens=4, temperature=1.0, seed=3)
     assert not bad["passed"], bad
 
@@ -161,7 +162,7 @@ def test_acceptance_greedy_equals_the_oracle_and_a_broken_engine_fails_the_verdi
     def accept_all(logits, draft_tokens, counts):  # a broken greedy rule: every guess holds
         return counts.clone(), logits[torch.arange(len(counts)), counts].argmax(-1)
 
-    monkeypatch.setattr(specdec.engine, "verify_greedy", accept_all)
+    monkeypatch.setattr(specdec.core.step, "verify_greedy", accept_all)
     raw = measure.acceptance([_ngram_config(model)], Engine(model), prompts, params, repeats=1)
     bad = analysis.summarize_config(raw["ngram k=3"], raw["none"])
     assert bad["not_equal"]

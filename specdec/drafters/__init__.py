@@ -1,6 +1,6 @@
-"""Drafting methods. Importing this package fills `REGISTRY` (method name -> factory)."""
+"""Drafting methods. `REGISTRY` maps a method name to its factory, importing the method's module
+on first use (`base.METHODS`)."""
 
-from . import draft_model, eagle, hybrid, medusa, ngram  # noqa: F401  (registration side effects)
-from .base import REGISTRY, Draft, DraftContext, Drafter
+from .base import METHODS, REGISTRY, Draft, DraftContext, Drafter, register
 
-__all__ = ["REGISTRY", "Draft", "DraftContext", "Drafter"]
+__all__ = ["METHODS", "REGISTRY", "Draft", "DraftContext", "Drafter", "register"]

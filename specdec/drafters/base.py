@@ -1,15 +1,18 @@
-"""The drafter interface (docs/design.md, "The drafter protocol") and the registry of drafting methods.
+"""The drafter protocol (docs/design.md, "The drafter protocol") and the registry of drafting methods.
 
-A drafter guesses up to `max_tokens` next tokens per row; the engine verifies them and
-tells the drafter how many were accepted. The engine calls only `propose` and `commit`
-(plus `begin` at the start of a request batch and `keep_rows` when finished rows leave).
-Drafters know nothing about tokenizers or text.
+A drafter guesses up to `max_tokens` next tokens per row; the core (core/step.py, driven by
+`Engine` and `ContinuousBatcher`) verifies them and tells the drafter what each row kept.
+`Drafter` lists everything the core calls or reads; the core probes nothing else, so a drafter
+that subclasses it runs in `generate` and `serve` alike. Drafters know nothing about
+tokenizers or text.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from importlib import import_module
+from typing import Callable
 
 import torch
 
@@ -36,17 +39,56 @@ class Draft:
         return Draft(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
 
 
-class Drafter(Protocol):
-    #: relative cost of one proposed token vs one target forward, if known a priori
-    cost_hint: float
+class Drafter(ABC):
+    """What the core calls on a drafter. Rows are the batch rows in order; a finished row
+    leaves (`keep_rows`), a request joining a running batch adds one at the end (`add_row`).
 
-    def begin(self, prompts: list[list[int]], params: SamplingParams, max_len: int) -> None: ...
-    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft: ...
-    def commit(self, num_accepted: list[int]) -> None: ...
-    def keep_rows(self, rows: list[int]) -> None: ...
-    # optional: `skip()`, the engine decodes this step without asking for a proposal (batches
-    # where speculation does not pay, adaptive.BatchGuard); the next `propose` sees the context
-    # and features committed meanwhile. Drafters without it are never skipped.
+    Per step the core either asks for a proposal (`propose`, then `commit` with what each row
+    kept) or, when speculation does not pay this step, tells the drafter it sits it out (`skip`;
+    only drafters with `may_skip`). Guesses must be drawn as `Draft.probs` says (None:
+    deterministic guesses, q one-hot), which the server relies on: it asks with greedy params
+    so every row, sampled ones included, verifies one-hot guesses exactly."""
+
+    #: relative cost of one proposed token vs one target forward, if known a priori (None: measured)
+    cost_hint: float | None = None
+    #: propose reads `DraftContext.hidden`: the target's final hidden states of the committed
+    #: positions not yet handed over (EAGLE, Medusa)
+    needs_hidden: bool = False
+    #: a tree drafter's node budget per row (the cache keeps room for it); 0 for chains
+    max_nodes: int = 0
+    #: the drafter prices its own guesses step by step (prompt lookup, auto): the batch guard
+    #: watches batches of 2+ rows only; otherwise a single row is guarded too
+    gates_itself: bool = False
+    #: the core may decode a step without asking for a proposal (`skip`); False: every step proposes
+    may_skip: bool = True
+
+    def begin(self, prompts: list[list[int]], params: SamplingParams | None, max_len: int) -> None:
+        """A batch starts with these rows (none, for a server that adds them with `add_row`)."""
+
+    @abstractmethod
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        """Guesses for every row: a chain of up to max_tokens, or a tree (`Draft.parents`)."""
+
+    @abstractmethod
+    def commit(self, num_accepted: list[int], paths: list[list[int]] | None = None) -> None:
+        """After a proposal: per row how many guesses held (and for a tree, which nodes)."""
+
+    def skip(self) -> None:
+        """This step decodes without a proposal; the next `propose` sees what was committed meanwhile."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep (and reorder to) these rows; drafters with per-row state override it."""
+
+    def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
+        """A request joins a running batch as the last row (its prompt, for drafters that read it
+        ahead; its target features come with the next proposal when `needs_hidden`)."""
+
+    def learned(self) -> dict | None:
+        """What adapted while decoding, for a later run to start from (learned.py); None: nothing."""
+        return None
+
+    def relearn(self, state: dict) -> None:
+        """Start from `learned()`'s output of an earlier run; ValueError if it does not fit."""
 
 
 def timing_free(params) -> bool:
@@ -57,13 +99,54 @@ def timing_free(params) -> bool:
     return params is not None and params.seed is not None and not params.greedy
 
 
-#: method name -> factory(target LoadedModel-like object, draft spec, options) -> Drafter
-REGISTRY: dict[str, Callable[..., Drafter]] = {}
+#: method name -> module (in specdec.drafters) whose `@register(name)` factory makes it. Registering
+#: a drafter is one line here: the module is imported on first use, so importing
+#: specdec.drafters does not import every drafter (and what they import).
+METHODS = {
+    "ngram": "ngram",
+    "draft": "draft_model",
+    "eagle": "eagle",
+    "medusa": "medusa",
+    "lookup-eagle": "hybrid",
+    "hybrid": "hybrid",
+}
+
+
+class _Registry(dict):
+    """Method name -> factory(target LoadedModel-like object, draft spec, options) -> Drafter,
+    importing a method's module the first time it is asked for."""
+
+    def _load(self, name: str) -> None:
+        if not dict.__contains__(self, name) and name in METHODS:
+            import_module(f"{__package__}.{METHODS[name]}")
+
+    def __getitem__(self, name: str):
+        self._load(name)
+        return dict.__getitem__(self, name)
+
+    def get(self, name, default=None):
+        self._load(name)
+        return dict.get(self, name, default)
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, name) or name in METHODS
+
+    def keys(self):
+        return sorted(set(dict.keys(self)) | set(METHODS))
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+
+REGISTRY: dict[str, Callable[..., Drafter]] = _Registry()
 
 
 def register(name: str):
     def deco(factory):
-        REGISTRY[name] = factory
+        dict.__setitem__(REGISTRY, name, factory)
         return factory
 
     return deco

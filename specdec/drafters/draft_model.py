@@ -14,84 +14,13 @@ from __future__ import annotations
 import torch
 
 from ..models.llama import block_linear, block_rows_ok, packed_linear, step_call
-from ..sampling import sample, warp
+from ..sampling import draw
 from ..types import SpecdecError
-from .base import Draft, DraftContext, register
-from .eagle import block_drafting, pack_drafting_head, rowstable_head
+from .base import Draft, DraftContext, Drafter, register
+from ..models.kernel_glue import draft_on_kernels, draft_on_rowstable, pack_drafting_head
 
 
-def draw(scores: torch.Tensor, params, generator, subset: torch.Tensor | None, vocab_size: int):
-    """One draft step from scores [B, S] (over `subset` ids if given): (token ids [B], q [B, V]
-    padded to the target's vocabulary, or None for greedy argmax guesses)."""
-    if params.greedy:
-        idx, q = scores.argmax(-1), None
-    else:
-        q_head = warp(scores, params)  # scores over the subset warp like the full vocabulary with -inf outside it
-        idx = sample(q_head, generator)
-        q = torch.zeros(scores.shape[0], vocab_size)
-        if subset is None:
-            q[:, : q_head.shape[-1]] = q_head
-        else:
-            q[:, subset] = q_head
-    return (subset[idx] if subset is not None else idx), q
-
-
-def draft_on_kernels(model, head: torch.Tensor, target_model):
-    """Where the target computes on the GGUF block kernels (eagle.block_drafting says where), give a
-    float32 native draft model's projections that still hold their fp32 weights (a model loaded
-    with load_model(..., pack=False)) Q8_0 copies on those kernels, its norms, rotation and
-    attention the kernels' too (LlamaModel.use_kernels: a drafting step becomes ~4 kernel calls a
-    layer), and return the kernel arguments of its output head `head` [S, D] as Q8_0 blocks (None:
-    nothing changed). Lossy for the draft's own numbers only (~0.4% of a block's largest weight),
-    so exactness does not move: sampling draws from, and verification divides by, the q the draft
-    computes."""
-    from ..kernels import loaded
-
-    if not getattr(model, "native", False) or model.dtype != torch.float32:
-        return None
-    lins = [lin for blk in model.layers for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)]
-    head_q = block_drafting(lins, head, target_model)
-    if head_q is not None:
-        model.use_kernels(loaded())
-    return head_q
-
-
-def draft_on_rowstable(model, head: torch.Tensor | None, target_model):
-    """Where the target's decoding steps run on the row-stable AVX2 kernels (CPUs without AVX-512:
-    target_model.rowstable) and `draft_on_kernels` did not apply, put an unpacked float32 native
-    draft model's decoding steps on them too (LlamaModel.use_rowstable), over Q8_0 copies of its
-    projections and LM head where the target reads GGUF blocks (its head is on them), over its fp32
-    weights otherwise; and return (op, *args) computing the subset head `head` [S, D] on them (None:
-    no subset head, or nothing changed: see model.rowstable). Lossy for the draft's own numbers
-    only, so exactness does not move."""
-    from ..models.gguf_blocks import quantize_q8_0
-
-    ops = getattr(target_model, "rowstable", None)
-    if ops is None or not getattr(model, "native", False) or model.dtype != torch.float32:
-        return None
-    on_blocks = target_model.head_rs_blocks is not None or getattr(target_model, "gguf_native", False)
-    if getattr(model, "gguf_native", False) and model.rowstable is ops:
-        pass  # a draft read from a GGUF file computes on these kernels from its own blocks already
-    elif model.rowstable is None:
-        if model.packed or any(lin.qargs is not None for blk in model.layers
-                               for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)):
-            return None
-        blocks = {}
-        if on_blocks:
-            for i, blk in enumerate(model.layers):
-                for attr in ("wqkv", "wo", "w_gate_up", "w_down"):
-                    b = quantize_q8_0(getattr(blk, attr).weight)
-                    if b is not None:
-                        blocks[f"layers.{i}.{attr}"] = b
-            if head is None and (b := quantize_q8_0(model.lm_head_weight())) is not None:
-                blocks["head"] = b
-        model.use_rowstable(ops, blocks)
-    elif model.rowstable is not ops:
-        return None
-    return None if head is None else rowstable_head(ops, head, on_blocks)
-
-
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     def __init__(self, model, vocab_size: int | None = None, vocab_subset: list[int] | None = None,
                  confidence: float = 0.0, target_model=None) -> None:
         """vocab_subset: token ids the draft may propose (a frequency-ranked head: reading
@@ -104,7 +33,7 @@ class DraftModelDrafter:
         self.model = model
         self.vocab_size = vocab_size or model.vocab_size  # the target's vocabulary (q is padded to it)
         self.subset = None
-        self.head_packed = self.head_dtype = None  # a prepacked subset head (eagle.pack_drafting_head)
+        self.head_packed = self.head_dtype = None  # a prepacked subset head (kernel_glue.pack_drafting_head)
         self.head_q = None  # or the subset head as Q8_0 blocks on the kernels (kernel_args)
         self.head_rs = None  # or (op, *args) on the row-stable AVX2 kernels (draft_on_rowstable)
         native = getattr(model, "native", False)
@@ -206,7 +135,7 @@ class DraftModelDrafter:
         tokens = torch.stack(toks, 1)  # [B, K]
         return Draft(tokens, counts, torch.stack(probs, 1) if probs else None)
 
-    def commit(self, num_accepted) -> None:
+    def commit(self, num_accepted, paths=None) -> None:
         # the cache holds context + d1..d_{K-1}; keep context + the accepted drafts.
         # e.g. context [a b c], drafts [d e f] fed as far as [d e], 1 accepted -> keep [a b c d]
         for b, n in enumerate(num_accepted):

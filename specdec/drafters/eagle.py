@@ -35,7 +35,6 @@ refused with a clear message.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -43,12 +42,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models.llama import (ATTEND_HEAD_SIZES, ATTEND_MAX_T, BLOCK_MAX_ROWS, PACK_BATCH_HINT, Linear, additive_mask,
-                             block_linear, block_rows_ok, cpu_has_bf16, fused_step_ok, mkldnn_packing_available,
+from ..models.llama import (ATTEND_HEAD_SIZES, ATTEND_MAX_T, BLOCK_MAX_ROWS, Linear, additive_mask,
+                             block_linear, block_rows_ok, fused_step_ok, mkldnn_packing_available,
                              packed_linear, step_call)
 from ..kv_cache import keep_in_place, with_room
+from ..models.kernel_glue import block_drafting, pack_drafting_head, rowstable_drafting
+from ..sampling import draw
 from ..types import SpecdecError
-from .base import Draft, DraftContext, register
+from .base import Draft, DraftContext, Drafter, register
+from .heads import load_head, target_fingerprint  # noqa: F401  (target_fingerprint: used by train/)
 
 EAGLE_META = "specdec_eagle.json"
 EAGLE_WEIGHTS = "eagle.safetensors"
@@ -62,18 +64,6 @@ def default_eagle_for(target) -> Path | None:
     if getattr(target, "source", None) == "default" and is_eagle_dir(DEFAULT_EAGLE_DIR):
         return DEFAULT_EAGLE_DIR
     return None
-
-
-def target_fingerprint(model, legacy: bool = False) -> str:
-    """A short hash of the target's LM head (a head trained for it must see the same one).
-    The sampled rows are rounded to bfloat16 first, so the same target loaded in float32 or
-    bfloat16 (`--dtype`) gives the same hash; `legacy`: the hash of the unrounded rows, which
-    older heads recorded."""
-    w = model.lm_head_weight().detach().float()
-    sample = w[:: max(1, w.shape[0] // 256)].contiguous()
-    if not legacy:
-        sample = sample.to(torch.bfloat16).float()
-    return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
 
 
 class EagleHead(nn.Module):
@@ -155,94 +145,6 @@ class EagleHead(nn.Module):
         return self.finish(x, q, k, v, causal=True)
 
 
-def bf16_drafting() -> bool:
-    """Whether drafting heads pack their weights in bfloat16: where the CPU has bf16 units
-    (AVX-512 BF16 or AMX), unless SPECDEC_DRAFT_FP32=1."""
-    import os
-
-    return os.environ.get("SPECDEC_DRAFT_FP32") != "1" and cpu_has_bf16()
-
-
-def pack_drafting_head(W: torch.Tensor) -> tuple[torch.Tensor | None, torch.dtype | None]:
-    """A drafter's output head W [S, D] prepacked for oneDNN: (packed weight, the dtype its input
-    must be cast to), in bfloat16 where `bf16_drafting()` (drafting reads the head every step,
-    right after the target's forward evicted it from the caches; exactness does not depend on
-    it: sampling draws from, and verification divides by, the q these scores give), else fp32;
-    (None, None) where packing is unavailable (then use W as it is)."""
-    if not mkldnn_packing_available() or W.dtype != torch.float32 or W.device.type != "cpu":
-        return None, None
-    dtype = torch.bfloat16 if bf16_drafting() else torch.float32
-    return torch.ops.mkldnn._reorder_linear_weight(W.to(dtype), PACK_BATCH_HINT), dtype
-
-
-def block_drafting(linears, W: torch.Tensor, target_model):
-    """Where this process runs the GGUF block kernels (the target is a float32 model on its blocks:
-    kernels.loaded()), give a drafter's projections `linears` Q8_0 copies of their weights for
-    short calls (a drafting step reads ~1 byte a weight, through kernels with a few microseconds of
-    overhead; the integer kernels with 8-bit activations where the target runs on those, instead
-    of bf16 weights through oneDNN) and return the kernel arguments of its output
-    head W [S, D] as Q8_0 blocks (models.llama.block_linear); None (nothing changed) elsewhere.
-    Exactness does not depend on it: only the drafter's own numbers move. Call it before the
-    projections are packed (packing releases their weights)."""
-    from ..kernels import loaded
-    from ..models.gguf_blocks import quantize_q8_0
-    from ..models.llama import is_vnni, kernel_args
-
-    ops = loaded()
-    head_q = getattr(target_model, "head_q", None)
-    if ops is None or head_q is None or W.dtype != torch.float32:
-        return None
-
-    def q8(w):  # the target's integer kernels with 8-bit activations where the shape allows, else float ones
-        return (quantize_q8_0(w, "vnni") if is_vnni(head_q) else None) or quantize_q8_0(w)
-
-    for lin in linears:
-        if lin.weight is not None and lin.weight.dtype == torch.float32:
-            blocks = q8(lin.weight)
-            if blocks is not None:
-                lin.attach(ops, blocks, act_bits=8)
-    blocks = q8(W)
-    return None if blocks is None else kernel_args(ops, blocks, act_bits=8)
-
-
-def rowstable_head(ops, W: torch.Tensor, q8: bool) -> tuple:
-    """(op, *args) computing h @ W^T (W [S, D], a drafter's output head) on the row-stable AVX2
-    kernels `ops` as op(h, *args): over Q8_0 copies of W where `q8` (the target reads GGUF blocks)
-    and W's shape allows them, else over the fp32 W."""
-    from ..models.gguf_blocks import quantize_q8_0
-
-    blocks = quantize_q8_0(W) if q8 else None
-    return (ops.linear, W.contiguous()) if blocks is None else (ops.q8_0_linear, blocks[1], blocks[3])
-
-
-def rowstable_drafting(linears, W: torch.Tensor, target_model):
-    """Where the target's decoding steps run on the row-stable AVX2 kernels (CPUs without AVX-512:
-    target_model.rowstable, models.llama.LlamaModel.use_rowstable) and `block_drafting` did not
-    apply, put a drafter's float32 projections `linears` on those kernels, and return (op, *args)
-    computing its output head W [S, D] on them (`rowstable_head`). Where the target reads a GGUF
-    file's blocks (its head is on them), the drafter's weights become Q8_0 copies too where the
-    shapes allow (a quarter of the bytes a drafting step reads), as `block_drafting` does on the
-    AVX-512 kernels; else they stay float32. None (nothing changed) where the target is not on
-    these kernels. Only the drafter's own numbers move, so exactness does not depend on it. Call
-    it before the projections are packed."""
-    from ..models.gguf_blocks import quantize_q8_0
-
-    ops = getattr(target_model, "rowstable", None)
-    if ops is None or W.dtype != torch.float32:
-        return None
-    on_blocks = target_model.head_rs_blocks is not None or getattr(target_model, "gguf_native", False)
-    for lin in linears:
-        if lin.weight is None or lin.weight.dtype != torch.float32 or lin.qargs is not None:
-            continue
-        blocks = quantize_q8_0(lin.weight) if on_blocks else None
-        lin.rs = ops
-        if blocks is not None:
-            lin.rs_blocks = (ops.q8_0_linear, blocks[1], blocks[3])
-        else:
-            lin.weight.data = lin.weight.data.contiguous()
-    return rowstable_head(ops, W, on_blocks)
-
-
 def kernel_steps(head: EagleHead, head_blocks, target_model=None):
     """The kernels a head's short drafting steps may run through (EagleDrafter._kernel_step), or
     None: the integer kernels (torch.ops.specdec_q) where `block_drafting` put the head's layer on
@@ -278,47 +180,17 @@ def save_eagle(head: EagleHead, out: Path, meta: dict) -> None:
     (out / EAGLE_META).write_text(json.dumps({**meta, "config": head.config()}, indent=1))
 
 
-def check_trained_for(meta: dict, hidden: int, target, path, what: str, command: str) -> None:
-    """Refuse a head whose recorded target differs from `target` (hidden size, vocabulary,
-    or the hash of the LM head it was trained against)."""
-    cfg = getattr(target.model, "cfg", None)
-    if cfg is None:
-        raise SpecdecError(f"a {what} needs a native target model (Llama family); this target runs through the "
-                           "transformers adapter")
-    problems = []
-    if hidden != cfg.hidden_size:
-        problems.append(f"hidden size {hidden} vs the target's {cfg.hidden_size}")
-    if meta.get("target_vocab_size") != cfg.vocab_size:
-        problems.append(f"vocabulary {meta.get('target_vocab_size')} vs the target's {cfg.vocab_size}")
-    recorded = meta.get("target_fingerprint")
-    if not problems and recorded not in (target_fingerprint(target.model), target_fingerprint(target.model, legacy=True)):
-        problems.append("the target's weights differ from those it was trained on (LM-head hash "
-                        f"{recorded} vs {target_fingerprint(target.model)})")
-    if problems:
-        raise SpecdecError(f"the {what} in {path} was trained for another target ({meta.get('target')}): "
-                           + "; ".join(problems) + f". Train one for this model with `{command}`")
-
-
 def is_eagle_dir(path) -> bool:
     return path is not None and (Path(path) / EAGLE_META).is_file()
 
 
 def load_eagle(path, target) -> tuple[EagleHead, dict]:
     """Load a head and check that it was trained for this target."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not is_eagle_dir(path):
-        raise SpecdecError(f"{path} is not an EAGLE head folder (no {EAGLE_META}); train one with "
-                           "`specdec train eagle --out DIR`")
-    meta = json.loads((path / EAGLE_META).read_text())
-    check_trained_for(meta, meta["config"]["hidden"], target, path, "EAGLE head", "specdec train eagle")
-    head = EagleHead(**meta["config"])
-    head.load_state_dict(load_file(str(path / EAGLE_WEIGHTS)))
-    return head.to(target.model.dtype).eval(), meta
+    return load_head(path, target, EAGLE_META, EAGLE_WEIGHTS, lambda m: EagleHead(**m["config"]),
+                     lambda m: m["config"]["hidden"], "an EAGLE head", "specdec train eagle")
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Chain or dynamic-tree drafting with an EagleHead (see the module docstring)."""
 
     needs_hidden = True
@@ -515,7 +387,6 @@ class EagleDrafter:
         return self._propose_chain(ctx, h, max_tokens, sel)
 
     def _propose_chain(self, ctx, h, k, sel=None):
-        from .draft_model import draw
 
         B = h.shape[0]
         rows = None if sel is None else torch.tensor(sel)
@@ -629,7 +500,7 @@ class EagleDrafter:
     def skip(self) -> None:
         pass  # a step without drafting: its features arrive with the next proposal
 
-    def add_row(self, max_len: int) -> None:
+    def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
         """Append an empty row (a request joining a running batch); `begin` must have run, with
         the same max_len (an empty batch is fine). Its features arrive with its first proposal."""
         size = max_len + max(self.nodes, self.depth) + 2

@@ -39,11 +39,11 @@ from .. import tree as tree_mod
 from ..adaptive import NodeOdds, best_prefix, carried, counts_ok
 from ..learned import nonneg
 from ..types import SpecdecError
-from .base import Draft, DraftContext, register, timing_free
+from .base import Draft, DraftContext, Drafter, register, timing_free
 from .ngram import NgramDrafter
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     def __init__(self, draft, min_n: int = 1, max_n: int = 4, probe_every: int = 16, gate: bool = True,
                  k_policy=None) -> None:
         """gate=False always runs the draft model for rows without a lookup."""
@@ -141,7 +141,7 @@ class HybridDrafter:
                     probs[b] = _one_hot(tokens[b : b + 1], probs.shape[-1])[0]
         return Draft(tokens, counts, probs)
 
-    def commit(self, num_accepted) -> None:
+    def commit(self, num_accepted, paths=None) -> None:
         self.ngram.commit(num_accepted)  # it learns only from the rows it proposed for
         if self._used_draft is None:
             return  # the draft model did not run this step; it catches up lazily
@@ -197,7 +197,7 @@ SEEDED_TREE_COST = 0.5
 SEEDED_NODE_COST = 0.08
 
 
-class LookupEagleDrafter:
+class LookupEagleDrafter(Drafter):
     """Prompt lookup where the text repeats, an EAGLE tree elsewhere (`--method auto` for a
     target that has an EAGLE head).
 
@@ -533,7 +533,7 @@ class LookupEagleDrafter:
         self.ngram.keep_rows(rows)
         self._node_p = {}
 
-    def add_row(self, max_len: int) -> None:
+    def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
         """A new request joins as the last row (the server's continuous batching); its prompt's
         target features arrive with its first proposal, as after `begin`."""
         self.eagle.add_row(max_len)

@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..types import SpecdecError
-from .base import Draft, DraftContext, register
-from .eagle import check_trained_for
+from .base import Draft, DraftContext, Drafter, register
+from .heads import load_head
 
 MEDUSA_META = "specdec_medusa.json"
 MEDUSA_WEIGHTS = "medusa.safetensors"
@@ -89,20 +89,12 @@ def save_medusa(heads: MedusaHeads, out: Path, meta: dict) -> None:
 
 
 def load_medusa(path, target) -> tuple[MedusaHeads, dict]:
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not is_medusa_dir(path):
-        raise SpecdecError(f"{path} is not a Medusa heads folder (no {MEDUSA_META}); train one with "
-                           "`specdec train medusa --out DIR`")
-    meta = json.loads((path / MEDUSA_META).read_text())
-    check_trained_for(meta, meta["hidden"], target, path, "Medusa heads", "specdec train medusa")
-    heads = MedusaHeads(meta["hidden"], meta["num_heads"])
-    heads.load_state_dict(load_file(str(path / MEDUSA_WEIGHTS)))
-    return heads.to(target.model.dtype).eval(), meta
+    """Load heads and check that they were trained for this target."""
+    return load_head(path, target, MEDUSA_META, MEDUSA_WEIGHTS, lambda m: MedusaHeads(m["hidden"], m["num_heads"]),
+                     lambda m: m["hidden"], "a Medusa heads", "specdec train medusa")
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     needs_hidden = True
     cost_hint = None
 
@@ -160,6 +152,9 @@ class MedusaDrafter:
 
     def keep_rows(self, rows) -> None:
         self.last = [self.last[r] for r in rows]
+
+    def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
+        self.last.append(None)  # its feature comes with the next proposal
 
 
 @register("medusa")

@@ -38,7 +38,7 @@ import time
 import torch
 
 from ..adaptive import CARRIED_COUNTS, DecayedLine, carried, counts_ok
-from .base import Draft, DraftContext, register, timing_free
+from .base import Draft, DraftContext, Drafter, register, timing_free
 
 
 def lookup_match(tokens: list[int], max_tokens: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
@@ -201,7 +201,7 @@ class LengthPolicy:
         self.acc, self.seen, self.times.s = acc, seen, times
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     cost_hint = 0.0
 
     def __init__(self, min_n: int = 1, max_n: int = 4, adaptive: bool = True, max_k: int = 16,
@@ -284,7 +284,7 @@ class NgramDrafter:
         if self._last is not None:
             self._last = [(n, min(p, int(m))) for (n, p), m in zip(self._last, lengths)]
 
-    def commit(self, num_accepted) -> None:
+    def commit(self, num_accepted, paths=None) -> None:
         pol = self._learner
         if pol is None or self._last is None:
             return

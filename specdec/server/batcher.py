@@ -46,6 +46,11 @@ Method `auto` with a draft model (instead of an EAGLE head) keeps prompt lookup 
 per step and row, the lookup or the draft model's guesses, whichever promises more tokens
 per second under the cap (`_choose_draft`); seeded rows take their whole lookups as above.
 
+Any other drafter (Medusa, an EAGLE head alone, one written against `drafters.Drafter`) runs
+as `Engine.generate` runs it: the batch guard decides whether a step speculates, rows are capped
+by their own cap and room, seeded sampled rows take no guesses (`_propose_generic`). Every
+method scores, verifies and commits through the step `Engine` uses (`core.step.run_step`).
+
 This module knows nothing about HTTP or text: it takes token ids and sampling settings and
 calls back with token ids (and, when a request asks for them, each token's log-probability
 under the target's raw distribution, before temperature and top-p, with the N most likely
@@ -71,13 +76,14 @@ from typing import Callable
 
 import torch
 
-from .. import tree as tree_mod
+from .. import threads
 from ..adaptive import BatchGuard, DecayedLine
-from ..drafters.base import DraftContext, timing_free
+from ..core.step import run_step
+from ..drafters.base import Draft, DraftContext, Drafter, timing_free
+from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter, lookup_match
-from ..sampling import choose, make_generator, warp
+from ..sampling import choose, make_generator
 from ..types import MAX_GUESSES, SamplingParams, SpecdecError
-from ..verify import verify_greedy, verify_stochastic, verify_tree_greedy, verify_tree_stochastic
 
 errors = logging.getLogger("specdec.batcher")  # each failure once, with the request ids it ended
 
@@ -230,6 +236,7 @@ class _Step:
     use_draft: list[bool] = field(default_factory=list)
     drafted_k: int = 0  # the draft model's guesses per row (0: not run this step)
     t_head: float = 0.0  # seconds the EAGLE head or the draft model drafted
+    proposed: bool = False  # a generic drafter proposed this step (and is told what was kept)
     counts: torch.Tensor | None = None  # [A] guesses per row
     drafted: torch.Tensor | None = None  # [A, K]
     parents: torch.Tensor | None = None  # [A, K] tree parents (None: chains)
@@ -242,12 +249,17 @@ class ContinuousBatcher:
                  max_queue: int = 256, max_context: int | None = None, adaptive: bool = True, drafter=None,
                  thread: bool = True) -> None:
         """method: none, ngram (prompt lookup), auto (prompt lookup + an EAGLE tree; pass the
-        `LookupEagleDrafter` as `drafter`) or draft (a draft model; pass its `DraftModelDrafter`).
+        `LookupEagleDrafter` as `drafter`), draft (a draft model; pass its `DraftModelDrafter`),
+        or any other name with a `Drafter` (Medusa, EAGLE, your own) run through the protocol
+        alone (`_propose_generic`).
         thread: run the model in a worker thread started here; False: the caller runs `run()`
         (best in the main thread, see `run`)."""
-        if method not in ("none", "ngram", "auto", "draft"):
-            raise SpecdecError(f"the server drafts with 'none', 'ngram', 'auto' or 'draft' (got {method!r})")
-        model_drafter = hasattr(drafter, "add_row") and getattr(getattr(drafter, "model", None), "native", False)
+        # any other method: the given drafter alone, through the drafter protocol (Medusa, EAGLE, ...)
+        generic = method not in ("none", "ngram", "auto", "draft")
+        if generic and not isinstance(drafter, Drafter):
+            raise SpecdecError(f"the server drafts with 'none', 'ngram', 'auto', 'draft' or a drafter of method "
+                               f"{method!r} (a specdec.drafters.Drafter); none was given")
+        model_drafter = isinstance(drafter, DraftModelDrafter) and getattr(drafter.model, "native", False)
         if method == "auto" and not (hasattr(drafter, "assemble") or model_drafter):
             raise SpecdecError("method 'auto' needs a prompt-lookup + EAGLE drafter (an EAGLE head for this model) "
                                "or a draft model the native loader runs (Llama family) with the target's tokenizer")
@@ -267,12 +279,18 @@ class ContinuousBatcher:
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
         self.rows: list[Request] = []
         self.cache = model.new_cache(max_batch, self.max_context)
+        self.generic = generic
+        # guess slots a row may take in one step: k_max, or a generic tree drafter's node budget
+        self.slots = max(self.k_max, drafter.max_nodes) if generic else self.k_max
         # load-aware: whole lookups, capped per step by _choose; fixed: the drafter's own length choice
         # auto with a draft model: prompt lookup where it is worth more, the draft model elsewhere
         mixed = method == "auto" and model_drafter
         self.trees = method == "auto" and not mixed
         self.drafting = method == "draft" or mixed  # a draft model guesses (instead of, or beside, prompt lookup)
-        if self.trees:
+        if generic:
+            self.drafter, self.lookup = drafter, None
+            drafter.begin([], None, self.max_context)  # no rows yet: they join with add_row
+        elif self.trees:
             self.drafter = drafter
             self.lookup = drafter.ngram
             self.lookup.choose_length = not adaptive
@@ -292,6 +310,9 @@ class ContinuousBatcher:
         # a measured backstop to the cost model in batches of 2+ rows: speculative steps must
         # commit more tokens per second than plain ones (see adaptive.BatchGuard)
         self.guard = BatchGuard() if adaptive and self.k_max > 0 else None
+        if generic and self.guard is not None:  # as in Engine: a drafter that does not price its guesses
+            self.guard = BatchGuard(min_rows=2 if drafter.gates_itself else 1) if drafter.may_skip else None
+        self.feeds_hidden = self.trees or (generic and drafter.needs_hidden)  # rows keep features for the drafter
         self.head_time = DecayedLine(0.98)  # the head's drafting seconds vs rows it drafts for (auto)
         self.last_k = 0
         self.lock = threading.Lock()
@@ -314,7 +335,7 @@ class ContinuousBatcher:
         SpecdecError when it cannot fit the context or the batcher is draining."""
         if self.draining:
             raise SpecdecError("the server is shutting down and takes no new requests")
-        if len(req.prompt) + req.params.max_new_tokens + self.k_max + 2 > self.max_context:
+        if len(req.prompt) + req.params.max_new_tokens + self.slots + 2 > self.max_context:
             raise SpecdecError(f"prompt ({len(req.prompt)} tokens) plus max_tokens ({req.params.max_new_tokens}) "
                                f"exceeds the context of {self.max_context} tokens")
         req.generator = make_generator(req.params.seed)
@@ -433,7 +454,7 @@ class ContinuousBatcher:
             self._finish(r, "error")
         self.rows = []
         self.cache.lengths.zero_()
-        if self.trees or self.drafting:
+        if self.trees or self.drafting or self.generic:
             try:
                 self.drafter.keep_rows([])
             except Exception:  # noqa: BLE001 - already failing: the log has the first error
@@ -477,11 +498,10 @@ class ContinuousBatcher:
             return
         first = int(choose(logits[:, -1], req.params, req.generator)[0])
         slot = len(self.rows)
-        if self.trees:
-            self.drafter.add_row(self.max_context)
-            req.feats = [hidden[0, :L]]
-        elif self.drafting:
+        if self.trees or self.drafting or self.generic:
             self.drafter.add_row(self.max_context, list(req.prompt))
+        if self.feeds_hidden:
+            req.feats = [hidden[0, :L]]
         for layer in range(len(self.cache.k)):
             self.cache.k[layer][slot, :, :L] = one.k[layer][0, :, :L]
             self.cache.v[layer][slot, :, :L] = one.v[layer][0, :, :L]
@@ -523,7 +543,7 @@ class ContinuousBatcher:
             return "length"
         if req.stop_fn is not None and req.stop_fn(req.tokens):
             return "stop"
-        if len(req.context) + self.k_max + 2 >= self.max_context:
+        if len(req.context) + self.slots + 2 >= self.max_context:
             return "length"
         return ""
 
@@ -553,7 +573,7 @@ class ContinuousBatcher:
             self.rows[i] = self.rows[last]
         self.cache.lengths[last] = 0
         self.rows.pop()
-        if self.trees or self.drafting:
+        if self.trees or self.drafting or self.generic:
             keep = list(range(last))
             if i != last:
                 keep[i] = last
@@ -719,42 +739,32 @@ class ContinuousBatcher:
                 self._remove(i, "cancelled")
         if not self.rows:
             return
+        threads.tick()  # follow the cores other processes leave free (threads.py), as generate does
         t0 = time.perf_counter()
         s = self._propose()
         cache = _RowsView(self.cache, s.A)
-        base = cache.lengths.clone()
-        inp = torch.cat([torch.tensor([[r.context[-1]] for r in self.rows], dtype=torch.long), s.drafted], 1)
-        if s.is_tree:
-            s.parents, mask, depth = tree_mod.masks(s.parents, s.counts)
-            logits, hidden = self.model(inp, base[:, None] + depth, cache, attn_mask=mask)
-        else:
-            logits, hidden = self.model(inp, base[:, None] + torch.arange(s.K + 1)[None], cache)
-        paths, nxt, failed = self._verify(s, logits)
-        n_acc = torch.tensor([len(p) for p in paths], dtype=torch.long)
-        if s.is_tree:
-            cache.keep_paths(base, paths)
-        else:
-            cache.truncate(base + 1 + n_acc)
+        draft = Draft(s.drafted, s.counts, None, s.parents if s.is_tree else None)
+        res = run_step(self.model, cache, [r.context[-1] for r in self.rows], draft, [r.params for r in self.rows],
+                       [r.generator for r in self.rows], s.room, s.use_tree)
         cache.sync()
-        self._commit_drafters(s, paths, n_acc)
+        n_acc = torch.tensor(res.accepted, dtype=torch.long)
+        self._commit_drafters(s, res.paths, n_acc)
         self._record(s, n_acc, time.perf_counter() - t0)
-        drafted_l, nxt_l, counts_l = s.drafted.tolist(), nxt.tolist(), s.counts.tolist()
+        drafted_l, counts_l, failed = s.drafted.tolist(), s.counts.tolist(), res.failed
         for b, r in enumerate(self.rows):
             if b in failed:
                 continue
             # the rows of this step's output behind the committed tokens: the pending token's and
             # the accepted nodes' (a chain's are the first ones: a view, not a copy)
-            n = len(paths[b])
-            kept = [0] + paths[b] if s.is_tree and s.use_tree[b] else slice(0, n + 1)
-            ids = [drafted_l[b][j - 1] for j in paths[b]] + [nxt_l[b]]
-            if self.trees:
-                r.feats.append(hidden[b, kept])
+            kept, ids = res.kept(b), res.ids(b, drafted_l[b])
+            if self.feeds_hidden:
+                r.feats.append(res.hidden[b, kept])
             r.context.extend(ids)
             r.proposed += counts_l[b]
-            r.accepted += n
+            r.accepted += len(res.paths[b])
             r.forwards += 1
             try:
-                self._emit(r, ids, _logprobs(logits[b, kept], ids, r.logprobs) if r.logprobs is not None else None)
+                self._emit(r, ids, _logprobs(res.logits[b, kept], ids, r.logprobs) if r.logprobs is not None else None)
             except Exception as e:  # noqa: BLE001 - its owner's callback failed: this row alone ends
                 failed[b] = e
         self._leave(failed)
@@ -766,14 +776,10 @@ class ContinuousBatcher:
         A = len(self.rows)
         s = _Step(A=A, room=[min(r.params.max_new_tokens - len(r.tokens) - 1, self.max_context - len(r.context) - 2)
                              for r in self.rows])
+        if self.generic:
+            return self._propose_generic(s)
         guesses, matches = [[] for _ in range(A)], [0] * A
-        hidden_in = None
-        if self.trees:  # each feature goes to the head exactly once
-            hidden_in = [(r.feats[0] if len(r.feats) == 1 else torch.cat(r.feats)) if r.feats else None
-                         for r in self.rows]
-            for r in self.rows:
-                r.feats = []
-        ctx = DraftContext([r.context for r in self.rows], self.rows[0].params, None, hidden_in)
+        ctx = DraftContext([r.context for r in self.rows], self.rows[0].params, None, self._hand_over_features())
         if self.lookup is not None and self.k_max > 0:
             d = self.lookup.propose(ctx, self.k_max)
             guesses = [g[:c] for g, c in zip(d.tokens.tolist(), d.counts.tolist())]
@@ -802,6 +808,52 @@ class ContinuousBatcher:
             self._draft_model_guesses(s)
         s.use_tree = [u and c > 0 for u, c in zip(use_tree, s.caps)]
         self._pack(s, ctx)
+        return s
+
+    def _hand_over_features(self) -> list | None:
+        """Each row's target features not yet handed to the drafter (each goes exactly once)."""
+        if not self.feeds_hidden:
+            return None
+        out = [(r.feats[0] if len(r.feats) == 1 else torch.cat(r.feats)) if r.feats else None for r in self.rows]
+        for r in self.rows:
+            r.feats = []
+        return out
+
+    def _propose_generic(self, s: _Step) -> _Step:
+        """A drafter alone, through the protocol, as `Engine` runs it: the batch guard decides
+        whether this step speculates, each row is capped by its own cap and room, and the
+        drafter proposes greedy guesses (q one-hot, exact for sampled rows too). Seeded sampled
+        rows take no guesses (the drafter's near-ties could depend on the rows beside them), so
+        their text does not depend on the load."""
+        k = self.k_max
+        if k > 0 and self.guard is not None and not self.guard.speculate(s.A):
+            k = 0
+        s.k = k
+        s.caps = [0 if timing_free(r.params) else max(0, min(k, r.spec_k if r.spec_k is not None else k, room))
+                  for r, room in zip(self.rows, s.room)]
+        s.use_tree, s.use_draft = [False] * s.A, [False] * s.A
+        if max(s.caps) == 0:
+            if self.drafter.may_skip:
+                self.drafter.skip()  # its features wait in the rows for the next proposal
+            s.counts, s.drafted, s.K = torch.zeros(s.A, dtype=torch.long), torch.zeros(s.A, 0, dtype=torch.long), 0
+            self.last_k = 0
+            return s
+        t1 = time.perf_counter()
+        ctx = DraftContext([r.context for r in self.rows], _GREEDY, None, self._hand_over_features())
+        d = self.drafter.propose(ctx, max(s.caps))
+        s.t_head, s.proposed = time.perf_counter() - t1, True
+        if d.parents is not None:  # a tree, cut to nothing for rows without a cap
+            s.counts = torch.where(torch.tensor(s.caps) > 0, d.counts, 0)
+        else:
+            s.counts = torch.minimum(d.counts, torch.tensor(s.caps, dtype=torch.long))
+        s.K = int(s.counts.max())
+        s.drafted = d.tokens[:, : s.K]
+        s.parents = d.parents[:, : s.K] if d.parents is not None else None
+        s.use_tree = [d.parents is not None and c > 0 for c in s.counts.tolist()]
+        s.use_draft = [d.parents is None and c > 0 for c in s.counts.tolist()]  # counted as draft rows
+        s.guesses = [t[:c] for t, c in zip(s.drafted.tolist(), s.counts.tolist())]
+        s.is_tree = s.parents is not None and s.K > 0
+        self.last_k = s.K
         return s
 
     def _caps(self, s: _Step, guesses: list[list[int]], matches: list[int]) -> list[int]:
@@ -857,35 +909,12 @@ class ContinuousBatcher:
         self.last_k = s.K
         s.is_tree = s.parents is not None and s.K > 0 and any(s.use_tree)  # lookup rows alone: a plain chain step
 
-    def _verify(self, s: _Step, logits) -> tuple[list[list[int]], torch.Tensor, dict[int, Exception]]:
-        """(accepted path per row, next token per row, rows whose verification failed)."""
-        paths = [list(range(1, int(c) + 1)) for c in s.counts]  # chain: node j hangs under node j - 1
-        nxt = torch.zeros(s.A, dtype=torch.long)
-        # greedy chain rows (the usual case) verify in one call: the same argmax per row as one
-        # call per row (a tenth of a millisecond each, a few percent of a full batch's step)
-        plain = [b for b, r in enumerate(self.rows) if r.params.greedy and not (s.is_tree and s.use_tree[b])]
-        if plain:
-            sel = slice(None) if len(plain) == s.A else torch.tensor(plain)
-            a, n = verify_greedy(logits[sel], s.drafted[sel], s.counts[sel])
-            for b, ab, nb in zip(plain, a.tolist(), n.tolist()):
-                paths[b] = paths[b][:ab]
-                nxt[b] = nb
-        failed: dict[int, Exception] = {}
-        done = set(plain)
-        for b, r in enumerate(self.rows):  # each other row verifies with its own sampling settings
-            if b in done:
-                continue
-            try:
-                paths[b], nxt[b] = self._verify_row(r, logits[b : b + 1], s.drafted[b : b + 1], s.counts[b : b + 1],
-                                                    s.parents[b : b + 1] if s.is_tree and s.use_tree[b] else None,
-                                                    s.room[b], paths[b])
-            except Exception as e:  # noqa: BLE001 - this row's own failure: it alone ends (in _leave)
-                failed[b], paths[b] = e, []
-        return paths, nxt, failed
-
     def _commit_drafters(self, s: _Step, paths: list[list[int]], n_acc: torch.Tensor) -> None:
         """Tell the drafters what each row kept."""
-        if self.trees:
+        if self.generic:
+            if s.proposed:  # every proposal is answered
+                self.drafter.commit(n_acc.tolist(), paths=paths if s.is_tree else None)
+        elif self.trees:
             self.drafter.commit(n_acc.tolist(), paths=paths if s.is_tree else None)
         elif self.drafting:
             if s.drafted_k:  # (rows that took their lookup keep none of the draft's guesses)
@@ -917,21 +946,6 @@ class ContinuousBatcher:
             self.totals["draft_rows"] += sum(s.use_draft)  # row-steps verifying the draft model's guesses
             self.totals["lookup_rows"] += sum(1 for g, u, t in zip(s.guesses, s.use_draft, s.use_tree)
                                               if g and not u and not t)
-
-    def _verify_row(self, r: Request, lg, gt, c, parents, room: int, chain: list[int]):
-        """(accepted path, next token) of one row verified with its own sampling settings: a tree
-        (parents given) by the tree rule, else its chain; a sampled chain row verifies its own
-        guesses only, so the random numbers a seeded row draws do not depend on how wide other
-        rows' drafts made the batch."""
-        if parents is not None:
-            if r.params.greedy:
-                p, n = verify_tree_greedy(lg, gt, parents, c, [room])
-            else:
-                p, n = verify_tree_stochastic(warp(lg, r.params), gt, parents, None, c, r.generator, [room])
-            return p[0], n[0]
-        m = int(c[0])
-        a, n = verify_stochastic(warp(lg[:, : m + 1], r.params), gt[:, :m], None, c, r.generator)
-        return chain[: int(a[0])], n[0]
 
     def _leave(self, failed: dict[int, Exception]) -> None:
         """After a step: rows that failed in it end with an error, finished ones leave (a stop

@@ -1,0 +1,1 @@
+"""The speculative core shared by `generate` and `serve`: one step (`step.run_step`)."""

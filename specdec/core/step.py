@@ -1,0 +1,146 @@
+"""One speculative step for a set of rows: score -> verify -> commit (docs/design.md, "The step").
+
+`Engine.generate` and the server's `ContinuousBatcher` both run their steps through `run_step`:
+the proposal (which source guesses, how far) is theirs, what a proposal does to the rows is here.
+
+- score: the pending token and the guesses of every row in one target forward; a tree with its
+  ancestor mask and depths as positions (`tree.masks`), a chain with consecutive positions;
+- verify: per row, how many guesses hold and the next token (`verify.py`). Rows share one
+  sampling setting and one generator (`generate`: one batched call per rule), or each row has
+  its own (the server: greedy chain rows in one call, every other row alone with its own
+  generator, so a seeded row draws the same random numbers whatever shares its batch; a row
+  whose verification raises is reported in `failed`, the others go on);
+- commit / roll back: the cache keeps each row's pending token and accepted guesses
+  (`truncate` for chains, `keep_paths` for trees).
+
+Worked example: cache `[a b]`, pending `c`, guesses `[d e f]`, two accepted: the cache becomes
+`[a b c d e]` and the verified next token is the new pending token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import tree as tree_mod
+from ..drafters.base import Draft
+from ..sampling import warp
+from ..types import SamplingParams
+from ..verify import verify_greedy, verify_stochastic, verify_tree_greedy, verify_tree_stochastic
+
+
+@dataclass
+class StepResult:
+    paths: list[list[int]]  # per row: accepted guesses as 1-based node indices (a chain: 1..n)
+    next_ids: list[int]  # per row: the verified token after them (the new pending token)
+    logits: torch.Tensor  # [A, K+1, V] the forward's logits, pending token first
+    hidden: torch.Tensor  # [A, K+1, D] its final hidden states
+    depth: torch.Tensor | None = None  # [A, K+1] node depths of a tree step (None: chains)
+    failed: dict[int, Exception] = field(default_factory=dict)  # rows whose own verification raised
+
+    @property
+    def accepted(self) -> list[int]:
+        return [len(p) for p in self.paths]
+
+    def ids(self, row: int, guesses: list[int]) -> list[int]:
+        """The tokens row `row` commits: its accepted guesses (from `guesses`, that row's proposed
+        tokens) and the verified next token."""
+        return [guesses[j - 1] for j in self.paths[row]] + [self.next_ids[row]]
+
+    def kept(self, row: int):
+        """Index of the forward positions behind the committed tokens (pending + accepted): a
+        slice for a chain (a view), a list for a tree."""
+        path = self.paths[row]
+        return [0] + path if self.depth is not None and path != list(range(1, len(path) + 1)) else slice(0, len(path) + 1)
+
+    def proposed_depth(self, row: int, count: int) -> int:
+        """How deep row's proposal reached: its count for a chain, the deepest node for a tree."""
+        return int(self.depth[row, : 1 + count].max()) if self.depth is not None else count
+
+
+def run_step(model, cache, pending: list[int], draft: Draft, params: SamplingParams | list[SamplingParams],
+             generators, room: list[int], tree_rows: list[bool] | None = None) -> StepResult:
+    """Score, verify and commit one step of A rows (`cache` holds exactly these rows).
+
+    pending: each row's pending token; draft: the guesses (`Draft`; `parents` None = chains);
+    params/generators: one SamplingParams and one generator shared by every row, or a list of
+    each per row; room: tokens each row may still take beyond its pending one (a tree path
+    stops there); tree_rows: in a tree step with per-row settings, the rows verified by the
+    tree rule (others hold chains, node j under node j - 1; default: all)."""
+    A, K = draft.tokens.shape
+    is_tree = draft.parents is not None and K > 0
+    inp = torch.empty(A, K + 1, dtype=torch.long)
+    inp[:, 0] = torch.tensor(pending, dtype=torch.long)
+    inp[:, 1:] = draft.tokens
+    base = cache.lengths.clone()
+    depth = parents = None
+    if is_tree:
+        parents, mask, depth = tree_mod.masks(draft.parents, draft.counts)
+        logits, hidden = model(inp, base[:, None] + depth, cache, attn_mask=mask)
+    else:
+        logits, hidden = model(inp, base[:, None] + torch.arange(K + 1)[None, :], cache)
+    if isinstance(params, SamplingParams):
+        (paths, nxt), failed = _verify_shared(logits, draft, parents, params, generators, room), {}
+    else:
+        paths, nxt, failed = _verify_per_row(logits, draft, parents, params, generators, room,
+                                             tree_rows if tree_rows is not None else [is_tree] * A)
+    if is_tree:
+        cache.keep_paths(base, paths)
+    else:
+        cache.truncate(base + 1 + torch.tensor([len(p) for p in paths], dtype=torch.long))
+    return StepResult(paths, nxt, logits, hidden, depth, failed)
+
+
+def _verify_shared(logits, draft: Draft, parents, params: SamplingParams, gen, room):
+    """Every row with the same settings and generator: one batched call per rule."""
+    if parents is not None:
+        if params.greedy:
+            paths, nxt = verify_tree_greedy(logits, draft.tokens, parents, draft.counts, room)
+        else:
+            paths, nxt = verify_tree_stochastic(warp(logits, params), draft.tokens, parents, draft.probs,
+                                                draft.counts, gen, room)
+        return [list(p) for p in paths], [int(t) for t in nxt]
+    if params.greedy:
+        n_acc, nxt = verify_greedy(logits, draft.tokens, draft.counts)
+    else:
+        n_acc, nxt = verify_stochastic(warp(logits, params), draft.tokens, draft.probs, draft.counts, gen)
+    return [list(range(1, a + 1)) for a in n_acc.tolist()], nxt.tolist()
+
+
+def _verify_per_row(logits, draft: Draft, parents, params: list[SamplingParams], gens, room, tree_rows):
+    """Each row with its own settings: greedy chain rows (the usual case) in one call (the same
+    argmax per row as one call per row, a tenth of a millisecond each), every other row alone;
+    a sampled chain row verifies its own guesses only, so the random numbers a seeded row draws
+    do not depend on how wide other rows' drafts made the batch. Guesses are deterministic
+    (q one-hot)."""
+    A = len(params)
+    paths = [list(range(1, int(c) + 1)) for c in draft.counts]  # chain: node j hangs under node j - 1
+    nxt = [0] * A
+    plain = [b for b in range(A) if params[b].greedy and not (parents is not None and tree_rows[b])]
+    if plain:
+        sel = slice(None) if len(plain) == A else torch.tensor(plain)
+        a, n = verify_greedy(logits[sel], draft.tokens[sel], draft.counts[sel])
+        for b, ab, nb in zip(plain, a.tolist(), n.tolist()):
+            paths[b], nxt[b] = paths[b][:ab], nb
+    failed: dict[int, Exception] = {}
+    done = set(plain)
+    for b in range(A):
+        if b in done:
+            continue
+        try:
+            lg, gt, c = logits[b : b + 1], draft.tokens[b : b + 1], draft.counts[b : b + 1]
+            if parents is not None and tree_rows[b]:
+                if params[b].greedy:
+                    p, n = verify_tree_greedy(lg, gt, parents[b : b + 1], c, [room[b]])
+                else:
+                    p, n = verify_tree_stochastic(warp(lg, params[b]), gt, parents[b : b + 1], None, c, gens[b],
+                                                  [room[b]])
+                paths[b], nxt[b] = list(p[0]), int(n[0])
+            else:
+                m = int(c[0])
+                a, n = verify_stochastic(warp(lg[:, : m + 1], params[b]), gt[:, :m], None, c, gens[b])
+                paths[b], nxt[b] = paths[b][: int(a[0])], int(n[0])
+        except Exception as e:  # noqa: BLE001 - this row's own failure: the caller ends it alone
+            failed[b], paths[b] = e, []
+    return paths, nxt, failed

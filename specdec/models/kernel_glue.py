@@ -1,0 +1,158 @@
+"""Glue between drafters and the kernels the target computes on (specdec/kernels).
+
+A drafter's own numbers may move (Q8_0 copies of its weights, bfloat16 packing) without moving
+the output: sampling draws from, and verification divides by, the q the drafter computes. So
+where the target runs on the GGUF block kernels (AVX-512) or on the row-stable AVX2 kernels, a
+drafter (an EAGLE or Medusa head, a draft model) computes on the same kernels: a drafting step
+reads fewer bytes through calls with a few microseconds of overhead. Both the drafters and the
+target's loader call these; nothing here imports a drafter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .llama import PACK_BATCH_HINT, cpu_has_bf16, mkldnn_packing_available
+
+
+def bf16_drafting() -> bool:
+    """Whether drafting heads pack their weights in bfloat16: where the CPU has bf16 units
+    (AVX-512 BF16 or AMX), unless SPECDEC_DRAFT_FP32=1."""
+    import os
+
+    return os.environ.get("SPECDEC_DRAFT_FP32") != "1" and cpu_has_bf16()
+
+
+def pack_drafting_head(W: torch.Tensor) -> tuple[torch.Tensor | None, torch.dtype | None]:
+    """A drafter's output head W [S, D] prepacked for oneDNN: (packed weight, the dtype its input
+    must be cast to), in bfloat16 where `bf16_drafting()` (drafting reads the head every step,
+    right after the target's forward evicted it from the caches; exactness does not depend on
+    it: sampling draws from, and verification divides by, the q these scores give), else fp32;
+    (None, None) where packing is unavailable (then use W as it is)."""
+    if not mkldnn_packing_available() or W.dtype != torch.float32 or W.device.type != "cpu":
+        return None, None
+    dtype = torch.bfloat16 if bf16_drafting() else torch.float32
+    return torch.ops.mkldnn._reorder_linear_weight(W.to(dtype), PACK_BATCH_HINT), dtype
+
+
+def block_drafting(linears, W: torch.Tensor, target_model):
+    """Where this process runs the GGUF block kernels (the target is a float32 model on its blocks:
+    kernels.loaded()), give a drafter's projections `linears` Q8_0 copies of their weights for
+    short calls (a drafting step reads ~1 byte a weight, through kernels with a few microseconds of
+    overhead; the integer kernels with 8-bit activations where the target runs on those, instead
+    of bf16 weights through oneDNN) and return the kernel arguments of its output
+    head W [S, D] as Q8_0 blocks (models.llama.block_linear); None (nothing changed) elsewhere.
+    Exactness does not depend on it: only the drafter's own numbers move. Call it before the
+    projections are packed (packing releases their weights)."""
+    from ..kernels import loaded
+    from .gguf_blocks import quantize_q8_0
+    from .llama import is_vnni, kernel_args
+
+    ops = loaded()
+    head_q = getattr(target_model, "head_q", None)
+    if ops is None or head_q is None or W.dtype != torch.float32:
+        return None
+
+    def q8(w):  # the target's integer kernels with 8-bit activations where the shape allows, else float ones
+        return (quantize_q8_0(w, "vnni") if is_vnni(head_q) else None) or quantize_q8_0(w)
+
+    for lin in linears:
+        if lin.weight is not None and lin.weight.dtype == torch.float32:
+            blocks = q8(lin.weight)
+            if blocks is not None:
+                lin.attach(ops, blocks, act_bits=8)
+    blocks = q8(W)
+    return None if blocks is None else kernel_args(ops, blocks, act_bits=8)
+
+
+def rowstable_head(ops, W: torch.Tensor, q8: bool) -> tuple:
+    """(op, *args) computing h @ W^T (W [S, D], a drafter's output head) on the row-stable AVX2
+    kernels `ops` as op(h, *args): over Q8_0 copies of W where `q8` (the target reads GGUF blocks)
+    and W's shape allows them, else over the fp32 W."""
+    from .gguf_blocks import quantize_q8_0
+
+    blocks = quantize_q8_0(W) if q8 else None
+    return (ops.linear, W.contiguous()) if blocks is None else (ops.q8_0_linear, blocks[1], blocks[3])
+
+
+def rowstable_drafting(linears, W: torch.Tensor, target_model):
+    """Where the target's decoding steps run on the row-stable AVX2 kernels (CPUs without AVX-512:
+    target_model.rowstable, models.llama.LlamaModel.use_rowstable) and `block_drafting` did not
+    apply, put a drafter's float32 projections `linears` on those kernels, and return (op, *args)
+    computing its output head W [S, D] on them (`rowstable_head`). Where the target reads a GGUF
+    file's blocks (its head is on them), the drafter's weights become Q8_0 copies too where the
+    shapes allow (a quarter of the bytes a drafting step reads), as `block_drafting` does on the
+    AVX-512 kernels; else they stay float32. None (nothing changed) where the target is not on
+    these kernels. Only the drafter's own numbers move, so exactness does not depend on it. Call
+    it before the projections are packed."""
+    from .gguf_blocks import quantize_q8_0
+
+    ops = getattr(target_model, "rowstable", None)
+    if ops is None or W.dtype != torch.float32:
+        return None
+    on_blocks = target_model.head_rs_blocks is not None or getattr(target_model, "gguf_native", False)
+    for lin in linears:
+        if lin.weight is None or lin.weight.dtype != torch.float32 or lin.qargs is not None:
+            continue
+        blocks = quantize_q8_0(lin.weight) if on_blocks else None
+        lin.rs = ops
+        if blocks is not None:
+            lin.rs_blocks = (ops.q8_0_linear, blocks[1], blocks[3])
+        else:
+            lin.weight.data = lin.weight.data.contiguous()
+    return rowstable_head(ops, W, on_blocks)
+
+
+def draft_on_kernels(model, head: torch.Tensor, target_model):
+    """Where the target computes on the GGUF block kernels (`block_drafting` says where), give a
+    float32 native draft model's projections that still hold their fp32 weights (a model loaded
+    with load_model(..., pack=False)) Q8_0 copies on those kernels, its norms, rotation and
+    attention the kernels' too (LlamaModel.use_kernels: a drafting step becomes ~4 kernel calls a
+    layer), and return the kernel arguments of its output head `head` [S, D] as Q8_0 blocks (None:
+    nothing changed). Lossy for the draft's own numbers only (~0.4% of a block's largest weight),
+    so exactness does not move: sampling draws from, and verification divides by, the q the draft
+    computes."""
+    from ..kernels import loaded
+
+    if not getattr(model, "native", False) or model.dtype != torch.float32:
+        return None
+    lins = [lin for blk in model.layers for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)]
+    head_q = block_drafting(lins, head, target_model)
+    if head_q is not None:
+        model.use_kernels(loaded())
+    return head_q
+
+
+def draft_on_rowstable(model, head: torch.Tensor | None, target_model):
+    """Where the target's decoding steps run on the row-stable AVX2 kernels (CPUs without AVX-512:
+    target_model.rowstable) and `draft_on_kernels` did not apply, put an unpacked float32 native
+    draft model's decoding steps on them too (LlamaModel.use_rowstable), over Q8_0 copies of its
+    projections and LM head where the target reads GGUF blocks (its head is on them), over its fp32
+    weights otherwise; and return (op, *args) computing the subset head `head` [S, D] on them (None:
+    no subset head, or nothing changed: see model.rowstable). Lossy for the draft's own numbers
+    only, so exactness does not move."""
+    from .gguf_blocks import quantize_q8_0
+
+    ops = getattr(target_model, "rowstable", None)
+    if ops is None or not getattr(model, "native", False) or model.dtype != torch.float32:
+        return None
+    on_blocks = target_model.head_rs_blocks is not None or getattr(target_model, "gguf_native", False)
+    if getattr(model, "gguf_native", False) and model.rowstable is ops:
+        pass  # a draft read from a GGUF file computes on these kernels from its own blocks already
+    elif model.rowstable is None:
+        if model.packed or any(lin.qargs is not None for blk in model.layers
+                               for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)):
+            return None
+        blocks = {}
+        if on_blocks:
+            for i, blk in enumerate(model.layers):
+                for attr in ("wqkv", "wo", "w_gate_up", "w_down"):
+                    b = quantize_q8_0(getattr(blk, attr).weight)
+                    if b is not None:
+                        blocks[f"layers.{i}.{attr}"] = b
+            if head is None and (b := quantize_q8_0(model.lm_head_weight())) is not None:
+                blocks["head"] = b
+        model.use_rowstable(ops, blocks)
+    elif model.rowstable is not ops:
+        return None
+    return None if head is None else rowstable_head(ops, head, on_blocks)

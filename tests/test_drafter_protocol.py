@@ -1,0 +1,158 @@
+"""The drafter protocol is all the core needs: a toy drafter written only against
+`specdec.drafters.Drafter` runs in `Engine.generate` and in the server's batcher (rows joining and
+leaving) with output equal to transformers' plain greedy decoding; Medusa and EAGLE (any
+registered drafter) run in the batcher too; the registry imports a drafter's module only when
+its method is asked for."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdec.drafters import Draft, DraftContext, Drafter
+from specdec.engine import Engine
+from specdec.server.batcher import ContinuousBatcher
+from specdec.types import SamplingParams, SpecdecError
+
+from oracle import hf_greedy, one_thread
+from test_batcher import _run, run_join_leave
+from test_eagle import prompts, target, target_dir
+
+
+class EchoDrafter(Drafter):
+    """Guesses that the row repeats what followed the previous occurrence of its last token
+    (a one-token prompt lookup), as a chain or as a tree whose second branch guesses the
+    last token itself. Per-row state: how many proposals each row had (joins and leaves must
+    keep it in step with the batch)."""
+
+    def __init__(self, tree: bool = False) -> None:
+        self.tree = tree
+        self.max_nodes = 6 if tree else 0
+        self.seen: list[int] = []
+        self.commits = 0
+
+    def begin(self, prompts, params, max_len):
+        self.seen = [0] * len(prompts)
+
+    def add_row(self, max_len, prompt=None):
+        self.seen.append(0)
+
+    def keep_rows(self, rows):
+        self.seen = [self.seen[r] for r in rows]
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        assert len(ctx.tokens) == len(self.seen), "core and drafter disagree on the rows"
+        rows = []
+        for b, row in enumerate(ctx.tokens):
+            self.seen[b] += 1
+            last, guess = row[-1], []
+            for i in range(len(row) - 2, -1, -1):
+                if row[i] == last:
+                    guess = row[i + 1 : i + 1 + max_tokens]
+                    break
+            rows.append(guess)
+        if not self.tree:
+            n = max(1, max(len(g) for g in rows))
+            toks = torch.tensor([g + [0] * (n - len(g)) for g in rows], dtype=torch.long)
+            return Draft(toks, torch.tensor([len(g) for g in rows]))
+        # tree: node 1.. the lookup chain under the root, then the last token again under the root
+        toks, pars, counts = [], [], []
+        for row, g in zip(ctx.tokens, rows):
+            g = g[: self.max_nodes - 1]
+            toks.append(g + [row[-1]] + [0] * (self.max_nodes - 1 - len(g)))
+            pars.append(list(range(len(g))) + [0] * (self.max_nodes - len(g)))
+            counts.append(len(g) + 1)
+        return Draft(torch.tensor(toks), torch.tensor(counts), None, torch.tensor(pars))
+
+    def commit(self, num_accepted, paths=None):
+        assert len(num_accepted) == len(self.seen)
+        self.commits += 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_protocol_only_drafter_runs_in_generate(tree):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+    hf.generation_config.pad_token_id = 0
+    ps = prompts()
+    d = EchoDrafter(tree)
+    res = Engine(target().model, d, k=4).generate(ps, SamplingParams(max_new_tokens=16))
+    assert [r.tokens for r in res] == [hf_greedy(hf, p, 16) for p in ps]
+    assert d.commits > 0 and sum(r.stats.proposed for r in res) > 0
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_protocol_only_drafter_runs_in_the_batcher(tree):
+    d = EchoDrafter(tree)
+    b = ContinuousBatcher(target().model, (), method="echo", k_max=4, max_batch=3, max_context=96, drafter=d,
+                          adaptive=False)
+    got, want = run_join_leave(b)
+    assert got == want
+    s = b.stats()
+    assert d.commits > 0 and s["proposed"] > 0 and s["accepted"] > 0 and s["batch"] == 0
+    if tree:
+        assert s["tree_rows"] > 0
+
+
+@pytest.mark.parametrize("method,tree", [("medusa", True), ("medusa", False), ("eagle", True)])
+def test_registered_head_drafters_run_in_the_batcher(method, tree):
+    """Medusa (chain and static tree) and an EAGLE tree in the server's batcher, adaptive (the
+    batch guard may sit steps out): every answer equals plain greedy decoding."""
+    from specdec.drafters import REGISTRY
+
+    if method == "medusa":
+        from test_medusa import heads_dir
+
+        d = REGISTRY["medusa"](target=target(), draft=heads_dir(), tree=tree)
+    else:
+        from test_eagle import drafter
+
+        d = drafter(tree, depth=3, width=2, nodes=6)
+    b = ContinuousBatcher(target().model, (), method=method, k_max=3, max_batch=3, max_context=96, drafter=d)
+    got, want = run_join_leave(b)
+    assert got == want
+    assert b.stats()["proposed"] > 0
+
+
+def test_a_seeded_sample_in_the_generic_batcher_does_not_depend_on_the_load():
+    """Seeded sampled rows take no guesses from a generic drafter: the same tokens alone and
+    beside greedy rows that speculate."""
+    d = EchoDrafter()
+    b = ContinuousBatcher(target().model, (), method="echo", k_max=4, max_batch=3, max_context=96, drafter=d,
+                          adaptive=False)
+    seeded = SamplingParams(max_new_tokens=12, temperature=0.9, seed=5)
+    try:
+        alone = _run(b, [(prompts()[0], seeded)])
+        shared = _run(b, [(prompts()[1], SamplingParams(max_new_tokens=12)), (prompts()[0], seeded)])
+    finally:
+        b.close()
+    assert shared[1] == alone[0] and b.stats()["proposed"] > 0
+
+
+def test_a_drafter_outside_the_protocol_is_refused():
+    class Loose:  # has the methods, but does not declare the protocol
+        def propose(self, ctx, k): ...
+
+    with pytest.raises(SpecdecError, match="subclass specdec.drafters.Drafter"):
+        Engine(target().model, Loose(), k=2)
+    with pytest.raises(SpecdecError, match="Drafter"):
+        ContinuousBatcher(target().model, (), method="loose", drafter=Loose(), thread=False)
+
+
+def test_the_registry_imports_a_drafter_only_when_asked():
+    code = ("import sys, specdec.drafters as d; "
+            "assert not [m for m in sys.modules if m.startswith('specdec.drafters.') and m != 'specdec.drafters.base'];"
+            "assert 'medusa' in d.REGISTRY and 'medusa' in list(d.REGISTRY); d.REGISTRY['ngram']; "
+            "loaded = sorted(m for m in sys.modules if m.startswith('specdec.drafters.')); "
+            "assert loaded == ['specdec.drafters.base', 'specdec.drafters.ngram'], loaded")
+    subprocess.run([sys.executable, "-c", code], check=True)
