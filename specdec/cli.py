@@ -283,9 +283,9 @@ def _train_target_and_data(args):
 
     import torch
 
-    from .distributed.ray_collect import train_ray_args
+    from .distributed.ray_collect import collect_training_data
     from .models.loader import load_model
-    from .train.distill import CollectConfig, collect
+    from .train.distill import CollectConfig
 
     if getattr(args, "features", None) and args.data is None:
         raise SpecdecError("--features needs --data too: the data shards the features were made from")
@@ -303,8 +303,8 @@ def _train_target_and_data(args):
     if args.data is None:
         if target.tokenizer is None:
             raise SpecdecError("the target has no tokenizer; collecting training text needs one")
-        collect(target, out, CollectConfig(chat_prompts=args.chat_prompts, text_windows=args.text_windows,
-                                           seed=args.seed), quiet=args.quiet, ray_args=train_ray_args(args))
+        collect_training_data(target, out, CollectConfig(chat_prompts=args.chat_prompts, text_windows=args.text_windows,
+                                                         seed=args.seed), args, quiet=args.quiet)
     return target, out, data
 
 
@@ -346,9 +346,9 @@ def cmd_train(args) -> int:
 
     import torch
 
-    from .distributed.ray_collect import train_ray_args
+    from .distributed.ray_collect import collect_training_data
     from .models.loader import load_model
-    from .train.distill import CollectConfig, StudentConfig, TrainConfig, collect, read_init, train
+    from .train.distill import CollectConfig, StudentConfig, TrainConfig, read_init, train
 
     if args.what == "eagle":
         return cmd_train_eagle(args)
@@ -374,7 +374,7 @@ def cmd_train(args) -> int:
                            generic_prompts=args.generic_prompts, code_prompts=args.code_prompts,
                            code_body_lines=args.code_body_lines,
                            self_prompts=args.self_prompts)
-        collect(target, out, cc, quiet=args.quiet, ray_args=train_ray_args(args))
+        collect_training_data(target, out, cc, args, quiet=args.quiet)
     if args.stage in ("all", "train"):
         sc = init_shape or StudentConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
                                          num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,

@@ -210,12 +210,13 @@ def test_training_data_on_actors_equals_the_single_process_greedy_rows_and_resum
     same prompts, and a rerun keeps the shards that exist and rebuilds a missing one exactly."""
     import torch
 
+    from specdec.distributed.ray_collect import collect_training_data
     from specdec.train.distill import CollectConfig, collect
 
     cfg = CollectConfig(chat_prompts=4, chat_batch=1, shard_rows=2, max_new_tokens=8, text_windows=0, seed=0)
     one = collect(default_model, tmp_path / "one", cfg, quiet=True)
     args = build_parser().parse_args(["train", "draft", "--out", str(tmp_path / "ray"), "--ray", "--replicas", "2"])
-    on_ray = collect(default_model, tmp_path / "ray", cfg, quiet=True, ray_args=args)
+    on_ray = collect_training_data(default_model, tmp_path / "ray", cfg, args, quiet=True)
     names = sorted(p.name for p in one.glob("shard_*.pt"))
     assert names == sorted(p.name for p in on_ray.glob("shard_*.pt")) == ["shard_0000.pt", "shard_0001.pt"]
     for name in names:
@@ -227,7 +228,7 @@ def test_training_data_on_actors_equals_the_single_process_greedy_rows_and_resum
     first = torch.load(on_ray / "shard_0001.pt")
     torch.save(["kept"], on_ray / "shard_0000.pt")
     (on_ray / "shard_0001.pt").unlink()
-    collect(default_model, tmp_path / "ray", cfg, quiet=True, ray_args=args)
+    collect_training_data(default_model, tmp_path / "ray", cfg, args, quiet=True)
     assert torch.load(on_ray / "shard_0000.pt") == ["kept"]  # done shards are skipped
     again = torch.load(on_ray / "shard_0001.pt")  # a missing one is rebuilt, sampled rows included
     assert all(x[0] == y[0] and torch.equal(x[2], y[2]) for x, y in zip(first, again)) and len(first) == len(again)

@@ -113,3 +113,18 @@ class AnswerPool:
         if self.workers and not self.quiet:
             print(f"[specdec] the target answered on {len(self.workers)} Ray actors", file=sys.stderr)
 
+
+
+def collect_training_data(target, out: Path, cfg, args, quiet: bool = False) -> Path:
+    """train.distill.collect, with the target answering the prompts on Ray actors when `args`
+    ask for it (--ray), else in this process."""
+    from ..train.distill import collect
+
+    ray_args = train_ray_args(args)
+    if ray_args is None:
+        return collect(target, out, cfg, quiet)
+    pool = AnswerPool(ray_args, cfg, quiet)
+    try:
+        return collect(target, out, cfg, quiet, pool)
+    finally:
+        pool.close()

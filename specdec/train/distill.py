@@ -217,21 +217,10 @@ def _text_windows(tokenizer, cfg: CollectConfig, rng: random.Random) -> list[lis
     return windows
 
 
-def collect(target, out: Path, cfg: CollectConfig, quiet: bool = False, ray_args=None) -> Path:
-    """Stage 1 (see module docstring). Returns the data folder. ray_args: the `train --ray` flags,
-    to have the target answer the prompts on Ray actors (distributed.ray_collect)."""
-    if ray_args is not None:
-        from ..distributed.ray_collect import AnswerPool
-
-        pool = AnswerPool(ray_args, cfg, quiet)
-        try:
-            return _collect(target, out, cfg, quiet, pool)
-        finally:
-            pool.close()
-    return _collect(target, out, cfg, quiet, None)
-
-
-def _collect(target, out: Path, cfg: CollectConfig, quiet: bool, pool) -> Path:
+def collect(target, out: Path, cfg: CollectConfig, quiet: bool = False, pool=None) -> Path:
+    """Stage 1 (see module docstring). Returns the data folder. pool: answers the prompts' shards
+    elsewhere (distributed.ray_collect.AnswerPool: on Ray actors, for `train --ray`); its owner
+    closes it."""
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     (data / "collect.json").write_text(json.dumps(asdict(cfg), indent=1))
