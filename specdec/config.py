@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from .types import SamplingParams, SpecdecError
 
 METHODS = ("none", "ngram", "draft", "auto", "eagle", "medusa")
-SERVE_METHODS = ("none", "ngram", "auto", "draft")
+SERVE_METHODS = METHODS  # the batcher runs every drafter (through the protocol where it has no policy of its own)
 DEFAULT_K = {"ngram": 8, "draft": 4, "auto": 8, "eagle": 5, "medusa": 4}  # measured on the Spec-Bench dev set (README)
 DEFAULT_TREE_NODES = {"eagle": 5, "medusa": 4}
 DTYPES = ("float32", "bfloat16")
@@ -286,11 +286,15 @@ def build_engine(cfg: SpecConfig, target, quiet: bool = True):
 
 
 def serve_drafter(cfg: SpecConfig, lm, quiet: bool = False):
-    """(method, drafter) the server runs for cfg on a loaded target: a draft model, the EAGLE
-    head beside prompt lookup, or prompt lookup alone (`auto` without a head: method "ngram")."""
+    """(method, drafter, most guesses a row takes per step) the server runs for cfg on a loaded
+    target: a draft model, the EAGLE head beside prompt lookup, prompt lookup alone (`auto`
+    without a head: method "ngram"), or an EAGLE / Medusa drafter built as `generate` builds it."""
     method, drafter = cfg.method, None
     from .drafters.eagle import is_eagle_dir
 
+    if method in ("eagle", "medusa"):
+        drafter, k = make_drafter(cfg, lm, quiet)
+        return method, drafter, k
     if method == "draft" or (method == "auto" and cfg.draft and not is_eagle_dir(os.path.expanduser(cfg.draft))):
         # draft: the draft model's guesses; auto with a draft model: prompt lookup beside it
         from .drafters import REGISTRY
@@ -306,7 +310,7 @@ def serve_drafter(cfg: SpecConfig, lm, quiet: bool = False):
             if not quiet:
                 print("[specdec] no EAGLE head for this model: the server drafts with prompt lookup (ngram); "
                       "pass --draft with a head from `specdec train eagle` or a draft model for auto", file=sys.stderr)
-    return method, drafter
+    return method, drafter, cfg.method_k("auto")
 
 
 def build_batcher(cfg: SpecConfig, quiet: bool = False, thread: bool = False):
@@ -317,15 +321,15 @@ def build_batcher(cfg: SpecConfig, quiet: bool = False, thread: bool = False):
 
     if cfg.method not in SERVE_METHODS:
         raise SpecdecError(f"the server runs --method {', '.join(SERVE_METHODS)}, not {cfg.method}")
-    if cfg.method not in ("auto", "draft") and cfg.draft:
-        raise SpecdecError(f"--draft is only used with --method auto or draft (got --method {cfg.method})")
+    if cfg.method in ("none", "ngram") and cfg.draft:
+        raise SpecdecError(f"--draft is only used with --method auto, draft, eagle or medusa (got --method {cfg.method})")
     if cfg.draft:
         check_draft_path(cfg.draft, cfg.method)  # before loading anything
     lm = load_target(cfg, quiet)
     if lm.tokenizer is None:
         raise SpecdecError("the model has no tokenizer; the server needs one to read text")
-    method, drafter = serve_drafter(cfg, lm, quiet)
-    batcher = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=cfg.method_k("auto"),
+    method, drafter, k_max = serve_drafter(cfg, lm, quiet)
+    batcher = ContinuousBatcher(lm.model, lm.eos_ids, method=method, k_max=k_max,
                                 max_batch=cfg.max_batch, max_queue=cfg.max_queue, max_context=cfg.max_context,
                                 adaptive=not cfg.fixed_k, drafter=drafter, thread=thread)
     return lm, batcher, method

@@ -159,11 +159,12 @@ def add_serve_parser(sub) -> None:
                         "elsewhere, at loads where it pays; needs a head: the default model ships one, else --draft; "
                         "with --draft MODEL a draft model's guesses take the tree's place), "
                         "ngram (prompt lookup only), draft (a draft model's guesses only; --draft MODEL, the default "
-                        "model ships one) or none. All load-aware. Default: auto (ngram when the model has no EAGLE "
-                        "head and no --draft)")
+                        "model ships one), eagle (the EAGLE head's tree alone), medusa (Medusa heads' tree; both: "
+                        "--draft DIR, the default model ships them) or none. All load-aware. Default: auto (ngram "
+                        "when the model has no EAGLE head and no --draft)")
     v.add_argument("--draft", metavar="PATH", default=None,
                    help="--method auto: an EAGLE head folder (from `specdec train eagle`) or a draft model; "
-                        "--method draft: a draft model (a Llama-family folder or .gguf with the target's tokenizer). "
+                        "--method eagle / medusa: the head folder; --method draft: a draft model (a Llama-family folder or .gguf with the target's tokenizer). "
                         "Default: the ones shipped for the default model (auto: the EAGLE head)")
     v.add_argument("-k", "--num-draft-tokens", dest="k", type=guesses, default=8,
                    help=f"most guesses per row and step (at most {MAX_GUESSES}). Default: 8")

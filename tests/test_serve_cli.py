@@ -127,6 +127,23 @@ def test_serve_with_the_draft_model_answers_exactly(default_model, method):
         proc.wait(timeout=30)
 
 
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_serve_with_a_head_drafter_alone_answers_exactly(default_model, method):
+    """--method medusa / eagle (the heads shipped for the default model) in the server's batcher,
+    built as `generate` builds them: the answer equals plain greedy decoding and the heads guessed."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(SERVE + ["--port", str(port), "--method", method, "--fixed-k"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = _exact_completion_then_metrics(url, proc, default_model)
+        assert float(metrics["specdec_draft_tokens_proposed_total"]) > 0
+        assert float(metrics["specdec_draft_tokens_accepted_total"]) > 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def test_serve_draft_that_is_not_a_model_is_a_clear_error(tmp_path):
     p = subprocess.run(SERVE + ["--method", "draft", "--draft", str(tmp_path)], capture_output=True, text=True,
                        timeout=180)
