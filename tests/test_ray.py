@@ -135,22 +135,24 @@ def test_app_builder_maps_flags_to_the_deployments_and_refuses_bad_ones():
 
 
 def test_generate_and_its_ray_actors_check_prompts_with_one_function(default_model, tmp_path):
-    """cli.encode_prompts, which `generate` and EngineWorker.encode both call: a row's own "chat"
+    """prompts.encode_prompts, which `generate` and EngineWorker.encode both call: a row's own "chat"
     wins over --chat, an empty raw prompt and one past the context are errors naming the file
     and row, a prompt that leaves less room than --max-new-tokens is a note."""
-    from specdec.cli import encode_prompts
+    from specdec.config import SpecConfig
+    from specdec.prompts import encode_prompts
     from specdec.text import encode_prompt
     from specdec.types import SpecdecError
 
     tok = default_model.tokenizer
     args = build_parser().parse_args(["generate", "--prompts-file", "P.jsonl", "--max-new-tokens", "40"])
-    ids, notes = encode_prompts(args, tok, [("Hi there", False), ("Hi there", None)], 64, None, True)
+    cfg = SpecConfig.from_args(args)
+    ids, notes = encode_prompts(args, cfg, tok, [("Hi there", False), ("Hi there", None)], 64, None)
     assert ids == [encode_prompt(tok, "Hi there", False), encode_prompt(tok, "Hi there", None)] and ids[0] != ids[1]
     assert any("P.jsonl: prompt 2 has" in n and "of --max-new-tokens 40 fit" in n for n in notes)
     with pytest.raises(SpecdecError, match=r"P.jsonl: prompt 2 is empty and goes in raw"):
-        encode_prompts(args, tok, [("Hi", False), ("", False)], 64, None, True)
+        encode_prompts(args, cfg, tok, [("Hi", False), ("", False)], 64, None)
     with pytest.raises(SpecdecError, match=r"P.jsonl: prompt 1 has \d+ tokens but the model's context is 4"):
-        encode_prompts(args, tok, [("one two three four five six", False)], 4, None, True)
+        encode_prompts(args, cfg, tok, [("one two three four five six", False)], 4, None)
 
 
 # --- batch generation on actors -----------------------------------------------------------
