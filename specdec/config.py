@@ -198,6 +198,16 @@ def check_draft_path(path, method: str) -> None:
     raise SpecdecError(f"{path} is not {needs}" + (f"; it holds {holds}" if holds else ""))
 
 
+def check_draft_setting(cfg: SpecConfig) -> None:
+    """cfg.draft fits cfg.method (a method that drafts from a model or heads) and names what that
+    method needs; checked before anything loads."""
+    if not cfg.draft:
+        return
+    if cfg.method in ("none", "ngram"):
+        raise SpecdecError(f"--draft is only used with --method draft, auto, eagle or medusa (got --method {cfg.method})")
+    check_draft_path(cfg.draft, cfg.method)
+
+
 def _load_draft_model(cfg: SpecConfig, target, quiet: bool, required: bool):
     """The draft model (LoadedModel) for draft / auto: cfg.draft, else the one shipped for
     the target; None where there is none and none is required."""
@@ -225,10 +235,7 @@ def make_drafter(cfg: SpecConfig, target, quiet: bool = True):
     from .drafters import REGISTRY
 
     method = cfg.method
-    if cfg.draft and method in ("none", "ngram"):
-        raise SpecdecError(f"--draft is only used with --method draft, auto, eagle or medusa (got --method {method})")
-    if cfg.draft:
-        check_draft_path(cfg.draft, method)
+    check_draft_setting(cfg)
     if method == "none" or cfg.k == 0:  # -k 0 drafts nothing, for every method
         return None, 0
     if method == "eagle":
@@ -321,10 +328,7 @@ def build_batcher(cfg: SpecConfig, quiet: bool = False, thread: bool = False):
 
     if cfg.method not in SERVE_METHODS:
         raise SpecdecError(f"the server runs --method {', '.join(SERVE_METHODS)}, not {cfg.method}")
-    if cfg.method in ("none", "ngram") and cfg.draft:
-        raise SpecdecError(f"--draft is only used with --method auto, draft, eagle or medusa (got --method {cfg.method})")
-    if cfg.draft:
-        check_draft_path(cfg.draft, cfg.method)  # before loading anything
+    check_draft_setting(cfg)  # before loading anything
     lm = load_target(cfg, quiet)
     if lm.tokenizer is None:
         raise SpecdecError("the model has no tokenizer; the server needs one to read text")
