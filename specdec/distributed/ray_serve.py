@@ -319,17 +319,22 @@ class SpecdecRouter:
                    "headers": [(bytes(k), bytes(v)) for k, v in scope["headers"]]}
         forward = asyncio.ensure_future(self.forward(request, body, send))
         client_gone = asyncio.ensure_future(receive())  # the next message can only be http.disconnect
-        await asyncio.wait([forward, client_gone], return_when=asyncio.FIRST_COMPLETED)
-        if not forward.done():  # cancelling the handle's stream cancels the replica's `http`
+        try:
+            await asyncio.wait([forward, client_gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Ray Serve's proxy may cancel this handler itself when the client goes (instead of
+            # sending http.disconnect): either way the forward stops, which cancels the replica's
+            # `http` and frees the row.
             forward.cancel()
-        client_gone.cancel()
-        await asyncio.gather(forward, client_gone, return_exceptions=True)
+            client_gone.cancel()
+            await asyncio.gather(forward, client_gone, return_exceptions=True)
 
     async def forward(self, request: dict, body: bytes, send) -> None:
         for attempt in (1, 2):
             state = {"started": False, "stream": False}
+            answer = self.engine.http.remote(request, body)
             try:
-                async for message in self.engine.http.remote(request, body):
+                async for message in answer:
                     if message["type"] == "http.response.start":
                         state["started"] = True
                         state["stream"] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
@@ -339,8 +344,10 @@ class SpecdecRouter:
                         return
                 raise RuntimeError("the replica's answer ended early")
             except asyncio.CancelledError:
+                answer.cancel()  # the client went: the replica stops decoding for it
                 raise
             except Exception:
+                answer.cancel()  # a send to a gone client failed, or the replica died
                 if state["started"]:
                     tail = ("data: " + json.dumps({"error": {"message": REPLICA_LOST, "type": "server_error"}})
                             + "\n\n") if state["stream"] else ""
