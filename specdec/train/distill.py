@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -34,48 +34,9 @@ import torch
 from ..types import SpecdecError
 from . import corpus
 from .common import cosine_lr, load_checkpoint, save_checkpoint
+from .configs import CollectConfig, StudentConfig, TrainConfig
 
 DRAFT_META = "specdec_draft.json"
-
-
-@dataclass
-class CollectConfig:
-    chat_prompts: int = 1024
-    chat_batch: int = 16
-    max_new_tokens: int = 192
-    text_windows: int = 1024
-    text_batch: int = 8
-    seq_len: int = 256
-    topk: int = 16
-    shard_rows: int = 64
-    seed: int = 0
-    generic_prompts: int = 0  # open-ended chat prompts (everyday topics), answered by the target
-    code_prompts: int = 0  # raw code completions of standard-library signatures + docstrings
-    code_body_lines: int = 0  # and up to this many lines of each function's body (corpus.code_completion_prompts)
-    self_prompts: int = 0  # user turns the target writes itself (chat template only), then answers
-    self_prompt_tokens: int = 96  # longest self-written user turn
-
-
-@dataclass
-class StudentConfig:
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 768
-    max_position: int = 2048
-    head_vocab: int = 8192
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 2000
-    batch_rows: int = 16
-    lr: float = 2e-3
-    warmup: int = 50
-    weight_decay: float = 0.0
-    save_every: int = 100
-    seed: int = 0
 
 
 def _progress(total: int, desc: str, quiet: bool):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -36,25 +36,7 @@ import torch.nn.functional as F
 
 from ..types import SpecdecError
 from .common import cosine_lr, load_checkpoint, save_checkpoint
-
-
-@dataclass
-class EagleTrainConfig:
-    steps: int = 900
-    batch_rows: int = 16
-    seq_len: int = 256
-    lr: float = 3e-3  # with cls_weight 1.0: 53% one-step top-1 where 1e-3 / 0.1 (EAGLE's paper) gave 34%
-    warmup: int = 30
-    cls_weight: float = 1.0
-    noise: float = 0.1
-    head_vocab: int = 8192
-    max_rows: int = 0  # 0 = every data row
-    save_every: int = 50
-    seed: int = 0
-    unroll: int = 1  # training-time test: drafting steps trained on the head's own predictions
-    unroll_decay: float = 0.8
-    init: str | None = None  # an EAGLE head folder to start from (same target)
-    bf16: bool | None = None  # bfloat16 autocast for the matrix products; None: where the CPU has bf16 units
+from .configs import EagleTrainConfig
 
 
 def extract_features(target, data: Path, feats: Path, seq_len: int, max_rows: int = 0, quiet: bool = False) -> None:

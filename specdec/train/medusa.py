@@ -13,29 +13,14 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from ..types import SpecdecError
 from .common import cosine_lr, load_checkpoint, save_checkpoint
-
-
-@dataclass
-class MedusaTrainConfig:
-    num_heads: int = 4
-    steps: int = 400
-    batch_rows: int = 16
-    seq_len: int = 64  # positions per row and step (x heads x subset: the soft labels' memory)
-    lr: float = 1e-3
-    warmup: int = 20
-    head_vocab: int = 8192
-    tree_nodes: int = 16
-    topk: int = 4
-    max_rows: int = 0
-    save_every: int = 50
-    seed: int = 0
+from .configs import MedusaTrainConfig
 
 
 def _targets(f, W, H):
