@@ -26,11 +26,11 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from devset import DEV_SET
 
-DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "dev.jsonl"
+DEV = DEV_SET
 
 
 def step_ms(fn, n: int = 30) -> float:

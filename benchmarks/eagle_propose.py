@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 
 import torch
+from devset import DEV_SET
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = ROOT.parent / "shared" / "data" / "spec_bench" / "dev.jsonl"
+DEFAULT_DATA = DEV_SET
 
 
 def main() -> int:

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
+from devset import DEV_SET
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "dev.jsonl"
+DEFAULT_DATA = DEV_SET
 
 
 def main() -> int:

@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 
 import torch
+from devset import DEV_SET
 
-DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "dev.jsonl"
+DEV = DEV_SET
 
 
 def main() -> None:
