@@ -8,13 +8,19 @@ decode rate comes from the run's --json stats (new tokens / decode seconds) and 
 over repeats are printed with the ratio busy / idle. The issue's goal: >= 0.35x (a fair share
 with 4 runnable threads on 2 cores is ~0.5x).
 
+The `llamacpp` variants run llama.cpp (llama-cpp-python, `pip install -e ".[peers]"`) on the
+same GGUF file and prompt in a fresh process, greedy, with 2 or 1 threads; their rate is also
+decode only (the first token, which carries the prefill, is left out).
+
     python benchmarks/contention.py --repeats 3 --max-new-tokens 64
     python benchmarks/contention.py --variants default,threads1,passive
+    python benchmarks/contention.py --variants default,llamacpp --model qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -36,6 +42,24 @@ VARIANTS = {
     "active": ({"OMP_WAIT_POLICY": "ACTIVE"}, []),
     "spin0": ({"GOMP_SPINCOUNT": "0"}, []),
 }
+LLAMACPP_VARIANTS = {"llamacpp": 2, "llamacpp1": 1}  # name -> llama.cpp's n_threads
+
+# One greedy llama.cpp run in a fresh process, on the token ids specdec decodes (the chat
+# template applied): decode tokens/s after the first token.
+LLAMACPP_RUN = """
+import json, sys, time
+from llama_cpp import Llama
+path, ids, max_new, threads = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+n, t_first = 0, None
+for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+    n += 1
+    if n == 1:
+        t_first = time.perf_counter()
+    if tok == llm.token_eos() or n >= max_new:
+        break
+print((n - 1) / (time.perf_counter() - t_first))
+"""
 
 
 def cpu_name() -> str:
@@ -45,17 +69,42 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def run_once(env_extra: dict, flags: list[str], max_new: int, method: str) -> float:
-    """One generate run; its decode tokens/s from the --json stats."""
+def run_once(name: str, max_new: int, method: str, model: str | None) -> float:
+    """One run of a variant in a fresh process; its decode tokens/s (specdec: from the --json stats)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
-    env.update(PYTHONPATH=str(ROOT), **env_extra)  # only the variant's own thread settings
-    cmd = [sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--method", method, "--max-new-tokens",
-           str(max_new), "--json", "--quiet", "--fresh", *flags]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    if name in LLAMACPP_VARIANTS:
+        path = model or default_gguf()
+        cmd = [sys.executable, "-c", LLAMACPP_RUN, path, json.dumps(prompt_ids(path)), str(max_new),
+               str(LLAMACPP_VARIANTS[name])]
+    else:
+        env_extra, flags = VARIANTS[name]
+        env.update(env_extra)  # only the variant's own thread settings
+        cmd = [sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--method", method, "--max-new-tokens",
+               str(max_new), "--json", "--quiet", "--fresh", *(["--model", model] if model else []), *flags]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed: {out.stderr.strip()[-500:]}")
-    stats = json.loads(out.stdout.strip().splitlines()[-1])["stats"]
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed: {out.stderr.strip()[-500:]}")
+    last = out.stdout.strip().splitlines()[-1]
+    if name in LLAMACPP_VARIANTS:
+        return float(last)
+    stats = json.loads(last)["stats"]
     return stats["new_tokens"] / max(stats["decode_s"], 1e-9)
+
+
+@functools.cache
+def prompt_ids(model: str) -> list[int]:
+    """PROMPT as specdec encodes it for this model (its chat template), for llama.cpp to decode."""
+    from specdec.models.loader import load_model
+    from specdec.text import encode_prompt
+
+    return encode_prompt(load_model(model, quiet=True).tokenizer, PROMPT, None)
+
+
+def default_gguf() -> str:
+    from specdec.models.loader import default_model_path
+
+    return str(default_model_path())
 
 
 def start_busy(n: int, seconds: int) -> list[subprocess.Popen]:
@@ -64,22 +113,26 @@ def start_busy(n: int, seconds: int) -> list[subprocess.Popen]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="default,threads1,passive", help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="default,threads1,passive",
+                    help=f"comma list of {', '.join([*VARIANTS, *LLAMACPP_VARIANTS])}")
+    ap.add_argument("--model", help="a GGUF file (default: specdec's default model), for every variant")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--busy", type=int, default=2, help="busy loops beside the busy runs")
     ap.add_argument("--method", default="none")
     args = ap.parse_args()
     names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS and n not in LLAMACPP_VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {', '.join(unknown)}; choose from {', '.join([*VARIANTS, *LLAMACPP_VARIANTS])}")
     rates: dict[tuple[str, str], list[float]] = {(n, c): [] for n in names for c in ("idle", "busy")}
     for r in range(args.repeats):
         for name in names:
-            env_extra, flags = VARIANTS[name]
-            rates[(name, "idle")].append(run_once(env_extra, flags, args.max_new_tokens, args.method))
-            busy = start_busy(args.busy, 120)
+            rates[(name, "idle")].append(run_once(name, args.max_new_tokens, args.method, args.model))
+            busy = start_busy(args.busy, 900)
             time.sleep(0.5)
             try:
-                rates[(name, "busy")].append(run_once(env_extra, flags, args.max_new_tokens, args.method))
+                rates[(name, "busy")].append(run_once(name, args.max_new_tokens, args.method, args.model))
             finally:
                 for p in busy:
                     p.terminate()
@@ -87,7 +140,7 @@ def main() -> int:
             print(f"repeat {r + 1} {name}: idle {rates[(name, 'idle')][-1]:.1f} busy {rates[(name, 'busy')][-1]:.1f} "
                   "tok/s", file=sys.stderr)
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cpus; {args.busy} busy loops; method {args.method}; "
-          f"{args.max_new_tokens} new tokens; medians of {args.repeats}")
+          f"model {args.model or 'default'}; {args.max_new_tokens} new tokens; medians of {args.repeats}")
     print(f"{'variant':10s} {'idle tok/s':>10s} {'busy tok/s':>10s} {'busy/idle':>9s}")
     doc = {}
     for name in names:
