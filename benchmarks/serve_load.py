@@ -25,6 +25,10 @@ few seconds.
 
     python benchmarks/serve_load.py --concurrency 1,2,4,8,16,32 --min-requests 24 --out /tmp/serve-bench
 
+`--busy N` measures beside N busy loops (`yes > /dev/null`, started after the warm-up and
+stopped at the end): run once without and once with it to see what a server keeps of its speed
+when other work shares the machine.
+
 Prints a table and, as the last line, one JSON document; `--out` also gets a PNG plot.
 """
 
@@ -41,6 +45,7 @@ import time
 from pathlib import Path
 
 import torch
+from contention import start_busy
 from devset import DEV_SET
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,6 +217,7 @@ def main() -> int:
                     help="run the servers with --log-level debug, their stderr in DIR/<setting>.log, and report per "
                          "level the seconds spent in decode steps and in prefills (the rest of the wall time is HTTP "
                          "and waiting)")
+    ap.add_argument("--busy", type=int, default=0, help="busy loops running beside the measured levels. Default: 0")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -242,22 +248,28 @@ def main() -> int:
             drive(servers[name][1], prompts[::-1], args.warmup, 1, args.max_tokens, lm.tokenizer, chat)
     levels = [int(c) for c in args.concurrency.split(",")]
     raw = {name: {c: [] for c in levels} for name in settings}
-    for rep in range(args.repeats):
-        for c in levels:
-            for name in (list(settings) if rep % 2 == 0 else list(settings)[::-1]):  # order flips each repeat
-                per_client = max(args.requests_per_client, -(-args.min_requests // c))
-                log = servers[name][0].log_path
-                skip = step_seconds(log, 0)[0] if log else 0
-                res = drive(servers[name][1], prompts, c, per_client, args.max_tokens, lm.tokenizer, chat)
-                if log:
-                    res.update(step_seconds(log, skip)[1])
-                raw[name][c].append(res)
-                print(f"rep {rep} c={c:<3} {name:<9} {res['throughput']:7.1f} tok/s  ttft {res['ttft_p50']*1e3:7.0f} ms  "
-                      f"TPOT p50 {res['token_p50']*1e3:6.1f} ms  p95 {res['token_p95']*1e3:6.1f} ms  "
-                      f"ITL p50 {res['itl_p50']*1e3:6.1f} ms  errors {res['errors']}"
-                      + (f"  in steps {res['step_s']:5.2f} s, prefills {res['prefill_s']:5.2f} s of {res['wall']:5.2f} "
-                         f"({res['steps']} steps, {res['spec_steps']} with guesses)" if log else ""),
-                      file=sys.stderr)
+    busy = start_busy(args.busy, 3600)
+    try:
+        for rep in range(args.repeats):
+            for c in levels:
+                for name in (list(settings) if rep % 2 == 0 else list(settings)[::-1]):  # order flips each repeat
+                    per_client = max(args.requests_per_client, -(-args.min_requests // c))
+                    log = servers[name][0].log_path
+                    skip = step_seconds(log, 0)[0] if log else 0
+                    res = drive(servers[name][1], prompts, c, per_client, args.max_tokens, lm.tokenizer, chat)
+                    if log:
+                        res.update(step_seconds(log, skip)[1])
+                    raw[name][c].append(res)
+                    print(f"rep {rep} c={c:<3} {name:<9} {res['throughput']:7.1f} tok/s  ttft {res['ttft_p50']*1e3:7.0f} ms  "
+                          f"TPOT p50 {res['token_p50']*1e3:6.1f} ms  p95 {res['token_p95']*1e3:6.1f} ms  "
+                          f"ITL p50 {res['itl_p50']*1e3:6.1f} ms  errors {res['errors']}"
+                          + (f"  in steps {res['step_s']:5.2f} s, prefills {res['prefill_s']:5.2f} s of {res['wall']:5.2f} "
+                             f"({res['steps']} steps, {res['spec_steps']} with guesses)" if log else ""),
+                          file=sys.stderr)
+    finally:
+        for loop in busy:
+            loop.terminate()
+            loop.wait()
     table = {name: {c: {k: statistics.median(r[k] for r in raw[name][c]) for k in raw[name][c][0]} for c in levels}
              for name in settings}
     # adaptive / off per repeat: adjacent runs, so drift between repeats cancels
@@ -273,7 +285,7 @@ def main() -> int:
         line += f"{table['off'][c]['token_p50'] / table['adaptive'][c]['token_p50']:>19.2f}"
         print(line)
     metrics = {n: server_metrics(servers[n][1]) for n in settings}
-    result = {"benchmark": "serve_load", "data": args.data, "threads": args.threads, "settings": settings, "max_tokens": args.max_tokens, "k": args.k,
+    result = {"benchmark": "serve_load", "data": args.data, "threads": args.threads, "busy": args.busy, "settings": settings, "max_tokens": args.max_tokens, "k": args.k,
               "requests_per_client": args.requests_per_client, "min_requests": args.min_requests,
               "repeats": args.repeats, "table": table,
               "adaptive_over_off_per_repeat": {c: [round(r, 3) for r in paired[c]] for c in levels},
