@@ -8,11 +8,15 @@ printing medians:
   151936x1536) for each type and row count M: ms a call and GB/s of weight bytes read;
 - `repack`: gguf_linear on the file's own Q4_1 / Q8_0 bytes against q4_1_linear / q8_0_linear on
   the repacked K-major copy (models/gguf_blocks.py), on the default model's shapes (SmolLM2-135M:
-  576x576, 960x576 fused qkv, 3072x576 fused gate/up, 576x1536, 49152x576 head), M = 1..6.
+  576x576, 960x576 fused qkv, 3072x576 fused gate/up, 576x1536, 49152x576 head), M = 1..6;
+- `ab`: gguf_linear_q8 of this tree's kernels against those of git revision `--base` (its
+  rowstable.cpp built beside them under another op namespace, in the same process), interleaved,
+  on weights read cold from memory (copies rotated past the caches' size); checks the two agree.
 
     python3 benchmarks/gguf_kernels.py bandwidth raw repack --threads 2
     python3 benchmarks/gguf_kernels.py raw --types Q4_K,Q6_K --m 1,4 --shapes 1536x1536,8960x1536
     python3 benchmarks/gguf_kernels.py bandwidth raw --threads 1 --types Q4_K,Q8_0 --m 1 --shapes 151936x1536,16384x8960
+    python3 benchmarks/gguf_kernels.py ab --base main --threads 1 --types Q4_K,Q6_K --m 1,2,4
 
 (the last: matrices far larger than the caches, read from memory, against the bandwidth figures)
 """
@@ -117,9 +121,49 @@ def repack_table(ops, shapes: list[tuple[int, int]], ms: list[int], reps: int) -
                       flush=True)
 
 
+def base_ops(rev: str):
+    """The row-stable kernels of git revision `rev` (its rowstable.cpp), loaded as torch.ops.specdec_rs_base."""
+    import subprocess
+    import tempfile
+
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:specdec/kernels/rowstable.cpp"], check=True,
+                         capture_output=True, text=True).stdout
+    src = src.replace("TORCH_LIBRARY(specdec_rs,", "TORCH_LIBRARY(specdec_rs_base,")
+    src = src.replace("TORCH_LIBRARY_IMPL(specdec_rs,", "TORCH_LIBRARY_IMPL(specdec_rs_base,")
+    path = Path(tempfile.mkdtemp()) / "rowstable_base.cpp"
+    path.write_text(src)
+    torch.ops.load_library(str(kernels._build(cache_root() / "kernels", True, path, ["-mavx2", "-mfma", "-mf16c"])))
+    return torch.ops.specdec_rs_base
+
+
+def ab_table(ops, base, rev: str, types: list[str], shapes: list[tuple[int, int]], ms: list[int], reps: int) -> None:
+    rng = np.random.default_rng(2)
+    print(f"| type | N x K | M | {rev} ms (GB/s) | this tree ms (GB/s) | {rev} / this, median | best |")
+    print("|---|---|---|---|---|---|---|")
+    for n, k in shapes:
+        for name in types:
+            t = kernels.GGUF_TYPES[name].id
+            one = random_blocks(t, n, k, rng).reshape(-1)
+            raws = [torch.from_numpy(one.copy()) for _ in range(max(1, int(96e6 // one.size) + 1))]  # > L3
+            for m in ms:
+                x = torch.randn(m, k)
+                a, b = ops.gguf_linear_q8(x, raws[0], t, n, k), base.gguf_linear_q8(x, raws[0], t, n, k)
+                assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max())), (name, m)
+                turn = iter(range(10**9))
+
+                def call(op):
+                    return lambda: op.gguf_linear_q8(x, raws[next(turn) % len(raws)], t, n, k)
+
+                res = interleaved({"base": call(base), "this": call(ops)}, reps, 30)
+                (bm, bb), (tm, tb) = res["base"], res["this"]
+                print(f"| {name} | {n}x{k} | {m} | {bm * 1e3:.3f} ({one.size / bm / 1e9:.1f}) | {tm * 1e3:.3f} "
+                      f"({one.size / tm / 1e9:.1f}) | {bm / tm:.2f} | {bb / tb:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack"])
+    ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack", "ab"])
+    ap.add_argument("--base", default="main", help="ab: the git revision to compare against")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,F16")
@@ -141,6 +185,9 @@ def main() -> None:
     for part in a.parts:
         if part == "bandwidth":
             bandwidth(a.reps)
+        elif part == "ab":
+            ab_table(ops, base_ops(a.base), a.base, a.types.split(","), parse_shapes(QWEN_SHAPES),
+                     [int(v) for v in (a.m or "1,2,4,8").split(",")], a.reps)
         elif part == "raw":
             raw_table(ops, a.types.split(","), parse_shapes(QWEN_SHAPES),
                       [int(v) for v in (a.m or "1,4,64,256").split(",")], a.reps, a.op)

