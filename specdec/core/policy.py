@@ -42,6 +42,12 @@ PROBE_EVERY = 16
 FIT_DECAY = 0.98
 
 
+def ema(old: float | None, new: float, keep: float) -> float:
+    """An exponential moving average that keeps `keep` of the old value (the new value itself
+    when there is none yet): the drafters' times, gains and tree sizes, the guard's rates."""
+    return new if old is None else keep * old + (1.0 - keep) * new
+
+
 def carried(acc: float, seen: float, most: float = CARRIED_COUNTS) -> tuple[float, float]:
     """Decayed counts (accepted, seen) scaled so that seen is at most `most`: the same rate,
     which a later run's own observations soon outweigh (learned.py)."""
@@ -116,9 +122,8 @@ class AdaptiveK:
         kk = max(counts) if counts else 0
         if kk:
             per_token = draft_s / kk
-            self.t_draft = per_token if not self.t_draft else 0.8 * self.t_draft + 0.2 * per_token
-        prev = self.t_fwd.get(kk)
-        self.t_fwd[kk] = verify_s if prev is None else 0.8 * prev + 0.2 * verify_s
+            self.t_draft = ema(self.t_draft or None, per_token, 0.8)
+        self.t_fwd[kk] = ema(self.t_fwd.get(kk), verify_s, 0.8)
 
     def learned(self) -> dict:
         """Acceptance (capped, `carried`) and times, for a later run (learned.py)."""
@@ -294,9 +299,7 @@ class BatchGuard:
         if speculated and key not in self._warm:
             self._warm.add(key)  # a band's first speculative step may catch a drafter up on whole prompts
             return
-        r = tokens / seconds
-        old = self.rate.get(key)
-        self.rate[key] = r if old is None else self.decay * old + (1 - self.decay) * r
+        self.rate[key] = ema(self.rate.get(key), tokens / seconds, self.decay)
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:

@@ -36,7 +36,7 @@ import time
 import torch
 
 from .. import tree as tree_mod
-from ..core.policy import PROBE_EVERY, NodeOdds, best_prefix, carried, counts_ok
+from ..core.policy import PROBE_EVERY, NodeOdds, best_prefix, carried, counts_ok, ema
 from ..learned import nonneg
 from ..types import SpecdecError
 from .base import Draft, DraftContext, Drafter, register, steady, timing_free
@@ -80,8 +80,7 @@ class HybridDrafter(Drafter):
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         t0 = time.perf_counter()
         if self._t_end is not None:
-            step = t0 - self._t_end
-            self.t_step = step if self.t_step is None else 0.8 * self.t_step + 0.2 * step
+            self.t_step = ema(self.t_step, t0 - self._t_end, 0.8)
         try:
             return self._propose(ctx, max_tokens)
         finally:
@@ -114,8 +113,7 @@ class HybridDrafter(Drafter):
         d = self.draft.propose(ctx, kd)
         seconds, steady = self.draft.draft_timing()
         if steady:  # (not a prompt's prefill): time it
-            per_tok = seconds / kd
-            self.t_tok = per_tok if self.t_tok is None else 0.8 * self.t_tok + 0.2 * per_tok
+            self.t_tok = ema(self.t_tok, seconds / kd, 0.8)
             self._pending = (kd, seconds)
         self._used_draft = need_draft
         self._counts = d.counts.tolist()
@@ -370,8 +368,7 @@ class LookupEagleDrafter(Drafter):
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         t0 = time.perf_counter()
         if self._t_end is not None:
-            step = t0 - self._t_end
-            self.t_step = step if self.t_step is None else 0.9 * self.t_step + 0.1 * step
+            self.t_step = ema(self.t_step, t0 - self._t_end, 0.9)
         B = len(ctx.tokens)
         self._tree_rows = None
         if max_tokens <= 0:
@@ -450,7 +447,7 @@ class LookupEagleDrafter(Drafter):
             t_head = time.perf_counter() - t1
             self._timing = (t_head, steady(behind, max(self.ngram.max_n, self.eagle.depth)))
             if self._timing[1]:
-                self.t_draft = t_head if self.t_draft is None else 0.9 * self.t_draft + 0.1 * t_head
+                self.t_draft = ema(self.t_draft, t_head, 0.9)
             self._tree_rows = list(tree_rows)
         self.rows_drafted["lookup"] += sum(1 for g, t in zip(looked, tree_rows) if g and not t)
         self.rows_drafted["eagle"] += sum(tree_rows) if tree is not None else 0
@@ -486,7 +483,7 @@ class LookupEagleDrafter(Drafter):
         self._t_end = time.perf_counter()
         if tree is not None:
             sizes = [len(t) for (t, _), on in zip(rows, tree_rows) if on]
-            self.nodes = 0.9 * self.nodes + 0.1 * (sum(sizes) / len(sizes))
+            self.nodes = ema(self.nodes, sum(sizes) / len(sizes), 0.9)
         return Draft(tokens, counts, None, parents)
 
     def _min_logp(self) -> float | None:
@@ -536,10 +533,9 @@ class LookupEagleDrafter(Drafter):
         if self._tree_rows is not None:
             got = [int(n) for n, t in zip(num_accepted, self._tree_rows) if t]
             if got and self._seeded:  # the request's own gain (its first probe: a measurement, not a prior)
-                mean = sum(got) / len(got)
-                self.seeded_gain = mean if self.seeded_gain is None else 0.8 * self.seeded_gain + 0.2 * mean
+                self.seeded_gain = ema(self.seeded_gain, sum(got) / len(got), 0.8)
             elif got:
-                self.gain = 0.9 * self.gain + 0.1 * (sum(got) / len(got))
+                self.gain = ema(self.gain, sum(got) / len(got), 0.9)
             self._tree_rows = None
         if paths is not None:
             for b, probs in self._node_p.items():  # the head's nodes: held or not, by path probability
