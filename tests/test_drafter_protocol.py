@@ -195,3 +195,30 @@ def test_a_protocol_only_drafter_runs_in_validate(tree):
             row = load["table"][name][c]
             assert row["failures"] == 0 and row["equal"] == row["checked"] == row["requests"] == 3, row
     assert load["table"]["fixed"][1]["mean_guesses"] > 0 and load["drafting"] == "method echo"
+
+
+def test_a_draft_models_timing_is_steady_only_without_a_catch_up():
+    """`draft_timing` marks a proposal that first read a whole prompt (or steps it sat out) as not
+    steady, so the cost models never price drafting from a catch-up; a proposal after a commit
+    (one unseen token a row) is steady; the seconds are the proposal's own."""
+    import time
+
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    d = DraftModelDrafter(target(1).model)
+    ps = prompts()
+    d.begin(ps, SamplingParams(), 64)
+    assert Drafter.draft_timing(d) is None  # the protocol's default: the core times propose itself
+    ctx = [p + [1] for p in ps]  # nothing fed yet: the whole prompts are read first
+    t0 = time.perf_counter()
+    d.propose(DraftContext(ctx, SamplingParams(), None), 3)
+    wall = time.perf_counter() - t0
+    seconds, steady = d.draft_timing()
+    assert not steady and 0 < seconds <= wall
+    d.commit([1, 0, 2])
+    draft = d.propose(DraftContext([c + [7] * (n + 1) for c, n in zip(ctx, [1, 0, 2])], SamplingParams(), None), 3)
+    assert d.draft_timing()[1] and draft.tokens.shape == (3, 3)
+    d.commit([0, 0, 0])
+    d.skip()  # steps sat out: more than a step's worth to catch up on
+    d.propose(DraftContext([c + [7] * 12 for c in ctx], SamplingParams(), None), 3)
+    assert not d.draft_timing()[1]
