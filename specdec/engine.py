@@ -6,7 +6,7 @@ scores just the pending token. A drafter may return a chain (k tokens in a row) 
 accepted path is kept in the KV cache (compact) and the drafter is told the path. Drafters
 that read the target's hidden states (needs_hidden) get those of every committed position.
 Rows of a batch may have different prompt lengths, draft counts and accepted counts; rows
-that finish leave the batch at once. In a batch of two or more rows a guard (adaptive.
+that finish leave the batch at once. In a batch of two or more rows a guard (core.policy.
 BatchGuard) lets the drafter propose only while speculative steps commit more tokens per
 second than plain ones (a few rows already make a CPU step compute-bound); for drafters that
 do not price their own guesses (a draft model, Medusa, an EAGLE head alone) a single row is
@@ -22,12 +22,13 @@ text, files or HTTP. Stop strings are the caller's business (`stop_fn`).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from . import threads
-from .adaptive import BatchGuard
+from .core.policy import BatchGuard
 from .drafters.base import Draft, DraftContext, Drafter, timing_free
 from .core.step import run_step
 from .sampling import choose, make_generator
@@ -41,7 +42,7 @@ class Engine:
     def __init__(self, model, drafter=None, k: int = 4, eos_ids=(), k_policy=None) -> None:
         """model: follows the forward contract (native or adapter); drafter: a Drafter or
         None; k: draft length; k_policy: optional object with choose_k(max_k) and
-        observe(step record) for adaptive drafting (see adaptive.py)."""
+        observe(step record) for adaptive drafting (see core/policy.py)."""
         if not 0 <= k <= MAX_GUESSES:
             raise SpecdecError(f"-k must be between 0 and {MAX_GUESSES} (longer steps are not verified bit for bit "
                                f"as plain decoding computes them), got {k}")
@@ -54,7 +55,7 @@ class Engine:
         self.k_policy = k_policy
         self._batches = 0
         # batches of 2+ rows: speculate only while it beats plain decoding, measured (drafters
-        # that can sit steps out, all of specdec's: `skip`); see adaptive.BatchGuard. Drafters
+        # that can sit steps out, all of specdec's: `skip`); see core.policy.BatchGuard. Drafters
         # that do not price their own guesses step by step (`gates_itself`: prompt lookup, auto)
         # are guarded at a single row too, so a draft model or head that does not pay for its
         # cost on this text or machine falls back to plain decoding instead of slowing it down
@@ -115,131 +116,143 @@ class Engine:
 
     # ------------------------------------------------------------------------------------
     def _generate_batch(self, prompts, params: SamplingParams, on_tokens, stop_fn) -> list[GenerationResult]:
-        model, drafter = self.model, self.drafter
-        B = len(prompts)
-        gen = make_generator(params.seed)
-        k_max = self.k
-        # room for the longest draft: k tokens, or a tree drafter's node budget
-        width = max(k_max, drafter.max_nodes) if drafter is not None else 0
-        max_len = min(model.max_context, max(len(p) for p in prompts) + params.max_new_tokens + width + 1)
-        results = [GenerationResult() for _ in range(B)]
+        """prefill, then (propose -> score, verify, commit -> record) until every row is done."""
+        b = self._start(prompts, params, on_tokens, stop_fn)
+        keep = self._prefill(b, prompts)
+        while self._leave(b, keep):
+            threads.tick()  # follow the cores other processes leave free (threads.py)
+            t1 = time.perf_counter()
+            spec, k_step, draft, room = self._propose(b)
+            t2 = time.perf_counter()
+            # score, verify, commit / roll back (core/step.py)
+            res = run_step(self.model, b.cache, [b.context[r][-1] for r in b.rows], draft, params, b.gen, room)
+            if self.drafter is not None and draft.tokens.shape[1] > 0:
+                self.drafter.commit(res.accepted, paths=res.paths if draft.parents is not None else None)
+            keep = self._record(b, spec, k_step, draft, res, (t1, t2, time.perf_counter()))
+        for r in b.results:
+            r.stats.new_tokens = len(r.tokens)
+        return b.results
+
+    def _start(self, prompts, params: SamplingParams, on_tokens, stop_fn) -> "_Batch":
+        """A batch's state: its cache (room for the longest draft: k tokens, or a tree drafter's
+        node budget), results, generator; the drafter and the guard told a batch begins."""
+        drafter = self.drafter
+        width = max(self.k, drafter.max_nodes) if drafter is not None else 0
+        max_len = min(self.model.max_context, max(len(p) for p in prompts) + params.max_new_tokens + width + 1)
+        results = [GenerationResult() for _ in prompts]
         self._batches += 1
         for r, p in zip(results, prompts):
             r.stats.prompt_tokens = len(p)
             r.stats.batch = self._batches
-        cache = model.new_cache(B, max_len)
         if drafter is not None:
             drafter.begin(prompts, params, max_len)
         guard = None if timing_free(params) else self.guard  # a seeded sample: drafting must not depend on timing
         if guard is not None:
             guard.begin()
+        return _Batch(params, make_generator(params.seed), max_len, self.model.new_cache(len(prompts), max_len),
+                      results, guard, on_tokens, stop_fn, wants_hidden=drafter is not None and drafter.needs_hidden)
 
-        # prefill: right-padded prompts; each row's logits at its last prompt token
+    def _prefill(self, b: "_Batch", prompts) -> list[bool]:
+        """Right-padded prompts in one forward, each row's first token from the logits at its last
+        prompt token; returns which rows go on."""
         t0 = time.perf_counter()
+        B = len(prompts)
         lens = torch.tensor([len(p) for p in prompts])
         T = int(lens.max())
         toks = torch.zeros(B, T, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            toks[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            toks[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         pos = torch.arange(T)[None, :].expand(B, T)
-        logits, hidden = model(toks, pos, cache, logits_at=(lens - 1)[:, None])
-        cache.truncate(lens)
+        logits, hidden = self.model(toks, pos, b.cache, logits_at=(lens - 1)[:, None])
+        b.cache.truncate(lens)
         # target features of committed positions not yet handed to a drafter that reads them (EAGLE)
-        wants_hidden = drafter is not None and drafter.needs_hidden
-        feats = [[hidden[b, : len(p)]] if wants_hidden else [] for b, p in enumerate(prompts)]
-        first = choose(logits[:, 0], params, gen)
+        b.feats = [[hidden[i, : len(p)]] if b.wants_hidden else [] for i, p in enumerate(prompts)]
+        first = choose(logits[:, 0], b.params, b.gen)
         prefill_s = time.perf_counter() - t0
-        for r in results:
+        for r in b.results:
             r.stats.prefill_s = prefill_s
+        b.rows = list(range(B))
+        b.context = [list(p) + [int(t)] for p, t in zip(prompts, first)]
+        b.t_start = time.perf_counter()
+        return self._commit_tokens(b.rows, [[int(t)] for t in first], b.results, b.params, b.on_tokens, b.stop_fn,
+                                   b.max_len, b.cache)
 
-        rows = list(range(B))  # active batch row -> request index
-        context = [list(p) + [int(t)] for p, t in zip(prompts, first)]  # committed tokens incl. pending
-        t_start = time.perf_counter()
-        keep = self._commit_tokens(rows, [[int(t)] for t in first], results, params, on_tokens, stop_fn, max_len, cache)
+    def _leave(self, b: "_Batch", keep: list[bool]) -> bool:
+        """Finished rows leave the batch (cache and drafter); False when none is left."""
+        finished = [i for i, ok in enumerate(keep) if not ok]
+        if not finished:
+            return True
+        now = time.perf_counter() - b.t_start
+        for i in finished:
+            b.results[b.rows[i]].stats.decode_s = now
+        alive = [i for i, ok in enumerate(keep) if ok]
+        if not alive:
+            return False
+        b.cache.reorder_rows(torch.tensor(alive))
+        if self.drafter is not None:
+            self.drafter.keep_rows(alive)
+        b.rows = [b.rows[i] for i in alive]
+        return True
 
-        while True:
-            finished = [i for i, ok in enumerate(keep) if not ok]
-            if finished:
-                now = time.perf_counter() - t_start
-                for i in finished:
-                    results[rows[i]].stats.decode_s = now
-                alive = [i for i, ok in enumerate(keep) if ok]
-                if not alive:
-                    break
-                cache.reorder_rows(torch.tensor(alive))
-                if drafter is not None:
-                    drafter.keep_rows(alive)
-                rows = [rows[i] for i in alive]
-            A = len(rows)
-            threads.tick()  # follow the cores other processes leave free (threads.py)
+    def _propose(self, b: "_Batch") -> tuple[bool, int, Draft, list[int]]:
+        """This step's proposal: the draft length (k policy, room, guard), the drafter's guesses
+        (chains capped at each row's room), or an empty draft. Returns (speculate, draft length,
+        draft, room per row)."""
+        drafter, rows, A = self.drafter, b.rows, len(b.rows)
+        k_now = self.k_policy.choose_k(self.k) if self.k_policy is not None else self.k
+        room = [min(b.params.max_new_tokens - len(b.results[r].tokens) - 1, b.max_len - len(b.context[r]) - 1)
+                for r in rows]
+        k_step = max(0, min(k_now, max(room)))
+        spec = b.guard.speculate(A) if b.guard is not None else True
+        if not spec and k_step > 0:
+            k_step = 0
+            drafter.skip()  # the drafter sits this step out (its timing must not span it)
+        if drafter is None or k_step == 0:
+            return spec, k_step, Draft.empty(A), room
+        hid = None
+        if b.wants_hidden:
+            hid = [torch.cat(b.feats[r]) if b.feats[r] else None for r in rows]
+            for r in rows:
+                b.feats[r] = []
+        draft = drafter.propose(DraftContext([b.context[r] for r in rows], b.params, b.gen, hid), k_step)
+        if draft.parents is None:
+            draft.counts = torch.minimum(draft.counts, torch.tensor(room).clamp_min(0))
+        elif draft.tokens.shape[1] > 0 and draft.tokens.shape[1] + 1 > b.max_len - int(b.cache.lengths.max()):
+            # near the end of the context a tree may not fit: score the pending token alone
+            # (the drafter is told nothing was accepted)
+            drafter.commit([0] * A, paths=[[] for _ in range(A)])
+            draft = Draft.empty(A)
+        return spec, k_step, draft, room
 
-            # 1 propose
-            t1 = time.perf_counter()
-            k_now = self.k_policy.choose_k(k_max) if self.k_policy is not None else k_max
-            room = [min(params.max_new_tokens - len(results[r].tokens) - 1, max_len - len(context[r]) - 1) for r in rows]
-            k_step = max(0, min(k_now, max(room)))
-            spec = guard.speculate(A) if guard is not None else True
-            if not spec and k_step > 0:
-                k_step = 0
-                drafter.skip()  # the drafter sits this step out (its timing must not span it)
-            if drafter is not None and k_step > 0:
-                hid = None
-                if wants_hidden:
-                    hid = [torch.cat(feats[r]) if feats[r] else None for r in rows]
-                    for r in rows:
-                        feats[r] = []
-                draft = drafter.propose(DraftContext([context[r] for r in rows], params, gen, hid), k_step)
-                if draft.parents is None:
-                    draft.counts = torch.minimum(draft.counts, torch.tensor(room).clamp_min(0))
-            else:
-                draft = Draft.empty(A)
-            K = draft.tokens.shape[1]
-            is_tree = draft.parents is not None and K > 0
-            if is_tree and K + 1 > max_len - int(cache.lengths.max()):
-                # near the end of the context a tree may not fit: score the pending token alone
-                # (the drafter is told nothing was accepted)
-                drafter.commit([0] * A, paths=[[] for _ in range(A)])
-                draft, K, is_tree = Draft.empty(A), 0, False
-            t2 = time.perf_counter()
-
-            # 2-4 score, verify, commit / roll back (core/step.py)
-            res = run_step(model, cache, [context[r][-1] for r in rows], draft, params, gen, room)
-            n_acc = res.accepted
-            if drafter is not None and K > 0:
-                if is_tree:
-                    drafter.commit(n_acc, paths=res.paths)
-                else:
-                    drafter.commit(n_acc)
-            t3 = time.perf_counter()
-
-            # 5 record
-            new = []
-            guessed = draft.tokens.tolist()
-            for i, r in enumerate(rows):
-                a = n_acc[i]
-                ids = res.ids(i, guessed[i])
-                context[r].extend(ids)
-                if wants_hidden:  # features of the pending token and the accepted drafts
-                    feats[r].append(res.hidden[i, res.kept(i)])
-                st = results[r].stats
-                st.target_forwards += 1
-                # a tree counts as a chain as deep as the tree: acceptance by depth
-                c = res.proposed_depth(i, int(draft.counts[i]))
-                st.proposed += c
-                st.accepted += a
-                if c:
-                    st.add_position_counts(c, a)
-                st.draft_s += t2 - t1
-                st.verify_s += t3 - t2
-                new.append(ids)
-            if self.k_policy is not None:
-                self.k_policy.observe(k_step, draft.counts.tolist(), n_acc, t2 - t1, t3 - t2)
-            keep = self._commit_tokens(rows, new, results, params, on_tokens, stop_fn, max_len, cache)
-            if guard is not None:
-                guard.observe(A, spec, sum(len(ids) for ids in new), time.perf_counter() - t1)
-        for r in results:
-            r.stats.new_tokens = len(r.tokens)
-        return results
+    def _record(self, b: "_Batch", spec: bool, k_step: int, draft: Draft, res, times) -> list[bool]:
+        """The step's tokens into each row's context and result, its counts and times into the
+        stats, the k policy and the guard; returns which rows go on."""
+        t1, t2, t3 = times
+        new, accepted = [], res.accepted
+        guessed = draft.tokens.tolist()
+        for i, r in enumerate(b.rows):
+            a = accepted[i]
+            ids = res.ids(i, guessed[i])
+            b.context[r].extend(ids)
+            if b.wants_hidden:  # features of the pending token and the accepted drafts
+                b.feats[r].append(res.hidden[i, res.kept(i)])
+            st = b.results[r].stats
+            st.target_forwards += 1
+            # a tree counts as a chain as deep as the tree: acceptance by depth
+            c = res.proposed_depth(i, int(draft.counts[i]))
+            st.proposed += c
+            st.accepted += a
+            if c:
+                st.add_position_counts(c, a)
+            st.draft_s += t2 - t1
+            st.verify_s += t3 - t2
+            new.append(ids)
+        if self.k_policy is not None:
+            self.k_policy.observe(k_step, draft.counts.tolist(), accepted, t2 - t1, t3 - t2)
+        keep = self._commit_tokens(b.rows, new, b.results, b.params, b.on_tokens, b.stop_fn, b.max_len, b.cache)
+        if b.guard is not None:
+            b.guard.observe(len(b.rows), spec, sum(len(ids) for ids in new), time.perf_counter() - t1)
+        return keep
 
     def _commit_tokens(self, rows, new, results, params, on_tokens, stop_fn, max_len, cache) -> list[bool]:
         """Append each row's new ids, cut at EOS / max_new_tokens / stop; False = row done."""
@@ -264,3 +277,21 @@ class Engine:
             res.stats.finish_reason = reason
             keep.append(not reason)
         return keep
+
+
+@dataclass
+class _Batch:
+    """One `generate` batch's state between the engine's phases."""
+    params: SamplingParams
+    gen: torch.Generator | None
+    max_len: int
+    cache: object  # KVCache of the active rows
+    results: list[GenerationResult]
+    guard: BatchGuard | None  # None: not guarded (no drafter, or a seeded sample)
+    on_tokens: OnTokens | None
+    stop_fn: StopFn | None
+    wants_hidden: bool = False  # the drafter reads the target's hidden states
+    rows: list[int] = field(default_factory=list)  # active batch row -> request index
+    context: list[list[int]] = field(default_factory=list)  # per request: committed tokens incl. pending
+    feats: list[list] = field(default_factory=list)  # per request: features not yet handed to the drafter
+    t_start: float = 0.0  # when decoding began (after the prefill)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.adaptive import DecayedLine
+from specdec.core.policy import DecayedLine, LoadPolicy, StepModel
+from specdec.drafters.base import DraftContext
 from specdec.drafters.ngram import LengthPolicy, NgramDrafter
+from specdec.types import SamplingParams
 import specdec.core.step as step_mod
-from specdec.server.batcher import ContinuousBatcher, StepModel
+from specdec.server.batcher import ContinuousBatcher
 
 
 def test_step_model_fits_a_fixed_a_per_row_and_a_per_token_cost():
@@ -45,7 +47,7 @@ def test_one_row_speculates_again_after_a_full_batch():
     pol = LengthPolicy(max_n=4, max_k=16)
     for i in range(400):  # after 1-gram matches one guess in 20 holds: worth it only if a guess is cheap
         pol.observe(1, 8, 8 if i % 20 == 0 else 0)
-    b.lookup = type("D", (), {"policy": pol})()
+    b.lookup = pol
     b.steps = StepModel()
     truth = lambda A, K: 0.020 + 0.002 * A + 0.0005 * A * (K + 1)  # noqa: E731
     for _ in range(200):  # a long high-load period, mostly without guesses
@@ -54,22 +56,29 @@ def test_one_row_speculates_again_after_a_full_batch():
         b.steps.observe(16, K, truth(16, K))
     for _ in range(30):  # back to one row, plain steps only
         b.steps.observe(1, 0, truth(1, 0))
-    assert b._choose_k([[1] * 8], [1])[0] > 0
+    assert b.choose([[1] * 8], [1])[0] > 0
 
 
 def test_exploration_step_tries_one_guess_more():
     busy = _chooser(step_a=0.015, step_b=0.004)
     rows = [[1] * 8] * 32
-    assert busy._choose_k(rows, [3] * 32)[0] == 0
-    busy.totals["steps"] = 16 * 7
-    assert busy._choose_k(rows, [3] * 32)[0] == 1
+    assert busy.choose(rows, [3] * 32)[0] == 0
+    busy.step = 16 * 7
+    assert busy.choose(rows, [3] * 32)[0] == 1
+
+
+class _Chooser(LoadPolicy):
+    """A LoadPolicy with a lookup's length policy beside it, asked as the batcher asks it."""
+
+    step = 100  # not a probing step
+
+    def choose(self, guesses, matches, tree_ok=None, tree=None):
+        gains = [self.lookup.expected(n, len(g)) for g, n in zip(guesses, matches)]
+        return self.choose_k(guesses, gains, self.step, tree_ok, tree)
 
 
 def _chooser(step_a: float, step_b: float):
-    b = object.__new__(ContinuousBatcher)  # no model, no worker thread: only the policy is under test
-    b.adaptive, b.k_max, b.trees = True, 8, False
-    b.totals = {"steps": 100}
-    b.steps = StepModel()
+    b = _Chooser(k_max=8)
     for A in (1, 4, 16, 32):
         for K in (0, 4, 8):
             b.steps.observe(A, K, step_a + step_b * A * (K + 1))
@@ -77,18 +86,18 @@ def _chooser(step_a: float, step_b: float):
     for _ in range(300):  # after 3-gram matches: half the time all 8 guesses hold, half the time none
         pol.observe(3, 8, 8)
         pol.observe(3, 8, 0)
-    b.lookup = type("D", (), {"policy": pol})()
+    b.lookup = pol
     return b
 
 
 def test_speculates_when_weight_bound_and_backs_off_when_compute_bound():
     b = _chooser(step_a=0.015, step_b=0.0002)  # reading weights dominates: guesses are nearly free
-    assert b._choose_k([[1] * 8], [3])[0] == 8
+    assert b.choose([[1] * 8], [3])[0] == 8
     busy = _chooser(step_a=0.015, step_b=0.004)  # 32 rows: every scored token costs compute
     rows = [[1] * 8] * 32
-    assert busy._choose_k(rows, [3] * 32)[0] == 0
+    assert busy.choose(rows, [3] * 32)[0] == 0
     b.adaptive = False
-    assert b._choose_k(rows, [3] * 32)[0] == 8  # --fixed-k
+    assert b.choose(rows, [3] * 32)[0] == 8  # --fixed-k
 
 
 # -- the batcher with an EAGLE head (method auto), on tiny random models ------------------
@@ -96,7 +105,8 @@ def test_speculates_when_weight_bound_and_backs_off_when_compute_bound():
 
 def _run(batcher, jobs, timeout: float = 120.0):
     """Submit (prompt, params) jobs at once (rows join and leave the batch as they
-    finish); returns each job's tokens."""
+    finish); returns each job's tokens. A batcher without a worker thread is run here, until
+    every job is done (every job queued before the first step: the rows join in a fixed order)."""
     import threading
 
     from specdec.server.batcher import Request
@@ -110,19 +120,33 @@ def _run(batcher, jobs, timeout: float = 120.0):
         r = Request(list(prompt), params, lambda new: None, on_done)
         reqs.append(r)
         batcher.submit(r)
+    if batcher.thread is None:
+        batcher.run(until=lambda: all(o is not None for o in out))
     for _ in jobs:
         assert done.acquire(timeout=timeout), "a request did not finish"
     assert all(o in ("eos", "length") for o in out), out
     return [r.tokens for r in reqs]
 
 
-def _auto_batcher(adaptive: bool, max_batch: int = 3, seed: int = 0, vocab: int | None = None, **kw):
+def _auto_batcher(adaptive: bool, max_batch: int = 3, seed: int = 0, vocab: int | None = None, thread: bool = True,
+                  **kw):
     from test_eagle import V, drafter, target
 
     vocab = vocab or V
     d = drafter("lookup", seed, vocab, depth=3, width=2, nodes=5, **kw)
     return ContinuousBatcher(target(seed, vocab).model, (), method="auto", k_max=6, max_batch=max_batch,
-                             max_context=96, max_queue=2048, adaptive=adaptive, drafter=d)
+                             max_context=96, max_queue=2048, adaptive=adaptive, drafter=d, thread=thread)
+
+
+def _steady_clock(monkeypatch):
+    """time.perf_counter advancing 1 ms a call: every measured time, so every load-aware choice
+    (cost model, batch guard, the drafters' gates), is the same on every run, however loaded
+    the machine."""
+    import itertools
+    import time
+
+    ticks = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 1e-3)
 
 
 def run_join_leave(b) -> tuple[list, list]:
@@ -148,10 +172,13 @@ def run_join_leave(b) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_auto_batcher_greedy_equals_transformers(adaptive):
+def test_auto_batcher_greedy_equals_transformers(adaptive, monkeypatch):
     """Lookup chains and EAGLE trees in one batch, rows joining and leaving mid-run (5 requests
-    over 3 rows, different lengths): every answer equals plain greedy decoding, and trees ran."""
-    b = _auto_batcher(adaptive)
+    over 3 rows, different lengths): every answer equals plain greedy decoding, and trees ran.
+    Load-aware choices follow measured times: the batcher runs in this thread on a steady clock,
+    so which rows draft trees is the same on every run."""
+    _steady_clock(monkeypatch)
+    b = _auto_batcher(adaptive, thread=False)
     got, want = run_join_leave(b)
     s = b.stats()
     assert got == want
@@ -258,43 +285,40 @@ def test_head_cost_is_fitted_against_the_batch_size():
     """The head drafts trees for the rows that take them: its time is predicted per number of
     tree rows, and from a single count seen it scales per row (pessimistic above it), so many
     trees are not started on a cost measured for one."""
-    from specdec.adaptive import DecayedLine
+    from specdec.drafters.hybrid import LookupEagleDrafter
 
-    b = object.__new__(ContinuousBatcher)
-    b.drafter = type("D", (), {"t_draft": 0.004})()
-    b.head_time = DecayedLine(0.98)
-    assert b._head_cost(8) == pytest.approx(0.032)  # nothing fitted: the engine-style estimate per row
+    b = LoadPolicy(k_max=8)
+    tree = object.__new__(LookupEagleDrafter)
+    tree.t_draft = 0.004
+    assert b.head_cost(8, tree) == pytest.approx(0.032)  # nothing fitted: the drafter's own timing per row
     for _ in range(10):
-        b.head_time.observe(1, 0.004)
-    assert b._head_cost(1) == pytest.approx(0.004) and b._head_cost(16) == pytest.approx(0.064)
+        b.observe_head(1, 0.004)
+    assert b.head_cost(1, tree) == pytest.approx(0.004) and b.head_cost(16, tree) == pytest.approx(0.064)
     for _ in range(30):
-        b.head_time.observe(8, 0.004 + 0.0005 * 7)
-    assert b._head_cost(16) == pytest.approx(0.004 + 0.0005 * 15, rel=0.05)
+        b.observe_head(8, 0.004 + 0.0005 * 7)
+    assert b.head_cost(16, tree) == pytest.approx(0.004 + 0.0005 * 15, rel=0.05)
 
 
 def test_trees_are_chosen_only_by_a_clear_margin():
     """With an EAGLE head (method auto) a row drafts a tree when the predicted tokens per
     second beat the best lookup-only choice by TREE_MARGIN; a marginal gain keeps plain steps."""
-    from specdec.adaptive import DecayedLine
+    from specdec.drafters.hybrid import LookupEagleDrafter
 
-    b = object.__new__(ContinuousBatcher)
-    b.adaptive, b.k_max, b.trees = True, 8, True
-    b.totals = {"steps": 101}  # not an exploration step
-    b.steps = StepModel()
+    b = _Chooser(k_max=8)
+    b.step = 101  # not an exploration step
     for K in (0, 2, 4, 8):
         for _ in range(5):
             b.steps.observe(1, K, 0.015 + 0.0002 * K)
-    b.lookup = type("L", (), {"policy": LengthPolicy(max_n=4, max_k=16)})()
-    b.head_time = DecayedLine(0.98)
-    d = type("D", (), {"t_draft": 0.004, "nodes": 5.0, "gain": 0.0})()
-    b.drafter = d
+    b.lookup = LengthPolicy(max_n=4, max_k=16)
+    d = object.__new__(LookupEagleDrafter)
+    d.t_draft, d.nodes = 0.004, 5.0
     # a 5-node tree: t = 0.016 + 0.004 s for 1 + gain tokens, against 1 token in 0.015 s
     d.gain = 0.37  # ~3% more tokens per second than plain steps: below the margin
-    assert b._choose_k([[]], [0], [True]) == (0, [False])
+    assert b.choose([[]], [0], [True], d) == (0, [False])
     d.gain = 0.6  # ~20% more
-    k, use = b._choose_k([[]], [0], [True])
+    k, use = b.choose([[]], [0], [True], d)
     assert use == [True] and k >= 5
-    assert b._choose_k([[]], [0], [False]) == (0, [False])  # a row that may not draft trees
+    assert b.choose([[]], [0], [False], d) == (0, [False])  # a row that may not draft trees
 
 
 # -- the batcher with a draft model (method draft), on tiny random models -------------------
@@ -373,13 +397,17 @@ def test_lookup_and_draft_choice_follows_expected_tokens():
     """The load-aware choice per row: a row whose lookup promises more tokens than the draft
     model takes the lookup, the others the draft model; a step in which the draft model would
     pay for no row leaves it out (lookups only)."""
-    b = object.__new__(ContinuousBatcher)
-    b.adaptive, b.k_max, b.totals = True, 4, {"steps": 1}
-    b.lookup = NgramDrafter(choose_length=False)
-    pol = b.lookup.policy
+    b = LoadPolicy(k_max=4)
+    lookup = NgramDrafter(choose_length=False)
+    pol = lookup.policy
     for _ in range(200):  # 4-token matches hold; 1-token matches never do
         pol.observe(4, 4, 4)
         pol.observe(1, 4, 0)
+    # the lookup's estimates for its proposal: a 4-token match and a 1-token match
+    lookup.propose(DraftContext([[5, 6, 7, 8, 1, 5, 6, 7, 8], [3, 9, 4, 4, 4, 4, 1, 2, 9]], SamplingParams(), None), 4)
+    assert lookup.matches == [4, 1]
+    guesses, gains = [[1, 5, 6, 7], [4, 4, 4, 4]], lookup.expected_tokens()
+    assert gains == [pol.expected(4, 4), pol.expected(1, 4)]
     b.draft_allowed, b.draft_held = [0.0] + [100.0] * 4, [0.0, 90.0, 80.0, 70.0, 60.0]
 
     class Steps:
@@ -387,17 +415,17 @@ def test_lookup_and_draft_choice_follows_expected_tokens():
         def predict(A, k):
             return 0.030 + 0.001 * A * k
 
-    b.steps, b.draft_time = Steps(), DecayedLine(0.98)
+    b.steps = Steps()
     for _ in range(8):
-        b.draft_time.observe(2, 0.0005)
-    k, use = b._choose_draft([[5, 6, 7, 8], [9, 9, 9, 9]], [4, 1], [True, True])
+        b.observe_draft_time(2, 0.0005)
+    k, use = b.choose_draft(guesses, gains, 1, [True, True])
     assert k > 0 and use == [False, True]  # the long match keeps its lookup, the other drafts
-    k, use = b._choose_draft([[5, 6, 7, 8], [9, 9, 9, 9]], [4, 1], [True, False])  # the second may not draft
+    k, use = b.choose_draft(guesses, gains, 1, [True, False])  # the second may not draft
     assert k > 0 and use == [False, False]
     b.draft_time = DecayedLine(0.98)
     for _ in range(8):
-        b.draft_time.observe(2, 0.5)  # a draft model far dearer than it gains
-    k, use = b._choose_draft([[5, 6, 7, 8], [9, 9, 9, 9]], [4, 1], [True, True])
+        b.observe_draft_time(2, 0.5)  # a draft model far dearer than it gains
+    k, use = b.choose_draft(guesses, gains, 1, [True, True])
     assert not any(use) and k == 4
 
 

@@ -156,3 +156,69 @@ def test_the_registry_imports_a_drafter_only_when_asked():
             "loaded = sorted(m for m in sys.modules if m.startswith('specdec.drafters.')); "
             "assert loaded == ['specdec.drafters.base', 'specdec.drafters.ngram'], loaded")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_protocol_only_drafter_runs_in_validate(tree):
+    """`specdec validate`'s path with the toy drafter: acceptance at concurrency 1 (greedy equal
+    to plain decoding), the chi-square distribution check on seeded samples, and the load test
+    through the server's batcher (`measure.load` with the drafter's method), every answer equal
+    to transformers' greedy decoding."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from specdec.bench.tasks import Task
+    from specdec.validate import measure, pipeline
+    from specdec.validate.samples import Samples
+
+    model = target().model
+    ps = prompts()
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
+    hf.generation_config.pad_token_id = 0
+    want = [hf_greedy(hf, p, 12) for p in ps]
+    lm = SimpleNamespace(model=model, eos_ids=[], name="tiny", source="tiny-dir", gguf=None)
+    samples = Samples([Task(str(i), "c", "p", False) for i in range(len(ps))], ps, source="mem", fmt="jsonl",
+                      total=len(ps))
+    config = measure.Config("echo", "echo", 4, tree, Engine(model, EchoDrafter(tree), k=4))
+    opts = pipeline.Options(max_new_tokens=12, repeats=1, concurrency=(), dist_samples=1, dist_draws=160,
+                            dist_tokens=3, quiet=True)
+    r = pipeline.run(lm, samples, [config], Engine(model), opts, {}, "test", {})
+    s = r["configs"]["echo"]
+    assert s["equal"] == len(ps) and not s["not_equal"] and s["proposed"] > 0, s
+    assert [d["status"] for d in r["distribution"]] == ["pass"], r["distribution"]
+    params = SamplingParams(max_new_tokens=12)
+    load = measure.load(model, [], ps, params, levels=[1, 3], k=4, min_requests=3, repeats=1, reference=want,
+                        make_drafter=lambda: EchoDrafter(tree), method="echo")
+    for name in measure.LOAD_SETTINGS:
+        for c in (1, 3):
+            row = load["table"][name][c]
+            assert row["failures"] == 0 and row["equal"] == row["checked"] == row["requests"] == 3, row
+    assert load["table"]["fixed"][1]["mean_guesses"] > 0 and load["drafting"] == "method echo"
+
+
+def test_a_draft_models_timing_is_steady_only_without_a_catch_up():
+    """`draft_timing` marks a proposal that first read a whole prompt (or steps it sat out) as not
+    steady, so the cost models never price drafting from a catch-up; a proposal after a commit
+    (one unseen token a row) is steady; the seconds are the proposal's own."""
+    import time
+
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    d = DraftModelDrafter(target(1).model)
+    ps = prompts()
+    d.begin(ps, SamplingParams(), 64)
+    assert Drafter.draft_timing(d) is None  # the protocol's default: the core times propose itself
+    ctx = [p + [1] for p in ps]  # nothing fed yet: the whole prompts are read first
+    t0 = time.perf_counter()
+    d.propose(DraftContext(ctx, SamplingParams(), None), 3)
+    wall = time.perf_counter() - t0
+    seconds, steady = d.draft_timing()
+    assert not steady and 0 < seconds <= wall
+    d.commit([1, 0, 2])
+    draft = d.propose(DraftContext([c + [7] * (n + 1) for c, n in zip(ctx, [1, 0, 2])], SamplingParams(), None), 3)
+    assert d.draft_timing()[1] and draft.tokens.shape == (3, 3)
+    d.commit([0, 0, 0])
+    d.skip()  # steps sat out: more than a step's worth to catch up on
+    d.propose(DraftContext([c + [7] * 12 for c in ctx], SamplingParams(), None), 3)
+    assert not d.draft_timing()[1]

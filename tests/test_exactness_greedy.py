@@ -259,7 +259,7 @@ def test_hybrid_gate_turns_off_a_draft_that_does_not_pay():
         vocab_size = VOCAB
 
         def __init__(self):
-            self.calls, self.fed = 0, []
+            self.calls, self.fed, self.timing = 0, [], None
 
         def begin(self, prompts, params, max_len):
             self.fed = [list(p) for p in prompts]
@@ -268,10 +268,19 @@ def test_hybrid_gate_turns_off_a_draft_that_does_not_pay():
         def propose(self, ctx, k):
             import time as _t
 
+            from specdec.drafters.base import steady
+
+            t0 = _t.perf_counter()
+            behind = max(len(t) - len(f) for t, f in zip(ctx.tokens, self.fed))
             self.calls += 1
             self.fed = [list(t) for t in ctx.tokens]
             _t.sleep(0.002 * k)
-            return wrong.propose(ctx, k)
+            draft = wrong.propose(ctx, k)
+            self.timing = (_t.perf_counter() - t0, steady(behind, k))
+            return draft
+
+        def draft_timing(self):
+            return self.timing
 
         def commit(self, n):
             wrong.commit(n)

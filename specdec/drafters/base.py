@@ -83,12 +83,37 @@ class Drafter(ABC):
         """A request joins a running batch as the last row (its prompt, for drafters that read it
         ahead; its target features come with the next proposal when `needs_hidden`)."""
 
+    def verified(self, lengths: list[int]) -> None:
+        """Only the first lengths[b] guesses of row b's last proposal were verified (the core capped
+        them): a drafter that learns acceptance learns from those alone."""
+
+    def expected_tokens(self) -> list[list[float]] | None:
+        """Per row of the last proposal: the expected committed tokens (1 + expected accepted
+        guesses) when its first j guesses are verified, j = 0 .. its count; None: no estimate.
+        The server's load-aware policy (core/policy.py) caps guesses by these."""
+        return None
+
+    def draft_timing(self) -> tuple[float, bool] | None:
+        """(seconds, steady) of the last proposal's own drafting, for a drafter that times it
+        itself: the model or head that guessed (0 when none ran) and whether it drafted in
+        steady state, with nothing to catch up on first (a prompt that just joined, steps it sat
+        out). The cost models learn from steady timings only. None: the core times `propose`
+        and counts it steady."""
+        return None
+
     def learned(self) -> dict | None:
         """What adapted while decoding, for a later run to start from (learned.py); None: nothing."""
         return None
 
     def relearn(self, state: dict) -> None:
         """Start from `learned()`'s output of an earlier run; ValueError if it does not fit."""
+
+
+def steady(behind: int, max_tokens: int) -> bool:
+    """Whether a proposal that first had to read `behind` unseen committed tokens of some row
+    drafted in steady state: a few tokens (the last step's commit), not a whole prompt that
+    just joined or many steps sat out. One rule for every drafter that catches up lazily."""
+    return behind <= max_tokens + 2
 
 
 def timing_free(params) -> bool:

@@ -11,12 +11,14 @@ returned for exact rejection sampling; greedy drafts are argmax guesses.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..models.llama import block_linear, block_rows_ok, packed_linear, step_call
 from ..sampling import draw
 from ..types import SpecdecError
-from .base import Draft, DraftContext, Drafter, register
+from .base import Draft, DraftContext, Drafter, register, steady
 from ..models.kernel_glue import draft_on_kernels, draft_on_rowstable, pack_drafting_head
 
 
@@ -55,6 +57,8 @@ class DraftModelDrafter(Drafter):
         self.cache = None
         self.fed: list[list[int]] = []  # per row: tokens whose K/V sit in the draft cache
         self.ctx_len: list[int] = []  # per row: committed tokens fed before the last proposal
+        self._timing: tuple[float, bool] | None = None  # (seconds, steady) of the last proposal
+        self._behind = 0  # the most unseen tokens a row had at the last proposal
 
     def begin(self, prompts, params, max_len: int) -> None:
         B = len(prompts)
@@ -101,14 +105,27 @@ class DraftModelDrafter(Drafter):
             return packed_linear(h.to(self.head_dtype), self.head_packed).float()
         return (h @ self.head.T).float()
 
+    def draft_timing(self) -> tuple[float, bool] | None:
+        """(seconds, steady) of the last proposal: steady unless it first caught up on more than
+        a step's worth of tokens (a prompt that just joined, steps the draft sat out)."""
+        return self._timing
+
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        t0 = time.perf_counter()
+        draft = self._propose(ctx, max_tokens)
+        self._timing = (time.perf_counter() - t0, steady(self._behind, max_tokens))
+        return draft
+
+    def _propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         B = len(ctx.tokens)
+        self._behind = 0
         if max_tokens <= 0:
             return Draft.empty(B)
         # feed what the draft has not seen; every row has at least its pending token
         new = [t[len(f):] for t, f in zip(ctx.tokens, self.fed)]
         if any(len(n) == 0 for n in new):
             raise RuntimeError("draft cache is ahead of the committed context (commit() was not called)")
+        self._behind = max(len(n) for n in new)
         logits = self._feed(new)
         self.ctx_len = [len(f) for f in self.fed]
         toks, probs = [], []

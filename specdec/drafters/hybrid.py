@@ -15,7 +15,7 @@ alpha_d from the rows the draft model proposed for, the draft time per token fro
 propose calls, and the target step time as the wall time between two propose calls.
 While it does not pay, rows without lookup guesses get none (as with `--method ngram`),
 and the draft model is probed once every `probe_every` steps. With a `k_policy`
-(adaptive.AdaptiveK) the draft model's own draft length is chosen per step from its
+(core.policy.AdaptiveK) the draft model's own draft length is chosen per step from its
 measured acceptance and cost; lookup rows are not capped by it.
 
 `LookupEagleDrafter` (auto for a target with an EAGLE head, the default target's case)
@@ -36,15 +36,15 @@ import time
 import torch
 
 from .. import tree as tree_mod
-from ..adaptive import NodeOdds, best_prefix, carried, counts_ok
+from ..core.policy import PROBE_EVERY, NodeOdds, best_prefix, carried, counts_ok, ema
 from ..learned import nonneg
 from ..types import SpecdecError
-from .base import Draft, DraftContext, Drafter, register, timing_free
+from .base import Draft, DraftContext, Drafter, register, steady, timing_free
 from .ngram import NgramDrafter
 
 
 class HybridDrafter(Drafter):
-    def __init__(self, draft, min_n: int = 1, max_n: int = 4, probe_every: int = 16, gate: bool = True,
+    def __init__(self, draft, min_n: int = 1, max_n: int = 4, probe_every: int = PROBE_EVERY, gate: bool = True,
                  k_policy=None) -> None:
         """gate=False always runs the draft model for rows without a lookup."""
         self.draft = draft  # a DraftModelDrafter
@@ -80,8 +80,7 @@ class HybridDrafter(Drafter):
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         t0 = time.perf_counter()
         if self._t_end is not None:
-            step = t0 - self._t_end
-            self.t_step = step if self.t_step is None else 0.8 * self.t_step + 0.2 * step
+            self.t_step = ema(self.t_step, t0 - self._t_end, 0.8)
         try:
             return self._propose(ctx, max_tokens)
         finally:
@@ -111,14 +110,11 @@ class HybridDrafter(Drafter):
                 probs = _one_hot(tokens, self.draft.vocab_size)
             return Draft(tokens, torch.tensor([len(g) for g in looked]), probs)
         kd = max_tokens if self.k_policy is None or fixed else max(1, self.k_policy.choose_k(max_tokens))
-        catch_up = max(len(t) - len(f) for t, f in zip(ctx.tokens, self.draft.fed))
-        t1 = time.perf_counter()
         d = self.draft.propose(ctx, kd)
-        t2 = time.perf_counter()
-        if catch_up <= kd + 1:  # steady state (not a prompt's prefill): time it
-            per_tok = (t2 - t1) / kd
-            self.t_tok = per_tok if self.t_tok is None else 0.8 * self.t_tok + 0.2 * per_tok
-            self._pending = (kd, t2 - t1)
+        seconds, steady = self.draft.draft_timing()
+        if steady:  # (not a prompt's prefill): time it
+            self.t_tok = ema(self.t_tok, seconds / kd, 0.8)
+            self._pending = (kd, seconds)
         self._used_draft = need_draft
         self._counts = d.counts.tolist()
         Kd = d.tokens.shape[1]
@@ -235,7 +231,7 @@ class LookupEagleDrafter(Drafter):
     A drafted tree is cut to the nodes worth verifying (`trim`, on by default; never for
     seeded samples, whose proposals must not depend on timing or on what was learnt): each node
     of the head's tree has a path probability, the drafter learns how often nodes of that
-    probability are accepted (`adaptive.NodeOdds`), and keeps the best nodes for as long as one
+    probability are accepted (`core.policy.NodeOdds`), and keeps the best nodes for as long as one
     more raises the expected committed tokens per unit of step time, (1 + sum of kept odds) /
     (1 + c + r * kept). A confident head keeps its whole tree, an unsure one a node or two, or
     none (the row then verifies only its lookup, if any). The cut trees feed the gate's node count.
@@ -250,7 +246,7 @@ class LookupEagleDrafter(Drafter):
 
     needs_hidden = True
 
-    def __init__(self, eagle, min_n: int = 1, max_n: int = 4, min_lookup: int = 2, probe_every: int = 16,
+    def __init__(self, eagle, min_n: int = 1, max_n: int = 4, min_lookup: int = 2, probe_every: int = PROBE_EVERY,
                  gate: bool = True, graft: int = 6, eager: bool = False, trim: bool = True,
                  probe_room: int = 32) -> None:
         """eager: draft trees before the head's cost is measured; trim: verify only the tree's
@@ -286,8 +282,7 @@ class LookupEagleDrafter(Drafter):
         self._t_end: float | None = None
         self._tree_rows: list[bool] | None = None
         self._skipped = 0
-        self.t_head = 0.0
-        self.head_steady = False
+        self._timing = (0.0, True)  # (seconds the head drafted in the last proposal, steady state)
 
     def cost(self) -> float | None:
         """c: the head's drafting time in plain target steps (None until measured). A plain step is
@@ -333,6 +328,30 @@ class LookupEagleDrafter(Drafter):
         seeded samples) and its grafted lookup at most."""
         return float(self.eagle.max_nodes or self.eagle.depth)
 
+    def draft_timing(self) -> tuple[float, bool]:
+        """(seconds the head drafted in the last proposal, 0 when no row took a tree; whether it
+        drafted in steady state, not first catching up on a prompt or steps it sat out)."""
+        return self._timing
+
+    def expected_tokens(self) -> list[list[float]] | None:
+        """The lookup's estimates for its last proposal (NgramDrafter.expected_tokens)."""
+        return self.ngram.expected_tokens()
+
+    def tree_tokens(self, k: int) -> float:
+        """Expected committed tokens of a row that drafts a tree cut to k nodes: the tree's
+        measured accepted tokens at its usual size, pro rata below it."""
+        return 1.0 + self.gain * min(1.0, k / max(self.nodes, 1.0))
+
+    def head_seconds(self, rows: int) -> float:
+        """The head's drafting time for `rows` tree rows from its own timing (0 until measured),
+        for a caller that has not fitted the head's cost yet."""
+        return float(self.t_draft or 0.0) * rows
+
+    @property
+    def usual_nodes(self) -> int:
+        """The nodes a tree of the usual size holds (what a probe drafts)."""
+        return round(self.nodes)
+
     def room_to_probe(self) -> bool:
         """Whether enough of the request may still come for a probe to pay for its catch-up."""
         return self._room is None or self._room - self._steps >= self.probe_room
@@ -349,8 +368,7 @@ class LookupEagleDrafter(Drafter):
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         t0 = time.perf_counter()
         if self._t_end is not None:
-            step = t0 - self._t_end
-            self.t_step = step if self.t_step is None else 0.9 * self.t_step + 0.1 * step
+            self.t_step = ema(self.t_step, t0 - self._t_end, 0.9)
         B = len(ctx.tokens)
         self._tree_rows = None
         if max_tokens <= 0:
@@ -410,8 +428,7 @@ class LookupEagleDrafter(Drafter):
         B = len(ctx.tokens)
         tree = None
         self._node_p = {}
-        self.t_head = 0.0  # seconds the head drafted in this call
-        self.head_steady = False  # and whether that was a steady-state step (no prompt to catch up)
+        self._timing = (0.0, True)  # no head ran (yet)
         self._tree_rows = None
         if not any(tree_rows):
             self.eagle.remember(ctx)
@@ -427,10 +444,10 @@ class LookupEagleDrafter(Drafter):
             t1 = time.perf_counter()
             tree = self.eagle.propose(ctx, min(self.eagle.depth, max_tokens), rows=sub,
                                       min_logp=self._min_logp() if trim else None)
-            self.t_head = time.perf_counter() - t1
-            self.head_steady = behind <= max(self.ngram.max_n, self.eagle.depth) + 2
-            if self.head_steady:
-                self.t_draft = self.t_head if self.t_draft is None else 0.9 * self.t_draft + 0.1 * self.t_head
+            t_head = time.perf_counter() - t1
+            self._timing = (t_head, steady(behind, max(self.ngram.max_n, self.eagle.depth)))
+            if self._timing[1]:
+                self.t_draft = ema(self.t_draft, t_head, 0.9)
             self._tree_rows = list(tree_rows)
         self.rows_drafted["lookup"] += sum(1 for g, t in zip(looked, tree_rows) if g and not t)
         self.rows_drafted["eagle"] += sum(tree_rows) if tree is not None else 0
@@ -466,7 +483,7 @@ class LookupEagleDrafter(Drafter):
         self._t_end = time.perf_counter()
         if tree is not None:
             sizes = [len(t) for (t, _), on in zip(rows, tree_rows) if on]
-            self.nodes = 0.9 * self.nodes + 0.1 * (sum(sizes) / len(sizes))
+            self.nodes = ema(self.nodes, sum(sizes) / len(sizes), 0.9)
         return Draft(tokens, counts, None, parents)
 
     def _min_logp(self) -> float | None:
@@ -487,7 +504,7 @@ class LookupEagleDrafter(Drafter):
         """The head's tree cut to the nodes worth verifying: by their learnt odds of being accepted
         (`NodeOdds`, from the head's path probabilities), the best first, as many as maximise
         committed tokens per unit of step time given the head's cost c (already spent) and r per
-        verified node (adaptive.best_prefix). A node's path probability never exceeds its
+        verified node (core.policy.best_prefix). A node's path probability never exceeds its
         parent's, so every cut keeps parents. (`assemble` skips the cut on every probe_every-th
         step with trees, so that the odds of nodes it drops stay measured.) Returns (tokens,
         parents, probs)."""
@@ -516,10 +533,9 @@ class LookupEagleDrafter(Drafter):
         if self._tree_rows is not None:
             got = [int(n) for n, t in zip(num_accepted, self._tree_rows) if t]
             if got and self._seeded:  # the request's own gain (its first probe: a measurement, not a prior)
-                mean = sum(got) / len(got)
-                self.seeded_gain = mean if self.seeded_gain is None else 0.8 * self.seeded_gain + 0.2 * mean
+                self.seeded_gain = ema(self.seeded_gain, sum(got) / len(got), 0.8)
             elif got:
-                self.gain = 0.9 * self.gain + 0.1 * (sum(got) / len(got))
+                self.gain = ema(self.gain, sum(got) / len(got), 0.9)
             self._tree_rows = None
         if paths is not None:
             for b, probs in self._node_p.items():  # the head's nodes: held or not, by path probability
@@ -596,7 +612,7 @@ def lookup_eagle_for(target, head=None):
 def _make(target=None, draft=None, confidence: float | None = None, **_):
     from .draft_model import _make as make_draft
 
-    from ..adaptive import AdaptiveK
+    from ..core.policy import AdaptiveK
 
     return HybridDrafter(make_draft(target=target, draft=draft, confidence=confidence),
                          k_policy=AdaptiveK(cost_hint=None))

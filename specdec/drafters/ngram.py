@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from ..adaptive import CARRIED_COUNTS, DecayedLine, carried, counts_ok
+from ..core.policy import CARRIED_COUNTS, FIT_DECAY, PROBE_EVERY, DecayedLine, best_prefix, carried, counts_ok
 from .base import Draft, DraftContext, Drafter, register, timing_free
 
 
@@ -104,8 +104,8 @@ class LengthPolicy:
     """Per (match length, draft position) acceptance and the cost of a verified token;
     chooses how many of a lookup's tokens to propose. Knows nothing about models."""
 
-    def __init__(self, max_n: int, max_k: int, decay: float = 0.98, r_prior: float = 0.08,
-                 clock: bool = True, probe_every: int = 16) -> None:
+    def __init__(self, max_n: int, max_k: int, decay: float = FIT_DECAY, r_prior: float = 0.08,
+                 clock: bool = True, probe_every: int = PROBE_EVERY) -> None:
         """clock=False: price a guess at r_prior always, never at a measured cost (a seeded sample's
         lengths must not depend on timing). probe_every: propose one guess after this many
         lookups of a match length declined in a row (0: never)."""
@@ -136,23 +136,29 @@ class LengthPolicy:
         t0 = self.times.intercept(slope)
         return t0 if t0 > 0 else None
 
+    def held(self, n: int, k: int) -> list[float]:
+        """P(the first j guesses of a match-length-n continuation all hold), j = 1 .. min(k,
+        positions tracked): the expected accepted tokens each guess adds."""
+        n = min(n, len(self.acc) - 1)
+        out, p = [], 1.0
+        for i in range(min(k, len(self.acc[n]))):
+            p *= self.acc[n][i] / self.seen[n][i]
+            out.append(p)
+        return out
+
     def expected(self, n: int, k: int) -> list[float]:
         """[E(0), .., E(k')]: expected committed tokens (1 + accepted guesses) when j of a
         match-length-n continuation are proposed, j = 0 .. k' = min(k, positions tracked)."""
-        n = min(n, len(self.acc) - 1)
-        out, p = [1.0], 1.0
-        for i in range(min(k, len(self.acc[n]))):
-            p *= self.acc[n][i] / self.seen[n][i]
+        out = [1.0]
+        for p in self.held(n, k):
             out.append(out[-1] + p)
         return out
 
     def choose(self, n: int, available: int) -> int:
+        """How many of a match-length-n lookup's `available` guesses to propose: the prefix of
+        most expected tokens per unit of step time (core.policy.best_prefix), or a probe."""
         r = self.r if self.clock else self.r_prior
-        best, best_j = 1.0, 0
-        for j, e in enumerate(self.expected(n, available)[1:], start=1):
-            v = e / (1.0 + r * j)
-            if v > best:
-                best, best_j = v, j
+        best_j = best_prefix(self.held(n, available), 0.0, r)
         n = min(n, len(self.declined) - 1)
         if best_j == 0 and available > 0 and self.probe_every:
             self.declined[n] += 1
@@ -277,6 +283,17 @@ class NgramDrafter(Drafter):
     def matches(self) -> list[int]:
         """Per row, the length of the match behind the last proposal (0: none)."""
         return [n for n, _ in self._last or []]
+
+    def expected_tokens(self) -> list[list[float]] | None:
+        """Per row of the last proposal, expected committed tokens with its first j guesses,
+        j = 0 .. all it proposed (`LengthPolicy.expected`); None without a learning policy."""
+        if self.policy is None:
+            return None
+        return [self.policy.expected(n, p) for n, p in self._last or []]
+
+    def whole(self, tokens: list[int], max_tokens: int) -> list[int]:
+        """A context's whole lookup, up to max_tokens, uncut by any policy."""
+        return lookup(tokens, max_tokens, self.min_n, self.max_n)
 
     def verified(self, lengths: list[int]) -> None:
         """Only the first lengths[b] guesses of row b's last proposal were verified (a caller

@@ -14,17 +14,13 @@ row's accepted path, and the committed tokens are streamed.
 
 Load-aware speculation: verifying guesses is nearly free while decoding is bound by
 reading the weights, but as the batch grows the step becomes compute-bound and every
-guessed token costs real time. The step time is modelled as t(A, K) = a + r * A + b * A * K
-(A rows, K guess slots), fitted online by decayed least squares per batch-size band (a
-guess costs little at one row and much in a full batch; see StepModel); each step picks the
-cap K in 0..k_max (and which rows draft a tree) that maximises expected committed tokens
-per second, sum over rows of (1 + expected accepted guesses under cap K) / (t(A, K) + the
-head's drafting time when a row drafts a tree), using the lookup's per-position acceptance
-estimates and the tree's measured accepted tokens; the head expands trees only for the rows
-that take them, so its time is fitted against their number (`_head_cost`). K = 0 is plain
-decoding; every 16th step tries one guess more than the best cap, and in batches of A <= 4
-rows, every 16 * A steps, rows may draft a tree even if none chose to, so the costs and the
-tree's gain stay measured. Behind the model, in batches of 2+ rows, `adaptive.BatchGuard`
+guessed token costs real time. Each step asks `core.policy.LoadPolicy` for the cap K in
+0..k_max (and which rows draft a tree or take a draft model's guesses) that maximises the
+batch's expected committed tokens per second, from a step-time fit t(A, K) = a + r * A +
+b * A * K per batch-size band (`StepModel`), the lookup's learnt per-position acceptance
+(`Drafter.expected_tokens`), the tree's measured gain and the drafters' steady timings
+(`Drafter.draft_timing`); it probes a guess more every 16th step, and a tree in small
+batches, so the costs stay measured. Behind it, in batches of 2+ rows, `core.policy.BatchGuard`
 compares the measured tokens per second of speculative and plain steps and turns a step
 plain while speculation measures slower (a backstop for loads the model misjudges). The
 decision is exposed in `stats()` (and so in /metrics).
@@ -44,7 +40,7 @@ the next). Seeded sampled rows take no draft-model guesses (whether the draft's 
 could depend on the rows around them), so their text does not depend on the load.
 Method `auto` with a draft model (instead of an EAGLE head) keeps prompt lookup beside it:
 per step and row, the lookup or the draft model's guesses, whichever promises more tokens
-per second under the cap (`_choose_draft`); seeded rows take their whole lookups as above.
+per second under the cap (`LoadPolicy.choose_draft`); seeded rows take their whole lookups as above.
 
 Any other drafter (Medusa, an EAGLE head alone, one written against `drafters.Drafter`) runs
 as `Engine.generate` runs it: the batch guard decides whether a step speculates, rows are capped
@@ -77,11 +73,11 @@ from typing import Callable
 import torch
 
 from .. import threads
-from ..adaptive import BatchGuard, DecayedLine
+from ..core.policy import BatchGuard, LoadPolicy
 from ..core.step import run_step
 from ..drafters.base import Draft, DraftContext, Drafter, timing_free
 from ..drafters.draft_model import DraftModelDrafter
-from ..drafters.ngram import NgramDrafter, lookup_match
+from ..drafters.ngram import NgramDrafter
 from ..sampling import choose, make_generator
 from ..types import MAX_GUESSES, SamplingParams, SpecdecError
 
@@ -121,109 +117,6 @@ class Request:
         self.cancelled = True
 
 
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """x with m x = v for a small dense system (Gaussian elimination with partial pivoting, in
-    floats: a step's cost model is solved up to nine times a step, and torch's per-call overhead
-    made that a tenth of a two-row step); None if m is singular."""
-    n = len(v)
-    a = [list(row) + [v[i]] for i, row in enumerate(m)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda i: abs(a[i][c]))
-        if a[p][c] == 0.0:
-            return None
-        a[c], a[p] = a[p], a[c]
-        for i in range(c + 1, n):
-            f = a[i][c] / a[c][c]
-            if f:
-                for j in range(c, n + 1):
-                    a[i][j] -= f * a[c][j]
-    x = [0.0] * n
-    for i in reversed(range(n)):
-        x[i] = (a[i][n] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
-    return x
-
-
-class _Fit:
-    """t ~ a + r * A + b * A * K by exponentially decayed least squares (recent steps count most)."""
-
-    def __init__(self, decay: float) -> None:
-        self.decay = decay
-        self.m = [[0.0] * 3 for _ in range(3)]  # decayed sums of f f^T, f = (1, A, A*K)
-        self.v = [0.0] * 3  # decayed sums of f * t
-        self.weight = 0.0
-        self.ks: dict[int, float] = {}  # decayed count of steps per draft length
-        self._coef: tuple[float, float, float] | None | bool = False  # solved coefficients (False: not yet)
-
-    def observe(self, rows: int, k: int, seconds: float) -> None:
-        d = self.decay
-        f = (1.0, float(rows), float(rows * k))
-        self.m = [[d * self.m[i][j] + f[i] * f[j] for j in range(3)] for i in range(3)]
-        self.v = [d * self.v[i] + f[i] * seconds for i in range(3)]
-        self.weight = d * self.weight + 1
-        self.ks = {kk: w * d for kk, w in self.ks.items() if w > 0.05}
-        self.ks[k] = self.ks.get(k, 0.0) + 1
-        self._coef = False
-
-    def coefficients(self) -> tuple[float, float, float] | None:
-        """(a, r, b), or None until there are 4 steps and two draft lengths to tell b."""
-        if self._coef is False:
-            self._coef = self._solve()
-        return self._coef
-
-    def _solve(self) -> tuple[float, float, float] | None:
-        if self.weight < 4 or len(self.ks) < 2:
-            return None
-        ridge = 1e-9 * max(self.m[i][i] for i in range(3))
-        m = [[self.m[i][j] + (ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
-        x = _solve(m, self.v)
-        if x is None:
-            return None
-        a, r, b = x
-        if a < 0 or r < 0:  # one batch size only (or noise): a and r cannot be told apart
-            keep = (0, 2)
-            x = _solve([[m[i][j] for j in keep] for i in keep], [self.v[i] for i in keep])
-            if x is None:
-                return None
-            (a, b), r = x, 0.0
-        return max(a, 1e-6), max(r, 0.0), max(b, 0.0)
-
-
-class StepModel:
-    """Step time t(A, K) = a + r * A + b * A * K for A rows with K guess slots each: a fixed cost,
-    a cost per row (its own token, reading its KV cache) and a cost per guessed token. The cost
-    of a guess depends on the load: while a step is bound by reading the weights an extra token
-    is nearly free, once the batch makes it compute-bound it costs its full matmul share. So the
-    coefficients are fitted per batch-size band (1, 2, 3-4, 5-8, ...), each by decayed least
-    squares over its own steps, with a fit over all steps for bands not measured yet. (One line
-    over all steps learnt the steep cost of a full batch and then, back at one row, priced
-    guesses at it and stopped guessing.)"""
-
-    def __init__(self, decay: float = 0.98) -> None:
-        self.decay = decay
-        self.all = _Fit(decay)
-        self.bands: dict[int, _Fit] = {}
-
-    @staticmethod
-    def band(rows: int) -> int:
-        return max(1, rows - 1).bit_length() if rows > 1 else 0
-
-    def observe(self, rows: int, k: int, seconds: float) -> None:
-        self.all.observe(rows, k, seconds)
-        self.bands.setdefault(self.band(rows), _Fit(self.decay)).observe(rows, k, seconds)
-
-    def coefficients(self, rows: int | None = None) -> tuple[float, float, float] | None:
-        fit = self.bands.get(self.band(rows)) if rows is not None else None
-        c = fit.coefficients() if fit is not None else None
-        return c if c is not None else self.all.coefficients()
-
-    def predict(self, rows: int, k: int) -> float | None:
-        c = self.coefficients(rows)
-        if c is None:
-            return None
-        a, r, b = c
-        return a + r * rows + b * rows * k
-
-
 @dataclass
 class _Step:
     """One decode step's plan, from the proposal to the verification."""
@@ -236,6 +129,7 @@ class _Step:
     use_draft: list[bool] = field(default_factory=list)
     drafted_k: int = 0  # the draft model's guesses per row (0: not run this step)
     t_head: float = 0.0  # seconds the EAGLE head or the draft model drafted
+    steady: bool = True  # and whether it drafted in steady state (Drafter.draft_timing)
     proposed: bool = False  # a generic drafter proposed this step (and is told what was kept)
     counts: torch.Tensor | None = None  # [A] guesses per row
     drafted: torch.Tensor | None = None  # [A, K]
@@ -282,7 +176,7 @@ class ContinuousBatcher:
         self.generic = generic
         # guess slots a row may take in one step: k_max, or a generic tree drafter's node budget
         self.slots = max(self.k_max, drafter.max_nodes) if generic else self.k_max
-        # load-aware: whole lookups, capped per step by _choose; fixed: the drafter's own length choice
+        # load-aware: whole lookups, capped per step by the LoadPolicy; fixed: the drafter's own length choice
         # auto with a draft model: prompt lookup where it is worth more, the draft model elsewhere
         mixed = method == "auto" and model_drafter
         self.trees = method == "auto" and not mixed
@@ -299,21 +193,16 @@ class ContinuousBatcher:
             self.drafter = drafter
             self.lookup = NgramDrafter(choose_length=not adaptive) if mixed else None
             drafter.begin([], None, self.max_context)
-            # decayed per position j: row-steps allowed a j-th guess, and those in which it held
-            self.draft_allowed = [0.0] * (self.k_max + 1)
-            self.draft_held = [0.0] * (self.k_max + 1)
-            self.draft_time = DecayedLine(0.98)  # seconds per drafted token vs rows
         else:
             self.drafter = NgramDrafter(choose_length=not adaptive) if method == "ngram" else None
             self.lookup = self.drafter
-        self.steps = StepModel()
+        self.policy = LoadPolicy(self.k_max, adaptive)  # the cost model and the per-step choice
         # a measured backstop to the cost model in batches of 2+ rows: speculative steps must
-        # commit more tokens per second than plain ones (see adaptive.BatchGuard)
+        # commit more tokens per second than plain ones (see core.policy.BatchGuard)
         self.guard = BatchGuard() if adaptive and self.k_max > 0 else None
         if generic and self.guard is not None:  # as in Engine: a drafter that does not price its guesses
             self.guard = BatchGuard(min_rows=2 if drafter.gates_itself else 1) if drafter.may_skip else None
         self.feeds_hidden = self.trees or (generic and drafter.needs_hidden)  # rows keep features for the drafter
-        self.head_time = DecayedLine(0.98)  # the head's drafting seconds vs rows it drafts for (auto)
         self.last_k = 0
         self.lock = threading.Lock()
         self.totals = dict(requests=0, finished=0, cancelled=0, failed=0, tokens=0, first_tokens=0, proposed=0,
@@ -580,154 +469,6 @@ class ContinuousBatcher:
             self.drafter.keep_rows(keep)
         self._finish(req, reason)
 
-    def _observe_draft(self, caps: list[int], accepted: list[int]) -> None:
-        """Per position j, decayed: row-steps whose cap allowed a j-th draft-model guess, and
-        those in which the j-th guess held."""
-        d = self.DRAFT_DECAY
-        for j in range(1, self.k_max + 1):
-            self.draft_allowed[j] = d * self.draft_allowed[j] + sum(c >= j for c in caps)
-            self.draft_held[j] = d * self.draft_held[j] + sum(n >= j for n, c in zip(accepted, caps) if c >= j)
-
-    def _draft_gain(self, j: int) -> float:
-        """Expected extra tokens per row from allowing a j-th draft-model guess (a prior of
-        0.6 ** j until the draft has been measured there)."""
-        w = self.draft_allowed[j]
-        prior = 0.6 ** j
-        return (self.draft_held[j] + prior) / (w + 1.0)
-
-    def _draft_cost(self, A: int) -> float:
-        """Predicted seconds the draft model takes per drafted token for A rows (0 until measured)."""
-        line = self.draft_time
-        if line.weight < 1e-9:
-            return 0.0
-        slope = line.slope()
-        if slope is None or slope < 0 or line.weight < 4:
-            return line.s[2] / line.weight
-        return max(line.intercept(slope) + slope * A, 0.0)
-
-    def _choose_draft(self, guesses: list[list[int]], matches: list[int], draft_ok: list[bool]
-                      ) -> tuple[int, list[bool]]:
-        """Method draft (and auto with a draft model): the cap K in 0..k_max, and which rows take
-        the draft model's guesses, that maximise expected committed tokens per second: the rows'
-        expected tokens over t(A, K), plus K times the draft's time per token when some row
-        drafts. A row's draft-model guesses are worth 1 + the per-position gains up to K; with
-        prompt lookup beside the draft model (auto), a row whose lookup under cap K is worth more
-        takes it instead (the lookup's learnt per-position acceptance), and a step in which every
-        row does so skips the draft model. Exploration as in `_choose_k` (every EXPLORE_EVERY-th
-        step one guess more; in batches of A <= TREE_PROBE_MAX_ROWS rows, every EXPLORE_EVERY * A
-        steps, the draft model drafts for the rows that may take it if none chose to, so its gain
-        stays measured)."""
-        A = len(guesses)
-        pol = self.lookup.policy if self.lookup is not None else None
-        if not self.adaptive:
-            # --fixed-k: every step drafts; a lookup of 2+ guesses wins over the draft model (as
-            # `generate --method auto`'s hybrid drafter does before it has measured anything)
-            return self.k_max, [ok and len(g) < 2 for ok, g in zip(draft_ok, guesses)]
-        per_tok = self._draft_cost(A)
-        best, gain = {False: (None, 0, [False] * A), True: (None, 0, [False] * A)}, 0.0  # without / with the draft
-        # per row, the lookup's expected committed tokens with its first j guesses (as _choose_k)
-        gains = [pol.expected(n, len(g)) if pol is not None else [1.0] for g, n in zip(guesses, matches)]
-        for k in range(0, self.k_max + 1):
-            if k > 0:
-                gain += self._draft_gain(k)
-            t = self.steps.predict(A, k)
-            if t is None:  # measure both ends first
-                k0 = self.k_max if self.totals["steps"] % 2 else 0
-                return k0, [ok and k0 > 0 and len(g) < 2 for ok, g in zip(draft_ok, guesses)]
-            looks = [e[min(k, len(e) - 1)] for e in gains]
-            options = [(False, sum(looks) / t, [False] * A)]
-            if k > 0 and any(draft_ok):
-                use = [ok and 1.0 + gain > lk for ok, lk in zip(draft_ok, looks)]
-                if any(use):
-                    tokens = sum(1.0 + gain if u else lk for u, lk in zip(use, looks))
-                    options.append((True, tokens / (t + k * per_tok), use))
-            for kind, rate, use in options:
-                if best[kind][0] is None or rate > best[kind][0] * 1.0001:
-                    best[kind] = (rate, k, use)
-        with_draft, without = best[True], best[False]
-        _, best_k, best_use = with_draft if with_draft[0] is not None and with_draft[0] > without[0] else without
-        step = self.totals["steps"]
-        if step % self.EXPLORE_EVERY == 0 and best_k < self.k_max:
-            if not any(best_use) and pol is None:
-                best_use = list(draft_ok)  # draft mode: the extra guess is the draft model's
-            return best_k + 1, best_use
-        probe_every = self.EXPLORE_EVERY * A
-        if (pol is not None and step % probe_every == probe_every // 2 and any(draft_ok) and not any(best_use)
-                and A <= self.TREE_PROBE_MAX_ROWS):
-            return max(best_k, 1), list(draft_ok)
-        return best_k, best_use
-
-    DRAFT_DECAY = 0.98
-    EXPLORE_EVERY = 16
-    TREE_PROBE_MAX_ROWS = 4  # forced tree probes only in batches this small (they are dear in big ones)
-    TREE_MARGIN = 1.05  # trees must promise this much more than the best lookup-only choice
-
-    def _head_cost(self, A: int) -> float:
-        """Predicted seconds the head drafts a tree for each of A rows: a line over the numbers
-        of tree rows seen; from one number only, its cost per row times A (pessimistic above
-        it, so many trees are not started on a cost timed for few)."""
-        h = self.head_time
-        if h.weight < 1e-9:
-            return float(self.drafter.t_draft or 0.0) * A
-        slope = h.slope()
-        sx, sy = h.s[1], h.s[2]
-        if slope is None or slope < 0 or h.weight < 4:
-            return sy / max(sx, 1e-9) * A  # mean seconds per row, times A
-        return max(h.intercept(slope) + slope * A, 0.0)
-
-    def _choose_k(self, guesses: list[list[int]], matches: list[int], tree_ok: list[bool] | None = None
-                  ) -> tuple[int, list[bool]]:
-        """The cap on guesses per row (and, with an EAGLE head, which rows draft a tree instead of
-        their lookup) that maximises expected committed tokens per second. Every
-        EXPLORE_EVERY-th step allows one guess more than the best cap, so the cost of guesses keeps
-        being measured at the current batch size even while the best cap is 0; in batches of A <=
-        TREE_PROBE_MAX_ROWS rows, once every EXPLORE_EVERY * A steps, rows that may draft a tree do
-        so if none chose it, so the tree's gain stays measured."""
-        A = len(guesses)
-        tree_ok = tree_ok or [False] * A
-        d = self.drafter if self.trees else None
-        if not self.adaptive or self.lookup is None or self.lookup.policy is None:
-            if d is None:
-                return self.k_max, list(tree_ok)
-            # --fixed-k: every step drafts; each row's source as `generate --method auto` picks it
-            return self.k_max, [ok and not p for ok, p in zip(tree_ok, d.prefer_lookup(guesses, False))]
-        pol = self.lookup.policy
-        best = {False: (None, 0, [False] * A), True: (None, 0, [False] * A)}  # without / with trees
-        # per row, expected committed tokens with its first j guesses, j = 0 .. all it has
-        gains = [pol.expected(n, len(g)) for g, n in zip(guesses, matches)]
-        for k in range(0, self.k_max + 1):
-            t = self.steps.predict(A, k)
-            if t is None:  # measure both ends first
-                k0 = self.k_max if self.totals["steps"] % 2 else 0
-                return k0, [ok and k0 > 0 for ok in tree_ok]
-            looks = [e[min(k, len(e) - 1)] for e in gains]
-            options = [(False, sum(looks) / t, [False] * A)]
-            if d is not None and k > 0 and any(tree_ok):
-                # a tree of the head's usual size, cut to k nodes: its measured gain, pro rata
-                tree = 1.0 + d.gain * min(1.0, k / max(d.nodes, 1.0))
-                use = [ok and tree > lk for ok, lk in zip(tree_ok, looks)]
-                if any(use):
-                    tokens = sum(tree if u else lk for u, lk in zip(use, looks))
-                    options.append((True, tokens / (t + self._head_cost(sum(use))), use))
-            for kind, rate, use in options:
-                if best[kind][0] is None or rate > best[kind][0] * 1.0001:
-                    best[kind] = (rate, k, use)
-        # trees only by a clear margin: their cost model is coarser than the lookup's, and a
-        # marginal tree step that misjudges its cost loses throughput
-        with_trees, without = best[True], best[False]
-        chosen = with_trees if with_trees[0] is not None and with_trees[0] > self.TREE_MARGIN * without[0] else without
-        _, best_k, best_use = chosen
-        step = self.totals["steps"]
-        if step % self.EXPLORE_EVERY == 0 and best_k < self.k_max:
-            return best_k + 1, best_use
-        # tree probes: every EXPLORE_EVERY * A steps (a probe of A rows measures A rows' gain, so
-        # the tree's gain gets the same number of samples per step; a probe of many rows is dear)
-        probe_every = self.EXPLORE_EVERY * A
-        if (d is not None and step % probe_every == probe_every // 2 and any(tree_ok)
-                and not any(best_use) and A <= self.TREE_PROBE_MAX_ROWS):
-            return max(best_k, min(self.k_max, round(d.nodes))), list(tree_ok)
-        return best_k, best_use
-
     @torch.inference_mode()
     def _step(self) -> None:
         """One speculative step for every row: propose, score in one target forward, verify each
@@ -778,12 +519,14 @@ class ContinuousBatcher:
                              for r in self.rows])
         if self.generic:
             return self._propose_generic(s)
-        guesses, matches = [[] for _ in range(A)], [0] * A
+        guesses, gains = [[] for _ in range(A)], None
         ctx = DraftContext([r.context for r in self.rows], self.rows[0].params, None, self._hand_over_features())
-        if self.lookup is not None and self.k_max > 0:
-            d = self.lookup.propose(ctx, self.k_max)
-            guesses = [g[:c] for g, c in zip(d.tokens.tolist(), d.counts.tolist())]
-            matches = self.lookup.matches
+        if self.lookup is not None:
+            gains = [[1.0]] * A  # nothing looked up: one token a row
+            if self.k_max > 0:
+                d = self.lookup.propose(ctx, self.k_max)
+                guesses = [g[:c] for g, c in zip(d.tokens.tolist(), d.counts.tolist())]
+                gains = self.lookup.expected_tokens()
         # a seeded sample never drafts a tree: which rows share its batch could tip the head's
         # near-ties and so change which random numbers its verification draws
         tree_ok = [self.trees and r.trees and self.k_max > 0 and not timing_free(r.params) and r.spec_k != 0
@@ -793,14 +536,15 @@ class ContinuousBatcher:
         draft_ok = [self.drafting and r.trees and self.k_max > 0 and not timing_free(r.params) and r.spec_k != 0
                     for r in self.rows]
         use_draft = [False] * A
+        step = self.totals["steps"]  # the probing phase
         if self.drafting:
-            s.k, use_draft = self._choose_draft(guesses, matches, draft_ok)
+            s.k, use_draft = self.policy.choose_draft(guesses, gains, step, draft_ok)
             use_tree = [False] * A
         else:
-            s.k, use_tree = self._choose_k(guesses, matches, tree_ok)
+            s.k, use_tree = self.policy.choose_k(guesses, gains, step, tree_ok, self.drafter if self.trees else None)
         if s.k > 0 and self.guard is not None and not self.guard.speculate(A):
             s.k, use_tree, use_draft = 0, [False] * A, [False] * A
-        s.caps = self._caps(s, guesses, matches)
+        s.caps = self._caps(s, guesses)
         s.use_draft = [u and c > 0 for u, c in zip(use_draft, s.caps)]
         s.guesses = [[] if u else g[:c] for g, c, u in zip(guesses, s.caps, s.use_draft)]
         s.drafted_k = max((c for c, u in zip(s.caps, s.use_draft) if u), default=0)
@@ -842,6 +586,9 @@ class ContinuousBatcher:
         ctx = DraftContext([r.context for r in self.rows], _GREEDY, None, self._hand_over_features())
         d = self.drafter.propose(ctx, max(s.caps))
         s.t_head, s.proposed = time.perf_counter() - t1, True
+        timing = self.drafter.draft_timing()
+        if timing is not None:
+            s.t_head, s.steady = timing
         if d.parents is not None:  # a tree, cut to nothing for rows without a cap
             s.counts = torch.where(torch.tensor(s.caps) > 0, d.counts, 0)
         else:
@@ -856,7 +603,7 @@ class ContinuousBatcher:
         self.last_k = s.K
         return s
 
-    def _caps(self, s: _Step, guesses: list[list[int]], matches: list[int]) -> list[int]:
+    def _caps(self, s: _Step, guesses: list[list[int]]) -> list[int]:
         """Each row's cap on guesses this step: the step's K within its own cap and room; a
         seeded sample takes its whole lookup up to its own cap, whatever the load, so the same
         seed draws the same random numbers and gives the same text (load-aware mode already
@@ -867,8 +614,7 @@ class ContinuousBatcher:
             own = r.spec_k if r.spec_k is not None else self.k_max
             if timing_free(r.params) and self.lookup is not None:
                 if self.lookup.choose_length:
-                    matches[b], guesses[b] = lookup_match(r.context, self.k_max, self.lookup.min_n,
-                                                          self.lookup.max_n)
+                    guesses[b] = self.lookup.whole(r.context, self.k_max)
                 caps.append(max(0, min(self.k_max, own, s.room[b])))
             elif self.drafting and timing_free(r.params):
                 caps.append(0)
@@ -878,15 +624,12 @@ class ContinuousBatcher:
 
     def _draft_model_guesses(self, s: _Step) -> None:
         """The draft model's guesses for the rows that take them (its drafting time measured)."""
-        contexts = [r.context for r in self.rows]
-        # tokens the draft has not seen: a few in steady state, more for rows that took their
-        # lookup for a while (a one-off catch-up, not the cost of drafting: not timed)
-        behind = max(len(c) - len(f) for c, f in zip(contexts, self.drafter.fed))
-        t1 = time.perf_counter()
-        d = self.drafter.propose(DraftContext(contexts, _GREEDY, None), s.drafted_k)
-        s.t_head = time.perf_counter() - t1
-        if behind <= self.k_max + 2:
-            self.draft_time.observe(s.A, s.t_head / s.drafted_k)
+        d = self.drafter.propose(DraftContext([r.context for r in self.rows], _GREEDY, None), s.drafted_k)
+        # a catch-up on tokens of rows that took their lookup for a while is a one-off, not the
+        # cost of drafting: only steady proposals are timed
+        s.t_head, s.steady = self.drafter.draft_timing()
+        if s.steady:
+            self.policy.observe_draft_time(s.A, s.t_head / s.drafted_k)
         s.guesses = [d.tokens[b, : min(int(d.counts[b]), s.caps[b])].tolist() if s.use_draft[b] else g
                      for b, g in enumerate(s.guesses)]
 
@@ -895,9 +638,9 @@ class ContinuousBatcher:
         if self.trees:
             # a tree row's lookup is grafted onto its tree, within the k_max slots a row reserves
             draft = self.drafter.assemble(ctx, s.guesses, s.use_tree, self.k_max, max_nodes=self.k_max)
-            s.t_head = self.drafter.t_head
-            if s.t_head > 0 and self.drafter.head_steady:
-                self.head_time.observe(sum(s.use_tree), s.t_head)
+            s.t_head, s.steady = self.drafter.draft_timing()
+            if s.t_head > 0 and s.steady:
+                self.policy.observe_head(sum(s.use_tree), s.t_head)
             # a tree cut to its first nodes stays a tree
             s.counts = torch.minimum(draft.counts, torch.tensor(s.caps, dtype=torch.long))
             s.K = int(s.counts.max())
@@ -919,7 +662,7 @@ class ContinuousBatcher:
         elif self.drafting:
             if s.drafted_k:  # (rows that took their lookup keep none of the draft's guesses)
                 self.drafter.commit([int(n) if u else 0 for n, u in zip(n_acc, s.use_draft)])
-                self._observe_draft([c if u else 0 for c, u in zip(s.caps, s.use_draft)], n_acc.tolist())
+                self.policy.observe_draft([c if u else 0 for c, u in zip(s.caps, s.use_draft)], n_acc.tolist())
             if self.lookup is not None and s.K > 0:
                 self.lookup.verified([0 if u else len(g) for g, u in zip(s.guesses, s.use_draft)])
                 self.lookup.commit(n_acc.tolist())
@@ -929,9 +672,9 @@ class ContinuousBatcher:
 
     def _record(self, s: _Step, n_acc: torch.Tensor, dt: float) -> None:
         """The step's time into the cost model and the guard; the counters; the debug line."""
-        self.steps.observe(s.A, s.K, dt - s.t_head)  # the head's drafting is priced separately (_choose_k)
-        if self.guard is not None and not (self.trees and s.t_head > 0 and not self.drafter.head_steady):
-            # (a step in which the head caught up on a prompt that just joined is a one-off
+        self.policy.observe_step(s.A, s.K, dt - s.t_head)  # drafting is priced separately (LoadPolicy)
+        if self.guard is not None and s.steady:
+            # (a step in which the drafter caught up on a prompt that just joined is a one-off
             # per request, not the steady cost of speculating: not counted)
             self.guard.observe(s.A, s.k > 0, int(n_acc.sum()) + s.A, dt)
         if self.log is not None:

@@ -179,19 +179,23 @@ LOAD_SETTINGS = ("off", "fixed", "adaptive")
 
 def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, levels: list[int], k: int,
          min_requests: int, repeats: int, reference: list[list[int]] | None = None, bar=None,
-         make_drafter=None) -> dict:
+         make_drafter=None, method: str | None = None) -> dict:
     """Off / fixed-k / load-aware speculation through the server's batcher, each concurrency
     level run for every setting in turn (off, fixed, adaptive, off, ...), `repeats` rounds;
     medians per (setting, level). Each level sends at least `min_requests` requests. The
-    drafting is the server's: prompt lookup, or with `make_drafter` (a new prompt lookup +
-    EAGLE drafter per call) the server's `auto`."""
+    drafting is the server's: prompt lookup, or with `make_drafter` (a new drafter per call)
+    `method` with it: the server's `auto` by default (prompt lookup + an EAGLE drafter), or any
+    method with a `Drafter`, as `specdec serve --method` runs it."""
     from ..server.batcher import ContinuousBatcher
 
     ctx = min(model.max_context, max(len(p) for p in encoded) + params.max_new_tokens + k + 8)
-    method = "auto" if make_drafter is not None else "ngram"
+    if make_drafter is None:
+        method = "ngram"
+    method = method or "auto"
     spec = {"off": ("none", False), "fixed": (method, False), "adaptive": (method, True)}
     batchers = {name: ContinuousBatcher(model, eos_ids, method=m, k_max=k, max_batch=max(levels), max_context=ctx,
-                                        adaptive=ad, thread=False, drafter=make_drafter() if m == "auto" else None)
+                                        adaptive=ad, thread=False,
+                                        drafter=make_drafter() if m != "none" and make_drafter else None)
                 for name, (m, ad) in spec.items()}
     raw = {name: {c: [] for c in levels} for name in spec}
     chosen_k = {name: {c: [] for c in levels} for name in spec}
@@ -229,7 +233,10 @@ def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, level
             row["checked"] = sum(r["checked"] for r in rs)
             table[name][c] = row
     return {"k": k, "levels": levels, "repeats": repeats, "min_requests": min_requests, "table": table,
-            "drafting": "prompt lookup + EAGLE tree" if method == "auto" else "prompt lookup"}
+            "drafting": DRAFTING.get(method, f"method {method}")}
+
+
+DRAFTING = {"auto": "prompt lookup + EAGLE tree", "ngram": "prompt lookup"}  # the load test's drafting, in words
 
 
 # ---------------------------------------------------------------------------------------------

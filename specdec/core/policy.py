@@ -1,0 +1,590 @@
+"""The policy layer: every online cost model that decides how much to speculate (docs/design.md,
+"The policy").
+
+A guess is worth verifying when it raises expected committed tokens per unit of time,
+
+    value(j) = (1 + a_1 + a_1 a_2 + ... + a_1...a_j) / (1 + c j + r j),
+
+with a_i the acceptance at draft position i, c the drafting cost and r the verification cost
+of a guess, both in plain steps. Everything here measures these quantities online with
+exponentially decayed counts and fits, and probes a declined choice every `PROBE_EVERY` steps
+(or lookups) so that it notices when speculating pays again. `generate` (engine.py) and the
+server's batcher both call this module:
+
+- `best_prefix`: how many of a proposal's guesses (or a tree's nodes) to verify, given their
+  expected acceptance, c and r (prompt lookup's cut, auto's tree trim);
+- `AdaptiveK`: the draft length of a draft model (auto with a draft model);
+- `NodeOdds`: how often a tree node of a given path probability holds;
+- `BatchGuard`: in a batch, speculate only while it measures faster than plain decoding
+  (the engine and the server);
+- `StepModel` and `LoadPolicy`: the server's step-time fit t = a + r A + b A K per batch-size
+  band, and the per-step cap and choice of source (lookup, tree, draft model) that maximise the
+  batch's committed tokens per second;
+- `DecayedLine`: decayed least squares, the fit behind step and drafting times.
+
+Each part can hand what it learnt to a later run (`learned()` / `relearn`, see learned.py).
+This module knows nothing about models; it sees only counts and seconds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+from ..learned import nonneg
+
+CARRIED_COUNTS = 8.0  # observations' worth of an acceptance rate that a later run starts from (learned.py)
+#: every policy that can decline to speculate probes the declined choice once in this many steps
+#: (or lookups of one match length), so a choice that stopped speculating notices when it pays again
+PROBE_EVERY = 16
+#: decay of acceptance counts per draft position and of the server's step-time fits (per step):
+#: about the last 50 steps count
+FIT_DECAY = 0.98
+
+
+def ema(old: float | None, new: float, keep: float) -> float:
+    """An exponential moving average that keeps `keep` of the old value (the new value itself
+    when there is none yet): the drafters' times, gains and tree sizes, the guard's rates."""
+    return new if old is None else keep * old + (1.0 - keep) * new
+
+
+def carried(acc: float, seen: float, most: float = CARRIED_COUNTS) -> tuple[float, float]:
+    """Decayed counts (accepted, seen) scaled so that seen is at most `most`: the same rate,
+    which a later run's own observations soon outweigh (learned.py)."""
+    f = min(1.0, most / seen) if seen > 0 else 1.0
+    return f * acc, f * seen
+
+
+def counts_ok(acc: float, seen: float) -> bool:
+    """Whether saved counts can be decayed counts of a rate: 0 <= accepted <= seen, 0 < seen < inf."""
+    return 0.0 <= acc <= seen < math.inf and seen > 0
+
+
+class AdaptiveK:
+    """The draft length of a draft model: each step the k in 0..k_max that maximises expected
+    committed tokens per second,
+
+        E(k) / time(k),   E(k) = 1 + a + a^2 + ... + a^k,   time(k) = t_fwd(k) + k * t_draft,
+
+    the value formula above with the target's own cost growing with k measured rather than
+    assumed flat. a is the running acceptance rate (decayed counts, so it follows the text);
+    t_draft and t_fwd(k) are measured step times. When k = 0 wins (acceptance near zero, or
+    drafting too dear) it still probes k = 1 every `probe_every` steps."""
+
+    def __init__(self, cost_hint: float | None = None, decay: float = 0.9, probe_every: int = PROBE_EVERY) -> None:
+        self.decay = decay
+        self.probe_every = probe_every
+        self.acc, self.prop = 1.0, 2.0  # prior: a = 0.5 until measured
+        self.t_draft = None if cost_hint is None else 0.0  # seconds per drafted token (0 for free drafters)
+        self.t_fwd: dict[int, float] = {}  # draft length -> EMA seconds of one target step
+        self.steps_at_zero = 0
+        self.last_k = None
+
+    @property
+    def alpha(self) -> float:
+        return self.acc / self.prop if self.prop > 0 else 0.0
+
+    def _fwd_time(self, k: int) -> float:
+        if k in self.t_fwd:
+            return self.t_fwd[k]
+        ks = sorted(self.t_fwd)
+        if len(ks) == 1:
+            return self.t_fwd[ks[0]]
+        lo, hi = ks[0], ks[-1]
+        slope = max(0.0, (self.t_fwd[hi] - self.t_fwd[lo]) / (hi - lo))
+        return self.t_fwd[lo] + slope * (k - lo)
+
+    def expected_rate(self, k: int) -> float:
+        """Expected committed tokens per second with draft length k (needs measurements)."""
+        a = min(self.alpha, 0.999)
+        tokens = sum(a**i for i in range(k + 1))
+        return tokens / (self._fwd_time(k) + k * (self.t_draft or 0.0))
+
+    def choose_k(self, k_max: int) -> int:
+        if not self.t_fwd or self.t_draft is None:
+            k = k_max if self.t_draft is not None else 1  # measure the drafter first, cheaply
+        else:
+            k = max(range(k_max + 1), key=self.expected_rate)
+            if k == 0:
+                self.steps_at_zero += 1
+                if self.steps_at_zero % self.probe_every == 0:
+                    k = 1
+            else:
+                self.steps_at_zero = 0
+        self.last_k = k
+        return k
+
+    def observe(self, k: int, counts: list[int], accepted: list[int], draft_s: float, verify_s: float) -> None:
+        proposed = sum(counts)
+        if proposed:
+            self.acc = self.decay * self.acc + sum(accepted)
+            self.prop = self.decay * self.prop + proposed
+        kk = max(counts) if counts else 0
+        if kk:
+            per_token = draft_s / kk
+            self.t_draft = ema(self.t_draft or None, per_token, 0.8)
+        self.t_fwd[kk] = ema(self.t_fwd.get(kk), verify_s, 0.8)
+
+    def learned(self) -> dict:
+        """Acceptance (capped, `carried`) and times, for a later run (learned.py)."""
+        acc, prop = carried(self.acc, self.prop)
+        return {"acc": acc, "prop": prop, "t_draft": self.t_draft, "t_fwd": {str(k): v for k, v in self.t_fwd.items()}}
+
+    def relearn(self, state: dict) -> None:
+        acc, prop, t_draft = float(state["acc"]), float(state["prop"]), nonneg(state["t_draft"], "draft time")
+        t_fwd = {int(k): nonneg(float(v), "step time") for k, v in state["t_fwd"].items()}
+        if not counts_ok(acc, prop) or min(t_fwd, default=0) < 0:
+            raise ValueError("learned draft-length policy out of range")
+        self.acc, self.prop, self.t_draft, self.t_fwd = acc, prop, t_draft, t_fwd
+
+
+class NodeOdds:
+    """How often a drafted tree node is accepted, by the drafter's probability of its path p
+    (the product of the head's probabilities from the root to the node), in bins of p with
+    exponentially decayed counts; before any observation a bin's odds are its middle p (a head
+    taken at its word). Knows nothing about models."""
+
+    EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9)  # bin i holds EDGES[i-1] <= p < EDGES[i]
+
+    def __init__(self, decay: float = 0.995, prior: float = 2.0) -> None:
+        self.decay = decay
+        lows, highs = (0.0,) + self.EDGES, self.EDGES + (1.0,)
+        self.seen = [prior] * len(lows)
+        self.acc = [prior * (lo + hi) / 2 for lo, hi in zip(lows, highs)]
+
+    def bin(self, p: float) -> int:
+        return bisect.bisect_right(self.EDGES, p)
+
+    def __call__(self, p: float) -> float:
+        i = self.bin(p)
+        return self.acc[i] / self.seen[i]
+
+    def observe(self, p: float, accepted: bool) -> None:
+        i = self.bin(p)
+        self.acc[i] = self.decay * self.acc[i] + (1.0 if accepted else 0.0)
+        self.seen[i] = self.decay * self.seen[i] + 1.0
+
+    def learned(self) -> dict:
+        """The counts per bin, capped (`carried`), for a later run (learned.py)."""
+        acc, seen = zip(*(carried(a, s) for a, s in zip(self.acc, self.seen)))
+        return {"acc": list(acc), "seen": list(seen)}
+
+    def relearn(self, state: dict) -> None:
+        acc, seen = [float(v) for v in state["acc"]], [float(v) for v in state["seen"]]
+        if len(acc) != len(self.acc) or len(seen) != len(self.seen):
+            raise ValueError("learned node odds of another shape")
+        if not all(counts_ok(a, s) for a, s in zip(acc, seen)):
+            raise ValueError("learned node odds out of range")
+        self.acc, self.seen = acc, seen
+
+
+def best_prefix(values: list[float], c: float, r: float) -> int:
+    """How many of `values` (expected accepted tokens per node, best first) to verify: the m
+    that maximises committed tokens per unit of step time, (1 + sum(values[:m])) / (1 + c + r m),
+    with c the drafting cost and r the cost of a verified node, in plain steps."""
+    best_m, best, total = 0, 1.0 / (1.0 + c), 1.0
+    for m, v in enumerate(values, start=1):
+        total += v
+        rate = total / (1.0 + c + r * m)
+        if rate > best:
+            best_m, best = m, rate
+    return best_m
+
+
+class DecayedLine:
+    """y ~ a + b x, fitted by exponentially decayed least squares (recent points count most).
+    Used for step times: per guessed token (prompt lookup) and per scored token (the server)."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.s = [0.0] * 5  # decayed sums: w, x, y, xx, xy
+
+    def observe(self, x: float, y: float) -> None:
+        d = self.decay
+        w, sx, sy, sxx, sxy = self.s
+        self.s = [d * w + 1, d * sx + x, d * sy + y, d * sxx + x * x, d * sxy + x * y]
+
+    @property
+    def weight(self) -> float:
+        return self.s[0]
+
+    def slope(self) -> float | None:
+        """b, or None while the x values do not vary enough to tell it."""
+        w, sx, sy, sxx, sxy = self.s
+        var = w * sxx - sx * sx
+        if var <= 1e-9 * max(w * w, 1.0):
+            return None
+        return (w * sxy - sx * sy) / var
+
+    def intercept(self, slope: float) -> float:
+        w, sx, sy, _, _ = self.s
+        return (sy - slope * sx) / w
+
+    def scaled(self, max_weight: float) -> list[float]:
+        """The sums scaled so that they weigh at most max_weight points (same fitted line): what a
+        later run starts from (learned.py), so that its own points soon outweigh them."""
+        f = min(1.0, max_weight / self.s[0]) if self.s[0] > 0 else 1.0
+        return [f * v for v in self.s]
+
+
+class BatchGuard:
+    """Speculate in a batch only while it commits more tokens per second than plain decoding.
+
+    Verifying guesses is nearly free while a step is bound by reading the weights; on a
+    CPU a batch of a few rows already makes the step compute-bound, and then every guessed
+    token (padded to the longest draft in the batch) costs its full share while the
+    drafters' per-row cost models still see a gain. So for batches of `min_rows` rows or more
+    the engine (and, behind its cost model, the server's batcher) asks this guard before
+    drafting: per batch-size band (2, 3-4, 5-8, ...; a single row is a band of its own when
+    `min_rows` is 1, as the engine sets it for drafters that do not price their own guesses: a
+    draft model, Medusa heads, an EAGLE head alone) it keeps
+    decayed means of committed tokens per second of speculative steps and of plain steps,
+    speculates while the speculative mean is at least the plain one, and probes the other
+    mode once every `probe_every` steps (plain first, on the band's second step), so both
+    stay measured as the text and the batch change. Never used for seeded sampled requests
+    (their drafting must not depend on timing). Knows nothing about models.
+    """
+
+    def __init__(self, min_rows: int = 2, probe_every: int = PROBE_EVERY, decay: float = 0.8) -> None:
+        self.min_rows, self.probe_every, self.decay = min_rows, probe_every, decay
+        self.rate: dict[tuple[int, bool], float] = {}  # (band, speculative) -> decayed tokens/s
+        self.steps: dict[int, int] = {}  # steps seen per band
+        self.decisions = {True: 0, False: 0}  # guarded steps that speculated / decoded plainly
+        self._warm: set[tuple[int, bool]] = set()
+
+    @staticmethod
+    def band(rows: int) -> int:
+        return 0 if rows == 1 else max(1, rows - 1).bit_length()
+
+    def begin(self) -> None:
+        """New prompts arrive (a batch starts): its first speculative step per band is a warm-up again."""
+        self._warm.clear()
+
+    def speculate(self, rows: int) -> bool:
+        """Whether this step (of `rows` active rows) should draft."""
+        if rows < self.min_rows:
+            return True
+        b = self.band(rows)
+        n = self.steps.get(b, 0)
+        self.steps[b] = n + 1
+        spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
+        if plain is None:
+            choice = n != 1  # the band's second step measures plain decoding
+        elif spec is None:
+            choice = True
+        else:
+            choice = spec >= plain
+            if n % self.probe_every == 0:
+                choice = not choice  # keep the other mode measured
+        self.decisions[choice] += 1
+        return choice
+
+    def learned(self) -> dict:
+        """The measured rates per band and mode, for a later run (learned.py); None before any."""
+        return {"rate": [[b, s, r] for (b, s), r in self.rate.items()]} if self.rate else None
+
+    def relearn(self, state: dict) -> None:
+        rate = {}
+        for b, s, r in state["rate"]:
+            if not (isinstance(b, int) and isinstance(s, bool) and math.isfinite(float(r)) and float(r) > 0):
+                raise ValueError("learned guard rate out of range")
+            rate[(b, s)] = float(r)
+        self.rate = rate
+
+    def observe(self, rows: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """One step of `rows` rows committed `tokens` tokens in `seconds` (drafting included)."""
+        if rows < self.min_rows or seconds <= 0:
+            return
+        key = (self.band(rows), speculated)
+        if speculated and key not in self._warm:
+            self._warm.add(key)  # a band's first speculative step may catch a drafter up on whole prompts
+            return
+        self.rate[key] = ema(self.rate.get(key), tokens / seconds, self.decay)
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """x with m x = v for a small dense system (Gaussian elimination with partial pivoting, in
+    floats: a step's cost model is solved up to nine times a step, and torch's per-call overhead
+    made that a tenth of a two-row step); None if m is singular."""
+    n = len(v)
+    a = [list(row) + [v[i]] for i, row in enumerate(m)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda i: abs(a[i][c]))
+        if a[p][c] == 0.0:
+            return None
+        a[c], a[p] = a[p], a[c]
+        for i in range(c + 1, n):
+            f = a[i][c] / a[c][c]
+            if f:
+                for j in range(c, n + 1):
+                    a[i][j] -= f * a[c][j]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (a[i][n] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+    return x
+
+
+class _Fit:
+    """t ~ a + r * A + b * A * K by exponentially decayed least squares (recent steps count most)."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.m = [[0.0] * 3 for _ in range(3)]  # decayed sums of f f^T, f = (1, A, A*K)
+        self.v = [0.0] * 3  # decayed sums of f * t
+        self.weight = 0.0
+        self.ks: dict[int, float] = {}  # decayed count of steps per draft length
+        self._coef: tuple[float, float, float] | None | bool = False  # solved coefficients (False: not yet)
+
+    def observe(self, rows: int, k: int, seconds: float) -> None:
+        d = self.decay
+        f = (1.0, float(rows), float(rows * k))
+        self.m = [[d * self.m[i][j] + f[i] * f[j] for j in range(3)] for i in range(3)]
+        self.v = [d * self.v[i] + f[i] * seconds for i in range(3)]
+        self.weight = d * self.weight + 1
+        self.ks = {kk: w * d for kk, w in self.ks.items() if w > 0.05}
+        self.ks[k] = self.ks.get(k, 0.0) + 1
+        self._coef = False
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(a, r, b), or None until there are 4 steps and two draft lengths to tell b."""
+        if self._coef is False:
+            self._coef = self._solve()
+        return self._coef
+
+    def _solve(self) -> tuple[float, float, float] | None:
+        if self.weight < 4 or len(self.ks) < 2:
+            return None
+        ridge = 1e-9 * max(self.m[i][i] for i in range(3))
+        m = [[self.m[i][j] + (ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
+        x = _solve(m, self.v)
+        if x is None:
+            return None
+        a, r, b = x
+        if a < 0 or r < 0:  # one batch size only (or noise): a and r cannot be told apart
+            keep = (0, 2)
+            x = _solve([[m[i][j] for j in keep] for i in keep], [self.v[i] for i in keep])
+            if x is None:
+                return None
+            (a, b), r = x, 0.0
+        return max(a, 1e-6), max(r, 0.0), max(b, 0.0)
+
+
+class StepModel:
+    """Step time t(A, K) = a + r * A + b * A * K for A rows with K guess slots each: a fixed cost,
+    a cost per row (its own token, reading its KV cache) and a cost per guessed token. The cost
+    of a guess depends on the load: while a step is bound by reading the weights an extra token
+    is nearly free, once the batch makes it compute-bound it costs its full matmul share. So the
+    coefficients are fitted per batch-size band (1, 2, 3-4, 5-8, ...), each by decayed least
+    squares over its own steps, with a fit over all steps for bands not measured yet. (One line
+    over all steps learnt the steep cost of a full batch and then, back at one row, priced
+    guesses at it and stopped guessing.)"""
+
+    def __init__(self, decay: float = FIT_DECAY) -> None:
+        self.decay = decay
+        self.all = _Fit(decay)
+        self.bands: dict[int, _Fit] = {}
+
+    @staticmethod
+    def band(rows: int) -> int:
+        return max(1, rows - 1).bit_length() if rows > 1 else 0
+
+    def observe(self, rows: int, k: int, seconds: float) -> None:
+        self.all.observe(rows, k, seconds)
+        self.bands.setdefault(self.band(rows), _Fit(self.decay)).observe(rows, k, seconds)
+
+    def coefficients(self, rows: int | None = None) -> tuple[float, float, float] | None:
+        fit = self.bands.get(self.band(rows)) if rows is not None else None
+        c = fit.coefficients() if fit is not None else None
+        return c if c is not None else self.all.coefficients()
+
+    def predict(self, rows: int, k: int) -> float | None:
+        c = self.coefficients(rows)
+        if c is None:
+            return None
+        a, r, b = c
+        return a + r * rows + b * rows * k
+
+
+def _line_at(line: DecayedLine, x: float, fallback: float) -> float:
+    """A decayed line's prediction at x once it has 4 points' weight and a non-negative slope;
+    `fallback` before that."""
+    slope = line.slope()
+    if slope is None or slope < 0 or line.weight < 4:
+        return fallback
+    return max(line.intercept(slope) + slope * x, 0.0)
+
+
+class LoadPolicy:
+    """The server's load-aware choice, per step: the cap K in 0..k_max on each row's guesses and
+    which rows take a second source (an EAGLE tree, or a draft model's guesses) instead of their
+    prompt lookup, maximising the batch's expected committed tokens per second,
+
+        sum over rows of (1 + expected accepted guesses under K) / (t(A, K) + drafting time),
+
+    with t from `StepModel` (fed every step by `observe_step`), a row's lookup from its learnt
+    per-position acceptance (`Drafter.expected_tokens`), a tree from the tree drafter's measured
+    gain, a draft model from its measured acceptance per position. Drafting times are lines in
+    the number of rows that draft (`head_time`, `draft_time`). K = 0 is plain decoding. Probes:
+    every PROBE_EVERY-th step allows one guess more than the best cap (so the cost of guesses
+    stays measured at this batch size even while the best cap is 0), and in batches of A <=
+    TREE_PROBE_MAX_ROWS rows, once every PROBE_EVERY * A steps, rows that may take the second
+    source do so if none chose it (a probe of A rows measures A rows' gain; a probe of many rows
+    is dear). `step` is the caller's count of decode steps, which sets the probing phase."""
+
+    TREE_PROBE_MAX_ROWS = 4  # forced second-source probes only in batches this small
+    TREE_MARGIN = 1.05  # trees must promise this much more than the best lookup-only choice
+    DRAFT_PRIOR = 0.6  # a draft model's j-th guess holds with 0.6 ** j until measured there
+
+    def __init__(self, k_max: int, adaptive: bool = True) -> None:
+        self.k_max, self.adaptive = k_max, adaptive
+        self.steps = StepModel()
+        self.head_time = DecayedLine(FIT_DECAY)  # the head's drafting seconds vs rows it drafts for
+        self.draft_time = DecayedLine(FIT_DECAY)  # a draft model's seconds per drafted token vs rows
+        # decayed per position j: row-steps allowed a j-th draft-model guess, and those in which it held
+        self.draft_allowed = [0.0] * (k_max + 1)
+        self.draft_held = [0.0] * (k_max + 1)
+
+    # -- what was measured --------------------------------------------------------------
+    def observe_step(self, rows: int, k: int, seconds: float) -> None:
+        """A step of `rows` rows with `k` guess slots took `seconds` (drafting excluded)."""
+        self.steps.observe(rows, k, seconds)
+
+    def observe_head(self, rows: int, seconds: float) -> None:
+        """The tree drafter's head drafted for `rows` rows in `seconds` (steady state only)."""
+        self.head_time.observe(rows, seconds)
+
+    def observe_draft_time(self, rows: int, seconds_per_token: float) -> None:
+        """A draft model drafted for `rows` rows at `seconds_per_token` (steady state only)."""
+        self.draft_time.observe(rows, seconds_per_token)
+
+    def observe_draft(self, caps: list[int], accepted: list[int]) -> None:
+        """Per position j, decayed: row-steps whose cap allowed a j-th draft-model guess, and
+        those in which the j-th guess held."""
+        d = FIT_DECAY
+        for j in range(1, self.k_max + 1):
+            self.draft_allowed[j] = d * self.draft_allowed[j] + sum(c >= j for c in caps)
+            self.draft_held[j] = d * self.draft_held[j] + sum(n >= j for n, c in zip(accepted, caps) if c >= j)
+
+    # -- what it predicts ---------------------------------------------------------------
+    def draft_gain(self, j: int) -> float:
+        """Expected extra tokens per row from allowing a j-th draft-model guess."""
+        return (self.draft_held[j] + self.DRAFT_PRIOR ** j) / (self.draft_allowed[j] + 1.0)
+
+    def draft_cost(self, A: int) -> float:
+        """Predicted seconds a draft model takes per drafted token for A rows (0 until measured)."""
+        line = self.draft_time
+        if line.weight < 1e-9:
+            return 0.0
+        return _line_at(line, A, line.s[2] / line.weight)
+
+    def head_cost(self, A: int, tree) -> float:
+        """Predicted seconds the head drafts a tree for each of A rows: a line over the numbers
+        of tree rows seen; from one number only, its cost per row times A (pessimistic above
+        it, so many trees are not started on a cost timed for few); before any, the tree
+        drafter's own timing."""
+        h = self.head_time
+        if h.weight < 1e-9:
+            return tree.head_seconds(A)
+        return _line_at(h, A, h.s[2] / max(h.s[1], 1e-9) * A)
+
+    # -- what it chooses ----------------------------------------------------------------
+    def _search(self, A: int, gains: list[list[float]], second):
+        """{False: best (rate, k, use) with lookups only, True: best with the second source}, or
+        None while t(A, K) is not fitted yet. second(k, looks, t) -> (rate, use) or None."""
+        best = {False: (None, 0, [False] * A), True: (None, 0, [False] * A)}
+        for k in range(0, self.k_max + 1):
+            t = self.steps.predict(A, k)
+            if t is None:
+                return None
+            looks = [e[min(k, len(e) - 1)] for e in gains]
+            options = [(False, sum(looks) / t, [False] * A)]
+            extra = second(k, looks, t)
+            if extra is not None:
+                options.append((True, *extra))
+            for kind, rate, use in options:
+                if best[kind][0] is None or rate > best[kind][0] * 1.0001:
+                    best[kind] = (rate, k, use)
+        return best
+
+    def _probe(self, step: int, A: int, best_use: list[bool], ok: list[bool]) -> bool:
+        """Whether this step forces the second source on the rows that may take it."""
+        every = PROBE_EVERY * A
+        return step % every == every // 2 and any(ok) and not any(best_use) and A <= self.TREE_PROBE_MAX_ROWS
+
+    def choose_k(self, guesses: list[list[int]], gains: list[list[float]] | None, step: int,
+                 tree_ok: list[bool] | None = None, tree=None) -> tuple[int, list[bool]]:
+        """Prompt lookup, with an EAGLE tree beside it when `tree` (the auto drafter) is given:
+        (the cap, which rows draft a tree). gains: per row, expected committed tokens with its
+        first j guesses (None: no estimates, every step drafts: --fixed-k)."""
+        A = len(guesses)
+        tree_ok = tree_ok or [False] * A
+        if not self.adaptive or gains is None:
+            if tree is None:
+                return self.k_max, list(tree_ok)
+            # --fixed-k: every step drafts; each row's source as `generate --method auto` picks it
+            return self.k_max, [ok and not p for ok, p in zip(tree_ok, tree.prefer_lookup(guesses, False))]
+
+        def trees(k, looks, t):
+            if tree is None or k == 0 or not any(tree_ok):
+                return None
+            value = tree.tree_tokens(k)  # a tree of the head's usual size, cut to k nodes
+            use = [ok and value > lk for ok, lk in zip(tree_ok, looks)]
+            if not any(use):
+                return None
+            tokens = sum(value if u else lk for u, lk in zip(use, looks))
+            return tokens / (t + self.head_cost(sum(use), tree)), use
+
+        best = self._search(A, gains, trees)
+        if best is None:  # measure both ends first
+            k0 = self.k_max if step % 2 else 0
+            return k0, [ok and k0 > 0 for ok in tree_ok]
+        # trees only by a clear margin: their cost model is coarser than the lookup's, and a
+        # marginal tree step that misjudges its cost loses throughput
+        with_trees, without = best[True], best[False]
+        chosen = with_trees if with_trees[0] is not None and with_trees[0] > self.TREE_MARGIN * without[0] else without
+        _, best_k, best_use = chosen
+        if step % PROBE_EVERY == 0 and best_k < self.k_max:
+            return best_k + 1, best_use
+        if tree is not None and self._probe(step, A, best_use, tree_ok):
+            return max(best_k, min(self.k_max, tree.usual_nodes)), list(tree_ok)
+        return best_k, best_use
+
+    def choose_draft(self, guesses: list[list[int]], gains: list[list[float]] | None, step: int,
+                     draft_ok: list[bool]) -> tuple[int, list[bool]]:
+        """A draft model (method draft), with prompt lookup beside it when `gains` is given (auto
+        with a draft model): (the cap, which rows take the draft model's guesses). A row's
+        draft-model guesses are worth 1 + the per-position gains up to K, and cost K times the
+        draft's time per token; a row whose lookup under K is worth more takes it instead, and a
+        step in which every row does so skips the draft model."""
+        A = len(guesses)
+        if not self.adaptive:
+            # --fixed-k: every step drafts; a lookup of 2+ guesses wins over the draft model (as
+            # `generate --method auto`'s hybrid drafter does before it has measured anything)
+            return self.k_max, [ok and len(g) < 2 for ok, g in zip(draft_ok, guesses)]
+        per_tok = self.draft_cost(A)
+        cum = [0.0]
+        for j in range(1, self.k_max + 1):
+            cum.append(cum[-1] + self.draft_gain(j))
+
+        def drafts(k, looks, t):
+            if k == 0 or not any(draft_ok):
+                return None
+            use = [ok and 1.0 + cum[k] > lk for ok, lk in zip(draft_ok, looks)]
+            if not any(use):
+                return None
+            tokens = sum(1.0 + cum[k] if u else lk for u, lk in zip(use, looks))
+            return tokens / (t + k * per_tok), use
+
+        best = self._search(A, gains if gains is not None else [[1.0]] * A, drafts)
+        if best is None:  # measure both ends first
+            k0 = self.k_max if step % 2 else 0
+            return k0, [ok and k0 > 0 and len(g) < 2 for ok, g in zip(draft_ok, guesses)]
+        with_draft, without = best[True], best[False]
+        _, best_k, best_use = with_draft if with_draft[0] is not None and with_draft[0] > without[0] else without
+        if step % PROBE_EVERY == 0 and best_k < self.k_max:
+            if not any(best_use) and gains is None:
+                best_use = list(draft_ok)  # draft mode: the extra guess is the draft model's
+            return best_k + 1, best_use
+        if gains is not None and self._probe(step, A, best_use, draft_ok):
+            return max(best_k, 1), list(draft_ok)
+        return best_k, best_use
