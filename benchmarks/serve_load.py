@@ -74,7 +74,7 @@ def start(setting: str, args) -> tuple:
     port = free_port()
     cmd = [sys.executable, "-c", "import sys; from specdec.cli import main; sys.exit(main())", "serve",
            "--method", method, "-k", str(args.k), "--max-batch", str(args.max_batch), "--max-context", "1024",
-           "--port", str(port), "--threads", str(args.threads), "--served-model-name", "m",
+           "--port", str(port), *(["--threads", str(args.threads)] if args.threads else []), "--served-model-name", "m",
            "--log-level", "debug" if args.step_log else "warning"]
     if not adaptive:
         cmd.append("--fixed-k")
@@ -206,7 +206,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="the servers' --threads; 0: their default (the cores other processes leave free)")
     ap.add_argument("--warmup", type=int, default=4,
                     help="requests each server answers (one at a time, then all at once) before measuring, so its "
                          "step-time model and acceptance estimates start warm. Default: 4")
@@ -220,7 +221,8 @@ def main() -> int:
     ap.add_argument("--busy", type=int, default=0, help="busy loops running beside the measured levels. Default: 0")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from specdec.models.loader import load_model
 
