@@ -48,6 +48,12 @@ def ema(old: float | None, new: float, keep: float) -> float:
     return new if old is None else keep * old + (1.0 - keep) * new
 
 
+def band(rows: int) -> int:
+    """The batch-size band a step of `rows` rows belongs to: 1 row, 2, 3-4, 5-8, ... (the cost of
+    a guess changes with the load, so the guard and the step-time fit keep one estimate per band)."""
+    return max(1, rows - 1).bit_length() if rows > 1 else 0
+
+
 def carried(acc: float, seen: float, most: float = CARRIED_COUNTS) -> tuple[float, float]:
     """Decayed counts (accepted, seen) scaled so that seen is at most `most`: the same rate,
     which a later run's own observations soon outweigh (learned.py)."""
@@ -252,10 +258,6 @@ class BatchGuard:
         self.decisions = {True: 0, False: 0}  # guarded steps that speculated / decoded plainly
         self._warm: set[tuple[int, bool]] = set()
 
-    @staticmethod
-    def band(rows: int) -> int:
-        return 0 if rows == 1 else max(1, rows - 1).bit_length()
-
     def begin(self) -> None:
         """New prompts arrive (a batch starts): its first speculative step per band is a warm-up again."""
         self._warm.clear()
@@ -264,7 +266,7 @@ class BatchGuard:
         """Whether this step (of `rows` active rows) should draft."""
         if rows < self.min_rows:
             return True
-        b = self.band(rows)
+        b = band(rows)
         n = self.steps.get(b, 0)
         self.steps[b] = n + 1
         spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
@@ -295,7 +297,7 @@ class BatchGuard:
         """One step of `rows` rows committed `tokens` tokens in `seconds` (drafting included)."""
         if rows < self.min_rows or seconds <= 0:
             return
-        key = (self.band(rows), speculated)
+        key = (band(rows), speculated)
         if speculated and key not in self._warm:
             self._warm.add(key)  # a band's first speculative step may catch a drafter up on whole prompts
             return
@@ -384,16 +386,12 @@ class StepModel:
         self.all = _Fit(decay)
         self.bands: dict[int, _Fit] = {}
 
-    @staticmethod
-    def band(rows: int) -> int:
-        return max(1, rows - 1).bit_length() if rows > 1 else 0
-
     def observe(self, rows: int, k: int, seconds: float) -> None:
         self.all.observe(rows, k, seconds)
-        self.bands.setdefault(self.band(rows), _Fit(self.decay)).observe(rows, k, seconds)
+        self.bands.setdefault(band(rows), _Fit(self.decay)).observe(rows, k, seconds)
 
     def coefficients(self, rows: int | None = None) -> tuple[float, float, float] | None:
-        fit = self.bands.get(self.band(rows)) if rows is not None else None
+        fit = self.bands.get(band(rows)) if rows is not None else None
         c = fit.coefficients() if fit is not None else None
         return c if c is not None else self.all.coefficients()
 
