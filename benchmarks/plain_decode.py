@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 import torch
+from devset import DEV_SET
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = next((p for p in (ROOT / "shared", ROOT.parent / "shared", Path("/work/shared")) if p.is_dir()),
-                    ROOT / "shared") / "data" / "spec_bench" / "dev.jsonl"
+DEFAULT_DATA = DEV_SET
 
 
 def measure_bandwidth(mb: int = 1024, repeats: int = 5) -> float:

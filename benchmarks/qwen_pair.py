@@ -170,16 +170,10 @@ def read_bandwidth(threads: int, reps: int = 7) -> float:
     """GB/s of a torch sum over 1 GiB on `threads` threads (median of reps): the read rate a
     decoding step that streams the weights cannot beat."""
     import torch
+    from plain_decode import measure_bandwidth
 
     torch.set_num_threads(threads)
-    a = torch.ones(2**28)
-    a.sum()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        a.sum()
-        times.append(time.perf_counter() - t)
-    return a.numel() * 4 / statistics.median(times) / 1e9
+    return measure_bandwidth(repeats=reps) / 1e9
 
 
 def llamacpp_greedy(llm, ids: list[int], n: int) -> tuple[list[int], float, float]:
