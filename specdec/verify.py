@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import argmax_last
+from .sampling import argmax_last, sample
 
 
 def _accepted_prefix(ok: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -92,7 +92,7 @@ def verify_stochastic(
             total = resid.sum()
             # total == 0 only if p == q up to rounding, where rejection has probability ~0
             p = resid / total if float(total) > 0 else p
-        next_token[b] = torch.multinomial(p, 1, generator=generator)[0]
+        next_token[b] = sample(p, generator)
     return n_acc, next_token
 
 
@@ -167,7 +167,7 @@ def verify_tree_stochastic(
                 if float(total) > 0:  # 0 only if p == q up to rounding (rejection had probability ~0)
                     p = resid / total
             if accepted is None:
-                nxt.append(int(torch.multinomial(p, 1, generator=generator)[0]))
+                nxt.append(int(sample(p, generator)))
                 break
             path.append(accepted)
             node = accepted

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from oracle import chi2_test
+
 from specdec.sampling import choose, make_generator, sample, warp
 from specdec.types import SamplingParams, SpecdecError
 
@@ -199,3 +201,34 @@ def test_moderate_temperatures_are_warped_as_before():
     logits = 3.0 * torch.randn(2, 300, generator=torch.Generator().manual_seed(4))
     for t in (1e-3, 0.7, 1.0, 5.0):
         assert torch.equal(warp(logits, SamplingParams(temperature=t)), (logits / t).softmax(-1))
+
+
+def test_sample_follows_the_probabilities():
+    """`sample` (inverse transform over a float64 running sum) draws each token with its
+    probability: chi-square against the exact probabilities of an unnormalised row with zeros,
+    tiny and large masses; tokens without mass are never drawn."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.rand(60, generator=g) ** 4
+    w[[0, 7, 8, 59]] = 0.0  # no mass at the first, in the middle and at the last token
+    w[20] = 1e-6
+    n = 60_000
+    drawn = sample(w.expand(n, -1), make_generator(11))
+    assert drawn.shape == (n,)
+    assert not bool(torch.isin(drawn, torch.tensor([0, 7, 8, 59])).any())
+    result = chi2_test(torch.bincount(drawn, minlength=60).double(), w.double() / w.double().sum())
+    assert not result.rejected, result
+
+
+def test_sample_skips_tokens_without_mass_at_the_edges_of_the_uniform(monkeypatch):
+    """u = 0 must not pick a leading token without mass, and u * total rounding up to the total
+    must pick the last token with mass, not a zero or one past the end."""
+    probs = torch.tensor([0.0, 0.25, 0.75, 0.0, 0.0])
+    for u, want in ((0.0, 1), (1.0, 2)):
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full(a[:2], u, dtype=torch.float64))
+        assert int(sample(probs, None)) == want
+
+
+@pytest.mark.parametrize("row", [[0.0, 0.0], [float("nan"), 1.0], [float("inf"), 1.0], [-0.5, 1.0]])
+def test_sample_refuses_rows_that_are_no_distribution(row):
+    with pytest.raises(ValueError, match="invalid probability distribution"):
+        sample(torch.tensor([[0.2, 0.8], row]), make_generator(0))
