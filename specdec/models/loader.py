@@ -360,6 +360,8 @@ def load_gguf(path: Path, source: str, quiet: bool = False, with_tokenizer: bool
     gf.check_architecture()
     check_gguf_types(gf)
     hf = gf.model_config()
+    if hf.context_limit is not None:  # (the model computes exactly only inside it: gguf_file.exact_context)
+        _log(f"{path.name}: context cut to {hf.context_limit[0]} tokens: {hf.context_limit[1]}", quiet)
     problem = native_support_problem(hf)
     if problem:
         raise SpecdecError(f"{path.name}: {problem} is not supported")
