@@ -1,13 +1,15 @@
 """GGUF metadata that changes what the model computes, each computed as llama.cpp does or answered
 by a context limit, checked against oracles that share no code with specdec:
 
+  * heads narrower than hidden / heads (Mistral Nemo's shape), against transformers' GGUF loading;
   * YaRN with llama.cpp's `yarn_log_multiplier` (Mistral's own-format converter writes 1.0: the cos/sin
     scale cancels to 1) and `attn_factor`: the cos/sin scale against llama.cpp's context set-up
     written out here and transformers' YaRN with mscale / mscale_all_dim, the logits far into the
     context against transformers;
   * a sliding window (`{arch}.attention.sliding_window`): full attention equals it only inside the
     window, so the context is cut there: logits at the last position inside equal transformers'
-    Mistral with that window, and a longer prompt gets the context error;
+    Mistral with that window, a longer prompt gets the context error, and speculation (a GGUF
+    --draft, prompt lookup) stops at the end of the cut context where plain decoding does;
   * Ministral 3 (`mistral3`: llama's layers, YaRN, attention temperature scaling): logits against
     transformers' Ministral3 over the file's weights; the context cut where the temperature scaling
     starts (transformers' scaled and unscaled models part right there);
@@ -32,8 +34,8 @@ import torch
 
 from gguf_random import Q8_0
 from specdec.types import SpecdecError
-from test_gguf_arch import (FAR, THETA, TOKENS, TOL, hf_logits, hf_model, llama_cpp_inv_freq, load, native_logits,
-                            rel_err)
+from test_gguf_arch import (FAR, THETA, TOKENS, TOL, greedy_hf, greedy_native, hf_logits, hf_model,
+                            llama_cpp_inv_freq, load, native_logits, rel_err)
 from tiny_gguf import HEAD_DIM, dequantized_state_dict, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +57,20 @@ def tiny(directory: Path, stem: str, arch: str = "llama", **kw) -> Path:
     if not p.exists():
         write_tiny_gguf(p, arch, Q8_0, **kw)
     return p
+
+
+# -- heads narrower than hidden / heads (Mistral Nemo) ----------------------------------------------
+def test_heads_narrower_than_hidden_over_heads_equal_transformers(gguf_dir):
+    """Mistral Nemo's shape (hidden 5120, 32 heads of 128): `attention.key_length` is the head size,
+    q has fewer rows than the hidden size. Logits at the start and 300 positions in, and greedy
+    tokens (decoding steps on the kernels), against transformers' GGUF loading."""
+    path = tiny(gguf_dir, "nemo", name="Mistral-Nemo-Instruct-2407", tokenizer="llama", head_dim=32)
+    m, hf = load(path).model, hf_model(path)
+    assert m.cfg.head_dim * m.cfg.num_heads == m.cfg.hidden_size // 2
+    for start in (0, 300):
+        assert rel_err(native_logits(m, TOKENS, start), hf_logits(hf, TOKENS, start)) <= TOL
+    prompt = [1] + TOKENS[0].tolist()
+    assert greedy_native(m, prompt) == greedy_hf(hf, prompt)
 
 
 # -- YaRN as llama.cpp computes it --------------------------------------------------------------
@@ -170,6 +186,38 @@ def test_a_window_as_long_as_the_context_cuts_nothing(tmp_path):
                            meta={"attention.sliding_window": 256})
     m = load(path).model
     assert m.max_context == 256 and m.cfg.max_position == 256
+
+
+def test_speculation_stops_at_the_cut_context_as_plain_decoding_does(gguf_dir, capsys):
+    """A Mistral-style target (llama, SentencePiece vocabulary with BOS) cut to a 32-token window,
+    through `specdec generate`: a GGUF --draft (another file, and the target itself, whose guesses
+    are all accepted up to the last position) and prompt lookup give plain decoding's tokens and
+    stop at the same place, the end of the context."""
+    from specdec.cli import main
+
+    target = tiny(gguf_dir, "window32", name="Mistral-7B-v0.1", tokenizer="llama",
+                  meta={"attention.sliding_window": 32})
+    draft = tiny(gguf_dir, "window32-draft", seed=1, layers=1, name="Mistral-7B-v0.1", tokenizer="llama")
+
+    def generate(*argv):
+        capsys.readouterr()
+        rc = main(["generate", "the theater is on", "--raw", "--json", "--quiet", "--model", str(target),
+                   "--max-new-tokens", "40", *argv])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        [row] = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        return row
+
+    plain = generate("--method", "none")
+    assert plain["finish_reason"] == "length"
+    assert plain["stats"]["prompt_tokens"] + len(plain["token_ids"]) == 32 and len(plain["token_ids"]) > 4
+    for argv in (["--method", "draft", "--draft", str(draft), "-k", "4", "--draft-confidence", "0"],
+                 ["--method", "draft", "--draft", str(target), "-k", "7", "--draft-confidence", "0"],
+                 ["--method", "ngram"]):
+        spec = generate(*argv)
+        assert spec["token_ids"] == plain["token_ids"] and spec["finish_reason"] == "length", argv
+        if str(target) in argv:  # (the target guessing for itself: all accepted, the last run cut short)
+            assert spec["stats"]["accepted"] == spec["stats"]["proposed"] > 0
 
 
 # -- Ministral 3 (mistral3) ---------------------------------------------------------------------

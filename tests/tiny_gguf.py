@@ -63,14 +63,16 @@ assert len(spm_tokens()) == VOCAB
 def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: int = 0, layers: int = LAYERS,
                     head_type: int | None = None, rope_freqs=False, name: str | None = None,
                     tokenizer: str = "gpt2", rope_scaling: dict | None = None, extra_tensor: str | None = None,
-                    untied: bool | None = None, context: int = 512, meta: dict | None = None) -> Path:
+                    untied: bool | None = None, context: int = 512, meta: dict | None = None,
+                    head_dim: int = HEAD_DIM) -> Path:
     """Write the tiny model (module docstring); head_type: the LM head's type (default ggml_type);
     rope_freqs: add Llama 3.1's frequency-factor tensor (True: factors 1..8, or the factors given);
     name: general.name; tokenizer: "gpt2" (byte-level BPE) or "llama" (SentencePiece-style);
     rope_scaling: {key: value} written as {arch}.rope.scaling.{key}; extra_tensor: a float tensor of
     this name that no supported architecture reads; untied: write output.weight (default: qwen2);
     context: the context length; meta: {key: value} written as {arch}.{key} (e.g.
-    "attention.sliding_window")."""
+    "attention.sliding_window"); head_dim: the size of a head (other than hidden / heads: the
+    attention key and value lengths are written, as for Mistral Nemo)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     rng = np.random.default_rng(seed)
@@ -82,7 +84,10 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_dimension_count(head_dim)
+    if head_dim * HEADS != HIDDEN:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(VOCAB)
@@ -129,14 +134,14 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
         p = f"blk.{i}."
         vec(p + "attn_norm.weight", HIDDEN, 0.1, 1.0)
         vec(p + "ffn_norm.weight", HIDDEN, 0.1, 1.0)
-        mat(p + "attn_q.weight", HEADS * HEAD_DIM, HIDDEN)
-        mat(p + "attn_k.weight", KV_HEADS * HEAD_DIM, HIDDEN)
-        mat(p + "attn_v.weight", KV_HEADS * HEAD_DIM, HIDDEN)
+        mat(p + "attn_q.weight", HEADS * head_dim, HIDDEN)
+        mat(p + "attn_k.weight", KV_HEADS * head_dim, HIDDEN)
+        mat(p + "attn_v.weight", KV_HEADS * head_dim, HIDDEN)
         if arch == "qwen2":
-            vec(p + "attn_q.bias", HEADS * HEAD_DIM, 0.5)
-            vec(p + "attn_k.bias", KV_HEADS * HEAD_DIM, 0.5)
-            vec(p + "attn_v.bias", KV_HEADS * HEAD_DIM, 0.5)
-        mat(p + "attn_output.weight", HIDDEN, HEADS * HEAD_DIM)
+            vec(p + "attn_q.bias", HEADS * head_dim, 0.5)
+            vec(p + "attn_k.bias", KV_HEADS * head_dim, 0.5)
+            vec(p + "attn_v.bias", KV_HEADS * head_dim, 0.5)
+        mat(p + "attn_output.weight", HIDDEN, HEADS * head_dim)
         mat(p + "ffn_gate.weight", FFN, HIDDEN)
         mat(p + "ffn_up.weight", FFN, HIDDEN)
         mat(p + "ffn_down.weight", HIDDEN, FFN)
@@ -144,7 +149,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
     if arch == "qwen2" if untied is None else untied:
         mat("output.weight", VOCAB, HIDDEN, ggml_type if head_type is None else head_type)
     if rope_freqs is not False:
-        factors = np.linspace(1.0, 8.0, HEAD_DIM // 2) if rope_freqs is True else rope_freqs
+        factors = np.linspace(1.0, 8.0, head_dim // 2) if rope_freqs is True else rope_freqs
         w.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))
     if extra_tensor:
         vec(extra_tensor, HIDDEN, 0.1)
