@@ -12,7 +12,8 @@ by a context limit, checked against oracles that share no code with specdec:
     --draft, prompt lookup) stops at the end of the cut context where plain decoding does;
   * Ministral 3 (`mistral3`: llama's layers, YaRN, attention temperature scaling): logits against
     transformers' Ministral3 over the file's weights; the context cut where the temperature scaling
-    starts (transformers' scaled and unscaled models part right there);
+    starts (transformers' scaled and unscaled models part right there); `specdec serve` with a
+    mistral3 --draft answers plain decoding's text;
   * benchmarks/plain_decode.py on a tiny GGUF file, against transformers' GGUF loading.
 Each is broken once on purpose (the scaling ignored, the window ignored) to show the comparison
 catches it.
@@ -25,6 +26,7 @@ import math
 import os
 import subprocess
 import sys
+import urllib.request
 import warnings
 from pathlib import Path
 
@@ -298,6 +300,50 @@ def test_ministral3_speculative_greedy_equals_plain(gguf_dir):
     plain = Engine(m, None, k=0, eos_ids=()).generate([prompt], params)[0].tokens
     spec = Engine(m, NgramDrafter(), k=4, eos_ids=()).generate([prompt], params)[0]
     assert spec.tokens == plain and len(plain) == 24
+
+
+def test_serve_a_ministral3_target_with_a_gguf_draft(gguf_dir):
+    """`specdec serve` on the Ministral 3 file (SentencePiece vocabulary with BOS, YaRN, the context
+    cut at 128) with a one-layer mistral3 --draft: a greedy completion is plain decoding's text,
+    the draft guessed, and a request past the cut context gets a 400 naming the context."""
+    import urllib.error
+
+    from test_serve_cli import SERVE, _free_port, _post, _wait_health
+
+    from specdec.engine import Engine
+    from specdec.models.loader import load_model
+    from specdec.types import SamplingParams
+
+    target = tiny(gguf_dir, "ministral3", "mistral3", name="Ministral-3-3B-Instruct-2512", tokenizer="llama",
+                  context=4096, rope_scaling=MINISTRAL_YARN, meta={"attention.temperature_scale": 0.1})
+    draft = tiny(gguf_dir, "ministral3-draft", "mistral3", seed=1, layers=1, name="Ministral-3-3B-Instruct-2512",
+                 tokenizer="llama", context=4096, rope_scaling=MINISTRAL_YARN,
+                 meta={"attention.temperature_scale": 0.1})
+    prompt, n = "the theater is on the street", 16
+    lm = load_model(str(target), quiet=True)
+    [r] = Engine(lm.model, None, k=0, eos_ids=()).generate([lm.tokenizer.encode(prompt)],
+                                                            SamplingParams(max_new_tokens=n))
+    want = lm.tokenizer.decode(r.tokens, skip_special_tokens=True)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(SERVE + ["--port", str(port), "--model", str(target), "--method", "draft", "--draft",
+                                     str(draft), "--fixed-k", "-k", "4"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_health(url, proc)
+        got = _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0})
+        text = got["choices"][0]["text"]
+        assert text and want.startswith(text)
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
+            metrics = m.read().decode()
+        proposed = [x for x in metrics.splitlines() if x.startswith("specdec_draft_tokens_proposed_total ")]
+        assert proposed and float(proposed[0].split()[1]) > 0
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": ORIG, "temperature": 0})
+        assert e.value.code == 400 and f"{ORIG} tokens" in e.value.read().decode()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def test_temperature_scaling_without_a_length_is_named(tmp_path):
