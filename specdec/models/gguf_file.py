@@ -9,8 +9,9 @@ or copied. `model_config()` turns the metadata into the attributes the native mo
 (llama, which Mistral files also carry, mistral3 and qwen2; RoPE scaling linear, YaRN with
 llama.cpp's log multiplier and attention factor, or Llama 3's frequency factors; the context cut
 to where the model computes exactly: a sliding window, attention temperature scaling),
-`check_tensor_names()` refuses a tensor the model would not read (a variant it does not compute), `check_tensor()` checks that every block scale (and every value of a
-float tensor) is finite, and `unsupported()` names tensors of a type the kernels do not read.
+`check_tensor_names()` refuses a tensor the model would not read (a variant it does not compute),
+`check_tensor()` checks that every block scale (and every value of a float tensor) is finite, and
+`unsupported()` names tensors of a type the kernels do not read.
 
 Errors are one line each (SpecdecError): not a GGUF file, a truncated file, an unsupported
 architecture or tensor type, a corrupt block.
