@@ -2,6 +2,8 @@
 by a context limit, checked against oracles that share no code with specdec:
 
   * heads narrower than hidden / heads (Mistral Nemo's shape), against transformers' GGUF loading;
+  * a RoPE factor without a scaling type, or under llama.cpp's older `rope.scale_linear` key: linear,
+    as llama.cpp reads it;
   * YaRN with llama.cpp's `yarn_log_multiplier` (Mistral's own-format converter writes 1.0: the cos/sin
     scale cancels to 1) and `attn_factor`: the cos/sin scale against llama.cpp's context set-up
     written out here and transformers' YaRN with mscale / mscale_all_dim, the logits far into the
@@ -125,6 +127,24 @@ def test_yarn_with_a_log_multiplier_equals_transformers_far_into_the_context(ggu
     # the multiplier ignored (YaRN's default scale 1 + 0.1 ln 4): far from it (the comparison can fail)
     plain_yarn = {k: v for k, v in rope.items() if not k.startswith("mscale")}
     assert rel_err(hf_logits(hf_model(path, plain_yarn), TOKENS, FAR), ref) > 100 * TOL
+
+
+@pytest.mark.parametrize("keys", [{"rope.scaling.factor": 4.0}, {"rope.scale_linear": 4.0}],
+                         ids=["factor-without-type", "old-scale-linear-key"])
+def test_a_factor_without_a_type_is_linear_as_llama_cpp_reads_it(tmp_path, keys):
+    """llama.cpp's default scaling type is linear, and `rope.scale_linear` is its older key for the
+    factor (files of 2023): neither may be dropped."""
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    m = load(write_tiny_gguf(tmp_path / "l.gguf", "llama", Q8_0, layers=1, meta=keys)).model
+    f, s = llama_cpp_inv_freq(THETA, HEAD_DIM, "linear", 4.0)
+    assert np.allclose(m.inv_freq.double().numpy(), f, rtol=1e-6, atol=0) and m.rope_scaling == s
+    cfg = PretrainedConfig(hidden_size=m.cfg.hidden_size, num_attention_heads=m.cfg.num_heads, head_dim=HEAD_DIM,
+                           max_position_embeddings=m.cfg.max_position)
+    cfg.rope_parameters = {"rope_theta": THETA, "rope_type": "linear", "factor": 4.0}
+    want, _ = ROPE_INIT_FUNCTIONS["linear"](cfg, "cpu")
+    assert torch.allclose(m.inv_freq, want.float(), rtol=1e-6, atol=0)
 
 
 # -- a sliding window ---------------------------------------------------------------------------

@@ -341,15 +341,17 @@ class GGUFFile:
 
     def rope_parameters(self, theta: float) -> dict:
         """transformers' rope_parameters for the file's `{arch}.rope.scaling.*` keys, computing what
-        llama.cpp computes: none; linear (positions divided by the factor); YaRN (factor, original
+        llama.cpp computes: none; linear (positions divided by the factor; also a factor without a
+        type, and the older `{arch}.rope.scale_linear`); YaRN (factor, original
         context, beta_fast / beta_slow, and the cos/sin scale llama.cpp's context sets up: 1 + 0.1
         ln(factor), or with `yarn_log_multiplier` L that over 1 + 0.1 L ln(factor), as transformers'
         mscale = 1 / mscale_all_dim = L; times `attn_factor`). Llama 3's scaling is a tensor
         (rope_freqs.weight, gguf_model). Any other type, or a setting the model would not compute as
         llama.cpp does: one line."""
         rope = {"rope_type": "default", "rope_theta": theta}
-        stype = str(self.get(".rope.scaling.type", "none"))
-        factor = float(self.get(".rope.scaling.factor", 1.0) or 1.0)
+        # as llama.cpp reads them: a factor without a type is linear, `rope.scale_linear` the older key
+        stype = str(self.get(".rope.scaling.type", "linear"))
+        factor = float(self.get(".rope.scaling.factor", self.get(".rope.scale_linear", 1.0)) or 1.0)
         attn_factor = float(self.get(".rope.scaling.attn_factor", 1.0))
         key = self.architecture + ".rope.scaling.type"
         if stype not in ("none", "linear", "yarn"):
