@@ -316,6 +316,24 @@ def test_a_tensor_no_supported_architecture_reads_is_named(tmp_path, monkeypatch
         load(path)
 
 
+@pytest.mark.parametrize("meta,match", [
+    ({"expert_count": 8}, r"a mixture of experts \(llama\.expert_count = 8\) is not supported"),
+    ({"attention.scale": 0.5}, r"an attention scale of 0\.5 \(llama\.attention\.scale; 1 / sqrt\(64\) = 0\.125 "
+                               r"is what specdec computes\) is not supported"),
+])
+def test_a_setting_the_model_would_not_compute_is_named(tmp_path, monkeypatch, meta, match):
+    path = write_tiny_gguf(tmp_path / "s.gguf", "llama", Q8_0, layers=1, meta=meta)
+    _no_block_reads(monkeypatch)
+    with pytest.raises(SpecdecError, match=match) as e:
+        load(path)
+    assert "\n" not in str(e.value)
+
+
+def test_an_attention_scale_of_one_over_root_head_size_is_read(tmp_path):
+    path = write_tiny_gguf(tmp_path / "s.gguf", "llama", Q8_0, layers=1, meta={"attention.scale": HEAD_DIM ** -0.5})
+    assert load(path).model.cfg.head_dim == HEAD_DIM
+
+
 @pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2"])
 def test_an_unsupported_architecture_is_named_before_any_block_is_read(tmp_path, monkeypatch, arch):
     path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, F32, layers=1)

@@ -314,6 +314,7 @@ class GGUFFile:
         if rot != head_dim:
             raise SpecdecError(f"{self.path.name}: rotary embeddings over {rot} of {head_dim} dimensions a head "
                                "(partial rotation) are not supported")
+        self.check_unread_settings(head_dim)
         embd = self.tensors.get("token_embd.weight")
         if embd is None:
             raise SpecdecError(f"{self.path.name} has no token_embd.weight tensor")
@@ -415,6 +416,21 @@ class GGUFFile:
             limits.append((int(floor), f"attention temperature scaling ({self.architecture}.attention."
                                        f"temperature_scale) starts there; specdec does not compute it"))
         return min(limits) if limits else None
+
+    def check_unread_settings(self, head_dim: int) -> None:
+        """Raise, naming the key, on metadata llama.cpp computes with for these architectures that
+        the native model does not: experts (`expert_count`, Mixtral written as llama) and an
+        attention scale other than 1 / sqrt(head size) (`attention.scale`)."""
+        experts = int(self.get(".expert_count", 0) or 0)
+        if experts > 0:
+            raise SpecdecError(f"{self.path.name}: a mixture of experts ({self.architecture}.expert_count = {experts}) "
+                               "is not supported")
+        scale = self.get(".attention.scale")
+        if scale is not None and float(scale) != 0.0 and not math.isclose(float(scale), head_dim ** -0.5,
+                                                                          rel_tol=1e-6):
+            raise SpecdecError(f"{self.path.name}: an attention scale of {float(scale):g} "
+                               f"({self.architecture}.attention.scale; 1 / sqrt({head_dim}) = {head_dim ** -0.5:g} "
+                               "is what specdec computes) is not supported")
 
     def check_tensor_names(self, n_layers: int) -> None:
         """Raise, naming it, on a tensor the native model would not read (a bias or norm of an
