@@ -295,8 +295,10 @@ def _no_block_reads(monkeypatch):
     ({"type": "longrope", "factor": 4.0}, r"RoPE scaling 'longrope' \(llama\.rope\.scaling\.type\) is not supported; "
                                          r"supported: none, linear, yarn, and Llama 3's frequency factors"),
     ({"type": "yarn", "factor": 4.0}, r"YaRN RoPE scaling without llama\.rope\.scaling\.original_context_length"),
-    ({"type": "yarn", "factor": 4.0, "original_context_length": 128, "yarn_log_multiplier": 0.1},
-     r"YaRN with llama\.rope\.scaling\.yarn_log_multiplier = 0\.1 is not supported"),
+    ({"type": "yarn", "factor": 4.0, "original_context_length": 128, "yarn_attn_factor": 0.5},
+     r"YaRN with llama\.rope\.scaling\.yarn_attn_factor = 0\.5 is not supported"),
+    ({"type": "linear", "factor": 4.0, "attn_factor": 2.0},
+     r"llama\.rope\.scaling\.attn_factor = 2 with RoPE scaling 'linear' is not supported \(only with yarn\)"),
 ])
 def test_unsupported_rope_scaling_is_named(tmp_path, monkeypatch, keys, match):
     path = write_tiny_gguf(tmp_path / "r.gguf", "llama", Q8_0, layers=1, rope_scaling=keys)
@@ -314,11 +316,30 @@ def test_a_tensor_no_supported_architecture_reads_is_named(tmp_path, monkeypatch
         load(path)
 
 
+@pytest.mark.parametrize("meta,match", [
+    ({"expert_count": 8}, r"a mixture of experts \(llama\.expert_count = 8\) is not supported"),
+    ({"attention.scale": 0.5}, r"an attention scale of 0\.5 \(llama\.attention\.scale; 1 / sqrt\(64\) = 0\.125 "
+                               r"is what specdec computes\) is not supported"),
+])
+def test_a_setting_the_model_would_not_compute_is_named(tmp_path, monkeypatch, meta, match):
+    path = write_tiny_gguf(tmp_path / "s.gguf", "llama", Q8_0, layers=1, meta=meta)
+    _no_block_reads(monkeypatch)
+    with pytest.raises(SpecdecError, match=match) as e:
+        load(path)
+    assert "\n" not in str(e.value)
+
+
+def test_an_attention_scale_of_one_over_root_head_size_is_read(tmp_path):
+    path = write_tiny_gguf(tmp_path / "s.gguf", "llama", Q8_0, layers=1, meta={"attention.scale": HEAD_DIM ** -0.5})
+    assert load(path).model.cfg.head_dim == HEAD_DIM
+
+
 @pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2"])
 def test_an_unsupported_architecture_is_named_before_any_block_is_read(tmp_path, monkeypatch, arch):
     path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, F32, layers=1)
     _no_block_reads(monkeypatch)
-    with pytest.raises(SpecdecError, match=rf"architecture '{arch}' is not supported \(supported: llama, qwen2; "
+    with pytest.raises(SpecdecError, match=rf"architecture '{arch}' is not supported \(supported: llama, mistral3, "
+                                           r"qwen2; "
                                            r"llama\.cpp writes Mistral"):
         load(path)
 

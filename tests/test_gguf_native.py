@@ -267,7 +267,8 @@ def test_an_unsupported_architecture_is_named(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(SpecdecError, match=r"architecture 'gpt2' is not supported \(supported: llama, qwen2; "):
+    with pytest.raises(SpecdecError, match=r"architecture 'gpt2' is not supported \(supported: llama, mistral3, "
+                                           r"qwen2; "):
         load(tmp_path / "gpt2.gguf")
 
 

@@ -10,7 +10,8 @@ llama.cpp's interleaved order, as real ones do (the loader must undo it).
 Mistral files are what llama.cpp writes for Mistral models: architecture "llama", a name that says
 Mistral (transformers then builds its Mistral model), and a SentencePiece-style vocabulary
 (`tokenizer="llama"`: <unk> <s> </s>, the 256 byte tokens, scored pieces; BOS added).
-`rope_scaling` writes `{arch}.rope.scaling.*` keys (type, factor, original_context_length, ...).
+`rope_scaling` writes `{arch}.rope.scaling.*` keys (type, factor, original_context_length, ...),
+`meta` any other `{arch}.*` key (a sliding window, attention temperature scaling).
 """
 
 from __future__ import annotations
@@ -62,13 +63,16 @@ assert len(spm_tokens()) == VOCAB
 def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: int = 0, layers: int = LAYERS,
                     head_type: int | None = None, rope_freqs=False, name: str | None = None,
                     tokenizer: str = "gpt2", rope_scaling: dict | None = None, extra_tensor: str | None = None,
-                    untied: bool | None = None, context: int = 512) -> Path:
+                    untied: bool | None = None, context: int = 512, meta: dict | None = None,
+                    head_dim: int = HEAD_DIM) -> Path:
     """Write the tiny model (module docstring); head_type: the LM head's type (default ggml_type);
     rope_freqs: add Llama 3.1's frequency-factor tensor (True: factors 1..8, or the factors given);
     name: general.name; tokenizer: "gpt2" (byte-level BPE) or "llama" (SentencePiece-style);
     rope_scaling: {key: value} written as {arch}.rope.scaling.{key}; extra_tensor: a float tensor of
     this name that no supported architecture reads; untied: write output.weight (default: qwen2);
-    context: the context length."""
+    context: the context length; meta: {key: value} written as {arch}.{key} (e.g.
+    "attention.sliding_window"); head_dim: the size of a head (other than hidden / heads: the
+    attention key and value lengths are written, as for Mistral Nemo)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     rng = np.random.default_rng(seed)
@@ -80,12 +84,16 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_dimension_count(head_dim)
+    if head_dim * HEADS != HIDDEN:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(VOCAB)
-    for key, value in (rope_scaling or {}).items():
-        full = f"{arch}.rope.scaling.{key}"
+    keys = {f"rope.scaling.{k}": v for k, v in (rope_scaling or {}).items()} | dict(meta or {})
+    for key, value in keys.items():
+        full = f"{arch}.{key}"
         if isinstance(value, str):
             w.add_string(full, value)
         elif isinstance(value, int):
@@ -126,14 +134,14 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
         p = f"blk.{i}."
         vec(p + "attn_norm.weight", HIDDEN, 0.1, 1.0)
         vec(p + "ffn_norm.weight", HIDDEN, 0.1, 1.0)
-        mat(p + "attn_q.weight", HEADS * HEAD_DIM, HIDDEN)
-        mat(p + "attn_k.weight", KV_HEADS * HEAD_DIM, HIDDEN)
-        mat(p + "attn_v.weight", KV_HEADS * HEAD_DIM, HIDDEN)
+        mat(p + "attn_q.weight", HEADS * head_dim, HIDDEN)
+        mat(p + "attn_k.weight", KV_HEADS * head_dim, HIDDEN)
+        mat(p + "attn_v.weight", KV_HEADS * head_dim, HIDDEN)
         if arch == "qwen2":
-            vec(p + "attn_q.bias", HEADS * HEAD_DIM, 0.5)
-            vec(p + "attn_k.bias", KV_HEADS * HEAD_DIM, 0.5)
-            vec(p + "attn_v.bias", KV_HEADS * HEAD_DIM, 0.5)
-        mat(p + "attn_output.weight", HIDDEN, HEADS * HEAD_DIM)
+            vec(p + "attn_q.bias", HEADS * head_dim, 0.5)
+            vec(p + "attn_k.bias", KV_HEADS * head_dim, 0.5)
+            vec(p + "attn_v.bias", KV_HEADS * head_dim, 0.5)
+        mat(p + "attn_output.weight", HIDDEN, HEADS * head_dim)
         mat(p + "ffn_gate.weight", FFN, HIDDEN)
         mat(p + "ffn_up.weight", FFN, HIDDEN)
         mat(p + "ffn_down.weight", HIDDEN, FFN)
@@ -141,7 +149,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
     if arch == "qwen2" if untied is None else untied:
         mat("output.weight", VOCAB, HIDDEN, ggml_type if head_type is None else head_type)
     if rope_freqs is not False:
-        factors = np.linspace(1.0, 8.0, HEAD_DIM // 2) if rope_freqs is True else rope_freqs
+        factors = np.linspace(1.0, 8.0, head_dim // 2) if rope_freqs is True else rope_freqs
         w.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))
     if extra_tensor:
         vec(extra_tensor, HIDDEN, 0.1)
@@ -152,16 +160,27 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
     return Path(path)
 
 
+# the architectures whose q / k rows llama.cpp's converter permutes (LlamaModel.permute: rotary pairs of
+# neighbours), Ministral 3's converter being a LlamaModel too
+LLAMA_CPP_PERMUTED = ("llama", "mistral3")
+
+
+def undo_llama_cpp_permute(w, n_head: int):
+    """transformers' row order of a q or k matrix [rows, K] that llama.cpp's converter permuted
+    (its reshape(n_head, 2, rows / n_head / 2, K).swapaxes(1, 2), undone)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
 def dequantized_state_dict(path: Path) -> dict:
     """A GGUF file's weights as a float32 state dict with transformers' names and row order
     (gguf.quants.dequantize of every tensor; llama.cpp's q/k rows of a Llama file put back): the
-    fp32 copy the native model's GGUF path must compute like, for tests only."""
+    fp32 copy the native model's GGUF path must compute like, for tests only; the row order undone
+    here as llama.cpp's converter made it, not by specdec's code."""
     import torch
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     from specdec.models.gguf_file import GGUFFile
-    from specdec.models.gguf_model import llama_row_order
 
     gf = GGUFFile(path)
     cfg = gf.model_config()
@@ -183,8 +202,8 @@ def dequantized_state_dict(path: Path) -> dict:
         w = dequantize(np.ascontiguousarray(gf.raw(name)), GGMLQuantizationType(t.type_id)).reshape(t.rows, -1)
         w = torch.from_numpy(np.array(w, dtype=np.float32)).reshape(-1) if t.rows == 1 else torch.from_numpy(
             np.array(w, dtype=np.float32))
-        if gf.architecture == "llama" and base.endswith(("attn_q", "attn_k")):
+        if gf.architecture in LLAMA_CPP_PERMUTED and base.endswith(("attn_q", "attn_k")):
             heads = cfg.num_attention_heads if base.endswith("attn_q") else cfg.num_key_value_heads
-            w = w[llama_row_order(w.shape[0], heads)]
+            w = undo_llama_cpp_permute(w, heads)
         sd[f"{hf}.{kind}"] = w
     return sd

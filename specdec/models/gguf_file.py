@@ -6,10 +6,12 @@ seconds for a 150k-token vocabulary; here the string arrays stay undecoded until
 needs them) and maps the file copy-on-write, so each tensor is a zero-copy uint8 view of the
 file's bytes (`raw(name)`: [rows, bytes a row]) that the page cache backs: nothing is dequantised
 or copied. `model_config()` turns the metadata into the attributes the native model reads
-(llama, which Mistral files also carry, and qwen2; RoPE scaling linear, YaRN, or Llama 3's
-frequency factors), `check_tensor_names()` refuses a tensor the model would not read (a variant
-it does not compute), `check_tensor()` checks that every block scale (and every value of a
-float tensor) is finite, and `unsupported()` names tensors of a type the kernels do not read.
+(llama, which Mistral files also carry, mistral3 and qwen2; RoPE scaling linear, YaRN with
+llama.cpp's log multiplier and attention factor, or Llama 3's frequency factors; the context cut
+to where the model computes exactly: a sliding window, attention temperature scaling),
+`check_tensor_names()` refuses a tensor the model would not read (a variant it does not compute),
+`check_tensor()` checks that every block scale (and every value of a float tensor) is finite, and
+`unsupported()` names tensors of a type the kernels do not read.
 
 Errors are one line each (SpecdecError): not a GGUF file, a truncated file, an unsupported
 architecture or tensor type, a corrupt block.
@@ -19,6 +21,7 @@ This module knows nothing about models, kernels or tokenizers beyond the metadat
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -31,11 +34,15 @@ from ..types import SpecdecError
 
 GGUF_MAGIC = b"GGUF"
 # what the native model runs; llama.cpp writes Llama 2 / 3 and Mistral models as "llama" (q and k rows
-# interleaved per head, Llama 3.1's rope_freqs), Qwen2 / Qwen2.5 as "qwen2" (q/k/v bias, untied head)
-ARCHITECTURES = ("llama", "qwen2")
+# interleaved per head, Llama 3.1's rope_freqs), Ministral 3 as "mistral3" (llama's layers, YaRN,
+# attention temperature scaling), Qwen2 / Qwen2.5 as "qwen2" (q/k/v bias, untied head)
+ARCHITECTURES = ("llama", "mistral3", "qwen2")
+# architectures whose files hold q and k rows interleaved per head (llama.cpp's rotary pairs neighbours)
+INTERLEAVED_QK = ("llama", "mistral3")
+# the transformers model type each architecture computes as (mistral3's text model is Mistral's layers)
+MODEL_TYPES = {"llama": "llama", "mistral3": "mistral", "qwen2": "qwen2"}
 # llama.cpp's YaRN settings that this model computes as llama.cpp's defaults do (other values: refused)
-YARN_DEFAULTS = {".rope.scaling.yarn_ext_factor": (1.0, -1.0), ".rope.scaling.yarn_attn_factor": (1.0,),
-                 ".rope.scaling.attn_factor": (1.0,), ".rope.scaling.yarn_log_multiplier": (0.0,)}
+YARN_DEFAULTS = {".rope.scaling.yarn_ext_factor": (1.0, -1.0), ".rope.scaling.yarn_attn_factor": (1.0,)}
 
 # ggml type id -> (name, weights a block, bytes a block); the types the kernels read (kernels.GGUF_TYPES)
 GGML_TYPES = {
@@ -288,7 +295,8 @@ class GGUFFile:
         arch = self.architecture
         if arch not in ARCHITECTURES:
             raise SpecdecError(f"{self.path.name}: architecture {arch!r} is not supported (supported: "
-                               f"{', '.join(ARCHITECTURES)}; llama.cpp writes Mistral and Llama 3 models as llama)")
+                               f"{', '.join(ARCHITECTURES)}; llama.cpp writes Mistral and Llama 3 models as llama, "
+                               "Ministral 3 as mistral3)")
         return arch
 
     def model_config(self) -> SimpleNamespace:
@@ -306,6 +314,7 @@ class GGUFFile:
         if rot != head_dim:
             raise SpecdecError(f"{self.path.name}: rotary embeddings over {rot} of {head_dim} dimensions a head "
                                "(partial rotation) are not supported")
+        self.check_unread_settings(head_dim)
         embd = self.tensors.get("token_embd.weight")
         if embd is None:
             raise SpecdecError(f"{self.path.name} has no token_embd.weight tensor")
@@ -313,31 +322,49 @@ class GGUFFile:
         theta = float(self.get(".rope.freq_base", 10000.0))
         rope = self.rope_parameters(theta)
         self.check_tensor_names(int(self.get(".block_count")))
+        context = int(self.get(".context_length", 2048))
+        limit = self.exact_context()
+        if limit is not None and limit[0] >= context:
+            limit = None
         return SimpleNamespace(
-            model_type=arch, vocab_size=vocab, hidden_size=D, intermediate_size=int(self.get(".feed_forward_length")),
+            model_type=MODEL_TYPES[arch], vocab_size=vocab, hidden_size=D,
+            intermediate_size=int(self.get(".feed_forward_length")),
             num_hidden_layers=int(self.get(".block_count")), num_attention_heads=H, num_key_value_heads=Hkv,
             head_dim=head_dim, rms_norm_eps=float(self.get(".attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=theta, rope_parameters=rope, hidden_act="silu",
             tie_word_embeddings="output.weight" not in self.tensors,
-            max_position_embeddings=int(self.get(".context_length", 2048)), sliding_window=None,
+            max_position_embeddings=context if limit is None else limit[0], context_limit=limit,
+            sliding_window=None,
             attention_bias=False, mlp_bias=False, use_sliding_window=False,
             bos_token_id=self.meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=self.meta.get("tokenizer.ggml.eos_token_id"),
             pad_token_id=self.meta.get("tokenizer.ggml.padding_token_id"))
 
     def rope_parameters(self, theta: float) -> dict:
-        """transformers' rope_parameters for the file's `{arch}.rope.scaling.*` keys: none, linear
-        (positions divided by the factor), YaRN (factor, original context, beta_fast / beta_slow as
-        llama.cpp reads them); Llama 3's scaling is a tensor (rope_freqs.weight, gguf_model). Any
-        other type, or a YaRN setting the model would not compute as llama.cpp does: one line."""
+        """transformers' rope_parameters for the file's `{arch}.rope.scaling.*` keys, computing what
+        llama.cpp computes: none; linear (positions divided by the factor; also a factor without a
+        type, and the older `{arch}.rope.scale_linear`); YaRN (factor, original
+        context, beta_fast / beta_slow, and the cos/sin scale llama.cpp's context sets up: 1 + 0.1
+        ln(factor), or with `yarn_log_multiplier` L that over 1 + 0.1 L ln(factor), as transformers'
+        mscale = 1 / mscale_all_dim = L; times `attn_factor`). Llama 3's scaling is a tensor
+        (rope_freqs.weight, gguf_model). Any other type, or a setting the model would not compute as
+        llama.cpp does: one line."""
         rope = {"rope_type": "default", "rope_theta": theta}
-        stype = str(self.get(".rope.scaling.type", "none"))
-        factor = float(self.get(".rope.scaling.factor", 1.0) or 1.0)
+        # as llama.cpp reads them: a factor without a type is linear, `rope.scale_linear` the older key
+        stype = str(self.get(".rope.scaling.type", "linear"))
+        factor = float(self.get(".rope.scaling.factor", self.get(".rope.scale_linear", 1.0)) or 1.0)
+        attn_factor = float(self.get(".rope.scaling.attn_factor", 1.0))
         key = self.architecture + ".rope.scaling.type"
         if stype not in ("none", "linear", "yarn"):
             raise SpecdecError(f"{self.path.name}: RoPE scaling {stype!r} ({key}) is not supported; supported: "
                                "none, linear, yarn, and Llama 3's frequency factors (rope_freqs.weight)")
+        if stype != "yarn" and attn_factor != 1.0:
+            raise SpecdecError(f"{self.path.name}: {self.architecture}.rope.scaling.attn_factor = {attn_factor:g} "
+                               f"with RoPE scaling {stype!r} is not supported (only with yarn)")
         if stype == "none" or factor == 1.0:
+            if attn_factor != 1.0:
+                raise SpecdecError(f"{self.path.name}: {self.architecture}.rope.scaling.attn_factor = "
+                                   f"{attn_factor:g} with a YaRN factor of 1 is not supported")
             return rope
         rope.update(rope_type=stype, factor=factor)
         if stype == "yarn":
@@ -354,7 +381,56 @@ class GGUFFile:
                 if v is not None and float(v) not in allowed:
                     raise SpecdecError(f"{self.path.name}: YaRN with {self.architecture}{k} = {float(v):g} is not "
                                        f"supported (only {allowed[0]:g})")
+            log_mul = float(self.get(".rope.scaling.yarn_log_multiplier", 0.0))
+            if log_mul < 0:
+                raise SpecdecError(f"{self.path.name}: YaRN with {self.architecture}.rope.scaling.yarn_log_multiplier "
+                                   f"= {log_mul:g} is not supported (0 or more)")
+            if log_mul != 0.0:  # (llama.cpp: mscale 1 over mscale_all_dim = the multiplier)
+                rope.update(mscale=1.0, mscale_all_dim=log_mul)
+            if attn_factor != 1.0:
+                scale = 1.0 + 0.1 * math.log(factor)
+                rope["attention_factor"] = attn_factor * (scale / (1.0 + 0.1 * log_mul * math.log(factor))
+                                                          if log_mul != 0.0 else scale)
         return rope
+
+    def exact_context(self) -> tuple[int, str] | None:
+        """(tokens, why) where the native model's full causal attention stops computing the model the
+        metadata describes, or None: a sliding window (`{arch}.attention.sliding_window`: keys past
+        it would be masked; inside it full attention is the same), attention temperature scaling
+        (`{arch}.attention.temperature_scale`, Llama 4 / Ministral 3: queries scaled by 1 + beta
+        ln(1 + floor(position / floor_scale)), 1 below floor_scale, floor_scale llama.cpp's
+        temperature_length or else the YaRN original context). model_config caps the context there,
+        so a longer prompt or generation gets the context-length error instead of other numbers."""
+        limits = []
+        window = self.get(".attention.sliding_window")
+        if window is not None and int(window) > 0:
+            limits.append((int(window), f"its sliding window ({self.architecture}.attention.sliding_window); "
+                                        "specdec attends over the whole context"))
+        temp = float(self.get(".attention.temperature_scale", 0.0) or 0.0)
+        if temp != 0.0:
+            floor = self.get(".attention.temperature_length", self.get(".rope.scaling.original_context_length"))
+            if floor is None or int(floor) <= 0:
+                raise SpecdecError(f"{self.path.name}: attention temperature scaling "
+                                   f"({self.architecture}.attention.temperature_scale = {temp:g}) without a "
+                                   "temperature length or YaRN original context is not supported")
+            limits.append((int(floor), f"attention temperature scaling ({self.architecture}.attention."
+                                       f"temperature_scale) starts there; specdec does not compute it"))
+        return min(limits) if limits else None
+
+    def check_unread_settings(self, head_dim: int) -> None:
+        """Raise, naming the key, on metadata llama.cpp computes with for these architectures that
+        the native model does not: experts (`expert_count`, Mixtral written as llama) and an
+        attention scale other than 1 / sqrt(head size) (`attention.scale`)."""
+        experts = int(self.get(".expert_count", 0) or 0)
+        if experts > 0:
+            raise SpecdecError(f"{self.path.name}: a mixture of experts ({self.architecture}.expert_count = {experts}) "
+                               "is not supported")
+        scale = self.get(".attention.scale")
+        if scale is not None and float(scale) != 0.0 and not math.isclose(float(scale), head_dim ** -0.5,
+                                                                          rel_tol=1e-6):
+            raise SpecdecError(f"{self.path.name}: an attention scale of {float(scale):g} "
+                               f"({self.architecture}.attention.scale; 1 / sqrt({head_dim}) = {head_dim ** -0.5:g} "
+                               "is what specdec computes) is not supported")
 
     def check_tensor_names(self, n_layers: int) -> None:
         """Raise, naming it, on a tensor the native model would not read (a bias or norm of an

@@ -8,7 +8,7 @@ of rows in the call (decoding steps, verifications, prefills alike), so speculat
 equals plain greedy text bit for bit, for every type the file holds. Norm weights and biases
 (small, float) are tensors; q/k/v and gate/up stay separate calls on their own bytes.
 
-llama.cpp stores a Llama model's q and k rows interleaved per head (its rotary pairs neighbours);
+llama.cpp stores a Llama (and Mistral, Ministral 3) model's q and k rows interleaved per head (its rotary pairs neighbours);
 the native model rotates halves, as transformers does, so the q and k outputs are put back in
 transformers' order by an index over the output columns (`llama_row_order`), not by copying rows.
 
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..types import SpecdecError
-from .gguf_file import GGUFFile, TensorInfo
+from .gguf_file import INTERLEAVED_QK, GGUFFile, TensorInfo
 from .llama import LlamaConfig, LlamaModel, _no_init, step_call
 
 
@@ -257,7 +257,7 @@ class GGUFLlamaModel(LlamaModel):
         finally:
             _no_init.on = False
         self.gguf = gf
-        permute = gf.architecture == "llama"
+        permute = gf.architecture in INTERLEAVED_QK
         D, Dh, H, Hkv, I = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
 
         def mat(name: str, n: int, k: int) -> tuple:

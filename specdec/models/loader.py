@@ -11,7 +11,7 @@ A model spec can be:
     reachable; offline, a clear error says how to point at a local directory instead.
 
 Llama-family configs get the native model (`llama.py`); anything else falls back to the
-transformers adapter, chosen automatically (GGUF files: native only; llama, which Mistral files also carry, and qwen2). This is the only module of `models/` that
+transformers adapter, chosen automatically (GGUF files: native only; llama, which Mistral files also carry, mistral3 and qwen2). This is the only module of `models/` that
 touches files.
 """
 
@@ -346,20 +346,22 @@ def load_gguf(path: Path, source: str, quiet: bool = False, with_tokenizer: bool
     from the file's metadata (models/tokenizer.gguf_tokenizer), checked as check_gguf and
     gguf_model.check_sampled_rows say on its first load (checked_stamp)."""
     from .. import kernels
-    from .gguf_file import GGUFFile
+    from .gguf_file import ARCHITECTURES, GGUFFile
     from .gguf_model import GGUFLlamaModel, check_sampled_rows, kernel_ops
     from .llama import LlamaConfig
     from .tokenizer import gguf_tokenizer
 
     t0 = time.perf_counter()
     if native is False:
-        raise SpecdecError(f"{path.name}: a GGUF file runs on the native model only (llama, qwen2)")
+        raise SpecdecError(f"{path.name}: a GGUF file runs on the native model only ({', '.join(ARCHITECTURES)})")
     gf = GGUFFile(path)
     # what is not supported is refused from the header, before any block is read: the architecture,
     # a tensor type, RoPE scaling, a tensor the model would not read
     gf.check_architecture()
     check_gguf_types(gf)
     hf = gf.model_config()
+    if hf.context_limit is not None:  # (the model computes exactly only inside it: gguf_file.exact_context)
+        _log(f"{path.name}: context cut to {hf.context_limit[0]} tokens: {hf.context_limit[1]}", quiet)
     problem = native_support_problem(hf)
     if problem:
         raise SpecdecError(f"{path.name}: {problem} is not supported")
