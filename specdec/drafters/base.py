@@ -83,10 +83,6 @@ class Drafter(ABC):
         """A request joins a running batch as the last row (its prompt, for drafters that read it
         ahead; its target features come with the next proposal when `needs_hidden`)."""
 
-    def verified(self, lengths: list[int]) -> None:
-        """Only the first lengths[b] guesses of row b's last proposal were verified (the core capped
-        them): a drafter that learns acceptance learns from those alone."""
-
     def expected_tokens(self) -> list[list[float]] | None:
         """Per row of the last proposal: the expected committed tokens (1 + expected accepted
         guesses) when its first j guesses are verified, j = 0 .. its count; None: no estimate.

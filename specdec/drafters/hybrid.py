@@ -475,9 +475,7 @@ class LookupEagleDrafter(Drafter):
         tokens = torch.tensor([list(t) + [0] * (N - len(t)) for t, _ in rows], dtype=torch.long).reshape(B, N)
         parents = torch.tensor([list(p) + [0] * (N - len(p)) for _, p in rows], dtype=torch.long).reshape(B, N)
         counts = torch.tensor([len(t) for t, _ in rows], dtype=torch.long)
-        # the lookup learns only from rows that verify its guesses, and times the target step
-        # from here (the head's drafting is not part of it)
-        self.ngram.verified([0 if t else len(g) for g, t in zip(looked, tree_rows)])
+        # the lookup times the target step from here (the head's drafting is not part of it)
         self.ngram.step_tokens = N
         self.ngram.handed_over()
         self._t_end = time.perf_counter()

@@ -664,10 +664,8 @@ class ContinuousBatcher:
                 self.drafter.commit([int(n) if u else 0 for n, u in zip(n_acc, s.use_draft)])
                 self.policy.observe_draft([c if u else 0 for c, u in zip(s.caps, s.use_draft)], n_acc.tolist())
             if self.lookup is not None and s.K > 0:
-                self.lookup.verified([0 if u else len(g) for g, u in zip(s.guesses, s.use_draft)])
                 self.lookup.commit(n_acc.tolist())
         elif self.drafter is not None and s.K > 0:
-            self.drafter.verified([len(g) for g in s.guesses])
             self.drafter.commit(n_acc.tolist())
 
     def _record(self, s: _Step, n_acc: torch.Tensor, dt: float) -> None:
