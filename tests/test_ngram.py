@@ -161,25 +161,16 @@ def test_declined_lookups_are_learnt_from_the_text_that_followed():
     assert counts[0] == 0 and counts[-1] == 4, counts  # it proposes the whole lookup again
 
 
-def test_seeded_sample_lookups_are_cut_from_its_own_acceptance_not_timing(monkeypatch):
-    """A seeded sampled request gets lengths that depend only on its text: a fresh policy per
-    request (begin), priced at the fixed prior, never the measured cost, and no probes (it
-    measures no cost, and learns from declined lookups)."""
-
-    def no_clock(self):
-        raise AssertionError("a seeded sample's lengths read the measured cost")
-
-    monkeypatch.setattr(LengthPolicy, "r", property(no_clock))
+def test_seeded_sample_lookups_are_cut_by_the_shared_policy():
+    """A seeded sampled request's lookups are cut by the drafter's one policy, which learns from
+    it as from any request (its text does not depend on the cut: test_exactness_sampling)."""
     seeded = SamplingParams(temperature=0.8, seed=3)
     d = NgramDrafter(max_n=2)
-    ctx = [3, 4, 5, 6, 7, 8, 9, 3, 4]  # the 2-gram [3 4] matches: continuation [5 6 7 8 9 3 4]
-    d.begin([ctx], seeded, 0)
-    first = d.propose(DraftContext([ctx], seeded, None), 8)
-    assert 0 < int(first.counts[0]) < 7  # cut at the prior (0.5 per position, r = 0.08), not whole
-    d.begin([ctx], seeded, 0)
-    _steps_where_lookups_fail(d, seeded, 100, k=8)  # guesses never hold in this request
-    later = _steps_where_lookups_fail(d, seeded, 32, k=8)
-    assert sum(later) == 0  # nothing: no probes
-    assert d.policy.seen[2][0] == 2.0  # the shared policy learnt nothing from the seeded request
-    d.begin([ctx], seeded, 0)  # the next request starts afresh, whatever this one saw
-    assert d.propose(DraftContext([ctx], seeded, None), 8).counts.tolist() == first.counts.tolist()
+    d.begin(None, seeded, 0)
+    d.policy.clock = False
+    before = d.policy.seen[2][0]
+    assert _steps_where_lookups_fail(d, seeded, 1) == [3]
+    _steps_where_lookups_fail(d, seeded, 100)
+    assert d.policy.seen[2][0] > before
+    assert sum(_steps_where_lookups_fail(d, seeded, 16)) == 1  # learnt to decline: one probe per 16
+

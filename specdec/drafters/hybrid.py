@@ -185,14 +185,6 @@ class HybridDrafter(Drafter):
         self.acc, self.prop, self.t_tok, self.t_step = acc, prop, t_tok, t_step
 
 
-# A seeded sample's tree gate prices the tree at fixed costs (its drafting must not depend on
-# timing): the head's drafting time in plain steps and the cost of one verified node, as
-# measured for the default model on a 2-core AVX2 CPU (the head's tree 4.4 ms against an
-# 8.3 ms plain step; a verified token ~8% of a step, as the lookup's prior).
-SEEDED_TREE_COST = 0.5
-SEEDED_NODE_COST = 0.08
-
-
 class LookupEagleDrafter(Drafter):
     """Prompt lookup where the text repeats, an EAGLE tree elsewhere (`--method auto` for a
     target that has an EAGLE head).
@@ -201,8 +193,8 @@ class LookupEagleDrafter(Drafter):
     drafts (`prefer_lookup`): the lookup (the adaptive NgramDrafter already cut it to what
     tends to hold; its value comes from its learnt per-position acceptance) as a chain, or
     the EAGLE head's dynamic tree (its value from its measured accepted tokens, drafting time
-    and per-node verification cost). Until the tree has been timed, and for seeded samples, a
-    lookup of at least `min_lookup` guesses wins: one looked-up token is usually a worse bet
+    and per-node verification cost). Until the tree has been timed a lookup of at least
+    `min_lookup` guesses wins: one looked-up token is usually a worse bet
     than the tree (the head's first guess alone holds about as often). Both kinds of
     guesses are deterministic (q one-hot), so rows mix freely in one tree-shaped proposal
     (a chain is a tree whose node i hangs under node i-1) and the verification stays exact,
@@ -222,14 +214,11 @@ class LookupEagleDrafter(Drafter):
     head up on the whole context, which a short answer never earns back, so probes (and a
     first tree) wait until at least `probe_room` tokens may still come.
 
-    Seeded sampled requests get a gate of their own that never reads the clock (timing must
-    not decide which random numbers verification draws): it starts afresh with each request,
-    learns the tree's accepted tokens per step from that request's probes alone, and prices
-    the tree at the fixed SEEDED_TREE_COST + SEEDED_NODE_COST per verified node; it probes on
-    the same schedule, counted in steps. Its choices follow from the text and the seed only.
+    Seeded sampled requests take the same choices as any other: every guess is deterministic,
+    so a seeded request commits plain sampling's text whatever was drafted (verify.py,
+    "sample and compare"), and timing may decide.
 
-    A drafted tree is cut to the nodes worth verifying (`trim`, on by default; never for
-    seeded samples, whose proposals must not depend on timing or on what was learnt): each node
+    A drafted tree is cut to the nodes worth verifying (`trim`, on by default): each node
     of the head's tree has a path probability, the drafter learns how often nodes of that
     probability are accepted (`core.policy.NodeOdds`), and keeps the best nodes for as long as one
     more raises the expected committed tokens per unit of step time, (1 + sum of kept odds) /
@@ -256,9 +245,6 @@ class LookupEagleDrafter(Drafter):
         self.probe_room = probe_room
         self._steps = 0  # proposals since `begin` (each commits at least one token)
         self._room = None  # the request's max_new_tokens
-        self.seeded_gain: float | None = None  # a seeded request's accepted tokens per tree step (None: unprobed)
-        self._seeded = False
-        self._seeded_skipped, self._seeded_gap = 0, probe_every
         self.eager = eager
         self.ngram = NgramDrafter(min_n, max_n)
         self.min_lookup = min_lookup
@@ -296,23 +282,20 @@ class LookupEagleDrafter(Drafter):
     def tree_pays(self) -> bool:
         if not self.gate:
             return True
-        if self._seeded:
-            return self.seeded_gain is not None and self.seeded_gain > SEEDED_TREE_COST + SEEDED_NODE_COST * self.nodes_fixed
         c = self.cost()
         if c is None:
             return self.eager  # not measured yet: only the gate's probe drafts the first tree
         r = self.ngram.policy.r if self.ngram.policy is not None else 0.08
         return self.gain > c + r * self.nodes
 
-    def prefer_lookup(self, looked: list[list[int]], fixed: bool) -> list[bool]:
+    def prefer_lookup(self, looked: list[list[int]]) -> list[bool]:
         """Per row, whether its lookup beats the tree: expected committed tokens per unit of
         step time, E_lookup(j) / (1 + r j) against (1 + gain) / (1 + c + r nodes), from the
         lookup's learnt acceptance and the tree's measured gain and cost. Until the tree is
-        timed, and for seeded samples (no timing-based choices), a lookup of at least
-        `min_lookup` guesses wins."""
+        timed, a lookup of at least `min_lookup` guesses wins."""
         policy = self.ngram.policy
         c = self.cost()
-        if fixed or policy is None or c is None:
+        if policy is None or c is None:
             return [len(g) >= self.min_lookup for g in looked]
         r = policy.r
         tree = (1.0 + self.gain) / (1.0 + c + r * self.nodes)
@@ -321,12 +304,6 @@ class LookupEagleDrafter(Drafter):
             j = len(g)
             out.append(j > 0 and policy.expected(n, j)[-1] / (1.0 + r * j) >= tree)
         return out
-
-    @property
-    def nodes_fixed(self) -> float:
-        """The nodes a seeded sample's tree verifies: the head's whole tree (never trimmed for
-        seeded samples) and its grafted lookup at most."""
-        return float(self.eagle.max_nodes or self.eagle.depth)
 
     def draft_timing(self) -> tuple[float, bool]:
         """(seconds the head drafted in the last proposal, 0 when no row took a tree; whether it
@@ -361,9 +338,6 @@ class LookupEagleDrafter(Drafter):
         self.ngram.begin(prompts, params, max_len)
         self._t_end = None  # a prefill is not a step
         self._steps, self._room = 0, getattr(params, "max_new_tokens", None)
-        self._seeded = timing_free(params)
-        if self._seeded:  # a clockless gate of its own, afresh (class docstring)
-            self.seeded_gain, self._seeded_skipped, self._seeded_gap = None, 0, self.probe_every
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         t0 = time.perf_counter()
@@ -377,14 +351,10 @@ class LookupEagleDrafter(Drafter):
             return Draft.empty(B)
         ng = self.ngram.propose(ctx, max_tokens)
         looked = [ng.tokens[b, : int(ng.counts[b])].tolist() for b in range(B)]
-        fixed = timing_free(ctx.params)
-        self._seeded = fixed  # (a row of a batch that began unseeded follows the batch's seed)
         self._steps += 1
-        use_lookup = self.prefer_lookup(looked, fixed)
+        use_lookup = self.prefer_lookup(looked)
         run_tree = not all(use_lookup)
-        if run_tree and fixed:
-            run_tree = self._seeded_gate()
-        elif run_tree and not self.tree_pays():
+        if run_tree and not self.tree_pays():
             self._skipped += 1
             if self._skipped < self._probe_gap or not self.room_to_probe():
                 run_tree = False  # plain prompt lookup for every row
@@ -398,21 +368,7 @@ class LookupEagleDrafter(Drafter):
         elif run_tree:
             self._probe_gap = self.probe_every
         return self.assemble(ctx, looked, [run_tree and not u for u in use_lookup], max_tokens, self.max_nodes,
-                             trim=self.trim and not fixed)
-
-    def _seeded_gate(self) -> bool:
-        """A seeded sample's tree gate (class docstring): from step counts and this request's
-        accepted tokens only."""
-        if self.tree_pays():
-            self._seeded_gap = self.probe_every
-            return True
-        self._seeded_skipped += 1
-        if self._seeded_skipped < self._seeded_gap or not self.room_to_probe():
-            return False
-        self._seeded_skipped = 0
-        if self.seeded_gain is not None:  # probes that keep finding no pay come half as often
-            self._seeded_gap = min(2 * self._seeded_gap, 8 * self.probe_every)
-        return True
+                             trim=self.trim)
 
     def assemble(self, ctx: DraftContext, looked: list[list[int]], tree_rows: list[bool], max_tokens: int,
                  max_nodes: int | None = None, trim: bool = False) -> Draft:
@@ -530,9 +486,7 @@ class LookupEagleDrafter(Drafter):
         self.eagle.commit(num_accepted, paths)
         if self._tree_rows is not None:
             got = [int(n) for n, t in zip(num_accepted, self._tree_rows) if t]
-            if got and self._seeded:  # the request's own gain (its first probe: a measurement, not a prior)
-                self.seeded_gain = ema(self.seeded_gain, sum(got) / len(got), 0.8)
-            elif got:
+            if got:
                 self.gain = ema(self.gain, sum(got) / len(got), 0.9)
             self._tree_rows = None
         if paths is not None:

@@ -32,12 +32,10 @@ match length declined in a row the policy proposes one guess anyway, so a cost m
 slow spell (a high r stops every guess, and only guessed steps can measure it again) is
 noticed within a few probes (one guess in 16 declined steps: ~0.5% of a step).
 `adaptive=False` gives the classic fixed rule.
-For a seeded sampled request the cut must not depend on measured times (they would change
-how many guesses a step verifies, so which random numbers verification draws, and the same
-seed would give another text): such a request gets a policy of its own, started afresh at
-`begin`, that learns acceptance from that request alone and prices a guess at the fixed
-prior r = 0.08; it never probes (it measures no cost). Its lengths then follow only from the
-text and the seed.
+Sampled requests, seeded or not, are cut by the same policy: lookups are deterministic
+guesses, and with those a seeded request commits the text plain sampling commits with its seed
+however many guesses each step verifies (verify.py, "sample and compare"), so measured times
+may decide its lengths.
 `choose_length=False` leaves the cut to the caller (the server's batcher).
 """
 
@@ -49,7 +47,7 @@ import time
 import torch
 
 from ..core.policy import CARRIED_COUNTS, FIT_DECAY, PROBE_EVERY, DecayedLine, best_prefix, carried, counts_ok
-from .base import Draft, DraftContext, Drafter, register, timing_free
+from .base import Draft, DraftContext, Drafter, register
 
 
 def lookup_match(tokens: list[int], max_tokens: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
@@ -117,9 +115,9 @@ class LengthPolicy:
 
     def __init__(self, max_n: int, max_k: int, decay: float = FIT_DECAY, r_prior: float = 0.08,
                  clock: bool = True, probe_every: int = PROBE_EVERY) -> None:
-        """clock=False: price a guess at r_prior always, never at a measured cost (a seeded sample's
-        lengths must not depend on timing). probe_every: propose one guess after this many
-        lookups of a match length declined in a row (0: never)."""
+        """clock=False: price a guess at r_prior always, never at a measured cost (lengths that
+        follow from the text alone, as tests need them). probe_every: propose one guess after
+        this many lookups of a match length declined in a row (0: never)."""
         self.decay = decay
         self.clock = clock
         self.probe_every = probe_every
@@ -222,21 +220,16 @@ class NgramDrafter(Drafter):
     cost_hint = 0.0
 
     def __init__(self, min_n: int = 1, max_n: int = 4, adaptive: bool = True, max_k: int = 16,
-                 choose_length: bool = True, seeded_cut: bool = True) -> None:
+                 choose_length: bool = True) -> None:
         """adaptive: learn acceptance per (match length, position); choose_length: also cut each
         lookup to the length that pays (False: propose whole lookups and let the caller cap them,
-        as the server's batcher does with its own cost model); seeded_cut: cut a seeded sample's
-        lookups with a clockless policy of its own (False: propose them whole;
-        benchmarks/seeded_lookup.py compares the two)."""
+        as the server's batcher does with its own cost model)."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.policy = LengthPolicy(max_n, max_k) if adaptive else None
         self.gates_itself = adaptive  # the length policy prices every guess (the engine guards batches only)
-        self.seeded_policy: LengthPolicy | None = None  # for a seeded sample (see the module docstring)
-        self._learner = self.policy  # the policy the last proposal came from (what `_score` teaches)
         self.max_k = max_k
-        self.seeded_cut = seeded_cut
         self.choose_length = choose_length
         self._last: list[tuple[int, int]] | None = None  # per row (n, proposed) of the last proposal
         self._t_end: float | None = None  # when the last proposal was handed over
@@ -251,30 +244,20 @@ class NgramDrafter(Drafter):
         self._index = []
         self._open = []
         self._t_end = None  # a new request's prefill must not count as a step
-        # a seeded sample: a fresh policy that never reads the clock (lengths from the text alone)
-        fresh = self.policy is not None and self.seeded_cut and timing_free(params)
-        self.seeded_policy = LengthPolicy(self.max_n, self.max_k, clock=False, probe_every=0) if fresh else None
-
-    def _policy(self, params) -> LengthPolicy | None:
-        """The policy that cuts this request's lookups (None: propose them whole)."""
-        if timing_free(params):
-            return self.seeded_policy
-        return self.policy
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         now = time.perf_counter()
         if self.policy is not None and self._t_end is not None and self._last is not None:
             self.policy.observe_time(self.step_tokens, now - self._t_end)
         guesses, last = [], []
-        pol = self._policy(ctx.params)  # None: no cut (a seeded row of a batch that began unseeded)
-        self._learner = pol if pol is not None else self.policy
+        pol = self.policy
         cut = pol is not None and self.choose_length
         while len(self._index) < len(ctx.tokens):  # a row joined (the server) or a new request
             self._index.append(SuffixIndex(self.min_n, self.max_n))
             self._open.append([])
         for t, index, open_ in zip(ctx.tokens, self._index, self._open):
             n, g = index.match(t, max_tokens)
-            if self._learner is not None:
+            if pol is not None:
                 self._score(open_, t)
                 if g:
                     open_.append((len(t), n, g))
@@ -300,9 +283,9 @@ class NgramDrafter(Drafter):
             while held < len(known) and known[held] == guesses[held]:
                 held += 1
             if held < len(known):  # guess `held` differs from the text: the ones before it held
-                self._learner.observe(n, held + 1, held)
+                self.policy.observe(n, held + 1, held)
             elif held == len(guesses):
-                self._learner.observe(n, held, held)
+                self.policy.observe(n, held, held)
             elif start <= len(tokens):
                 waiting.append((start, n, guesses))
         open_[:] = waiting

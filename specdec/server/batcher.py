@@ -385,7 +385,7 @@ class ContinuousBatcher:
         if req.score_only:
             self._finish(req, "length")
             return
-        first = int(choose(logits[:, -1], req.params, req.generator)[0])
+        first = int(choose(logits[:, -1], req.params, req.generator, rows=[0], positions=[L])[0])
         slot = len(self.rows)
         if self.trees or self.drafting or self.generic:
             self.drafter.add_row(self.max_context, list(req.prompt))
