@@ -147,7 +147,8 @@ class Engine:
             r.stats.batch = self._batches
         if drafter is not None:
             drafter.begin(prompts, params, max_len)
-        guard = None if timing_free(params) else self.guard  # a seeded sample: drafting must not depend on timing
+        # a seeded sample with guesses drawn from a q: drafting must not depend on timing (timing_free)
+        guard = None if timing_free(params) and drafter is not None and drafter.samples_guesses else self.guard
         if guard is not None:
             guard.begin()
         return _Batch(params, make_generator(params.seed), max_len, self.model.new_cache(len(prompts), max_len),

@@ -119,3 +119,20 @@ def test_learned_key_tells_greedy_from_sampled():
     keys = {SpecConfig.from_args(build_parser().parse_args(["generate", "x", *flags])).learned_key(Target())
             for flags in ([], ["--temperature", "0.7"], ["--temperature", "0.7", "--seed", "1"])}
     assert len(keys) == 2  # greedy, sampled (seeded or not)
+
+
+def test_a_draft_model_pays_only_above_its_drafting_and_verification_cost(monkeypatch):
+    """HybridDrafter (auto with a draft model) runs the draft while a drafted token's acceptance
+    exceeds c (its drafting time in plain steps) plus r (verifying it): a draft accepted 30% of
+    the time at c = 0.2 pays where verifying is cheap (r 0.05) and not where it is dear (r 0.15)."""
+    from specdec.drafters.hybrid import HybridDrafter
+    from specdec.drafters.ngram import LengthPolicy
+
+    d = HybridDrafter(draft=None)
+    d.acc, d.prop = 0.3, 1.0
+    d.t_tok, d.t_step = 0.002, 0.01
+    monkeypatch.setattr(LengthPolicy, "step_seconds", lambda self: 0.01)
+    monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.05))
+    assert d.draft_pays()
+    monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.15))
+    assert not d.draft_pays()

@@ -9,8 +9,8 @@ keeps its cache lazily in step (it feeds whatever committed tokens it has not se
 skipping it for a step needs no extra work.
 
 The draft model is only worth running while its guesses pay for themselves: drafting one
-token costs c target steps and gains alpha_d tokens on average, so it pays iff
-alpha_d > c (the k = 1 case of docs/design.md's formula). The drafter measures both itself:
+token costs c target steps, verifying it r more, and it gains alpha_d tokens on average, so it
+pays iff alpha_d > c + r (the k = 1 case of docs/design.md's formula). The drafter measures both itself:
 alpha_d from the rows the draft model proposed for, the draft time per token from its own
 propose calls, and the target step time as the wall time between two propose calls.
 While it does not pay, rows without lookup guesses get none (as with `--method ngram`),
@@ -44,6 +44,7 @@ from .ngram import NgramDrafter
 
 
 class HybridDrafter(Drafter):
+    samples_guesses = True  # the draft model's rows carry its q
     def __init__(self, draft, min_n: int = 1, max_n: int = 4, probe_every: int = PROBE_EVERY, gate: bool = True,
                  k_policy=None) -> None:
         """gate=False always runs the draft model for rows without a lookup."""
@@ -51,6 +52,7 @@ class HybridDrafter(Drafter):
         self.k_policy = k_policy
         self._pending = None  # (draft length, draft seconds) of this step, for k_policy.observe
         self.ngram = NgramDrafter(min_n, max_n)
+        self.lookup = self.ngram  # the lookup of the current batch (`begin`)
         self.gate = gate
         self.gates_itself = gate  # lookup lengths and the draft model's gate price every guess
         self.cost_hint = None
@@ -64,16 +66,29 @@ class HybridDrafter(Drafter):
         self._skipped = 0
 
     def draft_pays(self) -> bool:
+        """Whether a drafted token gains more than it costs: its acceptance against c, its drafting
+        time in plain steps (the lookup's fitted step with no guesses, else the mean step between
+        proposals, which includes verifying the guesses), plus r, the cost of verifying one more
+        token (the lookup's measured r: the target verifies a draft model's guesses as it
+        verifies looked-up ones)."""
         if not self.gate or self.t_tok is None or not self.t_step:
             return True  # ungated, or not measured yet
-        # c per drafted token, in plain steps (the lookup's fitted step with no guesses, else the
-        # mean step between proposals, which includes verifying the guesses)
-        plain = self.ngram.policy.step_seconds() if self.ngram.policy is not None else None
-        return self.acc / self.prop > self.t_tok / (plain or self.t_step)
+        policy = self.ngram.policy
+        plain = policy.step_seconds() if policy is not None else None
+        r = policy.r if policy is not None else 0.0
+        return self.acc / self.prop > self.t_tok / (plain or self.t_step) + r
 
     def begin(self, prompts, params, max_len) -> None:
         self.draft.begin(prompts, params, max_len)
         self.ngram.begin(prompts, params, max_len)
+        self.lookup = self.ngram
+        if timing_free(params):
+            # lookup rows carry one-hot q here (mixed with the draft's q: Algorithm 1), so a seeded
+            # request's lookups must follow from its text alone: a lookup of its own, afresh,
+            # whose cut prices a guess at the fixed prior and learns from this request only
+            self.lookup = NgramDrafter(self.ngram.min_n, self.ngram.max_n)
+            self.lookup.policy.clock, self.lookup.policy.probe_every = False, 0
+            self.lookup.begin(prompts, params, max_len)
         self._used_draft = None
         self._t_end = None
 
@@ -91,7 +106,7 @@ class HybridDrafter(Drafter):
         if max_tokens <= 0:
             self._used_draft = None
             return Draft.empty(B)
-        ng = self.ngram.propose(ctx, max_tokens)
+        ng = self.lookup.propose(ctx, max_tokens)
         looked = [ng.tokens[b, : int(ng.counts[b])].tolist() for b in range(B)]
         need_draft = [not g for g in looked]
         fixed = timing_free(ctx.params)  # a seeded sample: no timing-based gate or length
@@ -119,7 +134,7 @@ class HybridDrafter(Drafter):
         self._counts = d.counts.tolist()
         Kd = d.tokens.shape[1]
         K = max(Kd, max(len(g) for g in looked))
-        self.ngram.step_tokens = K  # the target verifies the draft model's guesses too
+        self.lookup.step_tokens = K  # the target verifies the draft model's guesses too
         tokens = torch.zeros(B, K, dtype=torch.long)
         tokens[:, :Kd] = d.tokens
         counts = d.counts.clone()
@@ -138,7 +153,7 @@ class HybridDrafter(Drafter):
         return Draft(tokens, counts, probs)
 
     def commit(self, num_accepted, paths=None) -> None:
-        self.ngram.commit(num_accepted)  # it learns only from the rows it proposed for
+        self.lookup.commit(num_accepted)
         if self._used_draft is None:
             return  # the draft model did not run this step; it catches up lazily
         used = self._used_draft
@@ -160,11 +175,11 @@ class HybridDrafter(Drafter):
         self._t_end = None
         self._pending = None
         self._used_draft = None
-        self.ngram.skip()
+        self.lookup.skip()
 
     def keep_rows(self, rows) -> None:
         self.draft.keep_rows(rows)
-        self.ngram.keep_rows(rows)
+        self.lookup.keep_rows(rows)
 
     def learned(self) -> dict:
         """The lookup's policy, the draft model's acceptance (capped, `carried`) and times, and the

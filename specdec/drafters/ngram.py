@@ -312,10 +312,6 @@ class NgramDrafter(Drafter):
             return None
         return [self.policy.expected(n, p) for n, p in self._last or []]
 
-    def whole(self, tokens: list[int], max_tokens: int) -> list[int]:
-        """A context's whole lookup, up to max_tokens, uncut by any policy."""
-        return lookup(tokens, max_tokens, self.min_n, self.max_n)
-
     def commit(self, num_accepted, paths=None) -> None:
         """Nothing to do: acceptance is learnt from the committed text at the next proposal
         (`_score`), for verified and unverified guesses alike."""
