@@ -125,7 +125,8 @@ class Engine:
             spec, k_step, draft, room = self._propose(b)
             t2 = time.perf_counter()
             # score, verify, commit / roll back (core/step.py)
-            res = run_step(self.model, b.cache, [b.context[r][-1] for r in b.rows], draft, params, b.gen, room)
+            res = run_step(self.model, b.cache, [b.context[r][-1] for r in b.rows], draft, params, b.gen, room,
+                           row_keys=b.rows)  # a row samples with its prompt's index as its key
             if self.drafter is not None and draft.tokens.shape[1] > 0:
                 self.drafter.commit(res.accepted, paths=res.paths if draft.parents is not None else None)
             keep = self._record(b, spec, k_step, draft, res, (t1, t2, time.perf_counter()))
@@ -146,7 +147,8 @@ class Engine:
             r.stats.batch = self._batches
         if drafter is not None:
             drafter.begin(prompts, params, max_len)
-        guard = None if timing_free(params) else self.guard  # a seeded sample: drafting must not depend on timing
+        # a seeded sample with guesses drawn from a q: drafting must not depend on timing (timing_free)
+        guard = None if timing_free(params) and drafter is not None and drafter.samples_guesses else self.guard
         if guard is not None:
             guard.begin()
         return _Batch(params, make_generator(params.seed), max_len, self.model.new_cache(len(prompts), max_len),
@@ -167,7 +169,7 @@ class Engine:
         b.cache.truncate(lens)
         # target features of committed positions not yet handed to a drafter that reads them (EAGLE)
         b.feats = [[hidden[i, : len(p)]] if b.wants_hidden else [] for i, p in enumerate(prompts)]
-        first = choose(logits[:, 0], b.params, b.gen)
+        first = choose(logits[:, 0], b.params, b.gen, rows=list(range(B)), positions=lens.tolist())
         prefill_s = time.perf_counter() - t0
         for r in b.results:
             r.stats.prefill_s = prefill_s

@@ -6,8 +6,13 @@ speculative verification compares like with like (docs/design.md: p and q after 
 warping). Greedy (temperature 0) is argmax (through the native kernels where a GGUF target
 loaded them: the same indices, faster) and never calls `warp`.
 
-All randomness comes from an explicit `torch.Generator`. This module knows nothing about
-models or tokenizers.
+All randomness comes from an explicit `torch.Generator`. The target's tokens are sampled with
+one uniform number per text position (`position_uniforms`: a hash of the generator's seed, the
+row and the position), by inverse transform (`sample`): the token at a position then depends
+only on the target's distribution there and that number, not on how many tokens earlier steps
+committed at once, so speculative decoding with deterministic guesses commits exactly the text
+plain sampling commits with the same seed (verify.py). This module knows nothing about models
+or tokenizers.
 """
 
 from __future__ import annotations
@@ -61,13 +66,38 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return ((x - x.amax(dim=-1, keepdim=True)) / temperature).float()
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit words whose outputs pass as independent."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniforms(generator: torch.Generator | None, rows: list[int], positions: list[int]) -> torch.Tensor:
+    """Uniform numbers in [0, 1) (float64 [n]), one per (row, position) pair: a hash of the
+    generator's seed (`initial_seed`: the request's seed, or the random seed of an unseeded
+    generator), the row's key and the text position. The same seed, row and position give the
+    same number whatever else the step holds, which is what makes seeded speculative sampling
+    commit plain sampling's text (module docstring)."""
+    seed = (generator.initial_seed() if generator is not None else 0) & _MASK64
+    out = []
+    for row, pos in zip(rows, positions):
+        x = _mix64(seed ^ _mix64((int(row) * 0x9E3779B97F4A7C15 + _mix64(int(pos) + 0x632BE59BD9B4E019)) & _MASK64))
+        out.append((x >> 11) * 2.0**-53)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row from probabilities [..., V] (non-negative, not necessarily normalised)
     -> [...], by inverse transform: one uniform u per row, the first token whose running sum
     (float64) exceeds u times the row's total. The same distribution as `torch.multinomial`,
     which on a CPU draws V exponentials per call (about 5 ms for a 49k vocabulary, as long as a
     decoding step of the default model) where this takes a fraction of a millisecond. A row
-    without positive finite mass raises ValueError, as multinomial raises."""
+    without positive finite mass raises ValueError, as multinomial raises. `uniforms` (one per
+    row, float64) replaces the generator's draws (`position_uniforms`)."""
     V = probs.shape[-1]
     rows = probs.reshape(-1, V).double()
     # checked through the sums (a NaN or inf reaches them) and the minimum: a few microseconds,
@@ -78,7 +108,10 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
                          "probabilities with a positive sum")
     cum = rows.cumsum(-1)
     total = cum[:, -1:]
-    u = torch.rand(rows.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
+    if uniforms is None:
+        u = torch.rand(rows.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
+    else:
+        u = uniforms.reshape(-1, 1).to(device=probs.device, dtype=torch.float64)
     idx = torch.searchsorted(cum, u * total, right=True)  # first token whose running sum exceeds u * total
     if bool((idx >= V).any()):  # u * total rounded up to the total itself: the last token with mass
         idx = torch.minimum(idx, (cum < total).sum(-1, keepdim=True))
@@ -96,11 +129,15 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """The next token per row from logits [B, V] -> [B]: argmax if greedy, else a sample."""
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           rows: list[int] | None = None, positions: list[int] | None = None) -> torch.Tensor:
+    """The next token per row from logits [B, V] -> [B]: argmax if greedy, else a sample; with
+    `positions` (each row's text position of the token chosen) and `rows` (each row's key), with
+    the uniforms `position_uniforms` gives those."""
     if params.greedy:
         return argmax_last(logits)
-    return sample(warp(logits, params), generator)
+    uniforms = None if positions is None else position_uniforms(generator, rows, positions)
+    return sample(warp(logits, params), generator, uniforms)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

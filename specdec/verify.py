@@ -28,6 +28,17 @@ Trees (tree.py: node 0 is the pending token, draft node i has a parent among 0..
 Both p and q must be *warped the same way* (sampling.warp) before they arrive here.
 All randomness comes from the explicit generator. This module knows nothing about models.
 
+Deterministic guesses with text positions (`positions`, `rows`): the sampled rule above is
+then carried out as "sample and compare": at each position the target's token is sampled as
+plain decoding samples it there (sampling.sample with `position_uniforms` of the same seed, row
+and position), the guess is accepted iff it equals that token, and the first token that differs
+is the one emitted. For q one-hot this is the same distribution as Algorithm 1 (a guess d is
+accepted with probability p(d); after a rejection the token is a sample of p with d removed),
+and because the uniform belongs to the position, the committed text is exactly the text plain
+sampling draws with that seed: seeded speculative sampling is as reproducible as greedy
+decoding, whatever was guessed. Trees: at the current node the target's token is sampled the
+same way (the node's depth gives its position) and the child with that token is followed.
+
 Worked example: committed [a b c], pending token c fed with draft [d e f] (K = 3); the
 target's logits cover positions (c, d, e, f). If d and e are accepted and f rejected, the
 row commits [d e] + one recovered token r sampled at position f's slot (the logits that
@@ -38,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import argmax_last, sample
+from .sampling import argmax_last, position_uniforms, sample
 
 
 def _accepted_prefix(ok: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -63,14 +74,20 @@ def verify_stochastic(
     draft_probs: torch.Tensor | None,
     counts: torch.Tensor,
     generator: torch.Generator | None,
+    positions: list[int] | None = None,
+    rows: list[int] | None = None,
 ):
     """Exact rejection sampling over chains.
 
     target_probs [B, K+1, V] (warped), draft_tokens [B, K], draft_probs [B, K, V] or None
-    (deterministic guesses), counts [B] -> (num_accepted [B], next_token [B]).
+    (deterministic guesses), counts [B] -> (num_accepted [B], next_token [B]). With
+    deterministic guesses and `positions` (each row's text position of its first guess) and
+    `rows` (each row's key): sample and compare (module docstring).
     """
     B, K1, V = target_probs.shape
     K = K1 - 1
+    if draft_probs is None and positions is not None:
+        return _sample_and_compare_chains(target_probs, draft_tokens, counts, generator, positions, rows)
     p_tok = target_probs[:, :K].gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
     if draft_probs is None:
         q_tok = torch.ones_like(p_tok)
@@ -94,6 +111,30 @@ def verify_stochastic(
             p = resid / total if float(total) > 0 else p
         next_token[b] = sample(p, generator)
     return n_acc, next_token
+
+
+def _sample_at(p: torch.Tensor, generator, row: int, position: int) -> int:
+    """The token plain sampling draws from p [V] at this row and text position."""
+    return int(sample(p, None, position_uniforms(generator, [row], [position])))
+
+
+def _sample_and_compare_chains(target_probs, draft_tokens, counts, generator, positions, rows):
+    """Deterministic chains (module docstring): per row, the target's token at each position is
+    sampled as plain decoding samples it; guesses are accepted while they equal it."""
+    B = target_probs.shape[0]
+    guesses, cnt = draft_tokens.tolist(), counts.tolist()
+    n_acc, nxt = [], []
+    for b in range(B):
+        j = 0
+        while True:
+            token = _sample_at(target_probs[b, j], generator, rows[b], positions[b] + j)
+            if j < cnt[b] and token == guesses[b][j]:
+                j += 1
+                continue
+            break
+        n_acc.append(j)
+        nxt.append(token)
+    return torch.tensor(n_acc, dtype=torch.long), torch.tensor(nxt, dtype=torch.long)
 
 
 def _tree_children(parents_row: list[int], count: int) -> list[list[int]]:
@@ -134,19 +175,35 @@ def verify_tree_stochastic(
     counts: torch.Tensor,
     generator: torch.Generator | None,
     max_depth: list[int] | None = None,
+    positions: list[int] | None = None,
+    rows: list[int] | None = None,
 ):
     """Exact multi-candidate rejection sampling over trees.
 
     target_probs [B, N+1, V] (warped, root first), tokens/parents [B, N], draft_probs
     [B, N, V] (node i's q, the distribution it was drawn from at its parent) or None
     (deterministic candidates), counts [B] -> (paths, next_token [B]). max_depth as in
-    verify_tree_greedy (a node past it is never tried, as if it were not drafted).
+    verify_tree_greedy (a node past it is never tried, as if it were not drafted). With
+    deterministic candidates and `positions` (each row's text position of a depth-1 node) and
+    `rows` (each row's key): sample and compare (module docstring).
     """
     toks, pars, cnt = tokens.tolist(), parents.tolist(), counts.tolist()
     paths, nxt = [], []
     for b in range(len(toks)):
         ch = _tree_children(pars[b], cnt[b])
         node, path = 0, []
+        if draft_probs is None and positions is not None:
+            while True:
+                token = _sample_at(target_probs[b, node], generator, rows[b], positions[b] + len(path))
+                tried = ch[node] if max_depth is None or len(path) < max_depth[b] else []
+                child = next((c for c in tried if toks[b][c - 1] == token), None)
+                if child is None:
+                    break
+                path.append(child)
+                node = child
+            paths.append(path)
+            nxt.append(token)
+            continue
         while True:
             p = target_probs[b, node]
             accepted = None

@@ -127,10 +127,10 @@ def histogram(samples: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------
 
 
-def broken_verify_stochastic(target_probs, draft_tokens, draft_probs, counts, generator):
+def broken_verify_stochastic(target_probs, draft_tokens, draft_probs, counts, generator, positions=None, rows=None):
     """Leviathan Alg. 1 with the classic mistake: after a rejection the recovered token is
     drawn from p itself, not from the residual norm(max(0, p - q)). Written independently of
-    specdec.verify; same signature and return value."""
+    specdec.verify; same signature and return value (text positions ignored: Alg. 1 itself)."""
     B, K1, V = target_probs.shape
     K = K1 - 1
     n_acc = torch.zeros(B, dtype=torch.long)

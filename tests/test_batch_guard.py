@@ -104,15 +104,21 @@ def test_steps_alternating_plain_and_speculative_stay_exact(kind, kw):
     assert sum(r.stats.proposed for r in res) > 0
 
 
-def test_guard_is_off_for_seeded_samples(monkeypatch):
-    """A seeded sampled batch drafts on every step (timing must not decide its random numbers)."""
+def test_guard_is_off_for_seeded_samples_of_sampled_guesses(monkeypatch):
+    """A seeded sampled batch whose guesses are drawn from a q (an EAGLE chain) drafts on every
+    step: timing must not decide its random numbers. With deterministic guesses (a tree) the
+    seeded text does not depend on the drafting, and the guard is asked as for greedy batches."""
     calls = []
     monkeypatch.setattr(BatchGuard, "speculate", lambda self, rows: calls.append(rows) or False)
-    eng = Engine(target().model, drafter(True, depth=3, width=2, nodes=5), k=3)
-    res = eng.generate(prompts(), SamplingParams(max_new_tokens=8, temperature=0.8, seed=3))
+    seeded = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3)
+    chain = Engine(target().model, drafter(False), k=3)
+    res = chain.generate(prompts(), seeded)
     assert calls == [] and sum(r.stats.proposed for r in res) > 0
-    eng.generate(prompts(), SamplingParams(max_new_tokens=8))
+    chain.generate(prompts(), SamplingParams(max_new_tokens=8))
     assert calls  # greedy: the guard is asked
+    calls.clear()
+    Engine(target().model, drafter(True, depth=3, width=2, nodes=5), k=3).generate(prompts(), seeded)
+    assert calls
 
 
 def test_server_batcher_with_steps_turned_plain_stays_exact():
@@ -132,23 +138,20 @@ def test_server_batcher_with_steps_turned_plain_stays_exact():
 def test_sampling_with_steps_alternating_plain_and_speculative_follows_the_target(monkeypatch, broken):
     """Sampled batches whose steps alternate between plain and speculative (auto's lookup +
     tree) still follow the target's exact distribution (chi-square over the first 3 tokens,
-    transformers' probabilities as the oracle). The guard stays off for seeded samples in
-    use; here it is forced on so the check is deterministic. A broken plain step (the most
-    likely token instead of a sample) must be caught by the same check."""
+    transformers' probabilities as the oracle). A broken plain step (the most likely token
+    instead of a sample) must be caught by the same check."""
     from test_eagle import CTX, SV, chi2_against
     from transformers import AutoModelForCausalLM
 
     import specdec.core.step as step_mod
-    import specdec.engine as engine_mod
 
-    monkeypatch.setattr(engine_mod, "timing_free", lambda params: False)
     if broken:  # plain steps take the most likely token instead of sampling it
         orig_verify = step_mod.verify_stochastic
 
-        def verify(probs, tokens, q, counts, gen):
+        def verify(probs, tokens, q, counts, gen, *draws):
             if int(counts.sum()) == 0:
                 return torch.zeros_like(counts), probs[:, 0].argmax(-1)
-            return orig_verify(probs, tokens, q, counts, gen)
+            return orig_verify(probs, tokens, q, counts, gen, *draws)
 
         monkeypatch.setattr(step_mod, "verify_stochastic", verify)
     params = dict(temperature=0.9)

@@ -109,7 +109,7 @@ def test_lookup_grafted_onto_the_tree_keeps_greedy_exact(monkeypatch, graft):
     hf.generation_config.pad_token_id = 0
     ps = prompts()
     want = [hf_greedy(hf, p, 24) for p in ps]
-    monkeypatch.setattr(LookupEagleDrafter, "prefer_lookup", lambda self, looked, fixed: [False] * len(looked))
+    monkeypatch.setattr(LookupEagleDrafter, "prefer_lookup", lambda self, looked: [False] * len(looked))
     d = drafter("lookup", depth=2, width=2, nodes=3, gate=False)
     d.graft = graft
     d.max_nodes = d.eagle.max_nodes + graft

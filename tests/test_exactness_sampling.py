@@ -37,6 +37,7 @@ from specdec.types import SamplingParams
 from oracle import (
     ConfidentlyWrongDrafter,
     RandomGuessDrafter,
+    TreeDrafter,
     UniformDrafter,
     broken_verify_stochastic,
     chi2_test,
@@ -274,3 +275,44 @@ def test_same_seed_same_sample_whatever_the_timing(monkeypatch, drafter_name):
     # and the draws still depend on the seed
     other = Engine(target, NgramDrafter(), k=4).generate(prompts, dataclasses.replace(params, seed=12))
     assert [r.tokens for r in other] != first
+
+
+@pytest.mark.parametrize("drafter_name", ["ngram", "ngram_adaptive", "random_guesses", "tree_topk", "tree_corrupt"])
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.0, top_k=5, top_p=0.9)])
+def test_deterministic_guesses_commit_plain_samplings_text(drafter_name, params):
+    """With deterministic guesses, seeded speculative sampling commits exactly the text plain
+    sampling draws with that seed (verify.py, "sample and compare"), row by row, whatever was
+    guessed and however many guesses held; and a prompt's text does not depend on the rows
+    after it in its batch."""
+    _, target, _ = models()
+    prompts = [list(c) for c in contexts()] * 3
+    sp = SamplingParams(max_new_tokens=24, seed=21, **params)
+    want = [r.tokens for r in Engine(target).generate(prompts, sp)]
+    assert len({tuple(t) for t in want}) > 2  # rows draw different numbers
+    if drafter_name == "ngram_adaptive":
+        d = NgramDrafter()
+    elif drafter_name.startswith("tree_"):  # deterministic trees (probs None), of the target's top tokens
+        warp_args = (params["temperature"], params.get("top_k", 0), params.get("top_p", 1.0))
+        d = TreeDrafter(models()[0], (2, 2), mode=drafter_name[5:], warp_args=warp_args)
+    else:
+        d = make_drafter(drafter_name, params["temperature"], params.get("top_k", 0), params.get("top_p", 1.0))
+    res = Engine(target, d, k=4).generate(prompts, sp)
+    assert [r.tokens for r in res] == want
+    assert sum(r.stats.accepted for r in res) > 0 and sum(r.stats.proposed for r in res) > sum(r.stats.accepted for r in res)
+    assert [r.tokens for r in Engine(target).generate(prompts[:1], sp)] == want[:1]
+
+
+def test_one_uniform_reused_across_positions_is_caught(monkeypatch):
+    """Sample and compare needs its own uniform per text position: a verification that reuses one
+    uniform for every position of a step couples the tokens it commits, and the chi-square check
+    must reject it."""
+    import specdec.verify
+
+    real = specdec.verify.position_uniforms
+    monkeypatch.setattr(specdec.verify, "position_uniforms", lambda gen, rows, positions: real(gen, rows, [0] * len(positions)))
+    name = "ngram-t0.7-depth2"
+    _, drafter_name, params, k, max_new = next(s for s in SETTINGS if s[0] == name)
+    samples, st = sample(make_drafter(drafter_name, 0.7, 0, 1.0), params, k, max_new, seed0=91, calls=3)
+    assert st["accepted"] > 0
+    results = check(samples, params)
+    assert any(r.rejected for _, r in results), [f"{lb}: {r}" for lb, r in results]

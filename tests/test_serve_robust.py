@@ -120,10 +120,10 @@ def poisoned(monkeypatch):
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return warp(logits, params)
 
-    def bad_choose(logits, params, generator):
+    def bad_choose(logits, params, generator, **where):
         if params.temperature == 0.321:
             raise RuntimeError("prefill exploded")
-        return choose(logits, params, generator)
+        return choose(logits, params, generator, **where)
 
     monkeypatch.setattr(step_mod, "warp", bad_warp)
     monkeypatch.setattr(batcher_mod, "choose", bad_choose)

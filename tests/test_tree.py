@@ -270,9 +270,10 @@ def test_tree_sampling_matches_exact_distribution(name, mode, branching, params)
         assert not res.rejected, f"{name} {label}: tree samples differ from the exact distribution: {res}"
 
 
-def broken_tree_verify(target_probs, tokens, parents, draft_probs, counts, generator, max_depth=None):
+def broken_tree_verify(target_probs, tokens, parents, draft_probs, counts, generator, max_depth=None, positions=None,
+                       rows=None):
     """Wrong: every sibling is judged against the original p (no residual update), and the
-    recovered token is sampled from p instead of the residual."""
+    recovered token is sampled from p instead of the residual (text positions ignored)."""
     from specdec.verify import _tree_children
 
     toks, pars, cnt = tokens.tolist(), parents.tolist(), counts.tolist()

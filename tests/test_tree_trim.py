@@ -143,9 +143,9 @@ def test_early_stop_drops_only_nodes_the_trim_would_drop(monkeypatch):
 
 
 def test_sampling_through_trimmed_trees_matches_exact_distribution(monkeypatch):
-    """Unseeded sampled requests get cut trees (seeded ones never do): with the cut switched on
-    for these seeded rows, and its costs pinned so that it is deterministic (c 0.3, r 0.1),
-    the sampled continuations still follow the target's exact distribution (chi-square)."""
+    """Sampled requests get cut trees: with the cut's costs pinned so that it is deterministic
+    (c 0.3, r 0.1), the sampled continuations still follow the target's exact distribution
+    (chi-square)."""
     from transformers import AutoModelForCausalLM
 
     from specdec.drafters import hybrid
@@ -154,7 +154,6 @@ def test_sampling_through_trimmed_trees_matches_exact_distribution(monkeypatch):
 
     from test_eagle import CTX, SV, chi2_against
 
-    monkeypatch.setattr(hybrid, "timing_free", lambda params: False)  # the cut on, as for an unseeded request
     monkeypatch.setattr(LookupEagleDrafter, "cost", lambda self: 0.3)
     monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.1))
     tg = target(3, SV)

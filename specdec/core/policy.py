@@ -520,7 +520,7 @@ class LoadPolicy:
             if tree is None:
                 return self.k_max, list(tree_ok)
             # --fixed-k: every step drafts; each row's source as `generate --method auto` picks it
-            return self.k_max, [ok and not p for ok, p in zip(tree_ok, tree.prefer_lookup(guesses, False))]
+            return self.k_max, [ok and not p for ok, p in zip(tree_ok, tree.prefer_lookup(guesses))]
 
         def trees(k, looks, t):
             if tree is None or k == 0 or not any(tree_ok):

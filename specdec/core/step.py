@@ -60,14 +60,17 @@ class StepResult:
 
 
 def run_step(model, cache, pending: list[int], draft: Draft, params: SamplingParams | list[SamplingParams],
-             generators, room: list[int], tree_rows: list[bool] | None = None) -> StepResult:
+             generators, room: list[int], tree_rows: list[bool] | None = None,
+             row_keys: list[int] | None = None) -> StepResult:
     """Score, verify and commit one step of A rows (`cache` holds exactly these rows).
 
     pending: each row's pending token; draft: the guesses (`Draft`; `parents` None = chains);
     params/generators: one SamplingParams and one generator shared by every row, or a list of
     each per row; room: tokens each row may still take beyond its pending one (a tree path
     stops there); tree_rows: in a tree step with per-row settings, the rows verified by the
-    tree rule (others hold chains, node j under node j - 1; default: all)."""
+    tree rule (others hold chains, node j under node j - 1; default: all); row_keys: each row's
+    key for the uniforms its sampled tokens take at their text positions
+    (sampling.position_uniforms; default 0 for every row, for rows with generators of their own)."""
     A, K = draft.tokens.shape
     is_tree = draft.parents is not None and K > 0
     inp = torch.empty(A, K + 1, dtype=torch.long)
@@ -80,11 +83,13 @@ def run_step(model, cache, pending: list[int], draft: Draft, params: SamplingPar
         logits, hidden = model(inp, base[:, None] + depth, cache, attn_mask=mask)
     else:
         logits, hidden = model(inp, base[:, None] + torch.arange(K + 1)[None, :], cache)
+    # the text position of each row's first new token (the pending token sits at `base`)
+    draws = ((base + 1).tolist(), list(row_keys) if row_keys is not None else [0] * A)
     if isinstance(params, SamplingParams):
-        (paths, nxt), failed = _verify_shared(logits, draft, parents, params, generators, room), {}
+        (paths, nxt), failed = _verify_shared(logits, draft, parents, params, generators, room, draws), {}
     else:
         paths, nxt, failed = _verify_per_row(logits, draft, parents, params, generators, room,
-                                             tree_rows if tree_rows is not None else [is_tree] * A)
+                                             tree_rows if tree_rows is not None else [is_tree] * A, draws)
     if is_tree:
         cache.keep_paths(base, paths)
     else:
@@ -92,28 +97,32 @@ def run_step(model, cache, pending: list[int], draft: Draft, params: SamplingPar
     return StepResult(paths, nxt, logits, hidden, depth, failed)
 
 
-def _verify_shared(logits, draft: Draft, parents, params: SamplingParams, gen, room):
-    """Every row with the same settings and generator: one batched call per rule."""
+def _verify_shared(logits, draft: Draft, parents, params: SamplingParams, gen, room, draws):
+    """Every row with the same settings and generator: one batched call per rule. draws:
+    (positions, row keys) of each row's first new token, for sampled rows (verify.py)."""
+    positions, keys = draws
     if parents is not None:
         if params.greedy:
             paths, nxt = verify_tree_greedy(logits, draft.tokens, parents, draft.counts, room)
         else:
             paths, nxt = verify_tree_stochastic(warp(logits, params), draft.tokens, parents, draft.probs,
-                                                draft.counts, gen, room)
+                                                draft.counts, gen, room, positions, keys)
         return [list(p) for p in paths], [int(t) for t in nxt]
     if params.greedy:
         n_acc, nxt = verify_greedy(logits, draft.tokens, draft.counts)
     else:
-        n_acc, nxt = verify_stochastic(warp(logits, params), draft.tokens, draft.probs, draft.counts, gen)
+        n_acc, nxt = verify_stochastic(warp(logits, params), draft.tokens, draft.probs, draft.counts, gen,
+                                       positions, keys)
     return [list(range(1, a + 1)) for a in n_acc.tolist()], nxt.tolist()
 
 
-def _verify_per_row(logits, draft: Draft, parents, params: list[SamplingParams], gens, room, tree_rows):
+def _verify_per_row(logits, draft: Draft, parents, params: list[SamplingParams], gens, room, tree_rows, draws):
     """Each row with its own settings: greedy chain rows (the usual case) in one call (the same
     argmax per row as one call per row, a tenth of a millisecond each), every other row alone;
     a sampled chain row verifies its own guesses only, so the random numbers a seeded row draws
     do not depend on how wide other rows' drafts made the batch. Guesses are deterministic
-    (q one-hot)."""
+    (q one-hot); each sampled row samples at its own text positions (draws, as in _verify_shared)."""
+    positions, keys = draws
     A = len(params)
     paths = [list(range(1, int(c) + 1)) for c in draft.counts]  # chain: node j hangs under node j - 1
     nxt = [0] * A
@@ -135,11 +144,12 @@ def _verify_per_row(logits, draft: Draft, parents, params: list[SamplingParams],
                     p, n = verify_tree_greedy(lg, gt, parents[b : b + 1], c, [room[b]])
                 else:
                     p, n = verify_tree_stochastic(warp(lg, params[b]), gt, parents[b : b + 1], None, c, gens[b],
-                                                  [room[b]])
+                                                  [room[b]], positions[b : b + 1], keys[b : b + 1])
                 paths[b], nxt[b] = list(p[0]), int(n[0])
             else:
                 m = int(c[0])
-                a, n = verify_stochastic(warp(lg[:, : m + 1], params[b]), gt[:, :m], None, c, gens[b])
+                a, n = verify_stochastic(warp(lg[:, : m + 1], params[b]), gt[:, :m], None, c, gens[b],
+                                         positions[b : b + 1], keys[b : b + 1])
                 paths[b], nxt[b] = paths[b][: int(a[0])], int(n[0])
         except Exception as e:  # noqa: BLE001 - this row's own failure: the caller ends it alone
             failed[b], paths[b] = e, []

@@ -61,6 +61,10 @@ class Drafter(ABC):
     gates_itself: bool = False
     #: the core may decode a step without asking for a proposal (`skip`); False: every step proposes
     may_skip: bool = True
+    #: in sampled decoding its guesses are drawn from a q (`Draft.probs`: a draft model, an EAGLE
+    #: chain), so a seeded request's text depends on what was drafted (`timing_free`); False:
+    #: deterministic guesses, with which a seeded request commits plain sampling's text
+    samples_guesses: bool = False
 
     def begin(self, prompts: list[list[int]], params: SamplingParams | None, max_len: int) -> None:
         """A batch starts with these rows (none, for a server that adds them with `add_row`)."""
@@ -82,10 +86,6 @@ class Drafter(ABC):
     def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
         """A request joins a running batch as the last row (its prompt, for drafters that read it
         ahead; its target features come with the next proposal when `needs_hidden`)."""
-
-    def verified(self, lengths: list[int]) -> None:
-        """Only the first lengths[b] guesses of row b's last proposal were verified (the core capped
-        them): a drafter that learns acceptance learns from those alone."""
 
     def expected_tokens(self) -> list[list[float]] | None:
         """Per row of the last proposal: the expected committed tokens (1 + expected accepted
@@ -117,10 +117,12 @@ def steady(behind: int, max_tokens: int) -> bool:
 
 
 def timing_free(params) -> bool:
-    """A seeded sampled request. How many guesses a step verifies decides which random numbers
-    the stochastic verification draws, so for the same seed to give the same sample, drafting
+    """A seeded sampled request, for a drafter that draws its guesses from a q
+    (`Drafter.samples_guesses`): with those, how many guesses a step verifies decides which
+    random numbers verification draws, so for the same seed to give the same sample, drafting
     for it must not depend on measured times (or on other requests): adaptive lengths, gates and
-    load-aware caps stand aside, and lookups are proposed whole up to k."""
+    the batch guard stand aside. Deterministic guesses need none of this (verify.py, "sample and
+    compare")."""
     return params is not None and params.seed is not None and not params.greedy
 
 

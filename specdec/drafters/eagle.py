@@ -201,6 +201,7 @@ class EagleDrafter(Drafter):
             raise SpecdecError(f"EAGLE tree settings must be >= 1 (depth {depth}, width {width}, nodes {nodes})")
         self.head = head
         self.target = target_model
+        self.samples_guesses = not tree  # a chain samples from the head's q; trees are deterministic
         self.embed = target_model.embed.weight.detach()
         W = target_model.lm_head_weight().detach()
         self.subset = None

@@ -9,8 +9,8 @@ keeps its cache lazily in step (it feeds whatever committed tokens it has not se
 skipping it for a step needs no extra work.
 
 The draft model is only worth running while its guesses pay for themselves: drafting one
-token costs c target steps and gains alpha_d tokens on average, so it pays iff
-alpha_d > c (the k = 1 case of docs/design.md's formula). The drafter measures both itself:
+token costs c target steps, verifying it r more, and it gains alpha_d tokens on average, so it
+pays iff alpha_d > c + r (the k = 1 case of docs/design.md's formula). The drafter measures both itself:
 alpha_d from the rows the draft model proposed for, the draft time per token from its own
 propose calls, and the target step time as the wall time between two propose calls.
 While it does not pay, rows without lookup guesses get none (as with `--method ngram`),
@@ -44,6 +44,7 @@ from .ngram import NgramDrafter
 
 
 class HybridDrafter(Drafter):
+    samples_guesses = True  # the draft model's rows carry its q
     def __init__(self, draft, min_n: int = 1, max_n: int = 4, probe_every: int = PROBE_EVERY, gate: bool = True,
                  k_policy=None) -> None:
         """gate=False always runs the draft model for rows without a lookup."""
@@ -51,6 +52,7 @@ class HybridDrafter(Drafter):
         self.k_policy = k_policy
         self._pending = None  # (draft length, draft seconds) of this step, for k_policy.observe
         self.ngram = NgramDrafter(min_n, max_n)
+        self.lookup = self.ngram  # the lookup of the current batch (`begin`)
         self.gate = gate
         self.gates_itself = gate  # lookup lengths and the draft model's gate price every guess
         self.cost_hint = None
@@ -64,16 +66,29 @@ class HybridDrafter(Drafter):
         self._skipped = 0
 
     def draft_pays(self) -> bool:
+        """Whether a drafted token gains more than it costs: its acceptance against c, its drafting
+        time in plain steps (the lookup's fitted step with no guesses, else the mean step between
+        proposals, which includes verifying the guesses), plus r, the cost of verifying one more
+        token (the lookup's measured r: the target verifies a draft model's guesses as it
+        verifies looked-up ones)."""
         if not self.gate or self.t_tok is None or not self.t_step:
             return True  # ungated, or not measured yet
-        # c per drafted token, in plain steps (the lookup's fitted step with no guesses, else the
-        # mean step between proposals, which includes verifying the guesses)
-        plain = self.ngram.policy.step_seconds() if self.ngram.policy is not None else None
-        return self.acc / self.prop > self.t_tok / (plain or self.t_step)
+        policy = self.ngram.policy
+        plain = policy.step_seconds() if policy is not None else None
+        r = policy.r if policy is not None else 0.0
+        return self.acc / self.prop > self.t_tok / (plain or self.t_step) + r
 
     def begin(self, prompts, params, max_len) -> None:
         self.draft.begin(prompts, params, max_len)
         self.ngram.begin(prompts, params, max_len)
+        self.lookup = self.ngram
+        if timing_free(params):
+            # lookup rows carry one-hot q here (mixed with the draft's q: Algorithm 1), so a seeded
+            # request's lookups must follow from its text alone: a lookup of its own, afresh,
+            # whose cut prices a guess at the fixed prior and learns from this request only
+            self.lookup = NgramDrafter(self.ngram.min_n, self.ngram.max_n)
+            self.lookup.policy.clock, self.lookup.policy.probe_every = False, 0
+            self.lookup.begin(prompts, params, max_len)
         self._used_draft = None
         self._t_end = None
 
@@ -91,7 +106,7 @@ class HybridDrafter(Drafter):
         if max_tokens <= 0:
             self._used_draft = None
             return Draft.empty(B)
-        ng = self.ngram.propose(ctx, max_tokens)
+        ng = self.lookup.propose(ctx, max_tokens)
         looked = [ng.tokens[b, : int(ng.counts[b])].tolist() for b in range(B)]
         need_draft = [not g for g in looked]
         fixed = timing_free(ctx.params)  # a seeded sample: no timing-based gate or length
@@ -119,7 +134,7 @@ class HybridDrafter(Drafter):
         self._counts = d.counts.tolist()
         Kd = d.tokens.shape[1]
         K = max(Kd, max(len(g) for g in looked))
-        self.ngram.step_tokens = K  # the target verifies the draft model's guesses too
+        self.lookup.step_tokens = K  # the target verifies the draft model's guesses too
         tokens = torch.zeros(B, K, dtype=torch.long)
         tokens[:, :Kd] = d.tokens
         counts = d.counts.clone()
@@ -138,7 +153,7 @@ class HybridDrafter(Drafter):
         return Draft(tokens, counts, probs)
 
     def commit(self, num_accepted, paths=None) -> None:
-        self.ngram.commit(num_accepted)  # it learns only from the rows it proposed for
+        self.lookup.commit(num_accepted)
         if self._used_draft is None:
             return  # the draft model did not run this step; it catches up lazily
         used = self._used_draft
@@ -160,11 +175,11 @@ class HybridDrafter(Drafter):
         self._t_end = None
         self._pending = None
         self._used_draft = None
-        self.ngram.skip()
+        self.lookup.skip()
 
     def keep_rows(self, rows) -> None:
         self.draft.keep_rows(rows)
-        self.ngram.keep_rows(rows)
+        self.lookup.keep_rows(rows)
 
     def learned(self) -> dict:
         """The lookup's policy, the draft model's acceptance (capped, `carried`) and times, and the
@@ -185,14 +200,6 @@ class HybridDrafter(Drafter):
         self.acc, self.prop, self.t_tok, self.t_step = acc, prop, t_tok, t_step
 
 
-# A seeded sample's tree gate prices the tree at fixed costs (its drafting must not depend on
-# timing): the head's drafting time in plain steps and the cost of one verified node, as
-# measured for the default model on a 2-core AVX2 CPU (the head's tree 4.4 ms against an
-# 8.3 ms plain step; a verified token ~8% of a step, as the lookup's prior).
-SEEDED_TREE_COST = 0.5
-SEEDED_NODE_COST = 0.08
-
-
 class LookupEagleDrafter(Drafter):
     """Prompt lookup where the text repeats, an EAGLE tree elsewhere (`--method auto` for a
     target that has an EAGLE head).
@@ -201,8 +208,8 @@ class LookupEagleDrafter(Drafter):
     drafts (`prefer_lookup`): the lookup (the adaptive NgramDrafter already cut it to what
     tends to hold; its value comes from its learnt per-position acceptance) as a chain, or
     the EAGLE head's dynamic tree (its value from its measured accepted tokens, drafting time
-    and per-node verification cost). Until the tree has been timed, and for seeded samples, a
-    lookup of at least `min_lookup` guesses wins: one looked-up token is usually a worse bet
+    and per-node verification cost). Until the tree has been timed a lookup of at least
+    `min_lookup` guesses wins: one looked-up token is usually a worse bet
     than the tree (the head's first guess alone holds about as often). Both kinds of
     guesses are deterministic (q one-hot), so rows mix freely in one tree-shaped proposal
     (a chain is a tree whose node i hangs under node i-1) and the verification stays exact,
@@ -222,14 +229,11 @@ class LookupEagleDrafter(Drafter):
     head up on the whole context, which a short answer never earns back, so probes (and a
     first tree) wait until at least `probe_room` tokens may still come.
 
-    Seeded sampled requests get a gate of their own that never reads the clock (timing must
-    not decide which random numbers verification draws): it starts afresh with each request,
-    learns the tree's accepted tokens per step from that request's probes alone, and prices
-    the tree at the fixed SEEDED_TREE_COST + SEEDED_NODE_COST per verified node; it probes on
-    the same schedule, counted in steps. Its choices follow from the text and the seed only.
+    Seeded sampled requests take the same choices as any other: every guess is deterministic,
+    so a seeded request commits plain sampling's text whatever was drafted (verify.py,
+    "sample and compare"), and timing may decide.
 
-    A drafted tree is cut to the nodes worth verifying (`trim`, on by default; never for
-    seeded samples, whose proposals must not depend on timing or on what was learnt): each node
+    A drafted tree is cut to the nodes worth verifying (`trim`, on by default): each node
     of the head's tree has a path probability, the drafter learns how often nodes of that
     probability are accepted (`core.policy.NodeOdds`), and keeps the best nodes for as long as one
     more raises the expected committed tokens per unit of step time, (1 + sum of kept odds) /
@@ -256,9 +260,6 @@ class LookupEagleDrafter(Drafter):
         self.probe_room = probe_room
         self._steps = 0  # proposals since `begin` (each commits at least one token)
         self._room = None  # the request's max_new_tokens
-        self.seeded_gain: float | None = None  # a seeded request's accepted tokens per tree step (None: unprobed)
-        self._seeded = False
-        self._seeded_skipped, self._seeded_gap = 0, probe_every
         self.eager = eager
         self.ngram = NgramDrafter(min_n, max_n)
         self.min_lookup = min_lookup
@@ -296,23 +297,20 @@ class LookupEagleDrafter(Drafter):
     def tree_pays(self) -> bool:
         if not self.gate:
             return True
-        if self._seeded:
-            return self.seeded_gain is not None and self.seeded_gain > SEEDED_TREE_COST + SEEDED_NODE_COST * self.nodes_fixed
         c = self.cost()
         if c is None:
             return self.eager  # not measured yet: only the gate's probe drafts the first tree
         r = self.ngram.policy.r if self.ngram.policy is not None else 0.08
         return self.gain > c + r * self.nodes
 
-    def prefer_lookup(self, looked: list[list[int]], fixed: bool) -> list[bool]:
+    def prefer_lookup(self, looked: list[list[int]]) -> list[bool]:
         """Per row, whether its lookup beats the tree: expected committed tokens per unit of
         step time, E_lookup(j) / (1 + r j) against (1 + gain) / (1 + c + r nodes), from the
         lookup's learnt acceptance and the tree's measured gain and cost. Until the tree is
-        timed, and for seeded samples (no timing-based choices), a lookup of at least
-        `min_lookup` guesses wins."""
+        timed, a lookup of at least `min_lookup` guesses wins."""
         policy = self.ngram.policy
         c = self.cost()
-        if fixed or policy is None or c is None:
+        if policy is None or c is None:
             return [len(g) >= self.min_lookup for g in looked]
         r = policy.r
         tree = (1.0 + self.gain) / (1.0 + c + r * self.nodes)
@@ -321,12 +319,6 @@ class LookupEagleDrafter(Drafter):
             j = len(g)
             out.append(j > 0 and policy.expected(n, j)[-1] / (1.0 + r * j) >= tree)
         return out
-
-    @property
-    def nodes_fixed(self) -> float:
-        """The nodes a seeded sample's tree verifies: the head's whole tree (never trimmed for
-        seeded samples) and its grafted lookup at most."""
-        return float(self.eagle.max_nodes or self.eagle.depth)
 
     def draft_timing(self) -> tuple[float, bool]:
         """(seconds the head drafted in the last proposal, 0 when no row took a tree; whether it
@@ -361,9 +353,6 @@ class LookupEagleDrafter(Drafter):
         self.ngram.begin(prompts, params, max_len)
         self._t_end = None  # a prefill is not a step
         self._steps, self._room = 0, getattr(params, "max_new_tokens", None)
-        self._seeded = timing_free(params)
-        if self._seeded:  # a clockless gate of its own, afresh (class docstring)
-            self.seeded_gain, self._seeded_skipped, self._seeded_gap = None, 0, self.probe_every
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         t0 = time.perf_counter()
@@ -377,14 +366,10 @@ class LookupEagleDrafter(Drafter):
             return Draft.empty(B)
         ng = self.ngram.propose(ctx, max_tokens)
         looked = [ng.tokens[b, : int(ng.counts[b])].tolist() for b in range(B)]
-        fixed = timing_free(ctx.params)
-        self._seeded = fixed  # (a row of a batch that began unseeded follows the batch's seed)
         self._steps += 1
-        use_lookup = self.prefer_lookup(looked, fixed)
+        use_lookup = self.prefer_lookup(looked)
         run_tree = not all(use_lookup)
-        if run_tree and fixed:
-            run_tree = self._seeded_gate()
-        elif run_tree and not self.tree_pays():
+        if run_tree and not self.tree_pays():
             self._skipped += 1
             if self._skipped < self._probe_gap or not self.room_to_probe():
                 run_tree = False  # plain prompt lookup for every row
@@ -398,21 +383,7 @@ class LookupEagleDrafter(Drafter):
         elif run_tree:
             self._probe_gap = self.probe_every
         return self.assemble(ctx, looked, [run_tree and not u for u in use_lookup], max_tokens, self.max_nodes,
-                             trim=self.trim and not fixed)
-
-    def _seeded_gate(self) -> bool:
-        """A seeded sample's tree gate (class docstring): from step counts and this request's
-        accepted tokens only."""
-        if self.tree_pays():
-            self._seeded_gap = self.probe_every
-            return True
-        self._seeded_skipped += 1
-        if self._seeded_skipped < self._seeded_gap or not self.room_to_probe():
-            return False
-        self._seeded_skipped = 0
-        if self.seeded_gain is not None:  # probes that keep finding no pay come half as often
-            self._seeded_gap = min(2 * self._seeded_gap, 8 * self.probe_every)
-        return True
+                             trim=self.trim)
 
     def assemble(self, ctx: DraftContext, looked: list[list[int]], tree_rows: list[bool], max_tokens: int,
                  max_nodes: int | None = None, trim: bool = False) -> Draft:
@@ -475,9 +446,7 @@ class LookupEagleDrafter(Drafter):
         tokens = torch.tensor([list(t) + [0] * (N - len(t)) for t, _ in rows], dtype=torch.long).reshape(B, N)
         parents = torch.tensor([list(p) + [0] * (N - len(p)) for _, p in rows], dtype=torch.long).reshape(B, N)
         counts = torch.tensor([len(t) for t, _ in rows], dtype=torch.long)
-        # the lookup learns only from rows that verify its guesses, and times the target step
-        # from here (the head's drafting is not part of it)
-        self.ngram.verified([0 if t else len(g) for g, t in zip(looked, tree_rows)])
+        # the lookup times the target step from here (the head's drafting is not part of it)
         self.ngram.step_tokens = N
         self.ngram.handed_over()
         self._t_end = time.perf_counter()
@@ -532,9 +501,7 @@ class LookupEagleDrafter(Drafter):
         self.eagle.commit(num_accepted, paths)
         if self._tree_rows is not None:
             got = [int(n) for n, t in zip(num_accepted, self._tree_rows) if t]
-            if got and self._seeded:  # the request's own gain (its first probe: a measurement, not a prior)
-                self.seeded_gain = ema(self.seeded_gain, sum(got) / len(got), 0.8)
-            elif got:
+            if got:
                 self.gain = ema(self.gain, sum(got) / len(got), 0.9)
             self._tree_rows = None
         if paths is not None:

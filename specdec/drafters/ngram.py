@@ -16,17 +16,26 @@ time,
 where r is the measured cost of one more verified token relative to a plain step (timed
 between successive `propose` calls and fitted by decayed least squares; 0.08 until
 measured). A 1-token match that rarely holds is then not proposed at all, while a long
-match in copied text is proposed in full. A policy that proposes nothing learns nothing, so
-after `probe_every` lookups of one match length declined in a row it proposes one guess
-anyway: a text that starts to copy, or a cost misjudged in a slow spell (a high r stops
-every guess, and only guessed steps can measure it again), is noticed within a few probes
-instead of never (one guess in 16 declined steps: ~0.5% of a step). `adaptive=False` gives
-the classic fixed rule.
-For a seeded sampled request the cut must not depend on measured times (they would change
-how many guesses a step verifies, so which random numbers verification draws, and the same
-seed would give another text): such a request gets a policy of its own, started afresh at
-`begin`, that learns acceptance from that request alone and prices a guess at the fixed
-prior r = 0.08. Its lengths then follow only from the text and the seed.
+match in copied text is proposed in full.
+
+Acceptance is learnt from every lookup, proposed or not: each step's whole lookup is scored
+against the text that was then committed (guess i "holds" if the committed token at its
+position equals it, given that the guesses before it held). For a guess that was verified
+this is its verification's outcome; for one that was not, it is the outcome verifying it
+would have had: in greedy decoding the committed text is the target's argmax chain, and in
+sampled decoding every committed token is distributed as the target's (the point of the
+rejection rule), so the chance that it equals a one-hot guess is the chance that the guess
+would have been accepted. The policy therefore learns as fast from declined lookups as from
+proposed ones, and needs no exploration to notice a text that starts to copy. What declined
+lookups cannot measure is the cost of a verified guess: after `probe_every` lookups of one
+match length declined in a row the policy proposes one guess anyway, so a cost misjudged in a
+slow spell (a high r stops every guess, and only guessed steps can measure it again) is
+noticed within a few probes (one guess in 16 declined steps: ~0.5% of a step).
+`adaptive=False` gives the classic fixed rule.
+Sampled requests, seeded or not, are cut by the same policy: lookups are deterministic
+guesses, and with those a seeded request commits the text plain sampling commits with its seed
+however many guesses each step verifies (verify.py, "sample and compare"), so measured times
+may decide its lengths.
 `choose_length=False` leaves the cut to the caller (the server's batcher).
 """
 
@@ -38,7 +47,7 @@ import time
 import torch
 
 from ..core.policy import CARRIED_COUNTS, FIT_DECAY, PROBE_EVERY, DecayedLine, best_prefix, carried, counts_ok
-from .base import Draft, DraftContext, Drafter, register, timing_free
+from .base import Draft, DraftContext, Drafter, register
 
 
 def lookup_match(tokens: list[int], max_tokens: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
@@ -106,9 +115,9 @@ class LengthPolicy:
 
     def __init__(self, max_n: int, max_k: int, decay: float = FIT_DECAY, r_prior: float = 0.08,
                  clock: bool = True, probe_every: int = PROBE_EVERY) -> None:
-        """clock=False: price a guess at r_prior always, never at a measured cost (a seeded sample's
-        lengths must not depend on timing). probe_every: propose one guess after this many
-        lookups of a match length declined in a row (0: never)."""
+        """clock=False: price a guess at r_prior always, never at a measured cost (lengths that
+        follow from the text alone, as tests need them). probe_every: propose one guess after
+        this many lookups of a match length declined in a row (0: never)."""
         self.decay = decay
         self.clock = clock
         self.probe_every = probe_every
@@ -211,53 +220,47 @@ class NgramDrafter(Drafter):
     cost_hint = 0.0
 
     def __init__(self, min_n: int = 1, max_n: int = 4, adaptive: bool = True, max_k: int = 16,
-                 choose_length: bool = True, seeded_cut: bool = True) -> None:
+                 choose_length: bool = True) -> None:
         """adaptive: learn acceptance per (match length, position); choose_length: also cut each
         lookup to the length that pays (False: propose whole lookups and let the caller cap them,
-        as the server's batcher does with its own cost model); seeded_cut: cut a seeded sample's
-        lookups with a clockless policy of its own (False: propose them whole;
-        benchmarks/seeded_lookup.py compares the two)."""
+        as the server's batcher does with its own cost model)."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.policy = LengthPolicy(max_n, max_k) if adaptive else None
         self.gates_itself = adaptive  # the length policy prices every guess (the engine guards batches only)
-        self.seeded_policy: LengthPolicy | None = None  # for a seeded sample (see the module docstring)
-        self._learner = self.policy  # the policy the last proposal came from (commit feeds it)
         self.max_k = max_k
-        self.seeded_cut = seeded_cut
         self.choose_length = choose_length
         self._last: list[tuple[int, int]] | None = None  # per row (n, proposed) of the last proposal
         self._t_end: float | None = None  # when the last proposal was handed over
         self._index: list[SuffixIndex] = []  # per row: its context's n-grams (lookups without a scan)
+        # per row: lookups not yet scored against the text that followed them (module docstring):
+        # (position of the first guess in the row's tokens, match length, the whole lookup)
+        self._open: list[list[tuple[int, int, list[int]]]] = []
         self.step_tokens = 0  # guesses the target verifies this step (a wrapping drafter may raise it)
 
     def begin(self, prompts, params, max_len) -> None:
         self._last = None
         self._index = []
+        self._open = []
         self._t_end = None  # a new request's prefill must not count as a step
-        # a seeded sample: a fresh policy that never reads the clock (lengths from the text alone)
-        fresh = self.policy is not None and self.seeded_cut and timing_free(params)
-        self.seeded_policy = LengthPolicy(self.max_n, self.max_k, clock=False) if fresh else None
-
-    def _policy(self, params) -> LengthPolicy | None:
-        """The policy that cuts this request's lookups (None: propose them whole)."""
-        if timing_free(params):
-            return self.seeded_policy
-        return self.policy
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         now = time.perf_counter()
         if self.policy is not None and self._t_end is not None and self._last is not None:
             self.policy.observe_time(self.step_tokens, now - self._t_end)
         guesses, last = [], []
-        pol = self._policy(ctx.params)  # None: no cut (a seeded row of a batch that began unseeded)
-        self._learner = pol if pol is not None else self.policy
+        pol = self.policy
         cut = pol is not None and self.choose_length
         while len(self._index) < len(ctx.tokens):  # a row joined (the server) or a new request
             self._index.append(SuffixIndex(self.min_n, self.max_n))
-        for t, index in zip(ctx.tokens, self._index):
+            self._open.append([])
+        for t, index, open_ in zip(ctx.tokens, self._index, self._open):
             n, g = index.match(t, max_tokens)
+            if pol is not None:
+                self._score(open_, t)
+                if g:
+                    open_.append((len(t), n, g))
             if g and cut:
                 g = g[: pol.choose(n, len(g))]
             guesses.append(g)
@@ -268,6 +271,24 @@ class NgramDrafter(Drafter):
         tokens = torch.tensor([list(g) + [0] * (N - len(g)) for g in guesses], dtype=torch.long).reshape(B, N)
         self._t_end = time.perf_counter()
         return Draft(tokens, torch.tensor([len(g) for g in guesses], dtype=torch.long))
+
+    def _score(self, open_: list[tuple[int, int, list[int]]], tokens: list[int]) -> None:
+        """Score a row's open lookups against its committed `tokens` (module docstring): each
+        lookup whose outcome the text settles (a guess that differs, or all of them matched)
+        teaches the policy and is dropped; the others wait for more text."""
+        waiting = []
+        for start, n, guesses in open_:
+            known = tokens[start : start + len(guesses)]
+            held = 0
+            while held < len(known) and known[held] == guesses[held]:
+                held += 1
+            if held < len(known):  # guess `held` differs from the text: the ones before it held
+                self.policy.observe(n, held + 1, held)
+            elif held == len(guesses):
+                self.policy.observe(n, held, held)
+            elif start <= len(tokens):
+                waiting.append((start, n, guesses))
+        open_[:] = waiting
 
     def skip(self) -> None:
         """The engine decodes a step without drafting: do not time across it."""
@@ -291,29 +312,16 @@ class NgramDrafter(Drafter):
             return None
         return [self.policy.expected(n, p) for n, p in self._last or []]
 
-    def whole(self, tokens: list[int], max_tokens: int) -> list[int]:
-        """A context's whole lookup, up to max_tokens, uncut by any policy."""
-        return lookup(tokens, max_tokens, self.min_n, self.max_n)
-
-    def verified(self, lengths: list[int]) -> None:
-        """Only the first lengths[b] guesses of row b's last proposal were verified (a caller
-        capped them): acceptance is then learnt from those alone."""
-        if self._last is not None:
-            self._last = [(n, min(p, int(m))) for (n, p), m in zip(self._last, lengths)]
-
     def commit(self, num_accepted, paths=None) -> None:
-        pol = self._learner
-        if pol is None or self._last is None:
-            return
-        for (n, p), a in zip(self._last, num_accepted):
-            if p:
-                pol.observe(n, p, int(a))
+        """Nothing to do: acceptance is learnt from the committed text at the next proposal
+        (`_score`), for verified and unverified guesses alike."""
 
     def keep_rows(self, rows) -> None:
         rows = list(rows)
         if self._last is not None:  # a row that joined since the last proposal has none: that step is over
             self._last = [self._last[r] for r in rows] if all(r < len(self._last) for r in rows) else None
         self._index = [self._index[r] for r in rows] if all(r < len(self._index) for r in rows) else []
+        self._open = [self._open[r] for r in rows] if all(r < len(self._open) for r in rows) else []
 
     def learned(self) -> dict | None:
         """What the length policy learned (None without one), for a later run (learned.py)."""

@@ -36,15 +36,17 @@ draft doubts. Each request's prompt goes into the draft's cache when it joins. T
 chosen as above, from the draft's measured acceptance per position (the share of row-steps
 allowed a j-th guess in which the j-th guess held) and its measured drafting time per token
 (a line in the number of rows); K = 0 skips the draft model for the step (it catches up on
-the next). Seeded sampled rows take no draft-model guesses (whether the draft's argmax tips
-could depend on the rows around them), so their text does not depend on the load.
+the next). Every guess the batcher asks for is deterministic (drafters are asked with greedy
+params), so a seeded sampled row commits the text plain sampling draws with its seed whatever
+was guessed for it (verify.py, "sample and compare"): seeded rows speculate like any other, and
+their text does not depend on the load.
 Method `auto` with a draft model (instead of an EAGLE head) keeps prompt lookup beside it:
 per step and row, the lookup or the draft model's guesses, whichever promises more tokens
-per second under the cap (`LoadPolicy.choose_draft`); seeded rows take their whole lookups as above.
+per second under the cap (`LoadPolicy.choose_draft`).
 
 Any other drafter (Medusa, an EAGLE head alone, one written against `drafters.Drafter`) runs
 as `Engine.generate` runs it: the batch guard decides whether a step speculates, rows are capped
-by their own cap and room, seeded sampled rows take no guesses (`_propose_generic`). Every
+by their own cap and room (`_propose_generic`). Every
 method scores, verifies and commits through the step `Engine` uses (`core.step.run_step`).
 
 This module knows nothing about HTTP or text: it takes token ids and sampling settings and
@@ -75,7 +77,7 @@ import torch
 from .. import threads
 from ..core.policy import BatchGuard, LoadPolicy
 from ..core.step import run_step
-from ..drafters.base import Draft, DraftContext, Drafter, timing_free
+from ..drafters.base import Draft, DraftContext, Drafter
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter
 from ..sampling import choose, make_generator
@@ -385,7 +387,7 @@ class ContinuousBatcher:
         if req.score_only:
             self._finish(req, "length")
             return
-        first = int(choose(logits[:, -1], req.params, req.generator)[0])
+        first = int(choose(logits[:, -1], req.params, req.generator, rows=[0], positions=[L])[0])
         slot = len(self.rows)
         if self.trees or self.drafting or self.generic:
             self.drafter.add_row(self.max_context, list(req.prompt))
@@ -527,14 +529,9 @@ class ContinuousBatcher:
                 d = self.lookup.propose(ctx, self.k_max)
                 guesses = [g[:c] for g, c in zip(d.tokens.tolist(), d.counts.tolist())]
                 gains = self.lookup.expected_tokens()
-        # a seeded sample never drafts a tree: which rows share its batch could tip the head's
-        # near-ties and so change which random numbers its verification draws
-        tree_ok = [self.trees and r.trees and self.k_max > 0 and not timing_free(r.params) and r.spec_k != 0
-                   for r in self.rows]
-        # rows that may take the draft model's guesses (method draft, or auto with a draft model):
-        # not a seeded sample (whether the draft's argmax tips could depend on the rows around it)
-        draft_ok = [self.drafting and r.trees and self.k_max > 0 and not timing_free(r.params) and r.spec_k != 0
-                    for r in self.rows]
+        tree_ok = [self.trees and r.trees and self.k_max > 0 and r.spec_k != 0 for r in self.rows]
+        # rows that may take the draft model's guesses (method draft, or auto with a draft model)
+        draft_ok = [self.drafting and r.trees and self.k_max > 0 and r.spec_k != 0 for r in self.rows]
         use_draft = [False] * A
         step = self.totals["steps"]  # the probing phase
         if self.drafting:
@@ -544,7 +541,7 @@ class ContinuousBatcher:
             s.k, use_tree = self.policy.choose_k(guesses, gains, step, tree_ok, self.drafter if self.trees else None)
         if s.k > 0 and self.guard is not None and not self.guard.speculate(A):
             s.k, use_tree, use_draft = 0, [False] * A, [False] * A
-        s.caps = self._caps(s, guesses)
+        s.caps = self._caps(s)
         s.use_draft = [u and c > 0 for u, c in zip(use_draft, s.caps)]
         s.guesses = [[] if u else g[:c] for g, c, u in zip(guesses, s.caps, s.use_draft)]
         s.drafted_k = max((c for c, u in zip(s.caps, s.use_draft) if u), default=0)
@@ -566,15 +563,12 @@ class ContinuousBatcher:
     def _propose_generic(self, s: _Step) -> _Step:
         """A drafter alone, through the protocol, as `Engine` runs it: the batch guard decides
         whether this step speculates, each row is capped by its own cap and room, and the
-        drafter proposes greedy guesses (q one-hot, exact for sampled rows too). Seeded sampled
-        rows take no guesses (the drafter's near-ties could depend on the rows beside them), so
-        their text does not depend on the load."""
+        drafter proposes greedy guesses (q one-hot, exact for sampled rows too)."""
         k = self.k_max
         if k > 0 and self.guard is not None and not self.guard.speculate(s.A):
             k = 0
         s.k = k
-        s.caps = [0 if timing_free(r.params) else max(0, min(k, r.spec_k if r.spec_k is not None else k, room))
-                  for r, room in zip(self.rows, s.room)]
+        s.caps = [max(0, min(k, r.spec_k if r.spec_k is not None else k, room)) for r, room in zip(self.rows, s.room)]
         s.use_tree, s.use_draft = [False] * s.A, [False] * s.A
         if max(s.caps) == 0:
             if self.drafter.may_skip:
@@ -603,24 +597,10 @@ class ContinuousBatcher:
         self.last_k = s.K
         return s
 
-    def _caps(self, s: _Step, guesses: list[list[int]]) -> list[int]:
-        """Each row's cap on guesses this step: the step's K within its own cap and room; a
-        seeded sample takes its whole lookup up to its own cap, whatever the load, so the same
-        seed draws the same random numbers and gives the same text (load-aware mode already
-        proposed whole lookups; --fixed-k's drafter may have cut this one), and no draft-model
-        guesses (see the module docstring)."""
-        caps = []
-        for b, r in enumerate(self.rows):
-            own = r.spec_k if r.spec_k is not None else self.k_max
-            if timing_free(r.params) and self.lookup is not None:
-                if self.lookup.choose_length:
-                    guesses[b] = self.lookup.whole(r.context, self.k_max)
-                caps.append(max(0, min(self.k_max, own, s.room[b])))
-            elif self.drafting and timing_free(r.params):
-                caps.append(0)
-            else:
-                caps.append(max(0, min(s.k, own, s.room[b])))
-        return caps
+    def _caps(self, s: _Step) -> list[int]:
+        """Each row's cap on guesses this step: the step's K within its own cap and room."""
+        return [max(0, min(s.k, r.spec_k if r.spec_k is not None else self.k_max, room))
+                for r, room in zip(self.rows, s.room)]
 
     def _draft_model_guesses(self, s: _Step) -> None:
         """The draft model's guesses for the rows that take them (its drafting time measured)."""
@@ -664,10 +644,8 @@ class ContinuousBatcher:
                 self.drafter.commit([int(n) if u else 0 for n, u in zip(n_acc, s.use_draft)])
                 self.policy.observe_draft([c if u else 0 for c, u in zip(s.caps, s.use_draft)], n_acc.tolist())
             if self.lookup is not None and s.K > 0:
-                self.lookup.verified([0 if u else len(g) for g, u in zip(s.guesses, s.use_draft)])
                 self.lookup.commit(n_acc.tolist())
         elif self.drafter is not None and s.K > 0:
-            self.drafter.verified([len(g) for g in s.guesses])
             self.drafter.commit(n_acc.tolist())
 
     def _record(self, s: _Step, n_acc: torch.Tensor, dt: float) -> None:
