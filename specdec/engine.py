@@ -155,21 +155,27 @@ class Engine:
                       results, guard, on_tokens, stop_fn, wants_hidden=drafter is not None and drafter.needs_hidden)
 
     def _prefill(self, b: "_Batch", prompts) -> list[bool]:
-        """Right-padded prompts in one forward, each row's first token from the logits at its last
-        prompt token; returns which rows go on."""
+        """Each prompt in a forward of its own, its cache copied into its row (a padded batch
+        attends through a mask, whose sums differ from a lone prompt's in the last bits, and
+        8-bit activations can turn that into another token: a prompt's text would depend on its
+        batch); each row's first token from the logits at its last prompt token. Returns which
+        rows go on."""
         t0 = time.perf_counter()
         B = len(prompts)
-        lens = torch.tensor([len(p) for p in prompts])
-        T = int(lens.max())
-        toks = torch.zeros(B, T, dtype=torch.long)
+        lens = [len(p) for p in prompts]
+        rows = []  # per prompt: (logits at its last token [1, V], hidden states [L, D])
         for i, p in enumerate(prompts):
-            toks[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        pos = torch.arange(T)[None, :].expand(B, T)
-        logits, hidden = self.model(toks, pos, b.cache, logits_at=(lens - 1)[:, None])
-        b.cache.truncate(lens)
+            L = len(p)
+            one = self.model.new_cache(1, L + 1) if B > 1 else b.cache
+            logits, hidden = self.model(torch.tensor([p], dtype=torch.long), torch.arange(L)[None], one,
+                                        logits_at=torch.tensor([[L - 1]]))
+            one.truncate(L)
+            if one is not b.cache:
+                b.cache.fill_row(i, one)
+            rows.append((logits[:, 0], hidden[0, :L]))
         # target features of committed positions not yet handed to a drafter that reads them (EAGLE)
-        b.feats = [[hidden[i, : len(p)]] if b.wants_hidden else [] for i, p in enumerate(prompts)]
-        first = choose(logits[:, 0], b.params, b.gen, rows=list(range(B)), positions=lens.tolist())
+        b.feats = [[hidden] if b.wants_hidden else [] for _, hidden in rows]
+        first = choose(torch.cat([lg for lg, _ in rows]), b.params, b.gen, rows=list(range(B)), positions=lens)
         prefill_s = time.perf_counter() - t0
         for r in b.results:
             r.stats.prefill_s = prefill_s

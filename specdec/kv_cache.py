@@ -167,6 +167,14 @@ class KVCache:
         self._view(B + n)
         self.lengths = torch.cat([self.lengths, other.lengths])
 
+    def fill_row(self, row: int, one: "KVCache") -> None:
+        """Row `row` takes the committed entries of `one`'s single row (a prompt prefilled alone)."""
+        n = int(one.lengths[0])
+        for layer in range(len(self.k)):
+            self.k[layer][row, :, :n] = one.k[layer][0, :, :n]
+            self.v[layer][row, :, :n] = one.v[layer][0, :, :n]
+        self.lengths[row] = n
+
     def reorder_rows(self, rows: torch.Tensor) -> None:
         """Keep/permute batch rows (used when finished rows leave a batch)."""
         order = [int(r) for r in torch.as_tensor(rows).tolist()]

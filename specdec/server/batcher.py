@@ -393,10 +393,8 @@ class ContinuousBatcher:
             self.drafter.add_row(self.max_context, list(req.prompt))
         if self.feeds_hidden:
             req.feats = [hidden[0, :L]]
-        for layer in range(len(self.cache.k)):
-            self.cache.k[layer][slot, :, :L] = one.k[layer][0, :, :L]
-            self.cache.v[layer][slot, :, :L] = one.v[layer][0, :, :L]
-        self.cache.lengths[slot] = L
+        one.truncate(L)
+        self.cache.fill_row(slot, one)
         req.context = list(req.prompt) + [first]
         req.first_token_s = time.perf_counter() - req.submitted
         self.rows.append(req)
