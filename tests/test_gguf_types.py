@@ -121,15 +121,15 @@ def saturated_case(t: int, n: int, k: int, seed: int):
 def test_act8_k_quants_at_their_extremes_and_every_row_count(t):
     """gguf_linear_q8 on K-quant blocks whose quants are all at their largest, by activations that
     round to +-127 everywhere (the int16 sums of products at their largest magnitude) and by random
-    ones, for every row count 1-17 (the 8-row tiles of the integer path, full and ragged, one and
-    several; one block and three): the rounded activations' product within float32 rounding, and
-    each row bit for bit the row computed alone."""
+    ones, for every row count 1-17 and 32, 33 (the 16-row tiles of the integer path, full and
+    ragged, one and several; one block and three): the rounded activations' product within float32
+    rounding, and each row bit for bit the row computed alone."""
     ops = need_kernels("rowstable")
     g = torch.Generator().manual_seed(t)
     for n, k in [(5, 256), (29, 768)]:
         raw, w = saturated_case(t, n, k, seed=t + k)
         wd = w.double().numpy()
-        for m in range(1, 18):
+        for m in [*range(1, 18), 32, 33]:
             x = act8_inputs(m, k, g)
             x[m // 2] = 1.0 if m % 2 else -1.0  # q = +-127 in every slice
             y = ops.gguf_linear_q8(x, raw, t, n, k)

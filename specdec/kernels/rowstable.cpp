@@ -569,7 +569,7 @@ void gguf_columns(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
 // F32 / F16 / BF16 compute as in gguf_linear.
 
 constexpr int64_t INT_MR = 4;  // activation rows a tile of the block types' integer path takes at most
-constexpr int64_t KQ_MR = 8;  // and of the K-quants' (int_tile)
+constexpr int64_t KQ_MR = 16;  // and of the K-quants' (int_tile)
 
 // Interleaves 8 parts of 32 bytes, as 8 int16 lanes (byte pairs) in each 128-bit half: afterwards
 // vector k's lane L (of each half) holds lane k of part L's half. quantize_rows_q8 stores the
@@ -722,22 +722,26 @@ struct IntQ6_K {  // the quants without their offset 32 (q - 32 = quants - 32: c
   }
 };
 
-// MR activation rows x 1 weight row over nb 256-blocks. A block's quants are decoded and interleaved
-// once for the MR rows; each row then sums its 8 interleaved products in int16 (GROUP at a time) and
-// multiplies them by the part scales with one _mm256_madd_epi16 a group: 8 / GROUP multiplies a
-// block and row, against 8 when each part took its own (and 9-12 instead of 16 multiply
-// instructions, the ones that limit a tile of several rows). The integer sums are exact, and their
-// lanes hold the same numbers for any MR. Per output: a float32 vector accumulation, block by block,
-// of d * dx times the 8 int32 lanes of the scaled dot products and c * dx times those of the
-// correction (FOLD: d * dx times their difference); out = hsum8 of it.
+// mr (<= KQ_MR) activation rows x 1 weight row over nb 256-blocks. A block's quants are decoded and
+// interleaved once for the mr rows; each row then sums its 8 interleaved products in int16 (GROUP at a
+// time) and multiplies them by the part scales with one _mm256_madd_epi16 a group: 8 / GROUP
+// multiplies a block and row where each part took its own before (9-12 multiply instructions instead
+// of 16, the ones that limited a tile of several rows). The integer sums are exact, and their lanes
+// hold the same numbers for any mr. Per output: a float32 vector accumulation, block by block, of
+// d * dx times the 8 int32 lanes of the scaled dot products and c * dx times those of the correction
+// (FOLD: d * dx times their difference); out = hsum8 of it. MR: the row count as a constant (1-8),
+// or 0: mr_ rows (9-16), a loop with its accumulators in memory (on 2-8 rows ~5-15% slower than the
+// constant counts, one thread).
 // int_columns reads one weight row at a time, front to back (the access the hardware prefetchers
 // follow best), and prefetches >= 4 KB ahead: a 1-token product read cold from memory ran 1.2-1.6x
 // faster so than with tiles of 4 interleaved weight rows 1 tile ahead (one thread, Zen 3). noinline:
 // GCC otherwise inlined some tiles into their callers, and a 1536-wide Q4_K product ran ~15% slower so.
 template <class D, int MR>
-__attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, float* y, int64_t ldy) {
-  __m256 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+__attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int mr_, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, float* y,
+                                        int64_t ldy) {
+  const int mr = MR ? MR : mr_;
+  __m256 acc[MR ? MR : KQ_MR];
+  for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t pf = rb * std::max<int64_t>(1, (4096 + rb - 1) / rb);  // >= 4 KB ahead, in a later row
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* pb = w + b * D::BB;
@@ -747,7 +751,7 @@ __attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int64_t 
     __m256i wq[8];
     for (int s = 0; s < 8; ++s) wq[s] = D::quants(pb, s);
     interleave_parts(wq);
-    for (int i = 0; i < MR; ++i) {
+    for (int i = 0; i < mr; ++i) {
       const int8_t* xq = xr.q.data() + (row0 + i) * K + b * 256;
       __m256i isum = _mm256_setzero_si256();
       for (int g = 0; g < 8; g += D::GROUP) {
@@ -767,7 +771,7 @@ __attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int64_t 
       }
     }
   }
-  for (int i = 0; i < MR; ++i) y[i * ldy] = hsum8(acc[i]);
+  for (int i = 0; i < mr; ++i) y[i * ldy] = hsum8(acc[i]);
 }
 
 // The 32-weight block types on 8-bit activations (llama.cpp's ggml_vec_dot_q*_q8_0 / _q8_1): a block
@@ -872,14 +876,15 @@ void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* wn = w + n * rb;
         switch (mr) {
-          case 1: int_tile<D, 1>(xr, m, K, wn, rb, K / 256, ym + n, ldy); break;
-          case 2: int_tile<D, 2>(xr, m, K, wn, rb, K / 256, ym + n, ldy); break;
-          case 3: int_tile<D, 3>(xr, m, K, wn, rb, K / 256, ym + n, ldy); break;
-          case 4: int_tile<D, 4>(xr, m, K, wn, rb, K / 256, ym + n, ldy); break;
-          case 5: int_tile<D, 5>(xr, m, K, wn, rb, K / 256, ym + n, ldy); break;
-          case 6: int_tile<D, 6>(xr, m, K, wn, rb, K / 256, ym + n, ldy); break;
-          case 7: int_tile<D, 7>(xr, m, K, wn, rb, K / 256, ym + n, ldy); break;
-          default: int_tile<D, 8>(xr, m, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 1: int_tile<D, 1>(xr, m, 1, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 2: int_tile<D, 2>(xr, m, 2, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 3: int_tile<D, 3>(xr, m, 3, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 4: int_tile<D, 4>(xr, m, 4, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 5: int_tile<D, 5>(xr, m, 5, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 6: int_tile<D, 6>(xr, m, 6, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 7: int_tile<D, 7>(xr, m, 7, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 8: int_tile<D, 8>(xr, m, 8, K, wn, rb, K / 256, ym + n, ldy); break;
+          default: int_tile<D, 0>(xr, m, static_cast<int>(mr), K, wn, rb, K / 256, ym + n, ldy); break;
         }
       }
     }
