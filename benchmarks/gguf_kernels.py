@@ -11,7 +11,8 @@ printing medians:
   576x576, 960x576 fused qkv, 3072x576 fused gate/up, 576x1536, 49152x576 head), M = 1..6;
 - `ab`: gguf_linear_q8 of this tree's kernels against those of git revision `--base` (its
   rowstable.cpp built beside them under another op namespace, in the same process), interleaved,
-  on weights read cold from memory (copies rotated past the caches' size); checks the two agree;
+  on weights read cold from memory (copies rotated past the caches' size; on one thread CPU time, as
+  `verify`); checks the two agree;
 - `verify`: one forward of the real 1.5B target (benchmarks/qwen_pair.py's Q4_K_M file, 8-bit
   activations) over T = 1, 2, 4, 8, 16 new tokens after a 100-token context (a verification step),
   its GGUF projections switched between this tree's gguf_linear_q8 / gguf_linear_cat_q8 and those
@@ -59,7 +60,7 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def interleaved(variants: dict, reps: int, budget_s: float) -> dict[str, tuple[float, float]]:
+def interleaved(variants: dict, reps: int, budget_s: float, clock=time.perf_counter) -> dict[str, tuple[float, float]]:
     """(median, minimum) seconds a call of each variant, calling them in turn `reps` times (at least
     3; fewer once budget_s has passed), after one warm-up call each. The minimum is shown beside the
     median because other processes on a shared machine stretch single calls."""
@@ -69,12 +70,18 @@ def interleaved(variants: dict, reps: int, budget_s: float) -> dict[str, tuple[f
     t_start = time.perf_counter()
     for r in range(reps):
         for k, f in variants.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             f()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(clock() - t0)
         if r >= 2 and time.perf_counter() - t_start > budget_s:
             break
     return {k: (statistics.median(v), min(v)) for k, v in times.items()}
+
+
+def one_thread_clock():
+    """The clock of the A/B comparisons: on one thread the calling thread's CPU time (a shared
+    machine's other processes preempt a call, which wall time counts); on several, wall time."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
 
 def bandwidth(reps: int) -> None:
@@ -161,7 +168,7 @@ def ab_table(ops, base, rev: str, types: list[str], shapes: list[tuple[int, int]
                 def call(op):
                     return lambda: op.gguf_linear_q8(x, raws[next(turn) % len(raws)], t, n, k)
 
-                res = interleaved({"base": call(base), "this": call(ops)}, reps, 30)
+                res = interleaved({"base": call(base), "this": call(ops)}, reps, 30, one_thread_clock())
                 (bm, bb), (tm, tb) = res["base"], res["this"]
                 print(f"| {name} | {n}x{k} | {m} | {bm * 1e3:.3f} ({one.size / bm / 1e9:.1f}) | {tm * 1e3:.3f} "
                       f"({one.size / tm / 1e9:.1f}) | {bm / tm:.2f} | {bb / tb:.2f} |", flush=True)
@@ -185,9 +192,7 @@ def verify_table(ops, base, rev: str, reps: int) -> None:
             if lin.op_cat is not None:
                 lin.op_cat = getattr(ns, "gguf_linear_cat_q8")
 
-    # one thread: the calling thread's CPU time (a shared machine's other processes preempt a step,
-    # which wall time counts); several: wall time
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    clock = one_thread_clock()
     P, Ts = 100, (1, 2, 4, 8, 16)
     ctx = torch.randint(1000, 20000, (1, P + max(Ts)), generator=torch.Generator().manual_seed(0))
     cache = m.new_cache(1, 512)
