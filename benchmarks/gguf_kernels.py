@@ -1,6 +1,6 @@
 """Speed of the row-stable GGUF kernels (torch.ops.specdec_rs.gguf_linear) on random blocks.
 
-Three parts, each timing its variants interleaved (one call of each in turn, repeated) and
+Five parts, each timing its variants interleaved (one call of each in turn, repeated) and
 printing medians:
 - `bandwidth`: the machine's memory bandwidth, as a large torch copy (bytes read + written) and a
   large sum (bytes read), to compare the kernels' GB/s with;
