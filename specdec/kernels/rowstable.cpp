@@ -666,17 +666,35 @@ struct KInt {
   __m256i scl, coef;
 };
 
-// The 8 parts' int16 products p[s] of one row (natural order) summed as the interleaved path sums
-// them: lane L of each 128-bit half = the sum of part L's 8 lanes in that half (interleave_parts'
-// network with an add at each level: 21 instructions against its 24 on the weights and 7 adds).
-// In int16: for Q4_K only (8 products of at most 3810).
-inline __m256i reduce_parts(const __m256i p[8]) {
+// One row's int32 sums from its 8 parts' int16 products p[s] (natural order): the numbers the
+// interleaved path's lanes hold (lane j of each 128-bit half: the scale of part 2j times the sum of
+// its 8 lanes in that half, plus the same of part 2j + 1), by interleave_parts' network with an add
+// at each level, in int16 while GROUP allows (8: all three levels; 4: two, then the scales' multiply
+// on both halves of the last; 2: one, then the multiply by each pair's scales and the other two
+// levels in int32). 21-37 instructions a block against the 24 of interleaving a block's weights,
+// 7-15 of adding the interleaved products, and the multiplies.
+template <int GROUP>
+inline __m256i reduce_parts(const __m256i p[8], __m256i scl) {
   __m256i a[4], b[2];
   for (int k = 0; k < 4; ++k)
     a[k] = _mm256_add_epi16(_mm256_unpacklo_epi16(p[2 * k], p[2 * k + 1]), _mm256_unpackhi_epi16(p[2 * k], p[2 * k + 1]));
-  for (int h = 0; h < 2; ++h)
-    b[h] = _mm256_add_epi16(_mm256_unpacklo_epi32(a[2 * h], a[2 * h + 1]), _mm256_unpackhi_epi32(a[2 * h], a[2 * h + 1]));
-  return _mm256_add_epi16(_mm256_unpacklo_epi64(b[0], b[1]), _mm256_unpackhi_epi64(b[0], b[1]));
+  if constexpr (GROUP == 2) {  // a[k]: parts 2k, 2k + 1 alternating; times their scales, pairs of int32
+    __m256i c[4];
+    c[0] = _mm256_madd_epi16(a[0], _mm256_shuffle_epi32(scl, 0x00));
+    c[1] = _mm256_madd_epi16(a[1], _mm256_shuffle_epi32(scl, 0x55));
+    c[2] = _mm256_madd_epi16(a[2], _mm256_shuffle_epi32(scl, 0xAA));
+    c[3] = _mm256_madd_epi16(a[3], _mm256_shuffle_epi32(scl, 0xFF));
+    for (int h = 0; h < 2; ++h)
+      b[h] = _mm256_add_epi32(_mm256_unpacklo_epi32(c[2 * h], c[2 * h + 1]), _mm256_unpackhi_epi32(c[2 * h], c[2 * h + 1]));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(b[0], b[1]), _mm256_unpackhi_epi64(b[0], b[1]));
+  } else {
+    for (int h = 0; h < 2; ++h)
+      b[h] = _mm256_add_epi16(_mm256_unpacklo_epi32(a[2 * h], a[2 * h + 1]), _mm256_unpackhi_epi32(a[2 * h], a[2 * h + 1]));
+    if constexpr (GROUP == 8)
+      return _mm256_madd_epi16(_mm256_add_epi16(_mm256_unpacklo_epi64(b[0], b[1]), _mm256_unpackhi_epi64(b[0], b[1])), scl);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi64(b[0], b[1]), scl),
+                            _mm256_madd_epi16(_mm256_unpackhi_epi64(b[0], b[1]), scl));
+  }
 }
 
 struct IntQ4_K {
@@ -736,8 +754,22 @@ struct IntQ6_K {  // the quants without their offset 32 (q - 32 = quants - 32: c
   }
 };
 
+// a block's float part for one row (slice xb of the activations): acc += d * dx * isum, accc +=
+// c * dx * the correction (FOLD: acc += d * dx * (isum - the correction))
+template <class D>
+inline void accumulate(__m256i isum, const KInt& st, const Q8Rows& xr, int64_t xb, __m256& acc, __m256& accc) {
+  const __m256 dx = _mm256_broadcast_ss(xr.d.data() + xb);
+  const __m256i corr = _mm256_madd_epi16(st.coef, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bsum.data() + xb * 16)));
+  if constexpr (D::FOLD) {
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(st.d, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, corr)), acc);
+  } else {
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(st.d, dx), _mm256_cvtepi32_ps(isum), acc);
+    accc = _mm256_fmadd_ps(_mm256_mul_ps(st.c, dx), _mm256_cvtepi32_ps(corr), accc);
+  }
+}
+
 // mr (<= KQ_MR) activation rows x 1 weight row over nb 256-blocks. A block's quants are decoded and
-// interleaved once for the mr rows; each row then sums its 8 interleaved products in int16 (GROUP at a
+// interleaved once for the mr rows (one row: not interleaved; its products go through reduce_parts); each row then sums its 8 interleaved products in int16 (GROUP at a
 // time) and multiplies them by the part scales with one _mm256_madd_epi16 a group: 8 / GROUP
 // multiplies a block and row where each part took its own before (9-12 multiply instructions instead
 // of 16, the ones that limited a tile of several rows). The integer sums are exact, and their lanes
@@ -766,15 +798,10 @@ __attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int mr_,
     D::prepare(pb, st);
     __m256i wq[8];
     for (int s = 0; s < 8; ++s) wq[s] = D::quants(pb, s);
-    if constexpr (MR == 1 && D::GROUP == 8) {  // one row: the products reduced instead (see reduce_parts)
+    if constexpr (MR == 1) {  // one row: its products reduced instead (the same int32 lanes)
       const int8_t* xq = xr.q.data() + row0 * K + b * 256;
       for (int s = 0; s < 8; ++s) wq[s] = _mm256_maddubs_epi16(wq[s], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s)));
-      const __m256i isum = _mm256_madd_epi16(reduce_parts(wq), st.scl);
-      const int64_t xb = row0 * (K / 256) + b;
-      const __m256 dx = _mm256_broadcast_ss(xr.d.data() + xb);
-      const __m256i corr = _mm256_madd_epi16(st.coef, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bsum.data() + xb * 16)));
-      acc[0] = _mm256_fmadd_ps(_mm256_mul_ps(st.d, dx), _mm256_cvtepi32_ps(isum), acc[0]);
-      accc[0] = _mm256_fmadd_ps(_mm256_mul_ps(st.c, dx), _mm256_cvtepi32_ps(corr), accc[0]);
+      accumulate<D>(reduce_parts<D::GROUP>(wq, st.scl), st, xr, row0 * (K / 256) + b, acc[0], accc[0]);
       continue;
     }
     interleave_parts(wq);
@@ -787,15 +814,7 @@ __attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int mr_,
           p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(wq[k], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * k))));
         isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p16, st.scl));
       }
-      const int64_t xb = (row0 + i) * (K / 256) + b;
-      const __m256 dx = _mm256_broadcast_ss(xr.d.data() + xb);
-      const __m256i corr = _mm256_madd_epi16(st.coef, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bsum.data() + xb * 16)));
-      if constexpr (D::FOLD) {
-        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(st.d, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, corr)), acc[i]);
-      } else {
-        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(st.d, dx), _mm256_cvtepi32_ps(isum), acc[i]);
-        accc[i] = _mm256_fmadd_ps(_mm256_mul_ps(st.c, dx), _mm256_cvtepi32_ps(corr), accc[i]);
-      }
+      accumulate<D>(isum, st, xr, (row0 + i) * (K / 256) + b, acc[i], accc[i]);
     }
   }
   for (int i = 0; i < mr; ++i) y[i * ldy] = hsum8(D::FOLD ? acc[i] : _mm256_add_ps(acc[i], accc[i]));
