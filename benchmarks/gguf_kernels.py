@@ -1,6 +1,6 @@
 """Speed of the row-stable GGUF kernels (torch.ops.specdec_rs.gguf_linear) on random blocks.
 
-Three parts, each timing its variants interleaved (one call of each in turn, repeated) and
+Five parts, each timing its variants interleaved (one call of each in turn, repeated) and
 printing medians:
 - `bandwidth`: the machine's memory bandwidth, as a large torch copy (bytes read + written) and a
   large sum (bytes read), to compare the kernels' GB/s with;
@@ -11,12 +11,20 @@ printing medians:
   576x576, 960x576 fused qkv, 3072x576 fused gate/up, 576x1536, 49152x576 head), M = 1..6;
 - `ab`: gguf_linear_q8 of this tree's kernels against those of git revision `--base` (its
   rowstable.cpp built beside them under another op namespace, in the same process), interleaved,
-  on weights read cold from memory (copies rotated past the caches' size); checks the two agree.
+  on weights read cold from memory (copies rotated past the caches' size; on one thread CPU time, as
+  `verify`); checks the two agree;
+- `verify`: one forward of the real 1.5B target (benchmarks/qwen_pair.py's Q4_K_M file, 8-bit
+  activations) over T = 1, 2, 4, 8, 16 new tokens after a 100-token context (a verification step),
+  its GGUF projections switched between this tree's gguf_linear_q8 / gguf_linear_cat_q8 and those
+  of `--base` (as in `ab`; the rest of the step is this tree's) in the same loaded model,
+  interleaved: ms and each T's cost over T = 1, medians (and the ratio of the best times); on one
+  thread the CPU time of the step, which another process's preemption does not stretch.
 
     python3 benchmarks/gguf_kernels.py bandwidth raw repack --threads 2
     python3 benchmarks/gguf_kernels.py raw --types Q4_K,Q6_K --m 1,4 --shapes 1536x1536,8960x1536
     python3 benchmarks/gguf_kernels.py bandwidth raw --threads 1 --types Q4_K,Q8_0 --m 1 --shapes 151936x1536,16384x8960
     python3 benchmarks/gguf_kernels.py ab --base main --threads 1 --types Q4_K,Q6_K --m 1,2,4
+    python3 benchmarks/gguf_kernels.py verify --base main --threads 1 --reps 9
 
 (the last: matrices far larger than the caches, read from memory, against the bandwidth figures)
 """
@@ -52,7 +60,7 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def interleaved(variants: dict, reps: int, budget_s: float) -> dict[str, tuple[float, float]]:
+def interleaved(variants: dict, reps: int, budget_s: float, clock=time.perf_counter) -> dict[str, tuple[float, float]]:
     """(median, minimum) seconds a call of each variant, calling them in turn `reps` times (at least
     3; fewer once budget_s has passed), after one warm-up call each. The minimum is shown beside the
     median because other processes on a shared machine stretch single calls."""
@@ -62,12 +70,18 @@ def interleaved(variants: dict, reps: int, budget_s: float) -> dict[str, tuple[f
     t_start = time.perf_counter()
     for r in range(reps):
         for k, f in variants.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             f()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(clock() - t0)
         if r >= 2 and time.perf_counter() - t_start > budget_s:
             break
     return {k: (statistics.median(v), min(v)) for k, v in times.items()}
+
+
+def one_thread_clock():
+    """The clock of the A/B comparisons: on one thread the calling thread's CPU time (a shared
+    machine's other processes preempt a call, which wall time counts); on several, wall time."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
 
 def bandwidth(reps: int) -> None:
@@ -154,16 +168,61 @@ def ab_table(ops, base, rev: str, types: list[str], shapes: list[tuple[int, int]
                 def call(op):
                     return lambda: op.gguf_linear_q8(x, raws[next(turn) % len(raws)], t, n, k)
 
-                res = interleaved({"base": call(base), "this": call(ops)}, reps, 30)
+                res = interleaved({"base": call(base), "this": call(ops)}, reps, 30, one_thread_clock())
                 (bm, bb), (tm, tb) = res["base"], res["this"]
                 print(f"| {name} | {n}x{k} | {m} | {bm * 1e3:.3f} ({one.size / bm / 1e9:.1f}) | {tm * 1e3:.3f} "
                       f"({one.size / tm / 1e9:.1f}) | {bm / tm:.2f} | {bb / tb:.2f} |", flush=True)
 
 
+def verify_table(ops, base, rev: str, reps: int) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from qwen_pair import fetch, load_target
+    from specdec.models.gguf_model import GGUFLinear
+
+    if not fetch("target").is_file():
+        sys.exit("verify: the 1.5B file is not here; run `python3 benchmarks/qwen_pair.py fetch` first")
+    m = load_target(True).model
+    lins = [mod for mod in m.modules() if isinstance(mod, GGUFLinear)]
+    if not all(lin.op is ops.gguf_linear_q8 for lin in lins):
+        sys.exit("verify: the model's projections are not on this tree's gguf_linear_q8 (SPECDEC_GGUF_ACT8=0?)")
+
+    def use(ns) -> None:
+        for lin in lins:
+            lin.op = getattr(ns, "gguf_linear_q8")
+            if lin.op_cat is not None:
+                lin.op_cat = getattr(ns, "gguf_linear_cat_q8")
+
+    clock = one_thread_clock()
+    P, Ts = 100, (1, 2, 4, 8, 16)
+    ctx = torch.randint(1000, 20000, (1, P + max(Ts)), generator=torch.Generator().manual_seed(0))
+    cache = m.new_cache(1, 512)
+    times = {(k, T): [] for k in ("base", "this") for T in Ts}
+    with torch.inference_mode():
+        m(ctx[:, :P], torch.arange(P)[None], cache)
+        for _ in range(reps):
+            for T in Ts:
+                for k, ns in (("base", base), ("this", ops)):
+                    use(ns)
+                    cache.truncate(torch.tensor([P]))
+                    t0 = clock()
+                    m(ctx[:, P:P + T], torch.arange(P, P + T)[None], cache)
+                    times[(k, T)].append(clock() - t0)
+    use(ops)
+    med = {key: statistics.median(v) for key, v in times.items()}
+    best = {key: min(v) for key, v in times.items()}
+    print(f"({'CPU' if clock is time.thread_time else 'wall'} time)")
+    print(f"| T | {rev} ms (x T=1) | this tree ms (x T=1) | {rev} / this, median | best |")
+    print("|---|---|---|---|---|")
+    for T in Ts:
+        b, t = med[("base", T)], med[("this", T)]
+        print(f"| {T} | {b * 1e3:.1f} ({b / med[('base', 1)]:.2f}) | {t * 1e3:.1f} ({t / med[('this', 1)]:.2f}) | {b / t:.2f} "
+              f"| {best[('base', T)] / best[('this', T)]:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack", "ab"])
-    ap.add_argument("--base", default="main", help="ab: the git revision to compare against")
+    ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack", "ab", "verify"])
+    ap.add_argument("--base", default="main", help="ab, verify: the git revision to compare against")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,F16")
@@ -188,6 +247,8 @@ def main() -> None:
         elif part == "ab":
             ab_table(ops, base_ops(a.base), a.base, a.types.split(","), parse_shapes(QWEN_SHAPES),
                      [int(v) for v in (a.m or "1,2,4,8").split(",")], a.reps)
+        elif part == "verify":
+            verify_table(ops, base_ops(a.base), a.base, a.reps)
         elif part == "raw":
             raw_table(ops, a.types.split(","), parse_shapes(QWEN_SHAPES),
                       [int(v) for v in (a.m or "1,4,64,256").split(",")], a.reps, a.op)

@@ -17,7 +17,7 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from conftest import need_kernels
-from gguf_random import BF16, F16, F32, NAMES, SIZES, TYPES, random_blocks
+from gguf_random import BF16, F16, F32, NAMES, Q4_K, Q5_K, Q6_K, SIZES, TYPES, random_blocks
 from specdec import kernels
 from specdec.types import SpecdecError
 
@@ -101,6 +101,42 @@ def test_act8_products_are_the_rounded_activations_products(t):
             assert (np.abs(yd - exact) <= kernels.act8_error_bound(x.numpy(), wd, t)).all(), (NAMES[t], n, k, m)
         x3 = act8_inputs(6, k, g).view(2, 3, k)
         assert torch.equal(ops.gguf_linear_q8(x3, raw, t, n, k), ops.gguf_linear_q8(x3.reshape(6, k), raw, t, n, k).view(2, 3, n))
+
+
+K_QUANTS = [t for t in TYPES if kernels.ACT8_SLICE.get(t) == 256]
+
+
+def saturated_case(t: int, n: int, k: int, seed: int):
+    """case() with every quant at its largest value (Q4_K 15, Q5_K 31, Q6_K 63 before its offset):
+    the integer path's int16 sums of several products reach their largest magnitudes."""
+    raw = random_blocks(t, n, k, np.random.default_rng(seed)).reshape(n * k // 256, -1).copy()
+    quants = {Q4_K: [(16, 144)], Q5_K: [(16, 176)], Q6_K: [(0, 192)]}[t]  # (qh and) qs / ql and qh
+    for a, b in quants:
+        raw[:, a:b] = 0xFF
+    w = np.ascontiguousarray(dequantize(raw.reshape(n, -1), GGMLQuantizationType(t)), dtype=np.float32).reshape(n, k)
+    return torch.from_numpy(raw.reshape(-1)), torch.from_numpy(w)
+
+
+@pytest.mark.parametrize("t", K_QUANTS, ids=[NAMES[t] for t in K_QUANTS])
+def test_act8_k_quants_at_their_extremes_and_every_row_count(t):
+    """gguf_linear_q8 on K-quant blocks whose quants are all at their largest, by activations that
+    round to +-127 everywhere (the int16 sums of products at their largest magnitude) and by random
+    ones, for every row count 1-17 and 32, 33 (the 16-row tiles of the integer path, full and
+    ragged, one and several; one block and three): the rounded activations' product within float32
+    rounding, and each row bit for bit the row computed alone."""
+    ops = need_kernels("rowstable")
+    g = torch.Generator().manual_seed(t)
+    for n, k in [(5, 256), (29, 768)]:
+        raw, w = saturated_case(t, n, k, seed=t + k)
+        wd = w.double().numpy()
+        for m in [*range(1, 18), 32, 33]:
+            x = act8_inputs(m, k, g)
+            x[m // 2] = 1.0 if m % 2 else -1.0  # q = +-127 in every slice
+            y = ops.gguf_linear_q8(x, raw, t, n, k)
+            xq, _ = kernels.act8_slices(x.numpy(), 256)
+            assert (np.abs(y.double().numpy() - xq @ wd.T) <= 1e-5 * (np.abs(xq) @ np.abs(wd).T) + 1e-30).all(), (n, k, m)
+            for i in range(m):
+                assert torch.equal(y[i], ops.gguf_linear_q8(x[i:i + 1], raw, t, n, k)[0]), (n, k, m, i)
 
 
 @pytest.mark.parametrize("op", ["gguf_linear", "gguf_linear_q8"])

@@ -568,14 +568,39 @@ void gguf_columns(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
 // rounding), ~0.2-0.5% of sum |x w| from the unrounded one (tests/test_gguf_types.py states both).
 // F32 / F16 / BF16 compute as in gguf_linear.
 
-constexpr int64_t INT_MR = 4;  // activation rows a tile of the integer paths takes at most
+constexpr int64_t INT_MR = 4;  // activation rows a tile of the block types' integer path takes at most
+constexpr int64_t KQ_MR = 16;  // and of the K-quants' (int_tile)
+
+// Interleaves 8 parts of 32 bytes, as 8 int16 lanes (byte pairs) in each 128-bit half: afterwards
+// vector k's lane L (of each half) holds lane k of part L's half. quantize_rows_q8 stores the
+// activations' 256-slices so, int_tile does it to each weight block (once for all the rows of a tile),
+// and the byte pairs _mm256_maddubs_epi16 multiplies stay the same pairs: a product of vector k is
+// then part L's in lane L, in every vector alike, so that the products of several vectors add up in
+// int16 and take one multiply by the part scales for all of them, instead of one per part.
+inline void interleave_parts(__m256i v[8]) {
+  __m256i a[8], b[8];
+  for (int k = 0; k < 4; ++k) {
+    a[2 * k] = _mm256_unpacklo_epi16(v[2 * k], v[2 * k + 1]);  // lanes 0-3 of parts 2k, 2k + 1
+    a[2 * k + 1] = _mm256_unpackhi_epi16(v[2 * k], v[2 * k + 1]);  // lanes 4-7
+  }
+  for (int h = 0; h < 2; ++h)  // parts 0-3 (h = 0), 4-7 (h = 1)
+    for (int u = 0; u < 2; ++u) {  // lanes 0-3 (u = 0), 4-7 (u = 1)
+      b[4 * h + 2 * u] = _mm256_unpacklo_epi32(a[4 * h + u], a[4 * h + 2 + u]);
+      b[4 * h + 2 * u + 1] = _mm256_unpackhi_epi32(a[4 * h + u], a[4 * h + 2 + u]);
+    }
+  for (int k = 0; k < 4; ++k) {  // b[k]: lanes 2k, 2k + 1 of parts 0-3; b[4 + k]: of parts 4-7
+    v[2 * k] = _mm256_unpacklo_epi64(b[k], b[4 + k]);
+    v[2 * k + 1] = _mm256_unpackhi_epi64(b[k], b[4 + k]);
+  }
+}
 
 // Activation rows rounded to 8 bits in slices of S (256 for the K-quants, 32 for the 32-weight
-// block types; K % S == 0): q [M, K], the scale d of each slice, the sums of each 16 q, and (S = 32)
+// block types; K % S == 0): q [M, K], (S = 256) qi: q with each slice's 8 parts of 32 interleaved
+// (see interleave_parts), the scale d of each slice, the sums of each 16 q, and (S = 32)
 // sx = d * (sum of the slice's q) for the block types' offsets and minimums.
 struct Q8Rows {
   int64_t S = 0;
-  std::vector<int8_t> q;
+  std::vector<int8_t> q, qi;
   std::vector<float> d, sx;
   std::vector<int16_t> bsum;
 };
@@ -584,6 +609,7 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
   const int64_t nb = M * K / S;  // slices of all rows (rows are contiguous)
   r.S = S;
   r.q.resize(M * K);
+  r.qi.resize(S == 256 ? M * K : 0);
   r.d.resize(nb);
   r.sx.resize(S == 32 ? nb : 0);
   r.bsum.resize(M * K / 16);
@@ -616,51 +642,76 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
         total += sum;
       }
       if (S == 32) r.sx[b] = d * static_cast<float>(total);
+      if (S == 256) {
+        __m256i v[8];
+        for (int s = 0; s < 8; ++s) v[s] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
+        interleave_parts(v);
+        for (int s = 0; s < 8; ++s) _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.qi.data() + b * S + 32 * s), v[s]);
+      }
     }
   });
 }
 
-// Integer-path K-quant decoders. prepare() reads a block's scales: d and c (float), the part scales
-// as int16 (scale(st, s): the scale of each 16-bit product lane of part s, picked by one byte shuffle
-// from the scales prepare() widened once, rather than 8 broadcasts a block) and coef (int16 [16]: the
-// factor of each 16-slice sum of q_x in the correction); quants(p, s) gives part s's 32 unsigned quants
-// as bytes, in the order of q_x[32 s .. 32 s + 31]. FOLD: c == -d, so the correction is subtracted from
-// the integer sum (exact) and a block takes one float FMA instead of two.
+// Integer-path K-quant decoders. prepare() reads a block's scales: d and c (float, broadcast), scl (int16: the
+// part scales in the interleaved layout of interleave_parts, lane L of each 128-bit half holding the
+// scale of part L's weights in that half) and coef (int16 [16]: the factor of each 16-slice sum of
+// q_x in the correction); quants(p, s) gives part s's 32 unsigned quants as bytes, in the order of
+// q_x[32 s .. 32 s + 31]. GROUP: how many of a row's 8 interleaved _mm256_maddubs_epi16 products are
+// summed in int16 before one _mm256_madd_epi16 by scl (the largest that cannot overflow: a product's
+// lane is at most 2 * 127 * the largest quant, Q4_K 3810 (8 of them 30480), Q5_K 7874 (4: 31496),
+// Q6_K 16002 (2: 32004)). FOLD: c == -d, so the correction is subtracted from the integer sum (exact)
+// and a block takes one float FMA instead of two.
 struct KInt {
-  float d, c;
-  __m256i sc_a, sc_b;  // int16 scales (Q4_K / Q5_K: sc_a only; Q6_K: its low and high 8, see IntQ6_K)
-  __m256i coef;
+  __m256 d, c;  // (in all 8 lanes)
+  __m256i scl, coef;
 };
 
-// byte-shuffle masks: kShufHalf[s] repeats int16 element s of each 128-bit half in all 8 of its lanes;
-// kShufPair[s] repeats element 2s in the low half's lanes and 2s + 1 in the high half's
-alignas(32) constexpr uint8_t kShufHalf[8][32] = {
-#define SPEC_REP8(a, b) a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b
-    {SPEC_REP8(0, 1), SPEC_REP8(0, 1)},   {SPEC_REP8(2, 3), SPEC_REP8(2, 3)},   {SPEC_REP8(4, 5), SPEC_REP8(4, 5)},
-    {SPEC_REP8(6, 7), SPEC_REP8(6, 7)},   {SPEC_REP8(8, 9), SPEC_REP8(8, 9)},   {SPEC_REP8(10, 11), SPEC_REP8(10, 11)},
-    {SPEC_REP8(12, 13), SPEC_REP8(12, 13)}, {SPEC_REP8(14, 15), SPEC_REP8(14, 15)}};
-alignas(32) constexpr uint8_t kShufPair[4][32] = {
-    {SPEC_REP8(0, 1), SPEC_REP8(2, 3)}, {SPEC_REP8(4, 5), SPEC_REP8(6, 7)},
-    {SPEC_REP8(8, 9), SPEC_REP8(10, 11)}, {SPEC_REP8(12, 13), SPEC_REP8(14, 15)}};
-#undef SPEC_REP8
-inline __m256i shuf_mask(const uint8_t* m) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(m)); }
+// One row's int32 sums from its 8 parts' int16 products p[s] (natural order): the numbers the
+// interleaved path's lanes hold (lane j of each 128-bit half: the scale of part 2j times the sum of
+// its 8 lanes in that half, plus the same of part 2j + 1), by interleave_parts' network with an add
+// at each level, in int16 while GROUP allows (8: all three levels; 4: two, then the scales' multiply
+// on both halves of the last; 2: one, then the multiply by each pair's scales and the other two
+// levels in int32). 21-37 instructions a block against the 24 of interleaving a block's weights,
+// 7-15 of adding the interleaved products, and the multiplies.
+template <int GROUP>
+inline __m256i reduce_parts(const __m256i p[8], __m256i scl) {
+  __m256i a[4], b[2];
+  for (int k = 0; k < 4; ++k)
+    a[k] = _mm256_add_epi16(_mm256_unpacklo_epi16(p[2 * k], p[2 * k + 1]), _mm256_unpackhi_epi16(p[2 * k], p[2 * k + 1]));
+  if constexpr (GROUP == 2) {  // a[k]: parts 2k, 2k + 1 alternating; times their scales, pairs of int32
+    __m256i c[4];
+    c[0] = _mm256_madd_epi16(a[0], _mm256_shuffle_epi32(scl, 0x00));
+    c[1] = _mm256_madd_epi16(a[1], _mm256_shuffle_epi32(scl, 0x55));
+    c[2] = _mm256_madd_epi16(a[2], _mm256_shuffle_epi32(scl, 0xAA));
+    c[3] = _mm256_madd_epi16(a[3], _mm256_shuffle_epi32(scl, 0xFF));
+    for (int h = 0; h < 2; ++h)
+      b[h] = _mm256_add_epi32(_mm256_unpacklo_epi32(c[2 * h], c[2 * h + 1]), _mm256_unpackhi_epi32(c[2 * h], c[2 * h + 1]));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(b[0], b[1]), _mm256_unpackhi_epi64(b[0], b[1]));
+  } else {
+    for (int h = 0; h < 2; ++h)
+      b[h] = _mm256_add_epi16(_mm256_unpacklo_epi32(a[2 * h], a[2 * h + 1]), _mm256_unpackhi_epi32(a[2 * h], a[2 * h + 1]));
+    if constexpr (GROUP == 8)
+      return _mm256_madd_epi16(_mm256_add_epi16(_mm256_unpacklo_epi64(b[0], b[1]), _mm256_unpackhi_epi64(b[0], b[1])), scl);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi64(b[0], b[1]), scl),
+                            _mm256_madd_epi16(_mm256_unpackhi_epi64(b[0], b[1]), scl));
+  }
+}
 
 struct IntQ4_K {
   static constexpr int BS = 256;
   static constexpr int BB = 144;
+  static constexpr int GROUP = 8;
   static constexpr bool FOLD = false;
-  static inline void scales(const uint8_t* p, KInt& st) {
+  static inline void prepare(const uint8_t* p, KInt& st) {
     uint64_t sc, mn;
     k_scale_bytes(p, sc, mn);
-    st.sc_a = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
+    st.scl = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
     // mins per 16-slice: m_0 m_0 m_1 m_1 ...
     const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mn));
     st.coef = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
-    st.d = f16_at(p);
-    st.c = -f16_at(p + 2);
+    st.d = f16_set1(p);
+    st.c = _mm256_xor_ps(f16_set1(p + 2), _mm256_set1_ps(-0.0f));
   }
-  static inline void prepare(const uint8_t* p, KInt& st) { scales(p, st); }
-  static inline __m256i scale(const KInt& st, int s) { return _mm256_shuffle_epi8(st.sc_a, shuf_mask(kShufHalf[s])); }
   static inline __m256i quants(const uint8_t* p, int s) {
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * (s >> 1)));
     return _mm256_and_si256((s & 1) ? _mm256_srli_epi16(qs, 4) : qs, _mm256_set1_epi8(0x0F));
@@ -669,9 +720,9 @@ struct IntQ4_K {
 struct IntQ5_K {
   static constexpr int BS = 256;
   static constexpr int BB = 176;
+  static constexpr int GROUP = 4;
   static constexpr bool FOLD = false;
-  static inline void prepare(const uint8_t* p, KInt& st) { IntQ4_K::scales(p, st); }
-  static inline __m256i scale(const KInt& st, int s) { return IntQ4_K::scale(st, s); }
+  static inline void prepare(const uint8_t* p, KInt& st) { IntQ4_K::prepare(p, st); }
   static inline __m256i quants(const uint8_t* p, int s) {
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 48 + 32 * (s >> 1)));
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
@@ -683,18 +734,15 @@ struct IntQ5_K {
 struct IntQ6_K {  // the quants without their offset 32 (q - 32 = quants - 32: coef = 32 sc, c = -d)
   static constexpr int BS = 256;
   static constexpr int BB = 210;
+  static constexpr int GROUP = 2;
   static constexpr bool FOLD = true;
   static inline void prepare(const uint8_t* p, KInt& st) {
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));  // 16 int8
-    st.coef = _mm256_slli_epi16(sc16, 5);  // 32 * sc_l
-    st.sc_a = _mm256_permute4x64_epi64(sc16, 0x44);  // scales 0-7 in both halves
-    st.sc_b = _mm256_permute4x64_epi64(sc16, 0xEE);  // scales 8-15 in both halves
-    st.d = f16_at(p + 208);
-    st.c = -st.d;
-  }
-  // part s: scale 2s in its first 16 products, 2s + 1 in its last 16
-  static inline __m256i scale(const KInt& st, int s) {
-    return _mm256_shuffle_epi8(s < 4 ? st.sc_a : st.sc_b, shuf_mask(kShufPair[s & 3]));
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));  // 16 int8, one a 16-slice
+    st.coef = _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc8), 5);  // 32 * sc_l
+    // part s's first 16 weights (the low half) have scale 2s, its last 16 2s + 1
+    st.scl = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+    st.d = f16_set1(p + 208);
+    st.c = _mm256_xor_ps(st.d, _mm256_set1_ps(-0.0f));
   }
   static inline __m256i quants(const uint8_t* p, int s) {
     const int h = s >> 2, t = s & 3;
@@ -706,66 +754,70 @@ struct IntQ6_K {  // the quants without their offset 32 (q - 32 = quants - 32: c
   }
 };
 
-inline int32_t hsum_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
-  return _mm_cvtsi128_si32(s);
+// a block's float part for one row (slice xb of the activations): acc += d * dx * isum, accc +=
+// c * dx * the correction (FOLD: acc += d * dx * (isum - the correction))
+template <class D>
+inline void accumulate(__m256i isum, const KInt& st, const Q8Rows& xr, int64_t xb, __m256& acc, __m256& accc) {
+  const __m256 dx = _mm256_broadcast_ss(xr.d.data() + xb);
+  const __m256i corr = _mm256_madd_epi16(st.coef, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bsum.data() + xb * 16)));
+  if constexpr (D::FOLD) {
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(st.d, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, corr)), acc);
+  } else {
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(st.d, dx), _mm256_cvtepi32_ps(isum), acc);
+    accc = _mm256_fmadd_ps(_mm256_mul_ps(st.c, dx), _mm256_cvtepi32_ps(corr), accc);
+  }
 }
 
-// MR activation rows x NR weight rows over nb 256-blocks. Per output: a float32 vector accumulation,
-// block by block, of d * dx times the 8 int32 lanes of the scaled dot products and c * dx times those of
-// the correction (FOLD: d * dx times their difference); out = hsum8 of it.
-// int_columns calls it with NR = 1 (one weight row at a time, read front to back: the access the
-// hardware prefetchers follow best) and prefetches >= 4 KB ahead: a 1-token product read cold from
-// memory ran 1.2-1.6x faster so than with tiles of 4 interleaved weight rows 1 tile ahead (one thread,
-// Zen 3; the rows' scales and quants are decoded once per activation tile either way). noinline: GCC
-// otherwise inlined some tiles into their callers, and a 1536-wide Q4_K product ran ~15% slower so.
-template <class D, int MR, int NR>
-__attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, float* y, int64_t ldy) {
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  const int64_t pf = NR * rb * std::max<int64_t>(1, (4096 + NR * rb - 1) / (NR * rb));  // >= 4 KB ahead
+// mr (<= KQ_MR) activation rows x 1 weight row over nb 256-blocks. A block's quants are decoded and
+// interleaved once for the mr rows (one row: not interleaved; its products go through reduce_parts); each row then sums its 8 interleaved products in int16 (GROUP at a
+// time) and multiplies them by the part scales with one _mm256_madd_epi16 a group: 8 / GROUP
+// multiplies a block and row where each part took its own before (9-12 multiply instructions instead
+// of 16, the ones that limited a tile of several rows). The integer sums are exact, and their lanes
+// hold the same numbers for any mr. Per output: a float32 vector accumulation, block by block, of
+// d * dx times the 8 int32 lanes of the scaled dot products, and another of c * dx times those of the
+// correction (FOLD: one, of d * dx times their difference); out = hsum8 of their sum. (Two chains of
+// one FMA a block, rather than one of two: 8960x1536 Q4_K on 8 and 16 rows ran ~1.2x faster so, the
+// rows' chains through memory being what a block waited on.) MR: the row count as a constant (1-8),
+// or 0: mr_ rows (9-16), a loop with its accumulators in memory (on 2-8 rows ~5-15% slower than the
+// constant counts, one thread).
+// int_columns reads one weight row at a time, front to back (the access the hardware prefetchers
+// follow best), and prefetches >= 4 KB ahead: a 1-token product read cold from memory ran 1.2-1.6x
+// faster so than with tiles of 4 interleaved weight rows 1 tile ahead (one thread, Zen 3). noinline:
+// GCC otherwise inlined some tiles into their callers, and a 1536-wide Q4_K product ran ~15% slower so.
+template <class D, int MR>
+__attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int mr_, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, float* y,
+                                        int64_t ldy) {
+  const int mr = MR ? MR : mr_;
+  __m256 acc[MR ? MR : KQ_MR], accc[MR ? MR : KQ_MR];
+  for (int i = 0; i < mr; ++i) acc[i] = accc[i] = _mm256_setzero_ps();
+  const int64_t pf = rb * std::max<int64_t>(1, (4096 + rb - 1) / rb);  // >= 4 KB ahead, in a later row
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* pb = w + b * D::BB;
-    for (int j = 0; j < NR; ++j)
-      for (int o = 0; o < D::BB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pb + j * rb + pf + o), _MM_HINT_T0);
-    KInt st[NR];
-    for (int j = 0; j < NR; ++j) D::prepare(pb + j * rb, st[j]);
-    __m256i isum[MR][NR];
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) isum[i][j] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int s = 0; s < 8; ++s) {
-      __m256i xq[MR];
-      for (int i = 0; i < MR; ++i)
-        xq[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + (row0 + i) * K + b * 256 + 32 * s));
-      for (int j = 0; j < NR; ++j) {
-        const __m256i wq = D::quants(pb + j * rb, s);
-        const __m256i scl = D::scale(st[j], s);
-        for (int i = 0; i < MR; ++i)
-          isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq[i]), scl));
-      }
+    for (int o = 0; o < D::BB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pb + pf + o), _MM_HINT_T0);
+    KInt st;
+    D::prepare(pb, st);
+    __m256i wq[8];
+    for (int s = 0; s < 8; ++s) wq[s] = D::quants(pb, s);
+    if constexpr (MR == 1) {  // one row: its products reduced instead (the same int32 lanes)
+      const int8_t* xq = xr.q.data() + row0 * K + b * 256;
+      for (int s = 0; s < 8; ++s) wq[s] = _mm256_maddubs_epi16(wq[s], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s)));
+      accumulate<D>(reduce_parts<D::GROUP>(wq, st.scl), st, xr, row0 * (K / 256) + b, acc[0], accc[0]);
+      continue;
     }
-    for (int i = 0; i < MR; ++i) {
-      const int64_t xb = (row0 + i) * (K / 256) + b;
-      const float dx = xr.d[xb];
-      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bsum.data() + xb * 16));
-      for (int j = 0; j < NR; ++j) {
-        const __m256i corr = _mm256_madd_epi16(st[j].coef, bs);
-        if constexpr (D::FOLD) {
-          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(st[j].d * dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i][j], corr)),
-                                      acc[i][j]);
-        } else {
-          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(st[j].d * dx), _mm256_cvtepi32_ps(isum[i][j]), acc[i][j]);
-          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(st[j].c * dx), _mm256_cvtepi32_ps(corr), acc[i][j]);
-        }
+    interleave_parts(wq);
+    for (int i = 0; i < mr; ++i) {
+      const int8_t* xq = xr.qi.data() + (row0 + i) * K + b * 256;
+      __m256i isum = _mm256_setzero_si256();
+      for (int g = 0; g < 8; g += D::GROUP) {
+        __m256i p16 = _mm256_maddubs_epi16(wq[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * g)));
+        for (int k = g + 1; k < g + D::GROUP; ++k)
+          p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(wq[k], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * k))));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p16, st.scl));
       }
+      accumulate<D>(isum, st, xr, (row0 + i) * (K / 256) + b, acc[i], accc[i]);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum8(acc[i][j]);
+  for (int i = 0; i < mr; ++i) y[i * ldy] = hsum8(D::FOLD ? acc[i] : _mm256_add_ps(acc[i], accc[i]));
 }
 
 // The 32-weight block types on 8-bit activations (llama.cpp's ggml_vec_dot_q*_q8_0 / _q8_1): a block
@@ -858,33 +910,46 @@ void int32_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int
     for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum8(acc[i][j]) + accc[i][j];
 }
 
-// one tile of either integer path (the K-quants' decoders have BS = 256, the block types' BS = 32)
-template <class D, int MR, int NR>
-inline void any_int_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, float* y, int64_t ldy) {
-  if constexpr (D::BS == 256) int_tile<D, MR, NR>(xr, row0, K, w, rb, K / 256, y, ldy);
-  else int32_tile<D, MR, NR>(xr, row0, K, w, rb, K / 32, y, ldy);
-}
-
-// rows n0..n1 of the output for all M activation rows, in tiles of up to INT_MR rows
+// rows n0..n1 of the output for all M activation rows: the K-quants in tiles of up to KQ_MR rows
+// (int_tile), the block types in tiles of up to INT_MR rows (int32_tile)
 template <class D>
 void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, float* y,
                  int64_t ldy) {
-  for (int64_t m = 0; m < M; m += INT_MR) {
-    const int64_t mr = std::min<int64_t>(INT_MR, M - m);
-    float* ym = y + m * ldy;
-    int64_t n = n0;
-    if (mr == 1) {  // (the K-quants: one weight row at a time, see int_tile's note)
-      if constexpr (D::BS == 32)
-        for (; n + 4 <= n1; n += 4) any_int_tile<D, 1, 4>(xr, m, K, w + n * rb, rb, ym + n, ldy);
-      for (; n < n1; ++n) any_int_tile<D, 1, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
-    } else if (mr == 2) {
-      if constexpr (D::BS == 32)
-        for (; n + 2 <= n1; n += 2) any_int_tile<D, 2, 2>(xr, m, K, w + n * rb, rb, ym + n, ldy);
-      for (; n < n1; ++n) any_int_tile<D, 2, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
-    } else if (mr == 3) {
-      for (; n < n1; ++n) any_int_tile<D, 3, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
-    } else {
-      for (; n < n1; ++n) any_int_tile<D, 4, 1>(xr, m, K, w + n * rb, rb, ym + n, ldy);
+  if constexpr (D::BS == 256) {
+    for (int64_t m = 0; m < M; m += KQ_MR) {
+      const int64_t mr = std::min<int64_t>(KQ_MR, M - m);
+      float* ym = y + m * ldy;
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* wn = w + n * rb;
+        switch (mr) {
+          case 1: int_tile<D, 1>(xr, m, 1, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 2: int_tile<D, 2>(xr, m, 2, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 3: int_tile<D, 3>(xr, m, 3, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 4: int_tile<D, 4>(xr, m, 4, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 5: int_tile<D, 5>(xr, m, 5, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 6: int_tile<D, 6>(xr, m, 6, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 7: int_tile<D, 7>(xr, m, 7, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 8: int_tile<D, 8>(xr, m, 8, K, wn, rb, K / 256, ym + n, ldy); break;
+          default: int_tile<D, 0>(xr, m, static_cast<int>(mr), K, wn, rb, K / 256, ym + n, ldy); break;
+        }
+      }
+    }
+  } else {
+    for (int64_t m = 0; m < M; m += INT_MR) {
+      const int64_t mr = std::min<int64_t>(INT_MR, M - m);
+      float* ym = y + m * ldy;
+      int64_t n = n0;
+      if (mr == 1) {
+        for (; n + 4 <= n1; n += 4) int32_tile<D, 1, 4>(xr, m, K, w + n * rb, rb, K / 32, ym + n, ldy);
+        for (; n < n1; ++n) int32_tile<D, 1, 1>(xr, m, K, w + n * rb, rb, K / 32, ym + n, ldy);
+      } else if (mr == 2) {
+        for (; n + 2 <= n1; n += 2) int32_tile<D, 2, 2>(xr, m, K, w + n * rb, rb, K / 32, ym + n, ldy);
+        for (; n < n1; ++n) int32_tile<D, 2, 1>(xr, m, K, w + n * rb, rb, K / 32, ym + n, ldy);
+      } else if (mr == 3) {
+        for (; n < n1; ++n) int32_tile<D, 3, 1>(xr, m, K, w + n * rb, rb, K / 32, ym + n, ldy);
+      } else {
+        for (; n < n1; ++n) int32_tile<D, 4, 1>(xr, m, K, w + n * rb, rb, K / 32, ym + n, ldy);
+      }
     }
   }
 }
