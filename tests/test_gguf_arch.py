@@ -145,10 +145,11 @@ def test_qwen2_without_its_qkv_bias_is_caught(gguf_dir):
     assert rel_err(native_logits(m, TOKENS), hf_logits(hf_model(path), TOKENS)) > 100 * TOL
 
 
-def mistral_from_transformers(path: Path):
-    """transformers' Mistral model (sliding window off: llama.cpp attends to the whole context) over
-    the weights transformers reads from the file (it builds its Llama model for llama.cpp's
-    Mistral files; its own GGUF Mistral path needs a gguf-py that knows the name)."""
+def mistral_from_transformers(path: Path, window: int | None = None):
+    """transformers' Mistral model over the weights transformers reads from the file (it builds its
+    Llama model for llama.cpp's Mistral files; its own GGUF Mistral path needs a gguf-py that
+    knows the name), with a sliding window of `window` tokens (None, the default: off, as
+    llama.cpp attends to the whole context)."""
     from transformers import MistralConfig, MistralForCausalLM
 
     hf = hf_model(path)
@@ -157,7 +158,8 @@ def mistral_from_transformers(path: Path):
                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
                         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
                         rope_theta=THETA, max_position_embeddings=c.max_position_embeddings,
-                        tie_word_embeddings=c.tie_word_embeddings, sliding_window=None)
+                        tie_word_embeddings=c.tie_word_embeddings, sliding_window=window,
+                        attn_implementation="eager")
     mistral = MistralForCausalLM(cfg).eval()
     mistral.load_state_dict(hf.state_dict(), strict=True)
     return mistral

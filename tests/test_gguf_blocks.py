@@ -453,15 +453,20 @@ def test_quantize_q8_0_error_is_within_half_a_step_and_q8_values_survive():
 
 @pytest.mark.default_model
 def test_eagle_head_drafts_on_the_kernels_and_stays_exact(default_model):
-    """With the target on its blocks, the EAGLE head's projections and subset head run on Q8_0
-    copies (its drafting only); auto's greedy output still equals plain greedy output."""
+    """The EAGLE head drafts on the kernels its target runs on: Q8_0 copies of its projections and
+    subset head on the block kernels (a target on its integer blocks), or the row-stable kernels
+    (a GGUF target there, as the default model is on every CPU now); auto's greedy output still
+    equals plain greedy output."""
     from specdec.drafters.hybrid import lookup_eagle_for
     from specdec.engine import Engine
     from specdec.types import SamplingParams
 
     need_ops()
     d = lookup_eagle_for(default_model)
-    assert d.eagle.W_blocks is not None and d.eagle.head.wqkv.qargs is not None
+    if d.eagle.W_blocks is not None:
+        assert d.eagle.head.wqkv.qargs is not None
+    else:
+        assert d.eagle.W_rs is not None
     ids = default_model.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n")
     sp = SamplingParams(max_new_tokens=40)
     [plain] = Engine(default_model.model, None, k=0).generate([ids], sp)

@@ -39,7 +39,7 @@ import torch
 from gguf_random import Q8_0
 from specdec.types import SpecdecError
 from test_gguf_arch import (FAR, THETA, TOKENS, TOL, greedy_hf, greedy_native, hf_logits, hf_model,
-                            llama_cpp_inv_freq, load, native_logits, rel_err)
+                            llama_cpp_inv_freq, load, mistral_from_transformers, native_logits, rel_err)
 from tiny_gguf import HEAD_DIM, dequantized_state_dict, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,24 +151,6 @@ def test_a_factor_without_a_type_is_linear_as_llama_cpp_reads_it(tmp_path, keys)
 WINDOW = 16
 
 
-def mistral_with_window(path: Path, window: int | None):
-    """transformers' Mistral model over the weights transformers reads from the file, with a
-    sliding window of `window` tokens (None: full attention)."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    hf = hf_model(path)
-    c = hf.config
-    cfg = MistralConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-                        rope_theta=THETA, max_position_embeddings=c.max_position_embeddings,
-                        tie_word_embeddings=c.tie_word_embeddings, sliding_window=window,
-                        attn_implementation="eager")
-    mistral = MistralForCausalLM(cfg).eval()
-    mistral.load_state_dict(hf.state_dict(), strict=True)
-    return mistral
-
-
 def test_a_sliding_window_cuts_the_context_where_full_attention_stops_equalling_it(gguf_dir, capsys):
     from specdec.models.loader import load_model
 
@@ -179,11 +161,11 @@ def test_a_sliding_window_cuts_the_context_where_full_attention_stops_equalling_
     m = lm.model
     assert m.max_context == WINDOW
     x = torch.arange(5, 5 + WINDOW)[None] * 7 % 260  # the whole window
-    windowed = mistral_with_window(path, WINDOW)
+    windowed = mistral_from_transformers(path, WINDOW)
     assert rel_err(native_logits(m, x), hf_logits(windowed, x)) <= TOL
     # one token more and the window masks a key: transformers' windowed and full models part there
     y = torch.cat([x, x[:, :1]], dim=1)
-    full = mistral_with_window(path, None)
+    full = mistral_from_transformers(path, None)
     assert rel_err(hf_logits(windowed, y)[:, -1], hf_logits(full, y)[:, -1]) > 100 * TOL
     assert rel_err(hf_logits(windowed, x), hf_logits(full, x)) <= TOL  # (inside it they agree)
     with pytest.raises(SpecdecError, match=rf"position {WINDOW} is past the model's context of {WINDOW} tokens"):
