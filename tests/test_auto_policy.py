@@ -136,3 +136,33 @@ def test_a_draft_model_pays_only_above_its_drafting_and_verification_cost(monkey
     assert d.draft_pays()
     monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.15))
     assert not d.draft_pays()
+
+
+def test_the_lookup_times_the_target_step_without_the_draft_models_drafting():
+    """HybridDrafter hands its proposal over after the draft model drafted: the lookup's clock (its
+    fitted plain step, from which c is priced) starts there, not before the drafting, which
+    would make a slow draft look cheap."""
+    import time
+
+    from specdec.drafters.base import Draft, DraftContext
+    from specdec.drafters.hybrid import HybridDrafter
+    from specdec.types import SamplingParams
+
+    class SlowDraft:
+        vocab_size = V
+
+        def begin(self, prompts, params, max_len):
+            pass
+
+        def propose(self, ctx, k):
+            time.sleep(0.05)
+            return Draft(torch.zeros(len(ctx.tokens), k, dtype=torch.long), torch.full((len(ctx.tokens),), k))
+
+        def draft_timing(self):
+            return 0.05, True
+
+    d = HybridDrafter(SlowDraft(), gate=False)
+    tokens = [list(range(10))]  # no repeats: no lookup, the draft model drafts
+    d.begin(tokens, SamplingParams(), 64)
+    d.propose(DraftContext(tokens, SamplingParams(), None), 3)
+    assert time.perf_counter() - d.lookup._t_end < 0.04

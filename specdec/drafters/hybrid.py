@@ -100,6 +100,10 @@ class HybridDrafter(Drafter):
             return self._propose(ctx, max_tokens)
         finally:
             self._t_end = time.perf_counter()
+            # the lookup times the target's step from here: the draft model's drafting is not part
+            # of it (else its fitted plain step grows by the drafting time, and c = drafting time
+            # over a plain step shrinks: a draft that does not pay looked as if it did)
+            self.lookup.handed_over()
 
     def _propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         B = len(ctx.tokens)
