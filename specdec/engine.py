@@ -169,7 +169,6 @@ class Engine:
             one = self.model.new_cache(1, L + 1) if B > 1 else b.cache
             logits, hidden = self.model(torch.tensor([p], dtype=torch.long), torch.arange(L)[None], one,
                                         logits_at=torch.tensor([[L - 1]]))
-            one.truncate(L)
             if one is not b.cache:
                 b.cache.fill_row(i, one)
             rows.append((logits[:, 0], hidden[0, :L]))

@@ -118,21 +118,33 @@ def _sample_at(p: torch.Tensor, generator, row: int, position: int) -> int:
     return int(sample(p, None, position_uniforms(generator, [row], [position])))
 
 
+def _sample_and_follow(probs, generator, row: int, position: int, child_with) -> tuple[list[int], int]:
+    """Sample and compare (module docstring) along one row's deterministic guesses: at each node
+    (0: the pending token) the target's token is sampled as plain decoding samples it at that
+    depth's text position, and the guess that holds it, `child_with(node, depth, token)` (None:
+    no guess does), is followed. probs: [N+1, V] per node. Returns (the nodes followed, the
+    first sampled token no guess held)."""
+    node, path = 0, []
+    while True:
+        token = _sample_at(probs[node], generator, row, position + len(path))
+        child = child_with(node, len(path), token)
+        if child is None:
+            return path, token
+        path.append(child)
+        node = child
+
+
 def _sample_and_compare_chains(target_probs, draft_tokens, counts, generator, positions, rows):
-    """Deterministic chains (module docstring): per row, the target's token at each position is
-    sampled as plain decoding samples it; guesses are accepted while they equal it."""
-    B = target_probs.shape[0]
+    """Deterministic chains: node j + 1 (guess j) hangs under node j; guesses are accepted while
+    they equal the token sampled at their position."""
     guesses, cnt = draft_tokens.tolist(), counts.tolist()
     n_acc, nxt = [], []
-    for b in range(B):
-        j = 0
-        while True:
-            token = _sample_at(target_probs[b, j], generator, rows[b], positions[b] + j)
-            if j < cnt[b] and token == guesses[b][j]:
-                j += 1
-                continue
-            break
-        n_acc.append(j)
+    for b in range(target_probs.shape[0]):
+        def next_guess(node, depth, token, g=guesses[b], n=cnt[b]):
+            return node + 1 if node < n and g[node] == token else None
+
+        path, token = _sample_and_follow(target_probs[b], generator, rows[b], positions[b], next_guess)
+        n_acc.append(len(path))
         nxt.append(token)
     return torch.tensor(n_acc, dtype=torch.long), torch.tensor(nxt, dtype=torch.long)
 
@@ -193,14 +205,12 @@ def verify_tree_stochastic(
         ch = _tree_children(pars[b], cnt[b])
         node, path = 0, []
         if draft_probs is None and positions is not None:
-            while True:
-                token = _sample_at(target_probs[b, node], generator, rows[b], positions[b] + len(path))
-                tried = ch[node] if max_depth is None or len(path) < max_depth[b] else []
-                child = next((c for c in tried if toks[b][c - 1] == token), None)
-                if child is None:
-                    break
-                path.append(child)
-                node = child
+            def child_with(node, depth, token, ch=ch, tb=toks[b], limit=None if max_depth is None else max_depth[b]):
+                if limit is not None and depth >= limit:
+                    return None  # a node past max_depth is never tried
+                return next((c for c in ch[node] if tb[c - 1] == token), None)
+
+            path, token = _sample_and_follow(target_probs[b], generator, rows[b], positions[b], child_with)
             paths.append(path)
             nxt.append(token)
             continue

@@ -10,7 +10,6 @@ guesses are all accepted, so verification of whole guess runs is exercised too.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -76,16 +75,11 @@ def test_generate_with_a_gguf_draft_equals_plain(files, plain, capsys, which):
 
 
 def test_serve_with_a_gguf_draft_answers_exactly(files, plain):
-    from test_serve_cli import SERVE, _free_port, _post, _wait_health
+    from test_serve_cli import _post, served
 
     target, draft = files
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(SERVE + ["--port", str(port), "--model", str(target), "--method", "draft", "--draft",
-                                     str(draft), "--fixed-k", "-k", "4"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_health(url, proc)
+    args = ["--model", str(target), "--method", "draft", "--draft", str(draft), "--fixed-k", "-k", "4"]
+    with served(args) as (url, _):
         for p in PROMPTS:
             r = _post(url + "/v1/completions", {"prompt": p, "max_tokens": N, "temperature": 0})
             assert plain[p][1].startswith(r["choices"][0]["text"]) and r["choices"][0]["text"], p
@@ -93,9 +87,6 @@ def test_serve_with_a_gguf_draft_answers_exactly(files, plain):
             metrics = m.read().decode()
         proposed = [line for line in metrics.splitlines() if line.startswith("specdec_draft_tokens_proposed_total ")]
         assert proposed and float(proposed[0].split()[1]) > 0  # the GGUF draft model guessed
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 def urllib_open(url):

@@ -310,7 +310,7 @@ def test_serve_a_ministral3_target_with_a_gguf_draft(gguf_dir):
     the draft guessed, and a request past the cut context gets a 400 naming the context."""
     import urllib.error
 
-    from test_serve_cli import SERVE, _free_port, _post, _wait_health
+    from test_serve_cli import _post, served
 
     from specdec.engine import Engine
     from specdec.models.loader import load_model
@@ -326,13 +326,8 @@ def test_serve_a_ministral3_target_with_a_gguf_draft(gguf_dir):
     [r] = Engine(lm.model, None, k=0, eos_ids=()).generate([lm.tokenizer.encode(prompt)],
                                                             SamplingParams(max_new_tokens=n))
     want = lm.tokenizer.decode(r.tokens, skip_special_tokens=True)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(SERVE + ["--port", str(port), "--model", str(target), "--method", "draft", "--draft",
-                                     str(draft), "--fixed-k", "-k", "4"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_health(url, proc)
+    args = ["--model", str(target), "--method", "draft", "--draft", str(draft), "--fixed-k", "-k", "4"]
+    with served(args) as (url, _):
         got = _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0})
         text = got["choices"][0]["text"]
         assert text and want.startswith(text)
@@ -343,9 +338,6 @@ def test_serve_a_ministral3_target_with_a_gguf_draft(gguf_dir):
         with pytest.raises(urllib.error.HTTPError) as e:
             _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": ORIG, "temperature": 0})
         assert e.value.code == 400 and f"{ORIG} tokens" in e.value.read().decode()
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 def test_temperature_scaling_without_a_length_is_named(tmp_path):

@@ -8,6 +8,7 @@ loading."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -51,6 +52,22 @@ def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
+
+
+@contextlib.contextmanager
+def served(args: list[str]):
+    """A `specdec serve` process on a free port with these arguments, once its /health answers:
+    yields (url, process); killed on the way out."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(SERVE + ["--port", str(port)] + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _wait_health(url, proc)
+        yield url, proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def _exact_completion_then_metrics(url: str, proc, default_model) -> dict:
@@ -111,37 +128,23 @@ def test_serve_with_the_draft_model_answers_exactly(default_model, method):
     lookup beside the draft model instead of the EAGLE head's trees)."""
     from specdec.models.loader import default_draft_for
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     extra = ["--draft", str(default_draft_for(default_model))] if method == "auto" else []
-    proc = subprocess.Popen(SERVE + ["--port", str(port), "--method", method, "--fixed-k", "-k", "4"] + extra,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
+    with served(["--method", method, "--fixed-k", "-k", "4"] + extra) as (url, proc):
         metrics = _exact_completion_then_metrics(url, proc, default_model)
         assert float(metrics["specdec_draft_tokens_proposed_total"]) > 0  # the draft model guessed
         assert float(metrics["specdec_draft_tokens_accepted_total"]) > 0
         assert float(metrics["specdec_draft_model_rows_total"]) > 0
         assert float(metrics["specdec_tree_rows_total"]) == 0
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_serve_with_a_head_drafter_alone_answers_exactly(default_model, method):
     """--method medusa / eagle (the heads shipped for the default model) in the server's batcher,
     built as `generate` builds them: the answer equals plain greedy decoding and the heads guessed."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(SERVE + ["--port", str(port), "--method", method, "--fixed-k"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
+    with served(["--method", method, "--fixed-k"]) as (url, proc):
         metrics = _exact_completion_then_metrics(url, proc, default_model)
         assert float(metrics["specdec_draft_tokens_proposed_total"]) > 0
         assert float(metrics["specdec_draft_tokens_accepted_total"]) > 0
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 def test_serve_draft_that_is_not_a_model_is_a_clear_error(tmp_path):

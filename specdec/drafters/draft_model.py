@@ -24,6 +24,7 @@ from ..models.kernel_glue import draft_on_kernels, draft_on_rowstable, pack_draf
 
 class DraftModelDrafter(Drafter):
     samples_guesses = True  # sampled decoding draws guesses from the draft's q
+
     def __init__(self, model, vocab_size: int | None = None, vocab_subset: list[int] | None = None,
                  confidence: float = 0.0, target_model=None) -> None:
         """vocab_subset: token ids the draft may propose (a frequency-ranked head: reading

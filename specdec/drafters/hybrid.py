@@ -45,6 +45,7 @@ from .ngram import NgramDrafter
 
 class HybridDrafter(Drafter):
     samples_guesses = True  # the draft model's rows carry its q
+
     def __init__(self, draft, min_n: int = 1, max_n: int = 4, probe_every: int = PROBE_EVERY, gate: bool = True,
                  k_policy=None) -> None:
         """gate=False always runs the draft model for rows without a lookup."""

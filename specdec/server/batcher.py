@@ -393,7 +393,6 @@ class ContinuousBatcher:
             self.drafter.add_row(self.max_context, list(req.prompt))
         if self.feeds_hidden:
             req.feats = [hidden[0, :L]]
-        one.truncate(L)
         self.cache.fill_row(slot, one)
         req.context = list(req.prompt) + [first]
         req.first_token_s = time.perf_counter() - req.submitted
@@ -566,7 +565,7 @@ class ContinuousBatcher:
         if k > 0 and self.guard is not None and not self.guard.speculate(s.A):
             k = 0
         s.k = k
-        s.caps = [max(0, min(k, r.spec_k if r.spec_k is not None else k, room)) for r, room in zip(self.rows, s.room)]
+        s.caps = self._caps(s)
         s.use_tree, s.use_draft = [False] * s.A, [False] * s.A
         if max(s.caps) == 0:
             if self.drafter.may_skip:
