@@ -289,6 +289,10 @@ def test_hybrid_gate_turns_off_a_draft_that_does_not_pay():
             self.fed = [self.fed[r] for r in rows]
             wrong.keep_rows(rows)
 
+        def add_row(self, max_len, prompt=None):
+            self.fed.append(list(prompt or []))
+            wrong.add_row(max_len, prompt)
+
     slow = Slow()
     hybrid = HybridDrafter(slow, min_n=5, max_n=6, probe_every=8)  # lookups (n >= 5) are rare here
     p = prompts()[0]

@@ -1,7 +1,8 @@
 """One speculative step for a set of rows: score -> verify -> commit (docs/design.md, "The step").
 
-`Engine.generate` and the server's `ContinuousBatcher` both run their steps through `run_step`:
-the proposal (which source guesses, how far) is theirs, what a proposal does to the rows is here.
+The scheduler (`server.batcher.ContinuousBatcher`, behind `generate` and `serve`) runs its steps
+through `run_step`: the proposal (which source guesses, how far) is the scheduler's, what a
+proposal does to the rows is here.
 
 - score: the pending token and the guesses of every row in one target forward; a tree with its
   ancestor mask and depths as positions (`tree.masks`), a chain with consecutive positions;

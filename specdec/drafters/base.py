@@ -67,7 +67,9 @@ class Drafter(ABC):
     samples_guesses: bool = False
 
     def begin(self, prompts: list[list[int]], params: SamplingParams | None, max_len: int) -> None:
-        """A batch starts with these rows (none, for a server that adds them with `add_row`)."""
+        """A batch starts with these rows: the scheduler passes none (rows join with `add_row`) and
+        params, the sampling settings every row shares (`generate`), or None (the server: each
+        request its own, and guesses are asked for greedily)."""
 
     @abstractmethod
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -84,8 +86,9 @@ class Drafter(ABC):
         """Keep (and reorder to) these rows; drafters with per-row state override it."""
 
     def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
-        """A request joins a running batch as the last row (its prompt, for drafters that read it
-        ahead; its target features come with the next proposal when `needs_hidden`)."""
+        """A prompt joins the batch as the last row (its prompt, for drafters that read it ahead;
+        its target features come with the next proposal when `needs_hidden`). A drafter with
+        per-row state keeps it here and in `keep_rows`."""
 
     def expected_tokens(self) -> list[list[float]] | None:
         """Per row of the last proposal: the expected committed tokens (1 + expected accepted

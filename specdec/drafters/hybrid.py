@@ -186,6 +186,10 @@ class HybridDrafter(Drafter):
         self.draft.keep_rows(rows)
         self.lookup.keep_rows(rows)
 
+    def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
+        self.draft.add_row(max_len, prompt)
+        self.lookup.add_row(max_len, prompt)
+
     def learned(self) -> dict:
         """The lookup's policy, the draft model's acceptance (capped, `carried`) and times, and the
         draft-length policy's, for a later run (learned.py)."""

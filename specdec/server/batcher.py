@@ -1,6 +1,9 @@
-"""Continuous batching with load-aware speculation (the engine behind `specdec serve`).
+"""The scheduler: continuous batching with speculation, behind `specdec serve` and
+`Engine.generate` alike.
 
-The model runs in one thread (a worker started here, or the caller's own with `run()`:
+Rows join and leave between steps; `serve` submits requests as they arrive, `generate` submits
+every prompt of its batch at the start (with `shared` settings, `fill_context` and
+`raise_errors`, see `ContinuousBatcher`). The model runs in one thread (a worker started here, or the caller's own with `run()`:
 `specdec serve` keeps it in the main thread, see `run`). Between steps, waiting requests
 join the running batch (each is prefilled on its own, then its KV rows are copied into the
 shared cache) and finished or cancelled ones leave it at once (the last active row moves
@@ -44,10 +47,11 @@ Method `auto` with a draft model (instead of an EAGLE head) keeps prompt lookup 
 per step and row, the lookup or the draft model's guesses, whichever promises more tokens
 per second under the cap (`LoadPolicy.choose_draft`).
 
-Any other drafter (Medusa, an EAGLE head alone, one written against `drafters.Drafter`) runs
-as `Engine.generate` runs it: the batch guard decides whether a step speculates, rows are capped
-by their own cap and room (`_propose_generic`). Every
-method scores, verifies and commits through the step `Engine` uses (`core.step.run_step`).
+Any other drafter (Medusa, an EAGLE head alone, one written against `drafters.Drafter`), and
+every drafter of `Engine.generate`, runs through the protocol alone (`_propose_generic`): its
+own length choice and gates, the engine's draft-length policy if it has one, the batch guard
+deciding whether a step speculates, rows capped by their own cap and room. Every method
+scores, verifies and commits through one step (`core.step.run_step`).
 
 This module knows nothing about HTTP or text: it takes token ids and sampling settings and
 calls back with token ids (and, when a request asks for them, each token's log-probability
@@ -77,11 +81,11 @@ import torch
 from .. import threads
 from ..core.policy import BatchGuard, LoadPolicy
 from ..core.step import run_step
-from ..drafters.base import Draft, DraftContext, Drafter
+from ..drafters.base import Draft, DraftContext, Drafter, timing_free
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter
 from ..sampling import choose, make_generator
-from ..types import MAX_GUESSES, SamplingParams, SpecdecError
+from ..types import MAX_GUESSES, RequestStats, SamplingParams, SpecdecError
 
 errors = logging.getLogger("specdec.batcher")  # each failure once, with the request ids it ended
 
@@ -103,6 +107,7 @@ class Request:
     prompt_logprobs: int | None = None  # as logprobs, for the prompt's tokens (set in prompt_lps at the prefill)
     score_only: bool = False  # prefill (and prompt_logprobs) only: no token is generated
     id: str = ""  # the caller's request id, for the log
+    key: int = 0  # its key for the uniforms its sampled tokens take (sampling.position_uniforms)
     cancelled: bool = False
     prompt_lps: list | None = None  # [None, (lp, alts), ...] per prompt token, when prompt_logprobs was asked
     tokens: list[int] = field(default_factory=list)
@@ -110,9 +115,8 @@ class Request:
     generator: torch.Generator | None = None
     submitted: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
-    proposed: int = 0
-    accepted: int = 0
-    forwards: int = 0
+    decode_start: float | None = None  # when its decoding began (after the prefills it joined with)
+    stats: RequestStats = field(default_factory=RequestStats)  # counts and times, as generate reports them
     feats: list = field(default_factory=list)  # target features not yet handed to an EAGLE head
 
     def cancel(self) -> None:
@@ -130,6 +134,7 @@ class _Step:
     use_tree: list[bool] = field(default_factory=list)
     use_draft: list[bool] = field(default_factory=list)
     drafted_k: int = 0  # the draft model's guesses per row (0: not run this step)
+    probs: torch.Tensor | None = None  # [A, K, V] q of guesses a drafter sampled (generate's settings)
     t_head: float = 0.0  # seconds the EAGLE head or the draft model drafted
     steady: bool = True  # and whether it drafted in steady state (Drafter.draft_timing)
     proposed: bool = False  # a generic drafter proposed this step (and is told what was kept)
@@ -143,13 +148,21 @@ class _Step:
 class ContinuousBatcher:
     def __init__(self, model, eos_ids=(), method: str = "ngram", k_max: int = 8, max_batch: int = 16,
                  max_queue: int = 256, max_context: int | None = None, adaptive: bool = True, drafter=None,
-                 thread: bool = True) -> None:
+                 thread: bool = True, shared: SamplingParams | None = None, fill_context: bool = False,
+                 raise_errors: bool = False) -> None:
         """method: none, ngram (prompt lookup), auto (prompt lookup + an EAGLE tree; pass the
         `LookupEagleDrafter` as `drafter`), draft (a draft model; pass its `DraftModelDrafter`),
         or any other name with a `Drafter` (Medusa, EAGLE, your own) run through the protocol
         alone (`_propose_generic`).
         thread: run the model in a worker thread started here; False: the caller runs `run()`
-        (best in the main thread, see `run`)."""
+        (best in the main thread, see `run`).
+        shared: the sampling settings of every request, when all share one object and one
+        generator (`Engine.generate`): rows verify in one call, each keyed by `Request.key`, and
+        the drafter drafts with these settings (a draft model samples its guesses from its q);
+        None (the server): each request its own, and drafters guess greedily (one-hot q).
+        fill_context: a request longer than the context allows is not refused; it decodes until
+        the context is full (finish reason "length"). raise_errors: a failure is raised to the
+        caller of `run()` instead of ending the requests it touched (generate)."""
         # any other method: the given drafter alone, through the drafter protocol (Medusa, EAGLE, ...)
         generic = method not in ("none", "ngram", "auto", "draft")
         if generic and not isinstance(drafter, Drafter):
@@ -168,6 +181,8 @@ class ContinuousBatcher:
         self.model = model
         self.eos = set(int(e) for e in eos_ids)
         self.method = method
+        self.shared, self.fill_context, self.raise_errors = shared, fill_context, raise_errors
+        self.k_policy = None  # optional draft-length policy of the generic path (core.policy.AdaptiveK)
         self.k_max = k_max if method != "none" else 0
         self.adaptive = adaptive
         self.max_batch = max_batch
@@ -185,7 +200,7 @@ class ContinuousBatcher:
         self.drafting = method == "draft" or mixed  # a draft model guesses (instead of, or beside, prompt lookup)
         if generic:
             self.drafter, self.lookup = drafter, None
-            drafter.begin([], None, self.max_context)  # no rows yet: they join with add_row
+            drafter.begin([], shared, self.max_context)  # no rows yet: they join with add_row
         elif self.trees:
             self.drafter = drafter
             self.lookup = drafter.ngram
@@ -202,8 +217,10 @@ class ContinuousBatcher:
         # a measured backstop to the cost model in batches of 2+ rows: speculative steps must
         # commit more tokens per second than plain ones (see core.policy.BatchGuard)
         self.guard = BatchGuard() if adaptive and self.k_max > 0 else None
-        if generic and self.guard is not None:  # as in Engine: a drafter that does not price its guesses
+        if generic and self.guard is not None:  # a drafter that does not price its guesses is guarded alone too
             self.guard = BatchGuard(min_rows=2 if drafter.gates_itself else 1) if drafter.may_skip else None
+            if timing_free(shared) and drafter.samples_guesses:
+                self.guard = None  # a seeded sample with guesses drawn from a q: drafting must not depend on timing
         self.feeds_hidden = self.trees or (generic and drafter.needs_hidden)  # rows keep features for the drafter
         self.last_k = 0
         self.lock = threading.Lock()
@@ -226,10 +243,11 @@ class ContinuousBatcher:
         SpecdecError when it cannot fit the context or the batcher is draining."""
         if self.draining:
             raise SpecdecError("the server is shutting down and takes no new requests")
-        if len(req.prompt) + req.params.max_new_tokens + self.slots + 2 > self.max_context:
+        if not self.fill_context and len(req.prompt) + req.params.max_new_tokens + self.slots + 2 > self.max_context:
             raise SpecdecError(f"prompt ({len(req.prompt)} tokens) plus max_tokens ({req.params.max_new_tokens}) "
                                f"exceeds the context of {self.max_context} tokens")
-        req.generator = make_generator(req.params.seed)
+        if req.generator is None:  # (generate's requests share one)
+            req.generator = make_generator(req.params.seed)
         if self.waiting.full():  # requests cancelled while queued (timed out, client gone) hold no place
             with self.waiting.mutex:
                 live = [r for r in self.waiting.queue if not r.cancelled]
@@ -333,6 +351,8 @@ class ContinuousBatcher:
                     continue
                 self._step()
             except Exception as e:  # noqa: BLE001 - a failure no single row caused: end the rows in it
+                if self.raise_errors:
+                    raise
                 self._fail_step(e)
 
     def _fail_step(self, e: Exception) -> None:
@@ -352,11 +372,14 @@ class ContinuousBatcher:
                 errors.exception("resetting the drafter after a failed step failed too")
 
     def _admit(self) -> None:
+        """Waiting requests join while there is room, each prefilled on its own; those that joined
+        together share the prefill time (they waited for each other) and start decoding after it."""
+        t0, joined = time.perf_counter(), []
         while len(self.rows) < self.max_batch:
             try:
                 req = self.waiting.get_nowait()
             except queue.Empty:
-                return
+                break
             if req.cancelled:
                 self._finish(req, "cancelled")
                 continue
@@ -364,10 +387,16 @@ class ContinuousBatcher:
                 self._prefill(req)
             except Exception as e:  # noqa: BLE001 - this request's own failure: it ends alone
                 self._fail_row(req, e, "prefill")
+            joined.append(req)
+        now = time.perf_counter()
+        for req in joined:
+            req.stats.prefill_s, req.decode_start = now - t0, now
 
     def _fail_row(self, req: Request, e: Exception, where: str) -> None:
         """One request failed in its own work (prefill, sampling, verification, its stop
         check): it ends alone with reason "error", logged once with its id."""
+        if self.raise_errors:
+            raise e
         errors.error("request %s failed in its %s: %s: %s", req.id or "(no id)", where, type(e).__name__, e,
                      exc_info=e)
         if req in self.rows:
@@ -379,7 +408,9 @@ class ContinuousBatcher:
     def _prefill(self, req: Request) -> None:
         t0 = time.perf_counter()
         L = len(req.prompt)
-        one = self.model.new_cache(1, L + 1)
+        req.stats.prompt_tokens = L
+        # a one-row batch prefills into its cache (the transformers adapter has no other)
+        one = self.cache if self.max_batch == 1 else self.model.new_cache(1, L + 1)
         at = torch.arange(L)[None] if req.prompt_logprobs is not None else torch.tensor([[L - 1]])
         logits, hidden = self.model(torch.tensor([req.prompt]), torch.arange(L)[None], one, logits_at=at)
         if req.prompt_logprobs is not None:
@@ -387,13 +418,14 @@ class ContinuousBatcher:
         if req.score_only:
             self._finish(req, "length")
             return
-        first = int(choose(logits[:, -1], req.params, req.generator, rows=[0], positions=[L])[0])
+        first = int(choose(logits[:, -1], req.params, req.generator, rows=[req.key], positions=[L])[0])
         slot = len(self.rows)
         if self.trees or self.drafting or self.generic:
             self.drafter.add_row(self.max_context, list(req.prompt))
         if self.feeds_hidden:
             req.feats = [hidden[0, :L]]
-        self.cache.fill_row(slot, one)
+        if one is not self.cache:
+            self.cache.fill_row(slot, one)
         req.context = list(req.prompt) + [first]
         req.first_token_s = time.perf_counter() - req.submitted
         self.rows.append(req)
@@ -431,7 +463,8 @@ class ContinuousBatcher:
             return "length"
         if req.stop_fn is not None and req.stop_fn(req.tokens):
             return "stop"
-        if len(req.context) + self.slots + 2 >= self.max_context:
+        # the context is full (a served request was refused unless its guesses fit to the end)
+        if len(req.context) + (1 if self.fill_context else self.slots + 2) >= self.max_context:
             return "length"
         return ""
 
@@ -441,9 +474,13 @@ class ContinuousBatcher:
         kind = "cancelled" if reason == "cancelled" else "failed" if reason in FAILED else "finished"
         with self.lock:
             self.totals[kind] += 1
+        st = req.stats
+        st.new_tokens, st.finish_reason = len(req.tokens), reason
+        if req.decode_start is not None:
+            st.decode_s = time.perf_counter() - req.decode_start
         try:
             req.on_done(reason, dict(prompt_tokens=len(req.prompt), completion_tokens=len(req.tokens),
-                                     proposed=req.proposed, accepted=req.accepted, forwards=req.forwards,
+                                     proposed=st.proposed, accepted=st.accepted, forwards=st.target_forwards,
                                      first_token_s=req.first_token_s))
         except Exception:  # noqa: BLE001 - the owner's problem, not the batch's
             errors.exception("request %s: its on_done callback failed", req.id or "(no id)")
@@ -482,14 +519,22 @@ class ContinuousBatcher:
         threads.tick()  # follow the cores other processes leave free (threads.py), as generate does
         t0 = time.perf_counter()
         s = self._propose()
-        cache = _RowsView(self.cache, s.A)
-        draft = Draft(s.drafted, s.counts, None, s.parents if s.is_tree else None)
-        res = run_step(self.model, cache, [r.context[-1] for r in self.rows], draft, [r.params for r in self.rows],
-                       [r.generator for r in self.rows], s.room, s.use_tree)
-        cache.sync()
+        t1 = time.perf_counter()
+        cache = self.cache if s.A == self.cache.batch_size else _RowsView(self.cache, s.A)
+        draft = Draft(s.drafted, s.counts, s.probs, s.parents if s.is_tree else None)
+        pending = [r.context[-1] for r in self.rows]
+        if self.shared is not None:  # one setting and generator: one verification call, rows keyed
+            res = run_step(self.model, cache, pending, draft, self.shared, self.rows[0].generator, s.room,
+                           row_keys=[r.key for r in self.rows])
+        else:
+            res = run_step(self.model, cache, pending, draft, [r.params for r in self.rows],
+                           [r.generator for r in self.rows], s.room, s.use_tree, row_keys=[r.key for r in self.rows])
+        if cache is not self.cache:
+            cache.sync()
         n_acc = torch.tensor(res.accepted, dtype=torch.long)
         self._commit_drafters(s, res.paths, n_acc)
-        self._record(s, n_acc, time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        self._record(s, n_acc, t2 - t0, t1 - t0)
         drafted_l, counts_l, failed = s.drafted.tolist(), s.counts.tolist(), res.failed
         for b, r in enumerate(self.rows):
             if b in failed:
@@ -500,9 +545,15 @@ class ContinuousBatcher:
             if self.feeds_hidden:
                 r.feats.append(res.hidden[b, kept])
             r.context.extend(ids)
-            r.proposed += counts_l[b]
-            r.accepted += len(res.paths[b])
-            r.forwards += 1
+            st, accepted = r.stats, len(res.paths[b])
+            st.target_forwards += 1
+            depth = res.proposed_depth(b, counts_l[b])  # a tree counts as a chain as deep as the tree
+            st.proposed += depth
+            st.accepted += accepted
+            if depth:
+                st.add_position_counts(depth, accepted)
+            st.draft_s += t1 - t0
+            st.verify_s += t2 - t1
             try:
                 self._emit(r, ids, _logprobs(res.logits[b, kept], ids, r.logprobs) if r.logprobs is not None else None)
             except Exception as e:  # noqa: BLE001 - its owner's callback failed: this row alone ends
@@ -558,10 +609,11 @@ class ContinuousBatcher:
         return out
 
     def _propose_generic(self, s: _Step) -> _Step:
-        """A drafter alone, through the protocol, as `Engine` runs it: the batch guard decides
-        whether this step speculates, each row is capped by its own cap and room, and the
-        drafter proposes greedy guesses (q one-hot, exact for sampled rows too)."""
-        k = self.k_max
+        """A drafter alone, through the protocol (every method of `generate`): the draft-length
+        policy (if any) and the batch guard decide how far this step speculates, each row is
+        capped by its own cap and room, and the drafter proposes with the shared settings
+        (`generate`) or greedily (one-hot q, exact for sampled rows too)."""
+        k = self.k_policy.choose_k(self.k_max) if self.k_policy is not None else self.k_max
         if k > 0 and self.guard is not None and not self.guard.speculate(s.A):
             k = 0
         s.k = k
@@ -570,28 +622,43 @@ class ContinuousBatcher:
         if max(s.caps) == 0:
             if self.drafter.may_skip:
                 self.drafter.skip()  # its features wait in the rows for the next proposal
-            s.counts, s.drafted, s.K = torch.zeros(s.A, dtype=torch.long), torch.zeros(s.A, 0, dtype=torch.long), 0
-            self.last_k = 0
-            return s
+            return self._no_guesses(s)
         t1 = time.perf_counter()
-        ctx = DraftContext([r.context for r in self.rows], _GREEDY, None, self._hand_over_features())
+        if self.shared is not None:
+            ctx = DraftContext([r.context for r in self.rows], self.shared, self.rows[0].generator,
+                               self._hand_over_features())
+        else:
+            ctx = DraftContext([r.context for r in self.rows], _GREEDY, None, self._hand_over_features())
         d = self.drafter.propose(ctx, max(s.caps))
         s.t_head, s.proposed = time.perf_counter() - t1, True
         timing = self.drafter.draft_timing()
         if timing is not None:
             s.t_head, s.steady = timing
         if d.parents is not None:  # a tree, cut to nothing for rows without a cap
+            if d.tokens.shape[1] + 1 > self.max_context - int(self.cache.lengths[: s.A].max()):
+                # near the end of the context a tree may not fit: the pending tokens alone (the
+                # drafter is told nothing was accepted)
+                self.drafter.commit([0] * s.A, paths=[[] for _ in range(s.A)])
+                s.proposed = False  # (answered)
+                return self._no_guesses(s)
             s.counts = torch.where(torch.tensor(s.caps) > 0, d.counts, 0)
         else:
             s.counts = torch.minimum(d.counts, torch.tensor(s.caps, dtype=torch.long))
         s.K = int(s.counts.max())
         s.drafted = d.tokens[:, : s.K]
+        s.probs = d.probs[:, : s.K] if d.probs is not None and self.shared is not None else None  # (served: one-hot)
         s.parents = d.parents[:, : s.K] if d.parents is not None else None
         s.use_tree = [d.parents is not None and c > 0 for c in s.counts.tolist()]
         s.use_draft = [d.parents is None and c > 0 for c in s.counts.tolist()]  # counted as draft rows
         s.guesses = [t[:c] for t, c in zip(s.drafted.tolist(), s.counts.tolist())]
         s.is_tree = s.parents is not None and s.K > 0
         self.last_k = s.K
+        return s
+
+    def _no_guesses(self, s: _Step) -> _Step:
+        """s as a plain step: each row scores its pending token alone."""
+        s.counts, s.drafted, s.K = torch.zeros(s.A, dtype=torch.long), torch.zeros(s.A, 0, dtype=torch.long), 0
+        self.last_k = 0
         return s
 
     def _caps(self, s: _Step) -> list[int]:
@@ -645,9 +712,12 @@ class ContinuousBatcher:
         elif self.drafter is not None and s.K > 0:
             self.drafter.commit(n_acc.tolist())
 
-    def _record(self, s: _Step, n_acc: torch.Tensor, dt: float) -> None:
-        """The step's time into the cost model and the guard; the counters; the debug line."""
+    def _record(self, s: _Step, n_acc: torch.Tensor, dt: float, t_propose: float) -> None:
+        """The step's time into the cost model, the draft-length policy and the guard; the
+        counters; the debug line."""
         self.policy.observe_step(s.A, s.K, dt - s.t_head)  # drafting is priced separately (LoadPolicy)
+        if self.k_policy is not None:
+            self.k_policy.observe(s.k, s.counts.tolist(), n_acc.tolist(), t_propose, dt - t_propose)
         if self.guard is not None and s.steady:
             # (a step in which the drafter caught up on a prompt that just joined is a one-off
             # per request, not the steady cost of speculating: not counted)

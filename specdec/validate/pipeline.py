@@ -148,10 +148,12 @@ def by_category(samples: Samples, rows: list[dict], none_rows: list[dict]) -> di
 
 
 def recommended_settings(verdict: dict, target, drafts: dict) -> list[dict]:
-    from .settings import framework_settings
+    from .settings import METHODS, framework_settings
 
     method = verdict.get("recommended_method") or "none"
     k = verdict.get("recommended_k") or 0
+    if method not in METHODS:
+        return []  # a drafter of the Python API alone: no command line or framework runs it
     if method in ("eagle", "medusa") and verdict.get("recommended", "").endswith("tree"):
         k = k or 4  # a tree's depth stands in for the chain length the other frameworks take
     # the name a serving framework loads: the hub id of the default model, else what the user gave
