@@ -69,7 +69,7 @@ class StepLog(logging.Handler):
 
 def make_batcher(setting: str, lm, k: int, max_batch: int):
     from specdec.drafters.hybrid import lookup_eagle_for
-    from specdec.server.batcher import ContinuousBatcher
+    from specdec.core.scheduler import ContinuousBatcher
 
     if setting == "off":
         return ContinuousBatcher(lm.model, lm.eos_ids, method="none", k_max=k, max_batch=max_batch,
@@ -81,7 +81,7 @@ def make_batcher(setting: str, lm, k: int, max_batch: int):
 
 def drive(batcher, prompts: list[list[int]], clients: int, total: int, max_tokens: int) -> dict:
     """C clients in a closed loop until `total` requests are answered; wall seconds, tokens, prefill seconds."""
-    from specdec.server.batcher import Request
+    from specdec.core.scheduler import Request
     from specdec.types import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_tokens)

@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 
-COLD = "import specdec.server.batcher as b; b.ContinuousBatcher.warm_up = lambda self, steps=12: 0.0; "
+COLD = "import specdec.core.scheduler as b; b.ContinuousBatcher.warm_up = lambda self, steps=12: 0.0; "
 SERVE = "import sys; from specdec.cli import main; sys.exit(main())"
 
 

@@ -324,7 +324,7 @@ def build_batcher(cfg: SpecConfig, quiet: bool = False, thread: bool = False):
     """(target, batcher, method) for `specdec serve` (and its Ray replicas): the target loaded,
     the server's drafter built (serve_drafter), the ContinuousBatcher with cfg's knobs.
     thread=True decodes in the batcher's own thread."""
-    from .server.batcher import ContinuousBatcher
+    from .core.scheduler import ContinuousBatcher
 
     if cfg.method not in SERVE_METHODS:
         raise SpecdecError(f"the server runs --method {', '.join(SERVE_METHODS)}, not {cfg.method}")

@@ -1,6 +1,6 @@
 """`Engine.generate`: a batch of prompts decoded to the end, plain or speculative.
 
-Every prompt joins the scheduler (`server.batcher.ContinuousBatcher`, the one `serve` runs) at
+Every prompt joins the scheduler (`core.scheduler.ContinuousBatcher`, the one `serve` runs) at
 the start: each is prefilled alone, then every step proposes, scores the rows' pending tokens
 and guesses in one target forward, verifies, commits or rolls back the caches, records, and
 finished rows leave at once; the batch ends when the last row does. The engine's drafter runs
@@ -27,7 +27,7 @@ from typing import Callable
 from .core.policy import BatchGuard
 from .drafters.base import Drafter
 from .sampling import make_generator
-from .server.batcher import ContinuousBatcher, Request
+from .core.scheduler import ContinuousBatcher, Request
 from .types import MAX_GUESSES, GenerationResult, SamplingParams, SpecdecError
 
 OnTokens = Callable[[int, list[int]], None]  # (row, newly committed ids)

@@ -11,7 +11,7 @@ from specdec.drafters.base import DraftContext
 from specdec.drafters.ngram import LengthPolicy, NgramDrafter
 from specdec.types import SamplingParams
 import specdec.core.step as step_mod
-from specdec.server.batcher import ContinuousBatcher
+from specdec.core.scheduler import ContinuousBatcher
 
 
 def test_step_model_fits_a_fixed_a_per_row_and_a_per_token_cost():
@@ -109,7 +109,7 @@ def _run(batcher, jobs, timeout: float = 120.0):
     every job is done (every job queued before the first step: the rows join in a fixed order)."""
     import threading
 
-    from specdec.server.batcher import Request
+    from specdec.core.scheduler import Request
 
     out, done, reqs = [None] * len(jobs), threading.Semaphore(0), []
     for i, (prompt, params) in enumerate(jobs):
@@ -257,7 +257,7 @@ def _chi2_through_batcher(monkeypatch, make_batcher, broken: bool, label: str):
 
     import test_tree
     from oracle import exact_joint, one_thread
-    from specdec.server import batcher as batcher_mod
+    from specdec.core import scheduler as batcher_mod
     from specdec.types import SamplingParams
     from test_eagle import CTX, SV, target_dir
     from test_tree import chi2_views

@@ -136,7 +136,7 @@ def test_steps_longer_than_the_kernels_verify_exactly_are_refused_before_loading
     from specdec.drafters.ngram import NgramDrafter
     from specdec.engine import Engine
     from specdec.models.llama import ATTEND_MAX_T
-    from specdec.server.batcher import ContinuousBatcher
+    from specdec.core.scheduler import ContinuousBatcher
     from specdec.types import MAX_GUESSES, SpecdecError
 
     graft = inspect.signature(LookupEagleDrafter).parameters["graft"].default  # lookup nodes auto adds to a tree

@@ -14,7 +14,7 @@ import torch
 
 from specdec.drafters import Draft, DraftContext, Drafter
 from specdec.engine import Engine
-from specdec.server.batcher import ContinuousBatcher
+from specdec.core.scheduler import ContinuousBatcher
 from specdec.types import SamplingParams, SpecdecError
 
 from oracle import hf_greedy, one_thread

@@ -47,7 +47,7 @@ def serving(app):
 @pytest.fixture(scope="module")
 def server(default_model):
     from specdec.server.app import create_app
-    from specdec.server.batcher import ContinuousBatcher
+    from specdec.core.scheduler import ContinuousBatcher
 
     from specdec.drafters.hybrid import lookup_eagle_for
 
@@ -321,7 +321,7 @@ def test_usage_with_a_stop_string_does_not_depend_on_speculation(client):
 def test_requests_cancelled_in_the_queue_free_their_place(default_model):
     import queue as queue_mod
 
-    from specdec.server.batcher import ContinuousBatcher, Request
+    from specdec.core.scheduler import ContinuousBatcher, Request
     from specdec.types import SamplingParams
 
     b = ContinuousBatcher(default_model.model, default_model.eos_ids, method="none", max_batch=1, max_queue=1,

@@ -26,7 +26,7 @@ MAX_CONTEXT = 512
 def server(default_model):
     from specdec.drafters.hybrid import lookup_eagle_for
     from specdec.server.app import create_app
-    from specdec.server.batcher import ContinuousBatcher
+    from specdec.core.scheduler import ContinuousBatcher
 
     batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, method="auto", k_max=8, max_batch=8,
                                 max_queue=64, max_context=MAX_CONTEXT, drafter=lookup_eagle_for(default_model))
@@ -111,7 +111,7 @@ def test_extreme_settings_beside_normal_requests(server, default_model, poison):
 def poisoned(monkeypatch):
     """Requests with temperature 0.123 fail in their verification, 0.321 in their prefill."""
     from specdec.core import step as step_mod
-    from specdec.server import batcher as batcher_mod
+    from specdec.core import scheduler as batcher_mod
 
     warp, choose = step_mod.warp, batcher_mod.choose
 
@@ -332,7 +332,7 @@ def test_counters_and_latency_histograms_count_the_same_unit(default_model):
     histogram counts exactly the finished choices, the first-token and per-token histograms the
     finished choices that generated a token."""
     from specdec.server.app import create_app
-    from specdec.server.batcher import ContinuousBatcher
+    from specdec.core.scheduler import ContinuousBatcher
 
     batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, method="none", k_max=0, max_batch=8,
                                 max_queue=16, max_context=MAX_CONTEXT, thread=True)

@@ -1,6 +1,6 @@
 """One speculative step for a set of rows: score -> verify -> commit (docs/design.md, "The step").
 
-The scheduler (`server.batcher.ContinuousBatcher`, behind `generate` and `serve`) runs its steps
+The scheduler (`core.scheduler.ContinuousBatcher`, behind `generate` and `serve`) runs its steps
 through `run_step`: the proposal (which source guesses, how far) is the scheduler's, what a
 proposal does to the rows is here.
 

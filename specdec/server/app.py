@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from . import admin, completions
-from .batcher import ContinuousBatcher
+from ..core.scheduler import ContinuousBatcher
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
 from .textops import TextOps

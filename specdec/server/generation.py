@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..text import find_stop
 from ..types import SamplingParams, SpecdecError
-from .batcher import FAILED, Request
+from ..core.scheduler import FAILED, Request
 from .errors import APIError, internal_error
 
 

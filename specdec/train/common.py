@@ -1,5 +1,6 @@
-"""Small pieces shared by the training commands: the learning-rate schedule and the
-resumable checkpoint (module + optimizer + step + running figures + seconds spent)."""
+"""Small pieces shared by the training commands: the learning-rate schedule, the
+resumable checkpoint (module + optimizer + step + running figures + seconds spent) and the
+data shards the collect stages write."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import math
 from pathlib import Path
 
 import torch
+
+from ..types import SpecdecError
 
 
 def cosine_lr(step: int, steps: int, warmup: int, peak: float) -> float:
@@ -28,3 +31,14 @@ def save_checkpoint(path: Path, key: str, module, opt, step: int, ema, seconds: 
     tmp = path.with_suffix(".tmp")
     torch.save({key: module.state_dict(), "opt": opt.state_dict(), "step": step, "ema": ema, "seconds": seconds}, tmp)
     tmp.replace(path)
+
+
+def load_shards(folder: Path, missing: str) -> list:
+    """Every row of the `shard_*.pt` files in `folder`, in shard order; SpecdecError(missing)
+    when there are none."""
+    rows = []
+    for p in sorted(folder.glob("shard_*.pt")):
+        rows += torch.load(p, weights_only=False)
+    if not rows:
+        raise SpecdecError(missing)
+    return rows

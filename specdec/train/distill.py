@@ -33,7 +33,7 @@ import torch
 
 from ..types import SpecdecError
 from . import corpus
-from .common import cosine_lr, load_checkpoint, save_checkpoint
+from .common import cosine_lr, load_checkpoint, load_shards, save_checkpoint
 from .configs import CollectConfig, StudentConfig, TrainConfig
 
 DRAFT_META = "specdec_draft.json"
@@ -275,12 +275,7 @@ def collect(target, out: Path, cfg: CollectConfig, quiet: bool = False, pool=Non
 
 
 def load_rows(data: Path) -> list:
-    rows = []
-    for p in sorted(data.glob("shard_*.pt")):
-        rows += torch.load(p, weights_only=False)
-    if not rows:
-        raise SpecdecError(f"no training data in {data}; run the collect stage first")
-    return rows
+    return load_shards(data, f"no training data in {data}; run the collect stage first")
 
 
 # -- stage 2: train ----------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..types import SpecdecError
-from .common import cosine_lr, load_checkpoint, save_checkpoint
+from .common import cosine_lr, load_checkpoint, load_shards, save_checkpoint
 from .configs import EagleTrainConfig
 
 
@@ -85,12 +85,7 @@ def extract_features(target, data: Path, feats: Path, seq_len: int, max_rows: in
 
 
 def _load_features(feats: Path) -> list:
-    rows = []
-    for p in sorted(feats.glob("shard_*.pt")):
-        rows += torch.load(p, weights_only=False)
-    if not rows:
-        raise SpecdecError(f"no features in {feats}")
-    return rows
+    return load_shards(feats, f"no features in {feats}")
 
 
 def init_head(target):

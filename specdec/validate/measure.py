@@ -4,7 +4,7 @@
    oracle) and with each speculative configuration, interleaved per sample; per sample and
    overall: acceptance alpha, tokens per target forward tau, acceptance by draft position,
    draft / verify / other time, and whether the output equals plain decoding token for token.
-2. `load`: the batched engine the server uses (`server.batcher.ContinuousBatcher`, the model
+2. `load`: the batched engine the server uses (`core.scheduler.ContinuousBatcher`, the model
    in the calling thread as `specdec serve` runs it; the server's drafting: prompt lookup, or
    prompt lookup + the EAGLE head where the target has one) with
    speculation off, at a fixed draft length, and load-aware, driven by C client threads at
@@ -109,7 +109,7 @@ def drive(batcher, prompts: list[list[int]], conc: int, per_client: int, params:
     between deliveries / the tokens delivered; p50, p95), which hides speculation's gain since
     most deliveries still carry one token; failures; and how many answers equal `reference`
     (the plain greedy outputs of the same prompts)."""
-    from ..server.batcher import Request
+    from ..core.scheduler import Request
 
     lock = threading.Lock()
     ttft, tpot, gaps, tokens, failures, equal, checked = [], [], [], [0], [], [0], [0]
@@ -186,7 +186,7 @@ def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, level
     drafting is the server's: prompt lookup, or with `make_drafter` (a new drafter per call)
     `method` with it: the server's `auto` by default (prompt lookup + an EAGLE drafter), or any
     method with a `Drafter`, as `specdec serve --method` runs it."""
-    from ..server.batcher import ContinuousBatcher
+    from ..core.scheduler import ContinuousBatcher
 
     ctx = min(model.max_context, max(len(p) for p in encoded) + params.max_new_tokens + k + 8)
     if make_drafter is None:

@@ -79,8 +79,8 @@ from typing import Callable
 import torch
 
 from .. import threads
-from ..core.policy import BatchGuard, LoadPolicy
-from ..core.step import run_step
+from .policy import BatchGuard, LoadPolicy
+from .step import run_step
 from ..drafters.base import Draft, DraftContext, Drafter, timing_free
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter
