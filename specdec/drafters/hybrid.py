@@ -187,7 +187,9 @@ class HybridDrafter(Drafter):
         self.lookup.keep_rows(rows)
 
     def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
-        self.draft.add_row(max_len, prompt)
+        # the draft model reads the prompt when it first drafts for the row (a catch-up), not now:
+        # a request whose lookups do better never pays the draft's prefill
+        self.draft.add_row(max_len, None)
         self.lookup.add_row(max_len, prompt)
 
     def learned(self) -> dict:
