@@ -867,7 +867,10 @@ __attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int mr_,
         lo = _mm256_dpbusd_epi32(lo, wq[k], _mm256_loadu_si256(xq + k));
         hi = _mm256_dpbusd_epi32(hi, wq[4 + k], _mm256_loadu_si256(xq + 4 + k));
       }
-      const __m256i isum = _mm256_hadd_epi32(_mm256_mullo_epi32(lo, scl_lo), _mm256_mullo_epi32(hi, scl_hi));
+      // (Q4_K, GROUP 8: a part's sum over a half fits int16, |sum| <= 16 * 15 * 127, so the two sums
+      // are packed to int16 lanes in the order of scl and take one _mm256_madd_epi16 instead)
+      const __m256i isum = D::GROUP == 8 ? _mm256_madd_epi16(_mm256_packs_epi32(lo, hi), st.scl)
+                                         : _mm256_hadd_epi32(_mm256_mullo_epi32(lo, scl_lo), _mm256_mullo_epi32(hi, scl_hi));
       accumulate<D>(isum, st, xr, (row0 + i) * (K / 256) + b, acc[i], accc[i]);
     }
 #else
