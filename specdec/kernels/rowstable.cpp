@@ -572,8 +572,8 @@ void gguf_columns(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
 // an all-zero slice). A K-quant block then contributes, for one row,
 //     d * dx * sum_s (scale_s * <q_w, q_x>_s)  +  c * dx * sum_l coef_l * bsum_l
 // where the first sum is exact int32 arithmetic (_mm256_maddubs_epi16 / _mm256_madd_epi16 over the
-// block's unsigned quants; _mm256_dpbusd_epi32 in the VNNI build), and the second folds in what the unsigned quants leave out (Q4_K / Q5_K:
-// the mins, c = -dmin; Q6_K: the offset 32, c = -d); the block types are alike (int32_tile). Integers
+// block's unsigned quants; _mm256_dpbusd_epi32 in the VNNI build), and the second folds in what the
+// unsigned quants leave out (Q4_K / Q5_K: the mins, c = -dmin; Q6_K: the offset 32, c = -d); the block types are alike (int32_tile). Integers
 // are exact whatever their order, and the float accumulations run block by block in order, so a row's
 // outputs still never depend on the other rows or the threads: row-stable, as the float path. The
 // numbers are not the float path's: the product is that of the rounded activations (to float32
@@ -845,7 +845,10 @@ __attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int mr_,
     D::prepare(pb, st);
     __m256i wq[8];
     for (int s = 0; s < 8; ++s) wq[s] = D::quants(pb, s);
-    if constexpr (MR == 1) {  // one row: its products reduced instead (the same int32 lanes)
+    // one row: its products reduced instead (the same int32 lanes). The VNNI build keeps this too: a
+    // one-row product waits on memory, and neither _mm256_dpbusd_epi32 with horizontal adds nor the
+    // interleaved path below was measurably faster there (Zen 4, one thread)
+    if constexpr (MR == 1) {
       const int8_t* xq = xr.q.data() + row0 * K + b * 256;
       for (int s = 0; s < 8; ++s) wq[s] = _mm256_maddubs_epi16(wq[s], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s)));
       accumulate<D>(reduce_parts<D::GROUP>(wq, st.scl), st, xr, row0 * (K / 256) + b, acc[0], accc[0]);
@@ -854,9 +857,9 @@ __attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int mr_,
     interleave_quants(wq);
 #if ROWSTABLE_VNNI
     // the part scales as int32 lanes: lane L of each half, part L's (lo) and part 4 + L's (hi); each
-    // row's 8 dot products into two sums (parts 0-3, 4-7), times them, and the neighbours' lanes added
-    // (_mm256_hadd_epi32: lane j of a half = lanes 2j + 2j + 1 of lo for j < 2, of hi for j >= 2), the
-    // lanes of the AVX2 build's _mm256_madd_epi16 by scl
+    // row's 8 dot products into two sums (parts 0-3, 4-7), times them, and neighbouring lanes added
+    // (_mm256_hadd_epi32: lane j of a half = lanes 2j and 2j + 1 of lo for j < 2, lanes 2j - 4 and
+    // 2j - 3 of hi for j >= 2): the lanes of the AVX2 build's _mm256_madd_epi16 by scl
     const __m256i scl_lo = _mm256_srai_epi32(_mm256_unpacklo_epi16(st.scl, st.scl), 16);
     const __m256i scl_hi = _mm256_srai_epi32(_mm256_unpackhi_epi16(st.scl, st.scl), 16);
     for (int i = 0; i < mr; ++i) {
