@@ -136,7 +136,8 @@ def repack_table(ops, shapes: list[tuple[int, int]], ms: list[int], reps: int) -
 
 
 def base_ops(rev: str):
-    """The row-stable kernels of git revision `rev` (its rowstable.cpp), loaded as torch.ops.specdec_rs_base."""
+    """The row-stable kernels of git revision `rev` (its rowstable.cpp, AVX2 build: `--base HEAD` compares
+    this tree's AVX-512 VNNI build with its AVX2 one), loaded as torch.ops.specdec_rs_base."""
     import subprocess
     import tempfile
 
@@ -146,8 +147,20 @@ def base_ops(rev: str):
     src = src.replace("TORCH_LIBRARY_IMPL(specdec_rs,", "TORCH_LIBRARY_IMPL(specdec_rs_base,")
     path = Path(tempfile.mkdtemp()) / "rowstable_base.cpp"
     path.write_text(src)
-    torch.ops.load_library(str(kernels._build(cache_root() / "kernels", True, path, ["-mavx2", "-mfma", "-mf16c"])))
+    torch.ops.load_library(str(kernels._build(cache_root() / "kernels", True, path, kernels.ROWSTABLE_ISA["avx2"])))
     return torch.ops.specdec_rs_base
+
+
+def use_kernels(model, ns) -> None:
+    """Point every GGUF projection of `model` at gguf_linear_q8 / gguf_linear_cat_q8 of op namespace
+    `ns` (this tree's torch.ops.specdec_rs or base_ops()); the rest of a step stays this tree's."""
+    from specdec.models.gguf_model import GGUFLinear
+
+    for lin in model.modules():
+        if isinstance(lin, GGUFLinear):
+            lin.op = ns.gguf_linear_q8
+            if lin.op_cat is not None:
+                lin.op_cat = ns.gguf_linear_cat_q8
 
 
 def ab_table(ops, base, rev: str, types: list[str], shapes: list[tuple[int, int]], ms: list[int], reps: int) -> None:
@@ -186,12 +199,6 @@ def verify_table(ops, base, rev: str, reps: int) -> None:
     if not all(lin.op is ops.gguf_linear_q8 for lin in lins):
         sys.exit("verify: the model's projections are not on this tree's gguf_linear_q8 (SPECDEC_GGUF_ACT8=0?)")
 
-    def use(ns) -> None:
-        for lin in lins:
-            lin.op = getattr(ns, "gguf_linear_q8")
-            if lin.op_cat is not None:
-                lin.op_cat = getattr(ns, "gguf_linear_cat_q8")
-
     clock = one_thread_clock()
     P, Ts = 100, (1, 2, 4, 8, 16)
     ctx = torch.randint(1000, 20000, (1, P + max(Ts)), generator=torch.Generator().manual_seed(0))
@@ -202,12 +209,12 @@ def verify_table(ops, base, rev: str, reps: int) -> None:
         for _ in range(reps):
             for T in Ts:
                 for k, ns in (("base", base), ("this", ops)):
-                    use(ns)
+                    use_kernels(m, ns)
                     cache.truncate(torch.tensor([P]))
                     t0 = clock()
                     m(ctx[:, P:P + T], torch.arange(P, P + T)[None], cache)
                     times[(k, T)].append(clock() - t0)
-    use(ops)
+    use_kernels(m, ops)
     med = {key: statistics.median(v) for key, v in times.items()}
     best = {key: min(v) for key, v in times.items()}
     print(f"({'CPU' if clock is time.thread_time else 'wall'} time)")
@@ -236,7 +243,8 @@ def main() -> None:
     ops = kernels.rowstable_ops(cache_root() / "kernels", quiet=False)
     if ops is None:
         sys.exit(f"the row-stable kernels cannot run here: {kernels.rowstable_unavailable()}")
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"this tree's {kernels.rowstable_isa()} build")
 
     def parse_shapes(default: str) -> list[tuple[int, int]]:
         return [tuple(int(v) for v in s.split("x")) for s in (a.shapes or default).split(",")]

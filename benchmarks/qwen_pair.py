@@ -20,6 +20,9 @@ benchmarks, checks each file's size and sha256 prefix, and stores them under
         # with the machine's read bandwidth on these threads and the file's bytes a token: the cap
     python benchmarks/qwen_pair.py verify --threads 2
         # the time of one target forward over T = 1, 2, 4, 8 tokens (a verification step), both paths
+    (peers, verify --base REV: also specdec with its GGUF projections on git revision REV's
+    kernels, AVX2 build (benchmarks/gguf_kernels.py's base_ops), interleaved with the others:
+    `--base main` compares a change to the kernels, `--base HEAD` the AVX-512 VNNI build with the AVX2 one)
     python benchmarks/qwen_pair.py profile --threads 2 --reps 20
         # where a 1-token decoding step's time goes: each kernel call of the step timed in place
         # (weights as cold as in decoding), per projection with its GB/s, and the Python between them
@@ -189,7 +192,19 @@ def llamacpp_greedy(llm, ids: list[int], n: int) -> tuple[list[int], float, floa
     return out, t_first - t0, time.perf_counter() - t_first
 
 
-def measure_peers(threads: int, max_new: int, n_prompts: int, repeats: int) -> dict:
+def base_kernels(rev: str | None):
+    """(this tree's row-stable kernels, revision rev's as gguf_kernels.base_ops builds them), or None."""
+    if rev is None:
+        return None
+    from gguf_kernels import base_ops
+
+    from specdec import kernels
+    from specdec.models.loader import cache_root
+
+    return kernels.rowstable_ops(cache_root() / "kernels"), base_ops(rev)
+
+
+def measure_peers(threads: int, max_new: int, n_prompts: int, repeats: int, base: str | None = None) -> dict:
     """Plain greedy decoding of the same HumanEval prompts by specdec (both paths) and llama.cpp,
     interleaved per prompt (the order rotating each repeat); decode tokens/s = (n - 1) / (time after
     the first token), medians over prompts x repeats; greedy agreement with specdec's float path
@@ -211,6 +226,19 @@ def measure_peers(threads: int, max_new: int, n_prompts: int, repeats: int) -> d
 
         runners[name] = run
         bytes_per_token = lm.model.weight_bytes_per_token()
+        if act8 and base is not None:
+            from gguf_kernels import use_kernels
+
+            this_ops, base_ns = base_kernels(base)
+
+            def run_base(ids, run=run, model=lm.model):
+                use_kernels(model, base_ns)
+                try:
+                    return run(ids)
+                finally:
+                    use_kernels(model, this_ops)
+
+            runners[f"specdec-{base}"] = run_base
     try:
         from llama_cpp import Llama
 
@@ -251,7 +279,7 @@ def measure_peers(threads: int, max_new: int, n_prompts: int, repeats: int) -> d
     return out
 
 
-def measure_verify(threads: int, reps: int) -> dict:
+def measure_verify(threads: int, reps: int, base: str | None = None) -> dict:
     """Seconds of one target forward over T = 1, 2, 4, 8 new tokens after a 100-token context (a
     verification step of T - 1 guesses; T = 1 is a plain decoding step), both specdec paths,
     interleaved, medians; and each T's cost over T = 1 (what a step of accepted guesses must beat)."""
@@ -260,6 +288,11 @@ def measure_verify(threads: int, reps: int) -> dict:
     torch.set_num_threads(threads)
     out = {"cpu": cpu_name(), "threads": threads}
     models = {"specdec": load_target(True).model, "specdec-float": load_target(False).model}
+    if base is not None:
+        from gguf_kernels import use_kernels
+
+        models[f"specdec-{base}"] = load_target(True).model
+        use_kernels(models[f"specdec-{base}"], base_kernels(base)[1])
     P, Ts = 100, (1, 2, 4, 8)
     ctx = torch.randint(1000, 20000, (1, P + 8), generator=torch.Generator().manual_seed(0))
     caches = {}
@@ -430,6 +463,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--base", default=None, help="peers, verify: also time git revision BASE's kernels (AVX2 build)")
     a = ap.parse_args()
     if a.what == "fetch":
         for which in MODELS:
@@ -441,9 +475,9 @@ def main() -> None:
         torch.set_num_threads(a.threads)
         res = measure_load() if a.engine == "specdec" else measure_load_llamacpp(a.threads)
     elif a.what == "peers":
-        res = measure_peers(a.threads, a.max_new_tokens, a.prompts, a.repeats)
+        res = measure_peers(a.threads, a.max_new_tokens, a.prompts, a.repeats, a.base)
     elif a.what == "verify":
-        res = measure_verify(a.threads, a.reps)
+        res = measure_verify(a.threads, a.reps, a.base)
     elif a.what == "profile":
         res = measure_profile(a.threads, a.reps)
     else:

@@ -23,7 +23,9 @@ gguf_linear_cat for several tensors side by side, gguf_rows for embedding rows),
 the same way however many rows share the call, so that a verified token gets bit for bit the
 numbers of decoding it alone. `rowstable_ops()` builds and loads it the same way, as
 `torch.ops.specdec_rs` (None, and `rowstable_unavailable()` says why, where it cannot run or
-SPECDEC_ROWSTABLE=0).
+SPECDEC_ROWSTABLE=0). Where the CPU has AVX-512 VNNI, VL and BW it is built with those too, and its
+8-bit-activation integer dot products run on VNNI, with the AVX2 build's numbers bit for bit
+(`rowstable_isa()` says which build; SPECDEC_ROWSTABLE=avx2 forces the AVX2 one).
 
 `GGUF_TYPES`, `row_bytes()` and `check_gguf_tensor()` describe and check the tensors gguf_linear
 and gguf_rows read, raising SpecdecError for a type they do not read or a size that does not fit.
@@ -127,16 +129,30 @@ def ops(cache_dir: Path, quiet: bool = True):
 
 ROWSTABLE_SOURCE = Path(__file__).with_name("rowstable.cpp")
 ROWSTABLE_FLAGS = {"avx2", "fma", "f16c"}
+ROWSTABLE_VNNI_FLAGS = ROWSTABLE_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+# compiler flags of the two builds of rowstable.cpp, by rowstable_isa()
+ROWSTABLE_ISA = {"avx2": ["-mavx2", "-mfma", "-mf16c"],
+                 "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]}
 _rs_state: dict = {}
+
+
+def rowstable_isa() -> str:
+    """Which build of rowstable.cpp rowstable_ops() loads here: "avx512vnni" where the CPU has
+    AVX-512 VNNI, VL and BW (the 8-bit-activation integer dot products on _mm256_dpbusd_epi32), else
+    "avx2" (_mm256_maddubs_epi16 + _mm256_madd_epi16); the two give the same numbers bit for bit.
+    SPECDEC_ROWSTABLE=avx2 takes the AVX2 build on any CPU (for comparisons and tests)."""
+    if os.environ.get("SPECDEC_ROWSTABLE", "1") != "avx2" and ROWSTABLE_VNNI_FLAGS <= _cpu_flags():
+        return "avx512vnni"
+    return "avx2"
 
 
 def rowstable_ops(cache_dir: Path, quiet: bool = True):
     """torch.ops.specdec_rs (linear, gguf_linear, gguf_linear_cat, gguf_rows, rms_norm, attend,
     rope_attend, silu_mul: float32 kernels whose every output number is computed the same way
     however many rows share the call; see rowstable.cpp), for x86 CPUs with AVX2, FMA and F16C
-    (AVX-512 CPUs included); None where these cannot run (`rowstable_unavailable()` says why: no
-    AVX2/FMA/F16C, no compiler, a failed build, SPECDEC_ROWSTABLE=0). Built once into cache_dir
-    like ops()."""
+    (AVX-512 CPUs included; the build rowstable_isa() names); None where these cannot run
+    (`rowstable_unavailable()` says why: no AVX2/FMA/F16C, no compiler, a failed build,
+    SPECDEC_ROWSTABLE=0). Built once into cache_dir like ops() (each build under its own key)."""
     with _lock:
         if "ops" in _rs_state or "why" in _rs_state:
             return _rs_state.get("ops")
@@ -147,7 +163,7 @@ def rowstable_ops(cache_dir: Path, quiet: bool = True):
             why = "this CPU lacks AVX2, FMA and F16C (the row-stable kernels need all three)"
         if why is None:
             try:
-                lib = _build(Path(cache_dir), quiet, ROWSTABLE_SOURCE, ["-mavx2", "-mfma", "-mf16c"],
+                lib = _build(Path(cache_dir), quiet, ROWSTABLE_SOURCE, ROWSTABLE_ISA[rowstable_isa()],
                              "the row-stable float32 kernels")
                 torch.ops.load_library(str(lib))
                 _rs_state["ops"] = torch.ops.specdec_rs

@@ -20,7 +20,12 @@
 // long prefills (shared by every decoding method) through oneDNN (models/llama.py decides).
 //
 // Built with -mavx2 -mfma -ffp-contract=off: a product and a sum written as two operations stay two
-// roundings, so the rotation gives the numbers of the torch expression models/llama.py uses.
+// roundings, so the rotation gives the numbers of the torch expression models/llama.py uses. On CPUs
+// with AVX-512 VNNI, VL and BW it is built a second way, with those flags too (kernels/__init__.py,
+// rowstable_ops): the 8-bit-activation integer dot products then take _mm256_dpbusd_epi32 (ROWSTABLE_VNNI)
+// where the AVX2 build takes _mm256_maddubs_epi16 + _mm256_madd_epi16, and every int32 lane that
+// reaches the float arithmetic holds the same exact integer in both, so the two builds give the same
+// numbers bit for bit (tests/test_vnni.py); everything else is the same source.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,8 +36,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define ROWSTABLE_VNNI 1
+#else
+#define ROWSTABLE_VNNI 0
+#endif
 
 namespace {
 
@@ -560,13 +572,23 @@ void gguf_columns(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
 // an all-zero slice). A K-quant block then contributes, for one row,
 //     d * dx * sum_s (scale_s * <q_w, q_x>_s)  +  c * dx * sum_l coef_l * bsum_l
 // where the first sum is exact int32 arithmetic (_mm256_maddubs_epi16 / _mm256_madd_epi16 over the
-// block's unsigned quants), and the second folds in what the unsigned quants leave out (Q4_K / Q5_K:
-// the mins, c = -dmin; Q6_K: the offset 32, c = -d); the block types are alike (int32_tile). Integers
+// block's unsigned quants; _mm256_dpbusd_epi32 in the VNNI build), and the second folds in what the
+// unsigned quants leave out (Q4_K / Q5_K: the mins, c = -dmin; Q6_K: the offset 32, c = -d); the block types are alike (int32_tile). Integers
 // are exact whatever their order, and the float accumulations run block by block in order, so a row's
 // outputs still never depend on the other rows or the threads: row-stable, as the float path. The
 // numbers are not the float path's: the product is that of the rounded activations (to float32
 // rounding), ~0.2-0.5% of sum |x w| from the unrounded one (tests/test_gguf_types.py states both).
 // F32 / F16 / BF16 compute as in gguf_linear.
+//
+// No saturation, so both builds' integers are exact and equal: _mm256_maddubs_epi16 saturates a pair
+// of products at int16, but |q_x| <= 127 (max|x| / 127 scaling) and a weight quant is at most 15
+// (Q4_0, Q4_1, Q4_K), 31 (Q5_0, Q5_1, Q5_K), 63 (Q6_K, before its offset) or, as |q_w| for Q8_0, 128
+// (q_w = -128: _mm256_sign_epi8 leaves the byte 0x80, read unsigned), so a pair is at most
+// 2 * 128 * 127 = 32512 < 32767; the K-quants' int16 sums of GROUP pairs stay below it too (KInt).
+// _mm256_dpbusd_epi32 sums 4 products into int32 without saturation. Each build arranges its lanes so
+// that every int32 lane converted to float holds the same integer (int32_tile: lane j = the 4
+// products of bytes 4j..4j+3 in both; int_tile: lane j of each 128-bit half = the scaled sums of
+// parts 2j and 2j + 1 over that half, in both).
 
 constexpr int64_t INT_MR = 4;  // activation rows a tile of the block types' integer path takes at most
 constexpr int64_t KQ_MR = 16;  // and of the K-quants' (int_tile)
@@ -594,9 +616,34 @@ inline void interleave_parts(__m256i v[8]) {
   }
 }
 
+// The VNNI build's layout instead (_mm256_dpbusd_epi32 sums 4 adjacent bytes' products into an int32
+// lane, so the parts are interleaved 4 bytes at a time, in two sets of 4): afterwards vector k < 4 holds
+// in int32 lane L of each 128-bit half the 4 bytes k of part L's half, and vector 4 + k those of part
+// 4 + L. The dot products of vectors 0-3 added up then hold in lane L part L's sum over that half,
+// those of vectors 4-7 part 4 + L's: 8 sums each multiplied by its own scale, 16 instructions a block.
+inline void interleave_dwords(__m256i v[8]) {
+  for (int g = 0; g < 8; g += 4) {  // a 4 x 4 transpose of int32 lanes in each half
+    const __m256i t0 = _mm256_unpacklo_epi32(v[g], v[g + 1]), t1 = _mm256_unpackhi_epi32(v[g], v[g + 1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(v[g + 2], v[g + 3]), t3 = _mm256_unpackhi_epi32(v[g + 2], v[g + 3]);
+    v[g] = _mm256_unpacklo_epi64(t0, t2);
+    v[g + 1] = _mm256_unpackhi_epi64(t0, t2);
+    v[g + 2] = _mm256_unpacklo_epi64(t1, t3);
+    v[g + 3] = _mm256_unpackhi_epi64(t1, t3);
+  }
+}
+
+// a 256-slice's 8 parts in the layout of this build's int_tile (applied alike to weights and activations)
+inline void interleave_quants(__m256i v[8]) {
+#if ROWSTABLE_VNNI
+  interleave_dwords(v);
+#else
+  interleave_parts(v);
+#endif
+}
+
 // Activation rows rounded to 8 bits in slices of S (256 for the K-quants, 32 for the 32-weight
 // block types; K % S == 0): q [M, K], (S = 256) qi: q with each slice's 8 parts of 32 interleaved
-// (see interleave_parts), the scale d of each slice, the sums of each 16 q, and (S = 32)
+// (interleave_quants), the scale d of each slice, the sums of each 16 q, and (S = 32)
 // sx = d * (sum of the slice's q) for the block types' offsets and minimums.
 struct Q8Rows {
   int64_t S = 0;
@@ -645,7 +692,7 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
       if (S == 256) {
         __m256i v[8];
         for (int s = 0; s < 8; ++s) v[s] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
-        interleave_parts(v);
+        interleave_quants(v);
         for (int s = 0; s < 8; ++s) _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.qi.data() + b * S + 32 * s), v[s]);
       }
     }
@@ -798,13 +845,38 @@ __attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int mr_,
     D::prepare(pb, st);
     __m256i wq[8];
     for (int s = 0; s < 8; ++s) wq[s] = D::quants(pb, s);
-    if constexpr (MR == 1) {  // one row: its products reduced instead (the same int32 lanes)
+    // one row: its products reduced instead (the same int32 lanes). The VNNI build keeps this too: a
+    // one-row product waits on memory, and neither _mm256_dpbusd_epi32 with horizontal adds nor the
+    // interleaved path below was measurably faster there (Zen 4, one thread)
+    if constexpr (MR == 1) {
       const int8_t* xq = xr.q.data() + row0 * K + b * 256;
       for (int s = 0; s < 8; ++s) wq[s] = _mm256_maddubs_epi16(wq[s], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s)));
       accumulate<D>(reduce_parts<D::GROUP>(wq, st.scl), st, xr, row0 * (K / 256) + b, acc[0], accc[0]);
       continue;
     }
-    interleave_parts(wq);
+    interleave_quants(wq);
+#if ROWSTABLE_VNNI
+    // the part scales as int32 lanes: lane L of each half, part L's (lo) and part 4 + L's (hi); each
+    // row's 8 dot products into two sums (parts 0-3, 4-7), times them, and neighbouring lanes added
+    // (_mm256_hadd_epi32: lane j of a half = lanes 2j and 2j + 1 of lo for j < 2, lanes 2j - 4 and
+    // 2j - 3 of hi for j >= 2): the lanes of the AVX2 build's _mm256_madd_epi16 by scl
+    const __m256i scl_lo = _mm256_srai_epi32(_mm256_unpacklo_epi16(st.scl, st.scl), 16);
+    const __m256i scl_hi = _mm256_srai_epi32(_mm256_unpackhi_epi16(st.scl, st.scl), 16);
+    for (int i = 0; i < mr; ++i) {
+      const __m256i* xq = reinterpret_cast<const __m256i*>(xr.qi.data() + (row0 + i) * K + b * 256);
+      __m256i lo = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq[0], _mm256_loadu_si256(xq));
+      __m256i hi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq[4], _mm256_loadu_si256(xq + 4));
+      for (int k = 1; k < 4; ++k) {
+        lo = _mm256_dpbusd_epi32(lo, wq[k], _mm256_loadu_si256(xq + k));
+        hi = _mm256_dpbusd_epi32(hi, wq[4 + k], _mm256_loadu_si256(xq + 4 + k));
+      }
+      // (Q4_K, GROUP 8: a part's sum over a half fits int16, |sum| <= 16 * 15 * 127, so the two sums
+      // are packed to int16 lanes in the order of scl and take one _mm256_madd_epi16 instead)
+      const __m256i isum = D::GROUP == 8 ? _mm256_madd_epi16(_mm256_packs_epi32(lo, hi), st.scl)
+                                         : _mm256_hadd_epi32(_mm256_mullo_epi32(lo, scl_lo), _mm256_mullo_epi32(hi, scl_hi));
+      accumulate<D>(isum, st, xr, (row0 + i) * (K / 256) + b, acc[i], accc[i]);
+    }
+#else
     for (int i = 0; i < mr; ++i) {
       const int8_t* xq = xr.qi.data() + (row0 + i) * K + b * 256;
       __m256i isum = _mm256_setzero_si256();
@@ -816,6 +888,7 @@ __attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int mr_,
       }
       accumulate<D>(isum, st, xr, (row0 + i) * (K / 256) + b, acc[i], accc[i]);
     }
+#endif
   }
   for (int i = 0; i < mr; ++i) y[i * ldy] = hsum8(D::FOLD ? acc[i] : _mm256_add_ps(acc[i], accc[i]));
 }
@@ -900,7 +973,11 @@ void int32_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int
       const __m256i wa = D::SIGNED ? _mm256_sign_epi8(wq, wq) : wq;
       for (int i = 0; i < MR; ++i) {
         const __m256i xs = D::SIGNED ? _mm256_sign_epi8(xq[i], wq) : xq[i];
+#if ROWSTABLE_VNNI
+        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wa, xs);
+#else
         const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones);
+#endif
         acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[i]), _mm256_cvtepi32_ps(dot), acc[i][j]);
         if (D::CORR) accc[i][j] = std::fma(c, sx[i], accc[i][j]);
       }
@@ -1325,6 +1402,9 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return at::silu(gu.narrow(-1, 0, I)).mul_(gu.narrow(-1, I, I));
 }
 
+// which integer dot products this build's 8-bit-activation path runs on
+std::string int_dot() { return ROWSTABLE_VNNI ? "avx512vnni" : "avx2"; }
+
 }  // namespace
 
 TORCH_LIBRARY(specdec_rs, lib) {
@@ -1341,6 +1421,7 @@ TORCH_LIBRARY(specdec_rs, lib) {
   lib.def("gguf_linear_cat(Tensor x, Tensor[] raws, int[] ggml_types, int[] Ns, int K) -> Tensor");
   lib.def("gguf_linear_q8(Tensor x, Tensor raw, int ggml_type, int N, int K) -> Tensor");
   lib.def("gguf_linear_cat_q8(Tensor x, Tensor[] raws, int[] ggml_types, int[] Ns, int K) -> Tensor");
+  lib.def("int_dot() -> str", &int_dot);  // (no tensor to dispatch on: one kernel for every backend)
 }
 TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
   lib.impl("linear", &linear);
