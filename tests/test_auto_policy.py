@@ -191,11 +191,11 @@ class PricedDraft:
 
 
 def priced_run(monkeypatch, drafter_cls, c: float, r: float, holds: list[float], steps: int = 300, k: int = 4,
-               room: int = 10_000):
+               room: int = 10_000, catch_up: float = 0.25, later: tuple[int, list[float]] | None = None):
     """Drive a HybridDrafter over `steps` steps of a text that never repeats (no lookups: the gate
     alone decides) on a clock in plain steps: drafting as PricedDraft prices it, a step verifying
     j guesses 1 + r j; the draft's i-th guess holds with probability holds[i-1] given that the
-    ones before it held (a fixed seed). Returns (the draft, committed tokens per plain step's
+    ones before it held (a fixed seed; from step later[0] on, later[1] instead). Returns (the draft, committed tokens per plain step's
     time: plain decoding's rate is 1)."""
     import random
     import time
@@ -204,7 +204,7 @@ def priced_run(monkeypatch, drafter_cls, c: float, r: float, holds: list[float],
 
     clock = Clock()
     monkeypatch.setattr(time, "perf_counter", clock)
-    draft = PricedDraft(clock, c)
+    draft = PricedDraft(clock, c, catch_up)
     d = drafter_cls(draft)
     text = list(range(1000, 1040))  # a prompt of distinct tokens; every new token is new too
     params = SamplingParams(max_new_tokens=room)
@@ -217,6 +217,8 @@ def priced_run(monkeypatch, drafter_cls, c: float, r: float, holds: list[float],
         j = int(prop.counts[0])
         clock.t += 1.0 + r * j
         held = 0
+        if later is not None and step == later[0]:
+            holds = later[1]
         while held < j and rng.random() < holds[min(held, len(holds) - 1)]:
             held += 1
         if prop.tokens.shape[1]:
@@ -270,9 +272,9 @@ def test_a_draft_that_cannot_pay_is_dropped_after_timing_it(monkeypatch, rule):
 @pytest.mark.parametrize("rule", ["gate", "no gate"])
 def test_a_draft_that_is_seldom_right_is_dropped_within_a_few_steps(monkeypatch, rule):
     """A cheap draft (c 0.3, r 0.1) whose guesses hold 20% of the time: it costs more than it
-    gains, so after timing it the gate drops it within a few steps; it is probed with one
-    guess at growing intervals (16, 32, 64, 128 steps): a handful of proposals in 300 steps,
-    at least 0.95 of plain decoding's rate. No gate fails both."""
+    gains, so after timing it the gate drops it within a few steps and, its catch-up being dear
+    (0.25 steps a token sat out), does not probe it: a handful of proposals in 300 steps, at
+    least 0.95 of plain decoding's rate. No gate fails both."""
     from specdec.drafters.hybrid import HybridDrafter
 
     cls = HybridDrafter if rule == "gate" else (lambda dr: HybridDrafter(dr, gate=False))
@@ -304,6 +306,23 @@ def test_a_draft_that_pays_at_every_position_drafts_them_all(monkeypatch):
 
     draft, rate = priced_run(monkeypatch, HybridDrafter, c=0.2, r=0.05, holds=[0.9])
     assert draft.calls >= 290 and sum(x == 4 for x in draft.lengths[-100:]) >= 90 and rate > 1.8, (draft.calls, rate)
+
+
+@pytest.mark.parametrize("catch_up", [0.01, 0.25])
+def test_a_draft_that_starts_to_pay_is_noticed_where_probes_are_cheap(monkeypatch, catch_up):
+    """A draft seldom right for 100 steps (20%), then right 90% of the time (c 0.3, r 0.1): with a
+    cheap catch-up (0.01 steps a token) the gate's probes (after 16, 32, 64 steps sat out)
+    notice and it drafts most of the last 100 steps; with a dear one (0.25) it does not probe,
+    and never drafts after its first few steps."""
+    from specdec.drafters.hybrid import HybridDrafter
+
+    draft, rate = priced_run(monkeypatch, HybridDrafter, c=0.3, r=0.1, holds=[0.2], catch_up=catch_up,
+                             later=(100, [0.9]))
+    late = sum(at >= 200 for at in draft.at)
+    if catch_up < 0.1:
+        assert late >= 90, (draft.at, rate)
+    else:
+        assert late == 0 and draft.calls <= 5, (draft.at, rate)
 
 
 def test_a_short_answer_does_not_start_the_draft_model(monkeypatch):

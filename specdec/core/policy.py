@@ -170,6 +170,11 @@ class ProbeSchedule:
         """The gate took the choice: the next probe comes `every` declined steps after it stops."""
         self.gap, self.skipped = self.every, 0
 
+    def again(self) -> None:
+        """The last probe looked promising: the next declined step probes again (one probe is
+        one observation, too few to turn a gate)."""
+        self.skipped = self.gap
+
 
 class NodeOdds:
     """How often a drafted tree node is accepted, by the drafter's probability of its path p

@@ -132,7 +132,7 @@ class DraftModelDrafter(Drafter):
         new = [t[len(f):] for t, f in zip(ctx.tokens, self.fed)]
         if any(len(n) == 0 for n in new):
             raise RuntimeError("draft cache is ahead of the committed context (commit() was not called)")
-        self._behind = max(len(n) for n in new)
+        self._behind = self.behind(ctx.tokens)
         logits = self._feed(new)
         self.ctx_len = [len(f) for f in self.fed]
         toks, probs = [], []

@@ -20,8 +20,10 @@ from its own propose calls in steady state, the plain step from the lookup's ste
 takes r from the lookup's fit.
 While no length pays, rows without lookup guesses get none (as with `--method ngram`), and
 the draft model is probed with one guess after `probe_every` such steps, then after twice as
-many each time it still does not pay (core.policy.ProbeSchedule), and never once its cost alone
-rules it out (c + r >= 1: even a guess that always held would not pay). The draft model's first
+many each time it still does not pay (core.policy.ProbeSchedule; at once again after a probe
+whose guess held), and never once its cost alone rules it out (c + r >= 1: even a guess that
+always held would not pay), nor while a probe's catch-up would cost more than one plain step
+per `probe_every` steps sat out. The draft model's first
 proposal of a request catches it up on the whole context, which a short answer never earns
 back, so it drafts (the first time, or a probe) only while at least `probe_room` tokens may
 still come. Before its cost has been measured (a fresh process) it drafts one guess, the first
@@ -80,6 +82,7 @@ class HybridDrafter(Drafter):
         self._t_end: float | None = None
         self._steps, self._room = 0, None  # proposals since `begin`, the request's max_new_tokens
         self._drafting = 0  # steps the gate let the draft model draft
+        self._probing = False  # whether the last proposal was a probe
         # what happened, for benchmarks (auto_counts.py): rows by source, the draft model's calls
         # and seconds, its guesses per position (proposed after the guesses before them held, held)
         self.rows_drafted = {"lookup": 0, "draft": 0, "none": 0}
@@ -180,9 +183,9 @@ class HybridDrafter(Drafter):
         (`draft_length`), if what may still come repays catching the draft model up on what it
         has not seen (a request's prompt, steps it sat out): left * (1 - 1 / value) tokens' time
         saved against `catch_up`. Every `probe_every`-th step it drafts, one guess more than the
-        best (one fewer at the cap), so the next position's acceptance and the lookup's step-time
-        fit (r, the plain step: it cannot tell them apart while every step verifies as many
-        guesses) stay measured. While no length pays, a one-guess probe now and then (`probes`),
+        best, so the next position's acceptance and the lookup's step-time fit stay measured (at
+        the cap, one fewer while that fit cannot tell r from the plain step, as when every step
+        verifies as many guesses). While no length pays, a one-guess probe now and then (`probes`),
         if some acceptance could pay, the request has room, and its catch-up costs at most one
         plain step per `probe_every` steps sat out (a probe reads every token since the last
         one: a dear catch-up would make probing cost a fixed share of the time, however rare)."""
@@ -196,10 +199,15 @@ class HybridDrafter(Drafter):
             self.probes.taken()
             self._drafting += 1
             if self._drafting % self.probe_every == 0:
-                return k + 1 if k < max_tokens else k - 1
+                if k < max_tokens:
+                    return k + 1
+                policy = self.ngram.policy
+                if policy is not None and policy.step_seconds() is None:
+                    return k - 1
             return k
         cheap = self.catch_up(behind) <= self.probes.gap / self.probe_every
-        return 1 if self.probes.due(self.could_pay() and self.room_to_probe() and cheap) else 0
+        self._probing = self.probes.due(self.could_pay() and self.room_to_probe() and cheap)
+        return 1 if self._probing else 0
 
     def _propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         B = len(ctx.tokens)
@@ -207,6 +215,7 @@ class HybridDrafter(Drafter):
             self._used_draft = None
             return Draft.empty(B)
         self._steps += 1
+        self._probing = False
         ng = self.lookup.propose(ctx, max_tokens)
         looked = [ng.tokens[b, : int(ng.counts[b])].tolist() for b in range(B)]
         need_draft = [not g for g in looked]
@@ -264,6 +273,8 @@ class HybridDrafter(Drafter):
         if self._used_draft is None:
             return  # the draft model did not run this step; it catches up lazily
         used = self._used_draft
+        if self._probing and any(n and u for n, u in zip(num_accepted, used)):
+            self.probes.again()  # its guess held: probe again at once, while the catch-up is short
         for c, n, u in zip(self._proposal.counts.tolist(), num_accepted, used):
             if u and c:
                 self.odds.observe(0, c, int(n))
