@@ -122,20 +122,216 @@ def test_learned_key_tells_greedy_from_sampled():
 
 
 def test_a_draft_model_pays_only_above_its_drafting_and_verification_cost(monkeypatch):
-    """HybridDrafter (auto with a draft model) runs the draft while a drafted token's acceptance
-    exceeds c (its drafting time in plain steps) plus r (verifying it): a draft accepted 30% of
-    the time at c = 0.2 pays where verifying is cheap (r 0.05) and not where it is dear (r 0.15)."""
+    """HybridDrafter (auto with a draft model) drafts while a drafted token's acceptance exceeds c
+    (its drafting time in plain steps) plus r (verifying it): a draft whose first guess holds 30%
+    of the time at c = 0.2 drafts one guess where verifying is cheap (r 0.05) and none where it
+    is dear (r 0.15); its second guess, which never holds, is never drafted."""
     from specdec.drafters.hybrid import HybridDrafter
     from specdec.drafters.ngram import LengthPolicy
 
     d = HybridDrafter(draft=None)
-    d.acc, d.prop = 0.3, 1.0
+    d.odds.acc[0][:2], d.odds.seen[0][:2] = [3.0, 0.0], [10.0, 10.0]
     d.t_tok, d.t_step = 0.002, 0.01
     monkeypatch.setattr(LengthPolicy, "step_seconds", lambda self: 0.01)
     monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.05))
-    assert d.draft_pays()
+    assert d.draft_length(4) == 1
     monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.15))
-    assert not d.draft_pays()
+    assert d.draft_length(4) == 0
+
+
+class Clock:
+    """time.perf_counter for the priced tests: advances only when the test says (in plain steps)."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class PricedDraft:
+    """A draft model on the test's clock: a proposal costs `c` plain steps per guess plus `catch_up`
+    per committed token it has not seen (its first proposal of a request reads the whole prompt);
+    its guesses are placeholders, whether they hold is the test's to say."""
+
+    vocab_size = V
+
+    def __init__(self, clock: Clock, c: float, catch_up: float = 0.25):
+        self.clock, self.c, self.catch_up = clock, c, catch_up
+        self.calls, self.lengths, self.at = 0, [], []  # proposals, their lengths, their steps
+        self.step = 0
+
+    def begin(self, prompts, params, max_len):
+        self.seen = [0] * len(prompts)
+
+    def propose(self, ctx, k):
+        from specdec.drafters.base import Draft, steady
+
+        behind = self.behind(ctx.tokens)
+        self.ctx = [len(t) for t in ctx.tokens]
+        seconds = self.c * k + self.catch_up * (behind - 1)  # (the pending token: read in the first forward)
+        self.clock.t += seconds
+        self.timing = (seconds, steady(behind, k))
+        self.calls += 1
+        self.lengths.append(k)
+        self.at.append(self.step)
+        return Draft(torch.zeros(len(ctx.tokens), k, dtype=torch.long), torch.full((len(ctx.tokens),), k))
+
+    def behind(self, tokens):
+        return max(len(t) - s for t, s in zip(tokens, self.seen))
+
+    def draft_timing(self):
+        return self.timing
+
+    def commit(self, num_accepted):
+        self.seen = [n + a for n, a in zip(self.ctx, num_accepted)]
+
+    def keep_rows(self, rows):
+        self.seen = [self.seen[r] for r in rows]
+
+
+def priced_run(monkeypatch, drafter_cls, c: float, r: float, holds: list[float], steps: int = 300, k: int = 4,
+               room: int = 10_000, catch_up: float = 0.25, later: tuple[int, list[float]] | None = None):
+    """Drive a HybridDrafter over `steps` steps of a text that never repeats (no lookups: the gate
+    alone decides) on a clock in plain steps: drafting as PricedDraft prices it, a step verifying
+    j guesses 1 + r j; the draft's i-th guess holds with probability holds[i-1] given that the
+    ones before it held (a fixed seed; from step later[0] on, later[1] instead). Returns (the draft, committed tokens per plain step's
+    time: plain decoding's rate is 1)."""
+    import random
+    import time
+
+    from specdec.drafters.base import DraftContext
+
+    clock = Clock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    draft = PricedDraft(clock, c, catch_up)
+    d = drafter_cls(draft)
+    text = list(range(1000, 1040))  # a prompt of distinct tokens; every new token is new too
+    params = SamplingParams(max_new_tokens=room)
+    d.begin([text], params, 100_000)
+    rng = random.Random(0)
+    committed = 0
+    for step in range(steps):
+        draft.step = step
+        prop = d.propose(DraftContext([text], params, None), k)
+        j = int(prop.counts[0])
+        clock.t += 1.0 + r * j
+        held = 0
+        if later is not None and step == later[0]:
+            holds = later[1]
+        while held < j and rng.random() < holds[min(held, len(holds) - 1)]:
+            held += 1
+        if prop.tokens.shape[1]:
+            d.commit([held])
+        new = held + 1
+        text += range(text[-1] + 1, text[-1] + 1 + new)
+        committed += new
+    return draft, committed / clock.t
+
+
+def mean_rule(drafter_cls):
+    """The gate before per-position acceptance and priced catch-ups (a broken rule for these
+    tests): draft every guess while the mean acceptance over all drafted positions exceeds
+    c + r, else probe every 16 steps."""
+
+    class MeanRule(drafter_cls):
+        acc, prop, skipped = 1.0, 2.0, 0
+
+        def _gated_length(self, ctx, max_tokens):
+            cost = self.cost()
+            if cost is None or self.acc / self.prop > cost:
+                return max_tokens
+            self.skipped += 1
+            return 1 if self.skipped % 16 == 0 else 0
+
+        def commit(self, num_accepted, paths=None):
+            if self._used_draft is not None:
+                self.acc = 0.9 * self.acc + sum(num_accepted)
+                self.prop = 0.9 * self.prop + int(self._proposal.counts.sum())
+            super().commit(num_accepted, paths)
+
+    return MeanRule
+
+
+@pytest.mark.parametrize("rule", ["gate", "mean", "no gate"])
+def test_a_draft_that_cannot_pay_is_dropped_after_timing_it(monkeypatch, rule):
+    """A draft whose guesses nearly always hold (90%) but whose cost alone rules it out (c 0.5 +
+    r 0.6 per guess, more than the one token a guess can gain): after the two proposals that
+    catch it up and time it, it never drafts again, not even as a probe (each probe would pay a
+    catch-up of the steps it sat out), and decodes at plain decoding's rate. The old mean-
+    acceptance rule probes every 16 steps; no gate drafts every step: both fail here."""
+    from specdec.drafters.hybrid import HybridDrafter
+
+    cls = {"gate": HybridDrafter, "mean": mean_rule(HybridDrafter),
+           "no gate": lambda dr: HybridDrafter(dr, gate=False)}[rule]
+    draft, rate = priced_run(monkeypatch, cls, c=0.5, r=0.6, holds=[0.9])
+    ok = draft.calls <= 2 + 16 and draft.at[-1] < 50 and rate > 0.9
+    assert ok == (rule == "gate"), (draft.calls, rate)
+
+
+@pytest.mark.parametrize("rule", ["gate", "no gate"])
+def test_a_draft_that_is_seldom_right_is_dropped_within_a_few_steps(monkeypatch, rule):
+    """A cheap draft (c 0.3, r 0.1) whose guesses hold 20% of the time: it costs more than it
+    gains, so after timing it the gate drops it within a few steps and, its catch-up being dear
+    (0.25 steps a token sat out), does not probe it: a handful of proposals in 300 steps, at
+    least 0.95 of plain decoding's rate. No gate fails both."""
+    from specdec.drafters.hybrid import HybridDrafter
+
+    cls = HybridDrafter if rule == "gate" else (lambda dr: HybridDrafter(dr, gate=False))
+    draft, rate = priced_run(monkeypatch, cls, c=0.3, r=0.1, holds=[0.2])
+    ok = draft.calls <= 2 + 3 + 5 and rate > 0.95 and max(draft.lengths[5:], default=1) == 1
+    assert ok == (rule == "gate"), (draft.calls, rate, draft.lengths)
+
+
+@pytest.mark.parametrize("rule", ["gate", "mean", "no gate"])
+def test_a_draft_that_pays_for_its_first_guess_keeps_drafting_one(monkeypatch, rule):
+    """A cheap draft (c 0.3, r 0.1) whose first guess holds 95% of the time and later ones 10%:
+    one guess a step pays (1.95 tokens for 1.4 steps), more do not. The gate drafts nearly every
+    step, one guess, at 1.3x plain decoding's rate or more. The mean-acceptance rule (4 guesses,
+    mean 26%, below c + r: it stops, then flaps on probes) and no gate (4 guesses every step,
+    slower than plain) fail."""
+    from specdec.drafters.hybrid import HybridDrafter
+
+    cls = {"gate": HybridDrafter, "mean": mean_rule(HybridDrafter),
+           "no gate": lambda dr: HybridDrafter(dr, gate=False)}[rule]
+    draft, rate = priced_run(monkeypatch, cls, c=0.3, r=0.1, holds=[0.95, 0.1])
+    ok = draft.calls >= 280 and rate > 1.3
+    assert ok == (rule == "gate"), (draft.calls, rate, draft.lengths[-20:])
+
+
+def test_a_draft_that_pays_at_every_position_drafts_them_all(monkeypatch):
+    """A cheap draft (c 0.2, r 0.05) whose guesses hold 90% of the time at every position drafts
+    every step, soon the full 4 guesses nearly always, at 1.8x plain decoding's rate or more."""
+    from specdec.drafters.hybrid import HybridDrafter
+
+    draft, rate = priced_run(monkeypatch, HybridDrafter, c=0.2, r=0.05, holds=[0.9])
+    assert draft.calls >= 290 and sum(x == 4 for x in draft.lengths[-100:]) >= 90 and rate > 1.8, (draft.calls, rate)
+
+
+@pytest.mark.parametrize("catch_up", [0.01, 0.25])
+def test_a_draft_that_starts_to_pay_is_noticed_where_probes_are_cheap(monkeypatch, catch_up):
+    """A draft seldom right for 100 steps (20%), then right 90% of the time (c 0.3, r 0.1): with a
+    cheap catch-up (0.01 steps a token) the gate's probes (after 16, 32, 64 steps sat out)
+    notice and it drafts most of the last 100 steps; with a dear one (0.25) it does not probe,
+    and never drafts after its first few steps."""
+    from specdec.drafters.hybrid import HybridDrafter
+
+    draft, rate = priced_run(monkeypatch, HybridDrafter, c=0.3, r=0.1, holds=[0.2], catch_up=catch_up,
+                             later=(100, [0.9]))
+    late = sum(at >= 200 for at in draft.at)
+    if catch_up < 0.1:
+        assert late >= 90, (draft.at, rate)
+    else:
+        assert late == 0 and draft.calls <= 5, (draft.at, rate)
+
+
+def test_a_short_answer_does_not_start_the_draft_model(monkeypatch):
+    """With fewer than `probe_room` tokens to go, the draft model's catch-up on the prompt could
+    not pay back: a fresh drafter never runs it."""
+    from specdec.drafters.hybrid import HybridDrafter
+
+    draft, rate = priced_run(monkeypatch, HybridDrafter, c=0.2, r=0.05, holds=[0.9], steps=20, room=24)
+    assert draft.calls == 0 and rate == 1.0
 
 
 def test_the_lookup_times_the_target_step_without_the_draft_models_drafting():
@@ -157,6 +353,9 @@ def test_the_lookup_times_the_target_step_without_the_draft_models_drafting():
         def propose(self, ctx, k):
             time.sleep(0.05)
             return Draft(torch.zeros(len(ctx.tokens), k, dtype=torch.long), torch.full((len(ctx.tokens),), k))
+
+        def behind(self, tokens):
+            return 1
 
         def draft_timing(self):
             return 0.05, True

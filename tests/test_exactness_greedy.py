@@ -250,8 +250,8 @@ def test_adaptive_k_greedy_equals_transformers(drafter_name, batch):
 
 
 def test_hybrid_gate_turns_off_a_draft_that_does_not_pay():
-    """A draft that is never right (alpha 0) and not free stops being run, except probes,
-    and the output is still the oracle's."""
+    """A draft that is never right (alpha 0) and not free stops being run, and the output is
+    still the oracle's."""
     _, target, _ = models()
     wrong = RandomGuessDrafter(VOCAB, seed=9, mode="random")
 
@@ -279,6 +279,9 @@ def test_hybrid_gate_turns_off_a_draft_that_does_not_pay():
             self.timing = (_t.perf_counter() - t0, steady(behind, k))
             return draft
 
+        def behind(self, tokens):
+            return max(len(t) - len(f) for t, f in zip(tokens, self.fed))
+
         def draft_timing(self):
             return self.timing
 
@@ -294,13 +297,14 @@ def test_hybrid_gate_turns_off_a_draft_that_does_not_pay():
             wrong.add_row(max_len, prompt)
 
     slow = Slow()
-    hybrid = HybridDrafter(slow, min_n=5, max_n=6, probe_every=8)  # lookups (n >= 5) are rare here
+    # lookups (n >= 5) are rare here; probe_room 0: a 20-token answer may start the draft model
+    hybrid = HybridDrafter(slow, min_n=5, max_n=6, probe_every=8, probe_room=0)
     p = prompts()[0]
     res = Engine(target, hybrid, k=3).generate([p], SamplingParams(max_new_tokens=N_NEW))[0]
     assert res.tokens == oracle(tuple(p))
     steps = res.stats.target_forwards
-    assert slow.calls < steps / 2, (slow.calls, steps)  # gated off after measuring, probes remain
-    assert slow.calls >= 2
+    # gated off after measuring it (no probes: it costs more than a plain step, c + r >= 1)
+    assert 1 <= slow.calls < steps / 2, (slow.calls, steps)
 
 
 def test_engine_names_a_bad_prompt_from_one():

@@ -254,20 +254,19 @@ def test_same_seed_same_sample_whatever_the_timing(monkeypatch, drafter_name):
     would give another sample. Timing is replaced by noise here, differently in each run."""
     import random
 
-    from specdec.adaptive import AdaptiveK
     from specdec.drafters.ngram import LengthPolicy
 
     _, target, draft = models()
     noise = random.Random(0)
     monkeypatch.setattr(LengthPolicy, "r", property(lambda self: noise.uniform(0.0, 2.0)))
-    monkeypatch.setattr(HybridDrafter, "draft_pays", lambda self: noise.random() < 0.5)
-    monkeypatch.setattr(AdaptiveK, "choose_k", lambda self, k_max: noise.randint(1, k_max))
+    monkeypatch.setattr(HybridDrafter, "cost", lambda self: noise.uniform(0.0, 2.0))
+    monkeypatch.setattr(HybridDrafter, "draft_length", lambda self, k_max: noise.randint(0, k_max))
     prompts = [list(c) for c in contexts()] * 2
     params = SamplingParams(max_new_tokens=20, seed=11, temperature=0.9, top_p=0.95)
 
     def run():
         d = (NgramDrafter() if drafter_name == "ngram_adaptive" else
-             HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3, k_policy=AdaptiveK()))
+             HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3))
         return [r.tokens for r in Engine(target, d, k=4).generate(prompts, params)]
 
     first = run()

@@ -2,11 +2,16 @@
 generated token (prefill included; one thread by default, which another process's preemption
 does not stretch), target forwards, guesses proposed and accepted, per method, over the first
 PER prompts of each category; each adaptive method starts from what its previous request
-learned, as `generate` calls do. Run it with another checkout first on PYTHONPATH to compare
-code versions.
+learned, as `generate` calls do (a fresh engine that relearns it; with `--draft`, one engine per
+method for all requests, as `specdec bench` runs them, so the draft model loads once). Run it with another checkout first on PYTHONPATH to compare
+code versions. For auto with a draft model (`--draft`) it also prints where the draft model's
+time went: steps by source (lookup, draft model, plain), drafting seconds per token, and the
+draft model's guesses per position (proposed after the guesses before them held, and held).
 
     python benchmarks/experiments/auto_counts.py writing,qa,translation,roleplay t0.7 32 3 none,ngram,auto
-    (arguments: categories, greedy or t0.7 (seed 1), max new tokens, repeats, methods;
+    python benchmarks/experiments/auto_counts.py --model T.gguf --draft D.gguf humaneval greedy 96 2 none,ngram,auto
+    (arguments: categories, greedy or t0.7 (seed 1), max new tokens, repeats, methods; --model: the target
+     (default: the default model), --draft: the draft model for draft/auto;
      environment: PER prompts per category (2), THREADS (1))
 """
 import json
@@ -27,33 +32,64 @@ from specdec.models.loader import load_model
 from specdec.text import encode_prompt
 from specdec.types import SamplingParams
 
-cats = sys.argv[1].split(","); samp = sys.argv[2]; n = int(sys.argv[3]); reps = int(sys.argv[4])
-methods = sys.argv[5].split(",") if len(sys.argv) > 5 else ["none", "ngram", "auto"]
+args, flags = [], {}
+it = iter(sys.argv[1:])
+for a in it:
+    if a in ("--model", "--draft"):
+        flags[a[2:]] = next(it)
+    else:
+        args.append(a)
+cats = args[0].split(","); samp = args[1]; n = int(args[2]); reps = int(args[3])
+methods = args[4].split(",") if len(args) > 4 else ["none", "ngram", "auto"]
 per = int(os.environ.get("PER", "2"))
-target = load_model(None, quiet=True)
+target = load_model(flags.get("model"), quiet=True)
 dev = [c for c in cats if c != "humaneval"]
 tasks = select(load_jsonl(str(DEV_SET)), dev, per) if dev else []
 if "humaneval" in cats: tasks += load_humaneval()[:per]
 prompts = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
 kw = {"greedy": {}, "t0.7": {"temperature": 0.7, "seed": 1}}[samp]
 params = SamplingParams(max_new_tokens=n, **kw)
-res = {m: [] for m in methods}; wall = {m: [] for m in methods}; st = {}
-saved = {}
+res = {m: [] for m in methods}; wall = {m: [] for m in methods}; st = {}; texts = {}
+saved = {}; hyb = {}
+def engine(m):
+    return build_engine(SpecConfig(method=m, draft=flags.get("draft") if m in ("draft", "auto") else None), target)
+
+
+kept = {m: engine(m) for m in methods} if "draft" in flags else None
 for rep in range(reps):
     for m in methods:
         cpu = w = 0.0; toks = fw = prop = acc = 0; ds = vs = 0.0
-        for p in prompts:
-            eng = build_engine(SpecConfig(method=m), target)
-            if m in saved: eng.relearn(json.loads(saved[m]))
+        for i, p in enumerate(prompts):
+            if kept is not None:
+                eng = kept[m]
+            else:
+                eng = engine(m)
+                if m in saved: eng.relearn(json.loads(saved[m]))
+            d = eng.drafter
+            if hasattr(d, "pos_proposed"):  # a hybrid's counters: this repeat's only
+                d.rows_drafted = dict.fromkeys(d.rows_drafted, 0); d.draft_steps = 0; d.draft_seconds = 0.0
+                if i == 0: d.pos_proposed, d.pos_accepted = [], []
             t0 = time.process_time(); t1 = time.perf_counter()
             out = eng.generate([p], params)
             cpu += time.process_time() - t0; w += time.perf_counter() - t1
-            if m != "none": saved[m] = json.dumps(eng.learned())
+            if m != "none" and kept is None: saved[m] = json.dumps(eng.learned())
+            texts.setdefault((m, i), []).append(out[0].tokens)
             for r in out:
                 toks += len(r.tokens); fw += r.stats.target_forwards; prop += r.stats.proposed; acc += r.stats.accepted
                 ds += r.stats.draft_s; vs += r.stats.verify_s
+            if hasattr(d, "pos_proposed"):
+                h = hyb.setdefault((m, rep), {"rows": {}, "steps": 0, "draft_s": 0.0})
+                for k, v in d.rows_drafted.items(): h["rows"][k] = h["rows"].get(k, 0) + v
+                h["steps"] += d.draft_steps; h["draft_s"] += d.draft_seconds
+                h["pos"] = list(zip(d.pos_proposed, d.pos_accepted))
         res[m].append(cpu / toks * 1000); wall[m].append(w / toks * 1000)
         st[m] = (toks, fw, prop, acc, round(ds / toks * 1000, 2), round(vs / toks * 1000, 2))
 base = statistics.median(res[methods[0]])
 for m in methods:
-    print(f"{m:8} cpu ms/tok {statistics.median(res[m]):6.2f} wall {statistics.median(wall[m]):6.2f} ratio(cpu) {base / statistics.median(res[m]):.3f}  (toks, forwards, proposed, accepted, draft ms/tok, verify ms/tok) {st[m]}")
+    same = all(texts[(m, i)] == texts[(methods[0], i)] for i in range(len(prompts)))
+    print(f"{m:8} cpu ms/tok {statistics.median(res[m]):6.2f} wall {statistics.median(wall[m]):6.2f} ratio(cpu) {base / statistics.median(res[m]):.3f}  (toks, forwards, proposed, accepted, draft ms/tok, verify ms/tok) {st[m]}  same text as {methods[0]}: {same}")
+    for rep in range(reps):
+        if (m, rep) in hyb:
+            h = hyb[(m, rep)]
+            print(f"   repeat {rep}: rows by source {h['rows']}, draft-model steps {h['steps']}, drafting "
+                  f"{h['draft_s'] * 1000:.0f} ms, per position (proposed, held) {h['pos']}")

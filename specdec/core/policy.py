@@ -13,8 +13,9 @@ server's batcher both call this module:
 
 - `best_prefix`: how many of a proposal's guesses (or a tree's nodes) to verify, given their
   expected acceptance, c and r (prompt lookup's cut, auto's tree trim);
-- `AdaptiveK`: the draft length of a draft model (auto with a draft model);
+- `AdaptiveK`: the draft length of a draft model from one mean acceptance (an engine's k_policy);
 - `NodeOdds`: how often a tree node of a given path probability holds;
+- `ProbeSchedule`: when a declined choice is probed, at growing intervals (auto's draft model);
 - `BatchGuard`: in a batch, speculate only while it measures faster than plain decoding
   (the engine and the server);
 - `StepModel` and `LoadPolicy`: the server's step-time fit t = a + r A + b A K per batch-size
@@ -142,6 +143,37 @@ class AdaptiveK:
         if not counts_ok(acc, prop) or min(t_fwd, default=0) < 0:
             raise ValueError("learned draft-length policy out of range")
         self.acc, self.prop, self.t_draft, self.t_fwd = acc, prop, t_draft, t_fwd
+
+
+class ProbeSchedule:
+    """When a gate that declined a choice tries it anyway: after `every` declined steps, then
+    after twice as many each time a probe finds the choice still declined (up to `most` times
+    `every`), back to `every` once the gate takes it again. A probe that cannot pay for itself
+    (`room` False: too little of the answer left to earn back what the probe costs) waits.
+    Knows nothing about models."""
+
+    def __init__(self, every: int = PROBE_EVERY, most: int = 8) -> None:
+        self.every, self.most = every, most
+        self.gap = every  # declined steps before the next probe
+        self.skipped = 0  # declined steps since the last probe
+
+    def due(self, room: bool = True) -> bool:
+        """The gate declined this step: whether to probe anyway (the gap doubles with each probe)."""
+        self.skipped += 1
+        if self.skipped < self.gap or not room:
+            return False
+        self.skipped = 0
+        self.gap = min(2 * self.gap, self.most * self.every)
+        return True
+
+    def taken(self) -> None:
+        """The gate took the choice: the next probe comes `every` declined steps after it stops."""
+        self.gap, self.skipped = self.every, 0
+
+    def again(self) -> None:
+        """The last probe looked promising: the next declined step probes again (one probe is
+        one observation, too few to turn a gate)."""
+        self.skipped = self.gap
 
 
 class NodeOdds:

@@ -107,6 +107,11 @@ class DraftModelDrafter(Drafter):
             return packed_linear(h.to(self.head_dtype), self.head_packed).float()
         return (h @ self.head.T).float()
 
+    def behind(self, tokens: list[list[int]]) -> int:
+        """The most committed tokens a row of `tokens` has that the draft has not read (what its
+        next proposal first catches up on: a whole prompt after `begin`)."""
+        return max((len(t) - len(f) for t, f in zip(tokens, self.fed)), default=0)
+
     def draft_timing(self) -> tuple[float, bool] | None:
         """(seconds, steady) of the last proposal: steady unless it first caught up on more than
         a step's worth of tokens (a prompt that just joined, steps the draft sat out)."""
@@ -127,7 +132,7 @@ class DraftModelDrafter(Drafter):
         new = [t[len(f):] for t, f in zip(ctx.tokens, self.fed)]
         if any(len(n) == 0 for n in new):
             raise RuntimeError("draft cache is ahead of the committed context (commit() was not called)")
-        self._behind = max(len(n) for n in new)
+        self._behind = self.behind(ctx.tokens)
         logits = self._feed(new)
         self.ctx_len = [len(f) for f in self.fed]
         toks, probs = [], []

@@ -8,15 +8,26 @@ lookup, the draft model is not run at all. The draft model
 keeps its cache lazily in step (it feeds whatever committed tokens it has not seen), so
 skipping it for a step needs no extra work.
 
-The draft model is only worth running while its guesses pay for themselves: drafting one
-token costs c target steps, verifying it r more, and it gains alpha_d tokens on average, so it
-pays iff alpha_d > c + r (the k = 1 case of docs/design.md's formula). The drafter measures both itself:
-alpha_d from the rows the draft model proposed for, the draft time per token from its own
-propose calls, and the target step time as the wall time between two propose calls.
-While it does not pay, rows without lookup guesses get none (as with `--method ngram`),
-and the draft model is probed once every `probe_every` steps. With a `k_policy`
-(core.policy.AdaptiveK) the draft model's own draft length is chosen per step from its
-measured acceptance and cost; lookup rows are not capped by it.
+The draft model is only worth running while its guesses pay for themselves. Each guess it
+drafts costs c target steps (its drafting time over a plain step) plus r (verifying one more
+token), and its i-th guess gains P_i tokens, the chance that its first i guesses all hold. So it
+drafts the j that maximises (1 + P_1 + ... + P_j) / (1 + (c + r) j) (docs/design.md's formula;
+core.policy.best_prefix), and not at all when that is j = 0. Each position is weighed on its own
+(acceptance per position, learnt from the draft model's own rows), not by a mean acceptance over
+all positions, which would let well-held first guesses carry later ones that do not pay (or a
+bad tail stop a first guess that does). The drafter measures c itself (the draft time per guess
+from its own propose calls in steady state, the plain step from the lookup's step-time fit) and
+takes r from the lookup's fit.
+While no length pays, rows without lookup guesses get none (as with `--method ngram`), and
+the draft model is probed with one guess after `probe_every` such steps, then after twice as
+many each time it still does not pay (core.policy.ProbeSchedule; at once again after a probe
+whose guess held), and never once its cost alone rules it out (c + r >= 1: even a guess that
+always held would not pay), nor while a probe's catch-up would cost more than one plain step
+per `probe_every` steps sat out. The draft model's first
+proposal of a request catches it up on the whole context, which a short answer never earns
+back, so it drafts (the first time, or a probe) only while at least `probe_room` tokens may
+still come. Before its cost has been measured (a fresh process) it drafts one guess, the first
+call catching up and the next timing it.
 
 `LookupEagleDrafter` (auto for a target with an EAGLE head, the default target's case)
 pairs lookup with an EAGLE tree instead; see its docstring. The rest of this text is about
@@ -36,48 +47,107 @@ import time
 import torch
 
 from .. import tree as tree_mod
-from ..core.policy import PROBE_EVERY, NodeOdds, best_prefix, carried, counts_ok, ema
+from ..core.policy import PROBE_EVERY, NodeOdds, ProbeSchedule, best_prefix, ema
 from ..learned import nonneg
 from ..types import SpecdecError
 from .base import Draft, DraftContext, Drafter, register, steady, timing_free
-from .ngram import NgramDrafter
+from .ngram import LengthPolicy, NgramDrafter
 
 
 class HybridDrafter(Drafter):
     samples_guesses = True  # the draft model's rows carry its q
 
     def __init__(self, draft, min_n: int = 1, max_n: int = 4, probe_every: int = PROBE_EVERY, gate: bool = True,
-                 k_policy=None) -> None:
-        """gate=False always runs the draft model for rows without a lookup."""
+                 probe_room: int = 32, max_k: int = 16) -> None:
+        """gate=False always runs the draft model for rows without a lookup, `max_tokens` guesses.
+        probe_room: the fewest tokens a request may still generate for the draft model to start
+        (or probe) there: its first proposal catches it up on the whole context. max_k: draft
+        positions whose acceptance is learnt (a longer draft is cut to it)."""
         self.draft = draft  # a DraftModelDrafter
-        self.k_policy = k_policy
-        self._pending = None  # (draft length, draft seconds) of this step, for k_policy.observe
         self.ngram = NgramDrafter(min_n, max_n)
         self.lookup = self.ngram  # the lookup of the current batch (`begin`)
         self.gate = gate
         self.gates_itself = gate  # lookup lengths and the draft model's gate price every guess
         self.cost_hint = None
-        self.probe_every = probe_every
-        self._used_draft: list[bool] | None = None
-        self._counts: list[int] = []
-        self.acc, self.prop = 1.0, 2.0  # draft-model acceptance, decayed counts (prior 0.5)
-        self.t_tok: float | None = None  # seconds to draft one token
+        self.probe_every, self.probe_room = probe_every, probe_room
+        self.probes = ProbeSchedule(probe_every)
+        # P(the draft model's guess i holds | the guesses before it held), decayed counts per position
+        # (one "match length" of the lookup's LengthPolicy; prior 0.5)
+        self.odds = LengthPolicy(0, max_k, clock=False, probe_every=0)
+        self._used_draft: list[bool] | None = None  # per row of the last proposal: the draft model's guesses
+        self._proposal: Draft | None = None
+        self.t_tok: float | None = None  # seconds to draft one token (steady state)
+        self.t_catch: float | None = None  # seconds to catch up on one unseen token (not steady)
         self.t_step: float | None = None  # seconds of one target step (between proposals)
         self._t_end: float | None = None
-        self._skipped = 0
+        self._steps, self._room = 0, None  # proposals since `begin`, the request's max_new_tokens
+        self._drafting = 0  # steps the gate let the draft model draft
+        self._probing = False  # whether the last proposal was a probe
+        # what happened, for benchmarks (auto_counts.py): rows by source, the draft model's calls
+        # and seconds, its guesses per position (proposed after the guesses before them held, held)
+        self.rows_drafted = {"lookup": 0, "draft": 0, "none": 0}
+        self.draft_steps = 0
+        self.draft_seconds = 0.0
+        self.pos_proposed: list[int] = []
+        self.pos_accepted: list[int] = []
 
-    def draft_pays(self) -> bool:
-        """Whether a drafted token gains more than it costs: its acceptance against c, its drafting
-        time in plain steps (the lookup's fitted step with no guesses, else the mean step between
-        proposals, which includes verifying the guesses), plus r, the cost of verifying one more
-        token (the lookup's measured r: the target verifies a draft model's guesses as it
-        verifies looked-up ones)."""
-        if not self.gate or self.t_tok is None or not self.t_step:
-            return True  # ungated, or not measured yet
+    def plain_step(self) -> float | None:
+        """Seconds of a plain step: the lookup's fitted step that verifies no guesses, else the mean
+        step between proposals (which includes verifying); None before any step."""
         policy = self.ngram.policy
         plain = policy.step_seconds() if policy is not None else None
-        r = policy.r if policy is not None else 0.0
-        return self.acc / self.prop > self.t_tok / (plain or self.t_step) + r
+        return plain or self.t_step or None
+
+    def cost(self) -> float | None:
+        """c + r: what one more drafted guess costs, in plain steps: its drafting time over a plain
+        step plus r, the lookup's measured cost of verifying one more token (the target verifies
+        a draft model's guesses as it verifies looked-up ones). None until the draft model has
+        been timed in steady state."""
+        plain = self.plain_step()
+        if self.t_tok is None or plain is None:
+            return None
+        policy = self.ngram.policy
+        return self.t_tok / plain + (policy.r if policy is not None else 0.0)
+
+    def value(self, k: int) -> float:
+        """Expected committed tokens per plain step's time with k drafted guesses a step,
+        (1 + P_1 + ... + P_k) / (1 + (c + r) k): above 1, drafting beats plain decoding."""
+        return (1.0 + sum(self.odds.held(0, k))) / (1.0 + (self.cost() or 0.0) * k)
+
+    def draft_length(self, max_tokens: int) -> int | None:
+        """How many guesses the draft model should make (for rows without a lookup): the j of most
+        expected committed tokens per unit of step time (`value`), P_i the chance that its
+        first i guesses all hold (learnt per position, `odds`); 0 when no length pays (then the
+        step falls back to lookups). The value of each extra position is weighed on its own: a
+        draft whose first guess nearly always holds and whose later ones rarely do drafts one
+        guess, not as many as its mean acceptance over all positions would suggest. None until
+        the draft model's cost is measured."""
+        cost = self.cost()
+        if cost is None:
+            return None
+        return best_prefix(self.odds.held(0, max_tokens), 0.0, cost)
+
+    def could_pay(self) -> bool:
+        """Whether any acceptance could make the draft pay: a guess that always held gains one
+        token for c + r steps, so with c + r >= 1 (a draft nearly as dear as the target, or
+        verification that is dear) no probe can find it paying."""
+        cost = self.cost()
+        return cost is None or cost < 1.0
+
+    def catch_up(self, behind: int) -> float:
+        """Plain steps the draft model takes to read `behind` committed tokens it has not seen
+        (measured on its proposals that caught up; its time per drafted guess until then)."""
+        per = self.t_catch if self.t_catch is not None else self.t_tok
+        plain = self.plain_step()
+        return 0.0 if per is None or plain is None else per * behind / plain
+
+    def left(self) -> float:
+        """At most how many tokens the request may still generate (each step commits at least one)."""
+        return math.inf if self._room is None else max(self._room - self._steps, 0)
+
+    def room_to_probe(self) -> bool:
+        """Whether enough of the request may still come for the draft model's catch-up to pay."""
+        return self._room is None or self._room - self._steps >= self.probe_room
 
     def begin(self, prompts, params, max_len) -> None:
         self.draft.begin(prompts, params, max_len)
@@ -92,6 +162,7 @@ class HybridDrafter(Drafter):
             self.lookup.begin(prompts, params, max_len)
         self._used_draft = None
         self._t_end = None
+        self._steps, self._room = 0, getattr(params, "max_new_tokens", None)
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         t0 = time.perf_counter()
@@ -106,20 +177,55 @@ class HybridDrafter(Drafter):
             # over a plain step shrinks: a draft that does not pay looked as if it did)
             self.lookup.handed_over()
 
+    def _gated_length(self, ctx: DraftContext, max_tokens: int) -> int:
+        """This step's draft length for rows without a lookup (0: none drafts). Before the draft
+        model is timed: one guess, if the request has room for its catch-up. Then the measured best
+        (`draft_length`), if what may still come repays catching the draft model up on what it
+        has not seen (a request's prompt, steps it sat out): left * (1 - 1 / value) tokens' time
+        saved against `catch_up`. Every `probe_every`-th step it drafts, one guess more than the
+        best, so the next position's acceptance and the lookup's step-time fit stay measured (at
+        the cap, one fewer while that fit cannot tell r from the plain step, as when every step
+        verifies as many guesses). While no length pays, a one-guess probe now and then (`probes`),
+        if some acceptance could pay, the request has room, and its catch-up costs at most one
+        plain step per `probe_every` steps sat out (a probe reads every token since the last
+        one: a dear catch-up would make probing cost a fixed share of the time, however rare)."""
+        k = self.draft_length(max_tokens)
+        if k is None:
+            return 1 if self.room_to_probe() else 0  # time the draft model (its first call catches up)
+        behind = self.draft.behind(ctx.tokens)
+        if k > 0:
+            if behind > k + 2 and self.left() * (1.0 - 1.0 / self.value(k)) <= self.catch_up(behind):
+                return 0  # its catch-up would not pay back
+            self.probes.taken()
+            self._drafting += 1
+            if self._drafting % self.probe_every == 0:
+                if k < max_tokens:
+                    return k + 1
+                policy = self.ngram.policy
+                if policy is not None and policy.step_seconds() is None:
+                    return k - 1
+            return k
+        cheap = self.catch_up(behind) <= self.probes.gap / self.probe_every
+        self._probing = self.probes.due(self.could_pay() and self.room_to_probe() and cheap)
+        return 1 if self._probing else 0
+
     def _propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         B = len(ctx.tokens)
         if max_tokens <= 0:
             self._used_draft = None
             return Draft.empty(B)
+        self._steps += 1
+        self._probing = False
         ng = self.lookup.propose(ctx, max_tokens)
         looked = [ng.tokens[b, : int(ng.counts[b])].tolist() for b in range(B)]
         need_draft = [not g for g in looked]
-        fixed = timing_free(ctx.params)  # a seeded sample: no timing-based gate or length
-        if any(need_draft) and not fixed and not self.draft_pays():
-            self._skipped += 1
-            if self._skipped % self.probe_every:
-                need_draft = [False] * B  # the draft model does not pay: lookup rows only
-        if not any(need_draft):
+        kd = 0
+        if any(need_draft):
+            # a seeded sample (timing_free) drafts without a timing-based gate or length
+            kd = max_tokens if timing_free(ctx.params) or not self.gate else self._gated_length(ctx, max_tokens)
+        self.rows_drafted["lookup"] += sum(1 for g in looked if g)
+        if kd == 0:
+            self.rows_drafted["none"] += sum(need_draft)
             self._used_draft = None
             N = max(len(g) for g in looked)
             tokens = torch.zeros(B, N, dtype=torch.long)
@@ -129,14 +235,18 @@ class HybridDrafter(Drafter):
             if not ctx.params.greedy:
                 probs = _one_hot(tokens, self.draft.vocab_size)
             return Draft(tokens, torch.tensor([len(g) for g in looked]), probs)
-        kd = max_tokens if self.k_policy is None or fixed else max(1, self.k_policy.choose_k(max_tokens))
+        behind = self.draft.behind(ctx.tokens)
         d = self.draft.propose(ctx, kd)
         seconds, steady = self.draft.draft_timing()
-        if steady:  # (not a prompt's prefill): time it
-            self.t_tok = ema(self.t_tok, seconds / kd, 0.8)
-            self._pending = (kd, seconds)
+        made = max(1, int(d.counts.max()))  # forwards (a row stops early after a guess the draft doubts)
+        if steady:  # (not a prompt's prefill nor a catch-up on steps sat out): time it
+            self.t_tok = ema(self.t_tok, seconds / made, 0.8)
+        elif behind:  # its first forward read `behind` tokens, the others one each
+            self.t_catch = ema(self.t_catch, max(seconds - (made - 1) * (self.t_tok or 0.0), 0.0) / behind, 0.8)
+        self.rows_drafted["draft"] += sum(need_draft)
+        self.draft_steps += 1
+        self.draft_seconds += seconds
         self._used_draft = need_draft
-        self._counts = d.counts.tolist()
         Kd = d.tokens.shape[1]
         K = max(Kd, max(len(g) for g in looked))
         self.lookup.step_tokens = K  # the target verifies the draft model's guesses too
@@ -155,30 +265,31 @@ class HybridDrafter(Drafter):
                 counts[b] = n
                 if probs is not None:
                     probs[b] = _one_hot(tokens[b : b + 1], probs.shape[-1])[0]
-        return Draft(tokens, counts, probs)
+        self._proposal = Draft(tokens, counts, probs)  # (the engine may cap its counts at a row's room)
+        return self._proposal
 
     def commit(self, num_accepted, paths=None) -> None:
         self.lookup.commit(num_accepted)
         if self._used_draft is None:
             return  # the draft model did not run this step; it catches up lazily
         used = self._used_draft
-        acc = sum(n for n, u in zip(num_accepted, used) if u)
-        prop = sum(c for c, u in zip(self._counts, used) if u)
-        if prop:
-            self.acc, self.prop = 0.9 * self.acc + acc, 0.9 * self.prop + prop
-        if self.k_policy is not None and self._pending is not None:
-            kd, draft_s = self._pending
-            verify_s = time.perf_counter() - self._t_end
-            self.k_policy.observe(kd, [c for c, u in zip(self._counts, used) if u],
-                                  [n for n, u in zip(num_accepted, used) if u], draft_s, verify_s)
-        self._pending = None
+        if self._probing and any(n and u for n, u in zip(num_accepted, used)):
+            self.probes.again()  # its guess held: probe again at once, while the catch-up is short
+        for c, n, u in zip(self._proposal.counts.tolist(), num_accepted, used):
+            if u and c:
+                self.odds.observe(0, c, int(n))
+                while len(self.pos_proposed) < c:
+                    self.pos_proposed.append(0)
+                    self.pos_accepted.append(0)
+                for i in range(min(c, int(n) + 1)):
+                    self.pos_proposed[i] += 1
+                    self.pos_accepted[i] += i < n
         self.draft.commit([n if u else 0 for n, u in zip(num_accepted, used)])
         self._used_draft = None
 
     def skip(self) -> None:
         """The engine decodes a step without drafting: do not time across it."""
         self._t_end = None
-        self._pending = None
         self._used_draft = None
         self.lookup.skip()
 
@@ -193,22 +304,20 @@ class HybridDrafter(Drafter):
         self.lookup.add_row(max_len, prompt)
 
     def learned(self) -> dict:
-        """The lookup's policy, the draft model's acceptance (capped, `carried`) and times, and the
-        draft-length policy's, for a later run (learned.py)."""
-        acc, prop = carried(self.acc, self.prop)
-        return {"ngram": self.ngram.learned(), "acc": acc, "prop": prop, "t_tok": self.t_tok,
-                "t_step": self.t_step, "k_policy": self.k_policy.learned() if self.k_policy is not None else None}
+        """The lookup's policy, the draft model's acceptance per position (capped, `carried`) and
+        times, for a later run (learned.py): with its cost known, the gate decides from the first
+        step instead of first catching the draft model up to time it."""
+        return {"ngram": self.ngram.learned(), "odds": self.odds.learned(), "t_tok": self.t_tok,
+                "t_catch": self.t_catch, "t_step": self.t_step}
 
     def relearn(self, state: dict) -> None:
-        acc, prop = float(state["acc"]), float(state["prop"])
         t_tok, t_step = nonneg(state["t_tok"], "t_tok"), nonneg(state["t_step"], "t_step")
-        if not counts_ok(acc, prop):
-            raise ValueError("learned draft acceptance out of range")
+        t_catch = nonneg(state["t_catch"], "t_catch")
+        odds = LengthPolicy(0, len(self.odds.acc[0]), clock=False, probe_every=0)
+        odds.relearn(state["odds"])  # ValueError (nothing changed) if out of range
         if state.get("ngram"):
             self.ngram.relearn(state["ngram"])
-        if self.k_policy is not None and state.get("k_policy"):
-            self.k_policy.relearn(state["k_policy"])
-        self.acc, self.prop, self.t_tok, self.t_step = acc, prop, t_tok, t_step
+        self.odds, self.t_tok, self.t_catch, self.t_step = odds, t_tok, t_catch, t_step
 
 
 class LookupEagleDrafter(Drafter):
@@ -590,7 +699,4 @@ def lookup_eagle_for(target, head=None):
 def _make(target=None, draft=None, confidence: float | None = None, **_):
     from .draft_model import _make as make_draft
 
-    from ..core.policy import AdaptiveK
-
-    return HybridDrafter(make_draft(target=target, draft=draft, confidence=confidence),
-                         k_policy=AdaptiveK(cost_hint=None))
+    return HybridDrafter(make_draft(target=target, draft=draft, confidence=confidence))
