@@ -463,8 +463,9 @@ class ContinuousBatcher:
             return "length"
         if req.stop_fn is not None and req.stop_fn(req.tokens):
             return "stop"
-        # the context is full (a served request was refused unless its guesses fit to the end)
-        if len(req.context) + (1 if self.fill_context else self.slots + 2) >= self.max_context:
+        # the context is full: every slot holds a token (with fill_context; a served request was
+        # refused unless its guesses fit to the end)
+        if len(req.context) + (0 if self.fill_context else self.slots + 2) >= self.max_context:
             return "length"
         return ""
 
