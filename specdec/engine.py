@@ -50,14 +50,9 @@ class Engine:
         self.eos_ids = set(int(e) for e in eos_ids)
         self.k_policy = k_policy
         self._batches = 0
-        # batches of 2+ rows: speculate only while it beats plain decoding, measured (drafters
-        # that can sit steps out, all of specdec's: `skip`); see core.policy.BatchGuard. Drafters
-        # that do not price their own guesses step by step (`gates_itself`: prompt lookup, auto)
-        # are guarded at a single row too, so a draft model or head that does not pay for its
-        # cost on this text or machine falls back to plain decoding instead of slowing it down
-        self.guard = None
-        if drafter is not None and drafter.may_skip:
-            self.guard = BatchGuard(min_rows=2 if drafter.gates_itself else 1)
+        # speculate only while it beats plain decoding, measured (core.policy.BatchGuard); kept
+        # here so that what it measured carries from one generate call to the next
+        self.guard = BatchGuard.for_drafter(drafter) if drafter is not None else None
 
     def learned(self) -> dict:
         """What the drafter, its draft-length policy and the guard learned while decoding, for a
@@ -131,8 +126,8 @@ class Engine:
         scheduler = ContinuousBatcher(
             self.model, self.eos_ids, method="none" if self.drafter is None else "protocol", k_max=self.k,
             max_batch=len(prompts) if native else 1, max_queue=len(prompts), max_context=max_len,
-            drafter=self.drafter, thread=False, shared=params, fill_context=True, raise_errors=True)
-        scheduler.k_policy = self.k_policy
+            drafter=self.drafter, thread=False, shared=params, fill_context=True, raise_errors=True,
+            k_policy=self.k_policy)
         if scheduler.guard is not None:  # (None: no drafter, or a seeded sample with guesses drawn from a q)
             scheduler.guard = self.guard  # (None: the caller turned the engine's guard off)
             if self.guard is not None:

@@ -283,6 +283,15 @@ class BatchGuard:
     (their drafting must not depend on timing). Knows nothing about models.
     """
 
+    @classmethod
+    def for_drafter(cls, drafter) -> "BatchGuard | None":
+        """The guard for a drafter run through the protocol: none for one that never sits a step
+        out (`may_skip` False); batches of 2+ rows for one that prices its own guesses step by
+        step (`gates_itself`: prompt lookup, auto); a single row too for one that does not (a
+        draft model, Medusa, an EAGLE head alone), so one that does not pay on this text or
+        machine falls back to plain decoding instead of slowing it down."""
+        return cls(min_rows=2 if drafter.gates_itself else 1) if drafter.may_skip else None
+
     def __init__(self, min_rows: int = 2, probe_every: int = PROBE_EVERY, decay: float = 0.8) -> None:
         self.min_rows, self.probe_every, self.decay = min_rows, probe_every, decay
         self.rate: dict[tuple[int, bool], float] = {}  # (band, speculative) -> decayed tokens/s

@@ -149,7 +149,7 @@ class ContinuousBatcher:
     def __init__(self, model, eos_ids=(), method: str = "ngram", k_max: int = 8, max_batch: int = 16,
                  max_queue: int = 256, max_context: int | None = None, adaptive: bool = True, drafter=None,
                  thread: bool = True, shared: SamplingParams | None = None, fill_context: bool = False,
-                 raise_errors: bool = False) -> None:
+                 raise_errors: bool = False, k_policy=None) -> None:
         """method: none, ngram (prompt lookup), auto (prompt lookup + an EAGLE tree; pass the
         `LookupEagleDrafter` as `drafter`), draft (a draft model; pass its `DraftModelDrafter`),
         or any other name with a `Drafter` (Medusa, EAGLE, your own) run through the protocol
@@ -162,7 +162,8 @@ class ContinuousBatcher:
         None (the server): each request its own, and drafters guess greedily (one-hot q).
         fill_context: a request longer than the context allows is not refused; it decodes until
         the context is full (finish reason "length"). raise_errors: a failure is raised to the
-        caller of `run()` instead of ending the requests it touched (generate)."""
+        caller of `run()` instead of ending the requests it touched (generate). k_policy: the
+        generic path's draft-length policy (`core.policy.AdaptiveK`), or None."""
         # any other method: the given drafter alone, through the drafter protocol (Medusa, EAGLE, ...)
         generic = method not in ("none", "ngram", "auto", "draft")
         if generic and not isinstance(drafter, Drafter):
@@ -182,7 +183,7 @@ class ContinuousBatcher:
         self.eos = set(int(e) for e in eos_ids)
         self.method = method
         self.shared, self.fill_context, self.raise_errors = shared, fill_context, raise_errors
-        self.k_policy = None  # optional draft-length policy of the generic path (core.policy.AdaptiveK)
+        self.k_policy = k_policy
         self.k_max = k_max if method != "none" else 0
         self.adaptive = adaptive
         self.max_batch = max_batch
@@ -217,8 +218,8 @@ class ContinuousBatcher:
         # a measured backstop to the cost model in batches of 2+ rows: speculative steps must
         # commit more tokens per second than plain ones (see core.policy.BatchGuard)
         self.guard = BatchGuard() if adaptive and self.k_max > 0 else None
-        if generic and self.guard is not None:  # a drafter that does not price its guesses is guarded alone too
-            self.guard = BatchGuard(min_rows=2 if drafter.gates_itself else 1) if drafter.may_skip else None
+        if generic and self.guard is not None:
+            self.guard = BatchGuard.for_drafter(drafter)
             if timing_free(shared) and drafter.samples_guesses:
                 self.guard = None  # a seeded sample with guesses drawn from a q: drafting must not depend on timing
         self.feeds_hidden = self.trees or (generic and drafter.needs_hidden)  # rows keep features for the drafter
@@ -523,13 +524,12 @@ class ContinuousBatcher:
         t1 = time.perf_counter()
         cache = self.cache if s.A == self.cache.batch_size else _RowsView(self.cache, s.A)
         draft = Draft(s.drafted, s.counts, s.probs, s.parents if s.is_tree else None)
-        pending = [r.context[-1] for r in self.rows]
-        if self.shared is not None:  # one setting and generator: one verification call, rows keyed
-            res = run_step(self.model, cache, pending, draft, self.shared, self.rows[0].generator, s.room,
-                           row_keys=[r.key for r in self.rows])
-        else:
-            res = run_step(self.model, cache, pending, draft, [r.params for r in self.rows],
-                           [r.generator for r in self.rows], s.room, s.use_tree, row_keys=[r.key for r in self.rows])
+        # one shared setting and generator: one verification call for every row; else each row its own
+        shared = self.shared is not None
+        params = self.shared if shared else [r.params for r in self.rows]
+        generators = self.rows[0].generator if shared else [r.generator for r in self.rows]
+        res = run_step(self.model, cache, [r.context[-1] for r in self.rows], draft, params, generators, s.room,
+                       s.use_tree, row_keys=[r.key for r in self.rows])
         if cache is not self.cache:
             cache.sync()
         n_acc = torch.tensor(res.accepted, dtype=torch.long)
@@ -625,11 +625,8 @@ class ContinuousBatcher:
                 self.drafter.skip()  # its features wait in the rows for the next proposal
             return self._no_guesses(s)
         t1 = time.perf_counter()
-        if self.shared is not None:
-            ctx = DraftContext([r.context for r in self.rows], self.shared, self.rows[0].generator,
-                               self._hand_over_features())
-        else:
-            ctx = DraftContext([r.context for r in self.rows], _GREEDY, None, self._hand_over_features())
+        params, generator = (self.shared, self.rows[0].generator) if self.shared is not None else (_GREEDY, None)
+        ctx = DraftContext([r.context for r in self.rows], params, generator, self._hand_over_features())
         d = self.drafter.propose(ctx, max(s.caps))
         s.t_head, s.proposed = time.perf_counter() - t1, True
         timing = self.drafter.draft_timing()
@@ -716,7 +713,8 @@ class ContinuousBatcher:
     def _record(self, s: _Step, n_acc: torch.Tensor, dt: float, t_propose: float) -> None:
         """The step's time into the cost model, the draft-length policy and the guard; the
         counters; the debug line."""
-        self.policy.observe_step(s.A, s.K, dt - s.t_head)  # drafting is priced separately (LoadPolicy)
+        if not self.generic:  # (the generic path does not ask the LoadPolicy)
+            self.policy.observe_step(s.A, s.K, dt - s.t_head)  # drafting is priced separately
         if self.k_policy is not None:
             self.k_policy.observe(s.k, s.counts.tolist(), n_acc.tolist(), t_propose, dt - t_propose)
         if self.guard is not None and s.steady:
