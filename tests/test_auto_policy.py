@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specdec.drafters import ngram
+from specdec.core.policy import ProbeSchedule
 from specdec.drafters.hybrid import LookupEagleDrafter
 from specdec.engine import Engine
 from specdec.types import SamplingParams
@@ -365,3 +366,36 @@ def test_the_lookup_times_the_target_step_without_the_draft_models_drafting():
     d.begin(tokens, SamplingParams(), 64)
     d.propose(DraftContext(tokens, SamplingParams(), None), 3)
     assert time.perf_counter() - d.lookup._t_end < 0.04
+
+
+def probe_steps(schedule, declined: int, measured=lambda step: True) -> list[int]:
+    """The declined steps (of `declined` in a row) at which `schedule` probes; measured(step)
+    False marks a probe that only caught the drafter up (`again(measured=False)`)."""
+    out = []
+    for step in range(declined):
+        if schedule.due():
+            out.append(step)
+            if not measured(step):
+                schedule.again(measured=False)
+    return out
+
+
+def test_probes_back_off_to_their_longest_gap():
+    """After every, 2x every, 4x ... up to `most` times every declined steps: a gate that keeps
+    declining costs a vanishing share of probes."""
+    steps = probe_steps(ProbeSchedule(every=4, most=8), 200)
+    assert [b - a for a, b in zip([-1] + steps, steps)] == [4, 8, 16, 32, 32, 32, 32, 32][: len(steps)]
+
+
+def test_a_probe_that_only_caught_up_is_followed_at_once_and_does_not_back_off():
+    """The tree's first probe catches the head up (it measures nothing): the next declined step
+    probes again, and the gap after that is still the first one."""
+    steps = probe_steps(ProbeSchedule(every=4), 60, measured=lambda step: step != 3)
+    assert steps[:3] == [3, 4, 12]
+
+
+def test_taking_the_choice_restarts_the_gap_and_room_defers_a_probe():
+    schedule = ProbeSchedule(every=4)
+    assert probe_steps(schedule, 20) == [3, 11]
+    schedule.taken()
+    assert [schedule.due(room=step >= 5) for step in range(7)] == [False, False, False, False, False, True, False]

@@ -15,7 +15,8 @@ server's batcher both call this module:
   expected acceptance, c and r (prompt lookup's cut, auto's tree trim);
 - `AdaptiveK`: the draft length of a draft model from one mean acceptance (an engine's k_policy);
 - `NodeOdds`: how often a tree node of a given path probability holds;
-- `ProbeSchedule`: when a declined choice is probed, at growing intervals (auto's draft model);
+- `ProbeSchedule`: when a declined choice is probed, at growing intervals (auto's draft model
+  and auto's EAGLE tree);
 - `BatchGuard`: in a batch, speculate only while it measures faster than plain decoding
   (the engine and the server);
 - `StepModel` and `LoadPolicy`: the server's step-time fit t = a + r A + b A K per batch-size
@@ -155,6 +156,7 @@ class ProbeSchedule:
     def __init__(self, every: int = PROBE_EVERY, most: int = 8) -> None:
         self.every, self.most = every, most
         self.gap = every  # declined steps before the next probe
+        self.last_gap = every  # the gap before the last probe lengthened it
         self.skipped = 0  # declined steps since the last probe
 
     def due(self, room: bool = True) -> bool:
@@ -163,16 +165,19 @@ class ProbeSchedule:
         if self.skipped < self.gap or not room:
             return False
         self.skipped = 0
-        self.gap = min(2 * self.gap, self.most * self.every)
+        self.last_gap, self.gap = self.gap, min(2 * self.gap, self.most * self.every)
         return True
 
     def taken(self) -> None:
         """The gate took the choice: the next probe comes `every` declined steps after it stops."""
         self.gap, self.skipped = self.every, 0
 
-    def again(self) -> None:
-        """The last probe looked promising: the next declined step probes again (one probe is
-        one observation, too few to turn a gate)."""
+    def again(self, measured: bool = True) -> None:
+        """The next declined step probes again: the last probe looked promising (one probe is
+        one observation, too few to turn a gate), or it measured nothing (`measured` False: it
+        only caught the drafter up, so it does not lengthen the gap either)."""
+        if not measured:
+            self.gap = self.last_gap
         self.skipped = self.gap
 
 

@@ -54,7 +54,45 @@ from .base import Draft, DraftContext, Drafter, register, steady, timing_free
 from .ngram import LengthPolicy, NgramDrafter
 
 
-class HybridDrafter(Drafter):
+class _LookupFirst(Drafter):
+    """What auto's two drafters share: prompt lookup first (`ngram`, whose step-time fit prices a
+    plain step and a verified guess), a second source gated on what it costs, probed on a
+    `ProbeSchedule`, and only while enough of the request may still come (`probe_room`) for a
+    probe to pay back the second source's catch-up on the context."""
+
+    def __init__(self, min_n: int, max_n: int, probe_every: int, gate: bool, probe_room: int) -> None:
+        self.ngram = NgramDrafter(min_n, max_n)
+        self.gate = gate
+        self.gates_itself = gate  # lookup lengths and the second source's gate price every guess
+        self.cost_hint = None
+        self.probe_every, self.probe_room = probe_every, probe_room
+        self.probes = ProbeSchedule(probe_every)  # when a second source that does not pay is tried anyway
+        self.t_step: float | None = None  # seconds of one target step (between proposals)
+        self._t_end: float | None = None
+        self._steps, self._room = 0, None  # proposals since `begin`, the request's max_new_tokens
+
+    def plain_step(self) -> float | None:
+        """Seconds of a plain step: the lookup's fitted step that verifies no guesses, else the mean
+        step between proposals (which includes verifying, so it understates a second source's
+        cost in plain steps where verifying is dear); None before any step."""
+        policy = self.ngram.policy
+        plain = policy.step_seconds() if policy is not None else None
+        return plain or self.t_step or None
+
+    def left(self) -> float:
+        """At most how many tokens the request may still generate (each step commits at least one)."""
+        return math.inf if self._room is None else max(self._room - self._steps, 0)
+
+    def room_to_probe(self) -> bool:
+        """Whether enough of the request may still come for a probe to pay back its catch-up."""
+        return self._room is None or self._room - self._steps >= self.probe_room
+
+    def _begin_request(self, params) -> None:
+        self._t_end = None  # a prefill is not a step
+        self._steps, self._room = 0, getattr(params, "max_new_tokens", None)
+
+
+class HybridDrafter(_LookupFirst):
     samples_guesses = True  # the draft model's rows carry its q
 
     def __init__(self, draft, min_n: int = 1, max_n: int = 4, probe_every: int = PROBE_EVERY, gate: bool = True,
@@ -63,14 +101,9 @@ class HybridDrafter(Drafter):
         probe_room: the fewest tokens a request may still generate for the draft model to start
         (or probe) there: its first proposal catches it up on the whole context. max_k: draft
         positions whose acceptance is learnt (a longer draft is cut to it)."""
+        super().__init__(min_n, max_n, probe_every, gate, probe_room)
         self.draft = draft  # a DraftModelDrafter
-        self.ngram = NgramDrafter(min_n, max_n)
         self.lookup = self.ngram  # the lookup of the current batch (`begin`)
-        self.gate = gate
-        self.gates_itself = gate  # lookup lengths and the draft model's gate price every guess
-        self.cost_hint = None
-        self.probe_every, self.probe_room = probe_every, probe_room
-        self.probes = ProbeSchedule(probe_every)
         # P(the draft model's guess i holds | the guesses before it held), decayed counts per position
         # (one "match length" of the lookup's LengthPolicy; prior 0.5)
         self.odds = LengthPolicy(0, max_k, clock=False, probe_every=0)
@@ -78,9 +111,6 @@ class HybridDrafter(Drafter):
         self._proposal: Draft | None = None
         self.t_tok: float | None = None  # seconds to draft one token (steady state)
         self.t_catch: float | None = None  # seconds to catch up on one unseen token (not steady)
-        self.t_step: float | None = None  # seconds of one target step (between proposals)
-        self._t_end: float | None = None
-        self._steps, self._room = 0, None  # proposals since `begin`, the request's max_new_tokens
         self._drafting = 0  # steps the gate let the draft model draft
         self._probing = False  # whether the last proposal was a probe
         # what happened, for benchmarks (auto_counts.py): rows by source, the draft model's calls
@@ -90,13 +120,6 @@ class HybridDrafter(Drafter):
         self.draft_seconds = 0.0
         self.pos_proposed: list[int] = []
         self.pos_accepted: list[int] = []
-
-    def plain_step(self) -> float | None:
-        """Seconds of a plain step: the lookup's fitted step that verifies no guesses, else the mean
-        step between proposals (which includes verifying); None before any step."""
-        policy = self.ngram.policy
-        plain = policy.step_seconds() if policy is not None else None
-        return plain or self.t_step or None
 
     def cost(self) -> float | None:
         """c + r: what one more drafted guess costs, in plain steps: its drafting time over a plain
@@ -141,14 +164,6 @@ class HybridDrafter(Drafter):
         plain = self.plain_step()
         return 0.0 if per is None or plain is None else per * behind / plain
 
-    def left(self) -> float:
-        """At most how many tokens the request may still generate (each step commits at least one)."""
-        return math.inf if self._room is None else max(self._room - self._steps, 0)
-
-    def room_to_probe(self) -> bool:
-        """Whether enough of the request may still come for the draft model's catch-up to pay."""
-        return self._room is None or self._room - self._steps >= self.probe_room
-
     def begin(self, prompts, params, max_len) -> None:
         self.draft.begin(prompts, params, max_len)
         self.ngram.begin(prompts, params, max_len)
@@ -161,8 +176,7 @@ class HybridDrafter(Drafter):
             self.lookup.policy.clock, self.lookup.policy.probe_every = False, 0
             self.lookup.begin(prompts, params, max_len)
         self._used_draft = None
-        self._t_end = None
-        self._steps, self._room = 0, getattr(params, "max_new_tokens", None)
+        self._begin_request(params)
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         t0 = time.perf_counter()
@@ -320,7 +334,7 @@ class HybridDrafter(Drafter):
         self.odds, self.t_tok, self.t_catch, self.t_step = odds, t_tok, t_catch, t_step
 
 
-class LookupEagleDrafter(Drafter):
+class LookupEagleDrafter(_LookupFirst):
     """Prompt lookup where the text repeats, an EAGLE tree elsewhere (`--method auto` for a
     target that has an EAGLE head).
 
@@ -376,16 +390,10 @@ class LookupEagleDrafter(Drafter):
         """eager: draft trees before the head's cost is measured; trim: verify only the tree's
         nodes worth their verification; probe_room: the fewest tokens a request may still
         generate for a probe to be worth its catch-up (see the class docstring)."""
+        super().__init__(min_n, max_n, probe_every, gate, probe_room)
         self.eagle = eagle
-        self.probe_room = probe_room
-        self._steps = 0  # proposals since `begin` (each commits at least one token)
-        self._room = None  # the request's max_new_tokens
         self.eager = eager
-        self.ngram = NgramDrafter(min_n, max_n)
         self.min_lookup = min_lookup
-        self.probe_every, self.gate = probe_every, gate
-        self.gates_itself = gate  # lookup lengths and the tree's gate price every guess
-        self._probe_gap = probe_every  # steps between probes of a tree that does not pay (doubles, up to 8x)
         self.graft = graft  # lookup nodes a tree row may add to its tree (0: none)
         self.trim = trim
         self.odds = NodeOdds()  # P(a tree node is accepted | the head's path probability), learnt
@@ -393,26 +401,20 @@ class LookupEagleDrafter(Drafter):
         self._trees = 0  # steps that drafted trees (every probe_every-th verifies them whole: odds stay measured)
         self.max_nodes = eagle.max_nodes + graft
         self.vocab_size = eagle.vocab_size
-        self.cost_hint = None
         self.rows_drafted = {"lookup": 0, "eagle": 0, "graft": 0}  # row-steps each source drafted for (graft:
         # tree rows whose lookup added nodes to the tree)
         self.gain = 1.0  # accepted tokens per tree row-step (decayed; optimistic prior)
         self.t_draft: float | None = None  # seconds the head drafts per step
-        self.t_step: float | None = None  # seconds of a target step (hand-over to next proposal)
         self.nodes = float(eagle.max_nodes or eagle.depth)
-        self._t_end: float | None = None
         self._tree_rows: list[bool] | None = None
-        self._skipped = 0
         self._timing = (0.0, True)  # (seconds the head drafted in the last proposal, steady state)
 
     def cost(self) -> float | None:
-        """c: the head's drafting time in plain target steps (None until measured). A plain step is
-        the lookup's fitted step with no guesses; the mean step between proposals, the fallback,
-        includes verifying the trees and so understates c where verifying is dear."""
-        if self.t_draft is None or not self.t_step:
+        """c: the head's drafting time in plain target steps (`plain_step`; None until measured)."""
+        plain = self.plain_step()
+        if self.t_draft is None or not self.t_step or plain is None:
             return None
-        plain = self.ngram.policy.step_seconds() if self.ngram.policy is not None else None
-        return self.t_draft / (plain or self.t_step)
+        return self.t_draft / plain
 
     def tree_pays(self) -> bool:
         if not self.gate:
@@ -464,15 +466,10 @@ class LookupEagleDrafter(Drafter):
         """The nodes a tree of the usual size holds (what a probe drafts)."""
         return round(self.nodes)
 
-    def room_to_probe(self) -> bool:
-        """Whether enough of the request may still come for a probe to pay for its catch-up."""
-        return self._room is None or self._room - self._steps >= self.probe_room
-
     def begin(self, prompts, params, max_len) -> None:
         self.eagle.begin(prompts, params, max_len)
         self.ngram.begin(prompts, params, max_len)
-        self._t_end = None  # a prefill is not a step
-        self._steps, self._room = 0, getattr(params, "max_new_tokens", None)
+        self._begin_request(params)
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         t0 = time.perf_counter()
@@ -490,18 +487,14 @@ class LookupEagleDrafter(Drafter):
         use_lookup = self.prefer_lookup(looked)
         run_tree = not all(use_lookup)
         if run_tree and not self.tree_pays():
-            self._skipped += 1
-            if self._skipped < self._probe_gap or not self.room_to_probe():
+            if not self.probes.due(self.room_to_probe()):
                 run_tree = False  # plain prompt lookup for every row
             elif self.cost() is None:
                 # the first probe catches the head up on the context: the next step that would draft
-                # a tree probes again, in steady state, and times the head
-                self._skipped = self._probe_gap - 1
-            else:  # probe; while probes keep finding that it does not pay, probe half as often
-                self._skipped = 0
-                self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every)
+                # a tree probes again, in steady state, and times the head (it did not measure the tree)
+                self.probes.again(measured=False)
         elif run_tree:
-            self._probe_gap = self.probe_every
+            self.probes.taken()
         return self.assemble(ctx, looked, [run_tree and not u for u in use_lookup], max_tokens, self.max_nodes,
                              trim=self.trim)
 
