@@ -34,15 +34,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -1106,140 +1102,34 @@ void with_decoder(int64_t t, F&& f) {
   }
 }
 
-// The threads a product's tasks run on (shared_tasks): the caller and at::get_num_threads() - 1
-// workers of this pool, not at::parallel_for's OpenMP team. An OpenMP region ends at a barrier that
-// waits for every thread of the team to arrive, so a thread the OS has not yet run (another process
-// on its core) holds the whole call up for a scheduler slice, ~1-10 ms, and a decoding step makes
-// ~110 calls. Here the caller waits only for the tasks a worker has taken to finish: a worker that
-// wakes late finds nothing left and goes back to waiting, and on a busy machine the step runs at one
-// thread's speed instead of stalling at every call. Workers spin ~0.2 ms for the next call (a step's
-// calls follow each other within tens of microseconds), then sleep on a condition variable.
-class TaskPool {
- public:
-  static constexpr int64_t MAX_THREADS = 256;
-  using Task = void (*)(void* ctx, int64_t t, std::vector<float>& buf);
-
-  static TaskPool& get() {
-    static TaskPool* pool = new TaskPool();  // (never destroyed: its workers wait on it until exit)
-    return *pool;
-  }
-
-  // f(ctx, t, buf) for t in [0, tasks) on n threads (the caller one of them); returns when all are done
-  void run(int64_t tasks, int64_t n, Task f, void* ctx) {
-    std::lock_guard<std::mutex> one(call_);  // (one call at a time: the job's fields are shared)
-    grow(n - 1);
-    job_ = f, ctx_ = ctx, threads_ = n, tasks_ = tasks, csr_ = _mm_getcsr();
-    for (int64_t i = 0; i < n; ++i) {
-      share_[i].next.store(i * tasks / n, std::memory_order_relaxed);
-      share_[i].end = (i + 1) * tasks / n;
-    }
-    done_.store(0, std::memory_order_relaxed);
-    const uint64_t g = gen_.load(std::memory_order_relaxed) + 1;
-    open_.store(g, std::memory_order_seq_cst);
-    gen_.store(g, std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-      std::lock_guard<std::mutex> lk(mu_);
-      cv_.notify_all();
-    }
-    work(0);
-    for (int spin = 0; done_.load(std::memory_order_acquire) < tasks; ++spin) {
-      if (spin < 4096) _mm_pause();
-      else std::this_thread::yield();  // (a worker holding a task was preempted)
-    }
-    open_.store(0, std::memory_order_seq_cst);  // then no worker starts on this job's fields
-    while (active_.load(std::memory_order_seq_cst) > 0) std::this_thread::yield();
-  }
-
- private:
-  struct alignas(64) Share {
-    std::atomic<int64_t> next{0};
-    int64_t end = 0;
-  };
-
-  TaskPool() : share_(new Share[MAX_THREADS]) {}
-
-  void grow(int64_t workers) {
-    for (int64_t w = static_cast<int64_t>(workers_.size()) + 1; w <= workers; ++w) {
-      workers_.emplace_back([this, w] { loop(w); });
-      workers_.back().detach();
-    }
-  }
-
-  // thread i's share first, then the others' in turn
-  void work(int64_t i) {
-    for (int64_t k = 0; k < threads_; ++k) {
-      Share& s = share_[(i + k) % threads_];
-      for (int64_t t; (t = s.next.fetch_add(1, std::memory_order_relaxed)) < s.end;) {
-        job_(ctx_, t, buf_);
-        done_.fetch_add(1, std::memory_order_release);
-      }
-    }
-  }
-
-  void loop(int64_t w) {
-    uint64_t seen = 0;
-    for (;;) {
-      uint64_t g = gen_.load(std::memory_order_acquire);
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
-      for (int spin = 1; g == seen; ++spin) {
-        _mm_pause();
-        g = gen_.load(std::memory_order_acquire);
-        if (spin % 256 == 0 && std::chrono::steady_clock::now() > until) break;
-      }
-      if (g == seen) {
-        std::unique_lock<std::mutex> lk(mu_);
-        sleepers_.fetch_add(1, std::memory_order_seq_cst);
-        cv_.wait(lk, [&] { return (g = gen_.load(std::memory_order_seq_cst)) != seen; });
-        sleepers_.fetch_sub(1, std::memory_order_relaxed);
-      }
-      seen = g;
-      active_.fetch_add(1, std::memory_order_seq_cst);
-      if (open_.load(std::memory_order_seq_cst) == g && w < threads_) {  // (else the call is over, or is not ours)
-        const unsigned csr = _mm_getcsr();
-        _mm_setcsr(csr_);  // the caller's floating-point mode (flush-to-zero, rounding): the same numbers on any thread
-        work(w);
-        _mm_setcsr(csr);
-      }
-      active_.fetch_sub(1, std::memory_order_seq_cst);
-    }
-  }
-
-  static thread_local std::vector<float> buf_;
-  std::mutex call_, mu_;
-  std::condition_variable cv_;
-  std::vector<std::thread> workers_;
-  std::unique_ptr<Share[]> share_;
-  std::atomic<uint64_t> gen_{0}, open_{0};
-  std::atomic<int> sleepers_{0}, active_{0};
-  std::atomic<int64_t> done_{0};
-  Task job_ = nullptr;
-  void* ctx_ = nullptr;
-  int64_t threads_ = 1, tasks_ = 0;
-  unsigned csr_ = 0;
-};
-thread_local std::vector<float> TaskPool::buf_;
-
-// Runs f(t, buf) for every task t in [0, tasks), each once (buf: the running thread's scratch
-// vector), on at::get_num_threads() threads of TaskPool. Thread i owns the contiguous share
-// [i tasks / n, (i + 1) tasks / n) that a static split would give it and takes its tasks one at a
-// time, front to back (each thread streams its own stretch of the weights); a thread done with its
-// share then takes the tasks left in the others'. A thread that starts late or is preempted then
-// delays the call by at most the task it holds, instead of its whole share (at::parallel_for's
-// static split left the other thread idle at the barrier meanwhile). Which thread computes a task
-// changes none of its numbers: every output is computed by one task alone, and each thread runs in
-// the caller's floating-point mode. Inside another parallel region (or on one thread): all on the caller.
+// Runs f(t, buf) for every task t in [0, tasks) on the intra-op threads, each task once (buf: the
+// running thread's scratch vector). Thread i owns the contiguous share [i tasks / n, (i + 1) tasks / n)
+// that a static split would give it and takes its tasks one at a time, front to back (each thread
+// streams its own stretch of the weights); a thread done with its share then takes the tasks left in
+// the others'. A thread that starts late or is preempted (the OS runs another process on its core, or
+// it is still waking up) then delays the call by about one task instead of its whole share; with
+// at::parallel_for's static split the other thread waited idle at the barrier. Which thread computes
+// a task changes none of its numbers (every output is computed by one task alone).
 template <class F>
 void shared_tasks(int64_t tasks, F&& f) {
   if (tasks <= 0) return;
-  const int64_t n = std::min<int64_t>({static_cast<int64_t>(at::get_num_threads()), tasks, TaskPool::MAX_THREADS});
-  if (n <= 1 || at::in_parallel_region()) {
-    std::vector<float> buf;
-    for (int64_t t = 0; t < tasks; ++t) f(t, buf);
-    return;
+  const int64_t n = std::min<int64_t>(at::get_num_threads(), tasks);
+  struct alignas(64) Share {
+    std::atomic<int64_t> next;
+    int64_t end;
+  };
+  std::unique_ptr<Share[]> share(new Share[n]);
+  for (int64_t i = 0; i < n; ++i) {
+    share[i].next.store(i * tasks / n, std::memory_order_relaxed);
+    share[i].end = (i + 1) * tasks / n;
   }
-  using Fn = std::remove_reference_t<F>;
-  TaskPool::get().run(tasks, n, [](void* ctx, int64_t t, std::vector<float>& buf) { (*static_cast<Fn*>(ctx))(t, buf); },
-                      const_cast<void*>(static_cast<const void*>(&f)));
+  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t /*i1*/) {
+    std::vector<float> buf;
+    for (int64_t k = 0; k < n; ++k) {  // its own shares i0..i1 - 1 first, then the others' in turn
+      Share& s = share[(i0 + k) % n];
+      for (int64_t t; (t = s.next.fetch_add(1, std::memory_order_relaxed)) < s.end;) f(t, buf);
+    }
+  });
 }
 
 // One weight of a product: its bytes, type, rows, bytes a row, and its first output column.
