@@ -1106,10 +1106,11 @@ void with_decoder(int64_t t, F&& f) {
 // running thread's scratch vector). Thread i owns the contiguous share [i tasks / n, (i + 1) tasks / n)
 // that a static split would give it and takes its tasks one at a time, front to back (each thread
 // streams its own stretch of the weights); a thread done with its share then takes the tasks left in
-// the others'. A thread that starts late or is preempted (the OS runs another process on its core, or
-// it is still waking up) then delays the call by about one task instead of its whole share; with
-// at::parallel_for's static split the other thread waited idle at the barrier. Which thread computes
-// a task changes none of its numbers (every output is computed by one task alone).
+// the others'. Threads that run at different speeds (one slowed by another process on its core, or
+// shares of unequal cost: q, k, v of different types) then finish together, where the static split
+// left the faster one idle at the barrier. (A thread the OS has not run at all still stalls the call:
+// OpenMP's region ends when every thread of the team has arrived.) Which thread computes a task
+// changes none of its numbers: every output is computed by one task alone.
 template <class F>
 void shared_tasks(int64_t tasks, F&& f) {
   if (tasks <= 0) return;
