@@ -167,6 +167,29 @@ def test_a_rows_outputs_do_not_depend_on_the_other_rows_or_threads(t, op):
     assert torch.equal(one[0], alone)
 
 
+@pytest.mark.parametrize("op", ["gguf_linear", "gguf_linear_q8"])
+def test_a_product_shared_among_threads_is_the_one_threads_product(op):
+    """A product of 100 tasks (24 weight rows each) on 1, 2, 3 and 7 threads (more threads than
+    cores: threads that start late, tasks taken from another thread's share), several calls in a
+    row: the same numbers bit for bit."""
+    ops = need_kernels("rowstable")
+    gguf_linear = getattr(ops, op)
+    n, k = 2400, 512
+    raw, _ = case(Q4_K, n, k, seed=3)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gguf_linear(x, raw, Q4_K, n, k)
+        for nt in (2, 3, 7):
+            torch.set_num_threads(nt)
+            for _ in range(5):
+                assert torch.equal(gguf_linear(x, raw, Q4_K, n, k), one), nt
+                assert torch.equal(gguf_linear(x[1:2], raw, Q4_K, n, k), one[1:2]), nt
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("t", TYPES, ids=[NAMES[t] for t in TYPES])
 def test_rows_are_gguf_dequantised_rows(t):
     ops = need_kernels("rowstable")

@@ -33,9 +33,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -1100,6 +1102,37 @@ void with_decoder(int64_t t, F&& f) {
   }
 }
 
+// Runs f(t, buf) for every task t in [0, tasks) on the intra-op threads, each task once (buf: the
+// running thread's scratch vector). Thread i owns the contiguous share [i tasks / n, (i + 1) tasks / n)
+// that a static split would give it and takes its tasks one at a time, front to back (each thread
+// streams its own stretch of the weights); a thread done with its share then takes the tasks left in
+// the others'. Threads that run at different speeds (one slowed by another process on its core, or
+// shares of unequal cost: q, k, v of different types) then finish together, where the static split
+// left the faster one idle at the barrier. (A thread the OS has not run at all still stalls the call:
+// OpenMP's region ends when every thread of the team has arrived.) Which thread computes a task
+// changes none of its numbers: every output is computed by one task alone.
+template <class F>
+void shared_tasks(int64_t tasks, F&& f) {
+  if (tasks <= 0) return;
+  const int64_t n = std::min<int64_t>(at::get_num_threads(), tasks);
+  struct alignas(64) Share {
+    std::atomic<int64_t> next;
+    int64_t end;
+  };
+  std::unique_ptr<Share[]> share(new Share[n]);
+  for (int64_t i = 0; i < n; ++i) {
+    share[i].next.store(i * tasks / n, std::memory_order_relaxed);
+    share[i].end = (i + 1) * tasks / n;
+  }
+  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t /*i1*/) {
+    std::vector<float> buf;
+    for (int64_t k = 0; k < n; ++k) {  // its own shares i0..i1 - 1 first, then the others' in turn
+      Share& s = share[(i0 + k) % n];
+      for (int64_t t; (t = s.next.fetch_add(1, std::memory_order_relaxed)) < s.end;) f(t, buf);
+    }
+  });
+}
+
 // One weight of a product: its bytes, type, rows, bytes a row, and its first output column.
 struct WeightPart {
   const uint8_t* w;
@@ -1121,22 +1154,18 @@ void gguf_linear_parts(const float* xp, int64_t M, int64_t K, const std::vector<
   }
   if (std::find(slice.begin(), slice.end(), 256) != slice.end()) quantize_rows_q8(xp, M, K, 256, x256);
   if (std::find(slice.begin(), slice.end(), 32) != slice.end()) quantize_rows_q8(xp, M, K, 32, x32);
-  at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf;
-    size_t p = 0;
-    for (int64_t t = t0; t < t1; ++t) {
-      while (t >= first[p + 1]) ++p;
-      const WeightPart& wp = parts[p];
-      const int64_t n0 = (t - first[p]) * rows[p], n1 = std::min(wp.N, n0 + rows[p]);
-      if (slice[p]) {
-        int_path(wp.type, slice[p] == 256 ? x256 : x32, M, K, wp.w, wp.rb, n0, n1, yp + wp.col, ldy);
-        continue;
-      }
-      with_decoder(wp.type, [&](auto d) {
-        gguf_columns<decltype(d)>(xp, M, K, wp.w, wp.rb, n0, n1, yp + wp.col, ldy, buf);
-      });
+  const int64_t tasks = first.back();
+  auto run = [&](int64_t t, std::vector<float>& buf) {
+    const size_t p = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+    const WeightPart& wp = parts[p];
+    const int64_t n0 = (t - first[p]) * rows[p], n1 = std::min(wp.N, n0 + rows[p]);
+    if (slice[p]) {
+      int_path(wp.type, slice[p] == 256 ? x256 : x32, M, K, wp.w, wp.rb, n0, n1, yp + wp.col, ldy);
+      return;
     }
-  });
+    with_decoder(wp.type, [&](auto d) { gguf_columns<decltype(d)>(xp, M, K, wp.w, wp.rb, n0, n1, yp + wp.col, ldy, buf); });
+  };
+  shared_tasks(tasks, run);
 }
 
 // x [..., K] @ the concatenation of the weights' rows^T -> [..., sum of N]; each weight's bytes checked.

@@ -125,6 +125,11 @@ class GGUFLinear(nn.Module):
         if self.rs_blocks is not None and step_call(x):  # (see repack_for_steps)
             y = self.rs_blocks[0](x, *self.rs_blocks[1:])
             return y if self.bias is None else y + self.bias
+        if self.op_cat is not None and self.out_order is None and x.dtype == torch.float32:
+            # the kernels take x [..., K] as it is and return [..., N]: no reshape and view around the
+            # call (a decoding step makes 113 of them)
+            y = self.op_cat(x, *self.cat_args) if self.cat_args is not None else self.op(x, *self.parts[0])
+            return y if self.bias is None else y + self.bias
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
