@@ -187,6 +187,18 @@ def test_auto_batcher_greedy_equals_transformers(adaptive, monkeypatch):
     assert s["proposed"] > 0 and s["batch"] == 0
 
 
+def test_the_lookup_and_the_load_policy_read_one_step_time_fit(monkeypatch):
+    """In the server, the lookup's cut and auto's tree gate and trim price guesses on the fit the
+    scheduler feeds (one fit, observed once a step), not on a second fit of their own."""
+    _steady_clock(monkeypatch)
+    b = _auto_batcher(True, thread=False)
+    lookup = b.drafter.ngram.policy
+    assert lookup.times is b.policy.steps and not lookup.observes_times
+    got, want = run_join_leave(b)
+    assert got == want
+    assert b.policy.steps.all.weight == pytest.approx(sum(0.98 ** i for i in range(b.stats()["steps"])))
+
+
 def test_auto_batcher_seeded_sample_does_not_depend_on_the_load():
     """A seeded sampled request gives the same tokens alone and sharing the batch with greedy
     rows that draft trees (it may draft them too)."""

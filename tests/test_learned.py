@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdec import learned
-from specdec.adaptive import AdaptiveK, BatchGuard, DecayedLine
+from specdec.adaptive import AdaptiveK, BatchGuard, DecayedLine, StepModel
 from specdec.drafters.ngram import LengthPolicy, NgramDrafter
 from specdec.engine import Engine
 from specdec.types import SamplingParams
@@ -35,6 +35,14 @@ def test_decayed_line_scaled_keeps_the_fitted_line_and_caps_the_weight():
     assert few.scaled(16.0) == few.s  # under the cap: unchanged
 
 
+def free_guesses() -> dict:
+    """A learnt step-time fit in which a verified guess costs nothing (16 steps of 10 ms)."""
+    fit = StepModel()
+    for i in range(16):
+        fit.observe(1, 2 * (i % 2), 0.01)
+    return fit.learned(16.0)
+
+
 def test_length_policy_round_trips_capped_and_refuses_what_does_not_fit():
     pol = LengthPolicy(max_n=4, max_k=8)
     for i in range(200):
@@ -47,14 +55,18 @@ def test_length_policy_round_trips_capped_and_refuses_what_does_not_fit():
     assert new.r == pytest.approx(pol.r) and new.step_seconds() == pytest.approx(pol.step_seconds())
     assert new.expected(2, 4) == pytest.approx(pol.expected(2, 4))  # same acceptance, fewer counts
     assert new.seen[2][0] < pol.seen[2][0]
-    before = (new.acc, new.seen, list(new.times.s))
+    assert new.times.weight(1) == pytest.approx(16.0)  # the step-time fit, capped too
+    before = (new.acc, new.seen, new.times.learned(1e9))
+    nan_fit = json.loads(json.dumps(state["times"]))
+    nan_fit["all"]["v"][1] = float("nan")
     for bad in (dict(state, acc=state["acc"][:-1]),  # another max_n
                 dict(state, seen=[r[:-1] for r in state["seen"]]),  # another max_k
                 dict(state, acc=[[9.0] * 8] + state["acc"][1:]),  # more accepted than seen
-                dict(state, times=[1.0, float("nan"), 0, 0, 0])):
-        with pytest.raises(ValueError):
+                dict(state, times=nan_fit),
+                dict(state, times=[1.0, 2.0, 0, 0, 0])):  # the layout before the step-time fit
+        with pytest.raises((ValueError, TypeError)):
             new.relearn(bad)
-        assert (new.acc, new.seen, new.times.s) == before
+        assert (new.acc, new.seen, new.times.learned(1e9)) == before
 
 
 def test_adaptive_k_and_guard_round_trip():
@@ -164,7 +176,7 @@ def test_restored_auto_decides_from_its_first_step_and_stays_exact(monkeypatch):
     state["drafter"].update(t_draft=1e-4, t_step=1e-2, gain=3.0)  # a head that paid well
     # no measured step-time line (what the first run timed depends on the machine's load): r is
     # the lookup's prior and a plain step the mean step, so the gate's verdict is fixed
-    state["drafter"]["ngram"]["policy"]["times"] = [0.0] * 5
+    state["drafter"]["ngram"]["policy"]["times"] = StepModel().learned(16.0)
     pays = drafter("lookup", depth=3, width=2, nodes=5)
     engine = Engine(target().model, pays, k=3)
     engine.relearn(state)
@@ -197,7 +209,7 @@ def test_a_seeded_sample_does_not_depend_on_what_was_restored(method):
     state = json.loads(json.dumps(eng.learned()))
     pol = state["drafter"]["policy"] if method == "ngram" else state["drafter"]["ngram"]["policy"]
     pol["acc"] = [[s for s in row] for row in pol["seen"]]  # every guess held
-    pol["times"] = [16.0, 16.0, 0.16, 32.0, 0.16]  # a verified token costs nothing
+    pol["times"] = free_guesses()
     if method == "lookup":  # and no tree node worth verifying (an unseeded request would cut every tree)
         state["drafter"].update(t_draft=1e-5, t_step=1e-2, gain=4.0, odds={"acc": [0.0] * 10, "seen": [8.0] * 10})
     eng.relearn(state)

@@ -3,6 +3,8 @@ tokens to propose from measured acceptance and measured verification cost)."""
 
 from __future__ import annotations
 
+import pytest
+
 from specdec.drafters.base import DraftContext
 from specdec.drafters.ngram import LengthPolicy, NgramDrafter, SuffixIndex, lookup, lookup_match
 from specdec.types import SamplingParams
@@ -89,6 +91,31 @@ def test_length_policy_measures_the_cost_of_a_verified_token():
         pol.observe(2, 1, 0)
         pol.observe(2, 1, 1)
     assert pol.choose(2, 8) <= 2
+
+
+def test_length_policy_prices_a_guess_at_its_own_batch_size():
+    """One row: a guess is nearly free (the step reads the weights); eight rows: each guess slot
+    costs its full share. The lookup's fit keeps a band per batch size, so the same policy cuts
+    one row's lookups long and eight rows' short; one line over all steps (the broken rule)
+    would price both alike."""
+    pol = LengthPolicy(max_n=2, max_k=8)
+    for i in range(200):
+        j = i % 5
+        rows = 1 if i % 2 else 8
+        per_slot = 0.02 if rows == 1 else 0.5
+        pol.observe_time(j, 0.010 * rows ** 0.5 * (1 + per_slot * j), rows)
+    pol.rows = 1
+    assert pol.r == pytest.approx(0.02, rel=1e-3) and pol.step_seconds() == pytest.approx(0.010)
+    pol.rows = 8
+    assert pol.r == pytest.approx(0.5, rel=1e-3)
+    for _ in range(300):  # a guess that holds 60% of the time
+        pol.observe(2, 3, 0)
+        pol.observe(2, 3, 1)
+        pol.observe(2, 3, 3)
+    pol.rows = 1
+    long_cut = pol.choose(2, 8)
+    pol.rows = 8
+    assert long_cut >= 3 and pol.choose(2, 8) <= 1
 
 
 def test_length_policy_probes_after_declining_and_recovers_when_guesses_start_to_hold():

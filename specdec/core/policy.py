@@ -19,10 +19,12 @@ server's batcher both call this module:
   and auto's EAGLE tree);
 - `BatchGuard`: in a batch, speculate only while it measures faster than plain decoding
   (the engine and the server);
-- `StepModel` and `LoadPolicy`: the server's step-time fit t = a + r A + b A K per batch-size
-  band, and the per-step cap and choice of source (lookup, tree, draft model) that maximise the
-  batch's committed tokens per second;
-- `DecayedLine`: decayed least squares, the fit behind step and drafting times.
+- `StepModel`: the one step-time fit, t = a + r A + b A K per batch-size band: what a plain
+  step costs and what a guess adds to it. Prompt lookup's cut (and through it auto's gates) and
+  the server's `LoadPolicy` read it; in the server both read the scheduler's one instance;
+- `LoadPolicy`: the server's per-step cap and choice of source (lookup, tree, draft model)
+  that maximise the batch's committed tokens per second;
+- `DecayedLine`: decayed least squares, the fit behind the server's drafting times.
 
 Each part can hand what it learnt to a later run (`learned()` / `relearn`, see learned.py).
 This module knows nothing about models; it sees only counts and seconds.
@@ -39,7 +41,7 @@ CARRIED_COUNTS = 8.0  # observations' worth of an acceptance rate that a later r
 #: every policy that can decline to speculate probes the declined choice once in this many steps
 #: (or lookups of one match length), so a choice that stopped speculating notices when it pays again
 PROBE_EVERY = 16
-#: decay of acceptance counts per draft position and of the server's step-time fits (per step):
+#: decay of acceptance counts per draft position and of the step-time fits (per step):
 #: about the last 50 steps count
 FIT_DECAY = 0.98
 
@@ -236,7 +238,7 @@ def best_prefix(values: list[float], c: float, r: float) -> int:
 
 class DecayedLine:
     """y ~ a + b x, fitted by exponentially decayed least squares (recent points count most).
-    Used for step times: per guessed token (prompt lookup) and per scored token (the server)."""
+    Used for drafting times against the number of rows that draft (the server's `LoadPolicy`)."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
@@ -373,10 +375,12 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
 
 
 class _Fit:
-    """t ~ a + r * A + b * A * K by exponentially decayed least squares (recent steps count most)."""
+    """t ~ a + r * A + b * A * K by exponentially decayed least squares (recent steps count most).
+    A draft length whose decayed count falls to `forget` no longer counts towards the two that
+    b needs."""
 
-    def __init__(self, decay: float) -> None:
-        self.decay = decay
+    def __init__(self, decay: float, forget: float = 0.05) -> None:
+        self.decay, self.forget = decay, forget
         self.m = [[0.0] * 3 for _ in range(3)]  # decayed sums of f f^T, f = (1, A, A*K)
         self.v = [0.0] * 3  # decayed sums of f * t
         self.weight = 0.0
@@ -389,9 +393,26 @@ class _Fit:
         self.m = [[d * self.m[i][j] + f[i] * f[j] for j in range(3)] for i in range(3)]
         self.v = [d * self.v[i] + f[i] * seconds for i in range(3)]
         self.weight = d * self.weight + 1
-        self.ks = {kk: w * d for kk, w in self.ks.items() if w > 0.05}
+        self.ks = {kk: w * d for kk, w in self.ks.items() if w > self.forget}
         self.ks[k] = self.ks.get(k, 0.0) + 1
         self._coef = False
+
+    def state(self, max_weight: float) -> dict:
+        """The decayed sums scaled to weigh at most `max_weight` steps (the same fit): what a later
+        run starts from (learned.py), so that its own steps soon outweigh them."""
+        f = min(1.0, max_weight / self.weight) if self.weight > 0 else 1.0
+        return {"m": [[f * x for x in row] for row in self.m], "v": [f * x for x in self.v],
+                "weight": f * self.weight, "ks": {str(k): f * w for k, w in self.ks.items()}}
+
+    def restore(self, state: dict) -> None:
+        m = [[float(x) for x in row] for row in state["m"]]
+        v, weight = [float(x) for x in state["v"]], float(state["weight"])
+        ks = {int(k): float(w) for k, w in state["ks"].items()}
+        if len(m) != 3 or any(len(row) != 3 for row in m) or len(v) != 3:
+            raise ValueError("learned step-time fit of another shape")
+        if not all(math.isfinite(x) for x in [*sum(m, []), *v, weight, *ks.values()]) or weight < 0:
+            raise ValueError("learned step-time fit out of range")
+        self.m, self.v, self.weight, self.ks, self._coef = m, v, weight, ks, False
 
     def coefficients(self) -> tuple[float, float, float] | None:
         """(a, r, b), or None until there are 4 steps and two draft lengths to tell b."""
@@ -427,19 +448,55 @@ class StepModel:
     over all steps learnt the steep cost of a full batch and then, back at one row, priced
     guesses at it and stopped guessing.)"""
 
-    def __init__(self, decay: float = FIT_DECAY) -> None:
-        self.decay = decay
-        self.all = _Fit(decay)
+    def __init__(self, decay: float = FIT_DECAY, forget: float = 0.05) -> None:
+        """forget: the decayed count below which a draft length stops counting towards telling b
+        (the default: the server's, which tries a guess more every 16th step, so its lengths
+        keep varying; prompt lookup passes a tiny one, since it may verify no guess for
+        hundreds of steps and must keep the cost it measured before)."""
+        self.decay, self.forget = decay, forget
+        self.all = _Fit(decay, forget)
         self.bands: dict[int, _Fit] = {}
 
     def observe(self, rows: int, k: int, seconds: float) -> None:
         self.all.observe(rows, k, seconds)
-        self.bands.setdefault(band(rows), _Fit(self.decay)).observe(rows, k, seconds)
+        self.bands.setdefault(band(rows), _Fit(self.decay, self.forget)).observe(rows, k, seconds)
 
     def coefficients(self, rows: int | None = None) -> tuple[float, float, float] | None:
         fit = self.bands.get(band(rows)) if rows is not None else None
         c = fit.coefficients() if fit is not None else None
         return c if c is not None else self.all.coefficients()
+
+    def weight(self, rows: int) -> float:
+        """How many (decayed) steps the fit used for `rows` rows rests on: its band's, else all."""
+        fit = self.bands.get(band(rows))
+        return fit.weight if fit is not None and fit.coefficients() is not None else self.all.weight
+
+    def plain_step(self, rows: int) -> float | None:
+        """Seconds of a step of `rows` rows that verifies no guesses (None until fitted)."""
+        c = self.coefficients(rows)
+        return None if c is None else c[0] + c[1] * rows
+
+    def guess_cost(self, rows: int) -> float | None:
+        """r: what one more guess slot for each of `rows` rows adds to a step, in plain steps of
+        those rows (None until fitted)."""
+        c = self.coefficients(rows)
+        if c is None:
+            return None
+        a, r, b = c
+        return b * rows / (a + r * rows)
+
+    def learned(self, max_weight: float) -> dict:
+        """Every fit, scaled to at most `max_weight` steps (learned.py)."""
+        return {"all": self.all.state(max_weight), "bands": {str(b): f.state(max_weight) for b, f in self.bands.items()}}
+
+    def relearn(self, state: dict) -> None:
+        """Start from `learned()`'s output; ValueError (nothing changed) if it does not fit."""
+        fits = _Fit(self.decay, self.forget), {}
+        fits[0].restore(state["all"])
+        for b, fit_state in state["bands"].items():
+            fit = fits[1][int(b)] = _Fit(self.decay, self.forget)
+            fit.restore(fit_state)
+        self.all, self.bands = fits
 
     def predict(self, rows: int, k: int) -> float | None:
         c = self.coefficients(rows)

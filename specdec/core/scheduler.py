@@ -215,6 +215,10 @@ class ContinuousBatcher:
             self.drafter = NgramDrafter(choose_length=not adaptive) if method == "ngram" else None
             self.lookup = self.drafter
         self.policy = LoadPolicy(self.k_max, adaptive)  # the cost model and the per-step choice
+        if self.lookup is not None and self.lookup.policy is not None:
+            # one step-time fit: the lookup (and auto's tree gate and trim, which read the lookup's
+            # plain step and r) price guesses on the steps this scheduler times
+            self.lookup.policy.share_times(self.policy.steps)
         # a measured backstop to the cost model in batches of 2+ rows: speculative steps must
         # commit more tokens per second than plain ones (see core.policy.BatchGuard)
         self.guard = BatchGuard() if adaptive and self.k_max > 0 else None

@@ -41,12 +41,11 @@ may decide its lengths.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
 
-from ..core.policy import CARRIED_COUNTS, FIT_DECAY, PROBE_EVERY, DecayedLine, best_prefix, carried, counts_ok
+from ..core.policy import CARRIED_COUNTS, FIT_DECAY, PROBE_EVERY, StepModel, best_prefix, carried, counts_ok
 from .base import Draft, DraftContext, Drafter, register
 
 
@@ -125,25 +124,28 @@ class LengthPolicy:
         self.acc = [[1.0] * max_k for _ in range(max_n + 1)]  # prior 0.5 at every position
         self.seen = [[2.0] * max_k for _ in range(max_n + 1)]
         self.r_prior = r_prior
-        self.times = DecayedLine(0.99)  # step seconds vs guesses verified in the step
+        # step seconds vs rows and guesses verified (core.policy.StepModel, the step-time fit the
+        # server's load policy uses too: its scheduler hands the lookup its own, `share_times`)
+        self.times = StepModel(forget=1e-9)
+        self.observes_times = True  # False: the fit is fed by its owner (the server's scheduler)
+        self.rows = 1  # the rows of the steps the costs are asked for (the last step's)
+
+    def share_times(self, times: StepModel) -> None:
+        """Read step costs from `times`, which its owner feeds (one fit instead of two)."""
+        self.times, self.observes_times = times, False
+
+    def _fitted(self) -> bool:
+        return self.times.weight(self.rows) >= 8 and self.times.coefficients(self.rows) is not None
 
     @property
     def r(self) -> float:
-        slope = self.times.slope() if self.times.weight >= 8 else None
-        if slope is None:
-            return self.r_prior
-        t0 = self.times.intercept(slope)
-        if t0 <= 0:
-            return self.r_prior
-        return min(max(slope / t0, 0.005), 1.0)
+        """What one more verified guess costs, in plain steps (`r_prior` until measured)."""
+        r = self.times.guess_cost(self.rows) if self._fitted() else None
+        return self.r_prior if r is None else min(max(r, 0.005), 1.0)
 
     def step_seconds(self) -> float | None:
-        """Seconds of a step that verifies no guesses, from the fitted line (None until measured)."""
-        slope = self.times.slope() if self.times.weight >= 8 else None
-        if slope is None:
-            return None
-        t0 = self.times.intercept(slope)
-        return t0 if t0 > 0 else None
+        """Seconds of a step that verifies no guesses, from the fit (None until measured)."""
+        return self.times.plain_step(self.rows) if self._fitted() else None
 
     def held(self, n: int, k: int) -> list[float]:
         """P(the first j guesses of a match-length-n continuation all hold), j = 1 .. min(k,
@@ -185,35 +187,39 @@ class LengthPolicy:
             self.acc[n][i] = d * self.acc[n][i] + (1.0 if i < accepted else 0.0)
             self.seen[n][i] = d * self.seen[n][i] + 1.0
 
-    def observe_time(self, j: int, seconds: float) -> None:
-        self.times.observe(j, seconds)
+    def observe_time(self, j: int, seconds: float, rows: int = 1) -> None:
+        """A step of `rows` rows that verified up to `j` guesses a row took `seconds`."""
+        self.rows = rows
+        if self.observes_times:
+            self.times.observe(rows, j, seconds)
 
     def learned(self, max_seen: float = CARRIED_COUNTS, max_times: float = 16.0) -> dict:
         """What this policy has learned, for a later run to start from (learned.py): acceptance
-        counts capped at max_seen per (match length, position) and the step-time line at
+        counts capped at max_seen per (match length, position) and the step-time fit at
         max_times points, so that a new text soon outweighs an old one."""
         acc, seen = [], []
         for a_row, s_row in zip(self.acc, self.seen):
             cells = [carried(a, s, max_seen) for a, s in zip(a_row, s_row)]
             acc.append([a for a, _ in cells])
             seen.append([s for _, s in cells])
-        return {"acc": acc, "seen": seen, "times": self.times.scaled(max_times)}
+        return {"acc": acc, "seen": seen, "times": self.times.learned(max_times)}
 
     def relearn(self, state: dict) -> None:
         """Start from `learned()`'s output of an earlier run. ValueError if its shape does not fit
         this policy (another max_n or max_k): nothing is changed then."""
         acc, seen, times = state["acc"], state["seen"], state["times"]
         shape = [len(r) for r in self.acc]
-        if [len(r) for r in acc] != shape or [len(r) for r in seen] != shape or len(times) != 5:
+        if [len(r) for r in acc] != shape or [len(r) for r in seen] != shape:
             raise ValueError("learned acceptance tables of another shape")
         acc = [[float(v) for v in r] for r in acc]
         seen = [[float(v) for v in r] for r in seen]
-        times = [float(v) for v in times]
         if not all(counts_ok(a, s) for ar, sr in zip(acc, seen) for a, s in zip(ar, sr)):
             raise ValueError("learned acceptance counts out of range")
-        if not all(math.isfinite(v) for v in times):
-            raise ValueError("learned step times out of range")
-        self.acc, self.seen, self.times.s = acc, seen, times
+        fit = StepModel(self.times.decay, self.times.forget)
+        fit.relearn(times)  # ValueError (nothing changed) if out of range
+        self.acc, self.seen = acc, seen
+        if self.observes_times:
+            self.times = fit
 
 
 class NgramDrafter(Drafter):
@@ -248,9 +254,11 @@ class NgramDrafter(Drafter):
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         now = time.perf_counter()
         if self.policy is not None and self._t_end is not None and self._last is not None:
-            self.policy.observe_time(self.step_tokens, now - self._t_end)
+            self.policy.observe_time(self.step_tokens, now - self._t_end, len(self._last))
         guesses, last = [], []
         pol = self.policy
+        if pol is not None:
+            pol.rows = len(ctx.tokens)  # this step's guesses are priced at its own batch size
         cut = pol is not None and self.choose_length
         while len(self._index) < len(ctx.tokens):  # a row joined (the server) or a new request
             self._index.append(SuffixIndex(self.min_n, self.max_n))
