@@ -128,7 +128,7 @@ class LengthPolicy:
         # server's load policy uses too: its scheduler hands the lookup its own, `share_times`)
         self.times = StepModel(forget=1e-9)
         self.observes_times = True  # False: the fit is fed by its owner (the server's scheduler)
-        self.rows = 1  # the rows of the steps the costs are asked for (the last step's)
+        self.rows = 1  # the batch size of the step whose guesses are priced (set by the drafter)
 
     def share_times(self, times: StepModel) -> None:
         """Read step costs from `times`, which its owner feeds (one fit instead of two)."""
@@ -189,7 +189,6 @@ class LengthPolicy:
 
     def observe_time(self, j: int, seconds: float, rows: int = 1) -> None:
         """A step of `rows` rows that verified up to `j` guesses a row took `seconds`."""
-        self.rows = rows
         if self.observes_times:
             self.times.observe(rows, j, seconds)
 

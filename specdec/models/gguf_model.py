@@ -125,12 +125,10 @@ class GGUFLinear(nn.Module):
         if self.rs_blocks is not None and step_call(x):  # (see repack_for_steps)
             y = self.rs_blocks[0](x, *self.rs_blocks[1:])
             return y if self.bias is None else y + self.bias
-        if self.op_cat is not None and self.out_order is None and x.dtype == torch.float32:
-            # the kernels take x [..., K] as it is and return [..., N]: no reshape and view around the
-            # call (a decoding step makes 113 of them)
-            y = self.op_cat(x, *self.cat_args) if self.cat_args is not None else self.op(x, *self.parts[0])
-            return y if self.bias is None else y + self.bias
-        x2 = x.reshape(-1, self.in_features)
+        # the kernels with gguf_linear_cat take x [..., K] as it is and return [..., N]: no reshape and
+        # view around the call (a decoding step makes 113 of them); others take x [M, K]
+        native = self.op_cat is not None
+        x2 = x if native else x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
         if self.cat_args is not None:  # q, k, v (gate, up) in one kernel call, outputs side by side
@@ -138,12 +136,12 @@ class GGUFLinear(nn.Module):
         else:
             op = self.op
             ys = [op(x2, *p) for p in self.parts]
-            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         if self.out_order is not None:
-            y = y.index_select(1, self.out_order)
+            y = y.index_select(-1, self.out_order)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if native else y.view(*x.shape[:-1], self.out_features)
 
     def pack(self, dtype=None) -> None:  # nothing to pack: the kernels read the file's bytes
         return None
