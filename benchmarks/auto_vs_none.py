@@ -14,6 +14,8 @@ document as the last line.
 
     python benchmarks/auto_vs_none.py --per-category 2 --humaneval 2 --repeats 3 --threads 2
     python benchmarks/auto_vs_none.py --categories qa,writing --lengths 32 --samplings greedy --batching 1
+    python benchmarks/auto_vs_none.py --model ~/.cache/specdec/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --draft ~/.cache/specdec/models/qwen2.5-coder-0.5b-instruct.gguf --lengths 96 --batching 1  # auto --draft
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ def main() -> int:
     ap.add_argument("--how", default="saved", choices=("saved", "fresh"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None, help="target: a .gguf file or model folder. Default: the embedded model")
+    ap.add_argument("--draft", default=None,
+                    help="a draft model for auto (auto --draft: prompt lookup beside it), loaded once. "
+                         "Default: auto's own choice for the target")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -51,7 +57,21 @@ def main() -> int:
     from specdec.text import encode_prompt
     from specdec.types import SamplingParams
 
-    target = load_model(None, quiet=True)
+    target = load_model(args.model, quiet=True)
+    auto_config = SpecConfig(method="auto")
+    draft_lm = None
+    if args.draft:  # loaded once, not per request (a CLI call would load it each time)
+        draft_lm = load_model(args.draft, dtype=target.model.dtype, quiet=True, pack=False)
+
+    def auto_engine():
+        if draft_lm is None:
+            return build_engine(auto_config, target)
+        from specdec.drafters import REGISTRY
+        from specdec.engine import Engine
+
+        drafter = REGISTRY["hybrid"](target=target, draft=draft_lm)
+        return Engine(target.model, drafter, k=max(auto_config.method_k(), 1), eos_ids=target.eos_ids)
+
     cats = args.categories.split(",") if args.categories else None
     tasks = select(load_jsonl(args.data), cats, args.per_category) if args.per_category > 0 else []
     tasks += load_humaneval()[: args.humaneval]
@@ -75,7 +95,7 @@ def main() -> int:
             for method in ("none", "auto"):
                 total, tokens = 0.0, 0
                 for b, batch in enumerate(batches):
-                    eng = plain if method == "none" else build_engine(SpecConfig(method="auto"), target)
+                    eng = plain if method == "none" else auto_engine()
                     t0 = time.perf_counter()
                     if method == "auto" and args.how == "saved" and samp in saved:
                         eng.relearn(json.loads(saved[samp]))  # timed: a CLI call reads the file too

@@ -6,6 +6,7 @@ depend on the clock. Tiny random target and head (test_eagle's)."""
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
 import torch
@@ -131,8 +132,8 @@ def test_a_draft_model_pays_only_above_its_drafting_and_verification_cost(monkey
     from specdec.drafters.ngram import LengthPolicy
 
     d = HybridDrafter(draft=None)
-    d.odds.acc[0][:2], d.odds.seen[0][:2] = [3.0, 0.0], [10.0, 10.0]
-    d.t_tok, d.t_step = 0.002, 0.01
+    d.length.odds.acc[0][:2], d.length.odds.seen[0][:2] = [3.0, 0.0], [10.0, 10.0]
+    d.length.t_tok, d.t_step = 0.002, 0.01
     monkeypatch.setattr(LengthPolicy, "step_seconds", lambda self: 0.01)
     monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.05))
     assert d.draft_length(4) == 1
@@ -239,7 +240,7 @@ def mean_rule(drafter_cls):
         acc, prop, skipped = 1.0, 2.0, 0
 
         def _gated_length(self, ctx, max_tokens):
-            cost = self.cost()
+            cost = self.length.cost()
             if cost is None or self.acc / self.prop > cost:
                 return max_tokens
             self.skipped += 1
@@ -399,3 +400,56 @@ def test_taking_the_choice_restarts_the_gap_and_room_defers_a_probe():
     assert probe_steps(schedule, 20) == [3, 11]
     schedule.taken()
     assert [schedule.due(room=step >= 5) for step in range(7)] == [False, False, False, False, False, True, False]
+
+
+def _run_adaptive_k(draft_seconds_per_guess: float, steps: int = 240) -> list[int]:
+    """An engine's AdaptiveK over `steps` made-up steps at batch 1: the first guess holds 4 times in
+    10, later ones never; a step verifying K guesses takes 0.01 + 0.001 K s (r = 0.1 a guess).
+    The lengths it chose in the second half."""
+    from specdec.adaptive import AdaptiveK
+
+    policy, ks = AdaptiveK(), []
+    for i in range(steps):
+        k = policy.choose_k(4)
+        ks.append(k)
+        held = min(k, 1) if i % 5 < 2 else 0
+        policy.observe(k, [k], [held], draft_seconds_per_guess * k, 0.01 + 0.001 * k)
+    return ks[steps // 2:]
+
+
+def test_adaptive_k_drafts_the_guesses_that_pay():
+    """AdaptiveK (an engine's k_policy for a draft model), from its own timings: a draft whose
+    first guess holds 40% of the time and whose later ones never do, at c 0.2 + r 0.1 a guess,
+    drafts one guess (two every 16th drafting step, to keep the next position measured)."""
+    ks = _run_adaptive_k(0.002)
+    assert set(ks) == {1, 2} and 4 <= ks.count(2) <= len(ks) // 8
+
+
+@pytest.mark.parametrize("rule", ["per position", "mean"])
+def test_adaptive_k_weighs_each_position_on_its_own(monkeypatch, rule):
+    """The first guess holds 40% of the time, the next three never (each seen 10 times), at
+    c 0.2 + r 0.1 a guess: the first guess pays (1.4 tokens for 1.3 steps' time). One mean
+    acceptance over all drafted guesses (a broken rule here, the one AdaptiveK had) lets the
+    bad tail stop it (0.1: 1.1 tokens for 1.3)."""
+    from specdec.adaptive import AdaptiveK
+    from specdec.core.policy import LengthPolicy
+
+    if rule == "mean":
+        def mean_held(self, n, k):
+            k = min(k, len(self.acc[n]))
+            a = sum(self.acc[n][:k]) / sum(self.seen[n][:k])
+            return [a ** (i + 1) for i in range(k)]
+
+        monkeypatch.setattr(LengthPolicy, "held", mean_held)
+    policy = AdaptiveK()
+    policy.length.odds.acc[0][:4], policy.length.odds.seen[0][:4] = [4.0, 0.0, 0.0, 0.0], [10.0] * 4
+    policy.length.t_tok = 0.002
+    monkeypatch.setattr(LengthPolicy, "step_seconds", lambda self: 0.01)
+    monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.1))
+    assert policy.choose_k(4) == (1 if rule == "per position" else 0)
+
+
+def test_adaptive_k_stops_a_draft_that_cannot_pay():
+    """A draft that costs twice a target step a guess cannot pay whatever holds (c + r >= 1): once
+    timed it drafts nothing, and no probe is spent on it."""
+    assert set(_run_adaptive_k(0.02)) == {0}

@@ -254,12 +254,12 @@ def test_same_seed_same_sample_whatever_the_timing(monkeypatch, drafter_name):
     would give another sample. Timing is replaced by noise here, differently in each run."""
     import random
 
-    from specdec.drafters.ngram import LengthPolicy
+    from specdec.core.policy import DraftLength, LengthPolicy
 
     _, target, draft = models()
     noise = random.Random(0)
     monkeypatch.setattr(LengthPolicy, "r", property(lambda self: noise.uniform(0.0, 2.0)))
-    monkeypatch.setattr(HybridDrafter, "cost", lambda self: noise.uniform(0.0, 2.0))
+    monkeypatch.setattr(DraftLength, "cost", lambda self: noise.uniform(0.0, 2.0))
     monkeypatch.setattr(HybridDrafter, "draft_length", lambda self, k_max: noise.randint(0, k_max))
     prompts = [list(c) for c in contexts()] * 2
     params = SamplingParams(max_new_tokens=20, seed=11, temperature=0.9, top_p=0.95)

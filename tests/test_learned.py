@@ -71,14 +71,15 @@ def test_length_policy_round_trips_capped_and_refuses_what_does_not_fit():
 
 def test_adaptive_k_and_guard_round_trip():
     k = AdaptiveK(cost_hint=None)
-    for _ in range(30):
-        k.observe(3, [3], [2], 0.003, 0.02)
+    for i in range(30):
+        k.observe(3, [3 + i % 2], [2], 0.003 * (3 + i % 2), 0.02 + 0.002 * (i % 2))
     k2 = AdaptiveK(cost_hint=None)
     k2.relearn(json.loads(json.dumps(k.learned())))
-    assert k2.alpha == pytest.approx(k.alpha) and k2.prop == pytest.approx(8.0)
-    assert k2.t_fwd == pytest.approx(k.t_fwd) and k2.choose_k(6) == k.choose_k(6)
+    assert k2.length.odds.held(0, 3) == pytest.approx(k.length.odds.held(0, 3))
+    assert k2.length.odds.seen[0][0] == pytest.approx(8.0)  # capped: a new text soon outweighs it
+    assert k2.length.cost() == pytest.approx(k.length.cost()) and k2.choose_k(6) == k.choose_k(6)
     with pytest.raises(ValueError):
-        k2.relearn(dict(k.learned(), acc=-1.0))
+        k2.relearn(dict(k.learned(), t_step=-1.0))
     g = BatchGuard(min_rows=1)
     assert g.learned() is None  # nothing measured, nothing to save
     g.rate = {(0, True): 120.0, (0, False): 80.0}
@@ -130,7 +131,7 @@ def test_the_file_keeps_other_entries_and_ignores_what_it_cannot_read(tmp_path, 
     assert not learned.restore(p, "b")
     eng = Engine(target().model, NgramDrafter(), k=3, k_policy=AdaptiveK())  # a real engine, a mangled entry
     f.write_text(json.dumps({"version": learned.VERSION, "entries": {"e": {"state": {
-        "k_policy": {"acc": 1.0, "prop": 2.0, "t_draft": None, "t_fwd": [0.01, 0.02]}}}}}))
+        "k_policy": {"length": {"odds": [0.01, 0.02], "t_tok": None}, "steps": {}, "t_step": 0.01}}}}}))
     assert not learned.restore(eng, "e")
     monkeypatch.setenv("SPECDEC_LEARNED", "0")
     assert learned.path() is None and not learned.save(_Part(4), "d")

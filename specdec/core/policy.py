@@ -13,7 +13,9 @@ server's batcher both call this module:
 
 - `best_prefix`: how many of a proposal's guesses (or a tree's nodes) to verify, given their
   expected acceptance, c and r (prompt lookup's cut, auto's tree trim);
-- `AdaptiveK`: the draft length of a draft model from one mean acceptance (an engine's k_policy);
+- `LengthPolicy`: acceptance per match length and draft position, and prompt lookup's cut;
+- `DraftLength`: how many guesses a draft model makes (auto's draft model; `AdaptiveK`, an
+  engine's k_policy, around it);
 - `NodeOdds`: how often a tree node of a given path probability holds;
 - `ProbeSchedule`: when a declined choice is probed, at growing intervals (auto's draft model
   and auto's EAGLE tree);
@@ -71,81 +73,59 @@ def counts_ok(acc: float, seen: float) -> bool:
 
 
 class AdaptiveK:
-    """The draft length of a draft model: each step the k in 0..k_max that maximises expected
-    committed tokens per second,
+    """The draft length of a drafter that costs time per guess, run through the protocol (an
+    engine's `k_policy`, e.g. a draft model in `Engine`): `DraftLength`'s choice, with the plain
+    step and r from a step-time fit of the engine's own steps (`StepModel`, drafting excluded) and
+    the drafting time per guess from each step's proposal. Before it is timed it drafts one guess
+    (cheap to measure); while no length pays it probes one guess on a `ProbeSchedule`.
+    cost_hint: the drafter's cost of a guess in target steps, if known a priori (0 for one that
+    costs nothing to run); then it is not timed."""
 
-        E(k) / time(k),   E(k) = 1 + a + a^2 + ... + a^k,   time(k) = t_fwd(k) + k * t_draft,
-
-    the value formula above with the target's own cost growing with k measured rather than
-    assumed flat. a is the running acceptance rate (decayed counts, so it follows the text);
-    t_draft and t_fwd(k) are measured step times. When k = 0 wins (acceptance near zero, or
-    drafting too dear) it still probes k = 1 every `probe_every` steps."""
-
-    def __init__(self, cost_hint: float | None = None, decay: float = 0.9, probe_every: int = PROBE_EVERY) -> None:
-        self.decay = decay
-        self.probe_every = probe_every
-        self.acc, self.prop = 1.0, 2.0  # prior: a = 0.5 until measured
-        self.t_draft = None if cost_hint is None else 0.0  # seconds per drafted token (0 for free drafters)
-        self.t_fwd: dict[int, float] = {}  # draft length -> EMA seconds of one target step
-        self.steps_at_zero = 0
+    def __init__(self, cost_hint: float | None = None, probe_every: int = PROBE_EVERY, max_k: int = 16) -> None:
+        self.steps = LengthPolicy(0, 1)  # (its step-time fit: the plain step and r)
+        self.t_step: float | None = None  # running mean of a verification step (before the fit is)
+        self.length = DraftLength(self._costs, max_k, probe_every, hint=cost_hint)
+        self.probes = ProbeSchedule(probe_every)
         self.last_k = None
 
-    @property
-    def alpha(self) -> float:
-        return self.acc / self.prop if self.prop > 0 else 0.0
-
-    def _fwd_time(self, k: int) -> float:
-        if k in self.t_fwd:
-            return self.t_fwd[k]
-        ks = sorted(self.t_fwd)
-        if len(ks) == 1:
-            return self.t_fwd[ks[0]]
-        lo, hi = ks[0], ks[-1]
-        slope = max(0.0, (self.t_fwd[hi] - self.t_fwd[lo]) / (hi - lo))
-        return self.t_fwd[lo] + slope * (k - lo)
-
-    def expected_rate(self, k: int) -> float:
-        """Expected committed tokens per second with draft length k (needs measurements)."""
-        a = min(self.alpha, 0.999)
-        tokens = sum(a**i for i in range(k + 1))
-        return tokens / (self._fwd_time(k) + k * (self.t_draft or 0.0))
+    def _costs(self) -> tuple[float | None, float]:
+        return self.steps.step_seconds() or self.t_step, self.steps.r
 
     def choose_k(self, k_max: int) -> int:
-        if not self.t_fwd or self.t_draft is None:
-            k = k_max if self.t_draft is not None else 1  # measure the drafter first, cheaply
+        best = self.length.best(k_max)
+        if best is None:
+            k = min(1, k_max)  # time the drafter first, cheaply
+        elif best > 0:
+            self.probes.taken()
+            k = self.length.stretch(best, k_max, self.steps.step_seconds() is not None)
         else:
-            k = max(range(k_max + 1), key=self.expected_rate)
-            if k == 0:
-                self.steps_at_zero += 1
-                if self.steps_at_zero % self.probe_every == 0:
-                    k = 1
-            else:
-                self.steps_at_zero = 0
+            k = min(1, k_max) if self.probes.due(self.length.could_pay()) else 0
         self.last_k = k
         return k
 
     def observe(self, k: int, counts: list[int], accepted: list[int], draft_s: float, verify_s: float) -> None:
-        proposed = sum(counts)
-        if proposed:
-            self.acc = self.decay * self.acc + sum(accepted)
-            self.prop = self.decay * self.prop + proposed
-        kk = max(counts) if counts else 0
-        if kk:
-            per_token = draft_s / kk
-            self.t_draft = ema(self.t_draft or None, per_token, 0.8)
-        self.t_fwd[kk] = ema(self.t_fwd.get(kk), verify_s, 0.8)
+        """One step: its cap k, each row's guesses and how many held, the seconds spent drafting
+        and verifying."""
+        guesses = max(counts, default=0)
+        self.steps.observe_time(guesses, verify_s, len(counts) or 1)
+        self.t_step = ema(self.t_step, verify_s, 0.8)
+        if guesses and self.length.hint is None:
+            self.length.time_guess(draft_s / guesses)
+        for proposed, held in zip(counts, accepted):
+            if proposed:
+                self.length.observe(proposed, held)
 
     def learned(self) -> dict:
-        """Acceptance (capped, `carried`) and times, for a later run (learned.py)."""
-        acc, prop = carried(self.acc, self.prop)
-        return {"acc": acc, "prop": prop, "t_draft": self.t_draft, "t_fwd": {str(k): v for k, v in self.t_fwd.items()}}
+        """Acceptance per position (capped, `carried`), the drafting time and the step-time fit,
+        for a later run (learned.py)."""
+        return {"length": self.length.learned(), "steps": self.steps.learned(), "t_step": self.t_step}
 
     def relearn(self, state: dict) -> None:
-        acc, prop, t_draft = float(state["acc"]), float(state["prop"]), nonneg(state["t_draft"], "draft time")
-        t_fwd = {int(k): nonneg(float(v), "step time") for k, v in state["t_fwd"].items()}
-        if not counts_ok(acc, prop) or min(t_fwd, default=0) < 0:
-            raise ValueError("learned draft-length policy out of range")
-        self.acc, self.prop, self.t_draft, self.t_fwd = acc, prop, t_draft, t_fwd
+        steps = LengthPolicy(0, 1)
+        steps.relearn(state["steps"])  # ValueError (nothing changed) if out of range
+        t_step = nonneg(state["t_step"], "step time")
+        self.length.relearn(state["length"])
+        self.steps, self.t_step = steps, t_step
 
 
 class ProbeSchedule:
@@ -504,6 +484,200 @@ class StepModel:
             return None
         a, r, b = c
         return a + r * rows + b * rows * k
+
+
+class LengthPolicy:
+    """Per (match length, draft position) acceptance and the cost of a verified token;
+    chooses how many of a lookup's tokens to propose. Knows nothing about models."""
+
+    def __init__(self, max_n: int, max_k: int, decay: float = FIT_DECAY, r_prior: float = 0.08,
+                 clock: bool = True, probe_every: int = PROBE_EVERY) -> None:
+        """clock=False: price a guess at r_prior always, never at a measured cost (lengths that
+        follow from the text alone, as tests need them). probe_every: propose one guess after
+        this many lookups of a match length declined in a row (0: never)."""
+        self.decay = decay
+        self.clock = clock
+        self.probe_every = probe_every
+        self.declined = [0] * (max_n + 1)  # per match length: lookups declined since the last guess
+        self.acc = [[1.0] * max_k for _ in range(max_n + 1)]  # prior 0.5 at every position
+        self.seen = [[2.0] * max_k for _ in range(max_n + 1)]
+        self.r_prior = r_prior
+        # step seconds vs rows and guesses verified (core.policy.StepModel, the step-time fit the
+        # server's load policy uses too: its scheduler hands the lookup its own, `share_times`)
+        self.times = StepModel(forget=1e-9)
+        self.observes_times = True  # False: the fit is fed by its owner (the server's scheduler)
+        self.rows = 1  # the batch size of the step whose guesses are priced (set by the drafter)
+
+    def share_times(self, times: StepModel) -> None:
+        """Read step costs from `times`, which its owner feeds (one fit instead of two)."""
+        self.times, self.observes_times = times, False
+
+    def _fitted(self) -> bool:
+        return self.times.weight(self.rows) >= 8 and self.times.coefficients(self.rows) is not None
+
+    @property
+    def r(self) -> float:
+        """What one more verified guess costs, in plain steps (`r_prior` until measured)."""
+        r = self.times.guess_cost(self.rows) if self._fitted() else None
+        return self.r_prior if r is None else min(max(r, 0.005), 1.0)
+
+    def step_seconds(self) -> float | None:
+        """Seconds of a step that verifies no guesses, from the fit (None until measured)."""
+        return self.times.plain_step(self.rows) if self._fitted() else None
+
+    def held(self, n: int, k: int) -> list[float]:
+        """P(the first j guesses of a match-length-n continuation all hold), j = 1 .. min(k,
+        positions tracked): the expected accepted tokens each guess adds."""
+        n = min(n, len(self.acc) - 1)
+        out, p = [], 1.0
+        for i in range(min(k, len(self.acc[n]))):
+            p *= self.acc[n][i] / self.seen[n][i]
+            out.append(p)
+        return out
+
+    def expected(self, n: int, k: int) -> list[float]:
+        """[E(0), .., E(k')]: expected committed tokens (1 + accepted guesses) when j of a
+        match-length-n continuation are proposed, j = 0 .. k' = min(k, positions tracked)."""
+        out = [1.0]
+        for p in self.held(n, k):
+            out.append(out[-1] + p)
+        return out
+
+    def choose(self, n: int, available: int) -> int:
+        """How many of a match-length-n lookup's `available` guesses to propose: the prefix of
+        most expected tokens per unit of step time (core.policy.best_prefix), or a probe."""
+        r = self.r if self.clock else self.r_prior
+        best_j = best_prefix(self.held(n, available), 0.0, r)
+        n = min(n, len(self.declined) - 1)
+        if best_j == 0 and available > 0 and self.probe_every:
+            self.declined[n] += 1
+            if self.declined[n] >= self.probe_every:
+                best_j = 1  # a probe (module docstring)
+        if best_j:
+            self.declined[n] = 0
+        return best_j
+
+    def observe(self, n: int, proposed: int, accepted: int) -> None:
+        if n >= len(self.acc):
+            n = len(self.acc) - 1
+        d = self.decay
+        for i in range(min(proposed, accepted + 1)):  # positions whose predecessors all held
+            self.acc[n][i] = d * self.acc[n][i] + (1.0 if i < accepted else 0.0)
+            self.seen[n][i] = d * self.seen[n][i] + 1.0
+
+    def observe_time(self, j: int, seconds: float, rows: int = 1) -> None:
+        """A step of `rows` rows that verified up to `j` guesses a row took `seconds`."""
+        if self.observes_times:
+            self.times.observe(rows, j, seconds)
+
+    def learned(self, max_seen: float = CARRIED_COUNTS, max_times: float = 16.0) -> dict:
+        """What this policy has learned, for a later run to start from (learned.py): acceptance
+        counts capped at max_seen per (match length, position) and the step-time fit at
+        max_times points, so that a new text soon outweighs an old one."""
+        acc, seen = [], []
+        for a_row, s_row in zip(self.acc, self.seen):
+            cells = [carried(a, s, max_seen) for a, s in zip(a_row, s_row)]
+            acc.append([a for a, _ in cells])
+            seen.append([s for _, s in cells])
+        return {"acc": acc, "seen": seen, "times": self.times.learned(max_times)}
+
+    def relearn(self, state: dict) -> None:
+        """Start from `learned()`'s output of an earlier run. ValueError if its shape does not fit
+        this policy (another max_n or max_k): nothing is changed then."""
+        acc, seen, times = state["acc"], state["seen"], state["times"]
+        shape = [len(r) for r in self.acc]
+        if [len(r) for r in acc] != shape or [len(r) for r in seen] != shape:
+            raise ValueError("learned acceptance tables of another shape")
+        acc = [[float(v) for v in r] for r in acc]
+        seen = [[float(v) for v in r] for r in seen]
+        if not all(counts_ok(a, s) for ar, sr in zip(acc, seen) for a, s in zip(ar, sr)):
+            raise ValueError("learned acceptance counts out of range")
+        fit = StepModel(self.times.decay, self.times.forget)
+        fit.relearn(times)  # ValueError (nothing changed) if out of range
+        self.acc, self.seen = acc, seen
+        if self.observes_times:
+            self.times = fit
+
+
+class DraftLength:
+    """How many guesses a draft model makes a step (`auto --draft`'s draft model, an engine's
+    `AdaptiveK`): the j of most expected committed tokens per unit of step time,
+
+        (1 + P_1 + ... + P_j) / (1 + (c + r) j)        (`best_prefix`),
+
+    P_i the chance that its first i guesses all hold (acceptance per position, learnt from the
+    rows it drafted for: a `LengthPolicy` of one match length), c its drafting time per guess
+    (a running mean over steady-state proposals) over a plain step, r what verifying one more
+    guess adds to a step; 0 when no length pays. The owner's `costs()` gives the plain step's
+    seconds (None until known) and r. Each position is weighed on its own, not by one mean
+    acceptance over all positions, which would let well-held first guesses carry later ones
+    that do not pay (or a bad tail stop a first guess that does). Every `probe_every`-th step
+    that drafts takes one guess more than the best (`stretch`), so the next position's
+    acceptance and the step-time fit stay measured. Knows nothing about models."""
+
+    def __init__(self, costs, max_k: int = 16, probe_every: int = PROBE_EVERY, hint: float | None = None) -> None:
+        """costs: () -> (seconds of a plain step or None, r). hint: c before the drafter is timed
+        (None: unknown; it is then never priced before it is timed)."""
+        self.costs = costs
+        self.odds = LengthPolicy(0, max_k, clock=False, probe_every=0)  # (prior 0.5 at every position)
+        self.t_tok: float | None = None  # seconds to draft one guess (steady state)
+        self.probe_every = probe_every
+        self.hint = hint
+        self.drafting = 0  # steps it drafted
+
+    def cost(self) -> float | None:
+        """c + r: what one more drafted guess costs, in plain steps; None until the drafter has
+        been timed (or a hint given) and a plain step is known."""
+        plain, r = self.costs()
+        if self.t_tok is None:
+            return None if self.hint is None else self.hint + r
+        return None if plain is None else self.t_tok / plain + r
+
+    def value(self, k: int) -> float:
+        """Expected committed tokens per plain step's time with k guesses a step: above 1,
+        drafting beats plain decoding."""
+        return (1.0 + sum(self.odds.held(0, k))) / (1.0 + (self.cost() or 0.0) * k)
+
+    def best(self, max_tokens: int) -> int | None:
+        """The best length in 0..max_tokens (0: none pays); None until the cost is known."""
+        cost = self.cost()
+        return None if cost is None else best_prefix(self.odds.held(0, max_tokens), 0.0, cost)
+
+    def could_pay(self) -> bool:
+        """Whether any acceptance could make drafting pay: a guess that always held gains one token
+        for c + r steps, so with c + r >= 1 no probe can find it paying."""
+        cost = self.cost()
+        return cost is None or cost < 1.0
+
+    def stretch(self, k: int, max_tokens: int, fitted: bool) -> int:
+        """The length for a step that drafts, `k` (> 0) being the best: every `probe_every`-th
+        such step one guess more, or at the cap one fewer while the step-time fit cannot tell r
+        from the plain step (`fitted` False: every step verified as many guesses)."""
+        self.drafting += 1
+        if self.drafting % self.probe_every == 0:
+            if k < max_tokens:
+                return k + 1
+            if not fitted:
+                return k - 1
+        return k
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """A row took `proposed` of its guesses to verification and `accepted` held."""
+        self.odds.observe(0, proposed, accepted)
+
+    def time_guess(self, seconds: float) -> None:
+        """A steady-state proposal took `seconds` a guess."""
+        self.t_tok = ema(self.t_tok, seconds, 0.8)
+
+    def learned(self) -> dict:
+        return {"odds": self.odds.learned(), "t_tok": self.t_tok}
+
+    def relearn(self, state: dict) -> None:
+        """Start from `learned()`'s output; ValueError (nothing changed) if it does not fit."""
+        t_tok = nonneg(state["t_tok"], "t_tok")
+        odds = LengthPolicy(0, len(self.odds.acc[0]), clock=False, probe_every=0)
+        odds.relearn(state["odds"])
+        self.odds, self.t_tok = odds, t_tok
 
 
 def _line_at(line: DecayedLine, x: float, fallback: float) -> float:

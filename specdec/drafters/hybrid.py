@@ -47,11 +47,11 @@ import time
 import torch
 
 from .. import tree as tree_mod
-from ..core.policy import PROBE_EVERY, NodeOdds, ProbeSchedule, best_prefix, ema
+from ..core.policy import PROBE_EVERY, DraftLength, NodeOdds, ProbeSchedule, best_prefix, ema
 from ..learned import nonneg
 from ..types import SpecdecError
 from .base import Draft, DraftContext, Drafter, register, steady, timing_free
-from .ngram import LengthPolicy, NgramDrafter
+from .ngram import NgramDrafter
 
 
 class _LookupFirst(Drafter):
@@ -104,14 +104,12 @@ class HybridDrafter(_LookupFirst):
         super().__init__(min_n, max_n, probe_every, gate, probe_room)
         self.draft = draft  # a DraftModelDrafter
         self.lookup = self.ngram  # the lookup of the current batch (`begin`)
-        # P(the draft model's guess i holds | the guesses before it held), decayed counts per position
-        # (one "match length" of the lookup's LengthPolicy; prior 0.5)
-        self.odds = LengthPolicy(0, max_k, clock=False, probe_every=0)
+        # the draft model's length: its acceptance per position and drafting time, priced at the
+        # plain step and r of the lookup's step-time fit
+        self.length = DraftLength(self._costs, max_k, probe_every)
         self._used_draft: list[bool] | None = None  # per row of the last proposal: the draft model's guesses
         self._proposal: Draft | None = None
-        self.t_tok: float | None = None  # seconds to draft one token (steady state)
         self.t_catch: float | None = None  # seconds to catch up on one unseen token (not steady)
-        self._drafting = 0  # steps the gate let the draft model draft
         self._probing = False  # whether the last proposal was a probe
         # what happened, for benchmarks (auto_counts.py): rows by source, the draft model's calls
         # and seconds, its guesses per position (proposed after the guesses before them held, held)
@@ -121,46 +119,21 @@ class HybridDrafter(_LookupFirst):
         self.pos_proposed: list[int] = []
         self.pos_accepted: list[int] = []
 
-    def cost(self) -> float | None:
-        """c + r: what one more drafted guess costs, in plain steps: its drafting time over a plain
-        step plus r, the lookup's measured cost of verifying one more token (the target verifies
-        a draft model's guesses as it verifies looked-up ones). None until the draft model has
-        been timed in steady state."""
-        plain = self.plain_step()
-        if self.t_tok is None or plain is None:
-            return None
+    def _costs(self) -> tuple[float | None, float]:
+        """(the plain step's seconds, r) for the draft model's length: the target verifies its
+        guesses as it verifies looked-up ones, so r is the lookup's measured one."""
         policy = self.ngram.policy
-        return self.t_tok / plain + (policy.r if policy is not None else 0.0)
-
-    def value(self, k: int) -> float:
-        """Expected committed tokens per plain step's time with k drafted guesses a step,
-        (1 + P_1 + ... + P_k) / (1 + (c + r) k): above 1, drafting beats plain decoding."""
-        return (1.0 + sum(self.odds.held(0, k))) / (1.0 + (self.cost() or 0.0) * k)
+        return self.plain_step(), policy.r if policy is not None else 0.0
 
     def draft_length(self, max_tokens: int) -> int | None:
-        """How many guesses the draft model should make (for rows without a lookup): the j of most
-        expected committed tokens per unit of step time (`value`), P_i the chance that its
-        first i guesses all hold (learnt per position, `odds`); 0 when no length pays (then the
-        step falls back to lookups). The value of each extra position is weighed on its own: a
-        draft whose first guess nearly always holds and whose later ones rarely do drafts one
-        guess, not as many as its mean acceptance over all positions would suggest. None until
-        the draft model's cost is measured."""
-        cost = self.cost()
-        if cost is None:
-            return None
-        return best_prefix(self.odds.held(0, max_tokens), 0.0, cost)
-
-    def could_pay(self) -> bool:
-        """Whether any acceptance could make the draft pay: a guess that always held gains one
-        token for c + r steps, so with c + r >= 1 (a draft nearly as dear as the target, or
-        verification that is dear) no probe can find it paying."""
-        cost = self.cost()
-        return cost is None or cost < 1.0
+        """How many guesses the draft model should make for rows without a lookup (`DraftLength`):
+        0 when no length pays (the step falls back to lookups); None until its cost is measured."""
+        return self.length.best(max_tokens)
 
     def catch_up(self, behind: int) -> float:
         """Plain steps the draft model takes to read `behind` committed tokens it has not seen
         (measured on its proposals that caught up; its time per drafted guess until then)."""
-        per = self.t_catch if self.t_catch is not None else self.t_tok
+        per = self.t_catch if self.t_catch is not None else self.length.t_tok
         plain = self.plain_step()
         return 0.0 if per is None or plain is None else per * behind / plain
 
@@ -208,19 +181,13 @@ class HybridDrafter(_LookupFirst):
             return 1 if self.room_to_probe() else 0  # time the draft model (its first call catches up)
         behind = self.draft.behind(ctx.tokens)
         if k > 0:
-            if behind > k + 2 and self.left() * (1.0 - 1.0 / self.value(k)) <= self.catch_up(behind):
+            if behind > k + 2 and self.left() * (1.0 - 1.0 / self.length.value(k)) <= self.catch_up(behind):
                 return 0  # its catch-up would not pay back
             self.probes.taken()
-            self._drafting += 1
-            if self._drafting % self.probe_every == 0:
-                if k < max_tokens:
-                    return k + 1
-                policy = self.ngram.policy
-                if policy is not None and policy.step_seconds() is None:
-                    return k - 1
-            return k
+            policy = self.ngram.policy
+            return self.length.stretch(k, max_tokens, policy is None or policy.step_seconds() is not None)
         cheap = self.catch_up(behind) <= self.probes.gap / self.probe_every
-        self._probing = self.probes.due(self.could_pay() and self.room_to_probe() and cheap)
+        self._probing = self.probes.due(self.length.could_pay() and self.room_to_probe() and cheap)
         return 1 if self._probing else 0
 
     def _propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -254,9 +221,10 @@ class HybridDrafter(_LookupFirst):
         seconds, steady = self.draft.draft_timing()
         made = max(1, int(d.counts.max()))  # forwards (a row stops early after a guess the draft doubts)
         if steady:  # (not a prompt's prefill nor a catch-up on steps sat out): time it
-            self.t_tok = ema(self.t_tok, seconds / made, 0.8)
+            self.length.time_guess(seconds / made)
         elif behind:  # its first forward read `behind` tokens, the others one each
-            self.t_catch = ema(self.t_catch, max(seconds - (made - 1) * (self.t_tok or 0.0), 0.0) / behind, 0.8)
+            per_guess = self.length.t_tok or 0.0
+            self.t_catch = ema(self.t_catch, max(seconds - (made - 1) * per_guess, 0.0) / behind, 0.8)
         self.rows_drafted["draft"] += sum(need_draft)
         self.draft_steps += 1
         self.draft_seconds += seconds
@@ -291,7 +259,7 @@ class HybridDrafter(_LookupFirst):
             self.probes.again()  # its guess held: probe again at once, while the catch-up is short
         for c, n, u in zip(self._proposal.counts.tolist(), num_accepted, used):
             if u and c:
-                self.odds.observe(0, c, int(n))
+                self.length.observe(c, int(n))
                 while len(self.pos_proposed) < c:
                     self.pos_proposed.append(0)
                     self.pos_accepted.append(0)
@@ -321,17 +289,15 @@ class HybridDrafter(_LookupFirst):
         """The lookup's policy, the draft model's acceptance per position (capped, `carried`) and
         times, for a later run (learned.py): with its cost known, the gate decides from the first
         step instead of first catching the draft model up to time it."""
-        return {"ngram": self.ngram.learned(), "odds": self.odds.learned(), "t_tok": self.t_tok,
-                "t_catch": self.t_catch, "t_step": self.t_step}
+        return {"ngram": self.ngram.learned(), **self.length.learned(), "t_catch": self.t_catch, "t_step": self.t_step}
 
     def relearn(self, state: dict) -> None:
-        t_tok, t_step = nonneg(state["t_tok"], "t_tok"), nonneg(state["t_step"], "t_step")
-        t_catch = nonneg(state["t_catch"], "t_catch")
-        odds = LengthPolicy(0, len(self.odds.acc[0]), clock=False, probe_every=0)
-        odds.relearn(state["odds"])  # ValueError (nothing changed) if out of range
+        t_step, t_catch = nonneg(state["t_step"], "t_step"), nonneg(state["t_catch"], "t_catch")
+        length = DraftLength(self._costs, len(self.length.odds.acc[0]), self.probe_every)
+        length.relearn(state)  # ValueError (nothing changed) if out of range
         if state.get("ngram"):
             self.ngram.relearn(state["ngram"])
-        self.odds, self.t_tok, self.t_catch, self.t_step = odds, t_tok, t_catch, t_step
+        self.length, self.t_catch, self.t_step = length, t_catch, t_step
 
 
 class LookupEagleDrafter(_LookupFirst):

@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from ..core.policy import CARRIED_COUNTS, FIT_DECAY, PROBE_EVERY, StepModel, best_prefix, carried, counts_ok
+from ..core.policy import LengthPolicy  # noqa: F401  (prompt lookup's cut; drafters.ngram.LengthPolicy too)
 from .base import Draft, DraftContext, Drafter, register
 
 
@@ -106,119 +106,6 @@ class SuffixIndex:
 def lookup(tokens: list[int], max_tokens: int, min_n: int, max_n: int) -> list[int]:
     """Tokens that followed the latest earlier occurrence of the longest matching suffix."""
     return lookup_match(tokens, max_tokens, min_n, max_n)[1]
-
-
-class LengthPolicy:
-    """Per (match length, draft position) acceptance and the cost of a verified token;
-    chooses how many of a lookup's tokens to propose. Knows nothing about models."""
-
-    def __init__(self, max_n: int, max_k: int, decay: float = FIT_DECAY, r_prior: float = 0.08,
-                 clock: bool = True, probe_every: int = PROBE_EVERY) -> None:
-        """clock=False: price a guess at r_prior always, never at a measured cost (lengths that
-        follow from the text alone, as tests need them). probe_every: propose one guess after
-        this many lookups of a match length declined in a row (0: never)."""
-        self.decay = decay
-        self.clock = clock
-        self.probe_every = probe_every
-        self.declined = [0] * (max_n + 1)  # per match length: lookups declined since the last guess
-        self.acc = [[1.0] * max_k for _ in range(max_n + 1)]  # prior 0.5 at every position
-        self.seen = [[2.0] * max_k for _ in range(max_n + 1)]
-        self.r_prior = r_prior
-        # step seconds vs rows and guesses verified (core.policy.StepModel, the step-time fit the
-        # server's load policy uses too: its scheduler hands the lookup its own, `share_times`)
-        self.times = StepModel(forget=1e-9)
-        self.observes_times = True  # False: the fit is fed by its owner (the server's scheduler)
-        self.rows = 1  # the batch size of the step whose guesses are priced (set by the drafter)
-
-    def share_times(self, times: StepModel) -> None:
-        """Read step costs from `times`, which its owner feeds (one fit instead of two)."""
-        self.times, self.observes_times = times, False
-
-    def _fitted(self) -> bool:
-        return self.times.weight(self.rows) >= 8 and self.times.coefficients(self.rows) is not None
-
-    @property
-    def r(self) -> float:
-        """What one more verified guess costs, in plain steps (`r_prior` until measured)."""
-        r = self.times.guess_cost(self.rows) if self._fitted() else None
-        return self.r_prior if r is None else min(max(r, 0.005), 1.0)
-
-    def step_seconds(self) -> float | None:
-        """Seconds of a step that verifies no guesses, from the fit (None until measured)."""
-        return self.times.plain_step(self.rows) if self._fitted() else None
-
-    def held(self, n: int, k: int) -> list[float]:
-        """P(the first j guesses of a match-length-n continuation all hold), j = 1 .. min(k,
-        positions tracked): the expected accepted tokens each guess adds."""
-        n = min(n, len(self.acc) - 1)
-        out, p = [], 1.0
-        for i in range(min(k, len(self.acc[n]))):
-            p *= self.acc[n][i] / self.seen[n][i]
-            out.append(p)
-        return out
-
-    def expected(self, n: int, k: int) -> list[float]:
-        """[E(0), .., E(k')]: expected committed tokens (1 + accepted guesses) when j of a
-        match-length-n continuation are proposed, j = 0 .. k' = min(k, positions tracked)."""
-        out = [1.0]
-        for p in self.held(n, k):
-            out.append(out[-1] + p)
-        return out
-
-    def choose(self, n: int, available: int) -> int:
-        """How many of a match-length-n lookup's `available` guesses to propose: the prefix of
-        most expected tokens per unit of step time (core.policy.best_prefix), or a probe."""
-        r = self.r if self.clock else self.r_prior
-        best_j = best_prefix(self.held(n, available), 0.0, r)
-        n = min(n, len(self.declined) - 1)
-        if best_j == 0 and available > 0 and self.probe_every:
-            self.declined[n] += 1
-            if self.declined[n] >= self.probe_every:
-                best_j = 1  # a probe (module docstring)
-        if best_j:
-            self.declined[n] = 0
-        return best_j
-
-    def observe(self, n: int, proposed: int, accepted: int) -> None:
-        if n >= len(self.acc):
-            n = len(self.acc) - 1
-        d = self.decay
-        for i in range(min(proposed, accepted + 1)):  # positions whose predecessors all held
-            self.acc[n][i] = d * self.acc[n][i] + (1.0 if i < accepted else 0.0)
-            self.seen[n][i] = d * self.seen[n][i] + 1.0
-
-    def observe_time(self, j: int, seconds: float, rows: int = 1) -> None:
-        """A step of `rows` rows that verified up to `j` guesses a row took `seconds`."""
-        if self.observes_times:
-            self.times.observe(rows, j, seconds)
-
-    def learned(self, max_seen: float = CARRIED_COUNTS, max_times: float = 16.0) -> dict:
-        """What this policy has learned, for a later run to start from (learned.py): acceptance
-        counts capped at max_seen per (match length, position) and the step-time fit at
-        max_times points, so that a new text soon outweighs an old one."""
-        acc, seen = [], []
-        for a_row, s_row in zip(self.acc, self.seen):
-            cells = [carried(a, s, max_seen) for a, s in zip(a_row, s_row)]
-            acc.append([a for a, _ in cells])
-            seen.append([s for _, s in cells])
-        return {"acc": acc, "seen": seen, "times": self.times.learned(max_times)}
-
-    def relearn(self, state: dict) -> None:
-        """Start from `learned()`'s output of an earlier run. ValueError if its shape does not fit
-        this policy (another max_n or max_k): nothing is changed then."""
-        acc, seen, times = state["acc"], state["seen"], state["times"]
-        shape = [len(r) for r in self.acc]
-        if [len(r) for r in acc] != shape or [len(r) for r in seen] != shape:
-            raise ValueError("learned acceptance tables of another shape")
-        acc = [[float(v) for v in r] for r in acc]
-        seen = [[float(v) for v in r] for r in seen]
-        if not all(counts_ok(a, s) for ar, sr in zip(acc, seen) for a, s in zip(ar, sr)):
-            raise ValueError("learned acceptance counts out of range")
-        fit = StepModel(self.times.decay, self.times.forget)
-        fit.relearn(times)  # ValueError (nothing changed) if out of range
-        self.acc, self.seen = acc, seen
-        if self.observes_times:
-            self.times = fit
 
 
 class NgramDrafter(Drafter):
