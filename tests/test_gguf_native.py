@@ -327,3 +327,31 @@ def test_hf_layer_state_is_the_dequantised_layer_in_transformers_order(gguf_dir)
     assert got.keys() <= want.keys() and len(got) == 9
     for k, v in got.items():
         assert torch.equal(v, want[k]), k
+
+
+@pytest.mark.parametrize("arch,t", [("llama", Q4_K), ("qwen2", Q6_K), ("qwen2", Q8_0), ("qwen2", Q5_0)])
+def test_a_direct_decoding_step_gives_the_general_paths_numbers(gguf_dir, arch, t):
+    """A decoding step of a GGUF model calls its kernels straight from Block.fast (llama's q/k
+    outputs reordered, Qwen2's q/k/v bias added, as GGUFLinear.forward does): the same logits bit
+    for bit as the step through Linear.forward, for chains, a tree and a ragged batch. Without
+    the bias in the direct calls (a broken rule) Qwen2's logits differ."""
+    from conftest import ancestor_mask
+    from test_gguf_blocks import _steps_both_ways
+
+    m = load(tiny(gguf_dir, arch, t)).model
+    if not on_kernels(m):
+        pytest.skip("the GGUF kernels do not run here")
+    fast = [blk.fast for blk in m.layers]
+    assert all(f is not None for f in fast)
+
+    def switch(on):
+        for blk, f in zip(m.layers, fast):
+            blk.fast = f if on else None
+
+    tree = ancestor_mask([-1, 0, 0, 1])
+    with one_thread():
+        _steps_both_ways(m, 11, ((1, None), (5, None), (4, tree)), switch)
+        if arch == "qwen2":
+            fast = [((op, args, None, order), *rest) for (op, args, _, order), *rest in fast]
+            with pytest.raises(AssertionError):
+                _steps_both_ways(m, 11, ((1, None),), switch)

@@ -143,6 +143,18 @@ class GGUFLinear(nn.Module):
             y = y + self.bias
         return y if native else y.view(*x.shape[:-1], self.out_features)
 
+    def step_op(self) -> tuple | None:
+        """(kernel, its arguments after x, bias or None, output order or None): the call `forward`
+        makes for a decoding step, for Block.fast to make straight; None where its kernels take
+        x [M, K] only."""
+        if self.rs_blocks is not None:  # (repacked blocks hold llama's q/k rows reordered)
+            return self.rs_blocks[0], self.rs_blocks[1:], self.bias, None
+        if self.op_cat is None:
+            return None
+        if self.cat_args is not None:
+            return self.op_cat, self.cat_args, self.bias, self.out_order
+        return self.op, self.parts[0], self.bias, self.out_order
+
     def pack(self, dtype=None) -> None:  # nothing to pack: the kernels read the file's bytes
         return None
 
@@ -292,7 +304,8 @@ class GGUFLlamaModel(LlamaModel):
                                 vec(p + "attn_output.bias") if cfg.o_bias else None)
             blk.w_gate_up = GGUFLinear([mat(p + "ffn_gate.weight", I, D), mat(p + "ffn_up.weight", I, D)], linear_op)
             blk.w_down = GGUFLinear([mat(p + "ffn_down.weight", D, I)], linear_op)
-            blk.kops, blk.fast = kops, None
+            blk.kops = kops
+            blk.fast = blk.fast_step_args() if kops is not None else None  # (direct kernel calls in a step)
         self.norm = nn.Parameter(vec("output_norm.weight"), requires_grad=False)
         embd = mat("token_embd.weight", cfg.vocab_size, D)
         self.embed = GGUFEmbedding(embd[0], embd[1], cfg.vocab_size, D, rows_op)

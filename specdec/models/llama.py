@@ -459,11 +459,18 @@ class Block(nn.Module):
             # rows, since the integer kernels take every row count with a row's numbers unchanged
             # (a batch of B rows x T tokens above BLOCK_MAX_ROWS took the torch-op path before)
             kops = self.kops
-            qkv, qkv_b, qkv_n, o_op, o_b, o_n, gu_op, gu_b, gu_n, d_op, d_b, d_n, an, mn, eps = f
-            o = kops.rope_attend(qkv(kops.rms_norm(x, an, eps), qkv_b, qkv_n), cos, sin, cache.k[layer],
+            (qkv_op, qkv_args, qkv_bias, qkv_order), (o_op, o_args, o_bias, _), (gu_op, gu_args, gu_bias, _), \
+                (d_op, d_args, d_bias, _), an, mn, eps = f
+            qkv = qkv_op(kops.rms_norm(x, an, eps), *qkv_args)
+            if qkv_order is not None:
+                qkv = qkv.index_select(-1, qkv_order)
+            o = kops.rope_attend(qkv if qkv_bias is None else qkv + qkv_bias, cos, sin, cache.k[layer],
                                  cache.v[layer], start, self.n_heads, n_keys, mask, *rk)
-            x = x + o_op(o, o_b, o_n)
-            return x + d_op(kops.silu_mul(gu_op(kops.rms_norm(x, mn, eps), gu_b, gu_n)), d_b, d_n)
+            y = o_op(o, *o_args)
+            x = x + (y if o_bias is None else y + o_bias)
+            gu = gu_op(kops.rms_norm(x, mn, eps), *gu_args)
+            y = d_op(kops.silu_mul(gu if gu_bias is None else gu + gu_bias), *d_args)
+            return x + (y if d_bias is None else y + d_bias)
         H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
         kops = self.kops
         h = rms_norm(x, self.attn_norm, self.eps, kops)
@@ -514,22 +521,29 @@ class Block(nn.Module):
         return x + self.w_down.forward(F.silu(gate) * up)
 
     def fast_step_args(self) -> tuple | None:
-        """Block.fast for this layer, or None where the step needs the general path: a projection
-        not on the integer kernels (or, on the row-stable AVX2 kernels, not on GGUF blocks) or with
-        a bias, or a norm width or head size the kernels do not take. (The row-stable kernels take
-        the same calls as their general path makes: the same numbers, without its Python.)"""
+        """Block.fast for this layer: per projection (qkv, o, gate/up, down) the kernel call a
+        decoding step makes, (op, its arguments after x, the bias or None, the order its outputs
+        are taken in or None: llama's q/k in a GGUF file), then the norm weights
+        and eps; or None where the step needs the general path: a projection not on the integer
+        kernels, the row-stable kernels' blocks or a GGUF file's own kernels (`step_op`), or a
+        norm width or head size the kernels do not take. (The same calls as the general path
+        makes: the same numbers, without its Python.)"""
         lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-        rs = self.kops is not None and all(lin.rs is self.kops for lin in lins)
-        if rs:
-            if not (all(lin.rs_blocks is not None and lin.bias is None for lin in lins)
-                    and self.attn_norm.shape[0] % 8 == 0 and self.head_dim in ATTEND_HEAD_SIZES):
+        # the row-stable kernels' norms and attention (the AVX2 / VNNI build that also reads GGUF files)
+        rs_shapes = self.kops is not None and self.attn_norm.shape[0] % 8 == 0 and self.head_dim in ATTEND_HEAD_SIZES
+        if all(hasattr(lin, "step_op") for lin in lins):  # a GGUF file's tensors (gguf_model.GGUFLinear)
+            calls = [lin.step_op() for lin in lins]
+            if not rs_shapes or any(c is None for c in calls) or any(c[3] is not None for c in calls[1:]):
                 return None
-            calls = [lin.rs_blocks for lin in lins]
-        elif not fused_step_ok(self.kops, self.attn_norm.shape[0], self.head_dim, lins):
-            return None
+        elif self.kops is not None and all(lin.rs is self.kops for lin in lins):  # on Q4_1 / Q8_0 blocks
+            if not (rs_shapes and all(lin.rs_blocks is not None and lin.bias is None for lin in lins)):
+                return None
+            calls = [(lin.rs_blocks[0], lin.rs_blocks[1:], None, None) for lin in lins]
+        elif fused_step_ok(self.kops, self.attn_norm.shape[0], self.head_dim, lins):
+            calls = [(lin.qargs[0], (lin.qargs[1], lin.qargs[4]), None, None) for lin in lins]
         else:
-            calls = [(lin.qargs[0], lin.qargs[1], lin.qargs[4]) for lin in lins]
-        return (*calls[0], *calls[1], *calls[2], *calls[3], self.attn_norm.detach(), self.mlp_norm.detach(), self.eps)
+            return None
+        return (*calls, self.attn_norm.detach(), self.mlp_norm.detach(), self.eps)
 
 
 class LlamaModel(nn.Module):
