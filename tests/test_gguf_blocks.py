@@ -673,6 +673,20 @@ def _steps_both_ways(native, seed: int, cells, switch) -> None:
         assert torch.equal(outs[0], outs[1]), B
 
 
+def direct_step_switch(model, fast: list | None = None):
+    """switch(on) for _steps_both_ways: every layer's direct decoding-step calls (Block.fast, or
+    `fast` given in their place) on, or off (the step through Linear.forward); asserts that every
+    layer has them."""
+    fast = [blk.fast for blk in model.layers] if fast is None else fast
+    assert all(f is not None for f in fast)
+
+    def switch(on):
+        for blk, f in zip(model.layers, fast):
+            blk.fast = f if on else None
+
+    return switch
+
+
 def test_fused_decoding_step_gives_the_python_paths_numbers(monkeypatch):
     """The kernels' one-call decoding step (rotation, cache write, attention; silu * up) computes
     what the step through torch ops and the kernels' attention computes, bit for bit: chains and
@@ -694,13 +708,7 @@ def test_direct_decoding_step_on_integer_kernels_gives_the_general_paths_numbers
     logits bit for bit as the general path, for chains, a tree and a ragged batch; and a model
     whose projections are not all on them (heads of 16: no fused step) takes the general path."""
     _, native = vnni_models(128, act_bits)
-    fast = [blk.fast for blk in native.layers]
-    assert all(f is not None for f in fast)
-
-    def switch(on):
-        for blk, f in zip(native.layers, fast):
-            blk.fast = f if on else None
-
+    switch = direct_step_switch(native)
     tree = ancestor_mask([-1, 0, 0, 1])
     _steps_both_ways(native, 13, ((1, None), (5, None), (4, tree), (16, None)), switch)
     _, small = vnni_models(64, act_bits)

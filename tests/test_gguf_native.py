@@ -336,22 +336,16 @@ def test_a_direct_decoding_step_gives_the_general_paths_numbers(gguf_dir, arch, 
     for bit as the step through Linear.forward, for chains, a tree and a ragged batch. Without
     the bias in the direct calls (a broken rule) Qwen2's logits differ."""
     from conftest import ancestor_mask
-    from test_gguf_blocks import _steps_both_ways
+    from test_gguf_blocks import _steps_both_ways, direct_step_switch
 
     m = load(tiny(gguf_dir, arch, t)).model
     if not on_kernels(m):
         pytest.skip("the GGUF kernels do not run here")
     fast = [blk.fast for blk in m.layers]
-    assert all(f is not None for f in fast)
-
-    def switch(on):
-        for blk, f in zip(m.layers, fast):
-            blk.fast = f if on else None
-
     tree = ancestor_mask([-1, 0, 0, 1])
     with one_thread():
-        _steps_both_ways(m, 11, ((1, None), (5, None), (4, tree)), switch)
+        _steps_both_ways(m, 11, ((1, None), (5, None), (4, tree)), direct_step_switch(m, fast))
         if arch == "qwen2":
-            fast = [((op, args, None, order), *rest) for (op, args, _, order), *rest in fast]
+            no_bias = [((op, args, None, order), *rest) for (op, args, _, order), *rest in fast]
             with pytest.raises(AssertionError):
-                _steps_both_ways(m, 11, ((1, None),), switch)
+                _steps_both_ways(m, 11, ((1, None),), direct_step_switch(m, no_bias))
