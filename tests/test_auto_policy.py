@@ -192,8 +192,18 @@ class PricedDraft:
         self.seen = [self.seen[r] for r in rows]
 
 
+class TimedAloneDraft(PricedDraft):
+    """A PricedDraft that can also be timed on its own (DraftModelDrafter.time_alone): a warm-up
+    token and 2 drafted guesses on the clock."""
+
+    def time_alone(self, steps: int = 2):
+        self.clock.t += self.c * (1 + steps)
+        return self.c
+
+
 def priced_run(monkeypatch, drafter_cls, c: float, r: float, holds: list[float], steps: int = 300, k: int = 4,
-               room: int = 10_000, catch_up: float = 0.25, later: tuple[int, list[float]] | None = None):
+               room: int = 10_000, catch_up: float = 0.25, later: tuple[int, list[float]] | None = None,
+               draft_cls=PricedDraft):
     """Drive a HybridDrafter over `steps` steps of a text that never repeats (no lookups: the gate
     alone decides) on a clock in plain steps: drafting as PricedDraft prices it, a step verifying
     j guesses 1 + r j; the draft's i-th guess holds with probability holds[i-1] given that the
@@ -206,7 +216,7 @@ def priced_run(monkeypatch, drafter_cls, c: float, r: float, holds: list[float],
 
     clock = Clock()
     monkeypatch.setattr(time, "perf_counter", clock)
-    draft = PricedDraft(clock, c, catch_up)
+    draft = draft_cls(clock, c, catch_up)
     d = drafter_cls(draft)
     text = list(range(1000, 1040))  # a prompt of distinct tokens; every new token is new too
     params = SamplingParams(max_new_tokens=room)
@@ -453,3 +463,21 @@ def test_adaptive_k_stops_a_draft_that_cannot_pay():
     """A draft that costs twice a target step a guess cannot pay whatever holds (c + r >= 1): once
     timed it drafts nothing, and no probe is spent on it."""
     assert set(_run_adaptive_k(0.02)) == {0}
+
+
+@pytest.mark.parametrize("timing", ["alone", "in use"])
+def test_a_fresh_drafter_prices_the_draft_model_alone(monkeypatch, timing):
+    """With nothing learnt, the draft model is timed alone (three one-token forwards on a scratch
+    cache) instead of drafting for the first request to time it, whose first proposal catches it
+    up on the whole prompt (40 tokens here, 10 plain steps' time). A draft that cannot pay (c 0.5 + r
+    0.6) then never drafts, and a 64-token answer decodes at 0.97 of plain decoding's rate or
+    more; timed in use (a drafter without time_alone, as before), it pays the catch-up and does
+    not. A draft that pays (c 0.2, r 0.05, 90% held) still drafts nearly every step."""
+    from specdec.drafters.hybrid import HybridDrafter
+
+    draft_cls = TimedAloneDraft if timing == "alone" else PricedDraft
+    draft, rate = priced_run(monkeypatch, HybridDrafter, c=0.5, r=0.6, holds=[0.9], steps=64, room=64,
+                             draft_cls=draft_cls)
+    assert (draft.calls == 0 and rate >= 0.97) == (timing == "alone"), (draft.calls, rate)
+    draft, rate = priced_run(monkeypatch, HybridDrafter, c=0.2, r=0.05, holds=[0.9], draft_cls=draft_cls)
+    assert draft.calls >= 290 and rate > 1.7, (draft.calls, rate)

@@ -316,3 +316,29 @@ def test_engine_names_a_bad_prompt_from_one():
         engine.generate([[1, 2, 3], []], SamplingParams(max_new_tokens=2))
     with pytest.raises(SpecdecError, match="the prompt has 5000 tokens"):
         engine.generate([[1] * 5000], SamplingParams(max_new_tokens=2))
+
+
+def test_timing_a_draft_model_alone_leaves_its_rows_as_they_were():
+    """DraftModelDrafter.time_alone (how auto prices a draft model before its first proposal)
+    runs on a scratch cache: the rows' cache and fed tokens stay as they were, the next proposal
+    is the one an untimed drafter makes, and the gated hybrid's greedy output is still the
+    oracle's."""
+    from specdec.drafters.base import DraftContext
+
+    _, target, draft = models()
+    params = SamplingParams(max_new_tokens=8)
+    timed, plain = DraftModelDrafter(draft), DraftModelDrafter(draft)
+    ctx = DraftContext([prompts()[0]], params, None)
+    for d in (timed, plain):
+        d.begin([prompts()[0]], params, 64)
+        d.propose(ctx, 3)
+        d.commit([1])
+    before = (timed.cache.lengths.clone(), [list(f) for f in timed.fed])
+    assert timed.time_alone() > 0
+    assert torch.equal(timed.cache.lengths, before[0]) and timed.fed == before[1]
+    ctx = DraftContext([prompts()[0] + [5, 6]], params, None)
+    assert torch.equal(timed.propose(ctx, 3).tokens, plain.propose(ctx, 3).tokens)
+    hybrid = HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3)
+    res = Engine(target, hybrid, k=4).generate(prompts()[:2], SamplingParams(max_new_tokens=N_NEW))
+    assert hybrid.length.t_tok is not None  # timed alone before the first request
+    assert [r.tokens for r in res] == expected(prompts()[:2])

@@ -26,8 +26,10 @@ always held would not pay), nor while a probe's catch-up would cost more than on
 per `probe_every` steps sat out. The draft model's first
 proposal of a request catches it up on the whole context, which a short answer never earns
 back, so it drafts (the first time, or a probe) only while at least `probe_room` tokens may
-still come. Before its cost has been measured (a fresh process) it drafts one guess, the first
-call catching up and the next timing it.
+still come. Before its cost has been measured (a fresh process, nothing learnt) the draft model is
+timed alone on a scratch cache (a few forwards: `DraftModelDrafter.time_alone`), and the gate waits
+for the target's plain step to be timed too, so no request pays a catch-up on its prompt just to
+price the draft model.
 
 `LookupEagleDrafter` (auto for a target with an EAGLE head, the default target's case)
 pairs lookup with an EAGLE tree instead; see its docstring. The rest of this text is about
@@ -131,10 +133,14 @@ class HybridDrafter(_LookupFirst):
         return self.length.best(max_tokens)
 
     def catch_up(self, behind: int) -> float:
-        """Plain steps the draft model takes to read `behind` committed tokens it has not seen
-        (measured on its proposals that caught up; its time per drafted guess until then)."""
-        per = self.t_catch if self.t_catch is not None else self.length.t_tok
-        plain = self.plain_step()
+        """Plain steps the draft model takes to read `behind` committed tokens it has not seen:
+        measured on its proposals that caught up; until then its time per drafted guess times r
+        (a token more in one forward costs r of a one-token forward on this machine, as the
+        target's verifications measure it)."""
+        plain, r = self._costs()
+        per = self.t_catch
+        if per is None and self.length.t_tok is not None:
+            per = self.length.t_tok * r
         return 0.0 if per is None or plain is None else per * behind / plain
 
     def begin(self, prompts, params, max_len) -> None:
@@ -150,6 +156,10 @@ class HybridDrafter(_LookupFirst):
             self.lookup.begin(prompts, params, max_len)
         self._used_draft = None
         self._begin_request(params)
+        if self.gate and self.length.t_tok is None and not timing_free(params) and hasattr(self.draft, "time_alone"):
+            # price the draft model before its first proposal (a few forwards of its own) instead of
+            # catching it up on a whole prompt to time it, which a short answer never earns back
+            self.length.time_guess(self.draft.time_alone())
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         t0 = time.perf_counter()
@@ -177,8 +187,9 @@ class HybridDrafter(_LookupFirst):
         plain step per `probe_every` steps sat out (a probe reads every token since the last
         one: a dear catch-up would make probing cost a fixed share of the time, however rare)."""
         k = self.draft_length(max_tokens)
-        if k is None:
-            return 1 if self.room_to_probe() else 0  # time the draft model (its first call catches up)
+        if k is None:  # no plain step timed yet, or (a drafter that cannot be timed alone) no drafting time:
+            # time the draft model in use (its first call catches up), if the request has room
+            return 1 if self.length.t_tok is None and self.room_to_probe() else 0
         behind = self.draft.behind(ctx.tokens)
         if k > 0:
             if behind > k + 2 and self.left() * (1.0 - 1.0 / self.length.value(k)) <= self.catch_up(behind):
