@@ -467,8 +467,8 @@ def test_adaptive_k_stops_a_draft_that_cannot_pay():
 
 @pytest.mark.parametrize("timing", ["alone", "in use"])
 def test_a_fresh_drafter_prices_the_draft_model_alone(monkeypatch, timing):
-    """With nothing learnt, the draft model is timed alone (three one-token forwards on a scratch
-    cache) instead of drafting for the first request to time it, whose first proposal catches it
+    """With nothing learnt, the draft model is timed alone (a few forwards on a scratch cache)
+    instead of drafting for the first request to time it, whose first proposal catches it
     up on the whole prompt (40 tokens here, 10 plain steps' time). A draft that cannot pay (c 0.5 + r
     0.6) then never drafts, and a 64-token answer decodes at 0.97 of plain decoding's rate or
     more; timed in use (a drafter without time_alone, as before), it pays the catch-up and does

@@ -10,9 +10,11 @@ draft model's guesses per position (proposed after the guesses before them held,
 
     python benchmarks/experiments/auto_counts.py writing,qa,translation,roleplay t0.7 32 3 none,ngram,auto
     python benchmarks/experiments/auto_counts.py --model T.gguf --draft D.gguf humaneval greedy 96 2 none,ngram,auto
+    FRESH=1 python benchmarks/experiments/auto_counts.py --model T.gguf --draft D.gguf humanities,math greedy 96 1 none,auto
+        # every request a first call: a new engine that has learnt nothing (`generate --fresh`)
     (arguments: categories, greedy or t0.7 (seed 1), max new tokens, repeats, methods; --model: the target
      (default: the default model), --draft: the draft model for draft/auto;
-     environment: PER prompts per category (2), THREADS (1))
+     environment: PER prompts per category (2), THREADS (1), FRESH (0))
 """
 import json
 import os
@@ -55,7 +57,8 @@ def engine(m):
     return build_engine(SpecConfig(method=m, draft=flags.get("draft") if m in ("draft", "auto") else None), target)
 
 
-kept = {m: engine(m) for m in methods} if "draft" in flags else None
+fresh = os.environ.get("FRESH", "0") == "1"
+kept = {m: engine(m) for m in methods} if "draft" in flags and not fresh else None
 for rep in range(reps):
     for m in methods:
         cpu = w = 0.0; toks = fw = prop = acc = 0; ds = vs = 0.0
@@ -64,7 +67,7 @@ for rep in range(reps):
                 eng = kept[m]
             else:
                 eng = engine(m)
-                if m in saved: eng.relearn(json.loads(saved[m]))
+                if m in saved and not fresh: eng.relearn(json.loads(saved[m]))
             d = eng.drafter
             if hasattr(d, "pos_proposed"):  # a hybrid's counters: this repeat's only
                 d.rows_drafted = dict.fromkeys(d.rows_drafted, 0); d.draft_steps = 0; d.draft_seconds = 0.0

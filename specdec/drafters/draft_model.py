@@ -173,7 +173,7 @@ class DraftModelDrafter(Drafter):
         """Seconds per drafted guess, measured on a scratch cache of its own: a one-token warm-up
         (a first call pays one-off costs: the weights' pages, buffers), then the fastest of `steps`
         one-token forwards. What a gate needs to price the draft model before its first proposal,
-        for a few forwards instead of a catch-up on a whole prompt; the rows' state is left as it
+        for three forwards instead of a catch-up on a whole prompt; the rows' state is left as it
         was."""
         saved = self.cache, self.fed
         tokens = [i % self.model.vocab_size for i in range(1, steps + 2)]

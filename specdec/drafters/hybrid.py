@@ -133,14 +133,11 @@ class HybridDrafter(_LookupFirst):
         return self.length.best(max_tokens)
 
     def catch_up(self, behind: int) -> float:
-        """Plain steps the draft model takes to read `behind` committed tokens it has not seen:
-        measured on its proposals that caught up; until then its time per drafted guess times r
-        (a token more in one forward costs r of a one-token forward on this machine, as the
-        target's verifications measure it)."""
-        plain, r = self._costs()
-        per = self.t_catch
-        if per is None and self.length.t_tok is not None:
-            per = self.length.t_tok * r
+        """Plain steps the draft model takes to read `behind` committed tokens it has not seen
+        (measured on its proposals that caught up; its time per drafted guess until then, which
+        is more than a token read in a longer forward costs)."""
+        per = self.t_catch if self.t_catch is not None else self.length.t_tok
+        plain = self.plain_step()
         return 0.0 if per is None or plain is None else per * behind / plain
 
     def begin(self, prompts, params, max_len) -> None:
@@ -157,7 +154,8 @@ class HybridDrafter(_LookupFirst):
         self._used_draft = None
         self._begin_request(params)
         if self.gate and self.length.t_tok is None and not timing_free(params) and hasattr(self.draft, "time_alone"):
-            # price the draft model before its first proposal (a few forwards of its own) instead of
+            # price the draft model before its first proposal (three forwards of its own; a catch-up is
+            # then priced at a drafted guess's time per token, above what it costs, until one is timed) instead of
             # catching it up on a whole prompt to time it, which a short answer never earns back
             self.length.time_guess(self.draft.time_alone())
 
