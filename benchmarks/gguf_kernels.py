@@ -24,6 +24,7 @@ printing medians:
     python3 benchmarks/gguf_kernels.py raw --types Q4_K,Q6_K --m 1,4 --shapes 1536x1536,8960x1536
     python3 benchmarks/gguf_kernels.py bandwidth raw --threads 1 --types Q4_K,Q8_0 --m 1 --shapes 151936x1536,16384x8960
     python3 benchmarks/gguf_kernels.py ab --base main --threads 1 --types Q4_K,Q6_K --m 1,2,4
+    python3 benchmarks/gguf_kernels.py ab --base main --base-isa avx512vnni --threads 1 --types Q4_K,Q6_K --m 1
     python3 benchmarks/gguf_kernels.py verify --base main --threads 1 --reps 9
 
 (the last: matrices far larger than the caches, read from memory, against the bandwidth figures)
@@ -135,9 +136,10 @@ def repack_table(ops, shapes: list[tuple[int, int]], ms: list[int], reps: int) -
                       flush=True)
 
 
-def base_ops(rev: str):
-    """The row-stable kernels of git revision `rev` (its rowstable.cpp, AVX2 build: `--base HEAD` compares
-    this tree's AVX-512 VNNI build with its AVX2 one), loaded as torch.ops.specdec_rs_base."""
+def base_ops(rev: str, isa: str = "avx2"):
+    """The row-stable kernels of git revision `rev` (its rowstable.cpp, in the build `isa` of
+    kernels.ROWSTABLE_ISA: the AVX2 one by default, so that `--base HEAD` compares this tree's AVX-512
+    VNNI build with its AVX2 one), loaded as torch.ops.specdec_rs_base."""
     import subprocess
     import tempfile
 
@@ -147,7 +149,7 @@ def base_ops(rev: str):
     src = src.replace("TORCH_LIBRARY_IMPL(specdec_rs,", "TORCH_LIBRARY_IMPL(specdec_rs_base,")
     path = Path(tempfile.mkdtemp()) / "rowstable_base.cpp"
     path.write_text(src)
-    torch.ops.load_library(str(kernels._build(cache_root() / "kernels", True, path, kernels.ROWSTABLE_ISA["avx2"])))
+    torch.ops.load_library(str(kernels._build(cache_root() / "kernels", True, path, kernels.ROWSTABLE_ISA[isa])))
     return torch.ops.specdec_rs_base
 
 
@@ -230,6 +232,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack", "ab", "verify"])
     ap.add_argument("--base", default="main", help="ab, verify: the git revision to compare against")
+    ap.add_argument("--base-isa", default="avx2", choices=sorted(kernels.ROWSTABLE_ISA),
+                    help="ab, verify: the build of --base's kernels (avx512vnni: the same build as this tree's on a VNNI CPU)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,F16")
@@ -253,10 +257,10 @@ def main() -> None:
         if part == "bandwidth":
             bandwidth(a.reps)
         elif part == "ab":
-            ab_table(ops, base_ops(a.base), a.base, a.types.split(","), parse_shapes(QWEN_SHAPES),
+            ab_table(ops, base_ops(a.base, a.base_isa), a.base, a.types.split(","), parse_shapes(QWEN_SHAPES),
                      [int(v) for v in (a.m or "1,2,4,8").split(",")], a.reps)
         elif part == "verify":
-            verify_table(ops, base_ops(a.base), a.base, a.reps)
+            verify_table(ops, base_ops(a.base, a.base_isa), a.base, a.reps)
         elif part == "raw":
             raw_table(ops, a.types.split(","), parse_shapes(QWEN_SHAPES),
                       [int(v) for v in (a.m or "1,4,64,256").split(",")], a.reps, a.op)
