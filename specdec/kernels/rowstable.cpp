@@ -589,7 +589,7 @@ void gguf_columns(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
 // 2 * 128 * 127 = 32512 < 32767; the K-quants' int16 sums of GROUP pairs stay below it too (KInt).
 // _mm256_dpbusd_epi32 sums 4 products into int32 without saturation. Each build arranges its lanes so
 // that every int32 lane converted to float holds the same integer (int32_tile: lane j = the 4
-// products of bytes 4j..4j+3 in both; int_tile: lane j of each 128-bit half = the scaled sums of
+// products of bytes 4j..4j+3 in both; int_tile, int_row: lane j of each 128-bit half = the scaled sums of
 // parts 2j and 2j + 1 over that half, in both).
 
 constexpr int64_t INT_MR = 4;  // activation rows a tile of the block types' integer path takes at most
@@ -648,7 +648,8 @@ inline void interleave_quants(__m256i v[8]) {
 // (interleave_quants), the scale d of each slice, the sums of each 16 q (bsum; S = 256: bsum2, those
 // of each 32 as int32 lanes, for int_row), and (S = 32) sx = d * (sum of the slice's q) for the block
 // types' offsets and minimums. All on 64-byte boundaries, so that a 256-slice's 32-byte loads never
-// cross a cache line.
+// cross a cache line (each that does costs a second load: a one-row Q4_K block's integer part alone
+// took ~2 more cycles, ~20%, with the activations 16 bytes off a boundary).
 template <class T>
 struct Align64 {  // a std::vector allocator on 64-byte boundaries
   using value_type = T;
@@ -933,14 +934,20 @@ __attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int mr_,
 // reduced by reduce_parts to the same int32 lanes; the float part takes the block's two scales as
 // one float16 pair, [d, c] * dx in one multiply, each broadcast from there (the same products, so the
 // same numbers as accumulate()), and Q4_K / Q5_K take the correction's 8 sums from bsum2 (each the
-// sum of a pair of bsum's, so each lane again holds the same integer). Every instruction counts here:
-// a one-row block runs ~21 cycles on Zen 4 from cache, bound by its vector instructions and loads
-// rather than any one chain (its own integer part alone, without scales or floats, ~12); these cut
-// ~5% of it, and reading the activations from 64-byte-aligned memory (Q8Rows) another ~2-7% (a 32-byte
-// load that crosses a cache line costs a second). (Tried, not faster on Zen 4: _mm256_dpbusd_epi32
-// with _mm256_packs_epi32 / _mm256_madd_epi16 by ones instead of reduce_parts, the same on 512-bit
-// registers (half the instructions, the same time: the 512-bit ones take two cycles of a unit),
-// the weights' bytes loaded once instead of folded into each instruction, two weight rows a pass.)
+// sum of a pair of bsum's, so each lane again holds the same integer). Every vector instruction
+// counts here: a one-row Q4_K block runs ~21 cycles on Zen 4 whether its weights come from L1, L2 or
+// L3, bound by its vector instructions and loads rather than by any one chain (its integer part
+// alone, without scales or floats, ~12). Against int_tile's one-row branch that this replaced
+// (Zen 4, one thread): Q4_K 1.03-1.05x from cache, Q6_K the same (gguf_kernels.py ab --hot); read
+// from memory, the kernel functions alone interleaved, Q4_K 1.02-1.04x and Q6_K 1.1-1.25x (ab through
+// the op on the loaded shared machine: 0.93-1.14x, no clear sign); the 1.5B Q4_K_M target's one-token
+// step 1.05x (gguf_kernels.py verify, three runs).
+// Tried and not faster there: _mm256_dpbusd_epi32 with _mm256_packs_epi32 and _mm256_madd_epi16 (by
+// ones, or by the scales for Q6_K) in place of reduce_parts; the same on 512-bit registers (half the
+// instructions, the same time: a 512-bit one takes a 256-bit unit twice); the float part on 512-bit
+// registers; the weights' bytes loaded once rather than folded into each instruction; two weight
+// rows a pass (sharing the activations' loads: 1-3%); prefetching to L2 (Q6_K faster, Q4_K slower)
+// or further ahead (slower).
 // Prefetches as int_tile.
 template <class D>
 __attribute__((noinline)) void int_row(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, float* y) {
@@ -1067,7 +1074,7 @@ void int32_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int
 }
 
 // rows n0..n1 of the output for all M activation rows: the K-quants in tiles of up to KQ_MR rows
-// (int_tile), the block types in tiles of up to INT_MR rows (int32_tile)
+// (int_tile; a tile of one row: int_row), the block types in tiles of up to INT_MR rows (int32_tile)
 template <class D>
 void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, float* y,
                  int64_t ldy) {
