@@ -11,8 +11,8 @@ printing medians:
   576x576, 960x576 fused qkv, 3072x576 fused gate/up, 576x1536, 49152x576 head), M = 1..6;
 - `ab`: gguf_linear_q8 of this tree's kernels against those of git revision `--base` (its
   rowstable.cpp built beside them under another op namespace, in the same process), interleaved,
-  on weights read cold from memory (copies rotated past the caches' size; on one thread CPU time, as
-  `verify`); checks the two agree;
+  on weights read cold from memory (copies rotated past the caches' size; `--hot`: one copy, from
+  the caches; on one thread CPU time, as `verify`); checks the two agree;
 - `verify`: one forward of the real 1.5B target (benchmarks/qwen_pair.py's Q4_K_M file, 8-bit
   activations) over T = 1, 2, 4, 8, 16 new tokens after a 100-token context (a verification step),
   its GGUF projections switched between this tree's gguf_linear_q8 / gguf_linear_cat_q8 and those
@@ -24,6 +24,7 @@ printing medians:
     python3 benchmarks/gguf_kernels.py raw --types Q4_K,Q6_K --m 1,4 --shapes 1536x1536,8960x1536
     python3 benchmarks/gguf_kernels.py bandwidth raw --threads 1 --types Q4_K,Q8_0 --m 1 --shapes 151936x1536,16384x8960
     python3 benchmarks/gguf_kernels.py ab --base main --threads 1 --types Q4_K,Q6_K --m 1,2,4
+    python3 benchmarks/gguf_kernels.py ab --base main --base-isa avx512vnni --threads 1 --types Q4_K,Q6_K --m 1 --hot
     python3 benchmarks/gguf_kernels.py verify --base main --threads 1 --reps 9
 
 (the last: matrices far larger than the caches, read from memory, against the bandwidth figures)
@@ -135,9 +136,10 @@ def repack_table(ops, shapes: list[tuple[int, int]], ms: list[int], reps: int) -
                       flush=True)
 
 
-def base_ops(rev: str):
-    """The row-stable kernels of git revision `rev` (its rowstable.cpp, AVX2 build: `--base HEAD` compares
-    this tree's AVX-512 VNNI build with its AVX2 one), loaded as torch.ops.specdec_rs_base."""
+def base_ops(rev: str, isa: str = "avx2"):
+    """The row-stable kernels of git revision `rev` (its rowstable.cpp, in the build `isa` of
+    kernels.ROWSTABLE_ISA: the AVX2 one by default, so that `--base HEAD` compares this tree's AVX-512
+    VNNI build with its AVX2 one), loaded as torch.ops.specdec_rs_base."""
     import subprocess
     import tempfile
 
@@ -147,7 +149,7 @@ def base_ops(rev: str):
     src = src.replace("TORCH_LIBRARY_IMPL(specdec_rs,", "TORCH_LIBRARY_IMPL(specdec_rs_base,")
     path = Path(tempfile.mkdtemp()) / "rowstable_base.cpp"
     path.write_text(src)
-    torch.ops.load_library(str(kernels._build(cache_root() / "kernels", True, path, kernels.ROWSTABLE_ISA["avx2"])))
+    torch.ops.load_library(str(kernels._build(cache_root() / "kernels", True, path, kernels.ROWSTABLE_ISA[isa])))
     return torch.ops.specdec_rs_base
 
 
@@ -163,7 +165,8 @@ def use_kernels(model, ns) -> None:
                 lin.op_cat = ns.gguf_linear_cat_q8
 
 
-def ab_table(ops, base, rev: str, types: list[str], shapes: list[tuple[int, int]], ms: list[int], reps: int) -> None:
+def ab_table(ops, base, rev: str, types: list[str], shapes: list[tuple[int, int]], ms: list[int], reps: int,
+             hot: bool = False) -> None:
     rng = np.random.default_rng(2)
     print(f"| type | N x K | M | {rev} ms (GB/s) | this tree ms (GB/s) | {rev} / this, median | best |")
     print("|---|---|---|---|---|---|---|")
@@ -171,7 +174,8 @@ def ab_table(ops, base, rev: str, types: list[str], shapes: list[tuple[int, int]
         for name in types:
             t = kernels.GGUF_TYPES[name].id
             one = random_blocks(t, n, k, rng).reshape(-1)
-            raws = [torch.from_numpy(one.copy()) for _ in range(max(1, int(96e6 // one.size) + 1))]  # > L3
+            copies = 1 if hot else max(1, int(96e6 // one.size) + 1)  # hot: one copy, in cache; else > L3
+            raws = [torch.from_numpy(one.copy()) for _ in range(copies)]
             for m in ms:
                 x = torch.randn(m, k)
                 a, b = ops.gguf_linear_q8(x, raws[0], t, n, k), base.gguf_linear_q8(x, raws[0], t, n, k)
@@ -230,7 +234,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack", "ab", "verify"])
     ap.add_argument("--base", default="main", help="ab, verify: the git revision to compare against")
+    ap.add_argument("--base-isa", default="avx2", choices=sorted(kernels.ROWSTABLE_ISA),
+                    help="ab, verify: the build of --base's kernels (avx512vnni: the same build as this tree's on a VNNI CPU)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--hot", action="store_true", help="ab: one copy of each matrix, read from the caches (the kernels' instruction cost)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,F16")
     ap.add_argument("--shapes", default=None, help=f"NxK,... (raw: {QWEN_SHAPES}; repack: {SMOL_SHAPES})")
@@ -253,10 +260,10 @@ def main() -> None:
         if part == "bandwidth":
             bandwidth(a.reps)
         elif part == "ab":
-            ab_table(ops, base_ops(a.base), a.base, a.types.split(","), parse_shapes(QWEN_SHAPES),
-                     [int(v) for v in (a.m or "1,2,4,8").split(",")], a.reps)
+            ab_table(ops, base_ops(a.base, a.base_isa), a.base, a.types.split(","), parse_shapes(QWEN_SHAPES),
+                     [int(v) for v in (a.m or "1,2,4,8").split(",")], a.reps, a.hot)
         elif part == "verify":
-            verify_table(ops, base_ops(a.base), a.base, a.reps)
+            verify_table(ops, base_ops(a.base, a.base_isa), a.base, a.reps)
         elif part == "raw":
             raw_table(ops, a.types.split(","), parse_shapes(QWEN_SHAPES),
                       [int(v) for v in (a.m or "1,4,64,256").split(",")], a.reps, a.op)

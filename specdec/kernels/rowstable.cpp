@@ -589,7 +589,7 @@ void gguf_columns(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
 // 2 * 128 * 127 = 32512 < 32767; the K-quants' int16 sums of GROUP pairs stay below it too (KInt).
 // _mm256_dpbusd_epi32 sums 4 products into int32 without saturation. Each build arranges its lanes so
 // that every int32 lane converted to float holds the same integer (int32_tile: lane j = the 4
-// products of bytes 4j..4j+3 in both; int_tile: lane j of each 128-bit half = the scaled sums of
+// products of bytes 4j..4j+3 in both; int_tile, int_row: lane j of each 128-bit half = the scaled sums of
 // parts 2j and 2j + 1 over that half, in both).
 
 constexpr int64_t INT_MR = 4;  // activation rows a tile of the block types' integer path takes at most
@@ -645,13 +645,30 @@ inline void interleave_quants(__m256i v[8]) {
 
 // Activation rows rounded to 8 bits in slices of S (256 for the K-quants, 32 for the 32-weight
 // block types; K % S == 0): q [M, K], (S = 256) qi: q with each slice's 8 parts of 32 interleaved
-// (interleave_quants), the scale d of each slice, the sums of each 16 q, and (S = 32)
-// sx = d * (sum of the slice's q) for the block types' offsets and minimums.
+// (interleave_quants), the scale d of each slice, the sums of each 16 q (bsum; S = 256: bsum2, those
+// of each 32 as int32 lanes, for int_row), and (S = 32) sx = d * (sum of the slice's q) for the block
+// types' offsets and minimums. All on 64-byte boundaries, so that a 256-slice's 32-byte loads never
+// cross a cache line (each that does costs a second load: a one-row Q4_K block's integer part alone
+// took ~2 more cycles, ~20%, with the activations 16 bytes off a boundary).
+template <class T>
+struct Align64 {  // a std::vector allocator on 64-byte boundaries
+  using value_type = T;
+  Align64() = default;
+  template <class U> Align64(const Align64<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <class U> bool operator==(const Align64<U>&) const { return true; }
+  template <class U> bool operator!=(const Align64<U>&) const { return false; }
+};
+template <class T>
+using vec64 = std::vector<T, Align64<T>>;
+
 struct Q8Rows {
   int64_t S = 0;
-  std::vector<int8_t> q, qi;
-  std::vector<float> d, sx;
-  std::vector<int16_t> bsum;
+  vec64<int8_t> q, qi;
+  vec64<float> d, sx;
+  vec64<int16_t> bsum;
+  vec64<int32_t> bsum2;
 };
 
 void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r) {
@@ -662,6 +679,7 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
   r.d.resize(nb);
   r.sx.resize(S == 32 ? nb : 0);
   r.bsum.resize(M * K / 16);
+  r.bsum2.resize(S == 256 ? M * K / 32 : 0);
   // (a decoding step's few thousand values take ~1-2 us on one thread, less than waking the others)
   at::parallel_for(0, nb, std::max<int64_t>(16, 32768 / S), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -688,6 +706,7 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
         int sum = 0;
         for (int k = 0; k < 16; ++k) sum += q[16 * l + k];
         r.bsum[b * (S / 16) + l] = static_cast<int16_t>(sum);
+        if (S == 256 && (l & 1)) r.bsum2[b * 8 + l / 2] = r.bsum[b * 16 + l - 1] + sum;
         total += sum;
       }
       if (S == 32) r.sx[b] = d * static_cast<float>(total);
@@ -713,6 +732,12 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
 struct KInt {
   __m256 d, c;  // (in all 8 lanes)
   __m256i scl, coef;
+};
+// prepare_row(): a block's scales for int_row: scl as KInt's, coef (Q4_K / Q5_K: the 8 mins as int32
+// lanes, the factors of bsum2; Q6_K: as KInt's) and f = [d, c] as float lanes 0 and 1 (Q6_K: d)
+struct KRow {
+  __m256i scl, coef;
+  __m128 f;
 };
 
 // One row's int32 sums from its 8 parts' int16 products p[s] (natural order): the numbers the
@@ -761,6 +786,15 @@ struct IntQ4_K {
     st.d = f16_set1(p);
     st.c = _mm256_xor_ps(f16_set1(p + 2), _mm256_set1_ps(-0.0f));
   }
+  static inline void prepare_row(const uint8_t* p, KRow& st) {
+    uint64_t sc, mn;
+    k_scale_bytes(p, sc, mn);
+    st.scl = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
+    st.coef = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)));
+    uint32_t dm;
+    std::memcpy(&dm, p, 4);
+    st.f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm ^ 0x80000000u)));  // d, -dmin (the sign bit of the float16)
+  }
   static inline __m256i quants(const uint8_t* p, int s) {
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * (s >> 1)));
     return _mm256_and_si256((s & 1) ? _mm256_srli_epi16(qs, 4) : qs, _mm256_set1_epi8(0x0F));
@@ -772,6 +806,7 @@ struct IntQ5_K {
   static constexpr int GROUP = 4;
   static constexpr bool FOLD = false;
   static inline void prepare(const uint8_t* p, KInt& st) { IntQ4_K::prepare(p, st); }
+  static inline void prepare_row(const uint8_t* p, KRow& st) { IntQ4_K::prepare_row(p, st); }
   static inline __m256i quants(const uint8_t* p, int s) {
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 48 + 32 * (s >> 1)));
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
@@ -792,6 +827,14 @@ struct IntQ6_K {  // the quants without their offset 32 (q - 32 = quants - 32: c
     st.scl = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
     st.d = f16_set1(p + 208);
     st.c = _mm256_xor_ps(st.d, _mm256_set1_ps(-0.0f));
+  }
+  static inline void prepare_row(const uint8_t* p, KRow& st) {
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+    st.coef = _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc8), 5);
+    st.scl = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+    int16_t h;
+    std::memcpy(&h, p + 208, 2);
+    st.f = _mm_cvtph_ps(_mm_set1_epi16(h));
   }
   static inline __m256i quants(const uint8_t* p, int s) {
     const int h = s >> 2, t = s & 3;
@@ -817,8 +860,8 @@ inline void accumulate(__m256i isum, const KInt& st, const Q8Rows& xr, int64_t x
   }
 }
 
-// mr (<= KQ_MR) activation rows x 1 weight row over nb 256-blocks. A block's quants are decoded and
-// interleaved once for the mr rows (one row: not interleaved; its products go through reduce_parts); each row then sums its 8 interleaved products in int16 (GROUP at a
+// mr (2 <= mr <= KQ_MR) activation rows x 1 weight row over nb 256-blocks (one row: int_row). A
+// block's quants are decoded and interleaved once for the mr rows; each row then sums its 8 interleaved products in int16 (GROUP at a
 // time) and multiplies them by the part scales with one _mm256_madd_epi16 a group: 8 / GROUP
 // multiplies a block and row where each part took its own before (9-12 multiply instructions instead
 // of 16, the ones that limited a tile of several rows). The integer sums are exact, and their lanes
@@ -826,7 +869,7 @@ inline void accumulate(__m256i isum, const KInt& st, const Q8Rows& xr, int64_t x
 // d * dx times the 8 int32 lanes of the scaled dot products, and another of c * dx times those of the
 // correction (FOLD: one, of d * dx times their difference); out = hsum8 of their sum. (Two chains of
 // one FMA a block, rather than one of two: 8960x1536 Q4_K on 8 and 16 rows ran ~1.2x faster so, the
-// rows' chains through memory being what a block waited on.) MR: the row count as a constant (1-8),
+// rows' chains through memory being what a block waited on.) MR: the row count as a constant (2-8),
 // or 0: mr_ rows (9-16), a loop with its accumulators in memory (on 2-8 rows ~5-15% slower than the
 // constant counts, one thread).
 // int_columns reads one weight row at a time, front to back (the access the hardware prefetchers
@@ -847,15 +890,6 @@ __attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int mr_,
     D::prepare(pb, st);
     __m256i wq[8];
     for (int s = 0; s < 8; ++s) wq[s] = D::quants(pb, s);
-    // one row: its products reduced instead (the same int32 lanes). The VNNI build keeps this too: a
-    // one-row product waits on memory, and neither _mm256_dpbusd_epi32 with horizontal adds nor the
-    // interleaved path below was measurably faster there (Zen 4, one thread)
-    if constexpr (MR == 1) {
-      const int8_t* xq = xr.q.data() + row0 * K + b * 256;
-      for (int s = 0; s < 8; ++s) wq[s] = _mm256_maddubs_epi16(wq[s], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s)));
-      accumulate<D>(reduce_parts<D::GROUP>(wq, st.scl), st, xr, row0 * (K / 256) + b, acc[0], accc[0]);
-      continue;
-    }
     interleave_quants(wq);
 #if ROWSTABLE_VNNI
     // the part scales as int32 lanes: lane L of each half, part L's (lo) and part 4 + L's (hi); each
@@ -893,6 +927,56 @@ __attribute__((noinline)) void int_tile(const Q8Rows& xr, int64_t row0, int mr_,
 #endif
   }
   for (int i = 0; i < mr; ++i) y[i * ldy] = hsum8(D::FOLD ? acc[i] : _mm256_add_ps(acc[i], accc[i]));
+}
+
+// One activation row (a plain decoding step) x 1 weight row over nb 256-blocks: the numbers of
+// int_tile's lanes, without interleaving. A block's 8 parts are multiplied in their natural order and
+// reduced by reduce_parts to the same int32 lanes; the float part takes the block's two scales as
+// one float16 pair, [d, c] * dx in one multiply, each broadcast from there (the same products, so the
+// same numbers as accumulate()), and Q4_K / Q5_K take the correction's 8 sums from bsum2 (each the
+// sum of a pair of bsum's, so each lane again holds the same integer). Every vector instruction
+// counts here: a one-row Q4_K block runs ~21 cycles on Zen 4 whether its weights come from L1, L2 or
+// L3, bound by its vector instructions and loads rather than by any one chain (its integer part
+// alone, without scales or floats, ~12). Against int_tile's one-row branch that this replaced
+// (Zen 4, one thread): Q4_K 1.03-1.05x from cache, Q6_K the same (gguf_kernels.py ab --hot); read
+// from memory, the kernel functions alone interleaved, Q4_K 1.02-1.04x and Q6_K 1.1-1.25x (ab through
+// the op on the loaded shared machine: 0.93-1.14x, no clear sign); the 1.5B Q4_K_M target's one-token
+// step 1.05x (gguf_kernels.py verify, three runs).
+// Tried and not faster there: _mm256_dpbusd_epi32 with _mm256_packs_epi32 and _mm256_madd_epi16 (by
+// ones, or by the scales for Q6_K) in place of reduce_parts; the same on 512-bit registers (half the
+// instructions, the same time: a 512-bit one takes a 256-bit unit twice); the float part on 512-bit
+// registers; the weights' bytes loaded once rather than folded into each instruction; two weight
+// rows a pass (sharing the activations' loads: 1-3%); prefetching to L2 (Q6_K faster, Q4_K slower)
+// or further ahead (slower).
+// Prefetches as int_tile.
+template <class D>
+__attribute__((noinline)) void int_row(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, float* y) {
+  __m256 acc = _mm256_setzero_ps(), accc = _mm256_setzero_ps();
+  const char* pf = reinterpret_cast<const char*>(w) + rb * std::max<int64_t>(1, (4096 + rb - 1) / rb);
+  const int8_t* xq = xr.q.data() + row0 * K;
+  const float* dx = xr.d.data() + row0 * (K / 256);
+  const int16_t* bs = xr.bsum.data() + row0 * (K / 16);
+  const int32_t* bs2 = xr.bsum2.data() + row0 * (K / 32);
+  for (int64_t b = 0; b < nb; ++b, pf += D::BB, xq += 256) {
+    const uint8_t* pb = w + b * D::BB;
+    for (int o = 0; o < D::BB; o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
+    KRow st;
+    D::prepare_row(pb, st);
+    __m256i wq[8];
+    for (int s = 0; s < 8; ++s)
+      wq[s] = _mm256_maddubs_epi16(D::quants(pb, s), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s)));
+    const __m256i isum = reduce_parts<D::GROUP>(wq, st.scl);
+    const __m128 f = _mm_mul_ps(st.f, _mm_broadcast_ss(dx + b));  // d * dx, c * dx (lanes 0, 1)
+    if constexpr (D::FOLD) {
+      const __m256i corr = _mm256_madd_epi16(st.coef, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + b * 16)));
+      acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, corr)), acc);
+    } else {
+      const __m256i corr = _mm256_madd_epi16(st.coef, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs2 + b * 8)));
+      acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), _mm256_cvtepi32_ps(isum), acc);
+      accc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), _mm256_set1_epi32(1)), _mm256_cvtepi32_ps(corr), accc);
+    }
+  }
+  *y = hsum8(D::FOLD ? acc : _mm256_add_ps(acc, accc));
 }
 
 // The 32-weight block types on 8-bit activations (llama.cpp's ggml_vec_dot_q*_q8_0 / _q8_1): a block
@@ -990,7 +1074,7 @@ void int32_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int
 }
 
 // rows n0..n1 of the output for all M activation rows: the K-quants in tiles of up to KQ_MR rows
-// (int_tile), the block types in tiles of up to INT_MR rows (int32_tile)
+// (int_tile; a tile of one row: int_row), the block types in tiles of up to INT_MR rows (int32_tile)
 template <class D>
 void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, float* y,
                  int64_t ldy) {
@@ -1001,7 +1085,7 @@ void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* wn = w + n * rb;
         switch (mr) {
-          case 1: int_tile<D, 1>(xr, m, 1, K, wn, rb, K / 256, ym + n, ldy); break;
+          case 1: int_row<D>(xr, m, K, wn, rb, K / 256, ym + n); break;
           case 2: int_tile<D, 2>(xr, m, 2, K, wn, rb, K / 256, ym + n, ldy); break;
           case 3: int_tile<D, 3>(xr, m, 3, K, wn, rb, K / 256, ym + n, ldy); break;
           case 4: int_tile<D, 4>(xr, m, 4, K, wn, rb, K / 256, ym + n, ldy); break;
