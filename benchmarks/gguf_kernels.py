@@ -163,6 +163,9 @@ def use_kernels(model, ns) -> None:
             lin.op = ns.gguf_linear_q8
             if lin.op_cat is not None:
                 lin.op_cat = ns.gguf_linear_cat_q8
+    for blk in getattr(model, "layers", []):  # the direct decoding-step calls hold the kernels too
+        if blk.fast is not None:
+            blk.fast = blk.fast_step_args()
 
 
 def ab_table(ops, base, rev: str, types: list[str], shapes: list[tuple[int, int]], ms: list[int], reps: int,
