@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from ..core.policy import LengthPolicy  # noqa: F401  (prompt lookup's cut; drafters.ngram.LengthPolicy too)
+from ..core.policy import LengthPolicy
 from .base import Draft, DraftContext, Drafter, register
 
 

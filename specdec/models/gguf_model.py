@@ -305,7 +305,6 @@ class GGUFLlamaModel(LlamaModel):
             blk.w_gate_up = GGUFLinear([mat(p + "ffn_gate.weight", I, D), mat(p + "ffn_up.weight", I, D)], linear_op)
             blk.w_down = GGUFLinear([mat(p + "ffn_down.weight", D, I)], linear_op)
             blk.kops = kops
-            blk.fast = blk.fast_step_args() if kops is not None else None  # (direct kernel calls in a step)
         self.norm = nn.Parameter(vec("output_norm.weight"), requires_grad=False)
         embd = mat("token_embd.weight", cfg.vocab_size, D)
         self.embed = GGUFEmbedding(embd[0], embd[1], cfg.vocab_size, D, rows_op)
@@ -327,8 +326,9 @@ class GGUFLlamaModel(LlamaModel):
             for i, blk in enumerate(self.layers):
                 for attr in ("wqkv", "wo", "w_gate_up", "w_down"):
                     repack_for_steps(getattr(blk, attr), kops, gf, saved(f"blk.{i}.{attr}"))
-                blk.fast = blk.fast_step_args()  # (direct kernel calls where every projection was repacked)
             repack_for_steps(self.head, kops, gf, saved("output"))
+        for blk in self.layers:  # the direct decoding-step calls, once the projections' kernels are settled
+            blk.fast = blk.fast_step_args()
 
     def _tensor(self, name: str) -> TensorInfo:
         t = self.gguf.tensors.get(name)
