@@ -225,7 +225,8 @@ def priced_run(monkeypatch, drafter_cls, c: float, r: float, holds: list[float],
     committed = 0
     for step in range(steps):
         draft.step = step
-        prop = d.propose(DraftContext([text], params, None), k)
+        # the tokens it may still generate after its pending one (the scheduler's room)
+        prop = d.propose(DraftContext([text], params, None, room=[room - committed - 2]), k)
         j = int(prop.counts[0])
         clock.t += 1.0 + r * j
         held = 0

@@ -160,7 +160,7 @@ def test_adaptive_drafter_proposes_nothing_where_guesses_fail():
     # proposals depends on the machine's load (a loaded machine once made two guesses look cheap)
     d.policy.clock = False
     first = _steps_where_lookups_fail(d, SamplingParams(), 1)
-    assert first == [3]  # [5 3 4], cut at the prior
+    assert first == [0]  # a fresh policy declines (its prior), until the text shows what holds
     _steps_where_lookups_fail(d, SamplingParams(), 100)
     # then nothing, but for a probe of one guess after every probe_every lookups declined in a row
     every = d.policy.probe_every
@@ -170,6 +170,52 @@ def test_adaptive_drafter_proposes_nothing_where_guesses_fail():
     assert probes[1] - probes[0] == probes[2] - probes[1] == every
     fixed = NgramDrafter(max_n=2, adaptive=False)
     assert fixed.propose(DraftContext([[3, 4, 5, 3, 4]], SamplingParams(), None), 4).tokens.tolist() == [[5, 3, 4]]
+
+
+def test_a_fresh_lookup_proposes_once_the_text_copies():
+    """A fresh policy declines every lookup (its prior), and learns from the declined ones: in a
+    text that repeats itself it proposes whole lookups after the first one that would have held."""
+    d = NgramDrafter(max_n=2)
+    d.begin(None, SamplingParams(), 0)
+    d.policy.clock = False
+    ctx, counts = [3, 4, 5, 6, 7, 8, 3, 4], []
+    for _ in range(4):  # the text after [3 4] is always [5 6 7 8 3 4]
+        counts += d.propose(DraftContext([ctx], SamplingParams(), None), 4).counts.tolist()
+        d.commit([0])
+        ctx = ctx + [5, 6, 7, 8, 3, 4]
+    assert counts[0] == 0 and counts[-1] == 4, counts
+
+
+@pytest.mark.parametrize("rule", ["room", "broken"])
+def test_a_lookup_probe_waits_for_room(monkeypatch, rule):
+    """A probe costs a verified guess that mostly fails; a short answer never earns back what it
+    tells, so with fewer than PROBE_ROOM tokens left (DraftContext.room) the declined lookups
+    wait. A rule that ignores the room probes there."""
+    from specdec.core import policy
+
+    if rule == "broken":
+        choose = policy.LengthPolicy.choose
+        monkeypatch.setattr(policy.LengthPolicy, "choose", lambda self, n, a, may_probe=True: choose(self, n, a))
+    d = NgramDrafter(max_n=2)
+    d.begin(None, SamplingParams(), 0)
+    d.policy.clock = False
+    _steps_where_lookups_fail(d, SamplingParams(), 100)  # learnt to decline (probing as it went)
+    every = d.policy.probe_every
+
+    def run(room: int) -> list[int]:
+        ctx, counts = [3, 4, 5, 3, 4], []
+        for i in range(2 * every):
+            counts += d.propose(DraftContext([ctx], SamplingParams(), None, room=[room]), 4).counts.tolist()
+            d.commit([0])
+            ctx = ctx + [100 + i, 3, 4]
+        return counts
+
+    short = run(policy.PROBE_ROOM - 1)
+    assert sum(run(policy.PROBE_ROOM)) == 2  # room enough: a probe per probe_every declined lookups
+    if rule == "room":
+        assert sum(short) == 0
+    else:
+        assert sum(short) == 2
 
 
 def test_declined_lookups_are_learnt_from_the_text_that_followed():
@@ -196,7 +242,7 @@ def test_seeded_sample_lookups_are_cut_by_the_shared_policy():
     d.begin(None, seeded, 0)
     d.policy.clock = False
     before = d.policy.seen[2][0]
-    assert _steps_where_lookups_fail(d, seeded, 1) == [3]
+    assert _steps_where_lookups_fail(d, seeded, 1) == [0]  # (declined at the prior)
     _steps_where_lookups_fail(d, seeded, 100)
     assert d.policy.seen[2][0] > before
     assert sum(_steps_where_lookups_fail(d, seeded, 16)) == 1  # learnt to decline: one probe per 16

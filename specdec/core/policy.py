@@ -43,6 +43,9 @@ CARRIED_COUNTS = 8.0  # observations' worth of an acceptance rate that a later r
 #: every policy that can decline to speculate probes the declined choice once in this many steps
 #: (or lookups of one match length), so a choice that stopped speculating notices when it pays again
 PROBE_EVERY = 16
+#: a probe (a declined choice tried anyway, or a second source's first catch-up) waits until at
+#: least this many tokens of the request may still come: a short answer never earns one back
+PROBE_ROOM = 32
 #: decay of acceptance counts per draft position and of the step-time fits (per step):
 #: about the last 50 steps count
 FIT_DECAY = 0.98
@@ -370,11 +373,19 @@ class _Fit:
     def observe(self, rows: int, k: int, seconds: float) -> None:
         d = self.decay
         f = (1.0, float(rows), float(rows * k))
-        self.m = [[d * self.m[i][j] + f[i] * f[j] for j in range(3)] for i in range(3)]
-        self.v = [d * self.v[i] + f[i] * seconds for i in range(3)]
+        m, v = self.m, self.v  # updated in place: this runs once a decoding step
+        for i in range(3):
+            row, fi = m[i], f[i]
+            for j in range(3):
+                row[j] = d * row[j] + fi * f[j]
+            v[i] = d * v[i] + fi * seconds
         self.weight = d * self.weight + 1
-        self.ks = {kk: w * d for kk, w in self.ks.items() if w > self.forget}
-        self.ks[k] = self.ks.get(k, 0.0) + 1
+        ks = self.ks
+        for kk in [kk for kk, w in ks.items() if w <= self.forget]:
+            del ks[kk]
+        for kk in ks:
+            ks[kk] *= d
+        ks[k] = ks.get(k, 0.0) + 1
         self._coef = False
 
     def state(self, max_weight: float) -> dict:
@@ -436,10 +447,15 @@ class StepModel:
         self.decay, self.forget = decay, forget
         self.all = _Fit(decay, forget)
         self.bands: dict[int, _Fit] = {}
+        self.version = 0  # counts changes, so a reader may keep what it priced until the next one
 
     def observe(self, rows: int, k: int, seconds: float) -> None:
         self.all.observe(rows, k, seconds)
-        self.bands.setdefault(band(rows), _Fit(self.decay, self.forget)).observe(rows, k, seconds)
+        fit = self.bands.get(band(rows))
+        if fit is None:
+            fit = self.bands[band(rows)] = _Fit(self.decay, self.forget)
+        fit.observe(rows, k, seconds)
+        self.version += 1
 
     def coefficients(self, rows: int | None = None) -> tuple[float, float, float] | None:
         fit = self.bands.get(band(rows)) if rows is not None else None
@@ -477,6 +493,7 @@ class StepModel:
             fit = fits[1][int(b)] = _Fit(self.decay, self.forget)
             fit.restore(fit_state)
         self.all, self.bands = fits
+        self.version += 1
 
     def predict(self, rows: int, k: int) -> float | None:
         c = self.coefficients(rows)
@@ -491,15 +508,16 @@ class LengthPolicy:
     chooses how many of a lookup's tokens to propose. Knows nothing about models."""
 
     def __init__(self, max_n: int, max_k: int, decay: float = FIT_DECAY, r_prior: float = 0.08,
-                 clock: bool = True, probe_every: int = PROBE_EVERY) -> None:
+                 clock: bool = True, probe_every: int = PROBE_EVERY, prior: float = 0.5) -> None:
         """clock=False: price a guess at r_prior always, never at a measured cost (lengths that
         follow from the text alone, as tests need them). probe_every: propose one guess after
-        this many lookups of a match length declined in a row (0: never)."""
+        this many lookups of a match length declined in a row (0: never). prior: the acceptance
+        at every position before any is seen, worth two observations."""
         self.decay = decay
         self.clock = clock
         self.probe_every = probe_every
         self.declined = [0] * (max_n + 1)  # per match length: lookups declined since the last guess
-        self.acc = [[1.0] * max_k for _ in range(max_n + 1)]  # prior 0.5 at every position
+        self.acc = [[2.0 * prior] * max_k for _ in range(max_n + 1)]
         self.seen = [[2.0] * max_k for _ in range(max_n + 1)]
         self.r_prior = r_prior
         # step seconds vs rows and guesses verified (core.policy.StepModel, the step-time fit the
@@ -507,23 +525,33 @@ class LengthPolicy:
         self.times = StepModel(forget=1e-9)
         self.observes_times = True  # False: the fit is fed by its owner (the server's scheduler)
         self.rows = 1  # the batch size of the step whose guesses are priced (set by the drafter)
+        self._price_key: tuple | None = None  # (rows, fit, its version) that `_price` was read for
+        self._price: tuple[float | None, float | None] = (None, None)
 
     def share_times(self, times: StepModel) -> None:
         """Read step costs from `times`, which its owner feeds (one fit instead of two)."""
         self.times, self.observes_times = times, False
 
-    def _fitted(self) -> bool:
-        return self.times.weight(self.rows) >= 8 and self.times.coefficients(self.rows) is not None
+    def _priced(self) -> tuple[float | None, float | None]:
+        """(seconds of a plain step, r) at this batch size from the fit, both None until it rests
+        on 8 steps; read once per change of the fit or the batch size (several gates ask each step)."""
+        key = (self.rows, self.times, self.times.version)
+        if self._price_key != key:
+            times, rows = self.times, self.rows
+            fitted = times.weight(rows) >= 8 and times.coefficients(rows) is not None
+            self._price = (times.plain_step(rows), times.guess_cost(rows)) if fitted else (None, None)
+            self._price_key = key
+        return self._price
 
     @property
     def r(self) -> float:
         """What one more verified guess costs, in plain steps (`r_prior` until measured)."""
-        r = self.times.guess_cost(self.rows) if self._fitted() else None
+        r = self._priced()[1]
         return self.r_prior if r is None else min(max(r, 0.005), 1.0)
 
     def step_seconds(self) -> float | None:
         """Seconds of a step that verifies no guesses, from the fit (None until measured)."""
-        return self.times.plain_step(self.rows) if self._fitted() else None
+        return self._priced()[0]
 
     def held(self, n: int, k: int) -> list[float]:
         """P(the first j guesses of a match-length-n continuation all hold), j = 1 .. min(k,
@@ -543,13 +571,16 @@ class LengthPolicy:
             out.append(out[-1] + p)
         return out
 
-    def choose(self, n: int, available: int) -> int:
+    def choose(self, n: int, available: int, may_probe: bool = True) -> int:
         """How many of a match-length-n lookup's `available` guesses to propose: the prefix of
-        most expected tokens per unit of step time (core.policy.best_prefix), or a probe."""
+        most expected tokens per unit of step time (core.policy.best_prefix), or a probe (one
+        guess after `probe_every` declined lookups of this match length; not while `may_probe` is
+        False: then the count waits). Acceptance is learnt from the text whether or not a lookup
+        is proposed (NgramDrafter), so a probe serves the step-time fit: it keeps r measured."""
         r = self.r if self.clock else self.r_prior
         best_j = best_prefix(self.held(n, available), 0.0, r)
         n = min(n, len(self.declined) - 1)
-        if best_j == 0 and available > 0 and self.probe_every:
+        if best_j == 0 and available > 0 and self.probe_every and may_probe:
             self.declined[n] += 1
             if self.declined[n] >= self.probe_every:
                 best_j = 1  # a probe (module docstring)
@@ -619,7 +650,8 @@ class DraftLength:
         """costs: () -> (seconds of a plain step or None, r). hint: c before the drafter is timed
         (None: unknown; it is then never priced before it is timed)."""
         self.costs = costs
-        self.odds = LengthPolicy(0, max_k, clock=False, probe_every=0)  # (prior 0.5 at every position)
+        self.odds = LengthPolicy(0, max_k, clock=False, probe_every=0)  # (prior 0.5 at every position: its
+        # guesses are only seen when drafted, so it must try them)
         self.t_tok: float | None = None  # seconds to draft one guess (steady state)
         self.probe_every = probe_every
         self.hint = hint

@@ -575,7 +575,8 @@ class ContinuousBatcher:
         if self.generic:
             return self._propose_generic(s)
         guesses, gains = [[] for _ in range(A)], None
-        ctx = DraftContext([r.context for r in self.rows], self.rows[0].params, None, self._hand_over_features())
+        ctx = DraftContext([r.context for r in self.rows], self.rows[0].params, None, self._hand_over_features(),
+                           room=s.room)
         if self.lookup is not None:
             gains = [[1.0]] * A  # nothing looked up: one token a row
             if self.k_max > 0:
@@ -630,12 +631,14 @@ class ContinuousBatcher:
             return self._no_guesses(s)
         t1 = time.perf_counter()
         params, generator = (self.shared, self.rows[0].generator) if self.shared is not None else (_GREEDY, None)
-        ctx = DraftContext([r.context for r in self.rows], params, generator, self._hand_over_features())
+        ctx = DraftContext([r.context for r in self.rows], params, generator, self._hand_over_features(), room=s.room)
         d = self.drafter.propose(ctx, max(s.caps))
         s.t_head, s.proposed = time.perf_counter() - t1, True
         timing = self.drafter.draft_timing()
         if timing is not None:
             s.t_head, s.steady = timing
+        if d.tokens.shape[1] == 0:  # no guesses: a plain step (the proposal is still answered)
+            return self._no_guesses(s)
         if d.parents is not None:  # a tree, cut to nothing for rows without a cap
             if d.tokens.shape[1] + 1 > self.max_context - int(self.cache.lengths[: s.A].max()):
                 # near the end of the context a tree may not fit: the pending tokens alone (the
@@ -670,7 +673,7 @@ class ContinuousBatcher:
 
     def _draft_model_guesses(self, s: _Step) -> None:
         """The draft model's guesses for the rows that take them (its drafting time measured)."""
-        d = self.drafter.propose(DraftContext([r.context for r in self.rows], _GREEDY, None), s.drafted_k)
+        d = self.drafter.propose(DraftContext([r.context for r in self.rows], _GREEDY, None, room=s.room), s.drafted_k)
         # a catch-up on tokens of rows that took their lookup for a while is a one-off, not the
         # cost of drafting: only steady proposals are timed
         s.t_head, s.steady = self.drafter.draft_timing()

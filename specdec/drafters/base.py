@@ -25,6 +25,9 @@ class DraftContext:
     params: SamplingParams
     generator: torch.Generator | None
     hidden: torch.Tensor | None = None  # target hidden states, for head-based drafters
+    # per row: tokens it may still generate after its pending one (None: not known). A probe,
+    # whose cost only later tokens can earn back, waits while too few may come (core.policy.PROBE_ROOM)
+    room: list[int] | None = None
 
 
 @dataclass

@@ -49,7 +49,7 @@ import time
 import torch
 
 from .. import tree as tree_mod
-from ..core.policy import PROBE_EVERY, DraftLength, NodeOdds, ProbeSchedule, best_prefix, ema
+from ..core.policy import PROBE_EVERY, PROBE_ROOM, DraftLength, NodeOdds, ProbeSchedule, best_prefix, ema
 from ..learned import nonneg
 from ..types import SpecdecError
 from .base import Draft, DraftContext, Drafter, register, steady, timing_free
@@ -71,7 +71,7 @@ class _LookupFirst(Drafter):
         self.probes = ProbeSchedule(probe_every)  # when a second source that does not pay is tried anyway
         self.t_step: float | None = None  # seconds of one target step (between proposals)
         self._t_end: float | None = None
-        self._steps, self._room = 0, None  # proposals since `begin`, the request's max_new_tokens
+        self._left = math.inf  # tokens the rows may still generate, at most (`see_room`)
 
     def plain_step(self) -> float | None:
         """Seconds of a plain step: the lookup's fitted step that verifies no guesses, else the mean
@@ -81,24 +81,28 @@ class _LookupFirst(Drafter):
         plain = policy.step_seconds() if policy is not None else None
         return plain or self.t_step or None
 
+    def see_room(self, ctx: DraftContext) -> None:
+        """Note how many tokens this step's rows may still generate (`ctx.room`; unknown: no limit)."""
+        self._left = math.inf if ctx.room is None else max(ctx.room, default=-1) + 1
+
     def left(self) -> float:
-        """At most how many tokens the request may still generate (each step commits at least one)."""
-        return math.inf if self._room is None else max(self._room - self._steps, 0)
+        """At most how many tokens the rows may still generate, this step's included (each step
+        commits at least one)."""
+        return self._left
 
     def room_to_probe(self) -> bool:
         """Whether enough of the request may still come for a probe to pay back its catch-up."""
-        return self._room is None or self._room - self._steps >= self.probe_room
+        return self._left >= self.probe_room
 
     def _begin_request(self, params) -> None:
         self._t_end = None  # a prefill is not a step
-        self._steps, self._room = 0, getattr(params, "max_new_tokens", None)
 
 
 class HybridDrafter(_LookupFirst):
     samples_guesses = True  # the draft model's rows carry its q
 
     def __init__(self, draft, min_n: int = 1, max_n: int = 4, probe_every: int = PROBE_EVERY, gate: bool = True,
-                 probe_room: int = 32, max_k: int = 16) -> None:
+                 probe_room: int = PROBE_ROOM, max_k: int = 16) -> None:
         """gate=False always runs the draft model for rows without a lookup, `max_tokens` guesses.
         probe_room: the fewest tokens a request may still generate for the draft model to start
         (or probe) there: its first proposal catches it up on the whole context. max_k: draft
@@ -204,10 +208,9 @@ class HybridDrafter(_LookupFirst):
         if max_tokens <= 0:
             self._used_draft = None
             return Draft.empty(B)
-        self._steps += 1
+        self.see_room(ctx)
         self._probing = False
-        ng = self.lookup.propose(ctx, max_tokens)
-        looked = [ng.tokens[b, : int(ng.counts[b])].tolist() for b in range(B)]
+        looked = self.lookup.lookups(ctx, max_tokens)
         need_draft = [not g for g in looked]
         kd = 0
         if any(need_draft):
@@ -361,7 +364,7 @@ class LookupEagleDrafter(_LookupFirst):
 
     def __init__(self, eagle, min_n: int = 1, max_n: int = 4, min_lookup: int = 2, probe_every: int = PROBE_EVERY,
                  gate: bool = True, graft: int = 6, eager: bool = False, trim: bool = True,
-                 probe_room: int = 32) -> None:
+                 probe_room: int = PROBE_ROOM) -> None:
         """eager: draft trees before the head's cost is measured; trim: verify only the tree's
         nodes worth their verification; probe_room: the fewest tokens a request may still
         generate for a probe to be worth its catch-up (see the class docstring)."""
@@ -405,6 +408,8 @@ class LookupEagleDrafter(_LookupFirst):
         step time, E_lookup(j) / (1 + r j) against (1 + gain) / (1 + c + r nodes), from the
         lookup's learnt acceptance and the tree's measured gain and cost. Until the tree is
         timed, a lookup of at least `min_lookup` guesses wins."""
+        if not any(looked):
+            return [False] * len(looked)  # (no lookup to price)
         policy = self.ngram.policy
         c = self.cost()
         if policy is None or c is None:
@@ -456,9 +461,8 @@ class LookupEagleDrafter(_LookupFirst):
             self.eagle.remember(ctx)
             self._t_end = time.perf_counter()
             return Draft.empty(B)
-        ng = self.ngram.propose(ctx, max_tokens)
-        looked = [ng.tokens[b, : int(ng.counts[b])].tolist() for b in range(B)]
-        self._steps += 1
+        looked = self.ngram.lookups(ctx, max_tokens)
+        self.see_room(ctx)
         use_lookup = self.prefer_lookup(looked)
         run_tree = not all(use_lookup)
         if run_tree and not self.tree_pays():
@@ -470,6 +474,13 @@ class LookupEagleDrafter(_LookupFirst):
                 self.probes.again(measured=False)
         elif run_tree:
             self.probes.taken()
+        if not run_tree and not any(looked):  # a plain step: nothing to assemble
+            self.eagle.remember(ctx)
+            self._node_p, self._timing = {}, (0.0, True)
+            self.ngram.step_tokens = 0
+            self.ngram.handed_over()
+            self._t_end = time.perf_counter()
+            return Draft.empty(B)
         return self.assemble(ctx, looked, [run_tree and not u for u in use_lookup], max_tokens, self.max_nodes,
                              trim=self.trim)
 

@@ -30,7 +30,9 @@ proposed ones, and needs no exploration to notice a text that starts to copy. Wh
 lookups cannot measure is the cost of a verified guess: after `probe_every` lookups of one
 match length declined in a row the policy proposes one guess anyway, so a cost misjudged in a
 slow spell (a high r stops every guess, and only guessed steps can measure it again) is
-noticed within a few probes (one guess in 16 declined steps: ~0.5% of a step).
+noticed within a few probes (one guess in 16 declined steps: ~0.5% of a step). A probe waits
+while fewer than `core.policy.PROBE_ROOM` tokens of its row may still come (`DraftContext.room`):
+in a short answer it costs more than what it tells can earn back.
 `adaptive=False` gives the classic fixed rule.
 Sampled requests, seeded or not, are cut by the same policy: lookups are deterministic
 guesses, and with those a seeded request commits the text plain sampling commits with its seed
@@ -45,8 +47,10 @@ import time
 
 import torch
 
-from ..core.policy import LengthPolicy
+from ..core.policy import PROBE_ROOM, LengthPolicy
 from .base import Draft, DraftContext, Drafter, register
+
+LOOKUP_PRIOR = 0.05  # a fresh policy's acceptance at every (match length, position): below any r, so declined
 
 
 def lookup_match(tokens: list[int], max_tokens: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
@@ -119,7 +123,10 @@ class NgramDrafter(Drafter):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
-        self.policy = LengthPolicy(max_n, max_k) if adaptive else None
+        # a fresh policy declines every lookup (prior acceptance 0.05) until the text shows what holds:
+        # declined lookups are scored too, so one that would have held is learnt at once, and a
+        # fresh process does not verify a short answer's chance matches at an optimistic prior
+        self.policy = LengthPolicy(max_n, max_k, prior=LOOKUP_PRIOR) if adaptive else None
         self.gates_itself = adaptive  # the length policy prices every guess (the engine guards batches only)
         self.max_k = max_k
         self.choose_length = choose_length
@@ -138,6 +145,15 @@ class NgramDrafter(Drafter):
         self._t_end = None  # a new request's prefill must not count as a step
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        guesses = self.lookups(ctx, max_tokens)
+        B, N = len(guesses), self.step_tokens
+        tokens = torch.tensor([list(g) + [0] * (N - len(g)) for g in guesses], dtype=torch.long).reshape(B, N)
+        self._t_end = time.perf_counter()
+        return Draft(tokens, torch.tensor([len(g) for g in guesses], dtype=torch.long))
+
+    def lookups(self, ctx: DraftContext, max_tokens: int) -> list[list[int]]:
+        """`propose`'s guesses as a list per row, for a drafter that builds its own proposal from
+        them (auto's): the step is timed from `handed_over`, which that drafter calls."""
         now = time.perf_counter()
         if self.policy is not None and self._t_end is not None and self._last is not None:
             self.policy.observe_time(self.step_tokens, now - self._t_end, len(self._last))
@@ -149,22 +165,20 @@ class NgramDrafter(Drafter):
         while len(self._index) < len(ctx.tokens):  # a row joined (the server) or a new request
             self._index.append(SuffixIndex(self.min_n, self.max_n))
             self._open.append([])
-        for t, index, open_ in zip(ctx.tokens, self._index, self._open):
+        rooms = ctx.room or [PROBE_ROOM] * len(ctx.tokens)
+        for t, index, open_, room in zip(ctx.tokens, self._index, self._open, rooms):
             n, g = index.match(t, max_tokens)
             if pol is not None:
                 self._score(open_, t)
                 if g:
                     open_.append((len(t), n, g))
             if g and cut:
-                g = g[: pol.choose(n, len(g))]
+                g = g[: pol.choose(n, len(g), may_probe=room >= PROBE_ROOM)]
             guesses.append(g)
             last.append((n, len(g)))
         self._last = last
         self.step_tokens = max((p for _, p in last), default=0)
-        B, N = len(guesses), max((len(g) for g in guesses), default=0)
-        tokens = torch.tensor([list(g) + [0] * (N - len(g)) for g in guesses], dtype=torch.long).reshape(B, N)
-        self._t_end = time.perf_counter()
-        return Draft(tokens, torch.tensor([len(g) for g in guesses], dtype=torch.long))
+        return guesses
 
     def _score(self, open_: list[tuple[int, int, list[int]]], tokens: list[int]) -> None:
         """Score a row's open lookups against its committed `tokens` (module docstring): each
