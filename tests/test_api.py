@@ -53,8 +53,10 @@ def test_generate_equals_plain_greedy_decoding(spec):
     plain = [r.tokens for r in Engine(lm.model, eos_ids=lm.eos_ids).generate(ids, SamplingParams(max_new_tokens=40))]
     batch = spec.generate(PROMPTS, max_new_tokens=40)
     assert [c.token_ids for c in batch] == plain
-    assert [spec.generate(p, max_new_tokens=40).token_ids for p in PROMPTS] == plain
-    assert sum(c.stats.accepted for c in batch) > 0  # it did speculate
+    alone = [spec.generate(p, max_new_tokens=40) for p in PROMPTS]
+    assert [c.token_ids for c in alone] == plain
+    # it did speculate (a fresh Speculator's lookup proposes once the text shows what holds)
+    assert sum(c.stats.accepted for c in batch + alone) > 0
     for c in batch:
         assert c.text == lm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         assert c.stats.new_tokens == len(c.token_ids)

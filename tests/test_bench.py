@@ -184,8 +184,22 @@ def test_bench_end_to_end(default_model, tmp_path, capsys):
     assert result["table"]["hf"]["all"]["equal_to_none"] == "2/2"
     assert result["table"]["hf-lookup"]["all"]["equal_to_none"] == "2/2"
     assert result["table"]["hf"]["all"]["speedup_vs_hf"] == 1.0
-    for f in ("results.json", "report.md", "speedup.png", "acceptance.png"):
+    for f in ("results.json", "report.md", "speedup.png"):
         assert (out / f).is_file()
+    # acceptance by position is drawn when some runner drafted (a fresh lookup may not, in 8 tokens)
+    drafted = any(result["table"][n]["all"].get("acceptance_by_pos") for n in result["runners"])
+    assert (out / "acceptance.png").is_file() == drafted
+
+
+def test_bench_plots_acceptance_by_draft_position(tmp_path):
+    from specdec.bench.report import plots
+
+    pytest.importorskip("matplotlib")
+    row = {"all": {"speedup_vs_none": 1.2, "acceptance_by_pos": [0.8, 0.5, 0.3]}}
+    result = {"runners": ["none", "ngram"], "status": {"none": "ok", "ngram": "ok"}, "categories": ["all"],
+              "table": {"none": {"all": {"speedup_vs_none": 1.0}}, "ngram": row}}
+    assert plots(result, tmp_path) == ["speedup.png", "acceptance.png"]
+    assert (tmp_path / "acceptance.png").stat().st_size > 0
 
 
 def test_peak_memory_sees_a_transient_allocation_and_starts_afresh_each_time():

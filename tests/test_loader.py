@@ -221,5 +221,7 @@ def test_default_model_named_by_its_path_is_the_default(default_model):
     from specdec.types import SamplingParams
 
     ids = bf.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
-    [r] = Engine(bf.model, lookup_eagle_for(bf), k=8, eos_ids=()).generate([ids], SamplingParams(max_new_tokens=24))
-    assert len(r.tokens) == 24 and r.stats.proposed > 0
+    drafter = lookup_eagle_for(bf)
+    drafter.eager = True  # trees from the first step (a fresh drafter waits to time the head)
+    [r] = Engine(bf.model, drafter, k=8, eos_ids=()).generate([ids], SamplingParams(max_new_tokens=24))
+    assert len(r.tokens) == 24 and r.stats.proposed > 0 and drafter.rows_drafted["eagle"] > 0
