@@ -460,6 +460,38 @@ def test_adaptive_k_weighs_each_position_on_its_own(monkeypatch, rule):
     assert policy.choose_k(4) == (1 if rule == "per position" else 0)
 
 
+@pytest.mark.parametrize("rule", ["batch size", "one row"])
+def test_adaptive_k_prices_a_batch_at_its_own_size(monkeypatch, rule):
+    """In a batch a guess costs more (the step turns compute-bound): after 120 steps of one row
+    (r 0.1, c 0.2) come steps of 4 rows at r 0.4 a guess (c 0.1), where a first guess that holds
+    40% of the time no longer pays (1.4 tokens for 1 + 0.1 + 0.4 steps' time): AdaptiveK then drafts only its
+    probes. Priced at one row always (a broken rule here, the one it had), it keeps drafting."""
+    from specdec.adaptive import AdaptiveK
+
+    if rule == "one row":
+        observe = AdaptiveK.observe
+
+        def one_row(self, k, counts, accepted, draft_s, verify_s):
+            observe(self, k, counts, accepted, draft_s, verify_s)
+            self.steps.rows = 1
+
+        monkeypatch.setattr(AdaptiveK, "observe", one_row)
+    policy, ks = AdaptiveK(), []
+    for i in range(360):
+        rows = 1 if i < 120 else 4
+        k = policy.choose_k(4)
+        ks.append(k)
+        held = min(k, 1) if i % 5 < 2 else 0
+        # one row: 0.01 s + 0.001 s a guess (r 0.1); four: 0.02 s + 0.002 s a guess of each row (r 0.4)
+        verify_s = 0.01 + 0.001 * k if rows == 1 else 0.02 + 0.002 * rows * k
+        policy.observe(k, [k] * rows, [held] * rows, 0.002 * k, verify_s)
+    late = ks[240:]
+    if rule == "batch size":
+        assert late.count(0) >= 0.8 * len(late), late
+    else:
+        assert late.count(0) < 0.5 * len(late), late
+
+
 def test_adaptive_k_stops_a_draft_that_cannot_pay():
     """A draft that costs twice a target step a guess cannot pay whatever holds (c + r >= 1): once
     timed it drafts nothing, and no probe is spent on it."""

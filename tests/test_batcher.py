@@ -424,7 +424,8 @@ def test_lookup_and_draft_choice_follows_expected_tokens():
     assert lookup.matches == [4, 1]
     guesses, gains = [[1, 5, 6, 7], [4, 4, 4, 4]], lookup.expected_tokens()
     assert gains == [pol.expected(4, 4), pol.expected(1, 4)]
-    b.draft_allowed, b.draft_held = [0.0] + [100.0] * 4, [0.0, 90.0, 80.0, 70.0, 60.0]
+    for n in range(100):  # the draft model's j-th guess held in 90, 80, 70, 60 of 100 rows
+        b.observe_draft([4], [4 if n < 60 else 3 if n < 70 else 2 if n < 80 else 1 if n < 90 else 0])
 
     class Steps:
         @staticmethod

@@ -110,7 +110,8 @@ class AdaptiveK:
         """One step: its cap k, each row's guesses and how many held, the seconds spent drafting
         and verifying."""
         guesses = max(counts, default=0)
-        self.steps.observe_time(guesses, verify_s, len(counts) or 1)
+        self.steps.rows = len(counts) or 1  # the next step is priced at this batch size
+        self.steps.observe_time(guesses, verify_s, self.steps.rows)
         self.t_step = ema(self.t_step, verify_s, 0.8)
         if guesses and self.length.hint is None:
             self.length.time_guess(draft_s / guesses)
@@ -730,7 +731,8 @@ class LoadPolicy:
 
     with t from `StepModel` (fed every step by `observe_step`), a row's lookup from its learnt
     per-position acceptance (`Drafter.expected_tokens`), a tree from the tree drafter's measured
-    gain, a draft model from its measured acceptance per position. Drafting times are lines in
+    gain, a draft model from its measured acceptance per position (`draft_odds`, kept as
+    `DraftLength` keeps generate's). Drafting times are lines in
     the number of rows that draft (`head_time`, `draft_time`). K = 0 is plain decoding. Probes:
     every PROBE_EVERY-th step allows one guess more than the best cap (so the cost of guesses
     stays measured at this batch size even while the best cap is 0), and in batches of A <=
@@ -740,16 +742,16 @@ class LoadPolicy:
 
     TREE_PROBE_MAX_ROWS = 4  # forced second-source probes only in batches this small
     TREE_MARGIN = 1.05  # trees must promise this much more than the best lookup-only choice
-    DRAFT_PRIOR = 0.6  # a draft model's j-th guess holds with 0.6 ** j until measured there
+    DRAFT_PRIOR = 0.6  # a draft model's guess holds with 0.6 once those before it held, until measured
 
     def __init__(self, k_max: int, adaptive: bool = True) -> None:
         self.k_max, self.adaptive = k_max, adaptive
         self.steps = StepModel()
         self.head_time = DecayedLine(FIT_DECAY)  # the head's drafting seconds vs rows it drafts for
         self.draft_time = DecayedLine(FIT_DECAY)  # a draft model's seconds per drafted token vs rows
-        # decayed per position j: row-steps allowed a j-th draft-model guess, and those in which it held
-        self.draft_allowed = [0.0] * (k_max + 1)
-        self.draft_held = [0.0] * (k_max + 1)
+        # a draft model's acceptance per position, learnt from the rows that took its guesses (the
+        # acceptance `DraftLength` keeps for generate's draft model: a LengthPolicy of one match length)
+        self.draft_odds = LengthPolicy(0, k_max, clock=False, probe_every=0, prior=self.DRAFT_PRIOR)
 
     # -- what was measured --------------------------------------------------------------
     def observe_step(self, rows: int, k: int, seconds: float) -> None:
@@ -765,17 +767,13 @@ class LoadPolicy:
         self.draft_time.observe(rows, seconds_per_token)
 
     def observe_draft(self, caps: list[int], accepted: list[int]) -> None:
-        """Per position j, decayed: row-steps whose cap allowed a j-th draft-model guess, and
-        those in which the j-th guess held."""
-        d = FIT_DECAY
-        for j in range(1, self.k_max + 1):
-            self.draft_allowed[j] = d * self.draft_allowed[j] + sum(c >= j for c in caps)
-            self.draft_held[j] = d * self.draft_held[j] + sum(n >= j for n, c in zip(accepted, caps) if c >= j)
+        """Per row: its cap allowed `caps[b]` draft-model guesses and `accepted[b]` held (rows
+        with cap 0 did not take the draft model)."""
+        for cap, held in zip(caps, accepted):
+            if cap > 0:
+                self.draft_odds.observe(0, cap, held)
 
     # -- what it predicts ---------------------------------------------------------------
-    def draft_gain(self, j: int) -> float:
-        """Expected extra tokens per row from allowing a j-th draft-model guess."""
-        return (self.draft_held[j] + self.DRAFT_PRIOR ** j) / (self.draft_allowed[j] + 1.0)
 
     def draft_cost(self, A: int) -> float:
         """Predicted seconds a draft model takes per drafted token for A rows (0 until measured)."""
@@ -869,9 +867,9 @@ class LoadPolicy:
             # `generate --method auto`'s hybrid drafter does before it has measured anything)
             return self.k_max, [ok and len(g) < 2 for ok, g in zip(draft_ok, guesses)]
         per_tok = self.draft_cost(A)
-        cum = [0.0]
-        for j in range(1, self.k_max + 1):
-            cum.append(cum[-1] + self.draft_gain(j))
+        cum = [0.0]  # expected extra tokens of a row allowed k draft-model guesses, k = 0 .. k_max
+        for held in self.draft_odds.held(0, self.k_max):
+            cum.append(cum[-1] + held)
 
         def drafts(k, looks, t):
             if k == 0 or not any(draft_ok):
