@@ -247,3 +247,19 @@ def test_seeded_sample_lookups_are_cut_by_the_shared_policy():
     assert d.policy.seen[2][0] > before
     assert sum(_steps_where_lookups_fail(d, seeded, 16)) == 1  # learnt to decline: one probe per 16
 
+
+
+def test_a_step_of_many_rows_decays_the_counts_once():
+    """A batch's step teaches the acceptance of each row that drafted, but the counts decay once a
+    step: 32 rows that held, then 32 that failed, leave about even odds (decayed once a row, the
+    older step would weigh half as much as the newer one: ~0.34)."""
+    pol = LengthPolicy(max_n=0, max_k=4)
+    pol.observe_rows(0, [(1, 1)] * 32)
+    pol.observe_rows(0, [(1, 0)] * 32)
+    assert 0.45 < pol.held(0, 1)[0] < 0.55
+    one = LengthPolicy(max_n=0, max_k=4)  # one row a step: the same counts as `observe`
+    two = LengthPolicy(max_n=0, max_k=4)
+    for proposed, accepted in [(3, 1), (2, 2), (4, 0)]:
+        one.observe(0, proposed, accepted)
+        two.observe_rows(0, [(proposed, accepted)])
+    assert one.acc == two.acc and one.seen == two.seen

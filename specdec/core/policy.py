@@ -590,12 +590,21 @@ class LengthPolicy:
         return best_j
 
     def observe(self, n: int, proposed: int, accepted: int) -> None:
-        if n >= len(self.acc):
-            n = len(self.acc) - 1
-        d = self.decay
-        for i in range(min(proposed, accepted + 1)):  # positions whose predecessors all held
-            self.acc[n][i] = d * self.acc[n][i] + (1.0 if i < accepted else 0.0)
-            self.seen[n][i] = d * self.seen[n][i] + 1.0
+        self.observe_rows(n, [(proposed, accepted)])
+
+    def observe_rows(self, n: int, rows: list[tuple[int, int]]) -> None:
+        """One step's (proposed, accepted) of each row that drafted with a match of length n: the
+        counts decay once a step, not once a row, so a batch of many rows does not forget faster."""
+        n = min(n, len(self.acc) - 1)
+        acc, seen, d = self.acc[n], self.seen[n], self.decay
+        for i in range(min(len(acc), max((min(p, a + 1) for p, a in rows), default=0))):
+            held = tried = 0
+            for proposed, accepted in rows:
+                if i < min(proposed, accepted + 1):  # the positions whose predecessors all held
+                    tried += 1
+                    held += i < accepted
+            acc[i] = d * acc[i] + held
+            seen[i] = d * seen[i] + tried
 
     def observe_time(self, j: int, seconds: float, rows: int = 1) -> None:
         """A step of `rows` rows that verified up to `j` guesses a row took `seconds`."""
@@ -769,9 +778,7 @@ class LoadPolicy:
     def observe_draft(self, caps: list[int], accepted: list[int]) -> None:
         """Per row: its cap allowed `caps[b]` draft-model guesses and `accepted[b]` held (rows
         with cap 0 did not take the draft model)."""
-        for cap, held in zip(caps, accepted):
-            if cap > 0:
-                self.draft_odds.observe(0, cap, held)
+        self.draft_odds.observe_rows(0, [(cap, held) for cap, held in zip(caps, accepted) if cap > 0])
 
     # -- what it predicts ---------------------------------------------------------------
 
