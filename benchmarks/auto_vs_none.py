@@ -7,7 +7,9 @@ sampled runs apart; "saved"), or from nothing with --how fresh (`--fresh`, a fir
 interleaved on the same prompts; time is the whole `generate` call (prefill included, the
 drafter's construction not). Batch 1 sends a category's prompts one by one; batched sends
 them as one batch. A cell's ratio is auto's tokens per second / none's (>= 1: auto is faster),
-from the medians over repeats of each cell's generated tokens / summed times. Every cell also
+from the medians over repeats of each cell's generated tokens / summed times; its paired ratio is
+the median of the repeats' own ratios (each repeat runs both next to each other, so the machine's
+drift between repeats cancels). Every cell also
 checks that auto's tokens equal plain decoding's (the sampled cells are seeded, and auto's
 guesses are deterministic: it commits plain sampling's text). Prints the table, then one JSON
 document as the last line.
@@ -114,19 +116,25 @@ def main() -> int:
             print(f"{cat} {samp} {n} batch {batching}: none {rates[(cell, 'none')][-1]:.1f} tok/s, "
                   f"auto {rates[(cell, 'auto')][-1]:.1f} tok/s", file=sys.stderr, flush=True)
     print(f"auto vs none ({args.how}), threads {args.threads}, medians of {args.repeats}; "
-          "ratio = auto tokens/s / none tokens/s")
-    print(f"{'category':16} {'sampling':8} {'tokens':>6} {'batch':>5} {'none t/s':>8} {'auto t/s':>8} {'ratio':>6}")
+          "ratio = auto tokens/s / none tokens/s; paired = the median of each repeat's ratio (auto and none "
+          "ran next to each other, so the machine's drift between repeats cancels)")
+    print(f"{'category':16} {'sampling':8} {'tokens':>6} {'batch':>5} {'none t/s':>8} {'auto t/s':>8} {'ratio':>6} "
+          f"{'paired':>6}")
     doc = []
     for cell in cells:
         rn, ra = statistics.median(rates[(cell, 'none')]), statistics.median(rates[(cell, 'auto')])
+        paired = statistics.median(a / b for a, b in zip(rates[(cell, 'auto')], rates[(cell, 'none')]))
         cat, samp, n, batching = cell
-        print(f"{cat:16} {samp:8} {n:6d} {batching:>5} {rn:8.1f} {ra:8.1f} {ra / rn:6.2f}")
+        print(f"{cat:16} {samp:8} {n:6d} {batching:>5} {rn:8.1f} {ra:8.1f} {ra / rn:6.2f} {paired:6.2f}")
         doc.append({"category": cat, "sampling": samp, "max_new_tokens": n, "batch": batching,
                     "none_s": times[(cell, 'none')], "auto_s": times[(cell, 'auto')],
-                    "none_tok_s": rates[(cell, 'none')], "auto_tok_s": rates[(cell, 'auto')], "ratio": ra / rn})
-    ratios = [d["ratio"] for d in doc]
-    print(f"cells {len(doc)}: min ratio {min(ratios):.2f}, median {statistics.median(ratios):.2f}; "
-          f"below 0.97: {sum(r < 0.97 for r in ratios)}; unequal to plain decoding: {len(unequal)}")
+                    "none_tok_s": rates[(cell, 'none')], "auto_tok_s": rates[(cell, 'auto')], "ratio": ra / rn,
+                    "paired": paired})
+    for key in ("ratio", "paired"):
+        ratios = [d[key] for d in doc]
+        print(f"cells {len(doc)} ({key}): min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; "
+              f"below 0.97: {sum(r < 0.97 for r in ratios)}")
+    print(f"unequal to plain decoding: {len(unequal)}")
     print(json.dumps({"benchmark": "auto_vs_none", "args": vars(args), "cells": doc, "unequal": [list(c) for c in unequal]}))
     return 1 if unequal else 0
 
