@@ -781,7 +781,6 @@ class LoadPolicy:
         self.draft_odds.observe_rows(0, [(cap, held) for cap, held in zip(caps, accepted) if cap > 0])
 
     # -- what it predicts ---------------------------------------------------------------
-
     def draft_cost(self, A: int) -> float:
         """Predicted seconds a draft model takes per drafted token for A rows (0 until measured)."""
         line = self.draft_time
@@ -874,9 +873,8 @@ class LoadPolicy:
             # `generate --method auto`'s hybrid drafter does before it has measured anything)
             return self.k_max, [ok and len(g) < 2 for ok, g in zip(draft_ok, guesses)]
         per_tok = self.draft_cost(A)
-        cum = [0.0]  # expected extra tokens of a row allowed k draft-model guesses, k = 0 .. k_max
-        for held in self.draft_odds.held(0, self.k_max):
-            cum.append(cum[-1] + held)
+        # expected extra tokens of a row allowed k draft-model guesses, k = 0 .. k_max
+        cum = [tokens - 1.0 for tokens in self.draft_odds.expected(0, self.k_max)]
 
         def drafts(k, looks, t):
             if k == 0 or not any(draft_ok):

@@ -477,7 +477,6 @@ class LookupEagleDrafter(_LookupFirst):
         if not run_tree and not any(looked):  # a plain step: nothing to assemble
             self.eagle.remember(ctx)
             self._node_p, self._timing = {}, (0.0, True)
-            self.ngram.step_tokens = 0
             self.ngram.handed_over()
             self._t_end = time.perf_counter()
             return Draft.empty(B)

@@ -146,7 +146,7 @@ class NgramDrafter(Drafter):
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         guesses = self.lookups(ctx, max_tokens)
-        B, N = len(guesses), self.step_tokens
+        B, N = len(guesses), max((len(g) for g in guesses), default=0)
         tokens = torch.tensor([list(g) + [0] * (N - len(g)) for g in guesses], dtype=torch.long).reshape(B, N)
         self._t_end = time.perf_counter()
         return Draft(tokens, torch.tensor([len(g) for g in guesses], dtype=torch.long))
