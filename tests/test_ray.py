@@ -441,7 +441,9 @@ def test_drain_lets_open_requests_finish_and_ends_the_rest(ray_app, client):
     nothing is open."""
     import http.client
 
-    from specdec.distributed.ray_serve import drain_replicas
+    import ray
+
+    from specdec.distributed.ray_serve import BOARD_NAME, BOARD_NAMESPACE, drain_replicas
 
     host, port = ray_app.removeprefix("http://").split(":")
     out = {}
@@ -465,7 +467,12 @@ def test_drain_lets_open_requests_finish_and_ends_the_rest(ray_app, client):
     t0 = time.time()
     drain = threading.Thread(target=drain_replicas, args=(3.0,))
     drain.start()
-    time.sleep(1.5)  # the replicas see the drain within a second
+    board = ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
+    for _ in range(100):  # every replica has been told (each sees it within a tick; a busy machine is slower)
+        if ray.get(board.draining.remote(), timeout=10):
+            break
+        time.sleep(0.1)
+    time.sleep(0.2)  # a replica starts draining as its post returns
     post("late", {"prompt": "Hi", "max_tokens": 4})
     drain.join(timeout=60)
     for t in threads:

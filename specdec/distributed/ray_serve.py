@@ -96,11 +96,18 @@ class MetricsBoard:
     def drain(self, seconds: float) -> None:
         self.drain_since, self.drain_until = time.time(), time.time() + seconds
 
+    def _live(self) -> list[tuple[float, int]]:
+        now = time.time()
+        return [v for v in self.open.values() if now - v[0] <= STALE_S]
+
+    def draining(self) -> bool:
+        """Every replica heard from lately has posted since the drain began, so has been told of it
+        (a replica starts draining as its post returns)."""
+        return self.drain_since is not None and all(t > self.drain_since for t, _ in self._live())
+
     def drained(self) -> bool:
         """Every replica heard from lately has posted since the drain began with nothing open."""
-        now = time.time()
-        live = {r: v for r, v in self.open.items() if now - v[0] <= STALE_S}
-        return self.drain_since is not None and all(t > self.drain_since and n == 0 for t, n in live.values())
+        return self.draining() and all(n == 0 for _, n in self._live())
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
