@@ -103,28 +103,37 @@ def _build(cache_dir: Path, quiet: bool, source: Path = SOURCE, isa: list[str] |
     return lib
 
 
+def _load_once(state: dict, switch: str, flags: set[str], lacks: str, build, namespace: str, what: str):
+    """Load a kernel library once per process: state holds "ops" (the torch.ops namespace) or
+    "why" (the reason there is none: the switch environment variable set to 0, CPU flags missing,
+    or a build or load that failed); build() returns the library's path."""
+    with _lock:
+        if "ops" in state or "why" in state:
+            return state.get("ops")
+        why = None
+        if os.environ.get(switch, "1") == "0":
+            why = f"{switch}=0"
+        elif platform.machine() not in ("x86_64", "AMD64") or not flags <= _cpu_flags():
+            why = lacks
+        if why is None:
+            try:
+                torch.ops.load_library(str(build()))
+                state["ops"] = getattr(torch.ops, namespace)
+                return state["ops"]
+            except (RuntimeError, OSError) as e:
+                why = f"{what} could not be built or loaded ({e})"
+        state["why"] = why
+        return None
+
+
 def ops(cache_dir: Path, quiet: bool = True):
     """torch.ops.specdec_q (the block products q4_1_linear / q8_0_linear, their N-major _n forms
     and integer _v (8-bit activations) and _w (16-bit) forms (only where has_vnni()), attend,
     rope_attend, rms_norm, silu_mul), or None if the kernels cannot run here; a build goes to
     (and is reused from) cache_dir."""
-    with _lock:
-        if "ops" in _state or "why" in _state:
-            return _state.get("ops")
-        why = None
-        if os.environ.get("SPECDEC_GGUF_KERNELS", "1") == "0":
-            why = "SPECDEC_GGUF_KERNELS=0"
-        elif platform.machine() not in ("x86_64", "AMD64") or not NEEDED_FLAGS <= _cpu_flags():
-            why = "this CPU lacks AVX-512 (the block kernels need AVX-512 F, BW, VL and DQ, AVX2 and FMA)"
-        if why is None:
-            try:
-                torch.ops.load_library(str(_build(Path(cache_dir), quiet)))
-                _state["ops"] = torch.ops.specdec_q
-                return _state["ops"]
-            except (RuntimeError, OSError) as e:
-                why = f"the block kernels could not be built or loaded ({e})"
-        _state["why"] = why
-        return None
+    return _load_once(_state, "SPECDEC_GGUF_KERNELS", NEEDED_FLAGS,
+                      "this CPU lacks AVX-512 (the block kernels need AVX-512 F, BW, VL and DQ, AVX2 and FMA)",
+                      lambda: _build(Path(cache_dir), quiet), "specdec_q", "the block kernels")
 
 
 ROWSTABLE_SOURCE = Path(__file__).with_name("rowstable.cpp")
@@ -153,25 +162,11 @@ def rowstable_ops(cache_dir: Path, quiet: bool = True):
     (AVX-512 CPUs included; the build rowstable_isa() names); None where these cannot run
     (`rowstable_unavailable()` says why: no AVX2/FMA/F16C, no compiler, a failed build,
     SPECDEC_ROWSTABLE=0). Built once into cache_dir like ops() (each build under its own key)."""
-    with _lock:
-        if "ops" in _rs_state or "why" in _rs_state:
-            return _rs_state.get("ops")
-        why = None
-        if os.environ.get("SPECDEC_ROWSTABLE", "1") == "0":
-            why = "SPECDEC_ROWSTABLE=0"
-        elif platform.machine() not in ("x86_64", "AMD64") or not ROWSTABLE_FLAGS <= _cpu_flags():
-            why = "this CPU lacks AVX2, FMA and F16C (the row-stable kernels need all three)"
-        if why is None:
-            try:
-                lib = _build(Path(cache_dir), quiet, ROWSTABLE_SOURCE, ROWSTABLE_ISA[rowstable_isa()],
-                             "the row-stable float32 kernels")
-                torch.ops.load_library(str(lib))
-                _rs_state["ops"] = torch.ops.specdec_rs
-                return _rs_state["ops"]
-            except (RuntimeError, OSError) as e:
-                why = f"the row-stable kernels could not be built or loaded ({e})"
-        _rs_state["why"] = why
-        return None
+    return _load_once(_rs_state, "SPECDEC_ROWSTABLE", ROWSTABLE_FLAGS,
+                      "this CPU lacks AVX2, FMA and F16C (the row-stable kernels need all three)",
+                      lambda: _build(Path(cache_dir), quiet, ROWSTABLE_SOURCE, ROWSTABLE_ISA[rowstable_isa()],
+                                     "the row-stable float32 kernels"),
+                      "specdec_rs", "the row-stable kernels")
 
 
 def rowstable_unavailable() -> str | None:
