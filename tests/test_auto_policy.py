@@ -492,6 +492,28 @@ def test_adaptive_k_prices_a_batch_at_its_own_size(monkeypatch, rule):
         assert late.count(0) < 0.5 * len(late), late
 
 
+@pytest.mark.parametrize("rule", ["once a step", "once a row"])
+def test_a_batch_step_decays_the_draft_models_counts_once(monkeypatch, rule):
+    """AdaptiveK and auto --draft's draft model (DraftLength) learn from every row that drafted,
+    but decay their counts once a step: a step of 32 rows that held, then one of 32 that failed,
+    leave about even odds at the first position. Decayed once a row (a broken rule here, the one
+    they had), the older step weighs half as much: odds ~0.34."""
+    from specdec.adaptive import AdaptiveK
+    from specdec.core.policy import DraftLength
+
+    if rule == "once a row":
+        monkeypatch.setattr(DraftLength, "observe_rows",
+                            lambda self, rows: [self.observe(p, a) for p, a in rows if p])
+    policy = AdaptiveK()
+    policy.observe(1, [1] * 32, [1] * 32, 0.001, 0.01)
+    policy.observe(1, [1] * 32, [0] * 32, 0.001, 0.01)
+    odds = policy.length.odds.held(0, 1)[0]
+    if rule == "once a step":
+        assert 0.45 < odds < 0.55, odds
+    else:
+        assert odds < 0.4, odds
+
+
 def test_adaptive_k_stops_a_draft_that_cannot_pay():
     """A draft that costs twice a target step a guess cannot pay whatever holds (c + r >= 1): once
     timed it drafts nothing, and no probe is spent on it."""

@@ -338,6 +338,40 @@ def test_trees_are_chosen_only_by_a_clear_margin():
     assert b.choose([[]], [0], [False], d) == (0, [False])  # a row that may not draft trees
 
 
+@pytest.mark.parametrize("rule", ["schedule", "every 16th step"])
+def test_a_tree_that_does_not_pay_is_probed_ever_more_rarely_and_only_with_room(monkeypatch, rule):
+    """The server's second-source probes follow generate's ProbeSchedule: at one row a tree
+    that never pays is probed after 16, 32, 64, 128 declined steps (5 probes in 400 steps), and
+    never for a row with fewer than PROBE_ROOM tokens left. The rule it had (a probe every 16th
+    step whatever it found, at any room: ~25 in 400 steps) fails."""
+    from specdec.core.policy import PROBE_EVERY, PROBE_ROOM
+    from specdec.drafters.hybrid import LookupEagleDrafter
+
+    if rule == "every 16th step":
+        def every_16th(self, A, best_use, ok, room):
+            self.count = getattr(self, "count", 0) + 1
+            return list(ok) if self.count % PROBE_EVERY == 0 and any(ok) and not any(best_use) else None
+
+        monkeypatch.setattr(LoadPolicy, "_probe", every_16th)
+    b = _Chooser(k_max=8)
+    for K in (0, 2, 4, 8):
+        for _ in range(5):
+            b.steps.observe(1, K, 0.015 + 0.0002 * K)
+    b.lookup = LengthPolicy(max_n=4, max_k=16)
+    d = object.__new__(LookupEagleDrafter)
+    d.t_draft, d.nodes, d.gain = 0.004, 5.0, 0.1  # a tree that costs more than it gains
+
+    def probes(room, steps=400):
+        return sum(b.choose_k([[]], [[1.0]], b.step, [True], d, [room])[1] == [True] for _ in range(steps))
+
+    many = probes(room=1000)
+    if rule == "schedule":
+        assert many == 5, many
+        assert probes(room=PROBE_ROOM - 1) == 0
+    else:
+        assert many > 20
+
+
 # -- the batcher with a draft model (method draft), on tiny random models -------------------
 
 def _draft_batcher(adaptive: bool, draft_seed: int = 0, max_batch: int = 3, seed: int = 0, vocab: int | None = None,

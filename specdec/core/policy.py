@@ -115,9 +115,7 @@ class AdaptiveK:
         self.t_step = ema(self.t_step, verify_s, 0.8)
         if guesses and self.length.hint is None:
             self.length.time_guess(draft_s / guesses)
-        for proposed, held in zip(counts, accepted):
-            if proposed:
-                self.length.observe(proposed, held)
+        self.length.observe_rows(list(zip(counts, accepted)))
 
     def learned(self) -> dict:
         """Acceptance per position (capped, `carried`), the drafting time and the step-time fit,
@@ -145,9 +143,11 @@ class ProbeSchedule:
         self.last_gap = every  # the gap before the last probe lengthened it
         self.skipped = 0  # declined steps since the last probe
 
-    def due(self, room: bool = True) -> bool:
-        """The gate declined this step: whether to probe anyway (the gap doubles with each probe)."""
-        self.skipped += 1
+    def due(self, room: bool = True, share: float = 1.0) -> bool:
+        """The gate declined this step: whether to probe anyway (the gap doubles with each probe).
+        share: what this step counts towards the gap (a probe of A rows costs A rows' drafting, so
+        the server counts a step of A rows as 1/A)."""
+        self.skipped += share
         if self.skipped < self.gap or not room:
             return False
         self.skipped = 0
@@ -707,6 +707,13 @@ class DraftLength:
         """A row took `proposed` of its guesses to verification and `accepted` held."""
         self.odds.observe(0, proposed, accepted)
 
+    def observe_rows(self, rows: list[tuple[int, int]]) -> None:
+        """One step's (proposed, accepted) of each row it drafted for: the counts decay once a step
+        (`LengthPolicy.observe_rows`), so a batch of many rows does not forget faster."""
+        rows = [(p, a) for p, a in rows if p]
+        if rows:
+            self.odds.observe_rows(0, rows)
+
     def time_guess(self, seconds: float) -> None:
         """A steady-state proposal took `seconds` a guess."""
         self.t_tok = ema(self.t_tok, seconds, 0.8)
@@ -745,9 +752,10 @@ class LoadPolicy:
     the number of rows that draft (`head_time`, `draft_time`). K = 0 is plain decoding. Probes:
     every PROBE_EVERY-th step allows one guess more than the best cap (so the cost of guesses
     stays measured at this batch size even while the best cap is 0), and in batches of A <=
-    TREE_PROBE_MAX_ROWS rows, once every PROBE_EVERY * A steps, rows that may take the second
-    source do so if none chose it (a probe of A rows measures A rows' gain; a probe of many rows
-    is dear). `step` is the caller's count of decode steps, which sets the probing phase."""
+    TREE_PROBE_MAX_ROWS rows, rows that may take the second source and have room for
+    PROBE_ROOM more tokens do so if none chose it, on a `ProbeSchedule` (`_probe`: after
+    PROBE_EVERY * A declined steps, the gap doubling while probes find the source still
+    declined). `step` is the caller's count of decode steps, which sets the lookup probe's phase."""
 
     TREE_PROBE_MAX_ROWS = 4  # forced second-source probes only in batches this small
     TREE_MARGIN = 1.05  # trees must promise this much more than the best lookup-only choice
@@ -761,6 +769,7 @@ class LoadPolicy:
         # a draft model's acceptance per position, learnt from the rows that took its guesses (the
         # acceptance `DraftLength` keeps for generate's draft model: a LengthPolicy of one match length)
         self.draft_odds = LengthPolicy(0, k_max, clock=False, probe_every=0, prior=self.DRAFT_PRIOR)
+        self.probes = ProbeSchedule(PROBE_EVERY)  # when rows that declined the second source try it (`_probe`)
 
     # -- what was measured --------------------------------------------------------------
     def observe_step(self, rows: int, k: int, seconds: float) -> None:
@@ -817,16 +826,27 @@ class LoadPolicy:
                     best[kind] = (rate, k, use)
         return best
 
-    def _probe(self, step: int, A: int, best_use: list[bool], ok: list[bool]) -> bool:
-        """Whether this step forces the second source on the rows that may take it."""
-        every = PROBE_EVERY * A
-        return step % every == every // 2 and any(ok) and not any(best_use) and A <= self.TREE_PROBE_MAX_ROWS
+    def _probe(self, A: int, best_use: list[bool], ok: list[bool], room: list[int] | None) -> list[bool] | None:
+        """The rows this step forces the second source on, or None. Probes follow one
+        `ProbeSchedule` (generate's auto uses the same rule): only while no row chose the second
+        source, in batches of A <= TREE_PROBE_MAX_ROWS rows, a step of A rows counting 1/A
+        towards the gap, which doubles each time a probe finds the source still declined; and
+        only on rows that may still take PROBE_ROOM tokens (room; None: unknown), since a short
+        answer never earns back a probe's catch-up on its context."""
+        if any(best_use):
+            self.probes.taken()
+            return None
+        if not any(ok) or A > self.TREE_PROBE_MAX_ROWS:
+            return None
+        roomy = list(ok) if room is None else [o and r >= PROBE_ROOM for o, r in zip(ok, room)]
+        return roomy if self.probes.due(any(roomy), share=1.0 / A) else None
 
     def choose_k(self, guesses: list[list[int]], gains: list[list[float]] | None, step: int,
-                 tree_ok: list[bool] | None = None, tree=None) -> tuple[int, list[bool]]:
+                 tree_ok: list[bool] | None = None, tree=None, room: list[int] | None = None) -> tuple[int, list[bool]]:
         """Prompt lookup, with an EAGLE tree beside it when `tree` (the auto drafter) is given:
         (the cap, which rows draft a tree). gains: per row, expected committed tokens with its
-        first j guesses (None: no estimates, every step drafts: --fixed-k)."""
+        first j guesses (None: no estimates, every step drafts: --fixed-k). room: the tokens each
+        row may still generate (probes wait for it)."""
         A = len(guesses)
         tree_ok = tree_ok or [False] * A
         if not self.adaptive or gains is None:
@@ -856,12 +876,13 @@ class LoadPolicy:
         _, best_k, best_use = chosen
         if step % PROBE_EVERY == 0 and best_k < self.k_max:
             return best_k + 1, best_use
-        if tree is not None and self._probe(step, A, best_use, tree_ok):
-            return max(best_k, min(self.k_max, tree.usual_nodes)), list(tree_ok)
+        probe = self._probe(A, best_use, tree_ok, room) if tree is not None else None
+        if probe is not None:
+            return max(best_k, min(self.k_max, tree.usual_nodes)), probe
         return best_k, best_use
 
     def choose_draft(self, guesses: list[list[int]], gains: list[list[float]] | None, step: int,
-                     draft_ok: list[bool]) -> tuple[int, list[bool]]:
+                     draft_ok: list[bool], room: list[int] | None = None) -> tuple[int, list[bool]]:
         """A draft model (method draft), with prompt lookup beside it when `gains` is given (auto
         with a draft model): (the cap, which rows take the draft model's guesses). A row's
         draft-model guesses are worth 1 + the per-position gains up to K, and cost K times the
@@ -895,6 +916,7 @@ class LoadPolicy:
             if not any(best_use) and gains is None:
                 best_use = list(draft_ok)  # draft mode: the extra guess is the draft model's
             return best_k + 1, best_use
-        if gains is not None and self._probe(step, A, best_use, draft_ok):
-            return max(best_k, 1), list(draft_ok)
+        probe = self._probe(A, best_use, draft_ok, room) if gains is not None else None
+        if probe is not None:
+            return max(best_k, 1), probe
         return best_k, best_use

@@ -589,10 +589,11 @@ class ContinuousBatcher:
         use_draft = [False] * A
         step = self.totals["steps"]  # the probing phase
         if self.drafting:
-            s.k, use_draft = self.policy.choose_draft(guesses, gains, step, draft_ok)
+            s.k, use_draft = self.policy.choose_draft(guesses, gains, step, draft_ok, s.room)
             use_tree = [False] * A
         else:
-            s.k, use_tree = self.policy.choose_k(guesses, gains, step, tree_ok, self.drafter if self.trees else None)
+            s.k, use_tree = self.policy.choose_k(guesses, gains, step, tree_ok, self.drafter if self.trees else None,
+                                                 s.room)
         if s.k > 0 and self.guard is not None and not self.guard.speculate(A):
             s.k, use_tree, use_draft = 0, [False] * A, [False] * A
         s.caps = self._caps(s)
@@ -693,7 +694,8 @@ class ContinuousBatcher:
             # a tree cut to its first nodes stays a tree
             s.counts = torch.minimum(draft.counts, torch.tensor(s.caps, dtype=torch.long))
             s.K = int(s.counts.max())
-            s.drafted, s.parents = draft.tokens[:, : s.K], draft.parents[:, : s.K]
+            s.drafted = draft.tokens[:, : s.K]
+            s.parents = draft.parents[:, : s.K] if draft.parents is not None else None  # (None: a plain step)
         else:
             s.counts = torch.tensor([len(g) for g in s.guesses], dtype=torch.long)
             s.K = int(s.counts.max())

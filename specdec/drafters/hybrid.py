@@ -269,15 +269,15 @@ class HybridDrafter(_LookupFirst):
         used = self._used_draft
         if self._probing and any(n and u for n, u in zip(num_accepted, used)):
             self.probes.again()  # its guess held: probe again at once, while the catch-up is short
-        for c, n, u in zip(self._proposal.counts.tolist(), num_accepted, used):
-            if u and c:
-                self.length.observe(c, int(n))
-                while len(self.pos_proposed) < c:
-                    self.pos_proposed.append(0)
-                    self.pos_accepted.append(0)
-                for i in range(min(c, int(n) + 1)):
-                    self.pos_proposed[i] += 1
-                    self.pos_accepted[i] += i < n
+        drafted = [(c, int(n)) for c, n, u in zip(self._proposal.counts.tolist(), num_accepted, used) if u and c]
+        self.length.observe_rows(drafted)
+        for c, n in drafted:
+            while len(self.pos_proposed) < c:
+                self.pos_proposed.append(0)
+                self.pos_accepted.append(0)
+            for i in range(min(c, n + 1)):
+                self.pos_proposed[i] += 1
+                self.pos_accepted[i] += i < n
         self.draft.commit([n if u else 0 for n, u in zip(num_accepted, used)])
         self._used_draft = None
 
@@ -389,10 +389,10 @@ class LookupEagleDrafter(_LookupFirst):
 
     def cost(self) -> float | None:
         """c: the head's drafting time in plain target steps (`plain_step`; None until measured)."""
+        if self.t_draft is None or not self.t_step:
+            return None  # (before reading the step-time fit: a head not timed yet needs no price)
         plain = self.plain_step()
-        if self.t_draft is None or not self.t_step or plain is None:
-            return None
-        return self.t_draft / plain
+        return None if plain is None else self.t_draft / plain
 
     def tree_pays(self) -> bool:
         if not self.gate:
@@ -474,12 +474,6 @@ class LookupEagleDrafter(_LookupFirst):
                 self.probes.again(measured=False)
         elif run_tree:
             self.probes.taken()
-        if not run_tree and not any(looked):  # a plain step: nothing to assemble
-            self.eagle.remember(ctx)
-            self._node_p, self._timing = {}, (0.0, True)
-            self.ngram.handed_over()
-            self._t_end = time.perf_counter()
-            return Draft.empty(B)
         return self.assemble(ctx, looked, [run_tree and not u for u in use_lookup], max_tokens, self.max_nodes,
                              trim=self.trim)
 
@@ -501,6 +495,11 @@ class LookupEagleDrafter(_LookupFirst):
         self._tree_rows = None
         if not any(tree_rows):
             self.eagle.remember(ctx)
+            if not any(looked):  # a plain step: nothing to assemble
+                self.ngram.step_tokens = 0
+                self.ngram.handed_over()
+                self._t_end = time.perf_counter()
+                return Draft.empty(B)
         else:
             # the tree is drafted for the rows that take it only (every row's new pairs are fed)
             sub = [b for b in range(B) if tree_rows[b]]
