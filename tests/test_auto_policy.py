@@ -63,7 +63,7 @@ def test_a_tree_never_accepted_ends_up_as_rare_probes(no_lookups, sampling):
     assert [res.tokens] == want  # sampled too: the seed's text, whatever was drafted (verify.py)
     steps = res.stats.target_forwards
     late = [c for c in trees if c - len(p) > n // 2]  # tree calls in the second half
-    # probes every 16, 32, 64, 128 steps at most once a tree has failed: a handful in 150 steps
+    # probes after 16, 32, 64, 128 declined steps once a tree has failed: a handful in 300 steps
     assert 1 <= len(trees) <= 12 and len(late) <= 3, (len(trees), steps)
     # and verified little beyond the pending token: at most the probes' nodes
     assert res.stats.proposed <= 5 * len(trees) * 4
