@@ -461,10 +461,10 @@ def test_lookup_and_draft_choice_follows_expected_tokens():
     for n in range(100):  # the draft model's j-th guess held in 90, 80, 70, 60 of 100 rows
         b.observe_draft([4], [4 if n < 60 else 3 if n < 70 else 2 if n < 80 else 1 if n < 90 else 0])
 
-    class Steps:
+    class Steps:  # t(A, K) = 0.030 + 0.001 A K
         @staticmethod
-        def predict(A, k):
-            return 0.030 + 0.001 * A * k
+        def coefficients(rows=None):
+            return 0.030, 0.0, 0.001
 
     b.steps = Steps()
     for _ in range(8):

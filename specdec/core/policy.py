@@ -816,10 +816,12 @@ class LoadPolicy:
         """{False: best (rate, k, use) with lookups only, True: best with the second source}, or
         None while t(A, K) is not fitted yet. second(k, looks, t) -> (rate, use) or None."""
         best = {False: (None, 0, [False] * A), True: (None, 0, [False] * A)}
+        fit = self.steps.coefficients(A)  # (read once: `predict` for every k, without its lookups)
+        if fit is None:
+            return None
+        a, r, b = fit
         for k in range(0, self.k_max + 1):
-            t = self.steps.predict(A, k)
-            if t is None:
-                return None
+            t = a + r * A + b * A * k
             looks = [e[min(k, len(e) - 1)] for e in gains]
             options = [(False, sum(looks) / t, [False] * A)]
             extra = second(k, looks, t)

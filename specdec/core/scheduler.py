@@ -580,8 +580,8 @@ class ContinuousBatcher:
         if self.lookup is not None:
             gains = [[1.0]] * A  # nothing looked up: one token a row
             if self.k_max > 0:
-                d = self.lookup.propose(ctx, self.k_max)
-                guesses = [g[:c] for g, c in zip(d.tokens.tolist(), d.counts.tolist())]
+                guesses = self.lookup.lookups(ctx, self.k_max)  # (lists: no tensor a step)
+                self.lookup.handed_over()
                 gains = self.lookup.expected_tokens()
         tree_ok = [self.trees and r.trees and self.k_max > 0 and r.spec_k != 0 for r in self.rows]
         # rows that may take the draft model's guesses (method draft, or auto with a draft model)
