@@ -503,7 +503,7 @@ def test_a_batch_step_decays_the_draft_models_counts_once(monkeypatch, rule):
 
     if rule == "once a row":
         monkeypatch.setattr(DraftLength, "observe_rows",
-                            lambda self, rows: [self.observe(p, a) for p, a in rows if p])
+                            lambda self, rows: [self.odds.observe(0, p, a) for p, a in rows if p])
     policy = AdaptiveK()
     policy.observe(1, [1] * 32, [1] * 32, 0.001, 0.01)
     policy.observe(1, [1] * 32, [0] * 32, 0.001, 0.01)

@@ -707,16 +707,11 @@ class DraftLength:
                 return k - 1
         return k
 
-    def observe(self, proposed: int, accepted: int) -> None:
-        """A row took `proposed` of its guesses to verification and `accepted` held."""
-        self.odds.observe(0, proposed, accepted)
-
     def observe_rows(self, rows: list[tuple[int, int]]) -> None:
-        """One step's (proposed, accepted) of each row it drafted for: the counts decay once a step
-        (`LengthPolicy.observe_rows`), so a batch of many rows does not forget faster."""
-        rows = [(p, a) for p, a in rows if p]
-        if rows:
-            self.odds.observe_rows(0, rows)
+        """One step's (proposed, accepted) of each row (rows that proposed nothing teach nothing):
+        the counts decay once a step (`LengthPolicy.observe_rows`), so a batch of many rows does
+        not forget faster."""
+        self.odds.observe_rows(0, rows)
 
     def time_guess(self, seconds: float) -> None:
         """A steady-state proposal took `seconds` a guess."""
