@@ -14,7 +14,8 @@ draft model's guesses per position (proposed after the guesses before them held,
         # every request a first call: a new engine that has learnt nothing (`generate --fresh`)
     (arguments: categories, greedy or t0.7 (seed 1), max new tokens, repeats, methods; --model: the target
      (default: the default model), --draft: the draft model for draft/auto;
-     environment: PER prompts per category (2), THREADS (1), FRESH (0))
+     environment: PER prompts per category (2), THREADS (1), FRESH (0), BATCH (0; 1: each category's
+     prompts as one batch, as `auto_vs_none.py --batching all` runs them))
 """
 import json
 import os
@@ -49,6 +50,11 @@ dev = [c for c in cats if c != "humaneval"]
 tasks = select(load_jsonl(str(DEV_SET)), dev, per) if dev else []
 if "humaneval" in cats: tasks += load_humaneval()[:per]
 prompts = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
+if os.environ.get("BATCH", "0") == "1":  # one call per category, its prompts side by side
+    order = list(dict.fromkeys(t.category for t in tasks))
+    units = [[i for i, t in enumerate(tasks) if t.category == c] for c in order]
+else:
+    units = [[i] for i in range(len(prompts))]
 kw = {"greedy": {}, "t0.7": {"temperature": 0.7, "seed": 1}}[samp]
 params = SamplingParams(max_new_tokens=n, **kw)
 res = {m: [] for m in methods}; wall = {m: [] for m in methods}; st = {}; texts = {}
@@ -62,7 +68,8 @@ kept = {m: engine(m) for m in methods} if "draft" in flags and not fresh else No
 for rep in range(reps):
     for m in methods:
         cpu = w = 0.0; toks = fw = prop = acc = 0; ds = vs = 0.0
-        for i, p in enumerate(prompts):
+        for unit in units:
+            i = unit[0]
             if kept is not None:
                 eng = kept[m]
             else:
@@ -73,10 +80,11 @@ for rep in range(reps):
                 d.rows_drafted = dict.fromkeys(d.rows_drafted, 0); d.draft_steps = 0; d.draft_seconds = 0.0
                 if i == 0: d.pos_proposed, d.pos_accepted = [], []
             t0 = time.process_time(); t1 = time.perf_counter()
-            out = eng.generate([p], params)
+            out = eng.generate([prompts[j] for j in unit], params)
             cpu += time.process_time() - t0; w += time.perf_counter() - t1
             if m != "none" and kept is None: saved[m] = json.dumps(eng.learned())
-            texts.setdefault((m, i), []).append(out[0].tokens)
+            for j, r in zip(unit, out):
+                texts.setdefault((m, j), []).append(r.tokens)
             for r in out:
                 toks += len(r.tokens); fw += r.stats.target_forwards; prop += r.stats.proposed; acc += r.stats.accepted
                 ds += r.stats.draft_s; vs += r.stats.verify_s
