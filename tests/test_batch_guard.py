@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specdec.adaptive import BatchGuard
+from specdec.core.policy import band
 from specdec.drafters import REGISTRY
 from specdec.engine import Engine
 from specdec.types import SamplingParams
@@ -37,16 +38,63 @@ def run(g: BatchGuard, rows: int, spec_rate: float, plain_rate: float, steps: in
     return out
 
 
-def test_guard_falls_back_to_plain_where_speculation_loses_and_returns_when_it_wins():
+class EveryProbeEvery(BatchGuard):
+    """The rule the guard had: while plain decoding wins, a speculative probe every
+    `probe_every` steps, whatever the probes found (the broken rule of the test below)."""
+
+    def speculate(self, rows: int) -> bool:
+        b = band(rows)
+        n = self.steps.get(b, 0)
+        spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
+        if plain is None or spec is None or spec >= plain:
+            return super().speculate(rows)
+        self.steps[b] = n + 1
+        choice = n % self.probe_every == 0
+        self.decisions[choice] += 1
+        return choice
+
+
+@pytest.mark.parametrize("rule", ["schedule", "every 16th step"])
+def test_guard_falls_back_to_plain_probing_ever_more_rarely_and_returns_when_it_wins(rule):
+    """Where speculation loses, the guard decodes plainly and probes speculation after 16, 32,
+    64, 128 plain steps (a probe pays the drafter's catch-up on what it sat out): 4 probes in
+    400 steps, where a probe every 16th step (the old rule) makes ~24 and fails. When the text
+    turns repetitive the next probe sees it, and the guard speculates again, with a plain step
+    every 16 to keep plain decoding measured."""
+    g = BatchGuard(probe_every=16) if rule == "schedule" else EveryProbeEvery(probe_every=16)
+    first = run(g, 4, spec_rate=80, plain_rate=100, steps=400)
+    # speculate first (the drafter's warm-up, not counted), measure a plain step, then a speculative one
+    assert first[:3] == [True, False, True]
+    probes = [i for i, s in enumerate(first) if s and i >= 3]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    if rule == "every 16th step":
+        assert len(probes) > 20
+        return
+    assert len(probes) == 4 and gaps == [32, 64, 128], (probes, gaps)
+    # the text turns repetitive: speculation now commits more per second
+    later = run(g, 4, spec_rate=200, plain_rate=100, steps=400)
+    back = later.index(True)
+    assert back <= 256  # the next probe, on the schedule
+    tail = later[back:]
+    assert sum(tail) >= len(tail) * 14 // 16 and not all(tail)  # speculating, a plain step every 16
+
+
+def test_a_probe_that_only_caught_the_drafter_up_is_repeated_without_lengthening_the_gap():
+    """A speculative probe whose step was a catch-up (not steady: the drafter first caught up
+    on the tokens it sat out) measures nothing: the next step probes again, and the gap after
+    that is the one the probe would have started."""
     g = BatchGuard(probe_every=16)
-    first = run(g, 4, spec_rate=80, plain_rate=100, steps=64)
-    assert first[:2] == [True, False]  # speculate first, then measure a plain step
-    assert sum(first[16:]) <= 4  # afterwards plain, with a speculative probe every 16 steps
-    assert any(first[16:])  # ... which keeps speculation measured
-    # the text turns repetitive: speculation now commits more per second, and the probes see it
-    later = run(g, 4, spec_rate=180, plain_rate=100, steps=64)
-    assert sum(later[32:]) >= 30  # speculating again, with a plain probe every 16 steps
-    assert not all(later[32:])
+    run(g, 4, spec_rate=80, plain_rate=100, steps=40)  # plain wins; probes after 16 and 32 plain steps
+    steps = []
+    for _ in range(200):
+        s = g.speculate(4)
+        g.observe(4, s, 80 if s else 100, 1.0, steady=not (s and not any(steps[-1:])))
+        steps.append(s)
+    probes = [i for i, s in enumerate(steps) if s]
+    # each probe is a pair: a catch-up step, then the measured one on the next step
+    assert len(probes) >= 2 and probes[1] == probes[0] + 1, probes
+    # the gap after the pair: 64 (the catch-up did not lengthen it to 128)
+    assert probes[2] - probes[1] == 64, probes
 
 
 def test_bands_are_measured_apart():

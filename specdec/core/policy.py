@@ -273,9 +273,14 @@ class BatchGuard:
     draft model, Medusa heads, an EAGLE head alone) it keeps
     decayed means of committed tokens per second of speculative steps and of plain steps,
     speculates while the speculative mean is at least the plain one, and probes the other
-    mode once every `probe_every` steps (plain first, on the band's second step), so both
-    stay measured as the text and the batch change. Never used for seeded sampled requests
-    (their drafting must not depend on timing). Knows nothing about models.
+    mode so both stay measured as the text and the batch change (plain first, on the band's
+    second step): while speculation wins, a plain step every `probe_every` steps (it costs one
+    step's guesses); while plain decoding wins, a speculative step on the band's
+    `ProbeSchedule` (after `probe_every` plain steps, the gap doubling while probes find
+    speculation still slower), since a probe pays the drafter's catch-up on every token it sat
+    out. A probe step that only caught the drafter up (not steady) measures nothing: the next
+    step probes again. Never used for seeded sampled requests (their drafting must not depend
+    on timing). Knows nothing about models.
     """
 
     @classmethod
@@ -292,6 +297,8 @@ class BatchGuard:
         self.rate: dict[tuple[int, bool], float] = {}  # (band, speculative) -> decayed tokens/s
         self.steps: dict[int, int] = {}  # steps seen per band
         self.decisions = {True: 0, False: 0}  # guarded steps that speculated / decoded plainly
+        self.probes: dict[int, ProbeSchedule] = {}  # per band: when speculation is probed while plain wins
+        self._probed: int | None = None  # the band whose last step was such a probe
         self._warm: set[tuple[int, bool]] = set()
 
     def begin(self) -> None:
@@ -306,16 +313,25 @@ class BatchGuard:
         n = self.steps.get(b, 0)
         self.steps[b] = n + 1
         spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
+        self._probed = None
         if plain is None:
             choice = n != 1  # the band's second step measures plain decoding
         elif spec is None:
             choice = True
+        elif spec >= plain:
+            self._schedule(b).taken()
+            choice = n % self.probe_every != 0  # a plain step now and then keeps plain decoding measured
         else:
-            choice = spec >= plain
-            if n % self.probe_every == 0:
-                choice = not choice  # keep the other mode measured
+            choice = self._schedule(b).due()  # speculation probed ever more rarely while it keeps losing
+            if choice:
+                self._probed = b
         self.decisions[choice] += 1
         return choice
+
+    def _schedule(self, b: int) -> ProbeSchedule:
+        if b not in self.probes:
+            self.probes[b] = ProbeSchedule(self.probe_every)
+        return self.probes[b]
 
     def learned(self) -> dict:
         """The measured rates per band and mode, for a later run (learned.py); None before any."""
@@ -329,11 +345,18 @@ class BatchGuard:
             rate[(b, s)] = float(r)
         self.rate = rate
 
-    def observe(self, rows: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """One step of `rows` rows committed `tokens` tokens in `seconds` (drafting included)."""
+    def observe(self, rows: int, speculated: bool, tokens: int, seconds: float, steady: bool = True) -> None:
+        """One step of `rows` rows committed `tokens` tokens in `seconds` (drafting included).
+        steady False: the drafter first caught up on tokens it sat out (a one-off per request or
+        per stretch of plain steps, not what speculating costs): not counted, and a probe that
+        did only that is repeated on the next step."""
         if rows < self.min_rows or seconds <= 0:
             return
         key = (band(rows), speculated)
+        if not steady:
+            if speculated and self._probed == key[0]:
+                self._schedule(key[0]).again(measured=False)
+            return
         if speculated and key not in self._warm:
             self._warm.add(key)  # a band's first speculative step may catch a drafter up on whole prompts
             return

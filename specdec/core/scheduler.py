@@ -726,10 +726,10 @@ class ContinuousBatcher:
             self.policy.observe_step(s.A, s.K, dt - s.t_head)  # drafting is priced separately
         if self.k_policy is not None:
             self.k_policy.observe(s.k, s.counts.tolist(), n_acc.tolist(), t_propose, dt - t_propose)
-        if self.guard is not None and s.steady:
-            # (a step in which the drafter caught up on a prompt that just joined is a one-off
-            # per request, not the steady cost of speculating: not counted)
-            self.guard.observe(s.A, s.k > 0, int(n_acc.sum()) + s.A, dt)
+        if self.guard is not None:
+            # (a step in which the drafter caught up on a prompt that just joined, or on steps it
+            # sat out, is a one-off, not the steady cost of speculating: the guard does not count it)
+            self.guard.observe(s.A, s.k > 0, int(n_acc.sum()) + s.A, dt, steady=s.steady)
         if self.log is not None:
             self.log.debug("step: batch %d, draft cap %d, tree rows %d, guesses %d, accepted %d, %.1f ms", s.A, s.k,
                            sum(s.use_tree), int(s.counts.sum()), int(n_acc.sum()), dt * 1e3)
