@@ -201,6 +201,23 @@ def test_default_model_keeps_no_fp32_copies(default_model):
 
 
 @pytest.mark.default_model
+def test_the_eagle_drafter_reads_embedding_and_head_rows_without_a_float_table(default_model):
+    """auto's EAGLE drafter on a GGUF target (the default model) builds no float32 table of the
+    whole vocabulary (113 MB here, ~0.9 GB for a 1.5B Qwen): it looks tokens up through the
+    target's embedding and reads its vocabulary subset's head rows alone, with the numbers of the
+    whole table's rows (the oracle: lm_head_weight(), built after the check)."""
+    from specdec.drafters.hybrid import lookup_eagle_for
+
+    lm = load_model(quiet=True)
+    d = lookup_eagle_for(lm).eagle
+    assert lm.model.embed._weight is None
+    table = lm.model.lm_head_weight()  # (tied: the embedding table)
+    assert d.subset is not None and torch.equal(d.W, table[d.subset])
+    ids = torch.tensor([[0, 17, 49151], [5, 5, 300]])
+    assert torch.equal(d.embed(ids), table[ids])
+
+
+@pytest.mark.default_model
 def test_default_model_named_by_its_path_is_the_default(default_model):
     """--model pointing at the default's own GGUF gets the default's shipped drafters (auto's
     EAGLE head, the draft), as when --model is left out; and in bfloat16 the shipped heads

@@ -202,13 +202,17 @@ class EagleDrafter(Drafter):
         self.head = head
         self.target = target_model
         self.samples_guesses = not tree  # a chain samples from the head's q; trees are deterministic
-        self.embed = target_model.embed.weight.detach()
-        W = target_model.lm_head_weight().detach()
+        # the target's token embedding, looked up row by row: a GGUF target's reads the file's
+        # rows asked for (no float table of the whole vocabulary, ~4 bytes a weight)
+        self.embed = target_model.embed
+        self.dim, self.dtype = target_model.embed.embedding_dim, target_model.dtype
         self.subset = None
         if vocab_subset is not None:
             self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
-            W = W[self.subset]
-        self.W = W.contiguous()  # [S, D]
+            W = target_model.lm_head_rows(self.subset)
+        else:
+            W = target_model.lm_head_weight()
+        self.W = W.detach().contiguous()  # [S, D]
         h = head
         lins = (h.fc, h.wqkv, h.wo, h.w_gate_up, h.w_down)
         self.W_blocks = block_drafting(lins, self.W, target_model)
@@ -233,7 +237,7 @@ class EagleDrafter(Drafter):
         size = max_len + max(self.nodes, self.depth) + 2
         # the cache's rows live in stores with room for more (a server's rows join and leave):
         # self.k / self.v are views of the first B rows
-        self._ks = torch.zeros(B, h.kv_heads, size, h.head_dim, dtype=self.embed.dtype)
+        self._ks = torch.zeros(B, h.kv_heads, size, h.head_dim, dtype=self.dtype)
         self._vs = torch.zeros_like(self._ks)
         self.k, self.v = self._ks, self._vs
         self.n = [0] * B  # committed pairs in the cache per row (pair t sits at slot t)
@@ -258,7 +262,7 @@ class EagleDrafter(Drafter):
         if (self.kops is not None and rows is None and not causal and T <= ATTEND_MAX_T and B * T <= BLOCK_MAX_ROWS
                 and (T == 1 or bool((slots == slots[:, :1] + torch.arange(T)).all()))):
             return self._kernel_step(tokens, feats, positions, slots[:, 0], visible)
-        emb = F.embedding(tokens, self.embed)
+        emb = self.embed(tokens)
         x, q, k, v = self.head.qkv(emb, feats, positions)
         if q.dtype != self.k.dtype:  # a bf16 target: the rotary table is fp32 and promotes q, k
             q, k, v = q.to(self.k.dtype), k.to(self.k.dtype), v.to(self.k.dtype)
@@ -279,7 +283,7 @@ class EagleDrafter(Drafter):
         h, kops = self.head, self.kops
         S = visible.shape[-1]
         mask = None if bool(visible.all()) else additive_mask(visible, h.heads // h.kv_heads)
-        x = h.fc(torch.cat((F.embedding(tokens, self.embed), feats), dim=-1))
+        x = h.fc(torch.cat((self.embed(tokens), feats), dim=-1))
         cos, sin = h._cos_sin(positions)
         o = kops.rope_attend(h.wqkv(kops.rms_norm(x, h.attn_norm, h.eps)), cos, sin, self.k, self.v, start, h.heads,
                              S, mask)
@@ -323,7 +327,7 @@ class EagleDrafter(Drafter):
             if len(self.feat[b]) < want[b]:
                 raise RuntimeError("EAGLE drafter is missing target features (the engine did not pass hidden states)")
         new = [list(range(self.n[b], want[b])) for b in range(B)]
-        h = torch.zeros(B, self.embed.shape[1], dtype=self.embed.dtype)
+        h = torch.zeros(B, self.dim, dtype=self.dtype)
         far = [b for b in range(B) if len(new[b]) > self.CATCH_UP_ALONE]
         near = [b for b in range(B) if len(new[b]) <= self.CATCH_UP_ALONE]
         groups = [[b] for b in far] + ([near] if near else [])
@@ -343,9 +347,9 @@ class EagleDrafter(Drafter):
         the output at each row's last new pair [len(new), D]."""
         B, T = len(new), max(max(len(x) for x in new), 1)
         rows_l = list(range(B)) if rows is None else rows.tolist()
-        D = self.embed.shape[1]
+        D = self.dim
         toks = torch.zeros(B, T, dtype=torch.long)
-        feats = torch.zeros(B, T, D, dtype=self.embed.dtype)
+        feats = torch.zeros(B, T, D, dtype=self.dtype)
         pos = torch.zeros(B, T, dtype=torch.long)
         slots = torch.zeros(B, T, dtype=torch.long)
         for i, idx in enumerate(new):
@@ -402,7 +406,7 @@ class EagleDrafter(Drafter):
                 slot = (n0 + i)[:, None]  # speculative pairs after the committed ones
                 S = int(slot.max()) + 1
                 visible = torch.arange(S)[None, None, :] <= slot[:, :, None]
-                h = self._step(tok[:, None], h[:, None].to(self.embed.dtype), slot, slot, visible, rows)[:, 0]
+                h = self._step(tok[:, None], h[:, None].to(self.dtype), slot, slot, visible, rows)[:, 0]
         return Draft(torch.stack(toks, 1), torch.full((B,), k, dtype=torch.long),
                      torch.stack(probs, 1) if probs else None)
 
@@ -447,7 +451,7 @@ class EagleDrafter(Drafter):
             vis = (span[None, None, :S] < n0[:, None, None]).expand(B, W, S).clone()
             cols = (n0[:, None] + span[: base + W][None])[:, None].expand(B, W, base + W)  # [B, W, base + W]
             vis.scatter_(2, cols, anc[:, base : base + W, : base + W])
-            out = self._step(front_tok, front_h.to(self.embed.dtype), pos, slots, vis, rows_t)  # [B, W, D]
+            out = self._step(front_tok, front_h.to(self.dtype), pos, slots, vis, rows_t)  # [B, W, D]
             # expand: each frontier node's top W children, keep the W best by cumulative score
             lp = torch.log_softmax(self._logits(out), -1)  # [B, W, S]
             top = lp.topk(W, dim=-1)

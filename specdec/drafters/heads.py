@@ -17,8 +17,12 @@ def target_fingerprint(model, legacy: bool = False) -> str:
     The sampled rows are rounded to bfloat16 first, so the same target loaded in float32 or
     bfloat16 (`--dtype`) gives the same hash; `legacy`: the hash of the unrounded rows, which
     older heads recorded."""
-    w = model.lm_head_weight().detach().float()
-    sample = w[:: max(1, w.shape[0] // 256)].contiguous()
+    rows = model.cfg.vocab_size if hasattr(model, "lm_head_rows") else model.lm_head_weight().shape[0]
+    ids = torch.arange(0, rows, max(1, rows // 256))
+    if hasattr(model, "lm_head_rows"):  # (a GGUF model reads these rows alone, not the whole table)
+        sample = model.lm_head_rows(ids).detach().float().contiguous()
+    else:
+        sample = model.lm_head_weight().detach().float()[ids].contiguous()
     if not legacy:
         sample = sample.to(torch.bfloat16).float()
     return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]

@@ -351,9 +351,15 @@ class GGUFLlamaModel(LlamaModel):
         if self.cfg.tie_embeddings:
             return self.embed.weight
         if self._head_weight is None:
-            raw, t, n, k = self.head.parts[0]
-            self._head_weight = self.embed.rows_op(raw, t, torch.arange(n), k)
+            self._head_weight = self.lm_head_rows(torch.arange(self.cfg.vocab_size))
         return self._head_weight
+
+    def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the LM head as float32 [len(ids), D], read from the file's bytes: the numbers
+        of lm_head_weight()[ids] without building the whole table (a drafter's vocabulary subset,
+        the head's fingerprint)."""
+        raw, ggml_type, _, dim = self.head.parts[0]
+        return self.embed.rows_op(raw, ggml_type, ids.to(torch.long), dim)
 
     def _logits(self, hidden: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor | None:
         if logits_at is not None and logits_at.shape[1] == 0:

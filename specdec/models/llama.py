@@ -595,6 +595,10 @@ class LlamaModel(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
+    def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the LM head [len(ids), D] (a GGUF model reads only these from its file)."""
+        return self.lm_head_weight()[ids]
+
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         max_len = min(max_len or self.max_context, self.max_context)
         c = self.cfg
