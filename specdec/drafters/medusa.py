@@ -100,12 +100,13 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeads, target_model, vocab_subset=None, tree: list[tuple[int, ...]] | None = None) -> None:
         self.heads = heads
-        W = target_model.lm_head_weight().detach()
         self.subset = None
-        if vocab_subset is not None:
+        if vocab_subset is not None:  # (the subset's rows alone: a GGUF target reads them from its file)
             self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
-            W = W[self.subset]
-        self.W = W.contiguous()
+            W = target_model.lm_head_rows(self.subset)
+        else:
+            W = target_model.lm_head_weight()
+        self.W = W.detach().contiguous()
         self.tree = tree  # rank tuples (static tree) or None for a chain of top-1 guesses
         self.max_nodes = len(tree) if tree else 0
         self.topk = 1 + max((max(t) for t in tree), default=0) if tree else 1
