@@ -3,8 +3,7 @@
 The warping order follows transformers' `generate`: temperature, then top-k, then top-p,
 then min-p. The same `warp` is applied to the target's and the draft's logits, so that
 speculative verification compares like with like (docs/design.md: p and q after the same
-warping). Greedy (temperature 0) is argmax (through the native kernels where a GGUF target
-loaded them: the same indices, faster) and never calls `warp`.
+warping). Greedy (temperature 0) is argmax and never calls `warp`.
 
 All randomness comes from an explicit `torch.Generator`. The target's tokens are sampled with
 one uniform number per text position (`position_uniforms`: a hash of the generator's seed, the
@@ -21,7 +20,6 @@ import math
 
 import torch
 
-from . import kernels
 from .types import SamplingParams
 
 
@@ -118,24 +116,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None, uniforms: tor
     return idx.reshape(probs.shape[:-1])
 
 
-def argmax_last(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1), the same indices (the first maximum; the first NaN if any), through the
-    native kernels where this process loaded them (a float32 CPU tensor: one row of the default
-    model's vocabulary ~7.5 us instead of ~29, nine rows ~34 instead of ~143), else torch's."""
-    ops = kernels.loaded()
-    if ops is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 \
-            and 0 < x.shape[-1] < 2**31:
-        return ops.argmax_rows(x)
-    return x.argmax(-1)
-
-
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
            rows: list[int] | None = None, positions: list[int] | None = None) -> torch.Tensor:
     """The next token per row from logits [B, V] -> [B]: argmax if greedy, else a sample; with
     `positions` (each row's text position of the token chosen) and `rows` (each row's key), with
     the uniforms `position_uniforms` gives those."""
     if params.greedy:
-        return argmax_last(logits)
+        return logits.argmax(-1)
     uniforms = None if positions is None else position_uniforms(generator, rows, positions)
     return sample(warp(logits, params), generator, uniforms)
 

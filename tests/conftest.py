@@ -169,25 +169,22 @@ def path_to(parents: list[int], i: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=None)
-def built_kernels(which: str):
-    """The kernel library `which` ("blocks": the AVX-512 block kernels, torch.ops.specdec_q;
-    "rowstable": the AVX2 ones, torch.ops.specdec_rs), built once into the user cache; None where
-    it cannot run here."""
+def built_kernels():
+    """The row-stable kernels (torch.ops.specdec_rs), built once into the user cache; None where
+    they cannot run here."""
     from specdec import kernels
     from specdec.models.loader import cache_root
 
-    build = kernels.ops if which == "blocks" else kernels.rowstable_ops
-    return build(cache_root() / "kernels")
+    return kernels.rowstable_ops(cache_root() / "kernels")
 
 
-def need_kernels(which: str):
-    """built_kernels(which), or skip the test (saying why) where it cannot run here."""
-    ops = built_kernels(which)
+def need_kernels():
+    """built_kernels(), or skip the test (saying why) where the kernels cannot run here."""
+    ops = built_kernels()
     if ops is None:
         from specdec import kernels
 
-        why = kernels.unavailable() if which == "blocks" else kernels.rowstable_unavailable()
-        pytest.skip(f"{which} kernels unavailable here: {why}")
+        pytest.skip(f"rowstable kernels unavailable here: {kernels.rowstable_unavailable()}")
     return ops
 
 
@@ -203,6 +200,41 @@ def prefill_ragged(native, rows: list[list[int]], max_len: int = 128):
     logits, _ = native(toks, torch.arange(T)[None].expand(B, T), cache)
     cache.truncate(lens)
     return cache, logits, lens
+
+
+def steps_both_ways(native, seed: int, cells, switch) -> None:
+    """Decoding steps (cells: (T, tree mask or None)) after ragged prompts, one row and two, with
+    switch(True) then switch(False) in force: the logits must be equal bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 5)]
+    for batch in ([rows[0]], rows):
+        B = len(batch)
+        outs = []
+        for on in (True, False):
+            switch(on)
+            cache, _, _ = prefill_ragged(native, batch, max_len=40)
+            step = []
+            for T, mask in cells:
+                toks = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(T))
+                depth = mask.sum(-1) - 1 if mask is not None else torch.arange(T)
+                am = None if mask is None else mask[None].expand(B, T, T)
+                step.append(native(toks, cache.lengths[:, None] + depth[None], cache, attn_mask=am)[0])
+            outs.append(torch.cat(step, 1))
+        assert torch.equal(outs[0], outs[1]), B
+
+
+def direct_step_switch(model, fast: list | None = None):
+    """switch(on) for steps_both_ways: every layer's direct decoding-step calls (Block.fast, or
+    `fast` given in their place) on, or off (the step through Linear.forward); asserts that every
+    layer has them."""
+    fast = [blk.fast for blk in model.layers] if fast is None else fast
+    assert all(f is not None for f in fast)
+
+    def switch(on):
+        for blk, f in zip(model.layers, fast):
+            blk.fast = f if on else None
+
+    return switch
 
 
 @pytest.fixture(scope="session")

@@ -503,12 +503,12 @@ def test_lookup_and_draft_batcher_sampling_matches_exact_distribution(monkeypatc
 
 @pytest.mark.default_model
 def test_full_batch_on_the_default_model_answers_as_each_prompt_decoded_alone(default_model):
-    """The server's batcher under load on the default model (integer kernels where the CPU has
-    them): 8 chat prompts at once over 8 rows, every step drafting up to 8 guesses a row (lookup
-    chains and EAGLE trees, --fixed-k), so steps score up to 72 row-tokens; each answer equals
+    """The server's batcher under load on the default model (on the row-stable kernels): 8 chat
+    prompts at once over 8 rows, every step drafting up to 8 guesses a row (lookup chains and
+    EAGLE trees, --fixed-k), so steps score up to 72 row-tokens; each answer equals
     plain greedy decoding of its prompt alone, as `specdec generate` gives it. (A mismatch needs a
     near-tie, so these prompts passed before the 2026-12-02 fix too; the bit-for-bit guarantee
-    behind this is tested in test_gguf_blocks, batched steps of any size.)"""
+    behind this is tested in test_rowstable and test_gguf_native, batched steps of any size.)"""
     from specdec.drafters.hybrid import lookup_eagle_for
     from specdec.engine import Engine
     from specdec.text import encode_prompt

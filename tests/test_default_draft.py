@@ -122,31 +122,30 @@ def test_prepacked_subset_head_scores_like_the_plain_one(default_model):
 
 
 @pytest.mark.default_model
-def test_draft_model_runs_on_the_targets_integer_kernels(default_model):
-    """Beside a target on the GGUF's integer kernels, the shipped draft (loaded unpacked, as the CLI
-    loads drafts) computes on Q8_0 copies of its own weights through the same kernels: every layer
-    takes the direct decoding step (Block.fast) and the subset head is on the kernels. Its scores stay
-    within the quantisation's error of the float32 draft's, on a multi-token feed and on the
-    one-token steps that follow (a broken layout or scale would be far off), and its guesses mostly
-    agree with the float32 draft's. (Greedy equality with plain decoding on this draft: the
+def test_draft_model_runs_on_the_targets_row_stable_kernels(default_model):
+    """Beside the GGUF target on the row-stable kernels, the shipped draft (loaded unpacked, as the
+    CLI loads drafts) computes on Q8_0 copies of its own weights through the same kernels: every
+    layer takes the direct decoding step (Block.fast) and the subset head is on the kernels. Its
+    scores stay within the quantisation's error of the float32 draft's, on a multi-token feed and
+    on the one-token steps that follow (a broken layout or scale would be far off), and its guesses
+    mostly agree with the float32 draft's. (Greedy equality with plain decoding on this draft: the
     build_engine test above.)"""
     import torch
 
     from specdec.drafters.draft_model import DraftModelDrafter
-    from specdec.kernels import loaded
-    from specdec.models.llama import is_vnni
     from specdec.models.loader import default_draft_for, load_model
 
-    if not is_vnni(getattr(default_model.model, "head_q", None)):
-        pytest.skip("the target is not on the integer kernels on this CPU")
+    ops = default_model.model.rowstable
+    if ops is None:
+        pytest.skip("the target is not on the row-stable kernels on this CPU")
     path = str(default_draft_for(default_model))
     plain = load_model(path, quiet=True, pack=False)
     subset = plain.draft_meta["vocab_subset"]
     V = default_model.model.vocab_size
     ref = DraftModelDrafter(plain.model, V, subset)  # float32, unpacked
     q8 = DraftModelDrafter(load_model(path, quiet=True, pack=False).model, V, subset, target_model=default_model.model)
-    assert ref.head_q is None and q8.head_q is not None and is_vnni(q8.head_q)
-    assert all(blk.fast is not None and blk.kops is loaded() for blk in q8.model.layers)
+    assert ref.head_rs is None and q8.head_rs is not None and q8.head_rs[0] == ops.q8_0_linear
+    assert all(blk.fast is not None and blk.kops is ops for blk in q8.model.layers)
     assert all(lin.weight is None for blk in q8.model.layers for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))
     ctx = default_model.tokenizer.encode("def is_prime(n):\n    \"\"\"Whether n is a prime number.\"\"\"\n    if n < 2:\n")
     for dr in (ref, q8):

@@ -335,8 +335,7 @@ def test_a_direct_decoding_step_gives_the_general_paths_numbers(gguf_dir, arch, 
     outputs reordered, Qwen2's q/k/v bias added, as GGUFLinear.forward does): the same logits bit
     for bit as the step through Linear.forward, for chains, a tree and a ragged batch. Without
     the bias in the direct calls (a broken rule) Qwen2's logits differ."""
-    from conftest import ancestor_mask
-    from test_gguf_blocks import _steps_both_ways, direct_step_switch
+    from conftest import ancestor_mask, direct_step_switch, steps_both_ways
 
     m = load(tiny(gguf_dir, arch, t)).model
     if not on_kernels(m):
@@ -344,8 +343,8 @@ def test_a_direct_decoding_step_gives_the_general_paths_numbers(gguf_dir, arch, 
     fast = [blk.fast for blk in m.layers]
     tree = ancestor_mask([-1, 0, 0, 1])
     with one_thread():
-        _steps_both_ways(m, 11, ((1, None), (5, None), (4, tree)), direct_step_switch(m, fast))
+        steps_both_ways(m, 11, ((1, None), (5, None), (4, tree)), direct_step_switch(m, fast))
         if arch == "qwen2":
             no_bias = [((op, args, None, order), *rest) for (op, args, _, order), *rest in fast]
             with pytest.raises(AssertionError):
-                _steps_both_ways(m, 11, ((1, None),), direct_step_switch(m, no_bias))
+                steps_both_ways(m, 11, ((1, None),), direct_step_switch(m, no_bias))

@@ -55,7 +55,7 @@ def test_type_table_matches_gguf_and_the_random_blocks():
 def test_products_are_the_dequantised_weights_products(t):
     """Close to float64 over gguf's dequantised weights, and bit for bit `linear` over them, for row
     counts through the in-register path (1-6) and the buffered one (7, 64, 300), and [.., K] inputs."""
-    ops = need_kernels("rowstable")
+    ops = need_kernels()
     g = torch.Generator().manual_seed(t)
     for i, (n, k) in enumerate(shapes(t)):
         raw, w = case(t, n, k, seed=100 * t + i)
@@ -83,7 +83,7 @@ def test_act8_products_are_the_rounded_activations_products(t):
     kernels.act8_slices states (slices of kernels.ACT8_SLICE[t], max|x| / 127) by gguf's dequantised
     weights within float32 rounding, and so the unrounded product within kernels.act8_error_bound;
     the float types give gguf_linear's product bit for bit."""
-    ops = need_kernels("rowstable")
+    ops = need_kernels()
     g = torch.Generator().manual_seed(11 * t)
     for i, (n, k) in enumerate(shapes(t)):
         raw, w = case(t, n, k, seed=100 * t + i)
@@ -124,7 +124,7 @@ def test_act8_k_quants_at_their_extremes_and_every_row_count(t):
     ones, for every row count 1-17 and 32, 33 (the 16-row tiles of the integer path, full and
     ragged, one and several; one block and three): the rounded activations' product within float32
     rounding, and each row bit for bit the row computed alone."""
-    ops = need_kernels("rowstable")
+    ops = need_kernels()
     g = torch.Generator().manual_seed(t)
     for n, k in [(5, 256), (29, 768)]:
         raw, w = saturated_case(t, n, k, seed=t + k)
@@ -144,7 +144,7 @@ def test_act8_k_quants_at_their_extremes_and_every_row_count(t):
 def test_a_rows_outputs_do_not_depend_on_the_other_rows_or_threads(t, op):
     """The same token's outputs bit for bit alone, and first, in the middle or last among 2-300 rows,
     with one thread or two, on the float path and on the 8-bit-activation one."""
-    ops = need_kernels("rowstable")
+    ops = need_kernels()
     gguf_linear = getattr(ops, op)
     k = 512
     raw, _ = case(t, 30, k, seed=t)
@@ -172,7 +172,7 @@ def test_a_product_shared_among_threads_is_the_one_threads_product(op):
     """A product of 100 tasks (24 weight rows each) on 1, 2, 3 and 7 threads (more threads than
     cores: threads that start late, tasks taken from another thread's share), several calls in a
     row: the same numbers bit for bit."""
-    ops = need_kernels("rowstable")
+    ops = need_kernels()
     gguf_linear = getattr(ops, op)
     n, k = 2400, 512
     raw, _ = case(Q4_K, n, k, seed=3)
@@ -192,7 +192,7 @@ def test_a_product_shared_among_threads_is_the_one_threads_product(op):
 
 @pytest.mark.parametrize("t", TYPES, ids=[NAMES[t] for t in TYPES])
 def test_rows_are_gguf_dequantised_rows(t):
-    ops = need_kernels("rowstable")
+    ops = need_kernels()
     for i, (n, k) in enumerate(shapes(t)):
         raw, w = case(t, n, k, seed=50 + i)
         ids = torch.tensor([n - 1, 0, n // 2, n - 1])
@@ -201,7 +201,7 @@ def test_rows_are_gguf_dequantised_rows(t):
 
 
 def test_bad_tensors_give_one_clear_error():
-    ops = need_kernels("rowstable")
+    ops = need_kernels()
     q4k = kernels.Q4_K
     raw, _ = case(q4k, 4, 512, seed=0)
     x = torch.randn(2, 512)
@@ -230,7 +230,7 @@ def test_bad_tensors_give_one_clear_error():
 def test_cat_is_the_separate_products_side_by_side():
     """gguf_linear_cat over weights of mixed types (a q/k/v-like stack) equals the separate products
     concatenated, bit for bit, in both of the kernels' paths; mismatched lists are refused."""
-    ops = need_kernels("rowstable")
+    ops = need_kernels()
     k = 512
     parts = [(t, n) + case(t, n, k, seed=t)[:1] for t, n in ((kernels.Q4_K, 40), (kernels.Q6_K, 9), (kernels.Q8_0, 0),
                                                             (F16, 13))]

@@ -13,16 +13,16 @@ import functools
 import pytest
 import torch
 
-from conftest import ancestor_mask, built_kernels, need_kernels, prefill_ragged
+from conftest import ancestor_mask, built_kernels, need_kernels, prefill_ragged, steps_both_ways
 from oracle import hf_greedy, one_thread, tiny_hf_llama
 
 
 def rs_ops():
-    return built_kernels("rowstable")
+    return built_kernels()
 
 
 def need_rs():
-    return need_kernels("rowstable")
+    return need_kernels()
 
 
 @pytest.mark.parametrize("K,N", [(64, 40), (576, 96), (37, 11), (8, 3)])
@@ -207,6 +207,19 @@ def test_layers_on_blocks_take_the_direct_step_calls_with_the_general_paths_numb
         assert torch.equal(logits[:, 0], fast[:, t]), t
 
 
+def test_fused_decoding_step_gives_the_python_paths_numbers(monkeypatch):
+    """On fp32 weights (no direct step calls), the kernels' one-call decoding step (rotation, cache
+    write, attention) computes what the step through torch's rotation and the kernels' `attend`
+    computes, bit for bit: chains and a tree, one row and a ragged batch."""
+    from specdec.models import llama
+
+    _, native = rs_models(128)
+    assert all(blk.fast is None for blk in native.layers)
+    tree = ancestor_mask([-1, 0, 0, 1])
+    steps_both_ways(native, 12, ((1, None), (3, None), (4, tree)),
+                    lambda on: monkeypatch.setattr(llama, "FUSED_DECODING_STEP", on))
+
+
 def test_greedy_speculation_on_rowstable_equals_plain_greedy_and_transformers():
     """Every drafter at batch 1 and 3 gives plain greedy decoding's tokens on the row-stable
     model, and those are transformers' greedy tokens on these prompts."""
@@ -352,15 +365,11 @@ def test_use_rowstable_refuses_what_it_cannot_compute():
 
 
 @pytest.mark.default_model
-def test_default_model_without_block_kernels_verifies_bit_for_bit(default_model):
-    """Where the GGUF block kernels cannot run (no AVX-512) the default model's decoding steps are
-    on the row-stable kernels: a 6-token verification gives each token the logits of decoding it
-    alone, bit for bit, within float rounding of the oneDNN path's numbers."""
-    from specdec import kernels
-
+def test_default_model_verifies_bit_for_bit_on_the_row_stable_kernels(default_model):
+    """The default model's decoding steps are on the row-stable kernels: a 6-token verification
+    gives each token the logits of decoding it alone, bit for bit, within float rounding of a
+    long prefill's numbers."""
     model = default_model.model
-    if model.head_q is not None or kernels.loaded() is not None:
-        pytest.skip("the block kernels run here (their own bit-for-bit tests cover them)")
     need_rs()
     assert model.rowstable is not None
     ids = default_model.tokenizer.encode("Tell me about the sea. " * 12 + "The three primary colors are")

@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from ..models.llama import block_linear, block_rows_ok, packed_linear, step_call
+from ..models.llama import packed_linear, step_call
 from ..sampling import draw
 from ..types import SpecdecError
 from .base import Draft, DraftContext, Drafter, register, steady
-from ..models.kernel_glue import draft_on_kernels, draft_on_rowstable, pack_drafting_head
+from ..models.kernel_glue import draft_on_rowstable, pack_drafting_head
 
 
 class DraftModelDrafter(Drafter):
@@ -32,28 +32,26 @@ class DraftModelDrafter(Drafter):
         confidence: a row stops drafting after a guess the draft gives less than this
         probability (0: always the full length). Exact either way: when to stop depends only
         on the draft's own numbers, never on the target's.
-        target_model: given, the draft runs on the target's block kernels where the target does
-        (draft_on_kernels) and is packed for oneDNN otherwise (pass an unpacked model then)."""
+        target_model: given, the draft runs its decoding steps on the target's row-stable kernels
+        where the target does (draft_on_rowstable) and is packed for oneDNN (pass an unpacked
+        model then)."""
         self.model = model
         self.vocab_size = vocab_size or model.vocab_size  # the target's vocabulary (q is padded to it)
         self.subset = None
         self.head_packed = self.head_dtype = None  # a prepacked subset head (kernel_glue.pack_drafting_head)
-        self.head_q = None  # or the subset head as Q8_0 blocks on the kernels (kernel_args)
-        self.head_rs = None  # or (op, *args) on the row-stable AVX2 kernels (draft_on_rowstable)
+        self.head_rs = None  # or (op, *args) on the row-stable kernels (draft_on_rowstable)
         native = getattr(model, "native", False)
         if vocab_subset is not None and native:
             self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
             if int(self.subset.max()) >= self.vocab_size:
                 raise SpecdecError("the draft's vocabulary subset names ids beyond the target's vocabulary")
             self.head = model.lm_head_weight().detach()[self.subset].contiguous()  # [S, D]
-            if target_model is not None:
-                self.head_q = draft_on_kernels(model, self.head, target_model)
-        if target_model is not None and native and self.head_q is None:
+        if target_model is not None and native:
             self.head_rs = draft_on_rowstable(model, self.head if self.subset is not None else None, target_model)
-        if self.subset is not None and self.head_q is None and self.head_rs is None:
+        if self.subset is not None and self.head_rs is None:
             self.head_packed, self.head_dtype = pack_drafting_head(self.head)
         if target_model is not None and native:
-            model.pack()  # the rest (a projection on the integer kernels only drops its fp32 weight)
+            model.pack()  # oneDNN for every call not on the row-stable kernels
         self.cost_hint = None  # measured by the engine
         self.confidence = confidence
         self.cache = None
@@ -99,8 +97,6 @@ class DraftModelDrafter(Drafter):
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """Scores [N, S] over the vocabulary subset for hidden states h [N, D]."""
-        if block_rows_ok(self.head_q, h):
-            return block_linear(h.contiguous(), *self.head_q)
         if self.head_rs is not None and step_call(h):
             return self.head_rs[0](h, *self.head_rs[1:])
         if self.head_packed is not None:

@@ -18,14 +18,12 @@ The engine supplies the target's features of newly committed positions (DraftCon
 since this drafter sets `needs_hidden`). The head keeps its own small KV cache: committed
 pairs stay, speculative positions are dropped after each step.
 
-Where the target computes with a GGUF file's blocks (specdec/kernels), the head drafts on Q8_0
-copies of its projections and subset head through the same kernels (`block_drafting`), and where
-those are the integer kernels its short steps (the tree's expansions, a step's catch-up) also take
-the kernels' norms and fused rotation + cache write + attention (`rope_attend`, with the tree's
-visibility as an additive mask) instead of a dozen torch ops and SDPA (`_kernel_step`): its
-drafting only, so exactness is untouched. On CPUs without AVX-512, where the target's decoding
-steps run on the row-stable AVX2 kernels, the head does the same on those (`rowstable_drafting`:
-Q8_0 copies where the target reads GGUF blocks, fp32 weights otherwise).
+Where the target's decoding steps run on the row-stable kernels (specdec/kernels), the head drafts
+on them too (`rowstable_drafting`): its projections and subset head over Q8_0 copies where the
+target reads GGUF blocks, over fp32 weights otherwise; and its short steps (the tree's expansions,
+a step's catch-up) take the kernels' norms and fused rotation + cache write + attention
+(`rope_attend`, with the tree's visibility as an additive mask) instead of a dozen torch ops and
+SDPA (`_kernel_step`): its drafting only, so exactness is untouched.
 
 Files: `eagle.safetensors` (fc, layer; the target's embedding and head are not stored) and
 `specdec_eagle.json` (target name, hidden size, vocabulary size, a hash of the target's
@@ -43,10 +41,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..models.llama import (ATTEND_HEAD_SIZES, ATTEND_MAX_T, BLOCK_MAX_ROWS, Linear, additive_mask,
-                             block_linear, block_rows_ok, fused_step_ok, mkldnn_packing_available,
-                             packed_linear, step_call)
+                             mkldnn_packing_available, packed_linear, step_call)
 from ..kv_cache import keep_in_place, with_room
-from ..models.kernel_glue import block_drafting, pack_drafting_head, rowstable_drafting
+from ..models.kernel_glue import pack_drafting_head, rowstable_drafting
 from ..sampling import draw
 from ..types import SpecdecError
 from .base import Draft, DraftContext, Drafter, register
@@ -145,14 +142,11 @@ class EagleHead(nn.Module):
         return self.finish(x, q, k, v, causal=True)
 
 
-def kernel_steps(head: EagleHead, head_blocks, target_model=None):
+def kernel_steps(head: EagleHead, target_model=None):
     """The kernels a head's short drafting steps may run through (EagleDrafter._kernel_step), or
-    None: the integer kernels (torch.ops.specdec_q) where `block_drafting` put the head's layer on
-    them (the target computes on them; no biases in the layer), else the row-stable AVX2 kernels
-    (torch.ops.specdec_rs) where `rowstable_drafting` put every projection of the layer on them;
-    and only for shapes the kernels' norms and attention take."""
-    from ..kernels import loaded
-
+    None: the row-stable kernels (torch.ops.specdec_rs) where `rowstable_drafting` put every
+    projection of the head's layer on them (no biases in the layer), and only for shapes the
+    kernels' norms and attention take."""
     lins = (head.wqkv, head.wo, head.w_gate_up, head.w_down)
     if head.heads % head.kv_heads:
         return None
@@ -160,10 +154,7 @@ def kernel_steps(head: EagleHead, head_blocks, target_model=None):
     if (rs is not None and all(lin.rs is rs and lin.bias is None for lin in lins) and head.hidden % 8 == 0
             and head.head_dim in ATTEND_HEAD_SIZES):
         return rs
-    ops = loaded()
-    if head_blocks is None or not fused_step_ok(ops, head.hidden, head.head_dim, lins):
-        return None
-    return ops
+    return None
 
 
 def head_from_target(cfg) -> EagleHead:
@@ -215,11 +206,10 @@ class EagleDrafter(Drafter):
         self.W = W.detach().contiguous()  # [S, D]
         h = head
         lins = (h.fc, h.wqkv, h.wo, h.w_gate_up, h.w_down)
-        self.W_blocks = block_drafting(lins, self.W, target_model)
-        # CPUs without AVX-512: the row-stable AVX2 kernels, where the target's steps run on them
-        self.W_rs = None if self.W_blocks is not None else rowstable_drafting(lins, self.W, target_model)
+        # the row-stable kernels, where the target's steps run on them
+        self.W_rs = rowstable_drafting(lins, self.W, target_model)
         self.W_packed, self.pack_dtype = pack_drafting_head(self.W)  # the head's layer packs alike
-        self.kops = kernel_steps(head, self.W_blocks, target_model)
+        self.kops = kernel_steps(head, target_model)
         if self.W_packed is not None:
             head.pack(self.pack_dtype)
         self.vocab_size = target_model.vocab_size
@@ -275,7 +265,7 @@ class EagleDrafter(Drafter):
 
     def _kernel_step(self, tokens, feats, positions, start, visible):
         """`_step` through the kernels (`kernel_steps`) for new pairs at the consecutive slots
-        start[b] .. start[b] + T - 1 of every cache row: the projections on their Q8_0 blocks, the
+        start[b] .. start[b] + T - 1 of every cache row: the projections on the kernels, the
         kernels' RMS norms, and one call that rotates q and k, writes k and v to the cache and
         attends over the first S slots with `visible` [B, T, S] as an additive mask in the layout
         the kernel reads ([B, 1, G*T, S], row g*T + t: token t of query head g). The numbers differ
@@ -292,8 +282,6 @@ class EagleDrafter(Drafter):
 
     def _logits(self, h):
         """[..., D] -> [..., S] scores over the subset (or the full vocabulary)."""
-        if block_rows_ok(self.W_blocks, h):
-            return block_linear(h, *self.W_blocks)
         if self.W_rs is not None and step_call(h):
             return self.W_rs[0](h, *self.W_rs[1:])
         if self.W_packed is not None:

@@ -1,34 +1,24 @@
-"""Native kernels, built on first use: matrix products over a GGUF file's quantised blocks, and
-the small ops of a decoding step.
+"""Native kernels, built on first use: the row-stable float32 kernels of a decoding step.
 
-`qlinear.cpp` multiplies fp32 activations by Q4_1 / Q8_0 weights without dequantising them to
-memory first (see the file's header: the same weights, rebuilt exactly in the kernel, and a
-row's sums that do not depend on the other rows), multiplies them as exact integer dot products
-after rounding the activations to 16 or 8 bits (AVX-512 VNNI; `has_vnni()`), and holds
-attention, RMS norm, rotation + cache write + attention, and silu * up for decoding steps of a
-few tokens. It is compiled once
-per machine with the system's C++ compiler against the installed torch (OpenMP threads: the
-library links libgomp.so.1 by name, which resolves to the copy torch has already loaded, so both
-share one thread pool), cached under a folder the caller names (the loader uses
-~/.cache/specdec/kernels), and loaded as `torch.ops.specdec_q`.
-
-`ops()` returns that namespace, or None when the kernels cannot run here; `unavailable()` then
-says why (no AVX-512, no compiler, a failed build, SPECDEC_GGUF_KERNELS=0). Nothing else in
-specdec depends on them: without them a GGUF model computes with its dequantised fp32 copy.
-
-`rowstable.cpp`, for CPUs with AVX2 and FMA (where qlinear.cpp cannot run), holds float32
-products (over fp32 weights, over Q4_1 / Q8_0 blocks in gguf_blocks' K-major layout with the
-same numbers, or straight over a GGUF tensor's own bytes of any type in GGUF_TYPES: gguf_linear,
-gguf_linear_cat for several tensors side by side, gguf_rows for embedding rows), RMS norm, rotation + cache write + attention and attention, each output computed
-the same way however many rows share the call, so that a verified token gets bit for bit the
-numbers of decoding it alone. `rowstable_ops()` builds and loads it the same way, as
-`torch.ops.specdec_rs` (None, and `rowstable_unavailable()` says why, where it cannot run or
-SPECDEC_ROWSTABLE=0). Where the CPU has AVX-512 VNNI, VL and BW it is built with those too, and its
-8-bit-activation integer dot products run on VNNI, with the AVX2 build's numbers bit for bit
-(`rowstable_isa()` says which build; SPECDEC_ROWSTABLE=avx2 forces the AVX2 one).
+`rowstable.cpp`, for x86 CPUs with AVX2, FMA and F16C, holds float32 products (over fp32 weights,
+over Q4_1 / Q8_0 blocks in gguf_blocks' K-major layout with the same numbers, or straight over a
+GGUF tensor's own bytes of any type in GGUF_TYPES: gguf_linear, gguf_linear_cat for several tensors
+side by side, gguf_rows for embedding rows, and their 8-bit-activation forms gguf_linear_q8 /
+gguf_linear_cat_q8), RMS norm, rotation + cache write + attention and attention, each output
+computed the same way however many rows share the call, so that a verified token gets bit for bit
+the numbers of decoding it alone. `rowstable_ops()` compiles it once per machine with the system's
+C++ compiler against the installed torch (OpenMP threads: the library links libgomp.so.1 by name,
+which resolves to the copy torch has already loaded, so both share one thread pool), caches the
+build under a folder the caller names (the loader uses ~/.cache/specdec/kernels) and loads it as
+`torch.ops.specdec_rs`; it returns None, and `rowstable_unavailable()` says why, where the kernels
+cannot run (no AVX2 / FMA / F16C, no compiler, a failed build, SPECDEC_ROWSTABLE=0). Where the CPU
+has AVX-512 VNNI, VL and BW it is built with those too, and its 8-bit-activation integer dot
+products run on VNNI, with the AVX2 build's numbers bit for bit (`rowstable_isa()` says which
+build; SPECDEC_ROWSTABLE=avx2 forces the AVX2 one).
 
 `GGUF_TYPES`, `row_bytes()` and `check_gguf_tensor()` describe and check the tensors gguf_linear
-and gguf_rows read, raising SpecdecError for a type they do not read or a size that does not fit.
+and gguf_rows read, raising SpecdecError for a type they do not read or a size that does not fit;
+`gguf_act8()`, `act8_slices()` and `act8_error_bound()` describe the 8-bit-activation path.
 
 This module knows nothing about models or files other than its own source and build.
 """
@@ -50,10 +40,7 @@ import torch
 
 from specdec.types import SpecdecError
 
-SOURCE = Path(__file__).with_name("qlinear.cpp")
-NEEDED_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2"}  # what _build_flags compiles for
 _lock = threading.Lock()
-_state: dict = {}  # "ops": the loaded namespace, or "why": the reason there is none
 
 
 def _cpu_flags() -> set[str]:
@@ -66,19 +53,17 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build_flags(torch_dir: Path, isa: list[str] | None = None) -> list[str]:
+def _build_flags(torch_dir: Path, isa: list[str]) -> list[str]:
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     # -ffp-contract=off: a product and a sum written as two operations stay two roundings (GCC would
     # fuse them into one FMA, and the rotation would no longer give the Python path's numbers)
-    isa = isa if isa is not None else ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"]
     return ["-O3", "-std=gnu++17", "-shared", "-fPIC", "-fopenmp", "-w", "-ffp-contract=off", *isa,
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
             f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
 
 
-def _build(cache_dir: Path, quiet: bool, source: Path = SOURCE, isa: list[str] | None = None,
-           what: str = "the GGUF block kernels") -> Path:
+def _build(cache_dir: Path, quiet: bool, source: Path, isa: list[str], what: str = "the kernels") -> Path:
     """The compiled library of `source` (built now if this machine has none for this source and torch)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -126,16 +111,6 @@ def _load_once(state: dict, switch: str, flags: set[str], lacks: str, build, nam
         return None
 
 
-def ops(cache_dir: Path, quiet: bool = True):
-    """torch.ops.specdec_q (the block products q4_1_linear / q8_0_linear, their N-major _n forms
-    and integer _v (8-bit activations) and _w (16-bit) forms (only where has_vnni()), attend,
-    rope_attend, rms_norm, silu_mul), or None if the kernels cannot run here; a build goes to
-    (and is reused from) cache_dir."""
-    return _load_once(_state, "SPECDEC_GGUF_KERNELS", NEEDED_FLAGS,
-                      "this CPU lacks AVX-512 (the block kernels need AVX-512 F, BW, VL and DQ, AVX2 and FMA)",
-                      lambda: _build(Path(cache_dir), quiet), "specdec_q", "the block kernels")
-
-
 ROWSTABLE_SOURCE = Path(__file__).with_name("rowstable.cpp")
 ROWSTABLE_FLAGS = {"avx2", "fma", "f16c"}
 ROWSTABLE_VNNI_FLAGS = ROWSTABLE_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
@@ -161,7 +136,7 @@ def rowstable_ops(cache_dir: Path, quiet: bool = True):
     however many rows share the call; see rowstable.cpp), for x86 CPUs with AVX2, FMA and F16C
     (AVX-512 CPUs included; the build rowstable_isa() names); None where these cannot run
     (`rowstable_unavailable()` says why: no AVX2/FMA/F16C, no compiler, a failed build,
-    SPECDEC_ROWSTABLE=0). Built once into cache_dir like ops() (each build under its own key)."""
+    SPECDEC_ROWSTABLE=0). Built once into cache_dir (each build under its own key)."""
     return _load_once(_rs_state, "SPECDEC_ROWSTABLE", ROWSTABLE_FLAGS,
                       "this CPU lacks AVX2, FMA and F16C (the row-stable kernels need all three)",
                       lambda: _build(Path(cache_dir), quiet, ROWSTABLE_SOURCE, ROWSTABLE_ISA[rowstable_isa()],
@@ -172,22 +147,6 @@ def rowstable_ops(cache_dir: Path, quiet: bool = True):
 def rowstable_unavailable() -> str | None:
     """Why rowstable_ops() returned None (None if not called or loaded)."""
     return _rs_state.get("why")
-
-
-def has_vnni() -> bool:
-    """Whether this CPU runs the integer kernels (q4_1_linear_v/_w, q8_0_linear_v/_w: AVX-512 VNNI)."""
-    return "avx512_vnni" in _cpu_flags()
-
-
-def loaded():
-    """The kernels if this process has already loaded them (a GGUF target did), else None; never
-    builds. Drafters use this to run their own small matrices through the kernels too."""
-    return _state.get("ops")
-
-
-def unavailable() -> str | None:
-    """Why ops() returned None (None if it has not been called or the kernels loaded)."""
-    return _state.get("why")
 
 
 class GgufType(NamedTuple):

@@ -103,7 +103,7 @@ class GGUFLinear(nn.Module):
     up), each multiplied on its own bytes; `out_order` reorders the output columns (llama's q/k).
     Has the attributes models.llama's code asks a projection for (no packed or fp32 weights)."""
 
-    qargs = rs = rs_blocks = packed = packed_bias = pack_dtype = None
+    rs = rs_blocks = packed = packed_bias = pack_dtype = None
     weight = None
 
     def __init__(self, parts: list[tuple], op, bias: torch.Tensor | None = None,
@@ -373,9 +373,6 @@ class GGUFLlamaModel(LlamaModel):
     def pack(self) -> "GGUFLlamaModel":
         self._packed = True  # nothing to pack: every product reads the file's bytes
         return self
-
-    def attach_blocks(self, *args, **kwargs) -> int:
-        raise SpecdecError("a model read from a GGUF file already computes from its blocks")
 
     def use_rowstable(self, *args, **kwargs) -> int:
         raise SpecdecError("a model read from a GGUF file already computes on the row-stable kernels")

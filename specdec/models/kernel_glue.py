@@ -2,10 +2,10 @@
 
 A drafter's own numbers may move (Q8_0 copies of its weights, bfloat16 packing) without moving
 the output: sampling draws from, and verification divides by, the q the drafter computes. So
-where the target runs on the GGUF block kernels (AVX-512) or on the row-stable AVX2 kernels, a
-drafter (an EAGLE or Medusa head, a draft model) computes on the same kernels: a drafting step
-reads fewer bytes through calls with a few microseconds of overhead. Both the drafters and the
-target's loader call these; nothing here imports a drafter.
+where the target's decoding steps run on the row-stable kernels, a drafter (an EAGLE head, a
+draft model) computes on the same kernels: a drafting step reads fewer bytes through calls with
+a few microseconds of overhead. Both the drafters and the target's loader call these; nothing
+here imports a drafter.
 """
 
 from __future__ import annotations
@@ -35,38 +35,8 @@ def pack_drafting_head(W: torch.Tensor) -> tuple[torch.Tensor | None, torch.dtyp
     return torch.ops.mkldnn._reorder_linear_weight(W.to(dtype), PACK_BATCH_HINT), dtype
 
 
-def block_drafting(linears, W: torch.Tensor, target_model):
-    """Where this process runs the GGUF block kernels (the target is a float32 model on its blocks:
-    kernels.loaded()), give a drafter's projections `linears` Q8_0 copies of their weights for
-    short calls (a drafting step reads ~1 byte a weight, through kernels with a few microseconds of
-    overhead; the integer kernels with 8-bit activations where the target runs on those, instead
-    of bf16 weights through oneDNN) and return the kernel arguments of its output
-    head W [S, D] as Q8_0 blocks (models.llama.block_linear); None (nothing changed) elsewhere.
-    Exactness does not depend on it: only the drafter's own numbers move. Call it before the
-    projections are packed (packing releases their weights)."""
-    from ..kernels import loaded
-    from .gguf_blocks import quantize_q8_0
-    from .llama import is_vnni, kernel_args
-
-    ops = loaded()
-    head_q = getattr(target_model, "head_q", None)
-    if ops is None or head_q is None or W.dtype != torch.float32:
-        return None
-
-    def q8(w):  # the target's integer kernels with 8-bit activations where the shape allows, else float ones
-        return (quantize_q8_0(w, "vnni") if is_vnni(head_q) else None) or quantize_q8_0(w)
-
-    for lin in linears:
-        if lin.weight is not None and lin.weight.dtype == torch.float32:
-            blocks = q8(lin.weight)
-            if blocks is not None:
-                lin.attach(ops, blocks, act_bits=8)
-    blocks = q8(W)
-    return None if blocks is None else kernel_args(ops, blocks, act_bits=8)
-
-
 def rowstable_head(ops, W: torch.Tensor, q8: bool) -> tuple:
-    """(op, *args) computing h @ W^T (W [S, D], a drafter's output head) on the row-stable AVX2
+    """(op, *args) computing h @ W^T (W [S, D], a drafter's output head) on the row-stable
     kernels `ops` as op(h, *args): over Q8_0 copies of W where `q8` (the target reads GGUF blocks)
     and W's shape allows them, else over the fp32 W."""
     from .gguf_blocks import quantize_q8_0
@@ -76,14 +46,13 @@ def rowstable_head(ops, W: torch.Tensor, q8: bool) -> tuple:
 
 
 def rowstable_drafting(linears, W: torch.Tensor, target_model):
-    """Where the target's decoding steps run on the row-stable AVX2 kernels (CPUs without AVX-512:
-    target_model.rowstable, models.llama.LlamaModel.use_rowstable) and `block_drafting` did not
-    apply, put a drafter's float32 projections `linears` on those kernels, and return (op, *args)
-    computing its output head W [S, D] on them (`rowstable_head`). Where the target reads a GGUF
-    file's blocks (its head is on them), the drafter's weights become Q8_0 copies too where the
-    shapes allow (a quarter of the bytes a drafting step reads), as `block_drafting` does on the
-    AVX-512 kernels; else they stay float32. None (nothing changed) where the target is not on
-    these kernels. Only the drafter's own numbers move, so exactness does not depend on it. Call
+    """Where the target's decoding steps run on the row-stable kernels (target_model.rowstable:
+    a GGUF file's model, or models.llama.LlamaModel.use_rowstable), put a drafter's float32
+    projections `linears` on those kernels, and return (op, *args) computing its output head
+    W [S, D] on them (`rowstable_head`). Where the target reads a GGUF file's blocks (its head is
+    on them), the drafter's weights become Q8_0 copies too where the shapes allow (a quarter of
+    the bytes a drafting step reads); else they stay float32. None (nothing changed) where the
+    target is not on these kernels. Only the drafter's own numbers move, so exactness does not depend on it. Call
     it before the projections are packed."""
     from .gguf_blocks import quantize_q8_0
 
@@ -92,7 +61,7 @@ def rowstable_drafting(linears, W: torch.Tensor, target_model):
         return None
     on_blocks = target_model.head_rs_blocks is not None or getattr(target_model, "gguf_native", False)
     for lin in linears:
-        if lin.weight is None or lin.weight.dtype != torch.float32 or lin.qargs is not None:
+        if lin.weight is None or lin.weight.dtype != torch.float32:
             continue
         blocks = quantize_q8_0(lin.weight) if on_blocks else None
         lin.rs = ops
@@ -103,34 +72,14 @@ def rowstable_drafting(linears, W: torch.Tensor, target_model):
     return rowstable_head(ops, W, on_blocks)
 
 
-def draft_on_kernels(model, head: torch.Tensor, target_model):
-    """Where the target computes on the GGUF block kernels (`block_drafting` says where), give a
-    float32 native draft model's projections that still hold their fp32 weights (a model loaded
-    with load_model(..., pack=False)) Q8_0 copies on those kernels, its norms, rotation and
-    attention the kernels' too (LlamaModel.use_kernels: a drafting step becomes ~4 kernel calls a
-    layer), and return the kernel arguments of its output head `head` [S, D] as Q8_0 blocks (None:
-    nothing changed). Lossy for the draft's own numbers only (~0.4% of a block's largest weight),
-    so exactness does not move: sampling draws from, and verification divides by, the q the draft
-    computes."""
-    from ..kernels import loaded
-
-    if not getattr(model, "native", False) or model.dtype != torch.float32:
-        return None
-    lins = [lin for blk in model.layers for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)]
-    head_q = block_drafting(lins, head, target_model)
-    if head_q is not None:
-        model.use_kernels(loaded())
-    return head_q
-
-
 def draft_on_rowstable(model, head: torch.Tensor | None, target_model):
-    """Where the target's decoding steps run on the row-stable AVX2 kernels (CPUs without AVX-512:
-    target_model.rowstable) and `draft_on_kernels` did not apply, put an unpacked float32 native
-    draft model's decoding steps on them too (LlamaModel.use_rowstable), over Q8_0 copies of its
-    projections and LM head where the target reads GGUF blocks (its head is on them), over its fp32
-    weights otherwise; and return (op, *args) computing the subset head `head` [S, D] on them (None:
-    no subset head, or nothing changed: see model.rowstable). Lossy for the draft's own numbers
-    only, so exactness does not move."""
+    """Where the target's decoding steps run on the row-stable kernels (target_model.rowstable),
+    put an unpacked float32 native draft model's decoding steps on them too
+    (LlamaModel.use_rowstable), over Q8_0 copies of its projections and LM head where the target
+    reads GGUF blocks (its head is on them), over its fp32 weights otherwise; and return
+    (op, *args) computing the subset head `head` [S, D] on them (None: no subset head, or nothing
+    changed: see model.rowstable). Lossy for the draft's own numbers only, so exactness does not
+    move."""
     from .gguf_blocks import quantize_q8_0
 
     ops = getattr(target_model, "rowstable", None)
@@ -140,8 +89,7 @@ def draft_on_rowstable(model, head: torch.Tensor | None, target_model):
     if getattr(model, "gguf_native", False) and model.rowstable is ops:
         pass  # a draft read from a GGUF file computes on these kernels from its own blocks already
     elif model.rowstable is None:
-        if model.packed or any(lin.qargs is not None for blk in model.layers
-                               for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)):
+        if model.packed:
             return None
         blocks = {}
         if on_blocks:

@@ -26,18 +26,13 @@ shape-dependent differences then sit far below the model dtype's rounding, and a
 token's logits equal one-at-a-time decoding's bit for bit (tested). A prefill from slot 0
 (the same for every method) attends in float32.
 
-A float32 model loaded from a GGUF file can also compute with the file's quantised blocks
-(`attach_blocks`, the kernels of specdec/kernels), and steps of up to ATTEND_MAX_T new tokens
-attend through a kernel whose sums do not depend on the other tokens, so there a verified
-token's attention equals one-at-a-time decoding's bit for bit. Two kinds of block kernels:
-  * integer (VNNI) kernels, the default where the CPU has them: every call (prefills too) rounds
-    its activations to 16 (or 8) bits per 32 values and takes exact integer dot products with
-    the blocks; one kernel for every row count, so a verified token's projections, and so its
-    logits, equal one-at-a-time decoding's bit for bit;
-  * float kernels (fp32 activations, the fp32 copy's numbers up to the order of sums) for calls
-    of up to BLOCK_MAX_ROWS rows, longer ones staying on oneDNN; the kernels for 1-2 and for 3-16
-    rows sum in different orders (~1e-6 relative), as oneDNN's fp32 kernels for different row
-    counts do.
+A float32 model can compute its decoding steps (`step_call`: up to ATTEND_MAX_T new tokens a
+row) on the row-stable kernels of specdec/kernels (`use_rowstable`; a GGUF file's model,
+models/gguf_model.py, always does): projections (over the fp32 weights, or over Q4_1 / Q8_0 blocks
+with the same numbers), RMS norms, rotation and attention whose every output is computed the same
+way however many rows and tokens share the call, so there a verified token's logits equal
+one-at-a-time decoding's bit for bit, in float32 too. Long prefills (the same for every method)
+stay on oneDNN and SDPA.
 
 This module knows nothing about files, tokenizers or sampling.
 """
@@ -171,30 +166,19 @@ PACK_BATCH_HINT = 8
 # (rows >= 7 fall back to slower blocking again; they are not changed).
 MIN_PACKED_ROWS = 4
 
-# Calls of up to BLOCK_MAX_ROWS rows use a GGUF model's float block kernels where attached
-# (attach_blocks; the integer kernels take every call): they read ~6 bits a weight instead of 32.
-# On this project's 2-core EPYC the 120
-# projections of the default model took (ms, median of 11, random blocks of the same shapes):
-#   rows:                        1     2     3     4     5     6     8    16
-#   K-major kernel             2.2   2.5   3.2   4.4   4.4   7.6   9.1  13.8
-#   N-major kernel             3.1   3.3   3.4   3.7   4.0   4.4   5.2   9.7
-# against ~15-17 ms for oneDNN's fp32 kernels at any of these sizes; so 1-2 rows take the K-major
-# kernel, 3-16 the N-major one, and longer calls (prefills) stay with oneDNN.
+# A float32 call of up to BLOCK_MAX_ROWS rows in all belongs to a decoding step (step_call),
+# whatever its shape; so does one of up to ATTEND_MAX_T tokens a row. Up to BLOCK_MAX_ROWS rows, a
+# step also takes the kernels' fused rotation + cache write + attention (Block.forward).
 BLOCK_MAX_ROWS = 16
-BLOCK_K_MAX_ROWS = 2
 
-# Steps of up to this many new tokens attend through the kernels' attention where attached (with
-# the blocks): one fixed order of sums per query, so a verified token (chain or tree node) attends
-# bit for bit as it does decoded alone. Once the queries of a K/V head shared one pass over its
-# keys, the kernel beat SDPA at every step size up to 16 (whole steps of the default model on
-# int16 blocks, 2 threads, SDPA vs kernel: after 200 keys 7 / 9 / 16 new tokens 13.2 / 13.2 / 19.6
-# vs 7.2 / 11.4 / 16.1 ms; after 1500 keys 17.1 / 21.2 / 27.9 vs 11.9 / 14.3 / 22.4 ms; 5 tokens
-# level). SDPA's sums differ in the last bits for different step sizes, so steps of 17+ tokens on
-# SDPA could turn speculative greedy text away from plain decoding's on a near-tie (a 17-token
-# step's logits differed by ~4e-3); so the kernel takes steps of up to 64 tokens (the
-# CLI, the Engine and the batcher cap guesses at 48, types.MAX_GUESSES), exactness before the
-# speed of such rare long steps. Longer non-causal calls (the chunks of a long prefill after its
-# first) keep SDPA.
+# Steps of up to this many new tokens attend through the kernels' attention where the layer has
+# them (Block.kops): one fixed order of sums per query, so a verified token (chain or tree node)
+# attends bit for bit as it does decoded alone. SDPA's sums differ in the last bits for different
+# step sizes, so steps of 17+ tokens on SDPA could turn speculative greedy text away from plain
+# decoding's on a near-tie (a 17-token step's logits differed by ~4e-3); so the kernel takes steps
+# of up to 64 tokens (the CLI, the Engine and the batcher cap guesses at 48, types.MAX_GUESSES),
+# exactness before the speed of such rare long steps. Longer non-causal calls (the chunks of a
+# long prefill after its first) keep SDPA.
 ATTEND_MAX_T = 64
 ATTEND_HEAD_SIZES = (16, 32, 64, 128)  # what the attention kernel takes
 
@@ -224,35 +208,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, kops=None) -> torch.T
     return F.rms_norm(x, (D,), w, eps)
 
 
-def kernel_args(ops, blocks: tuple, act_bits: int = 16) -> tuple:
-    """(kernel, K-major, N-major kernel or None, N-major, rows): what block_linear takes, from
-    gguf_blocks' (kind, K-major, N-major or None, rows). A VNNI kind ("Q4_1-vnni", "Q8_0-vnni":
-    one integer kernel for every row count) gives (kernel, its blocks, None, None, rows), the kernel
-    rounding activations to `act_bits` (16: ~15 bits, within ~1e-5 of float; 8: llama.cpp's)."""
-    kind, blocks_k, blocks_n, rows = blocks
-    if kind.endswith("-vnni"):
-        if act_bits not in (8, 16):
-            raise SpecdecError(f"activations of 8 or 16 bits, not {act_bits}")
-        name = ("q4_1_linear_" if kind.startswith("Q4_1") else "q8_0_linear_") + ("w" if act_bits == 16 else "v")
-        return getattr(ops, name), blocks_k, None, None, rows
-    op, op_n = (ops.q4_1_linear, ops.q4_1_linear_n) if kind == "Q4_1" else (ops.q8_0_linear, ops.q8_0_linear_n)
-    return op, blocks_k, op_n if blocks_n is not None else None, blocks_n, rows
-
-
-def is_vnni(args: tuple | None) -> bool:
-    """Whether kernel_args' result runs the integer kernels (which take calls of any row count)."""
-    return args is not None and args[2] is None and args[0].__name__.endswith(("_v", "_w"))
-
-
-def block_rows_ok(args: tuple | None, x: torch.Tensor) -> bool:
-    """Whether the block kernels `args` (kernel_args) take this call: float32, and up to
-    BLOCK_MAX_ROWS rows for the float kernels (longer calls, prefills, go to oneDNN there);
-    the integer (VNNI) kernels take every call."""
-    if args is None or x.dtype != torch.float32:
-        return False
-    return is_vnni(args) or x.numel() <= BLOCK_MAX_ROWS * x.shape[-1]
-
-
 def step_call(x: torch.Tensor) -> bool:
     """Whether a float32 call belongs to a decoding step (or a short prefill, which every method
     shares) rather than to a long prefill: x [B, T, D] with up to ATTEND_MAX_T tokens a row, or up
@@ -260,13 +215,6 @@ def step_call(x: torch.Tensor) -> bool:
     projections, LM head), so a token verified among others and decoded alone meet the same code."""
     return x.dtype == torch.float32 and (
         x.numel() <= BLOCK_MAX_ROWS * x.shape[-1] or (x.dim() == 3 and x.shape[1] <= ATTEND_MAX_T))
-
-
-def block_linear(x, op, packed, op_n, packed_n, rows: int) -> torch.Tensor:
-    """x @ W^T through the block kernel that suits x's number of rows (see BLOCK_MAX_ROWS)."""
-    if op_n is not None and x.numel() > BLOCK_K_MAX_ROWS * x.shape[-1]:
-        return op_n(x, packed_n, rows)
-    return op(x, packed, rows)
 
 
 _pad = threading.local()  # per thread (two models may run in two threads): {(width, dtype, device): buffer}
@@ -341,9 +289,6 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
     pack_dtype: torch.dtype | None = None
-    # GGUF block kernels (torch.ops.specdec_q.*) and their packed blocks (attach_blocks): float ones,
-    # K-major for calls of 1-2 rows and N-major (if any) for 3-16, or one integer kernel for all
-    qargs: tuple | None = None  # kernel_args(...): (kernel, blocks, N-major kernel, blocks, rows)
     # the row-stable float32 kernels (kernels.rowstable_ops(), LlamaModel.use_rowstable) for the
     # calls of decoding steps (step_call), over the plain weight (which then stays beside the packed
     # copy) or, where given, over the GGUF blocks rs_blocks (op, K-major blocks, rows): the same numbers
@@ -369,49 +314,15 @@ class Linear(nn.Linear):
         self.weight = None  # (the module's other code never reads it again)
         self.bias = None
 
-    def attach(self, ops, blocks: tuple, act_bits: int = 16) -> None:
-        """Use the block kernels `ops` for calls of up to BLOCK_MAX_ROWS rows (VNNI blocks: for
-        every call); blocks: (kind, first, second or None, rows) as gguf_blocks makes them;
-        act_bits: see kernel_args."""
-        if blocks[3] != self.out_features:
-            raise SpecdecError(f"GGUF blocks with {blocks[3]} rows for a projection of {self.out_features}")
-        args = kernel_args(ops, blocks, act_bits)
-        if not is_vnni(args) and self.packed is None and self.weight is None:
-            raise SpecdecError("float block kernels need the projection's fp32 weights for long calls; "
-                               "they were released for the integer kernels")
-        self.qargs = args
-        if is_vnni(args) and self.pack_dtype is None:
-            self.packed = None  # every float32 call runs the integer kernel: the fp32 copy is dead weight
-
-    @property
-    def qpacked(self) -> torch.Tensor | None:
-        """The attached blocks a one-row call reads (None: none attached)."""
-        return None if self.qargs is None else self.qargs[1]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rs is not None and step_call(x):
             y = self.rs.linear(x, self.weight) if self.rs_blocks is None else self.rs_blocks[0](x, *self.rs_blocks[1:])
             return y if self.bias is None else y + self.bias
-        if block_rows_ok(self.qargs, x):
-            y = block_linear(x, *self.qargs)
-            bias = self.packed_bias if self.packed_bias is not None else self.bias
-            return y if bias is None else y + bias
         if self.packed is not None:
             if self.pack_dtype is not None and x.dtype != self.pack_dtype:
                 return packed_linear(x.to(self.pack_dtype), self.packed, self.packed_bias).to(x.dtype)
             return packed_linear(x, self.packed, self.packed_bias)
-        if self.weight is None:
-            raise SpecdecError(f"this projection computes with integer block kernels, on float32 inputs only "
-                               f"(got {x.dtype})")
         return F.linear(x, self.weight, self.bias)
-
-
-def fused_step_ok(kops, hidden: int, head_dim: int, lins) -> bool:
-    """Whether a decoder layer of this width and head size, with projections `lins` (qkv, o,
-    gate/up, down), can take a fused decoding step through the kernels `kops`: every projection
-    on the integer kernels without a bias, and shapes the kernels' norms and attention take."""
-    return kops is not None and hidden % 16 == 0 and head_dim in ATTEND_HEAD_SIZES and head_dim % 32 == 0 and all(
-        is_vnni(lin.qargs) and lin.bias is None and lin.packed_bias is None for lin in lins)
 
 
 def additive_mask(allowed: torch.Tensor, groups: int, dtype=torch.float32) -> torch.Tensor:
@@ -423,12 +334,13 @@ def additive_mask(allowed: torch.Tensor, groups: int, dtype=torch.float32) -> to
 
 
 class Block(nn.Module):
-    kops = None  # the kernels (torch.ops.specdec_q) for the layer's decoding steps (attach_blocks)
-    # a decoding step's calls with every projection on the integer kernels and no biases (the
-    # default model on int16 / int8): plain references to the kernels, blocks and norm weights,
-    # so the step makes its ten kernel calls without the Python of Linear.forward, block_linear and
-    # nn.Module attribute lookups in between (the same calls, so the same numbers; set by
-    # attach_blocks, see fast_step_args)
+    # the row-stable kernels (torch.ops.specdec_rs) for the layer's norms, rotation and attention in
+    # decoding steps (LlamaModel.use_rowstable; a GGUF file's model sets it itself)
+    kops = None
+    # a decoding step's calls with every projection on the kernels' blocks or a GGUF file's bytes:
+    # plain references to the kernels, blocks, biases and norm weights, so the step makes its kernel
+    # calls without the Python of Linear.forward and nn.Module attribute lookups in between (the
+    # same calls, so the same numbers; see fast_step_args)
     fast = None
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -456,8 +368,7 @@ class Block(nn.Module):
         if (f is not None and FUSED_DECODING_STEP and not causal and T <= ATTEND_MAX_T
                 and x.dtype == torch.float32 and cache.k[layer].dtype == torch.float32):
             # the fused decoding step below, its calls made straight (Block.fast); for any number of
-            # rows, since the integer kernels take every row count with a row's numbers unchanged
-            # (a batch of B rows x T tokens above BLOCK_MAX_ROWS took the torch-op path before)
+            # rows, since the kernels take every row count with a row's numbers unchanged
             kops = self.kops
             (qkv_op, qkv_args, qkv_bias, qkv_order), (o_op, o_args, o_bias, _), (gu_op, gu_args, gu_bias, _), \
                 (d_op, d_args, d_bias, _), an, mn, eps = f
@@ -480,7 +391,7 @@ class Block(nn.Module):
         if kernel_attn and FUSED_DECODING_STEP and Dh % 32 == 0 and B * T <= BLOCK_MAX_ROWS:
             # a decoding step through the kernels: rotation, cache write and attention in one call (the
             # numbers of the path below), whose attention gives a token verified among up to
-            # ATTEND_MAX_T others the result it gets decoded alone, bit for bit (kernels/qlinear.cpp)
+            # ATTEND_MAX_T others the result it gets decoded alone, bit for bit (kernels/rowstable.cpp)
             o = kops.rope_attend(self.wqkv.forward(h), cos, sin, cache.k[layer], cache.v[layer], start, H, n_keys, mask,
                                  *rk)
             x = x + self.wo.forward(o)
@@ -498,7 +409,7 @@ class Block(nn.Module):
         keys = cache.k[layer][:, :, :n_keys]  # [B, Hkv, S, Dh]
         vals = cache.v[layer][:, :, :n_keys]
         if kernel_attn:
-            # the kernels' attention (kernels/qlinear.cpp): a token verified among up to ATTEND_MAX_T
+            # the kernels' attention (kernels/rowstable.cpp): a token verified among up to ATTEND_MAX_T
             # others attends bit for bit as it does decoded alone
             o = kops.attend(q, cache.k[layer], cache.v[layer], n_keys, mask, *rk)
         elif causal and adt != x.dtype:
@@ -524,9 +435,9 @@ class Block(nn.Module):
         """Block.fast for this layer: per projection (qkv, o, gate/up, down) the kernel call a
         decoding step makes, (op, its arguments after x, the bias or None, the order its outputs
         are taken in or None: llama's q/k in a GGUF file), then the norm weights
-        and eps; or None where the step needs the general path: a projection not on the integer
-        kernels, the row-stable kernels' blocks or a GGUF file's own kernels (`step_op`), or a
-        norm width or head size the kernels do not take. (The same calls as the general path
+        and eps; or None where the step needs the general path: a projection on neither the
+        row-stable kernels' blocks nor a GGUF file's own kernels (`step_op`), or a norm width or
+        head size the kernels do not take. (The same calls as the general path
         makes: the same numbers, without its Python.)"""
         lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
         # the row-stable kernels' norms and attention (the AVX2 / VNNI build that also reads GGUF files)
@@ -539,8 +450,6 @@ class Block(nn.Module):
             if not (rs_shapes and all(lin.rs_blocks is not None and lin.bias is None for lin in lins)):
                 return None
             calls = [(lin.rs_blocks[0], lin.rs_blocks[1:], None, None) for lin in lins]
-        elif fused_step_ok(self.kops, self.attn_norm.shape[0], self.head_dim, lins):
-            calls = [(lin.qargs[0], (lin.qargs[1], lin.qargs[4]), None, None) for lin in lins]
         else:
             return None
         return (*calls, self.attn_norm.detach(), self.mlp_norm.detach(), self.eps)
@@ -563,7 +472,6 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_packed: torch.Tensor | None = None
-        self.head_q = None  # (kernel, blocks, N-major kernel, blocks, rows) of the LM head (attach_blocks)
         # a plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies
         with torch.device("cpu"):
             self.inv_freq, self.rope_scaling = rope_inv_freq(cfg)
@@ -662,8 +570,6 @@ class LlamaModel(nn.Module):
         if self.rowstable is not None and step_call(h):
             hb = self.head_rs_blocks
             logits = self.rowstable.linear(h, self.lm_head_weight()) if hb is None else hb[0](h, *hb[1:])
-        elif block_rows_ok(self.head_q, h):
-            logits = block_linear(h, *self.head_q)
         elif self.head_packed is not None:
             logits = packed_linear(h, self.head_packed)
         else:
@@ -671,21 +577,14 @@ class LlamaModel(nn.Module):
         return logits
 
     def pack(self) -> "LlamaModel":
-        """Prepack every projection and the LM head for oneDNN (inference only; see Linear). A
-        projection already on integer (VNNI) block kernels, which take every call, only drops its
-        fp32 weight instead, and a head on them gets no packed copy: packing after attach_blocks
-        spares the load the fp32 copies' reorder (its time, and ~4 bytes a weight at the peak)."""
+        """Prepack every projection and the LM head for oneDNN (inference only; see Linear)."""
         if not mkldnn_packing_available(self.dtype) or self.device.type != "cpu" or self.packed:
             return self
         for blk in self.layers:
             for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down):
-                if is_vnni(lin.qargs) and lin.pack_dtype is None:
-                    lin.weight = None
-                else:
-                    lin.pack()
+                lin.pack()
         # the head keeps its plain weight too: drafters read it (vocabulary subsets, EAGLE)
-        if not is_vnni(self.head_q):
-            self.head_packed = torch.ops.mkldnn._reorder_linear_weight(self.lm_head_weight().detach(), PACK_BATCH_HINT)
+        self.head_packed = torch.ops.mkldnn._reorder_linear_weight(self.lm_head_weight().detach(), PACK_BATCH_HINT)
         self._packed = True
         return self
 
@@ -696,34 +595,6 @@ class LlamaModel(nn.Module):
         """Whether pack() has run (the model is ready for inference on a CPU)."""
         return self._packed
 
-    def attach_blocks(self, ops, blocks: dict, act_bits: int = 16) -> int:
-        """Compute the projections (and the LM head) named in `blocks` ({"layers.3.wqkv" | "head":
-        (kind "Q4_1" | "Q8_0" | "Q4_1-vnni" | "Q8_0-vnni", first, second or None, output rows)},
-        models/gguf_blocks.py) with the block kernels `ops` (kernels.ops()): float kinds for calls
-        of up to BLOCK_MAX_ROWS rows, VNNI kinds for every call, their activations rounded to
-        act_bits (kernel_args). The blocks must rebuild this model's weights exactly (gguf_blocks
-        checks it); the prepacked fp32 copies of projections and the head on VNNI blocks are
-        released (~4 bytes a weight; the integer kernels take every call; on a model not packed
-        yet, pack() then skips them), the others stay for the calls the float kernels do not
-        take; the head's plain fp32 weight stays (the embedding; drafters read it). Returns how
-        many matrices were attached."""
-        if self.dtype != torch.float32:
-            raise SpecdecError("GGUF block kernels need a float32 model")
-        n = 0
-        for name, b in blocks.items():
-            if name == "head":
-                if b[3] != self.cfg.vocab_size:
-                    raise SpecdecError(f"GGUF blocks: the head has {b[3]} rows, the vocabulary {self.cfg.vocab_size}")
-                self.head_q = kernel_args(ops, b, act_bits)
-                if is_vnni(self.head_q):
-                    self.head_packed = None
-            else:
-                _, i, attr = name.split(".")
-                getattr(self.layers[int(i)], attr).attach(ops, b, act_bits)
-            n += 1
-        self.use_kernels(ops)
-        return n
-
     rowstable = None  # the row-stable float32 kernels, where use_rowstable attached them
     head_rs_blocks = None  # (op, K-major blocks, rows) of the LM head on them, if any
 
@@ -732,11 +603,10 @@ class LlamaModel(nn.Module):
         float32 kernels `ops` (kernels.rowstable_ops()): projections, LM head, norms, rotation and
         attention, each token's numbers the same whether it is decoded alone or verified among
         others, so speculative greedy text equals plain greedy text bit for bit. Long prefills stay
-        on oneDNN (the same for every method). For a float32 model whose projections are not on
-        the AVX-512 block kernels (CPUs without AVX-512, `--weights fp32`). blocks: gguf_blocks'
-        "float" layout ({name: (kind, K-major, N-major, rows)}, load_blocks): those matrices are
-        read from their Q4_1 / Q8_0 blocks, with the numbers of their fp32 copies (which gguf_blocks
-        checked they rebuild bit for bit), ~5x fewer bytes a step. Call before pack(), which then
+        on oneDNN (the same for every method). For a float32 native model (a Hugging Face
+        folder's, a draft's). blocks: {name ("layers.3.wqkv" | "head"): (kind, K-major, N-major,
+        rows)} as gguf_blocks packs them: those matrices are read from their Q4_1 / Q8_0 blocks
+        (a drafter's Q8_0 copies: quantize_q8_0), ~5x fewer bytes a step. Call before pack(), which then
         keeps the plain weight of each projection not on blocks beside its packed copy. Returns
         how many matrices were put on blocks."""
         if self.dtype != torch.float32:
@@ -745,9 +615,6 @@ class LlamaModel(nn.Module):
             raise SpecdecError("use_rowstable must come before pack() (packing releases the plain weights)")
         for blk in self.layers:
             for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down):
-                if lin.qargs is not None:
-                    raise SpecdecError("a projection is on the GGUF block kernels; the row-stable kernels replace "
-                                       "the fp32 path only")
                 lin.rs = ops
                 lin.weight.data = lin.weight.data.contiguous()
             blk.kops = ops
@@ -771,23 +638,6 @@ class LlamaModel(nn.Module):
         for blk in self.layers:
             blk.fast = blk.fast_step_args()  # (layers whose projections are all on blocks)
         self.rowstable = ops
-        return n
-
-    def use_kernels(self, ops) -> None:
-        """Run the layers' norms, rotation and attention through the kernels `ops`, and a decoding
-        step whose projections are all on integer kernels as direct calls (Block.fast); call it
-        after attaching blocks to projections (attach_blocks does)."""
-        for blk in self.layers:
-            blk.kops = ops
-            blk.fast = blk.fast_step_args()
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of attached GGUF blocks a decode step reads (the K-major copies; 0: none attached)."""
-        n = 0 if self.head_q is None else self.head_q[1].numel()
-        for blk in self.layers:
-            for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down):
-                n += 0 if lin.qpacked is None else lin.qpacked.numel()
         return n
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -865,12 +715,8 @@ class LlamaModel(nn.Module):
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads: everything but the embedding table,
-        plus the LM head (which is the embedding table when tied); with GGUF blocks attached
-        to every matrix, the blocks' bytes."""
+        plus the LM head (which is the embedding table when tied)."""
         c = self.cfg
-        if self.head_q is not None and all(lin.qpacked is not None for blk in self.layers
-                                           for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)):
-            return self.block_bytes
         untied_head = 0 if c.tie_embeddings else c.vocab_size * c.hidden_size
         n = self.num_parameters() - c.vocab_size * c.hidden_size - untied_head + c.vocab_size * c.hidden_size
         return n * self.embed.weight.element_size()

@@ -176,8 +176,8 @@ def _eos_ids(hf_config, tokenizer, d: Path) -> list[int]:
 
 def load_hf_dir(d: Path, dtype=torch.float32, source: str | None = None, native: bool | None = None,
                 quiet: bool = False, with_tokenizer: bool = True) -> LoadedModel:
-    """A Hugging Face folder's model, a native one left unpacked (load_model packs it after
-    attaching a GGUF's blocks, so projections on integer kernels never get an fp32 packed copy)."""
+    """A Hugging Face folder's model, a native one left unpacked (load_model puts it on the
+    row-stable kernels first, which need its plain weights, then packs it)."""
     t0 = time.perf_counter()
     if not (d / "config.json").is_file():
         raise SpecdecError(f"{d} is a directory but has no config.json; point --model at a Hugging Face model folder or a .gguf file")
@@ -394,15 +394,14 @@ def load_gguf(path: Path, source: str, quiet: bool = False, with_tokenizer: bool
 
 
 def attach_rowstable(lm: LoadedModel, quiet: bool = False) -> None:
-    """Put a float32 native model that computes with its fp32 weights (no GGUF block kernels: a CPU
-    without AVX-512, `--weights fp32`, a model folder) on the row-stable float32 kernels for its
-    decoding steps (LlamaModel.use_rowstable), so that speculative greedy text equals plain greedy
-    text bit for bit there too; where they cannot run (no AVX2 / FMA, no compiler,
-    SPECDEC_ROWSTABLE=0) a one-line note says that a near-tie may part the two. Before pack()."""
+    """Put a float32 native model that computes with its fp32 weights (a model folder) on the
+    row-stable float32 kernels for its decoding steps (LlamaModel.use_rowstable), so that
+    speculative greedy text equals plain greedy text bit for bit there too; where they cannot run
+    (no AVX2 / FMA, no compiler, SPECDEC_ROWSTABLE=0) a one-line note says that a near-tie may
+    part the two. Before pack()."""
     model = lm.model
     if (not getattr(model, "native", False) or model.dtype != torch.float32 or model.device.type != "cpu"
-            or model.packed or model.head_q is not None or model.rowstable is not None
-            or any(lin.qargs is not None for blk in model.layers for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))):
+            or model.packed or model.rowstable is not None):
         return
     from .. import kernels
 
