@@ -42,7 +42,7 @@ def rowstable_head(ops, W: torch.Tensor, q8: bool) -> tuple:
     from .gguf_blocks import quantize_q8_0
 
     blocks = quantize_q8_0(W) if q8 else None
-    return (ops.linear, W.contiguous()) if blocks is None else (ops.q8_0_linear, blocks[1], blocks[3])
+    return (ops.linear, W.contiguous()) if blocks is None else (ops.q8_0_linear, blocks[1], blocks[2])
 
 
 def rowstable_drafting(linears, W: torch.Tensor, target_model):
@@ -66,7 +66,7 @@ def rowstable_drafting(linears, W: torch.Tensor, target_model):
         blocks = quantize_q8_0(lin.weight) if on_blocks else None
         lin.rs = ops
         if blocks is not None:
-            lin.rs_blocks = (ops.q8_0_linear, blocks[1], blocks[3])
+            lin.rs_blocks = (ops.q8_0_linear, blocks[1], blocks[2])
         else:
             lin.weight.data = lin.weight.data.contiguous()
     return rowstable_head(ops, W, on_blocks)

@@ -604,11 +604,11 @@ class LlamaModel(nn.Module):
         attention, each token's numbers the same whether it is decoded alone or verified among
         others, so speculative greedy text equals plain greedy text bit for bit. Long prefills stay
         on oneDNN (the same for every method). For a float32 native model (a Hugging Face
-        folder's, a draft's). blocks: {name ("layers.3.wqkv" | "head"): (kind, K-major, N-major,
+        folder's, a draft's). blocks: {name ("layers.3.wqkv" | "head"): (kind, K-major blocks,
         rows)} as gguf_blocks packs them: those matrices are read from their Q4_1 / Q8_0 blocks
-        (a drafter's Q8_0 copies: quantize_q8_0), ~5x fewer bytes a step. Call before pack(), which then
-        keeps the plain weight of each projection not on blocks beside its packed copy. Returns
-        how many matrices were put on blocks."""
+        (a drafter's Q8_0 copies: quantize_q8_0), ~5x fewer bytes a step. Call before pack(),
+        which then keeps the plain weight of each projection not on blocks beside its packed
+        copy. Returns how many matrices were put on blocks."""
         if self.dtype != torch.float32:
             raise SpecdecError("the row-stable kernels compute in float32 only")
         if self.packed:
@@ -620,7 +620,7 @@ class LlamaModel(nn.Module):
             blk.kops = ops
             blk.fast = None
         n = 0
-        for name, (kind, first, _second, rows) in (blocks or {}).items():
+        for name, (kind, first, rows) in (blocks or {}).items():
             op = ops.q4_1_linear if kind == "Q4_1" else ops.q8_0_linear if kind == "Q8_0" else None
             if op is None:
                 raise SpecdecError(f"GGUF blocks of kind {kind!r}: the row-stable kernels read Q4_1 and Q8_0")
