@@ -6,14 +6,14 @@ dev prompts (chat template), greedy, --max-new-tokens each, a tree at every step
 guard, which would decode some steps plainly, is off); the variants alternate per repeat so
 machine drift hits them alike. Reports the median proposal time, the mean verification time
 per step and τ for each, and one JSON document as the last line. Variants:
-  kernels  the default: where the target runs on the GGUF's integer kernels, the head's short
+  kernels  the default: where the target's steps run on the row-stable kernels, the head's short
            steps take the kernels' norms and fused attention (EagleDrafter._kernel_step)
   torch    the same projections, but torch's norms, rotation and SDPA for the head's attention
   fp32, bf16  the head's projections packed for oneDNN in fp32 / bf16 (what runs where the
            target is on neither kernel family: `--weights fp32` on an AVX-512 CPU, or a CPU
            without AVX2; where the AVX2 kernels run, the head's fp32 weights go through them)
-  onednn   on a CPU without AVX-512, where the target's steps run on the row-stable AVX2 kernels
-           (and so, by default, do the head's: `kernels` there): the head packed for oneDNN in
+  onednn   where the target's steps run on the row-stable kernels (and so, by default, do the
+           head's: `kernels`): the head packed for oneDNN in
            fp32 with torch's norms and attention, as before the head moved onto those kernels
 
     python benchmarks/eagle_propose.py --prompts 4 --max-new-tokens 128 --repeats 3 --variants kernels,torch
@@ -84,7 +84,7 @@ def main() -> int:
         finally:
             target.model.rowstable = rowstable
         if variant == "kernels" and d.kops is None:
-            raise SystemExit("the head's steps are not on the kernels here (neither the AVX-512 nor the AVX2 kernels?)")
+            raise SystemExit("the head's steps are not on the kernels here (the row-stable kernels cannot run?)")
         if variant == "torch":
             d.kops = None
         times: list[float] = []
