@@ -49,3 +49,38 @@ def test_file_checks_run_on_the_first_load_and_after_a_change(tmp_path, monkeypa
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # the file changed (or was replaced)
     load_model(str(path), quiet=True, with_tokenizer=False)
     assert len(calls) == 2
+
+
+def test_repacked_layouts_that_no_load_can_read_again_are_removed(tmp_path, monkeypatch):
+    """Each repacked layout is about its model's size, and its key changes with the file and with
+    specdec's code: claiming one removes the others no load can read again once they are a day
+    unused (another version of the same file, a file that is gone, an unmarked one of an older
+    specdec), and keeps the current layouts of other files and anything used within the day."""
+    import time
+
+    from specdec.models.loader import REPACKED_UNUSED, claim_repacked, repacked_dir
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    model, other = tmp_path / "m.gguf", tmp_path / "other.gguf"
+    model.write_bytes(b"x" * 64)
+    other.write_bytes(b"y" * 64)
+    root = tmp_path / "cache" / "repacked"
+
+    def entry(name, source=None):
+        d = root / name
+        d.mkdir(parents=True)
+        (d / "blocks.npy").write_bytes(b"0" * 32)
+        if source is not None:
+            (d / "source").write_text(str(source))
+        return d
+
+    stale_version = entry("aaaa", model.resolve())  # the same file, as older code keyed it
+    gone = entry("bbbb", tmp_path / "deleted.gguf")
+    unmarked = entry("cccc")
+    current_other = claim_repacked(other)  # another file's layout, as this code keys it
+    later = time.time() + REPACKED_UNUSED + 60
+    here = claim_repacked(model, now=time.time())  # nothing is a day unused yet: all kept
+    assert all(d.is_dir() for d in (stale_version, gone, unmarked, current_other, here))
+    assert claim_repacked(model, now=later) == here == repacked_dir(model)
+    assert not stale_version.exists() and not gone.exists() and not unmarked.exists()
+    assert current_other.is_dir() and (here / "source").read_text() == str(model.resolve())

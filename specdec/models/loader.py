@@ -17,6 +17,7 @@ touches files.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -330,14 +331,56 @@ def repacked_dir(path: Path) -> Path:
     a start reads it memory-mapped instead of repacking (~0.4 s on the default model)."""
     import hashlib
 
+    st = path.stat()
+    ident = "\0".join([str(path.resolve()), str(st.st_size), str(st.st_mtime_ns)])
+    key = hashlib.sha256(ident.encode() + _repacking_code())
+    return cache_root() / "repacked" / key.hexdigest()[:24]
+
+
+@functools.lru_cache(maxsize=1)
+def _repacking_code() -> bytes:
+    """The source of what packs the decode-step layout and of the kernels that read it."""
     from .. import kernels
     from . import gguf_blocks, gguf_model
 
-    st = path.stat()
-    ident = "\0".join([str(path.resolve()), str(st.st_size), str(st.st_mtime_ns)])
     code = b"".join(Path(m.__file__).read_bytes() for m in (gguf_blocks, gguf_model))
-    key = hashlib.sha256(ident.encode() + code + kernels.ROWSTABLE_SOURCE.read_bytes())
-    return cache_root() / "repacked" / key.hexdigest()[:24]
+    return code + kernels.ROWSTABLE_SOURCE.read_bytes()
+
+
+#: a repacked layout nothing has loaded for this long is removed when it can no longer be read: one
+#: of an older version of its file or of specdec, or of a file that is gone (seconds)
+REPACKED_UNUSED = 24 * 3600
+
+
+def claim_repacked(path: Path, now: float | None = None) -> Path:
+    """repacked_dir(path), marked as this file's and as used now (its `source` file names the GGUF
+    file; its modification time is the last load), after removing the layouts no load can read
+    again that have not been used for REPACKED_UNUSED seconds: those made for another version of
+    their file or of specdec's code, those of files that no longer exist, and those of an older
+    specdec that did not mark them. Each is about its file's size, so without this every
+    upgrade would leave a copy of every model behind. A cache that cannot be written is no error
+    (the next start repacks)."""
+    import shutil
+
+    here = repacked_dir(path)
+    now = time.time() if now is None else now
+    source = str(path.resolve())
+    try:
+        for entry in here.parent.iterdir() if here.parent.is_dir() else ():
+            if entry == here or not entry.is_dir():
+                continue
+            mark = entry / "source"
+            used = (mark if mark.is_file() else entry).stat().st_mtime
+            if now - used < REPACKED_UNUSED:
+                continue
+            named = Path(mark.read_text()) if mark.is_file() else None
+            if named is None or not named.is_file() or repacked_dir(named) != entry:
+                shutil.rmtree(entry, ignore_errors=True)
+        here.mkdir(parents=True, exist_ok=True)
+        (here / "source").write_text(source)  # (written each load: its time is the last use)
+    except OSError:
+        pass
+    return here
 
 
 def load_gguf(path: Path, source: str, quiet: bool = False, with_tokenizer: bool = True,
@@ -375,7 +418,7 @@ def load_gguf(path: Path, source: str, quiet: bool = False, with_tokenizer: bool
         why = kernels.rowstable_unavailable() or "the kernels lack gguf_linear"
         _log(f"the GGUF kernels cannot run here ({why}): computing with a slow reference that dequantises "
              "every matrix into memory", quiet)
-    model = GGUFLlamaModel(LlamaConfig.from_hf(hf), gf, linear_op, rows_op, rs, repacked_dir(path))
+    model = GGUFLlamaModel(LlamaConfig.from_hf(hf), gf, linear_op, rows_op, rs, claim_repacked(path))
     if not checked:
         check_sampled_rows(model)
         try:
