@@ -1,6 +1,7 @@
-// Row-stable float32 kernels for CPUs with AVX2 and FMA but without AVX-512 (where qlinear.cpp
-// cannot run): a matrix product (over fp32 weights, or over a GGUF file's Q4_1 / Q8_0 blocks with
-// the same numbers), RMS norm, attention, and rotation + cache write + attention for decoding steps.
+// Row-stable float32 kernels for x86 CPUs with AVX2 and FMA, where every model computes its decoding
+// steps: matrix products (over fp32 weights, over Q4_1 / Q8_0 blocks repacked K-major with the same
+// numbers, or straight over a GGUF tensor's own bytes), RMS norm, attention, and rotation + cache
+// write + attention.
 //
 // Why: speculative greedy text must equal plain greedy text. A verification computes a guessed
 // token as one row among several (a chain, a tree, a batch), plain decoding computes it alone.
