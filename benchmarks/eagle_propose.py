@@ -9,12 +9,9 @@ per step and τ for each, and one JSON document as the last line. Variants:
   kernels  the default: where the target's steps run on the row-stable kernels, the head's short
            steps take the kernels' norms and fused attention (EagleDrafter._kernel_step)
   torch    the same projections, but torch's norms, rotation and SDPA for the head's attention
-  fp32, bf16  the head's projections packed for oneDNN in fp32 / bf16 (what runs where the
-           target is on neither kernel family: `--weights fp32` on an AVX-512 CPU, or a CPU
-           without AVX2; where the AVX2 kernels run, the head's fp32 weights go through them)
-  onednn   where the target's steps run on the row-stable kernels (and so, by default, do the
-           head's: `kernels`): the head packed for oneDNN in
-           fp32 with torch's norms and attention, as before the head moved onto those kernels
+  onednn   the head packed for oneDNN (bf16 where the CPU has bf16 units, else fp32) with torch's
+           norms and attention: what runs where the target's steps are not on the row-stable
+           kernels (a CPU without AVX2)
 
     python benchmarks/eagle_propose.py --prompts 4 --max-new-tokens 128 --repeats 3 --variants kernels,torch
 """
@@ -23,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -44,13 +40,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", default="kernels,torch",
-                    help="comma-separated: kernels, torch, fp32, bf16, onednn (see above). Default: kernels,torch")
+                    help="comma-separated: kernels, torch, onednn (see above). Default: kernels,torch")
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if not variants or set(variants) - {"kernels", "torch", "fp32", "bf16", "onednn"}:
-        ap.error(f"--variants: choose from kernels, torch, fp32, bf16, onednn (got {args.variants!r})")
-    if {"fp32", "bf16"} & set(variants) and {"kernels", "torch"} & set(variants):
-        ap.error("--variants: fp32 / bf16 (a target off the kernels) and kernels / torch cannot share a run")
+    if not variants or set(variants) - {"kernels", "torch", "onednn"}:
+        ap.error(f"--variants: choose from kernels, torch, onednn (got {args.variants!r})")
     torch.set_num_threads(args.threads)
 
     from specdec.drafters import REGISTRY
@@ -61,7 +55,7 @@ def main() -> int:
     from specdec.text import encode_prompt
     from specdec.types import SamplingParams
 
-    target = load_model(None, quiet=True, weights="fp32" if {"fp32", "bf16"} & set(variants) else "auto")
+    target = load_model(None, quiet=True)
     head = args.head or default_eagle_for(target)
     rows, seen = [], set()
     for line in Path(args.data).read_text().splitlines():
@@ -73,7 +67,6 @@ def main() -> int:
             break
 
     def make(variant: str):
-        os.environ["SPECDEC_DRAFT_FP32"] = "1" if variant == "fp32" else "0"
         rowstable = target.model.rowstable
         if variant == "onednn":
             if rowstable is None:
@@ -118,7 +111,7 @@ def main() -> int:
             results[p]["verify_ms"].append(verify / steps * 1e3)
             results[p]["tau"].append(new / steps)
     summary = {p: {k: round(statistics.median(v), 3) for k, v in results[p].items()} for p in variants}
-    summary["bf16_units"] = cpu_has_bf16()  # (without them the bf16 variant packs in fp32 too)
+    summary["bf16_units"] = cpu_has_bf16()  # (without them the onednn variant packs in fp32)
     print(f"{'variant':8} {'propose ms':>11} {'verify ms':>10} {'tau':>6}")
     for p in variants:
         s = summary[p]

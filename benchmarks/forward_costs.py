@@ -8,18 +8,12 @@ long contexts, and a way to compare two checkouts of the model code:
     python benchmarks/forward_costs.py --prefill 10 --tokens 1,2,3,5 --repeats 30 --pad 1,4 --threads 2
 
 Variants are interleaved, each timed step after --warm (default 2) untimed steps of the same
-variant: with several model copies in one process, a step right after another copy's starts with
-that copy's weights in the caches, which made the integer kernels' 5-token steps look 1.5x dearer
-than in a decoding loop. `--pad 1,4` times every step twice, interleaved, with the prepacked projections' row padding
-off (1) and at 4 rows (the default, `llama.MIN_PACKED_ROWS`): the A/B behind that default.
-`--weights fp32,blocks,int16,int8` does the same with the default model's dequantised fp32
-weights, its GGUF blocks with float32 activations, and its blocks with 16- and 8-bit activations
-(specdec/kernels' integer kernels; int16 is the default where the CPU has VNNI), copies of the
-model in one process:
+variant: a step right after another variant's starts with that variant's data in the caches,
+which makes short steps look dearer than in a decoding loop. `--pad 1,4` times every step twice,
+interleaved, with the prepacked projections' row padding off (1) and at 4 rows
+(`llama.MIN_PACKED_ROWS`, in checkouts that have it): the A/B behind that default.
 
-    python benchmarks/forward_costs.py --weights fp32,blocks,int16,int8 --tokens 1,2,5,9,16 --threads 2
-
-Default model (fp32, prepacked as `generate` runs it), batch 1, random token ids (the cost
+Default model (as `generate` runs it), batch 1, random token ids (the cost
 does not depend on which tokens), median of --repeats timed calls after a warm-up. A step is
 timed with the LM head over every new token, as verification runs it; the cache is rolled
 back after each call so every call sees the same context. Prints a table and one JSON line.
@@ -53,9 +47,6 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15, help="timed calls per cell (prefills: a third). Default: 15")
     ap.add_argument("--pad", type=_ints, default=None,
                     help="row paddings to compare, interleaved (e.g. 1,4; 1 = none). Default: the model's own")
-    ap.add_argument("--weights", default=None,
-                    help="comma-separated weights to compare, interleaved: fp32, blocks, int16, int8 (see "
-                         "specdec generate --help). Default: the loader's choice (int16 where the CPU has VNNI)")
     ap.add_argument("--warm", type=int, default=2,
                     help="untimed steps of the same variant before each timed one (as in a decoding loop; 0: "
                          "each timed step right after another variant's, as before 2026-12-02). Default: 2")
@@ -67,20 +58,11 @@ def main() -> int:
     from specdec.models import llama
     from specdec.models.loader import load_model
 
-    if args.pad and args.weights:
-        raise SystemExit("compare --pad or --weights, not both")
     if args.pad and not hasattr(llama, "MIN_PACKED_ROWS"):
         raise SystemExit("this checkout's model has no row padding (llama.MIN_PACKED_ROWS); drop --pad")
     # variants timed side by side: {label: (model, padding)}
-    if args.weights:
-        names = [w.strip() for w in args.weights.split(",") if w.strip()]
-        bad = [w for w in names if w not in ("fp32", "blocks", "int16", "int8")]
-        if bad or not names:
-            raise SystemExit(f"--weights takes fp32, blocks, int16 and/or int8, got {args.weights!r}")
-        variants = {w: (load_model(None, quiet=True, weights=w).model, None) for w in names}
-    else:
-        model = load_model(None, quiet=True).model
-        variants = {pad: (model, pad) for pad in (args.pad or [getattr(llama, "MIN_PACKED_ROWS", 1)])}
+    model = load_model(None, quiet=True).model
+    variants = {pad: (model, pad) for pad in (args.pad or [getattr(llama, "MIN_PACKED_ROWS", 1)])}
     pads = list(variants)
     model = next(iter(variants.values()))[0]
     need = max(max(args.prefill), max(args.context) + max(args.tokens)) + 1
@@ -139,9 +121,7 @@ def main() -> int:
 
     print(f"specdec from {specdec.__file__}; threads {args.threads}; median ms")
     for pad in pads:
-        if args.weights:
-            print(f"-- weights: {pad}")
-        elif args.pad:
+        if args.pad:
             print(f"-- projections padded to {pad} rows" if pad > 1 else "-- no row padding")
         print("prefill: " + ", ".join(f"{L} tokens {ms[pad]} ms ({L / ms[pad] * 1e3:.0f} tok/s)"
                                       for L, ms in prefill.items()))
