@@ -55,10 +55,11 @@ def test_repacked_layouts_that_no_load_can_read_again_are_removed(tmp_path, monk
     """Each repacked layout is about its model's size, and its key changes with the file and with
     specdec's code: claiming one removes the others no load can read again once they are a day
     unused (another version of the same file, a file that is gone, an unmarked one of an older
-    specdec), and keeps the current layouts of other files and anything used within the day."""
+    specdec), and keeps the current layouts of other files and anything used within the day; the
+    sweep runs at most once every REPACKED_SWEEP_EVERY seconds."""
     import time
 
-    from specdec.models.loader import REPACKED_UNUSED, claim_repacked, repacked_dir
+    from specdec.models.loader import REPACKED_SWEEP_EVERY, REPACKED_UNUSED, claim_repacked, repacked_dir
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     model, other = tmp_path / "m.gguf", tmp_path / "other.gguf"
@@ -84,3 +85,9 @@ def test_repacked_layouts_that_no_load_can_read_again_are_removed(tmp_path, monk
     assert claim_repacked(model, now=later) == here == repacked_dir(model)
     assert not stale_version.exists() and not gone.exists() and not unmarked.exists()
     assert current_other.is_dir() and (here / "source").read_text() == str(model.resolve())
+    # the sweep stats every entry: it runs at most once every REPACKED_SWEEP_EVERY seconds
+    again = entry("dddd", tmp_path / "deleted.gguf")
+    claim_repacked(model, now=later + 60)
+    assert again.is_dir()
+    claim_repacked(model, now=later + REPACKED_SWEEP_EVERY + 60)
+    assert not again.exists()

@@ -350,14 +350,17 @@ def _repacking_code() -> bytes:
 #: a repacked layout nothing has loaded for this long is removed when it can no longer be read: one
 #: of an older version of its file or of specdec, or of a file that is gone (seconds)
 REPACKED_UNUSED = 24 * 3600
+#: the sweep for such layouts runs at most this often (seconds): it stats every entry, ~25 ms a
+#: start for 1500 entries, while one a day would do
+REPACKED_SWEEP_EVERY = 3600
 
 
 def claim_repacked(path: Path, now: float | None = None) -> Path:
     """repacked_dir(path), marked as this file's and as used now (its `source` file names the GGUF
     file; its modification time is the last load), after removing the layouts no load can read
-    again that have not been used for REPACKED_UNUSED seconds: those made for another version of
-    their file or of specdec's code, those of files that no longer exist, and those of an older
-    specdec that did not mark them. Each is about its file's size, so without this every
+    again that have not been used for REPACKED_UNUSED seconds (at most once every
+    REPACKED_SWEEP_EVERY seconds): those made for another version of their file or of specdec's
+    code, those of files that no longer exist, and those of an older specdec that did not mark them. Each is about its file's size, so without this every
     upgrade would leave a copy of every model behind. A cache that cannot be written is no error
     (the next start repacks)."""
     import shutil
@@ -365,17 +368,21 @@ def claim_repacked(path: Path, now: float | None = None) -> Path:
     here = repacked_dir(path)
     now = time.time() if now is None else now
     source = str(path.resolve())
+    swept = here.parent / ".swept"  # (its time: the last sweep)
     try:
-        for entry in here.parent.iterdir() if here.parent.is_dir() else ():
-            if entry == here or not entry.is_dir():
-                continue
-            mark = entry / "source"
-            used = (mark if mark.is_file() else entry).stat().st_mtime
-            if now - used < REPACKED_UNUSED:
-                continue
-            named = Path(mark.read_text()) if mark.is_file() else None
-            if named is None or not named.is_file() or repacked_dir(named) != entry:
-                shutil.rmtree(entry, ignore_errors=True)
+        if here.parent.is_dir() and (not swept.is_file() or now - swept.stat().st_mtime >= REPACKED_SWEEP_EVERY):
+            for entry in here.parent.iterdir():
+                if entry == here or not entry.is_dir():
+                    continue
+                mark = entry / "source"
+                marked = mark.is_file()
+                if now - (mark if marked else entry).stat().st_mtime < REPACKED_UNUSED:
+                    continue
+                named = Path(mark.read_text()) if marked else None
+                if named is None or not named.is_file() or repacked_dir(named) != entry:
+                    shutil.rmtree(entry, ignore_errors=True)
+            swept.touch()
+            os.utime(swept, (now, now))
         here.mkdir(parents=True, exist_ok=True)
         (here / "source").write_text(source)  # (written each load: its time is the last use)
     except OSError:
