@@ -45,7 +45,7 @@ class DraftModelDrafter(Drafter):
             self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
             if int(self.subset.max()) >= self.vocab_size:
                 raise SpecdecError("the draft's vocabulary subset names ids beyond the target's vocabulary")
-            self.head = model.lm_head_weight().detach()[self.subset].contiguous()  # [S, D]
+            self.head = model.lm_head_rows(self.subset).detach().contiguous()  # [S, D]
         if target_model is not None and native:
             self.head_rs = draft_on_rowstable(model, self.head if self.subset is not None else None, target_model)
         if self.subset is not None and self.head_rs is None:

@@ -47,7 +47,7 @@ from ..models.kernel_glue import pack_drafting_head, rowstable_drafting
 from ..sampling import draw
 from ..types import SpecdecError
 from .base import Draft, DraftContext, Drafter, register
-from .heads import load_head, target_fingerprint  # noqa: F401  (target_fingerprint: used by train/)
+from .heads import load_head, subset_head, target_fingerprint  # noqa: F401  (target_fingerprint: used by train/)
 
 EAGLE_META = "specdec_eagle.json"
 EAGLE_WEIGHTS = "eagle.safetensors"
@@ -197,13 +197,7 @@ class EagleDrafter(Drafter):
         # rows asked for (no float table of the whole vocabulary, ~4 bytes a weight)
         self.embed = target_model.embed
         self.dim, self.dtype = target_model.embed.embedding_dim, target_model.dtype
-        self.subset = None
-        if vocab_subset is not None:
-            self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
-            W = target_model.lm_head_rows(self.subset)
-        else:
-            W = target_model.lm_head_weight()
-        self.W = W.detach().contiguous()  # [S, D]
+        self.subset, self.W = subset_head(target_model, vocab_subset)  # W [S, D]
         h = head
         lins = (h.fc, h.wqkv, h.wo, h.w_gate_up, h.w_down)
         # the row-stable kernels, where the target's steps run on them

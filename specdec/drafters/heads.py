@@ -1,5 +1,6 @@
 """What the head drafters (EAGLE, Medusa) share: the fingerprint of the target a head was trained
-for, the check that refuses a head trained for another target, and loading a head folder."""
+for, the check that refuses a head trained for another target, loading a head folder, and the
+target's LM head rows over a head's vocabulary subset."""
 
 from __future__ import annotations
 
@@ -17,15 +18,25 @@ def target_fingerprint(model, legacy: bool = False) -> str:
     The sampled rows are rounded to bfloat16 first, so the same target loaded in float32 or
     bfloat16 (`--dtype`) gives the same hash; `legacy`: the hash of the unrounded rows, which
     older heads recorded."""
-    rows = model.cfg.vocab_size if hasattr(model, "lm_head_rows") else model.lm_head_weight().shape[0]
-    ids = torch.arange(0, rows, max(1, rows // 256))
-    if hasattr(model, "lm_head_rows"):  # (a GGUF model reads these rows alone, not the whole table)
-        sample = model.lm_head_rows(ids).detach().float().contiguous()
+    if hasattr(model, "lm_head_rows"):  # (a GGUF model reads the sampled rows alone, not the whole table)
+        rows, take = model.cfg.vocab_size, model.lm_head_rows
     else:
-        sample = model.lm_head_weight().detach().float()[ids].contiguous()
+        w = model.lm_head_weight()
+        rows, take = w.shape[0], w.__getitem__
+    sample = take(torch.arange(0, rows, max(1, rows // 256))).detach().float().contiguous()
     if not legacy:
         sample = sample.to(torch.bfloat16).float()
     return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
+
+
+def subset_head(target_model, vocab_subset) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the sorted vocabulary subset as ids or None, the target's LM head over it [S, D]): only the
+    subset's rows are read (a GGUF target reads them from its file, with no float table of the
+    whole vocabulary); the whole head without a subset."""
+    if vocab_subset is None:
+        return None, target_model.lm_head_weight().detach().contiguous()
+    subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
+    return subset, target_model.lm_head_rows(subset).detach().contiguous()
 
 
 def check_trained_for(meta: dict, hidden: int, target, path, what: str, command: str) -> None:

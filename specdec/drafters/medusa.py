@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..types import SpecdecError
 from .base import Draft, DraftContext, Drafter, register
-from .heads import load_head
+from .heads import load_head, subset_head
 
 MEDUSA_META = "specdec_medusa.json"
 MEDUSA_WEIGHTS = "medusa.safetensors"
@@ -100,13 +100,7 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeads, target_model, vocab_subset=None, tree: list[tuple[int, ...]] | None = None) -> None:
         self.heads = heads
-        self.subset = None
-        if vocab_subset is not None:  # (the subset's rows alone: a GGUF target reads them from its file)
-            self.subset = torch.tensor(sorted(set(int(i) for i in vocab_subset)), dtype=torch.long)
-            W = target_model.lm_head_rows(self.subset)
-        else:
-            W = target_model.lm_head_weight()
-        self.W = W.detach().contiguous()
+        self.subset, self.W = subset_head(target_model, vocab_subset)
         self.tree = tree  # rank tuples (static tree) or None for a chain of top-1 guesses
         self.max_nodes = len(tree) if tree else 0
         self.topk = 1 + max((max(t) for t in tree), default=0) if tree else 1
