@@ -49,7 +49,7 @@ def main() -> int:
                     help="row paddings to compare, interleaved (e.g. 1,4; 1 = none). Default: the model's own")
     ap.add_argument("--warm", type=int, default=2,
                     help="untimed steps of the same variant before each timed one (as in a decoding loop; 0: "
-                         "each timed step right after another variant's, as before 2026-12-02). Default: 2")
+                         "each timed step right after another variant's). Default: 2")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
