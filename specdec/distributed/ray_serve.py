@@ -77,15 +77,16 @@ class MetricsBoard:
 
     def __init__(self) -> None:
         self.texts: dict[str, tuple[float, str]] = {}
-        self.open: dict[str, tuple[float, int]] = {}
+        self.open: dict[str, tuple[float, int, bool]] = {}  # replica -> (posted at, open requests, draining)
         self.drain_until: float | None = None
         self.drain_since: float | None = None
 
-    def post(self, replica: str, text: str, open_requests: int = 0) -> float | None:
-        """Record a replica's metrics; returns the seconds left of an asked-for drain, else None."""
+    def post(self, replica: str, text: str, open_requests: int = 0, draining: bool = False) -> float | None:
+        """Record a replica's metrics, its open requests and whether it drains (refuses new
+        requests); returns the seconds left of an asked-for drain, else None."""
         now = time.time()
         self.texts[replica] = (now, text)
-        self.open[replica] = (now, open_requests)
+        self.open[replica] = (now, open_requests, draining)
         return None if self.drain_until is None else max(0.0, self.drain_until - now)
 
     def recent(self, max_age_s: float) -> dict[str, str]:
@@ -96,18 +97,18 @@ class MetricsBoard:
     def drain(self, seconds: float) -> None:
         self.drain_since, self.drain_until = time.time(), time.time() + seconds
 
-    def _live(self) -> list[tuple[float, int]]:
+    def _live(self) -> list[tuple[float, int, bool]]:
         now = time.time()
         return [v for v in self.open.values() if now - v[0] <= STALE_S]
 
     def draining(self) -> bool:
-        """Every replica heard from lately has posted since the drain began, so has been told of it
-        (a replica starts draining as its post returns)."""
-        return self.drain_since is not None and all(t > self.drain_since for t, _ in self._live())
+        """A drain was asked for and every replica heard from lately has said it drains (it refuses
+        new requests), in a post since the drain began."""
+        return self.drain_since is not None and all(t > self.drain_since and on for t, _, on in self._live())
 
     def drained(self) -> bool:
-        """Every replica heard from lately has posted since the drain began with nothing open."""
-        return self.draining() and all(n == 0 for _, n in self._live())
+        """Every replica heard from lately drains, with nothing open."""
+        return self.draining() and all(n == 0 for _, n, _ in self._live())
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
@@ -232,8 +233,8 @@ class SpecdecEngine:
         while not self._stop.wait(PUSH_EVERY_S):
             try:
                 s = self.batcher.stats()
-                left = ray.get(self.board.post.remote(self.replica, self.own_metrics(), s["batch"] + s["queued"]),
-                               timeout=10)
+                left = ray.get(self.board.post.remote(self.replica, self.own_metrics(), s["batch"] + s["queued"],
+                                                      self.batcher.draining), timeout=10)
             except Exception:  # the board is being replaced, or Ray is shutting down: try again next tick
                 continue
             if left is not None and not self.batcher.draining:
