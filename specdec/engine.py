@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .core.policy import BatchGuard
+from .core.policy import BatchGuard, LoadPolicy
 from .drafters.base import Drafter
 from .sampling import make_generator
 from .core.scheduler import ContinuousBatcher, Request
@@ -53,6 +53,12 @@ class Engine:
         # speculate only while it beats plain decoding, measured (core.policy.BatchGuard); kept
         # here so that what it measured carries from one generate call to the next
         self.guard = BatchGuard.for_drafter(drafter) if drafter is not None else None
+        # how the scheduler runs the drafter: prompt lookup, alone or beside an EAGLE tree, is
+        # priced per step and row by the scheduler's cost model (LoadPolicy), as the server prices
+        # it, and the engine keeps that model so that what it learns carries between calls; any
+        # other drafter runs through the protocol alone
+        self.method = "none" if drafter is None else priced_method(drafter)
+        self.policy = LoadPolicy(self.k, adaptive=drafter.gates_itself) if self.method in PRICED else None
 
     def learned(self) -> dict:
         """What the drafter, its draft-length policy and the guard learned while decoding, for a
@@ -73,7 +79,8 @@ class Engine:
 
     def _learners(self):
         """(name, part) of the parts that adapt: the drafter, the k policy, the guard."""
-        return [(n, p) for n, p in (("drafter", self.drafter), ("k_policy", self.k_policy), ("guard", self.guard))
+        return [(n, p) for n, p in (("drafter", self.drafter), ("k_policy", self.k_policy), ("guard", self.guard),
+                                    ("policy", self.policy))
                 if p is not None]
 
     # ------------------------------------------------------------------------------------
@@ -124,7 +131,8 @@ class Engine:
         max_len = min(self.model.max_context, max(len(p) for p in prompts) + params.max_new_tokens + width + 2)
         native = getattr(self.model, "native", False)
         scheduler = ContinuousBatcher(
-            self.model, self.eos_ids, method="none" if self.drafter is None else "protocol", k_max=self.k,
+            self.model, self.eos_ids, method=self.method, k_max=self.k, policy=self.policy,
+            adaptive=self.policy.adaptive if self.policy is not None else True,
             max_batch=len(prompts) if native else 1, max_queue=len(prompts), max_context=max_len,
             drafter=self.drafter, thread=False, shared=params, fill_context=True, raise_errors=True,
             k_policy=self.k_policy)
@@ -133,3 +141,22 @@ class Engine:
             if self.guard is not None:
                 self.guard.begin()
         return scheduler
+
+
+
+PRICED = ("ngram", "auto")  # the scheduler's methods an engine's drafter may run under (priced_method)
+
+
+def priced_method(drafter) -> str:
+    """The scheduler method that runs `drafter` under the scheduler's cost model: "auto" for
+    prompt lookup beside an EAGLE tree, "ngram" for adaptive prompt lookup; "protocol" for any
+    other drafter (a draft model, Medusa, an EAGLE head alone, your own), which runs through
+    the drafter protocol with its own length choice."""
+    from .drafters.hybrid import LookupEagleDrafter
+    from .drafters.ngram import NgramDrafter
+
+    if isinstance(drafter, LookupEagleDrafter):
+        return "auto"
+    if isinstance(drafter, NgramDrafter) and drafter.policy is not None:
+        return "ngram"
+    return "protocol"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdec.drafters import ngram
-from specdec.core.policy import ProbeSchedule
+from specdec.core.policy import LoadPolicy, ProbeSchedule
 from specdec.drafters.hybrid import LookupEagleDrafter
 from specdec.engine import Engine
 from specdec.types import SamplingParams
@@ -85,9 +85,10 @@ def test_a_short_answer_pays_for_no_probe(no_lookups, sampling):
 def test_the_probes_wait_for_room_a_broken_rule_would_probe(no_lookups):
     """The room rule can fail: without it the same short answer probes at step 16."""
     d = drafter("lookup", depth=3, width=2, nodes=5)
-    d.probe_room = 0
     trees = never_accepted(d, 0)
-    Engine(target().model, d, k=3).generate([prompts()[1]], SamplingParams(max_new_tokens=40))
+    engine = Engine(target().model, d, k=3)
+    engine.policy.probe_room = 0
+    engine.generate([prompts()[1]], SamplingParams(max_new_tokens=40))
     assert len(trees) >= 1
 
 
@@ -102,13 +103,16 @@ def test_seeded_text_ignores_timing(monkeypatch):
         if noisy:
             noise = random.Random(7)
             d.gain, d.t_draft, d.t_step = 5.0, 0.001, 0.01  # a learnt state that says the tree pays
+            # the head's price, in the cost model's choice and in the tree's cut, at random each step
+            monkeypatch.setattr(LoadPolicy, "head_cost", lambda self, A, tree: noise.choice([0.0, 1.0]) * A)
             monkeypatch.setattr(LookupEagleDrafter, "cost", lambda self: noise.uniform(0, 3))
-        return [r.tokens for r in Engine(target().model, d, k=3).generate(ps, params)]
+        return [r.tokens for r in Engine(target().model, d, k=3).generate(ps, params)], d.rows_drafted["eagle"]
 
-    first = run(False)
-    assert run(True) == first
+    first, _ = run(False)
+    again, trees = run(True)
+    assert again == first and trees > 0
     monkeypatch.undo()
-    assert run(False) == first
+    assert run(False)[0] == first
 
 
 def test_learned_key_tells_greedy_from_sampled():

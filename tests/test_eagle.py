@@ -91,9 +91,10 @@ def test_eagle_greedy_equals_transformers(monkeypatch, tree, kw, batch):
     ps = prompts()[:batch]
     want = [hf_greedy(hf, p, 14) for p in ps]
     d = drafter(tree, **kw)
+    engine = Engine(target().model, d, k=kw.get("depth", 3))
     if tree == "lookup":
-        d.eager = True  # trees from the first step, so that 14 tokens see both sources (the default probes first)
-    res = Engine(target().model, d, k=kw.get("depth", 3)).generate(ps, SamplingParams(max_new_tokens=14))
+        engine.policy.eager = True  # trees from the first step, so that 14 tokens see both sources (the default probes first)
+    res = engine.generate(ps, SamplingParams(max_new_tokens=14))
     assert [r.tokens for r in res] == want
     assert sum(r.stats.proposed for r in res) > 0
     if tree == "lookup":
@@ -360,76 +361,104 @@ def test_train_eagle_unrolled_from_a_trained_head(tmp_path):
     assert_drafts_exactly(tg, head, meta, prompts()[0], 8)
 
 
-def test_lookup_eagle_gate_falls_back_to_lookup_when_the_tree_does_not_pay(monkeypatch):
-    """auto's gate: the tree pays iff accepted tokens per tree step > draft time / step time +
-    r * nodes. While it does not, rows get plain lookups and the tree is probed every 16th
-    step; greedy output stays equal to plain decoding whatever the gate decides."""
+class _Tree:
+    """What the cost model reads of a tree drafter: a tree of 5 nodes that gains `gain` tokens,
+    drafted in 2 ms a row."""
+
+    usual_nodes = 5
+
+    def __init__(self, gain: float) -> None:
+        self.gain = gain
+
+    def tree_tokens(self, k: int) -> float:
+        return 1.0 + self.gain * min(1.0, k / 5)
+
+    def head_seconds(self, rows: int) -> float:
+        return 0.002 * rows
+
+
+def _fitted_policy(k_max: int = 5):
+    """A LoadPolicy whose step-time fit says: a one-row step costs 10 ms plus 1 ms a guess slot."""
+    from specdec.core.policy import LoadPolicy
+
+    policy = LoadPolicy(k_max)
+    for i in range(32):
+        policy.observe_step(1, i % (k_max + 1), 0.010 + 0.001 * (i % (k_max + 1)))
+    return policy
+
+
+def test_auto_takes_the_tree_only_where_it_pays_more_than_the_lookup():
+    """auto's choice (the scheduler's LoadPolicy, in generate and serve): a row without a lookup
+    drafts the tree iff the tree's tokens per second, (1 + gain) / (step + 5 slots + the head's
+    2 ms), beat a plain step's by TREE_MARGIN; a row whose lookup is worth more keeps it."""
+    step = 1  # (not a probe step: step % 16 != 0)
+    # plain: 1 token in 10 ms; a tree: (1 + gain) in 10 + 5 + 2 ms; pays iff 1 + gain > 1.7 * 1.05
+    for gain, pays in ((0.9, True), (0.7, False)):
+        k, use = _fitted_policy().choose_k([[]], [[1.0]], step, [True], _Tree(gain), room=[100])
+        assert use == [pays] and (k == 5 if pays else k == 0), (gain, k, use)
+    # a lookup of 3 guesses expected to commit 3.5 tokens beats a tree worth 1.9
+    k, use = _fitted_policy().choose_k([[7, 8, 9]], [[1.0, 2.0, 2.8, 3.5]], step, [True], _Tree(0.9), room=[100])
+    assert use == [False] and k == 3
+
+
+def test_a_tree_that_does_not_pay_is_only_probed_and_greedy_stays_exact(monkeypatch):
+    """While the cost model finds the tree not paying (its head priced far above a step), rows
+    take plain lookups and the tree is drafted only as probes; greedy output stays equal to plain
+    decoding whatever the choice (here also a random one each step)."""
     import random
 
     from transformers import AutoModelForCausalLM
 
-    from specdec.drafters.hybrid import LookupEagleDrafter
-
-    d = drafter("lookup", depth=3, width=2, nodes=5)
-    assert not d.tree_pays()  # nothing measured yet: only the gate's probe drafts a tree
-    d.eager = True
-    assert d.tree_pays()  # (the rule before 2026-12-02: trees until measured)
-    d.t_draft, d.t_step, d.nodes = 0.002, 0.010, 5.0
-    r = d.ngram.policy.r
-    d.gain = 0.2 + r * 5 + 0.01
-    assert d.tree_pays()
-    d.gain = 0.2 + r * 5 - 0.01
-    assert not d.tree_pays()
+    from specdec.core.policy import LoadPolicy
 
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
     hf.generation_config.pad_token_id = 0
     ps = prompts()
-    want = [hf_greedy(hf, p, 40) for p in ps]
-    monkeypatch.setattr(LookupEagleDrafter, "tree_pays", lambda self: False)
+    want = [hf_greedy(hf, p, 80) for p in ps]
+    monkeypatch.setattr(LoadPolicy, "head_cost", lambda self, A, tree: 10.0 * A)
     d = drafter("lookup", depth=3, width=2, nodes=5)
-    res = [Engine(target().model, d, k=3).generate([p], SamplingParams(max_new_tokens=40))[0] for p in ps]
+    engine = Engine(target().model, d, k=3)
+    res = [engine.generate([p], SamplingParams(max_new_tokens=80))[0] for p in ps]
     assert [x.tokens for x in res] == want
     steps = sum(x.stats.target_forwards for x in res)
     assert 0 < d.rows_drafted["eagle"] <= steps // 16 + len(ps)  # probes only
     noise = random.Random(0)
-    monkeypatch.setattr(LookupEagleDrafter, "tree_pays", lambda self: noise.random() < 0.5)
+    monkeypatch.setattr(LoadPolicy, "head_cost", lambda self, A, tree: noise.choice([0.0, 10.0]) * A)
     d = drafter("lookup", depth=3, width=2, nodes=5)
     res = Engine(target().model, d, k=3).generate(ps, SamplingParams(max_new_tokens=40))
-    assert [x.tokens for x in res] == want
+    assert [x.tokens for x in res] == [w[:40] for w in want]
+    assert d.rows_drafted["eagle"] > 0
 
 
 def test_lookup_eagle_drafts_its_first_tree_as_a_probe_and_times_it_on_the_next_step(monkeypatch):
-    """A fresh auto drafter decodes with prompt lookup alone until the gate's first probe
-    (probe_every steps that would have drafted a tree); that probe catches the head up on the
-    context, so the next step that would draft a tree probes again, in steady state, and times
-    the head (c measured). Greedy output stays equal to plain decoding. (Lookups are switched
-    off, so that every step would draft a tree.)"""
+    """A fresh auto engine decodes with prompt lookup alone until the first probe (16 steps
+    that would have drafted a tree); that probe catches the head up on the context, so the next
+    step that may probe does so again, in steady state, and times the head (its cost measured). Greedy output
+    stays equal to plain decoding. (Lookups are switched off, so that every step would draft a
+    tree.)"""
     from transformers import AutoModelForCausalLM
 
     from specdec.drafters import ngram
 
     monkeypatch.setattr(ngram.SuffixIndex, "match", lambda *a, **k: (0, []))  # no lookups: every step wants the tree
     d = drafter("lookup", depth=3, width=2, nodes=5)
-    calls, tree_calls = [0], []
-    propose, eagle_propose = d.propose, d.eagle.propose
-
-    def counted(ctx, k):
-        calls[0] += 1
-        return propose(ctx, k)
+    p = prompts()[1]
+    tree_steps, eagle_propose = [], d.eagle.propose
 
     def tree(ctx, k, rows=None, min_logp=None):
-        tree_calls.append(calls[0])
+        tree_steps.append(len(ctx.tokens[0]) - len(p))  # the decode step it drafts for (0: the first)
         return eagle_propose(ctx, k, rows=rows, min_logp=min_logp)
 
-    d.propose, d.eagle.propose = counted, tree
-    p = prompts()[1]
-    [res] = Engine(target().model, d, k=3).generate([p], SamplingParams(max_new_tokens=60))
+    d.eagle.propose = tree
+    engine = Engine(target().model, d, k=3)
+    [res] = engine.generate([p], SamplingParams(max_new_tokens=60))
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
     hf.generation_config.pad_token_id = 0
     assert res.tokens == hf_greedy(hf, p, 60)
-    # steps 1-15 decode plainly, 16 probes (catching the head up), 17 probes again in steady state
-    assert tree_calls[:2] == [d.probe_every, d.probe_every + 1]
-    assert d.cost() is not None  # ... and measured the head's drafting time
+    # no tree before the first probe, 16 declined steps in; the probe (catching the head up) is
+    # repeated at once in steady state (one step later if that step is the lookup's length probe)
+    assert tree_steps[0] >= 15 and tree_steps[1] - tree_steps[0] <= 2, tree_steps
+    assert engine.policy.head_time.weight > 0  # ... and timed the head's drafting
 
 
 def test_head_forward_matches_a_plain_reference_layer():

@@ -161,7 +161,7 @@ def _run(engine, params, ps):
 
 
 def test_restored_auto_decides_from_its_first_step_and_stays_exact(monkeypatch):
-    """A fresh auto drafter does not draft a tree before a probe has timed the head; one restored
+    """A fresh auto engine does not draft a tree before a probe has timed the head; one restored
     from a run that found trees paying drafts them from its first step, and one restored from a
     run that found them not paying does not. Greedy output equals transformers' either way."""
     from transformers import AutoModelForCausalLM
@@ -174,23 +174,46 @@ def test_restored_auto_decides_from_its_first_step_and_stays_exact(monkeypatch):
     assert _run(Engine(target().model, first, k=3), SamplingParams(max_new_tokens=12), ps) == want
     assert first.rows_drafted["eagle"] == 0  # 12 tokens: before the first probe
     state = json.loads(json.dumps(Engine(target().model, first, k=3).learned()))
-    state["drafter"].update(t_draft=1e-4, t_step=1e-2, gain=3.0)  # a head that paid well
-    # no measured step-time line (what the first run timed depends on the machine's load): r is
-    # the lookup's prior and a plain step the mean step, so the gate's verdict is fixed
-    state["drafter"]["ngram"]["policy"]["times"] = StepModel().learned(16.0)
+    state["drafter"].update(t_draft=1e-4, gain=3.0)  # a head that paid well
+    # a step-time fit of 10 ms a step, guesses free (what the first run timed depends on the
+    # machine's load), so the cost model's verdict is fixed
+    state["policy"]["steps"] = free_guesses()
     pays = drafter("lookup", depth=3, width=2, nodes=5)
     engine = Engine(target().model, pays, k=3)
     engine.relearn(state)
-    assert pays.cost() is not None and pays.tree_pays()
+    assert engine.policy.head_cost(1, pays) == pytest.approx(1e-4)
     assert _run(engine, SamplingParams(max_new_tokens=12), ps) == want
     assert pays.rows_drafted["eagle"] > 0
     state["drafter"].update(gain=0.0)  # a head that did not
     idle = drafter("lookup", depth=3, width=2, nodes=5)
     engine = Engine(target().model, idle, k=3)
     engine.relearn(state)
-    assert not idle.tree_pays()
     assert _run(engine, SamplingParams(max_new_tokens=12), ps) == want
     assert idle.rows_drafted["eagle"] == 0
+
+
+def test_the_cost_model_round_trips_and_refuses_what_does_not_fit():
+    """LoadPolicy.learned / relearn: the step-time fit, the head's drafting-time line and the
+    draft model's acceptance come back as they were (capped); a malformed entry changes nothing."""
+    from specdec.core.policy import LoadPolicy
+
+    policy = LoadPolicy(4)
+    for i in range(40):
+        policy.observe_step(1 + i % 3, i % 5, 0.01 + 0.002 * (i % 5))
+        policy.observe_head(1 + i % 2, 0.003 * (1 + i % 2), True, None)
+        policy.observe_draft([2], [1 + i % 2])
+    state = json.loads(json.dumps(policy.learned()))
+    new = LoadPolicy(4)
+    new.relearn(state)
+    assert new.steps.predict(2, 3) == pytest.approx(policy.steps.predict(2, 3))
+    assert new.head_cost(5, None) == pytest.approx(policy.head_cost(5, None))
+    assert new.head_time.weight == pytest.approx(16.0)  # at most 16 steps' weight carried
+    assert new.draft_odds.expected(0, 4) == pytest.approx(policy.draft_odds.expected(0, 4), rel=0.05)
+    for bad in (dict(state, head_time=[1.0, 2.0]), dict(state, draft_time=[-1.0] * 5), dict(state, steps={})):
+        fresh = LoadPolicy(4)
+        with pytest.raises((ValueError, KeyError)):
+            fresh.relearn(bad)
+        assert fresh.head_time.weight == 0 and fresh.steps.predict(1, 1) is None
 
 
 @pytest.mark.parametrize("method", ["ngram", "lookup"])

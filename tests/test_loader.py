@@ -239,6 +239,7 @@ def test_default_model_named_by_its_path_is_the_default(default_model):
 
     ids = bf.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
     drafter = lookup_eagle_for(bf)
-    drafter.eager = True  # trees from the first step (a fresh drafter waits to time the head)
-    [r] = Engine(bf.model, drafter, k=8, eos_ids=()).generate([ids], SamplingParams(max_new_tokens=24))
+    engine = Engine(bf.model, drafter, k=8, eos_ids=())
+    engine.policy.eager = True  # trees from the first step (a fresh engine waits to time the head)
+    [r] = engine.generate([ids], SamplingParams(max_new_tokens=24))
     assert len(r.tokens) == 24 and r.stats.proposed > 0 and drafter.rows_drafted["eagle"] > 0

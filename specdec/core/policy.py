@@ -792,15 +792,24 @@ class LoadPolicy:
         # acceptance `DraftLength` keeps for generate's draft model: a LengthPolicy of one match length)
         self.draft_odds = LengthPolicy(0, k_max, clock=False, probe_every=0, prior=self.DRAFT_PRIOR)
         self.probes = ProbeSchedule(PROBE_EVERY)  # when rows that declined the second source try it (`_probe`)
+        # price a tree the head has not been timed on as free (the scheduler's warm-up, which
+        # must run the head); False: only a probe drafts the first tree, once a row has room
+        self.eager = False
+        self.probe_room = PROBE_ROOM  # the fewest tokens a row may still take for a probe to try it
 
     # -- what was measured --------------------------------------------------------------
     def observe_step(self, rows: int, k: int, seconds: float) -> None:
         """A step of `rows` rows with `k` guess slots took `seconds` (drafting excluded)."""
         self.steps.observe(rows, k, seconds)
 
-    def observe_head(self, rows: int, seconds: float) -> None:
-        """The tree drafter's head drafted for `rows` rows in `seconds` (steady state only)."""
-        self.head_time.observe(rows, seconds)
+    def observe_head(self, rows: int, seconds: float, steady: bool, tree) -> None:
+        """The tree drafter `tree`'s head drafted for `rows` rows in `seconds`; a draft that first
+        caught the head up on a context (not `steady`) is not its cost, and if nothing has timed
+        the head yet, the next step probes again (in steady state, so that it times it)."""
+        if steady:
+            self.head_time.observe(rows, seconds)
+        elif self.head_cost(rows, tree) is None:
+            self.probes.again(measured=False)
 
     def observe_draft_time(self, rows: int, seconds_per_token: float) -> None:
         """A draft model drafted for `rows` rows at `seconds_per_token` (steady state only)."""
@@ -811,6 +820,32 @@ class LoadPolicy:
         with cap 0 did not take the draft model)."""
         self.draft_odds.observe_rows(0, [(cap, held) for cap, held in zip(caps, accepted) if cap > 0])
 
+    def learned(self) -> dict:
+        """The step-time fit, the drafting-time lines (each at most 16 steps' weight) and the
+        draft model's acceptance (capped, `carried`), for a later run to start from (learned.py)."""
+        return {"steps": self.steps.learned(16.0), "head_time": self.head_time.scaled(16.0),
+                "draft_time": self.draft_time.scaled(16.0), "draft_odds": self.draft_odds.learned()}
+
+    def relearn(self, state: dict) -> None:
+        """Start from `learned()`'s output; ValueError (nothing changed) if it does not fit."""
+        steps = StepModel(self.steps.decay, self.steps.forget)
+        steps.relearn(state["steps"])
+        lines = []
+        for name in ("head_time", "draft_time"):
+            sums = [nonneg(v, name) for v in state[name]]  # (rows and seconds: every sum is >= 0)
+            if len(sums) != 5 or None in sums:
+                raise ValueError(f"learned {name} is not a line's five sums")
+            line = DecayedLine(FIT_DECAY)
+            line.s = sums
+            lines.append(line)
+        odds = LengthPolicy(0, self.k_max, clock=False, probe_every=0, prior=self.DRAFT_PRIOR)
+        odds.relearn(state["draft_odds"])
+        # the lookup reads this fit (`share_times`): it is updated in place, not replaced
+        self.steps.all, self.steps.bands = steps.all, steps.bands
+        self.steps.version += 1
+        self.head_time, self.draft_time = lines
+        self.draft_odds = odds
+
     # -- what it predicts ---------------------------------------------------------------
     def draft_cost(self, A: int) -> float:
         """Predicted seconds a draft model takes per drafted token for A rows (0 until measured)."""
@@ -819,11 +854,12 @@ class LoadPolicy:
             return 0.0
         return _line_at(line, A, line.s[2] / line.weight)
 
-    def head_cost(self, A: int, tree) -> float:
+    def head_cost(self, A: int, tree) -> float | None:
         """Predicted seconds the head drafts a tree for each of A rows: a line over the numbers
         of tree rows seen; from one number only, its cost per row times A (pessimistic above
         it, so many trees are not started on a cost timed for few); before any, the tree
-        drafter's own timing."""
+        drafter's own timing; None while nothing has timed the head (then only a probe drafts a
+        tree, `eager` aside)."""
         h = self.head_time
         if h.weight < 1e-9:
             return tree.head_seconds(A)
@@ -862,7 +898,7 @@ class LoadPolicy:
             return None
         if not any(ok) or A > self.TREE_PROBE_MAX_ROWS:
             return None
-        roomy = list(ok) if room is None else [o and r >= PROBE_ROOM for o, r in zip(ok, room)]
+        roomy = list(ok) if room is None else [o and r >= self.probe_room for o, r in zip(ok, room)]
         return roomy if self.probes.due(any(roomy), share=1.0 / A) else None
 
     def choose_k(self, guesses: list[list[int]], gains: list[list[float]] | None, step: int,
@@ -886,20 +922,27 @@ class LoadPolicy:
             use = [ok and value > lk for ok, lk in zip(tree_ok, looks)]
             if not any(use):
                 return None
+            head = self.head_cost(sum(use), tree)
+            if head is None:
+                if not self.eager:
+                    return None  # an untimed tree is not priced: the probes below draft the first one
+                head = 0.0
             tokens = sum(value if u else lk for u, lk in zip(use, looks))
-            return tokens / (t + self.head_cost(sum(use), tree)), use
+            return tokens / (t + head), use
 
         best = self._search(A, gains, trees)
-        if best is None:  # measure both ends first
-            k0 = self.k_max if step % 2 else 0
-            return k0, [ok and k0 > 0 for ok in tree_ok]
-        # trees only by a clear margin: their cost model is coarser than the lookup's, and a
-        # marginal tree step that misjudges its cost loses throughput
-        with_trees, without = best[True], best[False]
-        chosen = with_trees if with_trees[0] is not None and with_trees[0] > self.TREE_MARGIN * without[0] else without
-        _, best_k, best_use = chosen
-        if step % PROBE_EVERY == 0 and best_k < self.k_max:
-            return best_k + 1, best_use
+        if best is None:  # the step-time fit first: lookups at both ends of K (trees by probe only)
+            best_k, best_use = (self.k_max if step % 2 else 0), [False] * A
+            if self.eager:
+                return best_k, [ok and best_k > 0 for ok in tree_ok]
+        else:
+            # trees only by a clear margin: their cost model is coarser than the lookup's, and a
+            # marginal tree step that misjudges its cost loses throughput
+            with_trees, without = best[True], best[False]
+            better = with_trees[0] is not None and with_trees[0] > self.TREE_MARGIN * without[0]
+            _, best_k, best_use = with_trees if better else without
+            if step % PROBE_EVERY == 0 and best_k < self.k_max:
+                return best_k + 1, best_use
         probe = self._probe(A, best_use, tree_ok, room) if tree is not None else None
         if probe is not None:
             return max(best_k, min(self.k_max, tree.usual_nodes)), probe

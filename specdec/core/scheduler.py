@@ -149,7 +149,7 @@ class ContinuousBatcher:
     def __init__(self, model, eos_ids=(), method: str = "ngram", k_max: int = 8, max_batch: int = 16,
                  max_queue: int = 256, max_context: int | None = None, adaptive: bool = True, drafter=None,
                  thread: bool = True, shared: SamplingParams | None = None, fill_context: bool = False,
-                 raise_errors: bool = False, k_policy=None) -> None:
+                 raise_errors: bool = False, k_policy=None, policy: LoadPolicy | None = None) -> None:
         """method: none, ngram (prompt lookup), auto (prompt lookup + an EAGLE tree; pass the
         `LookupEagleDrafter` as `drafter`), draft (a draft model; pass its `DraftModelDrafter`),
         or any other name with a `Drafter` (Medusa, EAGLE, your own) run through the protocol
@@ -163,7 +163,9 @@ class ContinuousBatcher:
         fill_context: a request longer than the context allows is not refused; it decodes until
         the context is full (finish reason "length"). raise_errors: a failure is raised to the
         caller of `run()` instead of ending the requests it touched (generate). k_policy: the
-        generic path's draft-length policy (`core.policy.AdaptiveK`), or None."""
+        generic path's draft-length policy (`core.policy.AdaptiveK`), or None. policy: the
+        `LoadPolicy` that prices ngram, auto and draft steps, when its owner keeps what it learns
+        beyond this scheduler (`Engine`); None: a new one."""
         # any other method: the given drafter alone, through the drafter protocol (Medusa, EAGLE, ...)
         generic = method not in ("none", "ngram", "auto", "draft")
         if generic and not isinstance(drafter, Drafter):
@@ -212,9 +214,14 @@ class ContinuousBatcher:
             self.lookup = NgramDrafter(choose_length=not adaptive) if mixed else None
             drafter.begin([], None, self.max_context)
         else:
-            self.drafter = NgramDrafter(choose_length=not adaptive) if method == "ngram" else None
+            if method == "ngram":  # the given prompt-lookup drafter (generate's, with what it learnt), or a new one
+                self.drafter = drafter if isinstance(drafter, NgramDrafter) else NgramDrafter()
+                self.drafter.choose_length = not adaptive
+            else:
+                self.drafter = None
             self.lookup = self.drafter
-        self.policy = LoadPolicy(self.k_max, adaptive)  # the cost model and the per-step choice
+        # the cost model and the per-step choice
+        self.policy = policy if policy is not None else LoadPolicy(self.k_max, adaptive)
         if self.lookup is not None and self.lookup.policy is not None:
             # one step-time fit: the lookup (and auto's tree gate and trim, which read the lookup's
             # plain step and r) price guesses on the steps this scheduler times
@@ -298,6 +305,7 @@ class ContinuousBatcher:
         cost model keeps what it measured. Returns the seconds it took."""
         t0 = time.perf_counter()
         saved = dict(self.totals)
+        self.policy.eager = True  # the head runs in the warm-up, timed or not
         prompt = [(7 * i) % 97 + 10 for i in range(24)] * 3
         done = threading.Event()
         room = self.max_context - len(prompt) - self.k_max - 3
@@ -308,6 +316,7 @@ class ContinuousBatcher:
             self._prefill(req)
             while self.rows and not done.is_set():
                 self._step()
+        self.policy.eager = False
         with self.lock:
             self.totals = saved
         return time.perf_counter() - t0
@@ -687,10 +696,11 @@ class ContinuousBatcher:
         """The guesses as the forward takes them: [A, K] tokens, counts, and parents for trees."""
         if self.trees:
             # a tree row's lookup is grafted onto its tree, within the k_max slots a row reserves
-            draft = self.drafter.assemble(ctx, s.guesses, s.use_tree, self.k_max, max_nodes=self.k_max)
+            # the head's nodes cut to those worth verifying, as their learnt odds say (`trim`)
+            draft = self.drafter.assemble(ctx, s.guesses, s.use_tree, self.k_max, max_nodes=self.k_max, trim=True)
             s.t_head, s.steady = self.drafter.draft_timing()
-            if s.t_head > 0 and s.steady:
-                self.policy.observe_head(sum(s.use_tree), s.t_head)
+            if s.t_head > 0:
+                self.policy.observe_head(sum(s.use_tree), s.t_head, s.steady, self.drafter)
             # a tree cut to its first nodes stays a tree
             s.counts = torch.minimum(draft.counts, torch.tensor(s.caps, dtype=torch.long))
             s.K = int(s.counts.max())

@@ -316,61 +316,43 @@ class LookupEagleDrafter(_LookupFirst):
     """Prompt lookup where the text repeats, an EAGLE tree elsewhere (`--method auto` for a
     target that has an EAGLE head).
 
-    Per step and row, the source with more expected committed tokens per unit of step time
-    drafts (`prefer_lookup`): the lookup (the adaptive NgramDrafter already cut it to what
-    tends to hold; its value comes from its learnt per-position acceptance) as a chain, or
-    the EAGLE head's dynamic tree (its value from its measured accepted tokens, drafting time
-    and per-node verification cost). Until the tree has been timed a lookup of at least
-    `min_lookup` guesses wins: one looked-up token is usually a worse bet
-    than the tree (the head's first guess alone holds about as often). Both kinds of
-    guesses are deterministic (q one-hot), so rows mix freely in one tree-shaped proposal
-    (a chain is a tree whose node i hangs under node i-1) and the verification stays exact,
-    greedy or sampled. A row that drafts the tree also gets its lookup (if any) grafted onto
-    the tree, up to `graft` extra nodes (shared prefixes merge): verification then keeps
-    whichever path holds longer, so a short or shaky lookup costs a few nodes instead of
-    the tree. When every row has a lookup the head does not run; it still keeps the target
-    features it is handed and catches up lazily the next time it drafts.
+    Which rows take their lookup (the adaptive NgramDrafter's whole match continuation) and
+    which the EAGLE head's dynamic tree, and how many guesses a row verifies, is chosen per step
+    by the scheduler's cost model (`core.policy.LoadPolicy`), in `generate` and `serve` alike:
+    a lookup is valued by its learnt per-position acceptance (`expected_tokens`), a tree by its
+    measured accepted tokens (`tree_tokens`) and its head's drafting time (`head_seconds`, until
+    the scheduler has fitted its own line), both against the step-time fit. The drafter builds
+    the proposal once the sources are chosen (`assemble`). Its `propose`, for a caller without
+    that cost model (the protocol alone, `--fixed-k`), takes a row's lookup of at least
+    `min_lookup` guesses and drafts the tree for the others (`prefer_lookup`).
 
-    The tree is only worth drafting while it pays: it costs the head's drafting time (c, in
-    target steps) plus r per verified node (r: the lookup's measured cost of one more
-    verified token), and gains the tokens it gets accepted. While accepted > c + r * nodes
-    fails (a head that guesses badly for this text, or long contexts that make verification
-    dear), rows without a long lookup fall back to plain prompt lookup, and the tree is
-    probed after `probe_every` steps, then after twice as many each time a probe finds it
-    still does not pay (up to 8x; back to `probe_every` once it pays). A probe catches the
-    head up on the whole context, which a short answer never earns back, so probes (and a
-    first tree) wait until at least `probe_room` tokens may still come.
+    Both kinds of guesses are deterministic (q one-hot), so rows mix freely in one tree-shaped
+    proposal (a chain is a tree whose node i hangs under node i-1) and the verification stays
+    exact, greedy or sampled: a seeded request commits plain sampling's text whatever was drafted
+    (verify.py, "sample and compare"), so timing may decide. A row that drafts the tree also gets
+    its lookup (if any) grafted onto the tree, up to `graft` extra nodes (shared prefixes merge):
+    verification then keeps whichever path holds longer, so a short or shaky lookup costs a few
+    nodes instead of the tree. When no row takes the tree the head does not run; it still keeps
+    the target features it is handed and catches up lazily the next time it drafts.
 
-    Seeded sampled requests take the same choices as any other: every guess is deterministic,
-    so a seeded request commits plain sampling's text whatever was drafted (verify.py,
-    "sample and compare"), and timing may decide.
-
-    A drafted tree is cut to the nodes worth verifying (`trim`, on by default): each node
-    of the head's tree has a path probability, the drafter learns how often nodes of that
-    probability are accepted (`core.policy.NodeOdds`), and keeps the best nodes for as long as one
-    more raises the expected committed tokens per unit of step time, (1 + sum of kept odds) /
-    (1 + c + r * kept). A confident head keeps its whole tree, an unsure one a node or two, or
-    none (the row then verifies only its lookup, if any). The cut trees feed the gate's node count.
-
-    Until the head's drafting time has been measured the tree counts as not paying
-    (`eager=False`, the default): a fresh drafter (one `specdec generate` call) decodes with
-    prompt lookup alone and drafts its first tree as the gate's first probe, `probe_every` steps
-    in, which also measures c. Drafting trees from the first step (`eager=True`) makes every
-    request pay the head's catch-up on its whole prompt and several tree
-    steps at the optimistic prior, more than they gain on CPUs where verifying a tree is dear
-    (benchmarks/fresh_requests.py)."""
+    A drafted tree is cut to the nodes worth verifying (`trim`, on by default): each node of the
+    head's tree has a path probability, the drafter learns how often nodes of that probability
+    are accepted (`core.policy.NodeOdds`), and keeps the best nodes for as long as one more raises
+    the expected committed tokens per unit of step time, (1 + sum of kept odds) / (1 + c + r *
+    kept), c the head's drafting time in plain steps (`cost`), r a verified node's. A confident
+    head keeps its whole tree, an unsure one a node or two, or none (the row then verifies only
+    its lookup, if any). The cut trees' size is the `nodes` the cost model prices."""
 
     needs_hidden = True
 
     def __init__(self, eagle, min_n: int = 1, max_n: int = 4, min_lookup: int = 2, probe_every: int = PROBE_EVERY,
-                 gate: bool = True, graft: int = 6, eager: bool = False, trim: bool = True,
-                 probe_room: int = PROBE_ROOM) -> None:
-        """eager: draft trees before the head's cost is measured; trim: verify only the tree's
-        nodes worth their verification; probe_room: the fewest tokens a request may still
-        generate for a probe to be worth its catch-up (see the class docstring)."""
-        super().__init__(min_n, max_n, probe_every, gate, probe_room)
+                 gate: bool = True, graft: int = 6, trim: bool = True) -> None:
+        """gate: let the scheduler's cost model choose each step's sources and length (False:
+        every step drafts, each row's source by `prefer_lookup`); trim: verify only the tree's
+        nodes worth their verification (every probe_every-th tree step verifies whole trees,
+        so the odds of the nodes a cut drops stay measured)."""
+        super().__init__(min_n, max_n, probe_every, gate, PROBE_ROOM)
         self.eagle = eagle
-        self.eager = eager
         self.min_lookup = min_lookup
         self.graft = graft  # lookup nodes a tree row may add to its tree (0: none)
         self.trim = trim
@@ -388,39 +370,17 @@ class LookupEagleDrafter(_LookupFirst):
         self._timing = (0.0, True)  # (seconds the head drafted in the last proposal, steady state)
 
     def cost(self) -> float | None:
-        """c: the head's drafting time in plain target steps (`plain_step`; None until measured)."""
-        if self.t_draft is None or not self.t_step:
-            return None  # (before reading the step-time fit: a head not timed yet needs no price)
+        """c: the head's drafting time in plain target steps (`plain_step`; None until both are measured)."""
+        if self.t_draft is None:
+            return None
         plain = self.plain_step()
         return None if plain is None else self.t_draft / plain
 
-    def tree_pays(self) -> bool:
-        if not self.gate:
-            return True
-        c = self.cost()
-        if c is None:
-            return self.eager  # not measured yet: only the gate's probe drafts the first tree
-        r = self.ngram.policy.r if self.ngram.policy is not None else 0.08
-        return self.gain > c + r * self.nodes
-
     def prefer_lookup(self, looked: list[list[int]]) -> list[bool]:
-        """Per row, whether its lookup beats the tree: expected committed tokens per unit of
-        step time, E_lookup(j) / (1 + r j) against (1 + gain) / (1 + c + r nodes), from the
-        lookup's learnt acceptance and the tree's measured gain and cost. Until the tree is
-        timed, a lookup of at least `min_lookup` guesses wins."""
-        if not any(looked):
-            return [False] * len(looked)  # (no lookup to price)
-        policy = self.ngram.policy
-        c = self.cost()
-        if policy is None or c is None:
-            return [len(g) >= self.min_lookup for g in looked]
-        r = policy.r
-        tree = (1.0 + self.gain) / (1.0 + c + r * self.nodes)
-        out = []
-        for g, n in zip(looked, self.ngram.matches):
-            j = len(g)
-            out.append(j > 0 and policy.expected(n, j)[-1] / (1.0 + r * j) >= tree)
-        return out
+        """Per row, whether it takes its lookup rather than the tree when nothing prices the two
+        (`propose`, `--fixed-k`): a lookup of at least `min_lookup` guesses (one looked-up token
+        is usually a worse bet than the tree, whose first guess alone holds about as often)."""
+        return [len(g) >= self.min_lookup for g in looked]
 
     def draft_timing(self) -> tuple[float, bool]:
         """(seconds the head drafted in the last proposal, 0 when no row took a tree; whether it
@@ -436,10 +396,10 @@ class LookupEagleDrafter(_LookupFirst):
         measured accepted tokens at its usual size, pro rata below it."""
         return 1.0 + self.gain * min(1.0, k / max(self.nodes, 1.0))
 
-    def head_seconds(self, rows: int) -> float:
-        """The head's drafting time for `rows` tree rows from its own timing (0 until measured),
-        for a caller that has not fitted the head's cost yet."""
-        return float(self.t_draft or 0.0) * rows
+    def head_seconds(self, rows: int) -> float | None:
+        """The head's drafting time for `rows` tree rows from its own timing (None until
+        measured), for a caller that has not fitted the head's cost yet."""
+        return None if self.t_draft is None else self.t_draft * rows
 
     @property
     def usual_nodes(self) -> int:
@@ -452,30 +412,19 @@ class LookupEagleDrafter(_LookupFirst):
         self._begin_request(params)
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        """Each row's lookup or the tree, by `prefer_lookup` (the protocol alone: `generate` and
+        the server choose through their cost model and call `assemble`)."""
         t0 = time.perf_counter()
         if self._t_end is not None:
             self.t_step = ema(self.t_step, t0 - self._t_end, 0.9)
-        B = len(ctx.tokens)
         self._tree_rows = None
         if max_tokens <= 0:
             self.eagle.remember(ctx)
             self._t_end = time.perf_counter()
-            return Draft.empty(B)
+            return Draft.empty(len(ctx.tokens))
         looked = self.ngram.lookups(ctx, max_tokens)
-        self.see_room(ctx)
-        use_lookup = self.prefer_lookup(looked)
-        run_tree = not all(use_lookup)
-        if run_tree and not self.tree_pays():
-            if not self.probes.due(self.room_to_probe()):
-                run_tree = False  # plain prompt lookup for every row
-            elif self.cost() is None:
-                # the first probe catches the head up on the context: the next step that would draft
-                # a tree probes again, in steady state, and times the head (it did not measure the tree)
-                self.probes.again(measured=False)
-        elif run_tree:
-            self.probes.taken()
-        return self.assemble(ctx, looked, [run_tree and not u for u in use_lookup], max_tokens, self.max_nodes,
-                             trim=self.trim)
+        tree_rows = [not u for u in self.prefer_lookup(looked)]
+        return self.assemble(ctx, looked, tree_rows, max_tokens, self.max_nodes, trim=self.trim)
 
     def assemble(self, ctx: DraftContext, looked: list[list[int]], tree_rows: list[bool], max_tokens: int,
                  max_nodes: int | None = None, trim: bool = False) -> Draft:
