@@ -782,6 +782,7 @@ class LoadPolicy:
     TREE_PROBE_MAX_ROWS = 4  # forced second-source probes only in batches this small
     TREE_MARGIN = 1.05  # trees must promise this much more than the best lookup-only choice
     DRAFT_PRIOR = 0.6  # a draft model's guess holds with 0.6 once those before it held, until measured
+    R_PRIOR = 0.08  # a verified guess's cost in plain steps until the step-time fit tells it (LengthPolicy's prior)
 
     def __init__(self, k_max: int, adaptive: bool = True) -> None:
         self.k_max, self.adaptive = k_max, adaptive
@@ -866,11 +867,12 @@ class LoadPolicy:
         return _line_at(h, A, h.s[2] / max(h.s[1], 1e-9) * A)
 
     # -- what it chooses ----------------------------------------------------------------
-    def _search(self, A: int, gains: list[list[float]], second):
+    def _search(self, A: int, gains: list[list[float]], second, fit: tuple[float, float, float] | None = None):
         """{False: best (rate, k, use) with lookups only, True: best with the second source}, or
-        None while t(A, K) is not fitted yet. second(k, looks, t) -> (rate, use) or None."""
+        None while t(A, K) is not fitted yet. second(k, looks, t) -> (rate, use) or None. fit:
+        (a, r, b) to price steps with instead of the step-time fit's."""
         best = {False: (None, 0, [False] * A), True: (None, 0, [False] * A)}
-        fit = self.steps.coefficients(A)  # (read once: `predict` for every k, without its lookups)
+        fit = fit or self.steps.coefficients(A)  # (read once: `predict` for every k, without its lookups)
         if fit is None:
             return None
         a, r, b = fit
@@ -878,7 +880,7 @@ class LoadPolicy:
             t = a + r * A + b * A * k
             looks = [e[min(k, len(e) - 1)] for e in gains]
             options = [(False, sum(looks) / t, [False] * A)]
-            extra = second(k, looks, t)
+            extra = second(k, looks, t) if second is not None else None
             if extra is not None:
                 options.append((True, *extra))
             for kind, rate, use in options:
@@ -931,18 +933,22 @@ class LoadPolicy:
             return tokens / (t + head), use
 
         best = self._search(A, gains, trees)
-        if best is None:  # the step-time fit first: lookups at both ends of K (trees by probe only)
-            best_k, best_use = (self.k_max if step % 2 else 0), [False] * A
-            if self.eager:
-                return best_k, [ok and best_k > 0 for ok in tree_ok]
+        if best is None and self.eager:  # nothing fitted yet: measure both ends, trees included
+            k0 = self.k_max if step % 2 else 0
+            return k0, [ok and k0 > 0 for ok in tree_ok]
+        if best is None:
+            # nothing fitted yet: lookups priced at a verified guess's prior cost (R_PRIOR plain
+            # steps, as the lookup's own length choice prices it), trees only by probe
+            best = self._search(A, gains, None, fit=(1.0, 0.0, self.R_PRIOR))
+            best_k, best_use = best[False][1:]
         else:
             # trees only by a clear margin: their cost model is coarser than the lookup's, and a
             # marginal tree step that misjudges its cost loses throughput
             with_trees, without = best[True], best[False]
             better = with_trees[0] is not None and with_trees[0] > self.TREE_MARGIN * without[0]
             _, best_k, best_use = with_trees if better else without
-            if step % PROBE_EVERY == 0 and best_k < self.k_max:
-                return best_k + 1, best_use
+        if step % PROBE_EVERY == 0 and best_k < self.k_max:
+            return best_k + 1, best_use
         probe = self._probe(A, best_use, tree_ok, room) if tree is not None else None
         if probe is not None:
             return max(best_k, min(self.k_max, tree.usual_nodes)), probe
