@@ -3,15 +3,17 @@
 Every prompt joins the scheduler (`core.scheduler.ContinuousBatcher`, the one `serve` runs) at
 the start: each is prefilled alone, then every step proposes, scores the rows' pending tokens
 and guesses in one target forward, verifies, commits or rolls back the caches, records, and
-finished rows leave at once; the batch ends when the last row does. The engine's drafter runs
+finished rows leave at once; the batch ends when the last row does. Prompt lookup, alone or
+beside an EAGLE tree (`ngram`, `auto`), is priced per step by the scheduler's cost model
+(core.policy.LoadPolicy), as the server prices it (`priced_method`). Any other drafter runs
 through the protocol alone (`drafters.Drafter`): a chain (k tokens in a row) or a tree
 (Draft.parents, see tree.py), with the batch's own sampling settings (a draft model samples its
-guesses from its q), an optional draft-length policy (`k_policy`) and, in batches of two or
-more rows, a guard (core.policy.BatchGuard) that lets the drafter propose only while
-speculative steps commit more tokens per second than plain ones (a few rows already make a CPU
-step compute-bound); drafters that do not price their own guesses (a draft model, Medusa, an
-EAGLE head alone) are guarded at a single row too. The guard and the k policy live in the
-engine, so what they learn carries from one call to the next (`learned`).
+guesses from its q) and an optional draft-length policy (`k_policy`). In batches of two or
+more rows a guard (core.policy.BatchGuard) lets the drafter propose only while speculative
+steps commit more tokens per second than plain ones (a few rows already make a CPU step
+compute-bound); drafters that do not price their own guesses (a draft model, Medusa, an EAGLE
+head alone) are guarded at a single row too. The cost model, the guard and the k policy live
+in the engine, so what they learn carries from one call to the next (`learned`).
 
 Rows share one generator; each samples with its prompt's index as its key
 (`sampling.position_uniforms`), so a seeded row's text does not depend on its batch.
@@ -61,8 +63,8 @@ class Engine:
         self.policy = LoadPolicy(self.k, adaptive=drafter.gates_itself) if self.method in PRICED else None
 
     def learned(self) -> dict:
-        """What the drafter, its draft-length policy and the guard learned while decoding, for a
-        later run to start from (learned.py); {} when nothing adapts."""
+        """What the drafter, its draft-length policy, the guard and the cost model learned while
+        decoding, for a later run to start from (learned.py); {} when nothing adapts."""
         out = {}
         for name, part in self._learners():
             state = part.learned()
@@ -78,7 +80,7 @@ class Engine:
                 part.relearn(state[name])
 
     def _learners(self):
-        """(name, part) of the parts that adapt: the drafter, the k policy, the guard."""
+        """(name, part) of the parts that adapt: the drafter, the k policy, the guard, the cost model."""
         return [(n, p) for n, p in (("drafter", self.drafter), ("k_policy", self.k_policy), ("guard", self.guard),
                                     ("policy", self.policy))
                 if p is not None]

@@ -54,6 +54,7 @@ def server(default_model):
     # the server's default: prompt lookup + the shipped EAGLE head's trees, load-aware
     batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, method="auto", k_max=8, max_batch=8,
                                 max_queue=200, max_context=MAX_CONTEXT, drafter=lookup_eagle_for(default_model))
+    batcher.policy.eager = True  # trees before the head is timed, so that the short answers here verify some
     app = create_app(default_model, batcher, "smol", api_key="sekrit", request_timeout=120)
     with serving(app) as url:
         yield url, batcher

@@ -88,7 +88,9 @@ def test_serve_process_answers_exactly_and_stops_on_ctrl_c(default_model):
     # Ctrl-C as a terminal sends it: a run started in the background (nohup, `&`) inherits SIGINT
     # ignored, and Python then installs no KeyboardInterrupt handler (this test then timed out in
     # suites started with nohup on 2026-12-02)
-    proc = subprocess.Popen(SERVE + ["--port", str(port), "--log-level", "debug"], stdout=subprocess.DEVNULL,
+    # --fixed-k: every step drafts (the cost model would rarely take a tree on a 24-token answer),
+    # so the answer is checked through the shipped head's trees
+    proc = subprocess.Popen(SERVE + ["--port", str(port), "--log-level", "debug", "--fixed-k"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:

@@ -28,10 +28,6 @@ compares the measured tokens per second of speculative and plain steps and turns
 plain while speculation measures slower (a backstop for loads the model misjudges). The
 decision is exposed in `stats()` (and so in /metrics).
 
-Seeded sampled requests draft whole lookups up to their own cap and never a tree, and draw
-random numbers for their own guesses only, so the same seed gives the same text whatever
-else shares the batch.
-
 Method `draft` guesses with an independent draft model (`DraftModelDrafter`, a native model
 with the target's tokenizer) instead of prompt lookup: its argmax guesses, one-hot q, so
 sampled rows verify them exactly with the chain rule; a row stops guessing after a token the
@@ -47,10 +43,12 @@ Method `auto` with a draft model (instead of an EAGLE head) keeps prompt lookup 
 per step and row, the lookup or the draft model's guesses, whichever promises more tokens
 per second under the cap (`LoadPolicy.choose_draft`).
 
-Any other drafter (Medusa, an EAGLE head alone, one written against `drafters.Drafter`), and
-every drafter of `Engine.generate`, runs through the protocol alone (`_propose_generic`): its
-own length choice and gates, the engine's draft-length policy if it has one, the batch guard
-deciding whether a step speculates, rows capped by their own cap and room. Every method
+`Engine.generate` runs prompt lookup and `auto`'s tree the same way, with the engine's
+LoadPolicy (`policy`), which it keeps between calls. Any other drafter (a draft model in
+`generate`, Medusa, an EAGLE head alone, one written against `drafters.Drafter`) runs through
+the protocol alone (`_propose_generic`): its own length choice, the engine's draft-length
+policy if it has one, the batch guard deciding whether a step speculates, rows capped by their
+own cap and room. Every method
 scores, verifies and commits through one step (`core.step.run_step`).
 
 This module knows nothing about HTTP or text: it takes token ids and sampling settings and

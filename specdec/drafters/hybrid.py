@@ -32,7 +32,8 @@ for the target's plain step to be timed too, so no request pays a catch-up on it
 price the draft model.
 
 `LookupEagleDrafter` (auto for a target with an EAGLE head, the default target's case)
-pairs lookup with an EAGLE tree instead; see its docstring. The rest of this text is about
+pairs lookup with an EAGLE tree instead, chosen per step by the scheduler's cost model (in
+`generate` and `serve` alike); see its docstring. The rest of this text is about
 `HybridDrafter` (lookup + a draft model).
 
 Both sources give deterministic guesses in greedy mode; with sampling, lookup guesses are
@@ -58,9 +59,11 @@ from .ngram import NgramDrafter
 
 class _LookupFirst(Drafter):
     """What auto's two drafters share: prompt lookup first (`ngram`, whose step-time fit prices a
-    plain step and a verified guess), a second source gated on what it costs, probed on a
-    `ProbeSchedule`, and only while enough of the request may still come (`probe_room`) for a
-    probe to pay back the second source's catch-up on the context."""
+    plain step and a verified guess) and a second source priced in plain steps (`plain_step`).
+    `HybridDrafter` gates its draft model itself, probed on a `ProbeSchedule` and only while
+    enough of the request may still come (`probe_room`) for a probe to pay back the draft
+    model's catch-up on the context; `LookupEagleDrafter`'s tree is chosen by the scheduler's
+    cost model."""
 
     def __init__(self, min_n: int, max_n: int, probe_every: int, gate: bool, probe_room: int) -> None:
         self.ngram = NgramDrafter(min_n, max_n)
