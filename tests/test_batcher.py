@@ -533,3 +533,22 @@ def test_full_batch_on_the_default_model_answers_as_each_prompt_decoded_alone(de
     assert got == want
     s = b.stats()
     assert s["proposed"] > 0 and s["tree_rows"] > 0
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_before_any_fit_lookups_are_priced_at_the_prior_and_trees_wait_for_a_probe(eager):
+    """A fresh LoadPolicy (no step timed): a lookup expected to hold is verified and one expected
+    to fail is not, on every step (a guess priced at R_PRIOR plain steps), and no tree is drafted
+    before its first probe. `eager` (the warm-up's rule) instead measures both ends, trees
+    included, so it fails the first two checks: the fresh rule is what makes them hold."""
+    from test_eagle import _Tree
+
+    def choose(gains, step):
+        policy = LoadPolicy(k_max=4)
+        policy.eager = eager
+        return policy.choose_k([[5, 6, 7]], [gains], step, [True], _Tree(3.0), room=[100])
+
+    good, bad = [1.0, 1.9, 2.7, 3.4], [1.0, 1.01, 1.02, 1.03]
+    results = [(choose(good, step), choose(bad, step)) for step in (1, 2, 3)]
+    fresh_rule = all(g == (3, [False]) and b == (0, [False]) for g, b in results)
+    assert fresh_rule != eager, results

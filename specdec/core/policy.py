@@ -761,7 +761,8 @@ def _line_at(line: DecayedLine, x: float, fallback: float) -> float:
 
 
 class LoadPolicy:
-    """The server's load-aware choice, per step: the cap K in 0..k_max on each row's guesses and
+    """The scheduler's load-aware choice (`serve`, and `generate` for prompt lookup and auto's
+    tree), per step: the cap K in 0..k_max on each row's guesses and
     which rows take a second source (an EAGLE tree, or a draft model's guesses) instead of their
     prompt lookup, maximising the batch's expected committed tokens per second,
 
@@ -777,7 +778,10 @@ class LoadPolicy:
     TREE_PROBE_MAX_ROWS rows, rows that may take the second source and have room for
     PROBE_ROOM more tokens do so if none chose it, on a `ProbeSchedule` (`_probe`: after
     PROBE_EVERY * A declined steps, the gap doubling while probes find the source still
-    declined). `step` is the caller's count of decode steps, which sets the lookup probe's phase."""
+    declined). Before the step-time fit rests on data, guesses are priced at R_PRIOR plain steps
+    each; a tree whose head nothing has timed is drafted only as such a probe (`eager`: priced as
+    free instead, for a warm-up that must run the head). `step` is the caller's count of decode
+    steps, which sets the lookup probe's phase."""
 
     TREE_PROBE_MAX_ROWS = 4  # forced second-source probes only in batches this small
     TREE_MARGIN = 1.05  # trees must promise this much more than the best lookup-only choice
@@ -867,16 +871,18 @@ class LoadPolicy:
         return _line_at(h, A, h.s[2] / max(h.s[1], 1e-9) * A)
 
     # -- what it chooses ----------------------------------------------------------------
-    def _search(self, A: int, gains: list[list[float]], second, fit: tuple[float, float, float] | None = None):
+    def _search(self, A: int, gains: list[list[float]], second, fit: tuple[float, float, float] | None = None,
+                top: int | None = None):
         """{False: best (rate, k, use) with lookups only, True: best with the second source}, or
         None while t(A, K) is not fitted yet. second(k, looks, t) -> (rate, use) or None. fit:
-        (a, r, b) to price steps with instead of the step-time fit's."""
+        (a, r, b) to price steps with instead of the step-time fit's. top: the largest cap worth
+        pricing (a cap beyond every row's guesses only adds slots: None, k_max)."""
         best = {False: (None, 0, [False] * A), True: (None, 0, [False] * A)}
         fit = fit or self.steps.coefficients(A)  # (read once: `predict` for every k, without its lookups)
         if fit is None:
             return None
         a, r, b = fit
-        for k in range(0, self.k_max + 1):
+        for k in range(0, min(self.k_max, self.k_max if top is None else top) + 1):
             t = a + r * A + b * A * k
             looks = [e[min(k, len(e) - 1)] for e in gains]
             options = [(False, sum(looks) / t, [False] * A)]
@@ -917,14 +923,20 @@ class LoadPolicy:
             # --fixed-k: every step drafts; each row's source as `generate --method auto` picks it
             return self.k_max, [ok and not p for ok, p in zip(tree_ok, tree.prefer_lookup(guesses))]
 
+        head_costs: dict[int, float | None] = {}  # per number of tree rows (the same for most k)
+        may_tree = tree is not None and any(tree_ok)
+
         def trees(k, looks, t):
-            if tree is None or k == 0 or not any(tree_ok):
+            if not may_tree or k == 0:
                 return None
             value = tree.tree_tokens(k)  # a tree of the head's usual size, cut to k nodes
             use = [ok and value > lk for ok, lk in zip(tree_ok, looks)]
-            if not any(use):
+            n = sum(use)
+            if not n:
                 return None
-            head = self.head_cost(sum(use), tree)
+            if n not in head_costs:
+                head_costs[n] = self.head_cost(n, tree)
+            head = head_costs[n]
             if head is None:
                 if not self.eager:
                     return None  # an untimed tree is not priced: the probes below draft the first one
@@ -932,14 +944,18 @@ class LoadPolicy:
             tokens = sum(value if u else lk for u, lk in zip(use, looks))
             return tokens / (t + head), use
 
-        best = self._search(A, gains, trees)
+        # caps beyond the longest lookup and a whole tree add only slots to price
+        top = max(len(e) - 1 for e in gains) if gains else 0
+        if may_tree:
+            top = max(top, tree.usual_nodes + 1)
+        best = self._search(A, gains, trees, top=top)
         if best is None and self.eager:  # nothing fitted yet: measure both ends, trees included
             k0 = self.k_max if step % 2 else 0
             return k0, [ok and k0 > 0 for ok in tree_ok]
         if best is None:
             # nothing fitted yet: lookups priced at a verified guess's prior cost (R_PRIOR plain
             # steps, as the lookup's own length choice prices it), trees only by probe
-            best = self._search(A, gains, None, fit=(1.0, 0.0, self.R_PRIOR))
+            best = self._search(A, gains, None, fit=(1.0, 0.0, self.R_PRIOR), top=top)
             best_k, best_use = best[False][1:]
         else:
             # trees only by a clear margin: their cost model is coarser than the lookup's, and a
