@@ -552,3 +552,18 @@ def test_before_any_fit_lookups_are_priced_at_the_prior_and_trees_wait_for_a_pro
     results = [(choose(good, step), choose(bad, step)) for step in (1, 2, 3)]
     fresh_rule = all(g == (3, [False]) and b == (0, [False]) for g, b in results)
     assert fresh_rule != eager, results
+
+
+def test_the_guess_probe_waits_for_room():
+    """Every 16th step allows a guess more than the best cap, so the cost of guesses stays
+    measured, but only while some row may still take PROBE_ROOM tokens: on a short answer's
+    steps it would verify a guess that nothing later can use (the probing rule of design.md)."""
+    from test_eagle import _fitted_policy
+
+    bad = [[1.0, 1.01, 1.02]]  # a lookup that will not hold: the best cap is 0
+    policy = _fitted_policy()
+    assert policy.choose_k([[5, 6]], bad, 17, room=[100])[0] == 0  # not a probe step
+    assert policy.choose_k([[5, 6]], bad, 16, room=[100])[0] == 1  # a probe step, room to use it
+    assert policy.choose_k([[5, 6]], bad, 16, room=[10])[0] == 0  # a probe step near the end
+    policy.probe_room = 0  # the rule without room: the last probe verifies its guess
+    assert policy.choose_k([[5, 6]], bad, 16, room=[10])[0] == 1

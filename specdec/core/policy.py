@@ -774,8 +774,8 @@ class LoadPolicy:
     `DraftLength` keeps generate's). Drafting times are lines in
     the number of rows that draft (`head_time`, `draft_time`). K = 0 is plain decoding. Probes:
     every PROBE_EVERY-th step allows one guess more than the best cap (so the cost of guesses
-    stays measured at this batch size even while the best cap is 0), and in batches of A <=
-    TREE_PROBE_MAX_ROWS rows, rows that may take the second source and have room for
+    stays measured at this batch size even while the best cap is 0) while some row may still
+    take PROBE_ROOM tokens, and in batches of A <= TREE_PROBE_MAX_ROWS rows, rows that may take the second source and have room for
     PROBE_ROOM more tokens do so if none chose it, on a `ProbeSchedule` (`_probe`: after
     PROBE_EVERY * A declined steps, the gap doubling while probes find the source still
     declined). Before the step-time fit rests on data, guesses are priced at R_PRIOR plain steps
@@ -894,6 +894,11 @@ class LoadPolicy:
                     best[kind] = (rate, k, use)
         return best
 
+    def _roomy(self, room: list[int] | None) -> bool:
+        """Whether some row may still take `probe_room` tokens (None: unknown, yes): a probe on a
+        short answer's last steps measures what no later step of it can use."""
+        return room is None or max(room, default=0) >= self.probe_room
+
     def _probe(self, A: int, best_use: list[bool], ok: list[bool], room: list[int] | None) -> list[bool] | None:
         """The rows this step forces the second source on, or None. Probes follow one
         `ProbeSchedule` (generate's auto uses the same rule): only while no row chose the second
@@ -963,7 +968,7 @@ class LoadPolicy:
             with_trees, without = best[True], best[False]
             better = with_trees[0] is not None and with_trees[0] > self.TREE_MARGIN * without[0]
             _, best_k, best_use = with_trees if better else without
-        if step % PROBE_EVERY == 0 and best_k < self.k_max:
+        if step % PROBE_EVERY == 0 and best_k < self.k_max and self._roomy(room):
             return best_k + 1, best_use
         probe = self._probe(A, best_use, tree_ok, room) if tree is not None else None
         if probe is not None:
@@ -1001,7 +1006,7 @@ class LoadPolicy:
             return k0, [ok and k0 > 0 and len(g) < 2 for ok, g in zip(draft_ok, guesses)]
         with_draft, without = best[True], best[False]
         _, best_k, best_use = with_draft if with_draft[0] is not None and with_draft[0] > without[0] else without
-        if step % PROBE_EVERY == 0 and best_k < self.k_max:
+        if step % PROBE_EVERY == 0 and best_k < self.k_max and self._roomy(room):
             if not any(best_use) and gains is None:
                 best_use = list(draft_ok)  # draft mode: the extra guess is the draft model's
             return best_k + 1, best_use
