@@ -212,6 +212,7 @@ def test_sampling_with_steps_alternating_plain_and_speculative_follows_the_targe
     for s in range(5):
         d = drafter("lookup", 3, SV, depth=2, width=3, nodes=6, min_lookup=2, min_n=2)
         eng = Engine(tg.model, d, k=2)
+        eng.policy.eager = True  # speculate on these 4-token answers (else only probes would, which need room)
         eng.guard = guard
         res = eng.generate(rows, SamplingParams(max_new_tokens=4, seed=900 + s, **params))
         for p, r in zip(rows, res):

@@ -778,8 +778,8 @@ class LoadPolicy:
     take PROBE_ROOM tokens, and in batches of A <= TREE_PROBE_MAX_ROWS rows, rows that may take the second source and have room for
     PROBE_ROOM more tokens do so if none chose it, on a `ProbeSchedule` (`_probe`: after
     PROBE_EVERY * A declined steps, the gap doubling while probes find the source still
-    declined). Before the step-time fit rests on data, guesses are priced at R_PRIOR plain steps
-    each; a tree whose head nothing has timed is drafted only as such a probe (`eager`: priced as
+    declined). Before the step-time fit rests on data, a row's guess is priced at R_PRIOR of its
+    share of a plain step; a tree whose head nothing has timed is drafted only as such a probe (`eager`: priced as
     free instead, for a warm-up that must run the head). `step` is the caller's count of decode
     steps, which sets the lookup probe's phase."""
 
@@ -958,9 +958,9 @@ class LoadPolicy:
             k0 = self.k_max if step % 2 else 0
             return k0, [ok and k0 > 0 for ok in tree_ok]
         if best is None:
-            # nothing fitted yet: lookups priced at a verified guess's prior cost (R_PRIOR plain
-            # steps, as the lookup's own length choice prices it), trees only by probe
-            best = self._search(A, gains, None, fit=(1.0, 0.0, self.R_PRIOR), top=top)
+            # nothing fitted yet: a row's verified guess priced at R_PRIOR of its share of a plain
+            # step (as the lookup's own length choice prices it), trees only by probe
+            best = self._search(A, gains, None, fit=(1.0, 0.0, self.R_PRIOR / A), top=top)
             best_k, best_use = best[False][1:]
         else:
             # trees only by a clear margin: their cost model is coarser than the lookup's, and a
