@@ -145,7 +145,6 @@ class Engine:
         return scheduler
 
 
-
 PRICED = ("ngram", "auto")  # the scheduler's methods an engine's drafter may run under (priced_method)
 
 

@@ -775,12 +775,12 @@ class LoadPolicy:
     the number of rows that draft (`head_time`, `draft_time`). K = 0 is plain decoding. Probes:
     every PROBE_EVERY-th step allows one guess more than the best cap (so the cost of guesses
     stays measured at this batch size even while the best cap is 0) while some row may still
-    take PROBE_ROOM tokens, and in batches of A <= TREE_PROBE_MAX_ROWS rows, rows that may take the second source and have room for
-    PROBE_ROOM more tokens do so if none chose it, on a `ProbeSchedule` (`_probe`: after
+    take PROBE_ROOM tokens, and in batches of A <= TREE_PROBE_MAX_ROWS rows, rows that may take
+    the second source and have room for PROBE_ROOM more tokens do so if none chose it, on a `ProbeSchedule` (`_probe`: after
     PROBE_EVERY * A declined steps, the gap doubling while probes find the source still
     declined). Before the step-time fit rests on data, a row's guess is priced at R_PRIOR of its
-    share of a plain step; a tree whose head nothing has timed is drafted only as such a probe (`eager`: priced as
-    free instead, for a warm-up that must run the head). `step` is the caller's count of decode
+    share of a plain step; a tree whose head nothing has timed is drafted only as such a probe
+    (`eager`: priced as free instead, for a warm-up that must run the head). `step` is the caller's count of decode
     steps, which sets the lookup probe's phase."""
 
     TREE_PROBE_MAX_ROWS = 4  # forced second-source probes only in batches this small
@@ -795,12 +795,17 @@ class LoadPolicy:
         self.draft_time = DecayedLine(FIT_DECAY)  # a draft model's seconds per drafted token vs rows
         # a draft model's acceptance per position, learnt from the rows that took its guesses (the
         # acceptance `DraftLength` keeps for generate's draft model: a LengthPolicy of one match length)
-        self.draft_odds = LengthPolicy(0, k_max, clock=False, probe_every=0, prior=self.DRAFT_PRIOR)
+        self.draft_odds = self._new_draft_odds()
         self.probes = ProbeSchedule(PROBE_EVERY)  # when rows that declined the second source try it (`_probe`)
         # price a tree the head has not been timed on as free (the scheduler's warm-up, which
         # must run the head); False: only a probe drafts the first tree, once a row has room
         self.eager = False
         self.probe_room = PROBE_ROOM  # the fewest tokens a row may still take for a probe to try it
+
+    def _new_draft_odds(self) -> LengthPolicy:
+        """A draft model's acceptance per position, nothing learnt: a LengthPolicy of one match
+        length at DRAFT_PRIOR."""
+        return LengthPolicy(0, self.k_max, clock=False, probe_every=0, prior=self.DRAFT_PRIOR)
 
     # -- what was measured --------------------------------------------------------------
     def observe_step(self, rows: int, k: int, seconds: float) -> None:
@@ -843,7 +848,7 @@ class LoadPolicy:
             line = DecayedLine(FIT_DECAY)
             line.s = sums
             lines.append(line)
-        odds = LengthPolicy(0, self.k_max, clock=False, probe_every=0, prior=self.DRAFT_PRIOR)
+        odds = self._new_draft_odds()
         odds.relearn(state["draft_odds"])
         # the lookup reads this fit (`share_times`): it is updated in place, not replaced
         self.steps.all, self.steps.bands = steps.all, steps.bands
@@ -882,7 +887,8 @@ class LoadPolicy:
         if fit is None:
             return None
         a, r, b = fit
-        for k in range(0, min(self.k_max, self.k_max if top is None else top) + 1):
+        top = self.k_max if top is None else min(top, self.k_max)
+        for k in range(0, top + 1):
             t = a + r * A + b * A * k
             looks = [e[min(k, len(e) - 1)] for e in gains]
             options = [(False, sum(looks) / t, [False] * A)]

@@ -60,21 +60,17 @@ from .ngram import NgramDrafter
 class _LookupFirst(Drafter):
     """What auto's two drafters share: prompt lookup first (`ngram`, whose step-time fit prices a
     plain step and a verified guess) and a second source priced in plain steps (`plain_step`).
-    `HybridDrafter` gates its draft model itself, probed on a `ProbeSchedule` and only while
-    enough of the request may still come (`probe_room`) for a probe to pay back the draft
-    model's catch-up on the context; `LookupEagleDrafter`'s tree is chosen by the scheduler's
-    cost model."""
+    `HybridDrafter` gates its draft model itself; `LookupEagleDrafter`'s tree is chosen by the
+    scheduler's cost model."""
 
-    def __init__(self, min_n: int, max_n: int, probe_every: int, gate: bool, probe_room: int) -> None:
+    def __init__(self, min_n: int, max_n: int, probe_every: int, gate: bool) -> None:
         self.ngram = NgramDrafter(min_n, max_n)
         self.gate = gate
         self.gates_itself = gate  # lookup lengths and the second source's gate price every guess
         self.cost_hint = None
-        self.probe_every, self.probe_room = probe_every, probe_room
-        self.probes = ProbeSchedule(probe_every)  # when a second source that does not pay is tried anyway
+        self.probe_every = probe_every
         self.t_step: float | None = None  # seconds of one target step (between proposals)
         self._t_end: float | None = None
-        self._left = math.inf  # tokens the rows may still generate, at most (`see_room`)
 
     def plain_step(self) -> float | None:
         """Seconds of a plain step: the lookup's fitted step that verifies no guesses, else the mean
@@ -83,19 +79,6 @@ class _LookupFirst(Drafter):
         policy = self.ngram.policy
         plain = policy.step_seconds() if policy is not None else None
         return plain or self.t_step or None
-
-    def see_room(self, ctx: DraftContext) -> None:
-        """Note how many tokens this step's rows may still generate (`ctx.room`; unknown: no limit)."""
-        self._left = math.inf if ctx.room is None else max(ctx.room, default=-1) + 1
-
-    def left(self) -> float:
-        """At most how many tokens the rows may still generate, this step's included (each step
-        commits at least one)."""
-        return self._left
-
-    def room_to_probe(self) -> bool:
-        """Whether enough of the request may still come for a probe to pay back its catch-up."""
-        return self._left >= self.probe_room
 
     def _begin_request(self, params) -> None:
         self._t_end = None  # a prefill is not a step
@@ -110,7 +93,10 @@ class HybridDrafter(_LookupFirst):
         probe_room: the fewest tokens a request may still generate for the draft model to start
         (or probe) there: its first proposal catches it up on the whole context. max_k: draft
         positions whose acceptance is learnt (a longer draft is cut to it)."""
-        super().__init__(min_n, max_n, probe_every, gate, probe_room)
+        super().__init__(min_n, max_n, probe_every, gate)
+        self.probe_room = probe_room
+        self.probes = ProbeSchedule(probe_every)  # when a draft model that does not pay is tried anyway
+        self._left = math.inf  # tokens the rows may still generate, at most (`see_room`)
         self.draft = draft  # a DraftModelDrafter
         self.lookup = self.ngram  # the lookup of the current batch (`begin`)
         # the draft model's length: its acceptance per position and drafting time, priced at the
@@ -127,6 +113,19 @@ class HybridDrafter(_LookupFirst):
         self.draft_seconds = 0.0
         self.pos_proposed: list[int] = []
         self.pos_accepted: list[int] = []
+
+    def see_room(self, ctx: DraftContext) -> None:
+        """Note how many tokens this step's rows may still generate (`ctx.room`; unknown: no limit)."""
+        self._left = math.inf if ctx.room is None else max(ctx.room, default=-1) + 1
+
+    def left(self) -> float:
+        """At most how many tokens the rows may still generate, this step's included (each step
+        commits at least one)."""
+        return self._left
+
+    def room_to_probe(self) -> bool:
+        """Whether enough of the request may still come for a probe to pay back its catch-up."""
+        return self._left >= self.probe_room
 
     def _costs(self) -> tuple[float | None, float]:
         """(the plain step's seconds, r) for the draft model's length: the target verifies its
@@ -354,7 +353,7 @@ class LookupEagleDrafter(_LookupFirst):
         every step drafts, each row's source by `prefer_lookup`); trim: verify only the tree's
         nodes worth their verification (every probe_every-th tree step verifies whole trees,
         so the odds of the nodes a cut drops stay measured)."""
-        super().__init__(min_n, max_n, probe_every, gate, PROBE_ROOM)
+        super().__init__(min_n, max_n, probe_every, gate)
         self.eagle = eagle
         self.min_lookup = min_lookup
         self.graft = graft  # lookup nodes a tree row may add to its tree (0: none)
