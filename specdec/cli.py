@@ -155,7 +155,8 @@ def writable_dir(path: str):
 
 def _always_drafting(engine, method: str, k: int):
     """An engine with the same drafter as `engine` but guessing every step (prompt lookup without its
-    adaptive length, the hybrid without its gate), so the distribution check has guesses to verify."""
+    adaptive length, the draft model and the hybrid at a fixed k), so the distribution check has
+    guesses to verify."""
     from .drafters.hybrid import HybridDrafter
     from .drafters.ngram import NgramDrafter
     from .engine import Engine
@@ -165,6 +166,8 @@ def _always_drafting(engine, method: str, k: int):
         e = Engine(engine.model, NgramDrafter(d.min_n, d.max_n, adaptive=False), k=k, eos_ids=engine.eos_ids)
     elif method == "auto" and isinstance(d, HybridDrafter):
         e = Engine(engine.model, HybridDrafter(d.draft, gate=False), k=k, eos_ids=engine.eos_ids)
+    elif method == "draft" and engine.policy is not None:
+        e = Engine(engine.model, d, k=k, eos_ids=engine.eos_ids, fixed_k=True)
     else:
         return None
     e.guard = None  # (nor does the engine's guard turn drafting off)

@@ -272,8 +272,8 @@ def make_drafter(cfg: SpecConfig, target, quiet: bool = True):
             drafter = REGISTRY["lookup-eagle"](target=target, draft=path, depth=cfg.tree_depth,
                                                width=cfg.tree_width, nodes=_eagle_nodes(cfg, target))
             return drafter, max(cfg.method_k(), 1)
-        # prompt lookup (adaptive length) where the context repeats itself; the draft model
-        # elsewhere, while it pays, with its draft length chosen per step (adaptive.py)
+        # prompt lookup where the context repeats itself, the draft model elsewhere, each row and
+        # step as the scheduler's cost model prices them (core.policy.LoadPolicy.choose_draft)
         draft_lm = _load_draft_model(cfg, target, quiet, required=False)
         drafter = REGISTRY["hybrid" if draft_lm is not None else "ngram"](target=target, draft=draft_lm,
                                                                           confidence=cfg.draft_confidence)
@@ -303,11 +303,13 @@ def serve_drafter(cfg: SpecConfig, lm, quiet: bool = False):
         drafter, k = make_drafter(cfg, lm, quiet)
         return method, drafter, k
     if method == "draft" or (method == "auto" and cfg.draft and not is_eagle_dir(os.path.expanduser(cfg.draft))):
-        # draft: the draft model's guesses; auto with a draft model: prompt lookup beside it
+        # draft: the draft model's guesses; auto with a draft model: prompt lookup beside it (the
+        # pair `generate` builds)
         from .drafters import REGISTRY
 
         draft_lm = _load_draft_model(cfg, lm, quiet=True, required=True)
-        drafter = REGISTRY["draft"](target=lm, draft=draft_lm)
+        drafter = REGISTRY["draft" if method == "draft" else "hybrid"](target=lm, draft=draft_lm,
+                                                                       confidence=cfg.draft_confidence)
     elif method == "auto":
         from .drafters.hybrid import lookup_eagle_for
 

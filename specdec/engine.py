@@ -4,15 +4,15 @@ Every prompt joins the scheduler (`core.scheduler.ContinuousBatcher`, the one `s
 the start: each is prefilled alone, then every step proposes, scores the rows' pending tokens
 and guesses in one target forward, verifies, commits or rolls back the caches, records, and
 finished rows leave at once; the batch ends when the last row does. Prompt lookup, alone or
-beside an EAGLE tree (`ngram`, `auto`), is priced per step by the scheduler's cost model
-(core.policy.LoadPolicy), as the server prices it (`priced_method`). Any other drafter runs
-through the protocol alone (`drafters.Drafter`): a chain (k tokens in a row) or a tree
-(Draft.parents, see tree.py), with the batch's own sampling settings (a draft model samples its
-guesses from its q) and an optional draft-length policy (`k_policy`). In batches of two or
-more rows a guard (core.policy.BatchGuard) lets the drafter propose only while speculative
-steps commit more tokens per second than plain ones (a few rows already make a CPU step
-compute-bound); drafters that do not price their own guesses (a draft model, Medusa, an EAGLE
-head alone) are guarded at a single row too. The cost model, the guard and the k policy live
+beside an EAGLE tree or a draft model (`ngram`, `auto`), and a draft model alone (`draft`), are
+priced per step by the scheduler's cost model (core.policy.LoadPolicy), as the server prices
+them (`priced_method`). Any other drafter runs through the protocol alone (`drafters.Drafter`):
+a chain (k tokens in a row) or a tree (Draft.parents, see tree.py), with the batch's own
+sampling settings and an optional draft-length policy (`k_policy`). In batches of two or more
+rows a guard (core.policy.BatchGuard) lets the drafter propose only while speculative steps
+commit more tokens per second than plain ones (a few rows already make a CPU step
+compute-bound); drafters nothing prices (Medusa, an EAGLE head alone, a draft model at a fixed
+k) are guarded at a single row too. The cost model, the guard and the k policy live
 in the engine, so what they learn carries from one call to the next (`learned`).
 
 Rows share one generator; each samples with its prompt's index as its key
@@ -37,10 +37,12 @@ StopFn = Callable[[int, list[int]], bool]  # (row, all generated ids) -> stop no
 
 
 class Engine:
-    def __init__(self, model, drafter=None, k: int = 4, eos_ids=(), k_policy=None) -> None:
+    def __init__(self, model, drafter=None, k: int = 4, eos_ids=(), k_policy=None, fixed_k: bool = False) -> None:
         """model: follows the forward contract (native or adapter); drafter: a Drafter or
         None; k: draft length; k_policy: optional object with choose_k(max_k) and
-        observe(step record) for adaptive drafting (see core/policy.py)."""
+        observe(step record) for adaptive drafting of a drafter run through the protocol (see
+        core/policy.py); fixed_k: a priced drafter (`priced_method`) drafts every step, k
+        guesses (as `serve --fixed-k`)."""
         if not 0 <= k <= MAX_GUESSES:
             raise SpecdecError(f"-k must be between 0 and {MAX_GUESSES} (longer steps are not verified bit for bit "
                                f"as plain decoding computes them), got {k}")
@@ -52,15 +54,24 @@ class Engine:
         self.eos_ids = set(int(e) for e in eos_ids)
         self.k_policy = k_policy
         self._batches = 0
-        # speculate only while it beats plain decoding, measured (core.policy.BatchGuard); kept
-        # here so that what it measured carries from one generate call to the next
-        self.guard = BatchGuard.for_drafter(drafter) if drafter is not None else None
-        # how the scheduler runs the drafter: prompt lookup, alone or beside an EAGLE tree, is
-        # priced per step and row by the scheduler's cost model (LoadPolicy), as the server prices
-        # it, and the engine keeps that model so that what it learns carries between calls; any
-        # other drafter runs through the protocol alone
+        # how the scheduler runs the drafter: prompt lookup, alone or beside an EAGLE tree or a
+        # draft model, and a draft model alone are priced per step and row by the scheduler's
+        # cost model (LoadPolicy), as the server prices them, and the engine keeps that model so
+        # that what it learns carries between calls; any other drafter runs through the protocol
         self.method = "none" if drafter is None else priced_method(drafter)
-        self.policy = LoadPolicy(self.k, adaptive=drafter.gates_itself) if self.method in PRICED else None
+        self.policy = None
+        if self.method in PRICED:
+            # (a lookup drafter built not to price its guesses, `gates_itself` False, drafts every step)
+            adaptive = not fixed_k and (self.method == "draft" or drafter.gates_itself)
+            self.policy = LoadPolicy(self.k, adaptive=adaptive)
+        # speculate only while it beats plain decoding, measured (core.policy.BatchGuard); kept
+        # here so that what it measured carries from one generate call to the next. Under the cost
+        # model, batches of 2+ rows, as the server guards them; else `for_drafter`'s rule
+        self.guard = None
+        if self.policy is not None and self.policy.adaptive:
+            self.guard = BatchGuard(min_rows=2)
+        elif drafter is not None:
+            self.guard = BatchGuard.for_drafter(drafter)
 
     def learned(self) -> dict:
         """What the drafter, its draft-length policy, the guard and the cost model learned while
@@ -145,19 +156,26 @@ class Engine:
         return scheduler
 
 
-PRICED = ("ngram", "auto")  # the scheduler's methods an engine's drafter may run under (priced_method)
+PRICED = ("ngram", "auto", "draft")  # the scheduler's methods an engine's drafter may run under (priced_method)
 
 
 def priced_method(drafter) -> str:
     """The scheduler method that runs `drafter` under the scheduler's cost model: "auto" for
-    prompt lookup beside an EAGLE tree, "ngram" for adaptive prompt lookup; "protocol" for any
-    other drafter (a draft model, Medusa, an EAGLE head alone, your own), which runs through
-    the drafter protocol with its own length choice."""
-    from .drafters.hybrid import LookupEagleDrafter
+    prompt lookup beside an EAGLE tree or a draft model, "ngram" for adaptive prompt lookup,
+    "draft" for a draft model alone; "protocol" for any other drafter (Medusa, an EAGLE head
+    alone, your own, a draft model the native loader does not run), which runs through the
+    drafter protocol with its own length choice."""
+    from .drafters.draft_model import DraftModelDrafter
+    from .drafters.hybrid import HybridDrafter, LookupEagleDrafter
     from .drafters.ngram import NgramDrafter
 
-    if isinstance(drafter, LookupEagleDrafter):
+    def native(d) -> bool:
+        return isinstance(d, DraftModelDrafter) and getattr(d.model, "native", False)
+
+    if isinstance(drafter, LookupEagleDrafter) or (isinstance(drafter, HybridDrafter) and native(drafter.draft)):
         return "auto"
     if isinstance(drafter, NgramDrafter) and drafter.policy is not None:
         return "ngram"
+    if native(drafter):
+        return "draft"
     return "protocol"

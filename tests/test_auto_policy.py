@@ -127,261 +127,145 @@ def test_learned_key_tells_greedy_from_sampled():
     assert len(keys) == 2  # greedy, sampled (seeded or not)
 
 
-def test_a_draft_model_pays_only_above_its_drafting_and_verification_cost(monkeypatch):
-    """HybridDrafter (auto with a draft model) drafts while a drafted token's acceptance exceeds c
-    (its drafting time in plain steps) plus r (verifying it): a draft whose first guess holds 30%
-    of the time at c = 0.2 drafts one guess where verifying is cheap (r 0.05) and none where it
-    is dear (r 0.15); its second guess, which never holds, is never drafted."""
-    from specdec.drafters.hybrid import HybridDrafter
-    from specdec.drafters.ngram import LengthPolicy
-
-    d = HybridDrafter(draft=None)
-    d.length.odds.acc[0][:2], d.length.odds.seen[0][:2] = [3.0, 0.0], [10.0, 10.0]
-    d.length.t_tok, d.t_step = 0.002, 0.01
-    monkeypatch.setattr(LengthPolicy, "step_seconds", lambda self: 0.01)
-    monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.05))
-    assert d.draft_length(4) == 1
-    monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.15))
-    assert d.draft_length(4) == 0
+def fit_steps(policy: LoadPolicy, r: float, rows: int = 1) -> None:
+    """Steps of `rows` rows whose time is 1 + r * guesses plain steps, at every cap: the step-time
+    fit prices a plain step at 1 and a guess at r."""
+    for _ in range(8):
+        for k in range(policy.k_max + 1):
+            policy.observe_step(rows, k, 1.0 + r * k)
 
 
-class Clock:
-    """time.perf_counter for the priced tests: advances only when the test says (in plain steps)."""
-
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
-
-
-class PricedDraft:
-    """A draft model on the test's clock: a proposal costs `c` plain steps per guess plus `catch_up`
-    per committed token it has not seen (its first proposal of a request reads the whole prompt);
-    its guesses are placeholders, whether they hold is the test's to say."""
-
-    vocab_size = V
-
-    def __init__(self, clock: Clock, c: float, catch_up: float = 0.25):
-        self.clock, self.c, self.catch_up = clock, c, catch_up
-        self.calls, self.lengths, self.at = 0, [], []  # proposals, their lengths, their steps
-        self.step = 0
-
-    def begin(self, prompts, params, max_len):
-        self.seen = [0] * len(prompts)
-
-    def propose(self, ctx, k):
-        from specdec.drafters.base import Draft, steady
-
-        behind = self.behind(ctx.tokens)
-        self.ctx = [len(t) for t in ctx.tokens]
-        seconds = self.c * k + self.catch_up * (behind - 1)  # (the pending token: read in the first forward)
-        self.clock.t += seconds
-        self.timing = (seconds, steady(behind, k))
-        self.calls += 1
-        self.lengths.append(k)
-        self.at.append(self.step)
-        return Draft(torch.zeros(len(ctx.tokens), k, dtype=torch.long), torch.full((len(ctx.tokens),), k))
-
-    def behind(self, tokens):
-        return max(len(t) - s for t, s in zip(tokens, self.seen))
-
-    def draft_timing(self):
-        return self.timing
-
-    def commit(self, num_accepted):
-        self.seen = [n + a for n, a in zip(self.ctx, num_accepted)]
-
-    def keep_rows(self, rows):
-        self.seen = [self.seen[r] for r in rows]
+def test_a_draft_model_pays_only_above_its_drafting_and_verification_cost():
+    """The cost model (auto with a draft model) lets a row take the draft model's guesses while a
+    guess's acceptance exceeds c (its drafting time in plain steps) plus r (verifying it): a draft
+    whose first guess holds 30% of the time at c = 0.2 drafts one guess where verifying is cheap
+    (r 0.05) and none where it is dear (r 0.15); its second guess, which never holds, is never
+    drafted."""
+    for r, want in ((0.05, (1, [True])), (0.15, (0, [False]))):
+        policy = LoadPolicy(4)
+        policy.draft_odds.acc[0][:2], policy.draft_odds.seen[0][:2] = [3.0, 0.0], [10.0, 10.0]
+        policy.observe_draft_time(1, 0.2)
+        fit_steps(policy, r)
+        assert policy.choose_draft([[]], [[1.0]], 1, [True], [100], [1]) == want, r
 
 
-class TimedAloneDraft(PricedDraft):
-    """A PricedDraft that can also be timed on its own (DraftModelDrafter.time_alone): a warm-up
-    token and 2 drafted guesses on the clock."""
-
-    def time_alone(self, steps: int = 2):
-        self.clock.t += self.c * (1 + steps)
-        return self.c
-
-
-def priced_run(monkeypatch, drafter_cls, c: float, r: float, holds: list[float], steps: int = 300, k: int = 4,
-               room: int = 10_000, catch_up: float = 0.25, later: tuple[int, list[float]] | None = None,
-               draft_cls=PricedDraft):
-    """Drive a HybridDrafter over `steps` steps of a text that never repeats (no lookups: the gate
-    alone decides) on a clock in plain steps: drafting as PricedDraft prices it, a step verifying
-    j guesses 1 + r j; the draft's i-th guess holds with probability holds[i-1] given that the
-    ones before it held (a fixed seed; from step later[0] on, later[1] instead). Returns (the draft, committed tokens per plain step's
-    time: plain decoding's rate is 1)."""
-    import random
-    import time
-
-    from specdec.drafters.base import DraftContext
-
-    clock = Clock()
-    monkeypatch.setattr(time, "perf_counter", clock)
-    draft = draft_cls(clock, c, catch_up)
-    d = drafter_cls(draft)
-    text = list(range(1000, 1040))  # a prompt of distinct tokens; every new token is new too
-    params = SamplingParams(max_new_tokens=room)
-    d.begin([text], params, 100_000)
+def priced_run(c: float, r: float, holds: list[float], steps: int = 300, k: int = 4, room: int = 10_000,
+               catch_up: float = 0.25, later: tuple[int, list[float]] | None = None, timed_alone: bool = True,
+               rule: str = "priced"):
+    """Drive the scheduler's cost model for auto with a draft model (`LoadPolicy.choose_draft`,
+    one row, a text that never repeats: no lookups) over `steps` steps on a clock in plain
+    steps, as the scheduler feeds it: drafting costs `c` per guess plus `catch_up` per token the
+    draft model has not read (a 40-token prompt at first, then every step it sat out), a step
+    verifying j guesses 1 + r j; the i-th guess holds with probability holds[i-1] given that the
+    ones before it held (a fixed seed; from step later[0] on, later[1] instead). timed_alone:
+    the scheduler timed the draft model alone first (else it is priced free until it drafts).
+    rule: "priced" (the cost model), "always" (--fixed-k: every step drafts k), "free probes"
+    (probes that ignore their catch-up's cost and whether the draft model could pay), "no room"
+    (a first catch-up before the step-time fit waits for no room). Returns (the
+    steps that drafted, their lengths, committed tokens per plain step's time: plain decoding's
+    rate is 1)."""
+    policy = LoadPolicy(k, adaptive=rule != "always")
+    if timed_alone:
+        policy.observe_draft_time(1, c)
+        policy.t_catch = catch_up
+    if rule == "free probes":
+        policy.catch_up_cost = lambda behind: 0.0
+        policy._could_pay = lambda rows, per_token: True
+    if rule == "no room":
+        policy.probe_room = 0
     rng = random.Random(0)
-    committed = 0
+    behind, committed, clock = 40, 0, 0.0
+    at, lengths = [], []
     for step in range(steps):
-        draft.step = step
-        # the tokens it may still generate after its pending one (the scheduler's room)
-        prop = d.propose(DraftContext([text], params, None, room=[room - committed - 2]), k)
-        j = int(prop.counts[0])
-        clock.t += 1.0 + r * j
-        held = 0
+        left = room - committed - 2
+        if left < 0:
+            break
+        cap, use = policy.choose_draft([[]], [[1.0]], step, [True], [left], [behind])
+        j = min(cap, left) if use[0] else 0
+        if j:
+            seconds = c * j + catch_up * (behind - 1)  # (the pending token: read in the first forward)
+            if behind <= j + 2:
+                policy.observe_draft_time(1, seconds / j)
+            else:
+                policy.observe_catch_up(seconds, behind, j)
+            clock += seconds
+            at.append(step)
+            lengths.append(j)
+        clock += 1.0 + r * j
+        policy.observe_step(1, j, 1.0 + r * j)
         if later is not None and step == later[0]:
             holds = later[1]
+        held = 0
         while held < j and rng.random() < holds[min(held, len(holds) - 1)]:
             held += 1
-        if prop.tokens.shape[1]:
-            d.commit([held])
-        new = held + 1
-        text += range(text[-1] + 1, text[-1] + 1 + new)
-        committed += new
-    return draft, committed / clock.t
+        policy.observe_draft([j], [held])
+        committed += held + 1
+        behind = 1 if j else behind + held + 1
+    return at, lengths, committed / clock
 
 
-def mean_rule(drafter_cls):
-    """The gate before per-position acceptance and priced catch-ups (a broken rule for these
-    tests): draft every guess while the mean acceptance over all drafted positions exceeds
-    c + r, else probe every 16 steps."""
-
-    class MeanRule(drafter_cls):
-        acc, prop, skipped = 1.0, 2.0, 0
-
-        def _gated_length(self, ctx, max_tokens):
-            cost = self.length.cost()
-            if cost is None or self.acc / self.prop > cost:
-                return max_tokens
-            self.skipped += 1
-            return 1 if self.skipped % 16 == 0 else 0
-
-        def commit(self, num_accepted, paths=None):
-            if self._used_draft is not None:
-                self.acc = 0.9 * self.acc + sum(num_accepted)
-                self.prop = 0.9 * self.prop + int(self._proposal.counts.sum())
-            super().commit(num_accepted, paths)
-
-    return MeanRule
-
-
-@pytest.mark.parametrize("rule", ["gate", "mean", "no gate"])
-def test_a_draft_that_cannot_pay_is_dropped_after_timing_it(monkeypatch, rule):
+@pytest.mark.parametrize("rule", ["priced", "always", "free probes"])
+def test_a_draft_that_cannot_pay_is_dropped_after_timing_it(rule):
     """A draft whose guesses nearly always hold (90%) but whose cost alone rules it out (c 0.5 +
-    r 0.6 per guess, more than the one token a guess can gain): after the two proposals that
-    catch it up and time it, it never drafts again, not even as a probe (each probe would pay a
-    catch-up of the steps it sat out), and decodes at plain decoding's rate. The old mean-
-    acceptance rule probes every 16 steps; no gate drafts every step: both fail here."""
-    from specdec.drafters.hybrid import HybridDrafter
-
-    cls = {"gate": HybridDrafter, "mean": mean_rule(HybridDrafter),
-           "no gate": lambda dr: HybridDrafter(dr, gate=False)}[rule]
-    draft, rate = priced_run(monkeypatch, cls, c=0.5, r=0.6, holds=[0.9])
-    ok = draft.calls <= 2 + 16 and draft.at[-1] < 50 and rate > 0.9
-    assert ok == (rule == "gate"), (draft.calls, rate)
+    r 0.6 per guess, more than the one token a guess can gain): after the first steps that
+    fit the step time it never drafts again, not even as a probe (each probe would pay a
+    catch-up on the steps it sat out), and decodes at plain decoding's rate or near it. Drafting
+    every step, or probing without pricing the probe, fails here."""
+    at, _, rate = priced_run(c=0.5, r=0.6, holds=[0.9], rule=rule)
+    ok = len(at) <= 6 and max(at, default=0) < 50 and rate > 0.9
+    assert ok == (rule == "priced"), (at, rate)
 
 
-@pytest.mark.parametrize("rule", ["gate", "no gate"])
-def test_a_draft_that_is_seldom_right_is_dropped_within_a_few_steps(monkeypatch, rule):
+@pytest.mark.parametrize("rule", ["priced", "always"])
+def test_a_draft_that_is_seldom_right_is_dropped_within_a_few_steps(rule):
     """A cheap draft (c 0.3, r 0.1) whose guesses hold 20% of the time: it costs more than it
-    gains, so after timing it the gate drops it within a few steps and, its catch-up being dear
-    (0.25 steps a token sat out), does not probe it: a handful of proposals in 300 steps, at
-    least 0.95 of plain decoding's rate. No gate fails both."""
-    from specdec.drafters.hybrid import HybridDrafter
-
-    cls = HybridDrafter if rule == "gate" else (lambda dr: HybridDrafter(dr, gate=False))
-    draft, rate = priced_run(monkeypatch, cls, c=0.3, r=0.1, holds=[0.2])
-    ok = draft.calls <= 2 + 3 + 5 and rate > 0.95 and max(draft.lengths[5:], default=1) == 1
-    assert ok == (rule == "gate"), (draft.calls, rate, draft.lengths)
+    gains, so the cost model drops it within a few steps and, its catch-up being dear (0.25 steps
+    a token sat out), does not probe it: a handful of proposals in 300 steps, at least 0.95 of
+    plain decoding's rate. Drafting every step fails both."""
+    at, _, rate = priced_run(c=0.3, r=0.1, holds=[0.2], rule=rule)
+    ok = len(at) <= 10 and rate > 0.95
+    assert ok == (rule == "priced"), (at, rate)
 
 
-@pytest.mark.parametrize("rule", ["gate", "mean", "no gate"])
-def test_a_draft_that_pays_for_its_first_guess_keeps_drafting_one(monkeypatch, rule):
+@pytest.mark.parametrize("rule", ["priced", "always"])
+def test_a_draft_that_pays_for_its_first_guess_keeps_drafting_one(rule):
     """A cheap draft (c 0.3, r 0.1) whose first guess holds 95% of the time and later ones 10%:
-    one guess a step pays (1.95 tokens for 1.4 steps), more do not. The gate drafts nearly every
-    step, one guess, at 1.3x plain decoding's rate or more. The mean-acceptance rule (4 guesses,
-    mean 26%, below c + r: it stops, then flaps on probes) and no gate (4 guesses every step,
-    slower than plain) fail."""
-    from specdec.drafters.hybrid import HybridDrafter
-
-    cls = {"gate": HybridDrafter, "mean": mean_rule(HybridDrafter),
-           "no gate": lambda dr: HybridDrafter(dr, gate=False)}[rule]
-    draft, rate = priced_run(monkeypatch, cls, c=0.3, r=0.1, holds=[0.95, 0.1])
-    ok = draft.calls >= 280 and rate > 1.3
-    assert ok == (rule == "gate"), (draft.calls, rate, draft.lengths[-20:])
+    one guess a step pays (1.95 tokens for 1.4 steps), more do not. The cost model drafts
+    nearly every step, one guess (two on its probes), at 1.3x plain decoding's rate or more;
+    4 guesses every step is slower than plain decoding."""
+    at, lengths, rate = priced_run(c=0.3, r=0.1, holds=[0.95, 0.1], rule=rule)
+    ok = len(at) >= 280 and rate > 1.3 and sum(n == 1 for n in lengths[-100:]) >= 90
+    assert ok == (rule == "priced"), (len(at), rate, lengths[-20:])
 
 
-def test_a_draft_that_pays_at_every_position_drafts_them_all(monkeypatch):
+def test_a_draft_that_pays_at_every_position_drafts_them_all():
     """A cheap draft (c 0.2, r 0.05) whose guesses hold 90% of the time at every position drafts
     every step, soon the full 4 guesses nearly always, at 1.8x plain decoding's rate or more."""
-    from specdec.drafters.hybrid import HybridDrafter
-
-    draft, rate = priced_run(monkeypatch, HybridDrafter, c=0.2, r=0.05, holds=[0.9])
-    assert draft.calls >= 290 and sum(x == 4 for x in draft.lengths[-100:]) >= 90 and rate > 1.8, (draft.calls, rate)
+    at, lengths, rate = priced_run(c=0.2, r=0.05, holds=[0.9])
+    assert len(at) >= 290 and sum(n == 4 for n in lengths[-100:]) >= 90 and rate > 1.8, (len(at), rate)
 
 
 @pytest.mark.parametrize("catch_up", [0.01, 0.25])
-def test_a_draft_that_starts_to_pay_is_noticed_where_probes_are_cheap(monkeypatch, catch_up):
+def test_a_draft_that_starts_to_pay_is_noticed_where_probes_are_cheap(catch_up):
     """A draft seldom right for 100 steps (20%), then right 90% of the time (c 0.3, r 0.1): with a
-    cheap catch-up (0.01 steps a token) the gate's probes (after 16, 32, 64 steps sat out)
-    notice and it drafts most of the last 100 steps; with a dear one (0.25) it does not probe,
-    and never drafts after its first few steps."""
-    from specdec.drafters.hybrid import HybridDrafter
-
-    draft, rate = priced_run(monkeypatch, HybridDrafter, c=0.3, r=0.1, holds=[0.2], catch_up=catch_up,
-                             later=(100, [0.9]))
-    late = sum(at >= 200 for at in draft.at)
+    cheap catch-up (0.01 steps a token) the probes (after 16, 32, 64 declined steps) notice and
+    it drafts most of the last 100 steps; with a dear one (0.25) it is not probed, and never
+    drafts after its first few steps."""
+    at, _, rate = priced_run(c=0.3, r=0.1, holds=[0.2], catch_up=catch_up, later=(100, [0.9]))
+    late = sum(step >= 200 for step in at)
     if catch_up < 0.1:
-        assert late >= 90, (draft.at, rate)
+        assert late >= 90, (at, rate)
     else:
-        assert late == 0 and draft.calls <= 5, (draft.at, rate)
+        assert late == 0 and len(at) <= 10, (at, rate)
 
 
-def test_a_short_answer_does_not_start_the_draft_model(monkeypatch):
-    """With fewer than `probe_room` tokens to go, the draft model's catch-up on the prompt could
-    not pay back: a fresh drafter never runs it."""
-    from specdec.drafters.hybrid import HybridDrafter
-
-    draft, rate = priced_run(monkeypatch, HybridDrafter, c=0.2, r=0.05, holds=[0.9], steps=20, room=24)
-    assert draft.calls == 0 and rate == 1.0
-
-
-def test_the_lookup_times_the_target_step_without_the_draft_models_drafting():
-    """HybridDrafter hands its proposal over after the draft model drafted: the lookup's clock (its
-    fitted plain step, from which c is priced) starts there, not before the drafting, which
-    would make a slow draft look cheap."""
-    import time
-
-    from specdec.drafters.base import Draft, DraftContext
-    from specdec.drafters.hybrid import HybridDrafter
-    from specdec.types import SamplingParams
-
-    class SlowDraft:
-        vocab_size = V
-
-        def begin(self, prompts, params, max_len):
-            pass
-
-        def propose(self, ctx, k):
-            time.sleep(0.05)
-            return Draft(torch.zeros(len(ctx.tokens), k, dtype=torch.long), torch.full((len(ctx.tokens),), k))
-
-        def behind(self, tokens):
-            return 1
-
-        def draft_timing(self):
-            return 0.05, True
-
-    d = HybridDrafter(SlowDraft(), gate=False)
-    tokens = [list(range(10))]  # no repeats: no lookup, the draft model drafts
-    d.begin(tokens, SamplingParams(), 64)
-    d.propose(DraftContext(tokens, SamplingParams(), None), 3)
-    assert time.perf_counter() - d.lookup._t_end < 0.04
+@pytest.mark.parametrize("rule", ["priced", "no room"])
+def test_a_short_answer_does_not_start_the_draft_model(rule):
+    """With 24 tokens to go, the draft model's catch-up on a 40-token prompt (10 plain steps)
+    could not pay back even for a draft that pays once caught up: it never runs. Without the
+    room rule the first steps, which measure the step time with and without guesses, pay it."""
+    at, _, rate = priced_run(c=0.2, r=0.05, holds=[0.9], steps=20, room=24, rule=rule)
+    assert (at == [] and rate == 1.0) == (rule == "priced"), (at, rate)
 
 
 def probe_steps(schedule, declined: int, measured=lambda step: True) -> list[int]:
@@ -525,18 +409,29 @@ def test_adaptive_k_stops_a_draft_that_cannot_pay():
 
 
 @pytest.mark.parametrize("timing", ["alone", "in use"])
-def test_a_fresh_drafter_prices_the_draft_model_alone(monkeypatch, timing):
-    """With nothing learnt, the draft model is timed alone (a few forwards on a scratch cache)
-    instead of drafting for the first request to time it, whose first proposal catches it
-    up on the whole prompt (40 tokens here, 10 plain steps' time). A draft that cannot pay (c 0.5 + r
-    0.6) then never drafts, and a 64-token answer decodes at 0.97 of plain decoding's rate or
-    more; timed in use (a drafter without time_alone, as before), it pays the catch-up and does
-    not. A draft that pays (c 0.2, r 0.05, 90% held) still drafts nearly every step."""
-    from specdec.drafters.hybrid import HybridDrafter
+def test_a_fresh_scheduler_prices_the_draft_model_alone(timing):
+    """With nothing learnt, the scheduler times the draft model alone (a few forwards on a scratch
+    cache) instead of drafting for the first request to time it, whose first proposal catches it
+    up on the whole prompt (40 tokens here, 10 plain steps' time). A draft slower than a plain
+    step a guess (c 1.2) then never drafts, and a 64-token answer decodes at 0.97 of plain
+    decoding's rate or more; timed in use, it pays the catch-up and does not. A draft that pays
+    (c 0.2, r 0.05, 90% held) still drafts nearly every step."""
+    alone = timing == "alone"
+    at, _, rate = priced_run(c=1.2, r=0.1, holds=[0.9], steps=64, room=64, timed_alone=alone)
+    assert (at == [] and rate >= 0.97) == alone, (at, rate)
+    at, _, rate = priced_run(c=0.2, r=0.05, holds=[0.9], timed_alone=alone)
+    assert len(at) >= 290 and rate > 1.7, (len(at), rate)
 
-    draft_cls = TimedAloneDraft if timing == "alone" else PricedDraft
-    draft, rate = priced_run(monkeypatch, HybridDrafter, c=0.5, r=0.6, holds=[0.9], steps=64, room=64,
-                             draft_cls=draft_cls)
-    assert (draft.calls == 0 and rate >= 0.97) == (timing == "alone"), (draft.calls, rate)
-    draft, rate = priced_run(monkeypatch, HybridDrafter, c=0.2, r=0.05, holds=[0.9], draft_cls=draft_cls)
-    assert draft.calls >= 290 and rate > 1.7, (draft.calls, rate)
+
+def test_the_scheduler_times_a_fresh_draft_model_alone():
+    """A scheduler running a draft model the cost model has not timed times it alone before any
+    request: its drafting time per guess and its time per token read, from forwards on a
+    scratch cache of its own."""
+    from specdec.core.scheduler import ContinuousBatcher
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    policy = LoadPolicy(4)
+    ContinuousBatcher(target().model, method="draft", k_max=4, drafter=DraftModelDrafter(target().model),
+                      thread=False, policy=policy)
+    assert policy.draft_time.weight > 0 and policy.draft_cost(1) > 0 and policy.t_catch > 0
+    assert policy.steps.all.weight == 0  # (no step ran)

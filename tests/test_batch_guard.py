@@ -125,7 +125,7 @@ def make(kind, kw):
         return NgramDrafter()
     if kind in ("draft", "hybrid"):
         d = DraftModelDrafter(target(1).model, vocab_size=V)
-        return d if kind == "draft" else HybridDrafter(d, min_n=2, max_n=3, gate=False)
+        return d if kind == "draft" else HybridDrafter(d, min_n=2, max_n=3)
     if kind == "medusa":
         from test_medusa import heads_dir
 
@@ -233,12 +233,17 @@ def test_a_single_row_has_a_band_of_its_own_when_guarded():
     assert sum(two[8:]) >= 28
 
 
-def test_engine_guards_single_rows_only_for_drafters_without_a_gate_of_their_own():
+def test_engine_guards_single_rows_only_for_drafters_nothing_prices():
+    """Drafters the cost model prices (prompt lookup, a draft model) are guarded in batches of 2+
+    rows, as the server guards them; one that nothing prices (a draft model at a fixed k,
+    lookup without its adaptive length) at a single row too."""
     from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.drafters.ngram import NgramDrafter
 
     model = target(0).model
-    assert Engine(model, DraftModelDrafter(target(1).model, vocab_size=V), k=4).guard.min_rows == 1
+    draft = DraftModelDrafter(target(1).model, vocab_size=V)
+    assert Engine(model, draft, k=4).guard.min_rows == 2
+    assert Engine(model, draft, k=4, fixed_k=True).guard.min_rows == 1
     assert Engine(model, NgramDrafter(), k=4).guard.min_rows == 2
     assert Engine(model, NgramDrafter(adaptive=False), k=4).guard.min_rows == 1
     assert Engine(model, None).guard is None

@@ -437,6 +437,7 @@ def test_lookup_and_draft_batcher_greedy_equals_transformers(adaptive):
     equals plain greedy decoding, and both sources drafted."""
     b = _draft_batcher(adaptive, draft_seed=1, method="auto")
     assert b.drafting and not b.trees and b.lookup is not None
+    b.policy.probe_room = 0  # (answers this short would not start the draft model on its prompts)
     got, want = run_join_leave(b)
     s = b.stats()
     assert got == want
@@ -462,9 +463,8 @@ def test_lookup_and_draft_choice_follows_expected_tokens():
     for n in range(100):  # the draft model's j-th guess held in 90, 80, 70, 60 of 100 rows
         b.observe_draft([4], [4 if n < 60 else 3 if n < 70 else 2 if n < 80 else 1 if n < 90 else 0])
 
-    class Steps:  # t(A, K) = 0.030 + 0.001 A K
-        @staticmethod
-        def coefficients(rows=None):
+    class Steps(StepModel):  # t(A, K) = 0.030 + 0.001 A K
+        def coefficients(self, rows=None):
             return 0.030, 0.0, 0.001
 
     b.steps = Steps()

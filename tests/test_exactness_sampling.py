@@ -111,7 +111,9 @@ def sample(drafter, params: dict, k: int, max_new: int, seed0: int, rows: int = 
     out = {c: [] for c in ctxs}
     stats = dict(proposed=0, accepted=0, rows_with_drafts=0, proposed_by_pos=[0] * k, accepted_by_pos=[0] * k)
     for s in range(calls):
-        res = Engine(target, drafter, k=k).generate(prompts, SamplingParams(max_new_tokens=max_new, seed=seed0 + s, **params))
+        # (a draft model at a fixed k: every step drafts, from its q)
+        engine = Engine(target, drafter, k=k, fixed_k=isinstance(drafter, DraftModelDrafter))
+        res = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, seed=seed0 + s, **params))
         for p, r in zip(prompts, res):
             assert len(r.tokens) == max_new and r.stats.finish_reason == "length"
             out[tuple(p)].append(r.tokens[:N_CHECK])
@@ -247,27 +249,34 @@ def test_draft_probs_carry_no_autograd_graph(drafter_name):
     assert not draft.probs.requires_grad
 
 
-@pytest.mark.parametrize("drafter_name", ["ngram_adaptive", "hybrid_adaptive"])
+@pytest.mark.parametrize("drafter_name", ["ngram_adaptive", "hybrid_adaptive", "draft_adaptive"])
 def test_same_seed_same_sample_whatever_the_timing(monkeypatch, drafter_name):
-    """Adaptive drafters choose lengths (and the hybrid whether to run its draft model) from
-    measured times; with a seed, a sampled request must not depend on them, or the same seed
-    would give another sample. Timing is replaced by noise here, differently in each run."""
+    """Priced drafting chooses lengths (and whether the draft model runs) from measured times;
+    with a seed, a sampled request must not depend on them, or the same seed would give another
+    sample. The cost model's choices are replaced by noise here, differently in each run (a
+    draft model that drew its guesses from q for seeded rows would fail this)."""
     import random
 
-    from specdec.core.policy import DraftLength, LengthPolicy
+    from specdec.core.policy import LengthPolicy, LoadPolicy
 
     _, target, draft = models()
     noise = random.Random(0)
     monkeypatch.setattr(LengthPolicy, "r", property(lambda self: noise.uniform(0.0, 2.0)))
-    monkeypatch.setattr(DraftLength, "cost", lambda self: noise.uniform(0.0, 2.0))
-    monkeypatch.setattr(HybridDrafter, "draft_length", lambda self, k_max: noise.randint(0, k_max))
+
+    def noisy(self, guesses, gains, step, ok, *rest, **kw):
+        return noise.randint(0, self.k_max), [o and noise.random() < 0.7 for o in ok]
+
+    monkeypatch.setattr(LoadPolicy, "choose_draft", noisy)
+    monkeypatch.setattr(LoadPolicy, "choose_k", lambda self, guesses, *a, **kw: noisy(self, guesses, 0, 0, [False] * len(guesses)))
     prompts = [list(c) for c in contexts()] * 2
     params = SamplingParams(max_new_tokens=20, seed=11, temperature=0.9, top_p=0.95)
 
     def run():
-        d = (NgramDrafter() if drafter_name == "ngram_adaptive" else
-             HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3))
-        return [r.tokens for r in Engine(target, d, k=4).generate(prompts, params)]
+        d = {"ngram_adaptive": NgramDrafter, "draft_adaptive": lambda: DraftModelDrafter(draft),
+             "hybrid_adaptive": lambda: HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3)}[drafter_name]()
+        res = Engine(target, d, k=4).generate(prompts, params)
+        assert sum(r.stats.proposed for r in res) > 0
+        return [r.tokens for r in res]
 
     first = run()
     assert all(run() == first for _ in range(2))
@@ -276,9 +285,10 @@ def test_same_seed_same_sample_whatever_the_timing(monkeypatch, drafter_name):
     assert [r.tokens for r in other] != first
 
 
-@pytest.mark.parametrize("drafter_name", ["ngram", "ngram_adaptive", "random_guesses", "tree_topk", "tree_corrupt"])
+@pytest.mark.parametrize("drafter_name", ["ngram", "ngram_adaptive", "random_guesses", "tree_topk", "tree_corrupt",
+                                         "draft_priced", "hybrid_priced"])
 @pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.0, top_k=5, top_p=0.9)])
-def test_deterministic_guesses_commit_plain_samplings_text(drafter_name, params):
+def test_deterministic_guesses_commit_plain_samplings_text(monkeypatch, drafter_name, params):
     """With deterministic guesses, seeded speculative sampling commits exactly the text plain
     sampling draws with that seed (verify.py, "sample and compare"), row by row, whatever was
     guessed and however many guesses held; and a prompt's text does not depend on the rows
@@ -290,6 +300,14 @@ def test_deterministic_guesses_commit_plain_samplings_text(drafter_name, params)
     assert len({tuple(t) for t in want}) > 2  # rows draw different numbers
     if drafter_name == "ngram_adaptive":
         d = NgramDrafter()
+    elif drafter_name.endswith("_priced"):  # a seeded row's draft-model guesses are its argmax
+        from specdec.core.policy import LoadPolicy
+
+        # (the cost model lets every row that may take the draft model do so: these answers are short)
+        monkeypatch.setattr(LoadPolicy, "choose_draft", lambda self, guesses, gains, step, ok, room=None:
+                            (self.k_max, list(ok)))
+        d = DraftModelDrafter(models()[2])
+        d = HybridDrafter(d, min_n=2, max_n=3) if drafter_name == "hybrid_priced" else d
     elif drafter_name.startswith("tree_"):  # deterministic trees (probs None), of the target's top tokens
         warp_args = (params["temperature"], params.get("top_k", 0), params.get("top_p", 1.0))
         d = TreeDrafter(models()[0], (2, 2), mode=drafter_name[5:], warp_args=warp_args)
@@ -315,3 +333,45 @@ def test_one_uniform_reused_across_positions_is_caught(monkeypatch):
     assert st["accepted"] > 0
     results = check(samples, params)
     assert any(r.rejected for _, r in results), [f"{lb}: {r}" for lb, r in results]
+
+
+def test_unseeded_rows_carry_the_draft_models_q_and_lookup_rows_one_hot(monkeypatch):
+    """Auto with a draft model in `generate`, unseeded sampling: rows that take the draft model's
+    guesses carry its q (drawn from it, so more of them hold), rows that take their lookup a
+    one-hot q at their guesses, in the one draft the step verifies (Algorithm 1 for both); and
+    the rows still decode to the end."""
+    import specdec.core.scheduler as scheduler
+
+    _, target, draft = models()
+    seen = []
+    run_step = scheduler.run_step
+
+    def spy(model, cache, pending, d, *args, **kwargs):
+        seen.append(d)
+        return run_step(model, cache, pending, d, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "run_step", spy)
+    from specdec.core.policy import LoadPolicy
+
+    # (the cost model's choice, made here: even rows take the draft model, odd ones their lookup)
+    monkeypatch.setattr(LoadPolicy, "choose_draft", lambda self, guesses, gains, step, ok, room=None, behind=None:
+                        (self.k_max, [o and b % 2 == 0 for b, o in enumerate(ok)]))
+    prompts = [list(c) for c in contexts()] * 2
+    params = SamplingParams(max_new_tokens=16, temperature=0.9)
+    res = Engine(target, HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3), k=3).generate(prompts, params)
+    assert all(len(r.tokens) == 16 for r in res)
+    rows = {"draft": 0, "lookup": 0}
+    for d in seen:
+        if d.tokens.shape[1] == 0:
+            continue
+        assert d.probs is not None and d.probs.shape[:2] == d.tokens.shape
+        for b in range(d.tokens.shape[0]):
+            n = int(d.counts[b])
+            q = d.probs[b, :n]
+            at = q.gather(1, d.tokens[b, :n, None])[:, 0]
+            if n and bool((at == 1.0).all()) and bool((q.sum(-1) == 1.0).all()):
+                rows["lookup"] += 1  # (a draft row whose q put all its mass on its guesses would count here)
+            elif n:
+                assert bool((at > 0).all()) and torch.allclose(q.sum(-1), torch.ones(n)), "a draft row's q"
+                rows["draft"] += 1
+    assert rows["draft"] > 0 and rows["lookup"] > 0, rows

@@ -138,7 +138,8 @@ def test_eagle_head_drafts_on_the_kernels_and_stays_exact(default_model):
     ids = default_model.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n")
     sp = SamplingParams(max_new_tokens=40)
     [plain] = Engine(default_model.model, None, k=0).generate([ids], sp)
-    [spec] = Engine(default_model.model, d, k=8).generate([ids], sp)
+    # (at a fixed k, trees every step: on a busy machine the cost model may fairly decline them all)
+    [spec] = Engine(default_model.model, d, k=8, fixed_k=True).generate([ids], sp)
     assert spec.tokens == plain.tokens and spec.stats.accepted > 0
 
 

@@ -14,18 +14,18 @@ server's batcher both call this module:
 - `best_prefix`: how many of a proposal's guesses (or a tree's nodes) to verify, given their
   expected acceptance, c and r (prompt lookup's cut, auto's tree trim);
 - `LengthPolicy`: acceptance per match length and draft position, and prompt lookup's cut;
-- `DraftLength`: how many guesses a draft model makes (auto's draft model; `AdaptiveK`, an
+- `DraftLength`: how many guesses a drafter run through the protocol makes (`AdaptiveK`, an
   engine's k_policy, around it);
 - `NodeOdds`: how often a tree node of a given path probability holds;
-- `ProbeSchedule`: when a declined choice is probed, at growing intervals (auto's draft model
-  and auto's EAGLE tree);
+- `ProbeSchedule`: when a declined choice is probed, at growing intervals (a draft model or an
+  EAGLE tree beside prompt lookup, speculation where the batch guard declined it);
 - `BatchGuard`: in a batch, speculate only while it measures faster than plain decoding
   (the engine and the server);
 - `StepModel`: the one step-time fit, t = a + r A + b A K per batch-size band: what a plain
-  step costs and what a guess adds to it. Prompt lookup's cut (and through it auto's gates) and
-  the server's `LoadPolicy` read it; in the server both read the scheduler's one instance;
-- `LoadPolicy`: the server's per-step cap and choice of source (lookup, tree, draft model)
-  that maximise the batch's committed tokens per second;
+  step costs and what a guess adds to it. Prompt lookup's cut (and through it auto's tree trim)
+  and `LoadPolicy` read it; under the scheduler both read its one instance;
+- `LoadPolicy`: the scheduler's per-step cap and choice of source (lookup, tree, draft model)
+  that maximise the batch's committed tokens per second, in `generate` and `serve` alike;
 - `DecayedLine`: decayed least squares, the fit behind the server's drafting times.
 
 Each part can hand what it learnt to a later run (`learned()` / `relearn`, see learned.py).
@@ -77,7 +77,7 @@ def counts_ok(acc: float, seen: float) -> bool:
 
 class AdaptiveK:
     """The draft length of a drafter that costs time per guess, run through the protocol (an
-    engine's `k_policy`, e.g. a draft model in `Engine`): `DraftLength`'s choice, with the plain
+    engine's `k_policy`, e.g. a draft model the native loader does not run): `DraftLength`'s choice, with the plain
     step and r from a step-time fit of the engine's own steps (`StepModel`, drafting excluded) and
     the drafting time per guess from each step's proposal. Before it is timed it drafts one guess
     (cheap to measure); while no length pays it probes one guess on a `ProbeSchedule`.
@@ -388,7 +388,9 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
 class _Fit:
     """t ~ a + r * A + b * A * K by exponentially decayed least squares (recent steps count most).
     A draft length whose decayed count falls to `forget` no longer counts towards the two that
-    b needs."""
+    b needs; while fewer than two do (every recent step verified as many guesses: a source that
+    is not drafted, a text without lookups), the last coefficients solved stand (else a fit
+    that stopped choosing guesses would forget what they cost, and price them from scratch)."""
 
     def __init__(self, decay: float, forget: float = 0.05) -> None:
         self.decay, self.forget = decay, forget
@@ -397,6 +399,7 @@ class _Fit:
         self.weight = 0.0
         self.ks: dict[int, float] = {}  # decayed count of steps per draft length
         self._coef: tuple[float, float, float] | None | bool = False  # solved coefficients (False: not yet)
+        self._last: tuple[float, float, float] | None = None  # the last coefficients solved
 
     def observe(self, rows: int, k: int, seconds: float) -> None:
         d = self.decay
@@ -436,7 +439,8 @@ class _Fit:
     def coefficients(self) -> tuple[float, float, float] | None:
         """(a, r, b), or None until there are 4 steps and two draft lengths to tell b."""
         if self._coef is False:
-            self._coef = self._solve()
+            self._coef = self._solve() or self._last
+            self._last = self._coef
         return self._coef
 
     def _solve(self) -> tuple[float, float, float] | None:
@@ -494,6 +498,13 @@ class StepModel:
         """How many (decayed) steps the fit used for `rows` rows rests on: its band's, else all."""
         fit = self.bands.get(band(rows))
         return fit.weight if fit is not None and fit.coefficients() is not None else self.all.weight
+
+    def mean(self, rows: int) -> float | None:
+        """The decayed mean seconds of the steps seen of `rows` rows' band (else of all); None
+        before any: what a step costs before the fit can tell guesses apart."""
+        fit = self.bands.get(band(rows))
+        fit = fit if fit is not None and fit.weight > 0 else self.all
+        return fit.v[0] / fit.m[0][0] if fit.weight > 0 else None
 
     def plain_step(self, rows: int) -> float | None:
         """Seconds of a step of `rows` rows that verifies no guesses (None until fitted)."""
@@ -668,8 +679,9 @@ class LengthPolicy:
 
 
 class DraftLength:
-    """How many guesses a draft model makes a step (`auto --draft`'s draft model, an engine's
-    `AdaptiveK`): the j of most expected committed tokens per unit of step time,
+    """How many guesses a drafter that costs time per guess makes a step (an engine's
+    `AdaptiveK`, for a drafter run through the protocol): the j of most expected committed
+    tokens per unit of step time,
 
         (1 + P_1 + ... + P_j) / (1 + (c + r) j)        (`best_prefix`),
 
@@ -801,6 +813,8 @@ class LoadPolicy:
         # must run the head); False: only a probe drafts the first tree, once a row has room
         self.eager = False
         self.probe_room = PROBE_ROOM  # the fewest tokens a row may still take for a probe to try it
+        self.t_catch: float | None = None  # a draft model's seconds to read one token it had not seen
+        self._probing = False  # the last choice forced the draft model on rows as a probe
 
     def _new_draft_odds(self) -> LengthPolicy:
         """A draft model's acceptance per position, nothing learnt: a LengthPolicy of one match
@@ -825,16 +839,27 @@ class LoadPolicy:
         """A draft model drafted for `rows` rows at `seconds_per_token` (steady state only)."""
         self.draft_time.observe(rows, seconds_per_token)
 
+    def observe_catch_up(self, seconds: float, behind: int, drafted: int) -> None:
+        """A draft-model proposal that first read `behind` tokens it had not seen, then drafted
+        `drafted` guesses, took `seconds`: its time per token read (the guesses after the first
+        priced at its steady time per token)."""
+        per_guess = self.draft_cost(1)
+        self.t_catch = ema(self.t_catch, max(seconds - (drafted - 1) * per_guess, 0.0) / max(behind, 1), 0.8)
+
     def observe_draft(self, caps: list[int], accepted: list[int]) -> None:
         """Per row: its cap allowed `caps[b]` draft-model guesses and `accepted[b]` held (rows
-        with cap 0 did not take the draft model)."""
+        with cap 0 did not take the draft model). A probe whose guess held is repeated at once
+        (one observation is too few to turn the choice, and the next catch-up is short)."""
         self.draft_odds.observe_rows(0, [(cap, held) for cap, held in zip(caps, accepted) if cap > 0])
+        if self._probing and any(cap > 0 and held > 0 for cap, held in zip(caps, accepted)):
+            self.probes.again()
 
     def learned(self) -> dict:
         """The step-time fit, the drafting-time lines (each at most 16 steps' weight) and the
         draft model's acceptance (capped, `carried`), for a later run to start from (learned.py)."""
         return {"steps": self.steps.learned(16.0), "head_time": self.head_time.scaled(16.0),
-                "draft_time": self.draft_time.scaled(16.0), "draft_odds": self.draft_odds.learned()}
+                "draft_time": self.draft_time.scaled(16.0), "draft_odds": self.draft_odds.learned(),
+                "t_catch": self.t_catch}
 
     def relearn(self, state: dict) -> None:
         """Start from `learned()`'s output; ValueError (nothing changed) if it does not fit."""
@@ -850,11 +875,12 @@ class LoadPolicy:
             lines.append(line)
         odds = self._new_draft_odds()
         odds.relearn(state["draft_odds"])
+        t_catch = nonneg(state.get("t_catch"), "t_catch")
         # the lookup reads this fit (`share_times`): it is updated in place, not replaced
         self.steps.all, self.steps.bands = steps.all, steps.bands
         self.steps.version += 1
         self.head_time, self.draft_time = lines
-        self.draft_odds = odds
+        self.draft_odds, self.t_catch = odds, t_catch
 
     # -- what it predicts ---------------------------------------------------------------
     def draft_cost(self, A: int) -> float:
@@ -863,6 +889,12 @@ class LoadPolicy:
         if line.weight < 1e-9:
             return 0.0
         return _line_at(line, A, line.s[2] / line.weight)
+
+    def catch_up_cost(self, behind: int) -> float:
+        """Seconds a draft model takes to read `behind` tokens it has not seen: its measured time
+        per token read on catch-ups; before one, its drafting time per token (more than a token
+        read in a longer forward costs)."""
+        return (self.t_catch if self.t_catch is not None else self.draft_cost(1)) * behind
 
     def head_cost(self, A: int, tree) -> float | None:
         """Predicted seconds the head drafts a tree for each of A rows: a line over the numbers
@@ -905,19 +937,23 @@ class LoadPolicy:
         short answer's last steps measures what no later step of it can use."""
         return room is None or max(room, default=0) >= self.probe_room
 
-    def _probe(self, A: int, best_use: list[bool], ok: list[bool], room: list[int] | None) -> list[bool] | None:
+    def _probe(self, A: int, best_use: list[bool], ok: list[bool], room: list[int] | None,
+               cheap: list[bool] | None = None) -> list[bool] | None:
         """The rows this step forces the second source on, or None. Probes follow one
         `ProbeSchedule` (generate's auto uses the same rule): only while no row chose the second
         source, in batches of A <= TREE_PROBE_MAX_ROWS rows, a step of A rows counting 1/A
         towards the gap, which doubles each time a probe finds the source still declined; and
         only on rows that may still take PROBE_ROOM tokens (room; None: unknown), since a short
-        answer never earns back a probe's catch-up on its context."""
+        answer never earns back a probe's catch-up on its context; and (cheap) on rows whose probe
+        costs little enough."""
         if any(best_use):
             self.probes.taken()
             return None
         if not any(ok) or A > self.TREE_PROBE_MAX_ROWS:
             return None
         roomy = list(ok) if room is None else [o and r >= self.probe_room for o, r in zip(ok, room)]
+        if cheap is not None:
+            roomy = [o and c for o, c in zip(roomy, cheap)]
         return roomy if self.probes.due(any(roomy), share=1.0 / A) else None
 
     def choose_k(self, guesses: list[list[int]], gains: list[list[float]] | None, step: int,
@@ -982,13 +1018,19 @@ class LoadPolicy:
         return best_k, best_use
 
     def choose_draft(self, guesses: list[list[int]], gains: list[list[float]] | None, step: int,
-                     draft_ok: list[bool], room: list[int] | None = None) -> tuple[int, list[bool]]:
+                     draft_ok: list[bool], room: list[int] | None = None,
+                     behind: list[int] | None = None) -> tuple[int, list[bool]]:
         """A draft model (method draft), with prompt lookup beside it when `gains` is given (auto
         with a draft model): (the cap, which rows take the draft model's guesses). A row's
         draft-model guesses are worth 1 + the per-position gains up to K, and cost K times the
         draft's time per token; a row whose lookup under K is worth more takes it instead, and a
-        step in which every row does so skips the draft model."""
+        step in which every row does so skips the draft model. behind: per row, the tokens the
+        draft model has not read, which it reads before drafting (a catch-up): a row far behind
+        takes it only while what may still come repays the catch-up (`_repaid`), and is probed
+        only while the catch-up is cheap next to the probes' gap and some acceptance could make
+        the draft model pay (`_could_pay`)."""
         A = len(guesses)
+        self._probing = False
         if not self.adaptive:
             # --fixed-k: every step drafts; a lookup of 2+ guesses wins over the draft model (as
             # `generate --method auto`'s hybrid drafter does before it has measured anything)
@@ -996,27 +1038,67 @@ class LoadPolicy:
         per_tok = self.draft_cost(A)
         # expected extra tokens of a row allowed k draft-model guesses, k = 0 .. k_max
         cum = [tokens - 1.0 for tokens in self.draft_odds.expected(0, self.k_max)]
+        behind = behind or [0] * A
+        may = self._repaid(A, draft_ok, behind, room, per_tok, cum)
 
         def drafts(k, looks, t):
-            if k == 0 or not any(draft_ok):
+            if k == 0 or not any(may):
                 return None
-            use = [ok and 1.0 + cum[k] > lk for ok, lk in zip(draft_ok, looks)]
+            use = [ok and 1.0 + cum[k] > lk for ok, lk in zip(may, looks)]
             if not any(use):
                 return None
             tokens = sum(1.0 + cum[k] if u else lk for u, lk in zip(use, looks))
             return tokens / (t + k * per_tok), use
 
-        best = self._search(A, gains if gains is not None else [[1.0]] * A, drafts)
-        if best is None:  # measure both ends first
-            k0 = self.k_max if step % 2 else 0
-            return k0, [ok and k0 > 0 and len(g) < 2 for ok, g in zip(draft_ok, guesses)]
+        looks = gains if gains is not None else [[1.0]] * A
+        best = self._search(A, looks, drafts)
+        if best is None:
+            # nothing fitted yet: a step priced at the mean step seen, a guess at R_PRIOR of a row's
+            # share of it (as choose_k prices lookups); before any step, a plain one
+            mean = self.steps.mean(A)
+            if mean is None:
+                return 0, [False] * A
+            best = self._search(A, looks, drafts, fit=(mean, 0.0, self.R_PRIOR * mean / A))
         with_draft, without = best[True], best[False]
         _, best_k, best_use = with_draft if with_draft[0] is not None and with_draft[0] > without[0] else without
         if step % PROBE_EVERY == 0 and best_k < self.k_max and self._roomy(room):
             if not any(best_use) and gains is None:
-                best_use = list(draft_ok)  # draft mode: the extra guess is the draft model's
+                best_use = list(may)  # draft mode: the extra guess is the draft model's
             return best_k + 1, best_use
-        probe = self._probe(A, best_use, draft_ok, room) if gains is not None else None
-        if probe is not None:
-            return max(best_k, 1), probe
+        if gains is not None:
+            plain = self.steps.plain_step(A) or 0.0
+            could = self._could_pay(A, per_tok)
+            cheap = [could and self.catch_up_cost(b) <= plain * self.probes.gap / PROBE_EVERY for b in behind]
+            probe = self._probe(A, best_use, draft_ok, room, cheap)
+            if probe is not None:
+                self._probing = True
+                return max(best_k, 1), probe
         return best_k, best_use
+
+    def _could_pay(self, A: int, per_tok: float) -> bool:
+        """Whether any acceptance could make a draft-model guess pay at A rows: one guess a row,
+        all held, doubles the tokens of a step for its verification and drafting time."""
+        plain, one = self.steps.predict(A, 0), self.steps.predict(A, 1)
+        return plain is None or one is None or one + per_tok < 2.0 * plain
+
+    def _repaid(self, A: int, draft_ok: list[bool], behind: list[int], room: list[int] | None, per_tok: float,
+                cum: list[float]) -> list[bool]:
+        """The rows that may take the draft model this step: those it has nearly caught up on, and
+        those whose catch-up what may still come repays, room * (1 - 1 / v) plain steps' time saved
+        (v the best rate of a row drafting over plain decoding); before the step-time fit, those
+        with room for PROBE_ROOM tokens."""
+        fit = self.steps.coefficients(A)
+        gain = None
+        if fit is not None and any(ok and late > self.k_max + 2 for ok, late in zip(draft_ok, behind)):
+            a, r, b = fit
+            plain = a + r * A
+            gain = max((1.0 + cum[k]) * plain / (plain + b * A * k + k * per_tok) for k in range(1, self.k_max + 1))
+        out = []
+        for ok, late, left in zip(draft_ok, behind, room or [None] * A):
+            if not ok or late <= self.k_max + 2 or left is None:
+                out.append(ok)
+            elif gain is None:
+                out.append(left >= self.probe_room)
+            else:
+                out.append(gain > 1.0 and left * plain * (1.0 - 1.0 / gain) >= self.catch_up_cost(late))
+        return out

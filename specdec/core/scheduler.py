@@ -34,19 +34,21 @@ sampled rows verify them exactly with the chain rule; a row stops guessing after
 draft doubts. Each request's prompt goes into the draft's cache when it joins. The cap K is
 chosen as above, from the draft's measured acceptance per position (the share of row-steps
 allowed a j-th guess in which the j-th guess held) and its measured drafting time per token
-(a line in the number of rows); K = 0 skips the draft model for the step (it catches up on
-the next). Every guess the batcher asks for is deterministic (drafters are asked with greedy
-params), so a seeded sampled row commits the text plain sampling draws with its seed whatever
-was guessed for it (verify.py, "sample and compare"): seeded rows speculate like any other, and
-their text does not depend on the load.
-Method `auto` with a draft model (instead of an EAGLE head) keeps prompt lookup beside it:
-per step and row, the lookup or the draft model's guesses, whichever promises more tokens
-per second under the cap (`LoadPolicy.choose_draft`).
+(a line in the number of rows; a draft model nothing has timed is timed alone when the
+scheduler starts); K = 0 skips the draft model for the step (it catches up on the next, and
+the catch-up is priced: `LoadPolicy.choose_draft`). The server asks for deterministic guesses
+only, so a seeded sampled row commits the text plain sampling draws with its seed whatever was
+guessed for it (verify.py, "sample and compare"): seeded rows speculate like any other, and
+their text does not depend on the load. `generate`'s unseeded sampled rows (`shared`) take
+guesses drawn from the draft model's q instead, which hold more often.
+Method `auto` with a draft model (instead of an EAGLE head; pass the `HybridDrafter` pair or the
+bare draft model) keeps prompt lookup beside it: per step and row, the lookup or the draft
+model's guesses, whichever promises more tokens per second under the cap; the draft model reads
+a row's prompt only when it first drafts for it.
 
-`Engine.generate` runs prompt lookup and `auto`'s tree the same way, with the engine's
-LoadPolicy (`policy`), which it keeps between calls. Any other drafter (a draft model in
-`generate`, Medusa, an EAGLE head alone, one written against `drafters.Drafter`) runs through
-the protocol alone (`_propose_generic`): its own length choice, the engine's draft-length
+`Engine.generate` runs prompt lookup, `auto`'s tree and a draft model the same way, with the
+engine's LoadPolicy (`policy`), which it keeps between calls. Any other drafter (Medusa, an
+EAGLE head alone, one written against `drafters.Drafter`) runs through the protocol alone (`_propose_generic`): its own length choice, the engine's draft-length
 policy if it has one, the batch guard deciding whether a step speculates, rows capped by their
 own cap and room. Every method
 scores, verifies and commits through one step (`core.step.run_step`).
@@ -81,6 +83,7 @@ from .policy import BatchGuard, LoadPolicy
 from .step import run_step
 from ..drafters.base import Draft, DraftContext, Drafter, timing_free
 from ..drafters.draft_model import DraftModelDrafter
+from ..drafters.hybrid import HybridDrafter
 from ..drafters.ngram import NgramDrafter
 from ..sampling import choose, make_generator
 from ..types import MAX_GUESSES, RequestStats, SamplingParams, SpecdecError
@@ -133,6 +136,7 @@ class _Step:
     use_draft: list[bool] = field(default_factory=list)
     drafted_k: int = 0  # the draft model's guesses per row (0: not run this step)
     probs: torch.Tensor | None = None  # [A, K, V] q of guesses a drafter sampled (generate's settings)
+    q: torch.Tensor | None = None  # [A, drafted_k, V] the draft model's q, when it sampled its guesses
     t_head: float = 0.0  # seconds the EAGLE head or the draft model drafted
     steady: bool = True  # and whether it drafted in steady state (Drafter.draft_timing)
     proposed: bool = False  # a generic drafter proposed this step (and is told what was kept)
@@ -148,9 +152,9 @@ class ContinuousBatcher:
                  max_queue: int = 256, max_context: int | None = None, adaptive: bool = True, drafter=None,
                  thread: bool = True, shared: SamplingParams | None = None, fill_context: bool = False,
                  raise_errors: bool = False, k_policy=None, policy: LoadPolicy | None = None) -> None:
-        """method: none, ngram (prompt lookup), auto (prompt lookup + an EAGLE tree; pass the
-        `LookupEagleDrafter` as `drafter`), draft (a draft model; pass its `DraftModelDrafter`),
-        or any other name with a `Drafter` (Medusa, EAGLE, your own) run through the protocol
+        """method: none, ngram (prompt lookup), auto (prompt lookup + an EAGLE tree or a draft
+        model; pass the `LookupEagleDrafter`, the `HybridDrafter` or the bare `DraftModelDrafter`
+        as `drafter`), draft (a draft model; pass its `DraftModelDrafter`), or any other name with a `Drafter` (Medusa, EAGLE, your own) run through the protocol
         alone (`_propose_generic`).
         thread: run the model in a worker thread started here; False: the caller runs `run()`
         (best in the main thread, see `run`).
@@ -169,11 +173,14 @@ class ContinuousBatcher:
         if generic and not isinstance(drafter, Drafter):
             raise SpecdecError(f"the server drafts with 'none', 'ngram', 'auto', 'draft' or a drafter of method "
                                f"{method!r} (a specdec.drafters.Drafter); none was given")
-        model_drafter = isinstance(drafter, DraftModelDrafter) and getattr(drafter.model, "native", False)
+        # auto with a draft model comes as the pair (`HybridDrafter`: its lookup and its draft model)
+        pair = isinstance(drafter, HybridDrafter)
+        draft_model = drafter.draft if pair else drafter
+        model_drafter = isinstance(draft_model, DraftModelDrafter) and getattr(draft_model.model, "native", False)
         if method == "auto" and not (hasattr(drafter, "assemble") or model_drafter):
             raise SpecdecError("method 'auto' needs a prompt-lookup + EAGLE drafter (an EAGLE head for this model) "
                                "or a draft model the native loader runs (Llama family) with the target's tokenizer")
-        if method == "draft" and not model_drafter:
+        if method == "draft" and (pair or not model_drafter):
             raise SpecdecError("method 'draft' needs a draft model the native loader runs (Llama family) with the "
                                "target's tokenizer")
         if not 0 <= k_max <= MAX_GUESSES:
@@ -196,7 +203,7 @@ class ContinuousBatcher:
         self.slots = max(self.k_max, drafter.max_nodes) if generic else self.k_max
         # load-aware: whole lookups, capped per step by the LoadPolicy; fixed: the drafter's own length choice
         # auto with a draft model: prompt lookup where it is worth more, the draft model elsewhere
-        mixed = method == "auto" and model_drafter
+        self.mixed = mixed = method == "auto" and model_drafter
         self.trees = method == "auto" and not mixed
         self.drafting = method == "draft" or mixed  # a draft model guesses (instead of, or beside, prompt lookup)
         if generic:
@@ -208,9 +215,12 @@ class ContinuousBatcher:
             self.lookup.choose_length = not adaptive
             drafter.begin([], None, self.max_context)  # no rows yet: they join with add_row
         elif self.drafting:
-            self.drafter = drafter
-            self.lookup = NgramDrafter(choose_length=not adaptive) if mixed else None
-            drafter.begin([], None, self.max_context)
+            self.drafter = draft_model
+            # auto: the pair's lookup (generate's, with what it learnt), or a new one
+            self.lookup = (drafter.ngram if pair else NgramDrafter()) if mixed else None
+            if self.lookup is not None:
+                self.lookup.choose_length = not adaptive
+            self.drafter.begin([], None, self.max_context)
         else:
             if method == "ngram":  # the given prompt-lookup drafter (generate's, with what it learnt), or a new one
                 self.drafter = drafter if isinstance(drafter, NgramDrafter) else NgramDrafter()
@@ -220,6 +230,11 @@ class ContinuousBatcher:
             self.lookup = self.drafter
         # the cost model and the per-step choice
         self.policy = policy if policy is not None else LoadPolicy(self.k_max, adaptive)
+        if self.drafting and adaptive and self.k_max > 0 and self.policy.draft_time.weight < 1e-9:
+            # price the draft model before its first proposal (a few forwards of its own: drafting
+            # a guess, reading 32 tokens at once) instead of catching it up on a whole prompt to time it
+            self.policy.observe_draft_time(1, self.drafter.time_alone())
+            self.policy.t_catch = self.drafter.time_alone(read=32)
         if self.lookup is not None and self.lookup.policy is not None:
             # one step-time fit: the lookup (and auto's tree gate and trim, which read the lookup's
             # plain step and r) price guesses on the steps this scheduler times
@@ -433,7 +448,9 @@ class ContinuousBatcher:
         first = int(choose(logits[:, -1], req.params, req.generator, rows=[req.key], positions=[L])[0])
         slot = len(self.rows)
         if self.trees or self.drafting or self.generic:
-            self.drafter.add_row(self.max_context, list(req.prompt))
+            # beside prompt lookup, the draft model reads the prompt when it first drafts for the
+            # row (a catch-up): a request whose lookups do better never pays the draft's prefill
+            self.drafter.add_row(self.max_context, None if self.mixed else list(req.prompt))
         if self.feeds_hidden:
             req.feats = [hidden[0, :L]]
         if one is not self.cache:
@@ -596,7 +613,10 @@ class ContinuousBatcher:
         use_draft = [False] * A
         step = self.totals["steps"]  # the probing phase
         if self.drafting:
-            s.k, use_draft = self.policy.choose_draft(guesses, gains, step, draft_ok, s.room)
+            # the tokens of each row the draft model has not read (a prompt that just joined beside
+            # the lookup, steps it sat out): it reads them before drafting
+            behind = [len(r.context) - len(fed) for r, fed in zip(self.rows, self.drafter.fed)]
+            s.k, use_draft = self.policy.choose_draft(guesses, gains, step, draft_ok, s.room, behind)
             use_tree = [False] * A
         else:
             s.k, use_tree = self.policy.choose_k(guesses, gains, step, tree_ok, self.drafter if self.trees else None,
@@ -680,13 +700,27 @@ class ContinuousBatcher:
                 for r, room in zip(self.rows, s.room)]
 
     def _draft_model_guesses(self, s: _Step) -> None:
-        """The draft model's guesses for the rows that take them (its drafting time measured)."""
-        d = self.drafter.propose(DraftContext([r.context for r in self.rows], _GREEDY, None, room=s.room), s.drafted_k)
+        """The draft model's guesses for the rows that take them (its drafting time measured):
+        its argmax (one-hot q), or, for `generate`'s sampled rows, draws from its q with the
+        batch's settings (more of them hold). Seeded rows draw from q only where nothing measured
+        shapes their guesses (a fixed k, no lookup beside the draft model): a seeded row's text
+        must not depend on timing, and deterministic guesses make sure it does not (verify.py,
+        "sample and compare")."""
+        shared = self.shared
+        fixed = not self.adaptive and self.lookup is None
+        sampled = shared is not None and not shared.greedy and (fixed or not timing_free(shared))
+        params, generator = (self.shared, self.rows[0].generator) if sampled else (_GREEDY, None)
+        behind = self.drafter.behind([r.context for r in self.rows])
+        d = self.drafter.propose(DraftContext([r.context for r in self.rows], params, generator, room=s.room),
+                                 s.drafted_k)
+        s.q = d.probs  # (None: argmax guesses)
         # a catch-up on tokens of rows that took their lookup for a while is a one-off, not the
-        # cost of drafting: only steady proposals are timed
+        # cost of drafting: only steady proposals are timed as drafting, the others as catch-ups
         s.t_head, s.steady = self.drafter.draft_timing()
         if s.steady:
             self.policy.observe_draft_time(s.A, s.t_head / s.drafted_k)
+        else:
+            self.policy.observe_catch_up(s.t_head, behind, max(1, int(d.counts.max())))
         s.guesses = [d.tokens[b, : min(int(d.counts[b]), s.caps[b])].tolist() if s.use_draft[b] else g
                      for b, g in enumerate(s.guesses)]
 
@@ -708,6 +742,11 @@ class ContinuousBatcher:
             s.counts = torch.tensor([len(g) for g in s.guesses], dtype=torch.long)
             s.K = int(s.counts.max())
             s.drafted = torch.tensor([g + [0] * (s.K - len(g)) for g in s.guesses], dtype=torch.long).reshape(s.A, s.K)
+            if s.q is not None:  # the draft model's rows carry its q, lookup rows one-hot q at their guesses
+                s.probs = torch.nn.functional.one_hot(s.drafted, s.q.shape[-1]).float()
+                for b in range(s.A):
+                    if s.use_draft[b]:
+                        s.probs[b, : s.counts[b]] = s.q[b, : s.counts[b]]
         self.last_k = s.K
         s.is_tree = s.parents is not None and s.K > 0 and any(s.use_tree)  # lookup rows alone: a plain chain step
 

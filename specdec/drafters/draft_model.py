@@ -165,25 +165,26 @@ class DraftModelDrafter(Drafter):
     def skip(self) -> None:
         pass  # a step without drafting: the next proposal feeds what the draft has not seen
 
-    def time_alone(self, steps: int = 2) -> float:
-        """Seconds per drafted guess, measured on a scratch cache of its own: a one-token warm-up
-        (a first call pays one-off costs: the weights' pages, buffers), then the fastest of `steps`
-        one-token forwards. What a gate needs to price the draft model before its first proposal,
-        for three forwards instead of a catch-up on a whole prompt; the rows' state is left as it
-        was."""
+    def time_alone(self, steps: int = 2, read: int = 1) -> float:
+        """Seconds per drafted guess (read=1), or per token of a forward that reads `read` tokens
+        at once (what a catch-up costs a token), measured on a scratch cache of its own: a
+        warm-up forward (a first call pays one-off costs: the weights' pages, buffers), then the
+        fastest of `steps` forwards. What a cost model needs to price the draft model before its
+        first proposal, for a few forwards instead of a catch-up on a whole prompt; the rows'
+        state is left as it was."""
         saved = self.cache, self.fed
-        tokens = [i % self.model.vocab_size for i in range(1, steps + 2)]
+        vocab = self.model.vocab_size
         times = []
         try:
-            self.cache, self.fed = self.model.new_cache(1, len(tokens) + 1), [[]]
-            for i, tok in enumerate(tokens):
+            self.cache, self.fed = self.model.new_cache(1, (steps + 1) * read + 1), [[]]
+            for i in range(steps + 1):
                 t0 = time.perf_counter()
-                self._feed([[tok]])
+                self._feed([[(i * read + j + 1) % vocab for j in range(read)]])
                 if i:
                     times.append(time.perf_counter() - t0)
         finally:
             self.cache, self.fed = saved
-        return min(times)
+        return min(times) / read
 
     def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
         """Append a row (a request joining a running batch; `begin` must have run with the same

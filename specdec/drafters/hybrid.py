@@ -1,40 +1,21 @@
-"""Prompt lookup first, a draft model or an EAGLE head otherwise (used by `--method auto`).
+"""Prompt lookup first, a draft model or an EAGLE head otherwise (`--method auto`).
 
-Per step: rows for which prompt lookup (the adaptive `NgramDrafter`: it proposes a match's
-continuation only as far as such guesses tend to hold) has guesses take them; they cost
-nothing to make and are long and accurate when the answer copies its input (summaries,
-RAG, code edits). The other rows take the draft model's guesses. If every row has a
-lookup, the draft model is not run at all. The draft model
-keeps its cache lazily in step (it feeds whatever committed tokens it has not seen), so
+Prompt lookup (the adaptive `NgramDrafter`) costs nothing to run, and its guesses are long and
+accurate where the answer copies its input (summaries, RAG, code edits); a second source guesses
+everywhere else at a cost. `generate` and `serve` choose per step and row between a row's lookup
+and the second source, and how far each goes, with the scheduler's cost model
+(core.policy.LoadPolicy, docs/design.md "The policy"): the drafters here hold the two sources
+and say what they cost, and their protocol `propose` (run only where the scheduler does not
+price them: a target the native loader does not run) follows a fixed rule.
+
+`HybridDrafter` pairs lookup with a draft model: under the cost model (`LoadPolicy.choose_draft`)
+a row takes the draft model's guesses where they promise more tokens per second than its lookup;
+its protocol rule is: rows with lookup guesses take them, the others the draft model's. The draft
+model keeps its cache lazily in step (it feeds whatever committed tokens it has not seen), so
 skipping it for a step needs no extra work.
 
-The draft model is only worth running while its guesses pay for themselves. Each guess it
-drafts costs c target steps (its drafting time over a plain step) plus r (verifying one more
-token), and its i-th guess gains P_i tokens, the chance that its first i guesses all hold. So it
-drafts the j that maximises (1 + P_1 + ... + P_j) / (1 + (c + r) j) (docs/design.md's formula;
-core.policy.best_prefix), and not at all when that is j = 0. Each position is weighed on its own
-(acceptance per position, learnt from the draft model's own rows), not by a mean acceptance over
-all positions, which would let well-held first guesses carry later ones that do not pay (or a
-bad tail stop a first guess that does). The drafter measures c itself (the draft time per guess
-from its own propose calls in steady state, the plain step from the lookup's step-time fit) and
-takes r from the lookup's fit.
-While no length pays, rows without lookup guesses get none (as with `--method ngram`), and
-the draft model is probed with one guess after `probe_every` such steps, then after twice as
-many each time it still does not pay (core.policy.ProbeSchedule; at once again after a probe
-whose guess held), and never once its cost alone rules it out (c + r >= 1: even a guess that
-always held would not pay), nor while a probe's catch-up would cost more than one plain step
-per `probe_every` steps sat out. The draft model's first
-proposal of a request catches it up on the whole context, which a short answer never earns
-back, so it drafts (the first time, or a probe) only while at least `probe_room` tokens may
-still come. Before its cost has been measured (a fresh process, nothing learnt) the draft model is
-timed alone on a scratch cache (a few forwards: `DraftModelDrafter.time_alone`), and the gate waits
-for the target's plain step to be timed too, so no request pays a catch-up on its prompt just to
-price the draft model.
-
-`LookupEagleDrafter` (auto for a target with an EAGLE head, the default target's case)
-pairs lookup with an EAGLE tree instead, chosen per step by the scheduler's cost model (in
-`generate` and `serve` alike); see its docstring. The rest of this text is about
-`HybridDrafter` (lookup + a draft model).
+`LookupEagleDrafter` (auto for a target with an EAGLE head, the default target's case) pairs
+lookup with an EAGLE tree instead (`LoadPolicy.choose_k`); see its docstring.
 
 Both sources give deterministic guesses in greedy mode; with sampling, lookup guesses are
 one-hot (q = 1 at the guess) and draft guesses carry the draft's q. A row's q must match
@@ -50,7 +31,7 @@ import time
 import torch
 
 from .. import tree as tree_mod
-from ..core.policy import PROBE_EVERY, PROBE_ROOM, DraftLength, NodeOdds, ProbeSchedule, best_prefix, ema
+from ..core.policy import PROBE_EVERY, NodeOdds, best_prefix, ema
 from ..learned import nonneg
 from ..types import SpecdecError
 from .base import Draft, DraftContext, Drafter, register, steady, timing_free
@@ -59,14 +40,12 @@ from .ngram import NgramDrafter
 
 class _LookupFirst(Drafter):
     """What auto's two drafters share: prompt lookup first (`ngram`, whose step-time fit prices a
-    plain step and a verified guess) and a second source priced in plain steps (`plain_step`).
-    `HybridDrafter` gates its draft model itself; `LookupEagleDrafter`'s tree is chosen by the
-    scheduler's cost model."""
+    plain step and a verified guess) and a second source priced by the scheduler's cost model."""
 
     def __init__(self, min_n: int, max_n: int, probe_every: int, gate: bool) -> None:
         self.ngram = NgramDrafter(min_n, max_n)
         self.gate = gate
-        self.gates_itself = gate  # lookup lengths and the second source's gate price every guess
+        self.gates_itself = gate  # priced by the cost model (False: the second source drafts every step)
         self.cost_hint = None
         self.probe_every = probe_every
         self.t_step: float | None = None  # seconds of one target step (between proposals)
@@ -85,66 +64,21 @@ class _LookupFirst(Drafter):
 
 
 class HybridDrafter(_LookupFirst):
+    """Prompt lookup beside a draft model (`auto --draft MODEL`): the scheduler runs the pair
+    under its cost model (method auto: `LoadPolicy.choose_draft`, what the lookup learnt kept in
+    `ngram`); `propose` alone gives rows with lookup guesses those and the others the draft
+    model's `max_tokens` guesses."""
+
     samples_guesses = True  # the draft model's rows carry its q
 
-    def __init__(self, draft, min_n: int = 1, max_n: int = 4, probe_every: int = PROBE_EVERY, gate: bool = True,
-                 probe_room: int = PROBE_ROOM, max_k: int = 16) -> None:
-        """gate=False always runs the draft model for rows without a lookup, `max_tokens` guesses.
-        probe_room: the fewest tokens a request may still generate for the draft model to start
-        (or probe) there: its first proposal catches it up on the whole context. max_k: draft
-        positions whose acceptance is learnt (a longer draft is cut to it)."""
+    def __init__(self, draft, min_n: int = 1, max_n: int = 4, probe_every: int = PROBE_EVERY,
+                 gate: bool = True) -> None:
+        """draft: a DraftModelDrafter. gate=False: under the scheduler the draft model drafts
+        every step (k guesses) for rows whose lookup has fewer than 2 (`--fixed-k`)."""
         super().__init__(min_n, max_n, probe_every, gate)
-        self.probe_room = probe_room
-        self.probes = ProbeSchedule(probe_every)  # when a draft model that does not pay is tried anyway
-        self._left = math.inf  # tokens the rows may still generate, at most (`see_room`)
-        self.draft = draft  # a DraftModelDrafter
+        self.draft = draft
         self.lookup = self.ngram  # the lookup of the current batch (`begin`)
-        # the draft model's length: its acceptance per position and drafting time, priced at the
-        # plain step and r of the lookup's step-time fit
-        self.length = DraftLength(self._costs, max_k, probe_every)
         self._used_draft: list[bool] | None = None  # per row of the last proposal: the draft model's guesses
-        self._proposal: Draft | None = None
-        self.t_catch: float | None = None  # seconds to catch up on one unseen token (not steady)
-        self._probing = False  # whether the last proposal was a probe
-        # what happened, for benchmarks (auto_counts.py): rows by source, the draft model's calls
-        # and seconds, its guesses per position (proposed after the guesses before them held, held)
-        self.rows_drafted = {"lookup": 0, "draft": 0, "none": 0}
-        self.draft_steps = 0
-        self.draft_seconds = 0.0
-        self.pos_proposed: list[int] = []
-        self.pos_accepted: list[int] = []
-
-    def see_room(self, ctx: DraftContext) -> None:
-        """Note how many tokens this step's rows may still generate (`ctx.room`; unknown: no limit)."""
-        self._left = math.inf if ctx.room is None else max(ctx.room, default=-1) + 1
-
-    def left(self) -> float:
-        """At most how many tokens the rows may still generate, this step's included (each step
-        commits at least one)."""
-        return self._left
-
-    def room_to_probe(self) -> bool:
-        """Whether enough of the request may still come for a probe to pay back its catch-up."""
-        return self._left >= self.probe_room
-
-    def _costs(self) -> tuple[float | None, float]:
-        """(the plain step's seconds, r) for the draft model's length: the target verifies its
-        guesses as it verifies looked-up ones, so r is the lookup's measured one."""
-        policy = self.ngram.policy
-        return self.plain_step(), policy.r if policy is not None else 0.0
-
-    def draft_length(self, max_tokens: int) -> int | None:
-        """How many guesses the draft model should make for rows without a lookup (`DraftLength`):
-        0 when no length pays (the step falls back to lookups); None until its cost is measured."""
-        return self.length.best(max_tokens)
-
-    def catch_up(self, behind: int) -> float:
-        """Plain steps the draft model takes to read `behind` committed tokens it has not seen
-        (measured on its proposals that caught up; its time per drafted guess until then, which
-        is more than a token read in a longer forward costs)."""
-        per = self.t_catch if self.t_catch is not None else self.length.t_tok
-        plain = self.plain_step()
-        return 0.0 if per is None or plain is None else per * behind / plain
 
     def begin(self, prompts, params, max_len) -> None:
         self.draft.begin(prompts, params, max_len)
@@ -159,11 +93,6 @@ class HybridDrafter(_LookupFirst):
             self.lookup.begin(prompts, params, max_len)
         self._used_draft = None
         self._begin_request(params)
-        if self.gate and self.length.t_tok is None and not timing_free(params) and hasattr(self.draft, "time_alone"):
-            # price the draft model before its first proposal (three forwards of its own; a catch-up is
-            # then priced at a drafted guess's time per token, above what it costs, until one is timed) instead of
-            # catching it up on a whole prompt to time it, which a short answer never earns back
-            self.length.time_guess(self.draft.time_alone())
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         t0 = time.perf_counter()
@@ -173,75 +102,24 @@ class HybridDrafter(_LookupFirst):
             return self._propose(ctx, max_tokens)
         finally:
             self._t_end = time.perf_counter()
-            # the lookup times the target's step from here: the draft model's drafting is not part
-            # of it (else its fitted plain step grows by the drafting time, and c = drafting time
-            # over a plain step shrinks: a draft that does not pay looked as if it did)
+            # the lookup times the target's step from here: the draft model's drafting is not part of it
             self.lookup.handed_over()
-
-    def _gated_length(self, ctx: DraftContext, max_tokens: int) -> int:
-        """This step's draft length for rows without a lookup (0: none drafts). Before the draft
-        model is timed: one guess, if the request has room for its catch-up. Then the measured best
-        (`draft_length`), if what may still come repays catching the draft model up on what it
-        has not seen (a request's prompt, steps it sat out): left * (1 - 1 / value) tokens' time
-        saved against `catch_up`. Every `probe_every`-th step it drafts, one guess more than the
-        best, so the next position's acceptance and the lookup's step-time fit stay measured (at
-        the cap, one fewer while that fit cannot tell r from the plain step, as when every step
-        verifies as many guesses). While no length pays, a one-guess probe now and then (`probes`),
-        if some acceptance could pay, the request has room, and its catch-up costs at most one
-        plain step per `probe_every` steps sat out (a probe reads every token since the last
-        one: a dear catch-up would make probing cost a fixed share of the time, however rare)."""
-        k = self.draft_length(max_tokens)
-        if k is None:  # no plain step timed yet, or (a drafter that cannot be timed alone) no drafting time:
-            # time the draft model in use (its first call catches up), if the request has room
-            return 1 if self.length.t_tok is None and self.room_to_probe() else 0
-        behind = self.draft.behind(ctx.tokens)
-        if k > 0:
-            if behind > k + 2 and self.left() * (1.0 - 1.0 / self.length.value(k)) <= self.catch_up(behind):
-                return 0  # its catch-up would not pay back
-            self.probes.taken()
-            policy = self.ngram.policy
-            return self.length.stretch(k, max_tokens, policy is None or policy.step_seconds() is not None)
-        cheap = self.catch_up(behind) <= self.probes.gap / self.probe_every
-        self._probing = self.probes.due(self.length.could_pay() and self.room_to_probe() and cheap)
-        return 1 if self._probing else 0
 
     def _propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         B = len(ctx.tokens)
+        self._used_draft = None
         if max_tokens <= 0:
-            self._used_draft = None
             return Draft.empty(B)
-        self.see_room(ctx)
-        self._probing = False
         looked = self.lookup.lookups(ctx, max_tokens)
         need_draft = [not g for g in looked]
-        kd = 0
-        if any(need_draft):
-            # a seeded sample (timing_free) drafts without a timing-based gate or length
-            kd = max_tokens if timing_free(ctx.params) or not self.gate else self._gated_length(ctx, max_tokens)
-        self.rows_drafted["lookup"] += sum(1 for g in looked if g)
-        if kd == 0:
-            self.rows_drafted["none"] += sum(need_draft)
-            self._used_draft = None
+        if not any(need_draft):
             N = max(len(g) for g in looked)
             tokens = torch.zeros(B, N, dtype=torch.long)
             for b, g in enumerate(looked):
                 tokens[b, : len(g)] = torch.tensor(g)
-            probs = None
-            if not ctx.params.greedy:
-                probs = _one_hot(tokens, self.draft.vocab_size)
+            probs = None if ctx.params.greedy else _one_hot(tokens, self.draft.vocab_size)
             return Draft(tokens, torch.tensor([len(g) for g in looked]), probs)
-        behind = self.draft.behind(ctx.tokens)
-        d = self.draft.propose(ctx, kd)
-        seconds, steady = self.draft.draft_timing()
-        made = max(1, int(d.counts.max()))  # forwards (a row stops early after a guess the draft doubts)
-        if steady:  # (not a prompt's prefill nor a catch-up on steps sat out): time it
-            self.length.time_guess(seconds / made)
-        elif behind:  # its first forward read `behind` tokens, the others one each
-            per_guess = self.length.t_tok or 0.0
-            self.t_catch = ema(self.t_catch, max(seconds - (made - 1) * per_guess, 0.0) / behind, 0.8)
-        self.rows_drafted["draft"] += sum(need_draft)
-        self.draft_steps += 1
-        self.draft_seconds += seconds
+        d = self.draft.propose(ctx, max_tokens)
         self._used_draft = need_draft
         Kd = d.tokens.shape[1]
         K = max(Kd, max(len(g) for g in looked))
@@ -261,26 +139,13 @@ class HybridDrafter(_LookupFirst):
                 counts[b] = n
                 if probs is not None:
                     probs[b] = _one_hot(tokens[b : b + 1], probs.shape[-1])[0]
-        self._proposal = Draft(tokens, counts, probs)  # (the engine may cap its counts at a row's room)
-        return self._proposal
+        return Draft(tokens, counts, probs)  # (the engine may cap its counts at a row's room)
 
     def commit(self, num_accepted, paths=None) -> None:
         self.lookup.commit(num_accepted)
         if self._used_draft is None:
             return  # the draft model did not run this step; it catches up lazily
-        used = self._used_draft
-        if self._probing and any(n and u for n, u in zip(num_accepted, used)):
-            self.probes.again()  # its guess held: probe again at once, while the catch-up is short
-        drafted = [(c, int(n)) for c, n, u in zip(self._proposal.counts.tolist(), num_accepted, used) if u and c]
-        self.length.observe_rows(drafted)
-        for c, n in drafted:
-            while len(self.pos_proposed) < c:
-                self.pos_proposed.append(0)
-                self.pos_accepted.append(0)
-            for i in range(min(c, n + 1)):
-                self.pos_proposed[i] += 1
-                self.pos_accepted[i] += i < n
-        self.draft.commit([n if u else 0 for n, u in zip(num_accepted, used)])
+        self.draft.commit([n if u else 0 for n, u in zip(num_accepted, self._used_draft)])
         self._used_draft = None
 
     def skip(self) -> None:
@@ -300,18 +165,13 @@ class HybridDrafter(_LookupFirst):
         self.lookup.add_row(max_len, prompt)
 
     def learned(self) -> dict:
-        """The lookup's policy, the draft model's acceptance per position (capped, `carried`) and
-        times, for a later run (learned.py): with its cost known, the gate decides from the first
-        step instead of first catching the draft model up to time it."""
-        return {"ngram": self.ngram.learned(), **self.length.learned(), "t_catch": self.t_catch, "t_step": self.t_step}
+        """The lookup's policy, for a later run (learned.py); the draft model's acceptance and
+        times are the scheduler's cost model's (`LoadPolicy.learned`)."""
+        return {"ngram": self.ngram.learned()}
 
     def relearn(self, state: dict) -> None:
-        t_step, t_catch = nonneg(state["t_step"], "t_step"), nonneg(state["t_catch"], "t_catch")
-        length = DraftLength(self._costs, len(self.length.odds.acc[0]), self.probe_every)
-        length.relearn(state)  # ValueError (nothing changed) if out of range
         if state.get("ngram"):
             self.ngram.relearn(state["ngram"])
-        self.length, self.t_catch, self.t_step = length, t_catch, t_step
 
 
 class LookupEagleDrafter(_LookupFirst):
