@@ -1061,18 +1061,16 @@ class LoadPolicy:
             best = self._search(A, looks, drafts, fit=(mean, 0.0, self.R_PRIOR * mean / A))
         with_draft, without = best[True], best[False]
         _, best_k, best_use = with_draft if with_draft[0] is not None and with_draft[0] > without[0] else without
-        if step % PROBE_EVERY == 0 and best_k < self.k_max and self._roomy(room):
-            if not any(best_use) and gains is None:
-                best_use = list(may)  # draft mode: the extra guess is the draft model's
-            return best_k + 1, best_use
-        if gains is not None:
-            plain = self.steps.plain_step(A) or 0.0
-            could = self._could_pay(A, per_tok)
-            cheap = [could and self.catch_up_cost(b) <= plain * self.probes.gap / PROBE_EVERY for b in behind]
-            probe = self._probe(A, best_use, draft_ok, room, cheap)
-            if probe is not None:
-                self._probing = True
-                return max(best_k, 1), probe
+        if step % PROBE_EVERY == 0 and best_k < self.k_max and self._roomy(room) and (any(best_use) or gains):
+            return best_k + 1, best_use  # a guess more for the sources in use
+        # the draft model declined on every row: probed on the schedule, where it is cheap enough
+        plain = self.steps.plain_step(A) or 0.0
+        could = self._could_pay(A, per_tok)
+        cheap = [could and self.catch_up_cost(b) <= plain * self.probes.gap / PROBE_EVERY for b in behind]
+        probe = self._probe(A, best_use, draft_ok, room, cheap)
+        if probe is not None:
+            self._probing = True
+            return max(best_k, 1), probe
         return best_k, best_use
 
     def _could_pay(self, A: int, per_tok: float) -> bool:
