@@ -1026,9 +1026,10 @@ class LoadPolicy:
         draft's time per token; a row whose lookup under K is worth more takes it instead, and a
         step in which every row does so skips the draft model. behind: per row, the tokens the
         draft model has not read, which it reads before drafting (a catch-up): a row far behind
-        takes it only while what may still come repays the catch-up (`_repaid`), and is probed
-        only while the catch-up is cheap next to the probes' gap and some acceptance could make
-        the draft model pay (`_could_pay`)."""
+        takes it only while what may still come repays the catch-up (`_repaid`). Probes: a guess
+        more every PROBE_EVERY-th step for the sources in use; a draft model declined on every row
+        is tried on the `ProbeSchedule` (`_probe`), only while the catch-up is cheap next to the
+        probes' gap and some acceptance could make it pay (`_could_pay`)."""
         A = len(guesses)
         self._probing = False
         if not self.adaptive:
