@@ -37,7 +37,8 @@ class SpecConfig:
     draft: the drafter's files for draft/auto/eagle/medusa (None: the ones shipped for the
     default model). k: most tokens drafted a step (None: the method's DEFAULT_K; 0: none).
     sampling: the default SamplingParams of a generate call. max_batch, max_queue,
-    max_context, fixed_k: the server's batcher (serve only)."""
+    max_context: the server's batcher (serve only); fixed_k: draft -k guesses every step (no
+    priced choice), in the server and the engine."""
 
     model: str | None = None
     draft: str | None = None
@@ -105,6 +106,7 @@ class SpecConfig:
         from . import learned
 
         mode = "greedy" if self.sampling.greedy else "sampled"
+        mode += " fixed-k" if self.fixed_k else ""
         method = " ".join(str(v) for v in (self.method, self.draft, self.k, self.tree, self.tree_depth,
                                            self.tree_width, self.tree_nodes, self.draft_confidence, mode))
         return learned.key(str(target.path), target.weights, self.dtype, method, torch.get_num_threads())
@@ -289,7 +291,7 @@ def build_engine(cfg: SpecConfig, target, quiet: bool = True):
     drafter, k = make_drafter(cfg, target, quiet)
     if drafter is None:
         return Engine(target.model, eos_ids=target.eos_ids)
-    return Engine(target.model, drafter, k=k, eos_ids=target.eos_ids)
+    return Engine(target.model, drafter, k=k, eos_ids=target.eos_ids, fixed_k=cfg.fixed_k)
 
 
 def serve_drafter(cfg: SpecConfig, lm, quiet: bool = False):

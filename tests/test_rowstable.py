@@ -347,7 +347,7 @@ def test_draft_model_drafts_on_the_rowstable_kernels_and_greedy_stays_exact(on_b
     want = [Engine(native, None, k=0).generate([p], sp)[0].tokens for p in prompts]
     with one_thread():
         for batch in ([prompts[0]], prompts):
-            outs = Engine(native, make(), k=4).generate(batch, sp)
+            outs = Engine(native, make(), k=4, fixed_k=True).generate(batch, sp)  # (every step drafts)
             assert [o.tokens for o in outs] == want[: len(batch)]
             assert sum(o.stats.proposed for o in outs) > 0
 
