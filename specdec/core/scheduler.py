@@ -206,28 +206,7 @@ class ContinuousBatcher:
         self.mixed = mixed = method == "auto" and model_drafter
         self.trees = method == "auto" and not mixed
         self.drafting = method == "draft" or mixed  # a draft model guesses (instead of, or beside, prompt lookup)
-        if generic:
-            self.drafter, self.lookup = drafter, None
-            drafter.begin([], shared, self.max_context)  # no rows yet: they join with add_row
-        elif self.trees:
-            self.drafter = drafter
-            self.lookup = drafter.ngram
-            self.lookup.choose_length = not adaptive
-            drafter.begin([], None, self.max_context)  # no rows yet: they join with add_row
-        elif self.drafting:
-            self.drafter = draft_model
-            # auto: the pair's lookup (generate's, with what it learnt), or a new one
-            self.lookup = (drafter.ngram if pair else NgramDrafter()) if mixed else None
-            if self.lookup is not None:
-                self.lookup.choose_length = not adaptive
-            self.drafter.begin([], None, self.max_context)
-        else:
-            if method == "ngram":  # the given prompt-lookup drafter (generate's, with what it learnt), or a new one
-                self.drafter = drafter if isinstance(drafter, NgramDrafter) else NgramDrafter()
-                self.drafter.choose_length = not adaptive
-            else:
-                self.drafter = None
-            self.lookup = self.drafter
+        self._take_drafter(drafter, draft_model, pair)
         # the cost model and the per-step choice
         self.policy = policy if policy is not None else LoadPolicy(self.k_max, adaptive)
         if self.drafting and adaptive and self.k_max > 0 and self.policy.draft_time.weight < 1e-9:
@@ -261,6 +240,30 @@ class ContinuousBatcher:
             self.ready.set()
             self.thread = threading.Thread(target=self._loop, name="specdec-batcher", daemon=True)
             self.thread.start()
+
+    def _take_drafter(self, drafter, draft_model, pair: bool) -> None:
+        """`drafter` and `lookup` for this scheduler's method, each begun with no rows (they join
+        with add_row): a generic drafter alone; auto's tree drafter and its lookup; a draft model
+        and, for auto, the pair's lookup (generate's, with what it learnt) or a new one; for
+        ngram the given prompt-lookup drafter or a new one. Fixed (not adaptive): the lookup
+        chooses its own lengths."""
+        if self.generic:
+            self.drafter, self.lookup = drafter, None
+            drafter.begin([], self.shared, self.max_context)
+            return
+        if self.trees:
+            self.drafter, self.lookup = drafter, drafter.ngram
+            drafter.begin([], None, self.max_context)
+        elif self.drafting:
+            self.drafter = draft_model
+            self.lookup = (drafter.ngram if pair else NgramDrafter()) if self.mixed else None
+            self.drafter.begin([], None, self.max_context)
+        elif self.method == "ngram":
+            self.drafter = self.lookup = drafter if isinstance(drafter, NgramDrafter) else NgramDrafter()
+        else:
+            self.drafter = self.lookup = None
+        if self.lookup is not None:
+            self.lookup.choose_length = not self.adaptive
 
     # -- public -----------------------------------------------------------------------
     def submit(self, req: Request) -> None:
