@@ -1065,9 +1065,11 @@ class LoadPolicy:
         if step % PROBE_EVERY == 0 and best_k < self.k_max and self._roomy(room) and (any(best_use) or gains):
             return best_k + 1, best_use  # a guess more for the sources in use
         # the draft model declined on every row: probed on the schedule, where it is cheap enough
-        plain = self.steps.plain_step(A) or self.steps.mean(A) or 0.0
-        could = self._could_pay(A, per_tok)
-        cheap = [could and self.catch_up_cost(b) <= plain * self.probes.gap / PROBE_EVERY for b in behind]
+        cheap = None  # (a row took it: `_probe` restarts the schedule, nothing to price)
+        if not any(best_use):
+            plain = self.steps.plain_step(A) or self.steps.mean(A) or 0.0
+            could = self._could_pay(A, per_tok)
+            cheap = [could and self.catch_up_cost(b) <= plain * self.probes.gap / PROBE_EVERY for b in behind]
         probe = self._probe(A, best_use, draft_ok, room, cheap)
         if probe is not None:
             self._probing = True

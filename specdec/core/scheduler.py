@@ -137,6 +137,7 @@ class _Step:
     drafted_k: int = 0  # the draft model's guesses per row (0: not run this step)
     probs: torch.Tensor | None = None  # [A, K, V] q of guesses a drafter sampled (generate's settings)
     q: torch.Tensor | None = None  # [A, drafted_k, V] the draft model's q, when it sampled its guesses
+    lags: list[int] = field(default_factory=list)  # per row, tokens the draft model has not read
     t_head: float = 0.0  # seconds the EAGLE head or the draft model drafted
     steady: bool = True  # and whether it drafted in steady state (Drafter.draft_timing)
     proposed: bool = False  # a generic drafter proposed this step (and is told what was kept)
@@ -618,8 +619,8 @@ class ContinuousBatcher:
         if self.drafting:
             # the tokens of each row the draft model has not read (a prompt that just joined beside
             # the lookup, steps it sat out): it reads them before drafting
-            behind = [len(r.context) - len(fed) for r, fed in zip(self.rows, self.drafter.fed)]
-            s.k, use_draft = self.policy.choose_draft(guesses, gains, step, draft_ok, s.room, behind)
+            s.lags = self.drafter.lags(ctx.tokens)
+            s.k, use_draft = self.policy.choose_draft(guesses, gains, step, draft_ok, s.room, s.lags)
             use_tree = [False] * A
         else:
             s.k, use_tree = self.policy.choose_k(guesses, gains, step, tree_ok, self.drafter if self.trees else None,
@@ -713,7 +714,7 @@ class ContinuousBatcher:
         fixed = not self.adaptive and self.lookup is None
         sampled = shared is not None and not shared.greedy and (fixed or not timing_free(shared))
         params, generator = (self.shared, self.rows[0].generator) if sampled else (_GREEDY, None)
-        behind = self.drafter.behind([r.context for r in self.rows])
+        behind = max(s.lags, default=0)
         d = self.drafter.propose(DraftContext([r.context for r in self.rows], params, generator, room=s.room),
                                  s.drafted_k)
         s.q = d.probs  # (None: argmax guesses)

@@ -103,10 +103,14 @@ class DraftModelDrafter(Drafter):
             return packed_linear(h.to(self.head_dtype), self.head_packed).float()
         return (h @ self.head.T).float()
 
+    def lags(self, tokens: list[list[int]]) -> list[int]:
+        """Per row of `tokens`, the committed tokens the draft has not read (what its next
+        proposal first catches up on: a whole prompt after `begin`)."""
+        return [len(t) - len(f) for t, f in zip(tokens, self.fed)]
+
     def behind(self, tokens: list[list[int]]) -> int:
-        """The most committed tokens a row of `tokens` has that the draft has not read (what its
-        next proposal first catches up on: a whole prompt after `begin`)."""
-        return max((len(t) - len(f) for t, f in zip(tokens, self.fed)), default=0)
+        """The most committed tokens a row of `tokens` has that the draft has not read (`lags`)."""
+        return max(self.lags(tokens), default=0)
 
     def draft_timing(self) -> tuple[float, bool] | None:
         """(seconds, steady) of the last proposal: steady unless it first caught up on more than

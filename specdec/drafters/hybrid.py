@@ -39,28 +39,14 @@ from .ngram import NgramDrafter
 
 
 class _LookupFirst(Drafter):
-    """What auto's two drafters share: prompt lookup first (`ngram`, whose step-time fit prices a
-    plain step and a verified guess) and a second source priced by the scheduler's cost model."""
+    """What auto's two drafters share: prompt lookup first (`ngram`) and a second source priced
+    by the scheduler's cost model."""
 
-    def __init__(self, min_n: int, max_n: int, probe_every: int, gate: bool) -> None:
+    def __init__(self, min_n: int, max_n: int, gate: bool) -> None:
         self.ngram = NgramDrafter(min_n, max_n)
         self.gate = gate
         self.gates_itself = gate  # priced by the cost model (False: the second source drafts every step)
         self.cost_hint = None
-        self.probe_every = probe_every
-        self.t_step: float | None = None  # seconds of one target step (between proposals)
-        self._t_end: float | None = None
-
-    def plain_step(self) -> float | None:
-        """Seconds of a plain step: the lookup's fitted step that verifies no guesses, else the mean
-        step between proposals (which includes verifying, so it understates a second source's
-        cost in plain steps where verifying is dear); None before any step."""
-        policy = self.ngram.policy
-        plain = policy.step_seconds() if policy is not None else None
-        return plain or self.t_step or None
-
-    def _begin_request(self, params) -> None:
-        self._t_end = None  # a prefill is not a step
 
 
 class HybridDrafter(_LookupFirst):
@@ -71,11 +57,10 @@ class HybridDrafter(_LookupFirst):
 
     samples_guesses = True  # the draft model's rows carry its q
 
-    def __init__(self, draft, min_n: int = 1, max_n: int = 4, probe_every: int = PROBE_EVERY,
-                 gate: bool = True) -> None:
+    def __init__(self, draft, min_n: int = 1, max_n: int = 4, gate: bool = True) -> None:
         """draft: a DraftModelDrafter. gate=False: under the scheduler the draft model drafts
         every step (k guesses) for rows whose lookup has fewer than 2 (`--fixed-k`)."""
-        super().__init__(min_n, max_n, probe_every, gate)
+        super().__init__(min_n, max_n, gate)
         self.draft = draft
         self.lookup = self.ngram  # the lookup of the current batch (`begin`)
         self._used_draft: list[bool] | None = None  # per row of the last proposal: the draft model's guesses
@@ -92,16 +77,11 @@ class HybridDrafter(_LookupFirst):
             self.lookup.policy.clock, self.lookup.policy.probe_every = False, 0
             self.lookup.begin(prompts, params, max_len)
         self._used_draft = None
-        self._begin_request(params)
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        t0 = time.perf_counter()
-        if self._t_end is not None:
-            self.t_step = ema(self.t_step, t0 - self._t_end, 0.8)
         try:
             return self._propose(ctx, max_tokens)
         finally:
-            self._t_end = time.perf_counter()
             # the lookup times the target's step from here: the draft model's drafting is not part of it
             self.lookup.handed_over()
 
@@ -149,8 +129,7 @@ class HybridDrafter(_LookupFirst):
         self._used_draft = None
 
     def skip(self) -> None:
-        """The engine decodes a step without drafting: do not time across it."""
-        self._t_end = None
+        """The engine decodes a step without drafting: the lookup does not time across it."""
         self._used_draft = None
         self.lookup.skip()
 
@@ -213,7 +192,10 @@ class LookupEagleDrafter(_LookupFirst):
         every step drafts, each row's source by `prefer_lookup`); trim: verify only the tree's
         nodes worth their verification (every probe_every-th tree step verifies whole trees,
         so the odds of the nodes a cut drops stay measured)."""
-        super().__init__(min_n, max_n, probe_every, gate)
+        super().__init__(min_n, max_n, gate)
+        self.probe_every = probe_every
+        self.t_step: float | None = None  # seconds of one target step (between proposals)
+        self._t_end: float | None = None
         self.eagle = eagle
         self.min_lookup = min_lookup
         self.graft = graft  # lookup nodes a tree row may add to its tree (0: none)
@@ -230,6 +212,14 @@ class LookupEagleDrafter(_LookupFirst):
         self.nodes = float(eagle.max_nodes or eagle.depth)
         self._tree_rows: list[bool] | None = None
         self._timing = (0.0, True)  # (seconds the head drafted in the last proposal, steady state)
+
+    def plain_step(self) -> float | None:
+        """Seconds of a plain step: the lookup's fitted step that verifies no guesses, else the mean
+        step between proposals (which includes verifying, so it understates the head's cost in
+        plain steps where verifying is dear); None before any step."""
+        policy = self.ngram.policy
+        plain = policy.step_seconds() if policy is not None else None
+        return plain or self.t_step or None
 
     def cost(self) -> float | None:
         """c: the head's drafting time in plain target steps (`plain_step`; None until both are measured)."""
@@ -271,7 +261,7 @@ class LookupEagleDrafter(_LookupFirst):
     def begin(self, prompts, params, max_len) -> None:
         self.eagle.begin(prompts, params, max_len)
         self.ngram.begin(prompts, params, max_len)
-        self._begin_request(params)
+        self._t_end = None  # a prefill is not a step
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         """Each row's lookup or the tree, by `prefer_lookup` (the protocol alone: `generate` and
