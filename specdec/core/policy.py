@@ -77,8 +77,8 @@ def counts_ok(acc: float, seen: float) -> bool:
 
 class AdaptiveK:
     """The draft length of a drafter that costs time per guess, run through the protocol (an
-    engine's `k_policy`, e.g. a draft model the native loader does not run): `DraftLength`'s choice, with the plain
-    step and r from a step-time fit of the engine's own steps (`StepModel`, drafting excluded) and
+    engine's `k_policy`, e.g. a draft model the native loader does not run): `DraftLength`'s
+    choice, with the plain step and r from a step-time fit of the engine's own steps (`StepModel`, drafting excluded) and
     the drafting time per guess from each step's proposal. Before it is timed it drafts one guess
     (cheap to measure); while no length pays it probes one guess on a `ProbeSchedule`.
     cost_hint: the drafter's cost of a guess in target steps, if known a priori (0 for one that

@@ -48,8 +48,8 @@ a row's prompt only when it first drafts for it.
 
 `Engine.generate` runs prompt lookup, `auto`'s tree and a draft model the same way, with the
 engine's LoadPolicy (`policy`), which it keeps between calls. Any other drafter (Medusa, an
-EAGLE head alone, one written against `drafters.Drafter`) runs through the protocol alone (`_propose_generic`): its own length choice, the engine's draft-length
-policy if it has one, the batch guard deciding whether a step speculates, rows capped by their
+EAGLE head alone, one written against `drafters.Drafter`) runs through the protocol alone
+(`_propose_generic`): its own length choice, the engine's draft-length policy if it has one, the batch guard deciding whether a step speculates, rows capped by their
 own cap and room. Every method
 scores, verifies and commits through one step (`core.step.run_step`).
 
@@ -155,8 +155,8 @@ class ContinuousBatcher:
                  raise_errors: bool = False, k_policy=None, policy: LoadPolicy | None = None) -> None:
         """method: none, ngram (prompt lookup), auto (prompt lookup + an EAGLE tree or a draft
         model; pass the `LookupEagleDrafter`, the `HybridDrafter` or the bare `DraftModelDrafter`
-        as `drafter`), draft (a draft model; pass its `DraftModelDrafter`), or any other name with a `Drafter` (Medusa, EAGLE, your own) run through the protocol
-        alone (`_propose_generic`).
+        as `drafter`), draft (a draft model; pass its `DraftModelDrafter`), or any other name with
+        a `Drafter` (Medusa, EAGLE, your own) run through the protocol alone (`_propose_generic`).
         thread: run the model in a worker thread started here; False: the caller runs `run()`
         (best in the main thread, see `run`).
         shared: the sampling settings of every request, when all share one object and one
