@@ -49,9 +49,9 @@ a row's prompt only when it first drafts for it.
 `Engine.generate` runs prompt lookup, `auto`'s tree and a draft model the same way, with the
 engine's LoadPolicy (`policy`), which it keeps between calls. Any other drafter (Medusa, an
 EAGLE head alone, one written against `drafters.Drafter`) runs through the protocol alone
-(`_propose_generic`): its own length choice, the engine's draft-length policy if it has one, the batch guard deciding whether a step speculates, rows capped by their
-own cap and room. Every method
-scores, verifies and commits through one step (`core.step.run_step`).
+(`_propose_generic`): its own length choice, the engine's draft-length policy if it has one,
+the batch guard deciding whether a step speculates, rows capped by their own cap and room.
+Every method scores, verifies and commits through one step (`core.step.run_step`).
 
 This module knows nothing about HTTP or text: it takes token ids and sampling settings and
 calls back with token ids (and, when a request asks for them, each token's log-probability
