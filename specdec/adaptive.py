@@ -2,6 +2,6 @@
 re-exports them for code that imports `specdec.adaptive`."""
 
 from .core.policy import (  # noqa: F401
-    CARRIED_COUNTS, FIT_DECAY, PROBE_EVERY, AdaptiveK, BatchGuard, DecayedLine, LoadPolicy, NodeOdds, StepModel,
+    CARRIED_COUNTS, FIT_DECAY, PROBE_EVERY, BatchGuard, DecayedLine, LoadPolicy, NodeOdds, StepModel,
     best_prefix, carried, counts_ok,
 )

@@ -153,27 +153,6 @@ def writable_dir(path: str):
     return out
 
 
-def _always_drafting(engine, method: str, k: int):
-    """An engine with the same drafter as `engine` but guessing every step (prompt lookup without its
-    adaptive length, the draft model and the hybrid at a fixed k), so the distribution check has
-    guesses to verify."""
-    from .drafters.hybrid import HybridDrafter
-    from .drafters.ngram import NgramDrafter
-    from .engine import Engine
-
-    d = engine.drafter
-    if method == "ngram" and isinstance(d, NgramDrafter):
-        e = Engine(engine.model, NgramDrafter(d.min_n, d.max_n, adaptive=False), k=k, eos_ids=engine.eos_ids)
-    elif method == "auto" and isinstance(d, HybridDrafter):
-        e = Engine(engine.model, HybridDrafter(d.draft, gate=False), k=k, eos_ids=engine.eos_ids)
-    elif method == "draft" and engine.policy is not None:
-        e = Engine(engine.model, d, k=k, eos_ids=engine.eos_ids, fixed_k=True)
-    else:
-        return None
-    e.guard = None  # (nor does the engine's guard turn drafting off)
-    return e
-
-
 VALIDATE_METHODS = ("ngram", "draft", "auto", "eagle", "eagle-chain", "medusa", "medusa-chain")
 
 
@@ -256,7 +235,7 @@ def cmd_validate(args) -> int:
                 skipped[m] = str(e)
                 break
             name = f"{base} tree" if tree else f"{m} k={k}"
-            configs.append(measure.Config(name, base, k, tree, eng, _always_drafting(eng, base, k)))
+            configs.append(measure.Config(name, base, k, tree, eng))
     if not configs:
         raise SpecdecError("no method could be set up: " + "; ".join(f"{m}: {r}" for m, r in skipped.items()))
     ngram_ks = [c.k for c in configs if c.method == "ngram"]

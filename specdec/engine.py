@@ -3,17 +3,17 @@
 Every prompt joins the scheduler (`core.scheduler.ContinuousBatcher`, the one `serve` runs) at
 the start: each is prefilled alone, then every step proposes, scores the rows' pending tokens
 and guesses in one target forward, verifies, commits or rolls back the caches, records, and
-finished rows leave at once; the batch ends when the last row does. Prompt lookup, alone or
-beside an EAGLE tree or a draft model (`ngram`, `auto`), and a draft model alone (`draft`), are
-priced per step by the scheduler's cost model (core.policy.LoadPolicy), as the server prices
-them (`priced_method`). Any other drafter runs through the protocol alone (`drafters.Drafter`):
-a chain (k tokens in a row) or a tree (Draft.parents, see tree.py), with the batch's own
-sampling settings and an optional draft-length policy (`k_policy`). In batches of two or more
-rows a guard (core.policy.BatchGuard) lets the drafter propose only while speculative steps
-commit more tokens per second than plain ones (a few rows already make a CPU step
-compute-bound); drafters nothing prices (Medusa, an EAGLE head alone, a draft model at a fixed
-k) are guarded at a single row too. The cost model, the guard and the k policy live
-in the engine, so what they learn carries from one call to the next (`learned`).
+finished rows leave at once; the batch ends when the last row does. Every drafter is priced
+per step by the scheduler's cost model (core.policy.LoadPolicy), as the server prices it:
+prompt lookup, alone or beside an EAGLE tree or a draft model (`ngram`, `auto`), and a draft
+model alone (`draft`) under their own scheduler methods (`priced_method`); any other drafter
+(Medusa, an EAGLE head alone, your own) through the protocol (`drafters.Drafter`): a chain (up
+to k tokens in a row) or a tree (Draft.parents, see tree.py), with the batch's own sampling
+settings. In batches of two or more rows a guard (core.policy.BatchGuard) lets the drafter
+propose only while speculative steps commit more tokens per second than plain ones (a few rows
+already make a CPU step compute-bound). With `fixed_k`, or a drafter that may not sit a step
+out, every step drafts k. The cost model and the guard live in the engine, so what they learn
+carries from one call to the next (`learned`).
 
 Rows share one generator; each samples with its prompt's index as its key
 (`sampling.position_uniforms`), so a seeded row's text does not depend on its batch.
@@ -37,12 +37,10 @@ StopFn = Callable[[int, list[int]], bool]  # (row, all generated ids) -> stop no
 
 
 class Engine:
-    def __init__(self, model, drafter=None, k: int = 4, eos_ids=(), k_policy=None, fixed_k: bool = False) -> None:
+    def __init__(self, model, drafter=None, k: int = 4, eos_ids=(), fixed_k: bool = False) -> None:
         """model: follows the forward contract (native or adapter); drafter: a Drafter or
-        None; k: draft length; k_policy: optional object with choose_k(max_k) and
-        observe(step record) for adaptive drafting of a drafter run through the protocol (see
-        core/policy.py); fixed_k: a priced drafter (`priced_method`) drafts every step, k
-        guesses (as `serve --fixed-k`)."""
+        None; k: the most guesses a step drafts; fixed_k: the drafter drafts every step, k
+        guesses (as `serve --fixed-k`), instead of as the cost model prices them."""
         if not 0 <= k <= MAX_GUESSES:
             raise SpecdecError(f"-k must be between 0 and {MAX_GUESSES} (longer steps are not verified bit for bit "
                                f"as plain decoding computes them), got {k}")
@@ -52,30 +50,24 @@ class Engine:
         self.drafter = drafter
         self.k = k if drafter is not None else 0
         self.eos_ids = set(int(e) for e in eos_ids)
-        self.k_policy = k_policy
         self._batches = 0
-        # how the scheduler runs the drafter: prompt lookup, alone or beside an EAGLE tree or a
-        # draft model, and a draft model alone are priced per step and row by the scheduler's
-        # cost model (LoadPolicy), as the server prices them, and the engine keeps that model so
-        # that what it learns carries between calls; any other drafter runs through the protocol
+        # how the scheduler runs the drafter (its method), priced per step and row by the
+        # scheduler's cost model (LoadPolicy), as the server prices it; the engine keeps that model
+        # so that what it learns carries between calls. A lookup drafter built not to price its
+        # guesses (`gates_itself` False) and one that may not sit a step out draft every step
         self.method = "none" if drafter is None else priced_method(drafter)
         self.policy = None
-        if self.method in PRICED:
-            # (a lookup drafter built not to price its guesses, `gates_itself` False, drafts every step)
-            adaptive = not fixed_k and (self.method == "draft" or drafter.gates_itself)
+        if drafter is not None:
+            adaptive = not fixed_k and drafter.may_skip and (self.method not in ("ngram", "auto") or drafter.gates_itself)
             self.policy = LoadPolicy(self.k, adaptive=adaptive)
-        # speculate only while it beats plain decoding, measured (core.policy.BatchGuard); kept
-        # here so that what it measured carries from one generate call to the next. Under the cost
-        # model, batches of 2+ rows, as the server guards them; else `for_drafter`'s rule
-        self.guard = None
-        if self.policy is not None and self.policy.adaptive:
-            self.guard = BatchGuard(min_rows=2)
-        elif drafter is not None:
-            self.guard = BatchGuard.for_drafter(drafter)
+        # speculate in batches of 2+ rows only while it beats plain decoding, measured
+        # (core.policy.BatchGuard), as the server guards them; kept here so that what it measured
+        # carries from one generate call to the next
+        self.guard = BatchGuard(min_rows=2) if self.policy is not None and self.policy.adaptive else None
 
     def learned(self) -> dict:
-        """What the drafter, its draft-length policy, the guard and the cost model learned while
-        decoding, for a later run to start from (learned.py); {} when nothing adapts."""
+        """What the drafter, the guard and the cost model learned while decoding, for a later run
+        to start from (learned.py); {} when nothing adapts."""
         out = {}
         for name, part in self._learners():
             state = part.learned()
@@ -91,9 +83,8 @@ class Engine:
                 part.relearn(state[name])
 
     def _learners(self):
-        """(name, part) of the parts that adapt: the drafter, the k policy, the guard, the cost model."""
-        return [(n, p) for n, p in (("drafter", self.drafter), ("k_policy", self.k_policy), ("guard", self.guard),
-                                    ("policy", self.policy))
+        """(name, part) of the parts that adapt: the drafter, the guard, the cost model."""
+        return [(n, p) for n, p in (("drafter", self.drafter), ("guard", self.guard), ("policy", self.policy))
                 if p is not None]
 
     # ------------------------------------------------------------------------------------
@@ -138,8 +129,8 @@ class Engine:
 
     def _scheduler(self, prompts, params: SamplingParams) -> ContinuousBatcher:
         """The scheduler for one batch: room for its longest prompt, its tokens and the longest
-        draft (k tokens, or a tree drafter's node budget); the drafter with its own policies
-        (the k policy, the guard) and the batch's sampling settings."""
+        draft (k tokens, or a tree drafter's node budget); the drafter with the engine's cost
+        model and guard and the batch's sampling settings."""
         width = max(self.k, self.drafter.max_nodes) if self.drafter is not None else 0
         max_len = min(self.model.max_context, max(len(p) for p in prompts) + params.max_new_tokens + width + 2)
         native = getattr(self.model, "native", False)
@@ -147,16 +138,12 @@ class Engine:
             self.model, self.eos_ids, method=self.method, k_max=self.k, policy=self.policy,
             adaptive=self.policy.adaptive if self.policy is not None else True,
             max_batch=len(prompts) if native else 1, max_queue=len(prompts), max_context=max_len,
-            drafter=self.drafter, thread=False, shared=params, fill_context=True, raise_errors=True,
-            k_policy=self.k_policy)
-        if scheduler.guard is not None:  # (None: no drafter, or a seeded sample with guesses drawn from a q)
+            drafter=self.drafter, thread=False, shared=params, fill_context=True, raise_errors=True)
+        if scheduler.guard is not None:  # (None: no drafter, or a fixed k)
             scheduler.guard = self.guard  # (None: the caller turned the engine's guard off)
             if self.guard is not None:
                 self.guard.begin()
         return scheduler
-
-
-PRICED = ("ngram", "auto", "draft")  # the scheduler's methods an engine's drafter may run under (priced_method)
 
 
 def priced_method(drafter) -> str:
@@ -164,7 +151,7 @@ def priced_method(drafter) -> str:
     prompt lookup beside an EAGLE tree or a draft model, "ngram" for adaptive prompt lookup,
     "draft" for a draft model alone; "protocol" for any other drafter (Medusa, an EAGLE head
     alone, your own, a draft model the native loader does not run), which runs through the
-    drafter protocol with its own length choice."""
+    drafter protocol."""
     from .drafters.draft_model import DraftModelDrafter
     from .drafters.hybrid import HybridDrafter, LookupEagleDrafter
     from .drafters.ngram import NgramDrafter

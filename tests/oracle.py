@@ -276,7 +276,6 @@ def _draft(tokens: list[list[int]], probs: torch.Tensor | None):
 
 
 class _Base(Drafter):
-    cost_hint = 0.0
     may_skip = False  # every step proposes: the checks want every step verified
 
     def __init__(self) -> None:

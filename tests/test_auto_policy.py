@@ -6,7 +6,6 @@ depend on the clock. Tiny random target and head (test_eagle's)."""
 from __future__ import annotations
 
 import random
-import statistics
 
 import pytest
 import torch
@@ -301,36 +300,64 @@ def test_taking_the_choice_restarts_the_gap_and_room_defers_a_probe():
     assert [schedule.due(room=step >= 5) for step in range(7)] == [False, False, False, False, False, True, False]
 
 
-def _run_adaptive_k(draft_seconds_per_guess: float, steps: int = 240) -> list[int]:
-    """An engine's AdaptiveK over `steps` made-up steps at batch 1: the first guess holds 4 times in
-    10, later ones never; a step verifying K guesses takes 0.01 + 0.001 K s (r = 0.1 a guess).
-    The lengths it chose in the second half."""
-    from specdec.adaptive import AdaptiveK
+def protocol_run(c: float, r: float, holds: list[float], steps: int = 240, k: int = 4, rows=lambda step: 1,
+                 tree: tuple[int, int] | None = None, rule: str = "priced") -> tuple[list[int], float]:
+    """Drive the cost model as the scheduler drives it for a drafter run through the protocol
+    (Medusa, an EAGLE head alone, your own), with no catch-up: a chain (`choose_draft`, no
+    lookup), or with tree = (nodes, depth) a tree (`choose_tree`), over `steps` steps of
+    rows(step) rows on a clock in plain steps. Drafting costs `c` a guess (a tree: a node); a step
+    verifying j guesses a row (a tree: its nodes) costs 1 + r j at one row and 2 + 16 r j at more
+    (a batch turns compute-bound: each row's guess costs 4 r); the i-th guess (a tree: depth i) holds with probability
+    holds[i-1] given that the ones before it held (a fixed seed). rule: "priced" (the cost model),
+    "always" (a fixed k). Returns the length drafted each step (a tree: its depth or 0) and
+    committed tokens per plain step's time per row (plain decoding's rate is 1)."""
+    policy = LoadPolicy(k, adaptive=rule != "always")
+    rng = random.Random(0)
+    lengths, committed, clock = [], 0, 0.0
+    for step in range(steps):
+        A = rows(step)
+        if tree is None:
+            cap, use = policy.choose_draft([[]] * A, None, step, [True] * A, [10_000] * A)
+            slots = depth = cap if use[0] else 0
+        else:
+            cap, use = policy.choose_tree(step, [True] * A, [10_000] * A, tree[0])
+            slots, depth = tree if cap and use[0] else (0, 0)
+        plain = 1.0 if A == 1 else 2.0
+        seconds = plain + (r if A == 1 else 16 * r) * slots
+        if slots:
+            policy.observe_draft_time(A, c)
+            clock += c * slots
+        clock += seconds
+        policy.observe_step(A, slots, seconds)
+        held = []
+        for _ in range(A):
+            n = 0
+            while n < depth and rng.random() < holds[min(n, len(holds) - 1)]:
+                n += 1
+            held.append(n)
+        policy.observe_draft([depth] * A, held)
+        committed += (sum(held) + A) / A * plain
+        lengths.append(depth)
+    return lengths, committed / clock
 
-    policy, ks = AdaptiveK(), []
-    for i in range(steps):
-        k = policy.choose_k(4)
-        ks.append(k)
-        held = min(k, 1) if i % 5 < 2 else 0
-        policy.observe(k, [k], [held], draft_seconds_per_guess * k, 0.01 + 0.001 * k)
-    return ks[steps // 2:]
 
-
-def test_adaptive_k_drafts_the_guesses_that_pay():
-    """AdaptiveK (an engine's k_policy for a draft model), from its own timings: a draft whose
-    first guess holds 40% of the time and whose later ones never do, at c 0.2 + r 0.1 a guess,
-    drafts one guess (two every 16th drafting step, to keep the next position measured)."""
-    ks = _run_adaptive_k(0.002)
-    assert set(ks) == {1, 2} and 4 <= ks.count(2) <= len(ks) // 8
+def test_a_protocol_chain_drafts_the_guesses_that_pay():
+    """A chain whose first guess holds half the time and whose later ones never do, at c 0.2 +
+    r 0.1 a guess: one guess pays (1.5 tokens for 1.3 steps' time), so it drafts one (two every
+    16th step, to keep the next position measured). (A first guess that holds 40% of the time,
+    1.08x at best, is dropped after a few unlucky steps: acceptance is learnt only from what is
+    drafted, and the probes back off.)"""
+    lengths, rate = protocol_run(c=0.2, r=0.1, holds=[0.5, 0.0])
+    late = lengths[120:]
+    assert late.count(1) >= 0.85 * len(late) and set(late) <= {1, 2} and rate > 1.08, (late, rate)
 
 
 @pytest.mark.parametrize("rule", ["per position", "mean"])
-def test_adaptive_k_weighs_each_position_on_its_own(monkeypatch, rule):
-    """The first guess holds 40% of the time, the next three never (each seen 10 times), at
-    c 0.2 + r 0.1 a guess: the first guess pays (1.4 tokens for 1.3 steps' time). One mean
-    acceptance over all drafted guesses (a broken rule here, the one AdaptiveK had) lets the
-    bad tail stop it (0.1: 1.1 tokens for 1.3)."""
-    from specdec.adaptive import AdaptiveK
+def test_the_draft_odds_weigh_each_position_on_its_own(monkeypatch, rule):
+    """The first guess held 5 times in 10, the next three never (each seen 10 times), at c 0.2 +
+    r 0.1 a guess: the first guess pays (1.5 tokens for 1.3 steps' time). One mean acceptance
+    over all drafted positions (a broken rule here, the one a former length policy had) lets the
+    bad tail stop it (0.125: 1.125 tokens for 1.3)."""
     from specdec.core.policy import LengthPolicy
 
     if rule == "mean":
@@ -340,72 +367,70 @@ def test_adaptive_k_weighs_each_position_on_its_own(monkeypatch, rule):
             return [a ** (i + 1) for i in range(k)]
 
         monkeypatch.setattr(LengthPolicy, "held", mean_held)
-    policy = AdaptiveK()
-    policy.length.odds.acc[0][:4], policy.length.odds.seen[0][:4] = [4.0, 0.0, 0.0, 0.0], [10.0] * 4
-    policy.length.t_tok = 0.002
-    monkeypatch.setattr(LengthPolicy, "step_seconds", lambda self: 0.01)
-    monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.1))
-    assert policy.choose_k(4) == (1 if rule == "per position" else 0)
+    policy = LoadPolicy(4)
+    policy.draft_odds.acc[0][:4], policy.draft_odds.seen[0][:4] = [5.0, 0.0, 0.0, 0.0], [10.0] * 4
+    policy.observe_draft_time(1, 0.2)
+    fit_steps(policy, 0.1)
+    assert policy.choose_draft([[]], None, 1, [True], [100])[0] == (1 if rule == "per position" else 0)
 
 
-@pytest.mark.parametrize("rule", ["batch size", "one row"])
-def test_adaptive_k_prices_a_batch_at_its_own_size(monkeypatch, rule):
-    """In a batch a guess costs more (the step turns compute-bound): after 120 steps of one row
-    (r 0.1, c 0.2) come steps of 4 rows at r 0.4 a guess (c 0.1), where a first guess that holds
-    40% of the time no longer pays (1.4 tokens for 1 + 0.1 + 0.4 steps' time): AdaptiveK then drafts only its
-    probes. Priced at one row always (a broken rule here, the one it had), it keeps drafting."""
-    from specdec.adaptive import AdaptiveK
-
-    if rule == "one row":
-        observe = AdaptiveK.observe
-
-        def one_row(self, k, counts, accepted, draft_s, verify_s):
-            observe(self, k, counts, accepted, draft_s, verify_s)
-            self.steps.rows = 1
-
-        monkeypatch.setattr(AdaptiveK, "observe", one_row)
-    policy, ks = AdaptiveK(), []
-    for i in range(360):
-        rows = 1 if i < 120 else 4
-        k = policy.choose_k(4)
-        ks.append(k)
-        held = min(k, 1) if i % 5 < 2 else 0
-        # one row: 0.01 s + 0.001 s a guess (r 0.1); four: 0.02 s + 0.002 s a guess of each row (r 0.4)
-        verify_s = 0.01 + 0.001 * k if rows == 1 else 0.02 + 0.002 * rows * k
-        policy.observe(k, [k] * rows, [held] * rows, 0.002 * k, verify_s)
-    late = ks[240:]
-    if rule == "batch size":
-        assert late.count(0) >= 0.8 * len(late), late
-    else:
-        assert late.count(0) < 0.5 * len(late), late
+def test_a_protocol_chain_is_priced_at_its_batch_size():
+    """In a batch a guess costs more (the step turns compute-bound): a chain whose first guess
+    holds 60% of the time (c 0.2) pays at one row (r 0.1: 1.6 tokens for 1.3 steps' time), and
+    drafts; from step 120 on, steps of 4 rows cost 2 + 16 r a guess slot, where it no longer pays
+    (1.6 tokens for 0.95 of a 4-row plain step's time a row, against 1 for 0.5): the cost model
+    then drafts at most its probes."""
+    lengths, _ = protocol_run(c=0.2, r=0.1, holds=[0.6, 0.0], steps=360, rows=lambda step: 1 if step < 120 else 4)
+    early, late = lengths[60:120], lengths[240:]
+    assert early.count(0) <= 0.1 * len(early) and late.count(0) >= 0.9 * len(late), (early, late)
 
 
 @pytest.mark.parametrize("rule", ["once a step", "once a row"])
-def test_a_batch_step_decays_the_draft_models_counts_once(monkeypatch, rule):
-    """AdaptiveK and auto --draft's draft model (DraftLength) learn from every row that drafted,
-    but decay their counts once a step: a step of 32 rows that held, then one of 32 that failed,
-    leave about even odds at the first position. Decayed once a row (a broken rule here, the one
-    they had), the older step weighs half as much: odds ~0.34."""
-    from specdec.adaptive import AdaptiveK
-    from specdec.core.policy import DraftLength
+def test_a_batch_step_decays_the_draft_odds_once(monkeypatch, rule):
+    """The cost model learns a draft source's acceptance from every row that drafted, but decays
+    its counts once a step: a step of 32 rows that held, then one of 32 that failed, leave about
+    even odds at the first position. Decayed once a row (a broken rule here), the older step
+    weighs half as much: odds ~0.34."""
+    from specdec.core.policy import LengthPolicy
 
     if rule == "once a row":
-        monkeypatch.setattr(DraftLength, "observe_rows",
-                            lambda self, rows: [self.odds.observe(0, p, a) for p, a in rows if p])
-    policy = AdaptiveK()
-    policy.observe(1, [1] * 32, [1] * 32, 0.001, 0.01)
-    policy.observe(1, [1] * 32, [0] * 32, 0.001, 0.01)
-    odds = policy.length.odds.held(0, 1)[0]
+        observe_rows = LengthPolicy.observe_rows
+        monkeypatch.setattr(LengthPolicy, "observe_rows",
+                            lambda self, n, rows: [observe_rows(self, n, [row]) for row in rows])
+    policy = LoadPolicy(4)
+    policy.observe_draft([1] * 32, [1] * 32)
+    policy.observe_draft([1] * 32, [0] * 32)
+    odds = policy.draft_odds.held(0, 1)[0]
     if rule == "once a step":
         assert 0.45 < odds < 0.55, odds
     else:
         assert odds < 0.4, odds
 
 
-def test_adaptive_k_stops_a_draft_that_cannot_pay():
-    """A draft that costs twice a target step a guess cannot pay whatever holds (c + r >= 1): once
-    timed it drafts nothing, and no probe is spent on it."""
-    assert set(_run_adaptive_k(0.02)) == {0}
+def test_a_protocol_chain_that_cannot_pay_stops_and_is_not_probed():
+    """A chain that costs twice a plain step a guess cannot pay whatever holds: once timed it
+    drafts nothing, and no probe is spent on it."""
+    lengths, rate = protocol_run(c=2.0, r=0.1, holds=[0.9])
+    assert set(lengths[8:]) == {0} and rate > 0.9, (lengths[:40], rate)
+
+
+@pytest.mark.parametrize("rule", ["priced", "always"])
+def test_a_protocol_tree_that_pays_drafts_nearly_every_step(rule):
+    """A tree of 6 nodes, 4 deep, whose depths hold 90%, 70%, 60%, 50% (c 0.02 a node, r 0.05): it
+    is drafted on nearly every step (a plain one now and then until the step-time fit can tell
+    what a node costs), at 1.9x plain decoding's rate or more; the fixed rule drafts it always."""
+    lengths, rate = protocol_run(c=0.02, r=0.05, holds=[0.9, 0.7, 0.6, 0.5], tree=(6, 4), rule=rule)
+    assert sum(n > 0 for n in lengths) >= 0.9 * len(lengths) and rate > 1.9, (lengths[:40], rate)
+
+
+@pytest.mark.parametrize("rule", ["priced", "always"])
+def test_a_protocol_tree_that_is_never_right_ends_as_rare_probes(rule):
+    """A tree of 6 nodes whose guesses never hold (c 0.03 a node, r 0.05): after its first steps it
+    is drafted only as probes, ever more rarely, at 0.95 of plain decoding's rate or more.
+    Drafting it every step (the fixed rule) costs 0.48 steps' time a step and fails."""
+    lengths, rate = protocol_run(c=0.03, r=0.05, holds=[0.0], tree=(6, 4), rule=rule)
+    ok = sum(n > 0 for n in lengths[20:]) <= 6 and rate > 0.95
+    assert ok == (rule == "priced"), (lengths[:40], rate)
 
 
 @pytest.mark.parametrize("timing", ["alone", "in use"])

@@ -154,21 +154,27 @@ def test_steps_alternating_plain_and_speculative_stay_exact(kind, kw):
     assert sum(r.stats.proposed for r in res) > 0
 
 
-def test_guard_is_off_for_seeded_samples_of_sampled_guesses(monkeypatch):
-    """A seeded sampled batch whose guesses are drawn from a q (an EAGLE chain) drafts on every
-    step: timing must not decide its random numbers. With deterministic guesses (a tree) the
-    seeded text does not depend on the drafting, and the guard is asked as for greedy batches."""
+def test_seeded_samples_of_sampled_guesses_take_deterministic_ones_under_the_cost_model(monkeypatch):
+    """A seeded sampled batch with a drafter whose guesses are drawn from a q (an EAGLE chain):
+    under the cost model it asks for deterministic guesses, so the seeded text is plain
+    sampling's whatever timing decided, and the guard is asked as for greedy batches. At a fixed
+    k it draws its guesses from q on every step, and no guard is asked (timing must not decide
+    its random numbers)."""
     calls = []
-    monkeypatch.setattr(BatchGuard, "speculate", lambda self, rows: calls.append(rows) or False)
+    monkeypatch.setattr(BatchGuard, "speculate", lambda self, rows: calls.append(rows) or True)
     seeded = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3)
-    chain = Engine(target().model, drafter(False), k=3)
-    res = chain.generate(prompts(), seeded)
-    assert calls == [] and sum(r.stats.proposed for r in res) > 0
-    chain.generate(prompts(), SamplingParams(max_new_tokens=8))
-    assert calls  # greedy: the guard is asked
-    calls.clear()
-    Engine(target().model, drafter(True, depth=3, width=2, nodes=5), k=3).generate(prompts(), seeded)
-    assert calls
+    plain = [r.tokens for r in Engine(target().model, None).generate(prompts(), seeded)]
+    for fixed_k in (False, True):
+        chain, asked = drafter(False), []
+        propose = chain.propose
+        chain.propose = lambda ctx, k: asked.append(ctx.params.greedy) or propose(ctx, k)
+        calls.clear()
+        res = Engine(target().model, chain, k=3, fixed_k=fixed_k).generate(prompts(), seeded)
+        assert asked and sum(r.stats.proposed for r in res) > 0
+        if fixed_k:
+            assert calls == [] and not any(asked)  # drawn from q, every step
+        else:
+            assert calls and all(asked) and [r.tokens for r in res] == plain
 
 
 def test_server_batcher_with_steps_turned_plain_stays_exact():
@@ -226,8 +232,8 @@ def test_sampling_with_steps_alternating_plain_and_speculative_follows_the_targe
 
 
 def test_a_single_row_has_a_band_of_its_own_when_guarded():
-    """min_rows=1 (the engine's guard for drafters that do not price their own guesses): one row
-    falls back to plain decoding where speculation loses, measured apart from batches of two."""
+    """min_rows=1: one row falls back to plain decoding where speculation loses, measured apart
+    from batches of two."""
     g = BatchGuard(min_rows=1, probe_every=16)
     one = run(g, 1, spec_rate=60, plain_rate=100, steps=64)
     assert sum(one[16:]) <= 4 and any(one[16:])
@@ -235,17 +241,24 @@ def test_a_single_row_has_a_band_of_its_own_when_guarded():
     assert sum(two[8:]) >= 28
 
 
-def test_engine_guards_single_rows_only_for_drafters_nothing_prices():
-    """Drafters the cost model prices (prompt lookup, a draft model) are guarded in batches of 2+
-    rows, as the server guards them; one that nothing prices (a draft model at a fixed k,
-    lookup without its adaptive length) at a single row too."""
+def test_engine_guards_batches_of_every_priced_drafter_and_none_at_a_fixed_k():
+    """Every drafter the cost model prices (prompt lookup, a draft model, a drafter run through
+    the protocol) is guarded in batches of 2+ rows, as the server guards them (a single row is
+    priced by the cost model alone); at a fixed k, or for a drafter that may not sit a step out,
+    every step drafts: no guard."""
     from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.drafters.ngram import NgramDrafter
+
+    from oracle import RandomGuessDrafter
 
     model = target(0).model
     draft = DraftModelDrafter(target(1).model, vocab_size=V)
     assert Engine(model, draft, k=4).guard.min_rows == 2
-    assert Engine(model, draft, k=4, fixed_k=True).guard.min_rows == 1
+    assert Engine(model, draft, k=4, fixed_k=True).guard is None
     assert Engine(model, NgramDrafter(), k=4).guard.min_rows == 2
-    assert Engine(model, NgramDrafter(adaptive=False), k=4).guard.min_rows == 1
+    protocol = RandomGuessDrafter(V)
+    assert Engine(model, protocol, k=4).guard is None and not Engine(model, protocol, k=4).policy.adaptive
+    protocol.may_skip = True
+    engine = Engine(model, protocol, k=4)
+    assert engine.method == "protocol" and engine.policy.adaptive and engine.guard.min_rows == 2
     assert Engine(model, None).guard is None

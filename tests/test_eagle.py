@@ -136,7 +136,7 @@ def test_eagle_needs_the_targets_features():
     left = []  # the finished row as it leaves the drafter: (pairs in its cache, features known)
     keep_rows = d.keep_rows
     d.keep_rows = lambda rows: (left.append((d.n[0], len(d.feat[0]))), keep_rows(rows))
-    [r] = Engine(target().model, d, k=2).generate([p], SamplingParams(max_new_tokens=9))
+    [r] = Engine(target().model, d, k=2, fixed_k=True).generate([p], SamplingParams(max_new_tokens=9))
     committed = len(p) + len(r.tokens)
     # features arrive for every scored position; the last step's are handed over at the next proposal
     n, known = left[-1]
@@ -178,9 +178,11 @@ def test_eagle_sampling_matches_exact_distribution(monkeypatch, tree, params):
     out = {c: [] for c in CTX}
     proposed = accepted = 0
     for s in range(5):
-        # gate off: trees at every step, so the check covers them (a seeded request's own gate would only probe)
+        # a fixed k, gate off: trees (and chains drawn from the head's q) at every step, so the check
+        # covers them (under the cost model a seeded request takes deterministic guesses, when they pay)
         d = drafter(tree, 3, SV, depth=2, width=3, nodes=6, **({"min_lookup": 2, "min_n": 2, "gate": False} if tree == "lookup" else {}))
-        res = Engine(tg.model, d, k=2).generate(rows, SamplingParams(max_new_tokens=4, seed=700 + s, **params))
+        res = Engine(tg.model, d, k=2, fixed_k=True).generate(rows, SamplingParams(max_new_tokens=4, seed=700 + s,
+                                                                                   **params))
         for p, r in zip(rows, res):
             out[tuple(p)].append(r.tokens[:3])
             proposed += r.stats.proposed

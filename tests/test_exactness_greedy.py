@@ -245,22 +245,20 @@ def test_stop_fn_on_a_token_value():
 @pytest.mark.parametrize("batch", [1, 3])
 def test_adaptive_k_greedy_equals_transformers(drafter_name, batch):
     """Priced drafting (the scheduler's cost model: lookup, lookup beside a draft model, a draft
-    model alone) and a protocol drafter's AdaptiveK: the draft length changes from step to step;
+    model alone, a drafter run through the protocol): the draft length changes from step to step;
     output must not."""
-    from specdec.adaptive import AdaptiveK
-
     _, target, draft = models()
     batch_prompts = prompts()[:batch] if batch == 1 else prompts()
     drafter = (HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3) if drafter_name == "hybrid"
                else make_drafter(drafter_name))
-    k_policy = AdaptiveK(cost_hint=None) if drafter_name == "corrupted_truth" else None
-    engine = Engine(target, drafter, k=4, k_policy=k_policy)
+    if drafter_name == "corrupted_truth":
+        drafter.may_skip = True  # (the sweep's drafters propose every step; this one is priced)
+    engine = Engine(target, drafter, k=4)
     res = engine.generate(batch_prompts, SamplingParams(max_new_tokens=N_NEW))
     assert [r.tokens for r in res] == expected(batch_prompts)
-    if k_policy is not None:
-        assert k_policy.steps.times.all.weight > 0 and k_policy.length.t_tok is not None, "AdaptiveK saw no step"
-    else:
-        assert engine.policy.adaptive and engine.policy.steps.all.weight > 0, "the cost model saw no step"
+    assert engine.policy.adaptive and engine.policy.steps.all.weight > 0, "the cost model saw no step"
+    if drafter_name == "corrupted_truth":  # (a protocol drafter: its guesses' acceptance was priced)
+        assert engine.method == "protocol" and engine.policy.draft_depth, "the cost model saw no guess"
 
 
 class _SlowDraft(DraftModelDrafter):

@@ -111,8 +111,8 @@ def sample(drafter, params: dict, k: int, max_new: int, seed0: int, rows: int = 
     out = {c: [] for c in ctxs}
     stats = dict(proposed=0, accepted=0, rows_with_drafts=0, proposed_by_pos=[0] * k, accepted_by_pos=[0] * k)
     for s in range(calls):
-        # (a draft model at a fixed k: every step drafts, from its q)
-        engine = Engine(target, drafter, k=k, fixed_k=isinstance(drafter, DraftModelDrafter))
+        # (a fixed k: every step drafts, a draft model from its q)
+        engine = Engine(target, drafter, k=k, fixed_k=True)
         res = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, seed=seed0 + s, **params))
         for p, r in zip(prompts, res):
             assert len(r.tokens) == max_new and r.stats.finish_reason == "length"

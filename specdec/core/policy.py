@@ -14,8 +14,6 @@ server's batcher both call this module:
 - `best_prefix`: how many of a proposal's guesses (or a tree's nodes) to verify, given their
   expected acceptance, c and r (prompt lookup's cut, auto's tree trim);
 - `LengthPolicy`: acceptance per match length and draft position, and prompt lookup's cut;
-- `DraftLength`: how many guesses a drafter run through the protocol makes (`AdaptiveK`, an
-  engine's k_policy, around it);
 - `NodeOdds`: how often a tree node of a given path probability holds;
 - `ProbeSchedule`: when a declined choice is probed, at growing intervals (a draft model or an
   EAGLE tree beside prompt lookup, speculation where the batch guard declined it);
@@ -24,8 +22,9 @@ server's batcher both call this module:
 - `StepModel`: the one step-time fit, t = a + r A + b A K per batch-size band: what a plain
   step costs and what a guess adds to it. Prompt lookup's cut (and through it auto's tree trim)
   and `LoadPolicy` read it; under the scheduler both read its one instance;
-- `LoadPolicy`: the scheduler's per-step cap and choice of source (lookup, tree, draft model)
-  that maximise the batch's committed tokens per second, in `generate` and `serve` alike;
+- `LoadPolicy`: the scheduler's per-step cap and choice of source (lookup, tree, draft model,
+  any drafter run through the protocol) that maximise the batch's committed tokens per second,
+  in `generate` and `serve` alike;
 - `DecayedLine`: decayed least squares, the fit behind the server's drafting times.
 
 Each part can hand what it learnt to a later run (`learned()` / `relearn`, see learned.py).
@@ -73,61 +72,6 @@ def carried(acc: float, seen: float, most: float = CARRIED_COUNTS) -> tuple[floa
 def counts_ok(acc: float, seen: float) -> bool:
     """Whether saved counts can be decayed counts of a rate: 0 <= accepted <= seen, 0 < seen < inf."""
     return 0.0 <= acc <= seen < math.inf and seen > 0
-
-
-class AdaptiveK:
-    """The draft length of a drafter that costs time per guess, run through the protocol (an
-    engine's `k_policy`, e.g. a draft model the native loader does not run): `DraftLength`'s
-    choice, with the plain step and r from a step-time fit of the engine's own steps (`StepModel`, drafting excluded) and
-    the drafting time per guess from each step's proposal. Before it is timed it drafts one guess
-    (cheap to measure); while no length pays it probes one guess on a `ProbeSchedule`.
-    cost_hint: the drafter's cost of a guess in target steps, if known a priori (0 for one that
-    costs nothing to run); then it is not timed."""
-
-    def __init__(self, cost_hint: float | None = None, probe_every: int = PROBE_EVERY, max_k: int = 16) -> None:
-        self.steps = LengthPolicy(0, 1)  # (its step-time fit: the plain step and r)
-        self.t_step: float | None = None  # running mean of a verification step (before the fit is)
-        self.length = DraftLength(self._costs, max_k, probe_every, hint=cost_hint)
-        self.probes = ProbeSchedule(probe_every)
-        self.last_k = None
-
-    def _costs(self) -> tuple[float | None, float]:
-        return self.steps.step_seconds() or self.t_step, self.steps.r
-
-    def choose_k(self, k_max: int) -> int:
-        best = self.length.best(k_max)
-        if best is None:
-            k = min(1, k_max)  # time the drafter first, cheaply
-        elif best > 0:
-            self.probes.taken()
-            k = self.length.stretch(best, k_max, self.steps.step_seconds() is not None)
-        else:
-            k = min(1, k_max) if self.probes.due(self.length.could_pay()) else 0
-        self.last_k = k
-        return k
-
-    def observe(self, k: int, counts: list[int], accepted: list[int], draft_s: float, verify_s: float) -> None:
-        """One step: its cap k, each row's guesses and how many held, the seconds spent drafting
-        and verifying."""
-        guesses = max(counts, default=0)
-        self.steps.rows = len(counts) or 1  # the next step is priced at this batch size
-        self.steps.observe_time(guesses, verify_s, self.steps.rows)
-        self.t_step = ema(self.t_step, verify_s, 0.8)
-        if guesses and self.length.hint is None:
-            self.length.time_guess(draft_s / guesses)
-        self.length.observe_rows(list(zip(counts, accepted)))
-
-    def learned(self) -> dict:
-        """Acceptance per position (capped, `carried`), the drafting time and the step-time fit,
-        for a later run (learned.py)."""
-        return {"length": self.length.learned(), "steps": self.steps.learned(), "t_step": self.t_step}
-
-    def relearn(self, state: dict) -> None:
-        steps = LengthPolicy(0, 1)
-        steps.relearn(state["steps"])  # ValueError (nothing changed) if out of range
-        t_step = nonneg(state["t_step"], "step time")
-        self.length.relearn(state["length"])
-        self.steps, self.t_step = steps, t_step
 
 
 class ProbeSchedule:
@@ -267,10 +211,9 @@ class BatchGuard:
     CPU a batch of a few rows already makes the step compute-bound, and then every guessed
     token (padded to the longest draft in the batch) costs its full share while the
     drafters' per-row cost models still see a gain. So for batches of `min_rows` rows or more
-    the engine (and, behind its cost model, the server's batcher) asks this guard before
-    drafting: per batch-size band (2, 3-4, 5-8, ...; a single row is a band of its own when
-    `min_rows` is 1, as the engine sets it for drafters that do not price their own guesses: a
-    draft model, Medusa heads, an EAGLE head alone) it keeps
+    (2: a single row is priced by the cost model alone) the scheduler asks this guard, behind
+    its cost model, before drafting: per batch-size band (2, 3-4, 5-8, ...; a single row is a
+    band of its own when `min_rows` is 1) it keeps
     decayed means of committed tokens per second of speculative steps and of plain steps,
     speculates while the speculative mean is at least the plain one, and probes the other
     mode so both stay measured as the text and the batch change (plain first, on the band's
@@ -279,18 +222,9 @@ class BatchGuard:
     `ProbeSchedule` (after `probe_every` plain steps, the gap doubling while probes find
     speculation still slower), since a probe pays the drafter's catch-up on every token it sat
     out. A probe step that only caught the drafter up (not steady) measures nothing: the next
-    step probes again. Never used for seeded sampled requests (their drafting must not depend
-    on timing). Knows nothing about models.
+    step probes again. Never used where drafting must not depend on timing (a fixed k: a
+    seeded sampled request with guesses drawn from a q). Knows nothing about models.
     """
-
-    @classmethod
-    def for_drafter(cls, drafter) -> "BatchGuard | None":
-        """The guard for a drafter run through the protocol: none for one that never sits a step
-        out (`may_skip` False); batches of 2+ rows for one that prices its own guesses step by
-        step (`gates_itself`: prompt lookup, auto); a single row too for one that does not (a
-        draft model, Medusa, an EAGLE head alone), so one that does not pay on this text or
-        machine falls back to plain decoding instead of slowing it down."""
-        return cls(min_rows=2 if drafter.gates_itself else 1) if drafter.may_skip else None
 
     def __init__(self, min_rows: int = 2, probe_every: int = PROBE_EVERY, decay: float = 0.8) -> None:
         self.min_rows, self.probe_every, self.decay = min_rows, probe_every, decay
@@ -678,91 +612,6 @@ class LengthPolicy:
             self.times = fit
 
 
-class DraftLength:
-    """How many guesses a drafter that costs time per guess makes a step (an engine's
-    `AdaptiveK`, for a drafter run through the protocol): the j of most expected committed
-    tokens per unit of step time,
-
-        (1 + P_1 + ... + P_j) / (1 + (c + r) j)        (`best_prefix`),
-
-    P_i the chance that its first i guesses all hold (acceptance per position, learnt from the
-    rows it drafted for: a `LengthPolicy` of one match length), c its drafting time per guess
-    (a running mean over steady-state proposals) over a plain step, r what verifying one more
-    guess adds to a step; 0 when no length pays. The owner's `costs()` gives the plain step's
-    seconds (None until known) and r. Each position is weighed on its own, not by one mean
-    acceptance over all positions, which would let well-held first guesses carry later ones
-    that do not pay (or a bad tail stop a first guess that does). Every `probe_every`-th step
-    that drafts takes one guess more than the best (`stretch`), so the next position's
-    acceptance and the step-time fit stay measured. Knows nothing about models."""
-
-    def __init__(self, costs, max_k: int = 16, probe_every: int = PROBE_EVERY, hint: float | None = None) -> None:
-        """costs: () -> (seconds of a plain step or None, r). hint: c before the drafter is timed
-        (None: unknown; it is then never priced before it is timed)."""
-        self.costs = costs
-        self.odds = LengthPolicy(0, max_k, clock=False, probe_every=0)  # (prior 0.5 at every position: its
-        # guesses are only seen when drafted, so it must try them)
-        self.t_tok: float | None = None  # seconds to draft one guess (steady state)
-        self.probe_every = probe_every
-        self.hint = hint
-        self.drafting = 0  # steps it drafted
-
-    def cost(self) -> float | None:
-        """c + r: what one more drafted guess costs, in plain steps; None until the drafter has
-        been timed (or a hint given) and a plain step is known."""
-        plain, r = self.costs()
-        if self.t_tok is None:
-            return None if self.hint is None else self.hint + r
-        return None if plain is None else self.t_tok / plain + r
-
-    def value(self, k: int) -> float:
-        """Expected committed tokens per plain step's time with k guesses a step: above 1,
-        drafting beats plain decoding."""
-        return (1.0 + sum(self.odds.held(0, k))) / (1.0 + (self.cost() or 0.0) * k)
-
-    def best(self, max_tokens: int) -> int | None:
-        """The best length in 0..max_tokens (0: none pays); None until the cost is known."""
-        cost = self.cost()
-        return None if cost is None else best_prefix(self.odds.held(0, max_tokens), 0.0, cost)
-
-    def could_pay(self) -> bool:
-        """Whether any acceptance could make drafting pay: a guess that always held gains one token
-        for c + r steps, so with c + r >= 1 no probe can find it paying."""
-        cost = self.cost()
-        return cost is None or cost < 1.0
-
-    def stretch(self, k: int, max_tokens: int, fitted: bool) -> int:
-        """The length for a step that drafts, `k` (> 0) being the best: every `probe_every`-th
-        such step one guess more, or at the cap one fewer while the step-time fit cannot tell r
-        from the plain step (`fitted` False: every step verified as many guesses)."""
-        self.drafting += 1
-        if self.drafting % self.probe_every == 0:
-            if k < max_tokens:
-                return k + 1
-            if not fitted:
-                return k - 1
-        return k
-
-    def observe_rows(self, rows: list[tuple[int, int]]) -> None:
-        """One step's (proposed, accepted) of each row (rows that proposed nothing teach nothing):
-        the counts decay once a step (`LengthPolicy.observe_rows`), so a batch of many rows does
-        not forget faster."""
-        self.odds.observe_rows(0, rows)
-
-    def time_guess(self, seconds: float) -> None:
-        """A steady-state proposal took `seconds` a guess."""
-        self.t_tok = ema(self.t_tok, seconds, 0.8)
-
-    def learned(self) -> dict:
-        return {"odds": self.odds.learned(), "t_tok": self.t_tok}
-
-    def relearn(self, state: dict) -> None:
-        """Start from `learned()`'s output; ValueError (nothing changed) if it does not fit."""
-        t_tok = nonneg(state["t_tok"], "t_tok")
-        odds = LengthPolicy(0, len(self.odds.acc[0]), clock=False, probe_every=0)
-        odds.relearn(state["odds"])
-        self.odds, self.t_tok = odds, t_tok
-
-
 def _line_at(line: DecayedLine, x: float, fallback: float) -> float:
     """A decayed line's prediction at x once it has 4 points' weight and a non-negative slope;
     `fallback` before that."""
@@ -773,27 +622,28 @@ def _line_at(line: DecayedLine, x: float, fallback: float) -> float:
 
 
 class LoadPolicy:
-    """The scheduler's load-aware choice (`serve`, and `generate` for prompt lookup and auto's
-    tree), per step: the cap K in 0..k_max on each row's guesses and
-    which rows take a second source (an EAGLE tree, or a draft model's guesses) instead of their
-    prompt lookup, maximising the batch's expected committed tokens per second,
+    """The scheduler's load-aware choice, per step, in `serve` and `generate` alike: the cap K in
+    0..k_max on each row's guesses and which rows take a second source (an EAGLE tree, or a draft
+    model's guesses) instead of their prompt lookup, or, for a drafter run through the protocol
+    (Medusa, an EAGLE head alone, your own), how far it drafts, maximising the batch's expected
+    committed tokens per second,
 
         sum over rows of (1 + expected accepted guesses under K) / (t(A, K) + drafting time),
 
     with t from `StepModel` (fed every step by `observe_step`), a row's lookup from its learnt
-    per-position acceptance (`Drafter.expected_tokens`), a tree from the tree drafter's measured
-    gain, a draft model from its measured acceptance per position (`draft_odds`, kept as
-    `DraftLength` keeps generate's). Drafting times are lines in
-    the number of rows that draft (`head_time`, `draft_time`). K = 0 is plain decoding. Probes:
+    per-position acceptance (`Drafter.expected_tokens`), a tree beside the lookup from the tree
+    drafter's measured gain, a draft model or a protocol drafter from its measured acceptance per
+    position (`draft_odds`; a protocol tree's by depth). Drafting times are lines in the number of
+    rows that draft (`head_time`, `draft_time`). K = 0 is plain decoding. Probes:
     every PROBE_EVERY-th step allows one guess more than the best cap (so the cost of guesses
     stays measured at this batch size even while the best cap is 0) while some row may still
     take PROBE_ROOM tokens, and in batches of A <= TREE_PROBE_MAX_ROWS rows, rows that may take
-    the second source and have room for PROBE_ROOM more tokens do so if none chose it, on a `ProbeSchedule` (`_probe`: after
-    PROBE_EVERY * A declined steps, the gap doubling while probes find the source still
-    declined). Before the step-time fit rests on data, a row's guess is priced at R_PRIOR of its
-    share of a plain step; a tree whose head nothing has timed is drafted only as such a probe
-    (`eager`: priced as free instead, for a warm-up that must run the head). `step` is the caller's count of decode
-    steps, which sets the lookup probe's phase."""
+    the declined source and have room for PROBE_ROOM more tokens do so if none chose it, on a
+    `ProbeSchedule` (`_probe`: after PROBE_EVERY * A declined steps, the gap doubling while probes
+    find the source still declined). Before the step-time fit rests on data, a row's guess is
+    priced at R_PRIOR of its share of a plain step; a tree whose head nothing has timed is drafted
+    only as such a probe (`eager`: priced as free instead, for a warm-up that must run the head).
+    `step` is the caller's count of decode steps, which sets the probes' phase."""
 
     TREE_PROBE_MAX_ROWS = 4  # forced second-source probes only in batches this small
     TREE_MARGIN = 1.05  # trees must promise this much more than the best lookup-only choice
@@ -805,8 +655,8 @@ class LoadPolicy:
         self.steps = StepModel()
         self.head_time = DecayedLine(FIT_DECAY)  # the head's drafting seconds vs rows it drafts for
         self.draft_time = DecayedLine(FIT_DECAY)  # a draft model's seconds per drafted token vs rows
-        # a draft model's acceptance per position, learnt from the rows that took its guesses (the
-        # acceptance `DraftLength` keeps for generate's draft model: a LengthPolicy of one match length)
+        # a draft model's (or a protocol drafter's) acceptance per position, learnt from the rows
+        # that took its guesses: a LengthPolicy of one match length
         self.draft_odds = self._new_draft_odds()
         self.probes = ProbeSchedule(PROBE_EVERY)  # when rows that declined the second source try it (`_probe`)
         # price a tree the head has not been timed on as free (the scheduler's warm-up, which
@@ -815,6 +665,7 @@ class LoadPolicy:
         self.probe_room = PROBE_ROOM  # the fewest tokens a row may still take for a probe to try it
         self.t_catch: float | None = None  # a draft model's seconds to read one token it had not seen
         self._probing = False  # the last choice forced the draft model on rows as a probe
+        self.draft_depth: int | None = None  # the deepest guess a row took from the draft source (last step)
 
     def _new_draft_odds(self) -> LengthPolicy:
         """A draft model's acceptance per position, nothing learnt: a LengthPolicy of one match
@@ -851,6 +702,7 @@ class LoadPolicy:
         with cap 0 did not take the draft model). A probe whose guess held is repeated at once
         (one observation is too few to turn the choice, and the next catch-up is short)."""
         self.draft_odds.observe_rows(0, [(cap, held) for cap, held in zip(caps, accepted) if cap > 0])
+        self.draft_depth = max(caps, default=0) or self.draft_depth
         if self._probing and any(cap > 0 and held > 0 for cap, held in zip(caps, accepted)):
             self.probes.again()
 
@@ -1052,14 +904,10 @@ class LoadPolicy:
             return tokens / (t + k * per_tok), use
 
         looks = gains if gains is not None else [[1.0]] * A
-        best = self._search(A, looks, drafts)
-        if best is None:
-            # nothing fitted yet: a step priced at the mean step seen, a guess at R_PRIOR of a row's
-            # share of it (as choose_k prices lookups); before any step, a plain one
-            mean = self.steps.mean(A)
-            if mean is None:
-                return 0, [False] * A
-            best = self._search(A, looks, drafts, fit=(mean, 0.0, self.R_PRIOR * mean / A))
+        fit = self._fit_or_prior(A)
+        if fit is None:  # before any step: a plain one
+            return 0, [False] * A
+        best = self._search(A, looks, drafts, fit=fit)
         with_draft, without = best[True], best[False]
         _, best_k, best_use = with_draft if with_draft[0] is not None and with_draft[0] > without[0] else without
         if step % PROBE_EVERY == 0 and best_k < self.k_max and self._roomy(room) and (any(best_use) or gains):
@@ -1076,11 +924,57 @@ class LoadPolicy:
             return max(best_k, 1), probe
         return best_k, best_use
 
-    def _could_pay(self, A: int, per_tok: float) -> bool:
-        """Whether any acceptance could make a draft-model guess pay at A rows: one guess a row,
-        all held, doubles the tokens of a step for its verification and drafting time."""
-        plain, one = self.steps.predict(A, 0), self.steps.predict(A, 1)
-        return plain is None or one is None or one + per_tok < 2.0 * plain
+    def _fit_or_prior(self, A: int) -> tuple[float, float, float] | None:
+        """(a, r, b) of the step-time fit at A rows; before it is fitted, a step priced at the
+        mean step seen and a guess at R_PRIOR of a row's share of it (as choose_k prices
+        lookups); None before any step."""
+        fit = self.steps.coefficients(A)
+        if fit is not None:
+            return fit
+        mean = self.steps.mean(A)
+        return None if mean is None else (mean, 0.0, self.R_PRIOR * mean / A)
+
+    def _could_pay(self, A: int, per_tok: float, slots: int = 1, depth: int = 1) -> bool:
+        """Whether any acceptance could make the draft source pay at A rows: `slots` guesses a
+        row (a tree's nodes), `depth` of them held, multiply the tokens of a step by 1 + depth
+        for their verification and drafting time."""
+        plain, drafted = self.steps.predict(A, 0), self.steps.predict(A, slots)
+        return plain is None or drafted is None or drafted + slots * per_tok < (1.0 + depth) * plain
+
+    def choose_tree(self, step: int, tree_ok: list[bool], room: list[int] | None, nodes: int) -> tuple[int, list[bool]]:
+        """A tree drafter run through the protocol (Medusa, an EAGLE head alone): (the cap, which
+        rows draft its tree) this step. Its tree of up to `nodes` nodes a row is worth 1 + the
+        expected accepted depth (`draft_odds` by depth, as deep as the last trees, `draft_depth`)
+        and costs t(A, nodes) plus its drafting time (a line per node in the rows); it is drafted
+        for every row that may while that beats plain decoding, 1 / t(A, 0) a row. Before a tree
+        was seen, or with nothing to measure against (not adaptive), every row drafts. While the
+        step-time fit cannot tell a guess's cost yet, every PROBE_EVERY-th tree step decodes
+        plainly so that it can. Declined: probed on the `ProbeSchedule` (`_probe`) while some
+        acceptance could pay."""
+        A = len(tree_ok)
+        self._probing = False
+        if not self.adaptive or self.draft_depth is None or not any(tree_ok):
+            return self.k_max, list(tree_ok)
+        fit = self._fit_or_prior(A)
+        if fit is None:
+            return self.k_max, list(tree_ok)
+        a, r, b = fit
+        per_node = self.draft_cost(A)
+        plain = a + r * A
+        tokens = self.draft_odds.expected(0, self.draft_depth)[-1]
+        drafting = sum(tree_ok)
+        rate = (drafting * tokens + A - drafting) / (plain + b * A * nodes + nodes * per_node)
+        if rate > A / plain:
+            self.probes.taken()
+            if self.steps.coefficients(A) is None and step % PROBE_EVERY == 0:
+                return 0, [False] * A  # a plain step: the fit's second draft length
+            return self.k_max, list(tree_ok)
+        could = self._could_pay(A, per_node, nodes, self.draft_depth)
+        probe = self._probe(A, [False] * A, tree_ok, room, [could] * A)
+        if probe is not None:
+            self._probing = True
+            return self.k_max, probe
+        return 0, [False] * A
 
     def _repaid(self, A: int, draft_ok: list[bool], behind: list[int], room: list[int] | None, per_tok: float,
                 cum: list[float]) -> list[bool]:

@@ -46,12 +46,13 @@ bare draft model) keeps prompt lookup beside it: per step and row, the lookup or
 model's guesses, whichever promises more tokens per second under the cap; the draft model reads
 a row's prompt only when it first drafts for it.
 
-`Engine.generate` runs prompt lookup, `auto`'s tree and a draft model the same way, with the
-engine's LoadPolicy (`policy`), which it keeps between calls. Any other drafter (Medusa, an
-EAGLE head alone, one written against `drafters.Drafter`) runs through the protocol alone
-(`_propose_generic`): its own length choice, the engine's draft-length policy if it has one,
-the batch guard deciding whether a step speculates, rows capped by their own cap and room.
-Every method scores, verifies and commits through one step (`core.step.run_step`).
+Any other drafter (Medusa, an EAGLE head alone, one written against `drafters.Drafter`) runs
+through the protocol alone (`_propose_generic`), priced by the same cost model: a chain's length
+as a draft model's (its acceptance per position, its drafting time per guess), a tree drafted
+or not by its acceptance per depth against its nodes' cost; then the batch guard, and each row
+capped by its own cap and room. `Engine.generate` runs every method this way, with the engine's
+LoadPolicy (`policy`), which it keeps between calls. Every method scores, verifies and commits
+through one step (`core.step.run_step`).
 
 This module knows nothing about HTTP or text: it takes token ids and sampling settings and
 calls back with token ids (and, when a request asks for them, each token's log-probability
@@ -152,7 +153,7 @@ class ContinuousBatcher:
     def __init__(self, model, eos_ids=(), method: str = "ngram", k_max: int = 8, max_batch: int = 16,
                  max_queue: int = 256, max_context: int | None = None, adaptive: bool = True, drafter=None,
                  thread: bool = True, shared: SamplingParams | None = None, fill_context: bool = False,
-                 raise_errors: bool = False, k_policy=None, policy: LoadPolicy | None = None) -> None:
+                 raise_errors: bool = False, policy: LoadPolicy | None = None) -> None:
         """method: none, ngram (prompt lookup), auto (prompt lookup + an EAGLE tree or a draft
         model; pass the `LookupEagleDrafter`, the `HybridDrafter` or the bare `DraftModelDrafter`
         as `drafter`), draft (a draft model; pass its `DraftModelDrafter`), or any other name with
@@ -165,10 +166,11 @@ class ContinuousBatcher:
         None (the server): each request its own, and drafters guess greedily (one-hot q).
         fill_context: a request longer than the context allows is not refused; it decodes until
         the context is full (finish reason "length"). raise_errors: a failure is raised to the
-        caller of `run()` instead of ending the requests it touched (generate). k_policy: the
-        generic path's draft-length policy (`core.policy.AdaptiveK`), or None. policy: the
-        `LoadPolicy` that prices ngram, auto and draft steps, when its owner keeps what it learns
-        beyond this scheduler (`Engine`); None: a new one."""
+        caller of `run()` instead of ending the requests it touched (generate). adaptive: the
+        cost model prices every step (False: every step drafts k_max, as `--fixed-k`; so does a
+        drafter that may not sit a step out, `Drafter.may_skip` False). policy: the `LoadPolicy`
+        that prices the steps, when its owner keeps what it learns beyond this scheduler
+        (`Engine`); None: a new one."""
         # any other method: the given drafter alone, through the drafter protocol (Medusa, EAGLE, ...)
         generic = method not in ("none", "ngram", "auto", "draft")
         if generic and not isinstance(drafter, Drafter):
@@ -191,9 +193,8 @@ class ContinuousBatcher:
         self.eos = set(int(e) for e in eos_ids)
         self.method = method
         self.shared, self.fill_context, self.raise_errors = shared, fill_context, raise_errors
-        self.k_policy = k_policy
         self.k_max = k_max if method != "none" else 0
-        self.adaptive = adaptive
+        self.adaptive = adaptive = adaptive and (not generic or drafter.may_skip)
         self.max_batch = max_batch
         self.max_context = min(max_context or model.max_context, model.max_context)
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
@@ -222,10 +223,6 @@ class ContinuousBatcher:
         # a measured backstop to the cost model in batches of 2+ rows: speculative steps must
         # commit more tokens per second than plain ones (see core.policy.BatchGuard)
         self.guard = BatchGuard() if adaptive and self.k_max > 0 else None
-        if generic and self.guard is not None:
-            self.guard = BatchGuard.for_drafter(drafter)
-            if timing_free(shared) and drafter.samples_guesses:
-                self.guard = None  # a seeded sample with guesses drawn from a q: drafting must not depend on timing
         self.feeds_hidden = self.trees or (generic and drafter.needs_hidden)  # rows keep features for the drafter
         self.last_k = 0
         self.lock = threading.Lock()
@@ -565,9 +562,9 @@ class ContinuousBatcher:
         if cache is not self.cache:
             cache.sync()
         n_acc = torch.tensor(res.accepted, dtype=torch.long)
-        self._commit_drafters(s, res.paths, n_acc)
+        self._commit_drafters(s, res, n_acc)
         t2 = time.perf_counter()
-        self._record(s, n_acc, t2 - t0, t1 - t0)
+        self._record(s, n_acc, t2 - t0)
         drafted_l, counts_l, failed = s.drafted.tolist(), s.counts.tolist(), res.failed
         for b, r in enumerate(self.rows):
             if b in failed:
@@ -647,28 +644,35 @@ class ContinuousBatcher:
         return out
 
     def _propose_generic(self, s: _Step) -> _Step:
-        """A drafter alone, through the protocol (every method of `generate`): the draft-length
-        policy (if any) and the batch guard decide how far this step speculates, each row is
-        capped by its own cap and room, and the drafter proposes with the shared settings
-        (`generate`) or greedily (one-hot q, exact for sampled rows too)."""
-        k = self.k_policy.choose_k(self.k_max) if self.k_policy is not None else self.k_max
-        if k > 0 and self.guard is not None and not self.guard.speculate(s.A):
-            k = 0
-        s.k = k
-        s.caps = self._caps(s)
+        """A drafter alone, through the protocol: the cost model (a chain's length as a draft
+        model's, `LoadPolicy.choose_draft`; a tree drafted or not, `choose_tree`), then the batch
+        guard, decide how far this step speculates and for which rows, each row is capped by its
+        own cap and room, and the drafter proposes (`_guess_params`); its steady drafting time
+        per guess is priced."""
+        ok = [self.k_max > 0 and r.spec_k != 0 for r in self.rows]
+        step = self.totals["steps"]  # the probing phase
+        if self.drafter.max_nodes:
+            s.k, use = self.policy.choose_tree(step, ok, s.room, self.drafter.max_nodes)
+        else:
+            s.k, use = self.policy.choose_draft([[]] * s.A, None, step, ok, s.room)
+        if s.k > 0 and self.guard is not None and not self.guard.speculate(s.A):
+            s.k = 0
+        s.caps = [c if u else 0 for c, u in zip(self._caps(s), use)]
         s.use_tree, s.use_draft = [False] * s.A, [False] * s.A
         if max(s.caps) == 0:
             if self.drafter.may_skip:
                 self.drafter.skip()  # its features wait in the rows for the next proposal
             return self._no_guesses(s)
         t1 = time.perf_counter()
-        params, generator = (self.shared, self.rows[0].generator) if self.shared is not None else (_GREEDY, None)
+        params, generator = self._guess_params()
         ctx = DraftContext([r.context for r in self.rows], params, generator, self._hand_over_features(), room=s.room)
         d = self.drafter.propose(ctx, max(s.caps))
         s.t_head, s.proposed = time.perf_counter() - t1, True
         timing = self.drafter.draft_timing()
         if timing is not None:
             s.t_head, s.steady = timing
+        if s.steady and d.tokens.shape[1] > 0:
+            self.policy.observe_draft_time(s.A, s.t_head / d.tokens.shape[1])
         if d.tokens.shape[1] == 0:  # no guesses: a plain step (the proposal is still answered)
             return self._no_guesses(s)
         if d.parents is not None:  # a tree, cut to nothing for rows without a cap
@@ -704,16 +708,9 @@ class ContinuousBatcher:
                 for r, room in zip(self.rows, s.room)]
 
     def _draft_model_guesses(self, s: _Step) -> None:
-        """The draft model's guesses for the rows that take them (its drafting time measured):
-        its argmax (one-hot q), or, for `generate`'s sampled rows, draws from its q with the
-        batch's settings (more of them hold). Seeded rows draw from q only where nothing measured
-        shapes their guesses (a fixed k, no lookup beside the draft model): a seeded row's text
-        must not depend on timing, and deterministic guesses make sure it does not (verify.py,
-        "sample and compare")."""
-        shared = self.shared
-        fixed = not self.adaptive and self.lookup is None
-        sampled = shared is not None and not shared.greedy and (fixed or not timing_free(shared))
-        params, generator = (self.shared, self.rows[0].generator) if sampled else (_GREEDY, None)
+        """The draft model's guesses for the rows that take them (its drafting time measured): its
+        argmax, or draws from its q for `generate`'s sampled rows (`_guess_params`)."""
+        params, generator = self._guess_params()
         behind = max(s.lags, default=0)
         d = self.drafter.propose(DraftContext([r.context for r in self.rows], params, generator, room=s.room),
                                  s.drafted_k)
@@ -727,6 +724,19 @@ class ContinuousBatcher:
             self.policy.observe_catch_up(s.t_head, behind, max(1, int(d.counts.max())))
         s.guesses = [d.tokens[b, : min(int(d.counts[b]), s.caps[b])].tolist() if s.use_draft[b] else g
                      for b, g in enumerate(s.guesses)]
+
+    def _guess_params(self) -> tuple[SamplingParams, torch.Generator | None]:
+        """The settings a draft model or a protocol drafter guesses with: `generate`'s shared
+        ones for its sampled rows (guesses drawn from q hold more often), else greedily (one-hot
+        q: the server, greedy rows). Seeded sampled rows draw from q only where nothing measured
+        shapes their guesses (a fixed k, no lookup beside the drafter): a seeded row's text must
+        not depend on timing, and deterministic guesses make sure it does not (verify.py,
+        "sample and compare")."""
+        shared = self.shared
+        fixed = not self.adaptive and self.lookup is None
+        if shared is not None and not shared.greedy and (fixed or not timing_free(shared)):
+            return shared, self.rows[0].generator
+        return _GREEDY, None
 
     def _pack(self, s: _Step, ctx: DraftContext) -> None:
         """The guesses as the forward takes them: [A, K] tokens, counts, and parents for trees."""
@@ -754,11 +764,15 @@ class ContinuousBatcher:
         self.last_k = s.K
         s.is_tree = s.parents is not None and s.K > 0 and any(s.use_tree)  # lookup rows alone: a plain chain step
 
-    def _commit_drafters(self, s: _Step, paths: list[list[int]], n_acc: torch.Tensor) -> None:
-        """Tell the drafters what each row kept."""
+    def _commit_drafters(self, s: _Step, res, n_acc: torch.Tensor) -> None:
+        """Tell the drafters what each row kept (and the cost model what held)."""
+        paths = res.paths
         if self.generic:
             if s.proposed:  # every proposal is answered
                 self.drafter.commit(n_acc.tolist(), paths=paths if s.is_tree else None)
+                # how deep each row's guesses reached (a tree's deepest node) and how many held
+                depths = [res.proposed_depth(b, c) for b, c in enumerate(s.counts.tolist())]
+                self.policy.observe_draft(depths, n_acc.tolist())
         elif self.trees:
             self.drafter.commit(n_acc.tolist(), paths=paths if s.is_tree else None)
         elif self.drafting:
@@ -770,13 +784,9 @@ class ContinuousBatcher:
         elif self.drafter is not None and s.K > 0:
             self.drafter.commit(n_acc.tolist())
 
-    def _record(self, s: _Step, n_acc: torch.Tensor, dt: float, t_propose: float) -> None:
-        """The step's time into the cost model, the draft-length policy and the guard; the
-        counters; the debug line."""
-        if not self.generic:  # (the generic path does not ask the LoadPolicy)
-            self.policy.observe_step(s.A, s.K, dt - s.t_head)  # drafting is priced separately
-        if self.k_policy is not None:
-            self.k_policy.observe(s.k, s.counts.tolist(), n_acc.tolist(), t_propose, dt - t_propose)
+    def _record(self, s: _Step, n_acc: torch.Tensor, dt: float) -> None:
+        """The step's time into the cost model and the guard; the counters; the debug line."""
+        self.policy.observe_step(s.A, s.K, dt - s.t_head)  # drafting is priced separately
         if self.guard is not None:
             # (a step in which the drafter caught up on a prompt that just joined, or on steps it
             # sat out, is a one-off, not the steady cost of speculating: the guard does not count it)

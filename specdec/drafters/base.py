@@ -49,20 +49,17 @@ class Drafter(ABC):
     Per step the core either asks for a proposal (`propose`, then `commit` with what each row
     kept) or, when speculation does not pay this step, tells the drafter it sits it out (`skip`;
     only drafters with `may_skip`). Guesses must be drawn as `Draft.probs` says (None:
-    deterministic guesses, q one-hot), which the server relies on: it asks with greedy params
-    so every row, sampled ones included, verifies one-hot guesses exactly."""
+    deterministic guesses, q one-hot), which the core relies on: the server, and `generate` for
+    seeded sampled rows under the cost model, ask with greedy params, so every row verifies
+    one-hot guesses exactly."""
 
-    #: relative cost of one proposed token vs one target forward, if known a priori (None: measured)
-    cost_hint: float | None = None
     #: propose reads `DraftContext.hidden`: the target's final hidden states of the committed
     #: positions not yet handed over (EAGLE, Medusa)
     needs_hidden: bool = False
     #: a tree drafter's node budget per row (the cache keeps room for it); 0 for chains
     max_nodes: int = 0
-    #: the drafter prices its own guesses step by step (prompt lookup, auto): the batch guard
-    #: watches batches of 2+ rows only; otherwise a single row is guarded too
-    gates_itself: bool = False
-    #: the core may decode a step without asking for a proposal (`skip`); False: every step proposes
+    #: the core may decode a step without asking for a proposal (`skip`), as the cost model finds
+    #: it pays; False: every step proposes (k guesses, as at a fixed k)
     may_skip: bool = True
     #: in sampled decoding its guesses are drawn from a q (`Draft.probs`: a draft model, an EAGLE
     #: chain), so a seeded request's text depends on what was drafted (`timing_free`); False:
@@ -126,8 +123,9 @@ def timing_free(params) -> bool:
     """A seeded sampled request, for a drafter that draws its guesses from a q
     (`Drafter.samples_guesses`): with those, how many guesses a step verifies decides which
     random numbers verification draws, so for the same seed to give the same sample, drafting
-    for it must not depend on measured times (or on other requests): adaptive lengths, gates and
-    the batch guard stand aside. Deterministic guesses need none of this (verify.py, "sample and
+    for it must not depend on measured times (or on other requests). So the scheduler asks for
+    deterministic guesses instead wherever the cost model shapes them, and draws from q only at a
+    fixed k; deterministic guesses commit plain sampling's text (verify.py, "sample and
     compare")."""
     return params is not None and params.seed is not None and not params.greedy
 

@@ -52,7 +52,6 @@ class DraftModelDrafter(Drafter):
             self.head_packed, self.head_dtype = pack_drafting_head(self.head)
         if target_model is not None and native:
             model.pack()  # oneDNN for every call not on the row-stable kernels
-        self.cost_hint = None  # measured by the engine
         self.confidence = confidence
         self.cache = None
         self.fed: list[list[int]] = []  # per row: tokens whose K/V sit in the draft cache

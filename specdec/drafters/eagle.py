@@ -210,7 +210,6 @@ class EagleDrafter(Drafter):
         self.tree, self.depth, self.width, self.nodes = tree, depth, width, nodes
         self.max_nodes = nodes if tree else 0
         self.last_scores: list[list[float]] = []  # the last tree's path log-probabilities (per row, per node)
-        self.cost_hint = None
 
     # -- cache ------------------------------------------------------------------------
     def begin(self, prompts, params, max_len) -> None:

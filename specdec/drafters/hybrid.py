@@ -46,7 +46,6 @@ class _LookupFirst(Drafter):
         self.ngram = NgramDrafter(min_n, max_n)
         self.gate = gate
         self.gates_itself = gate  # priced by the cost model (False: the second source drafts every step)
-        self.cost_hint = None
 
 
 class HybridDrafter(_LookupFirst):

@@ -96,7 +96,6 @@ def load_medusa(path, target) -> tuple[MedusaHeads, dict]:
 
 class MedusaDrafter(Drafter):
     needs_hidden = True
-    cost_hint = None
 
     def __init__(self, heads: MedusaHeads, target_model, vocab_subset=None, tree: list[tuple[int, ...]] | None = None) -> None:
         self.heads = heads

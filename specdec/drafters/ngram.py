@@ -113,7 +113,6 @@ def lookup(tokens: list[int], max_tokens: int, min_n: int, max_n: int) -> list[i
 
 
 class NgramDrafter(Drafter):
-    cost_hint = 0.0
 
     def __init__(self, min_n: int = 1, max_n: int = 4, adaptive: bool = True, max_k: int = 16,
                  choose_length: bool = True) -> None:

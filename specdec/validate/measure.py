@@ -41,9 +41,6 @@ class Config:
     k: int | None  # draft length (chains) or tree depth (trees)
     tree: bool
     engine: object  # engine.Engine
-    # for the distribution check: the same drafter guessing at every step (an adaptive one may stop
-    # guessing where guesses rarely hold, which would leave nothing to check); None: `engine`
-    check_engine: object = None
 
 
 def _row(res) -> dict:
@@ -356,16 +353,34 @@ def check_sequences(model, prompt: list[int], seqs: list[list[int]], temperature
     return out
 
 
+def always_drafting(engine):
+    """An engine with `engine`'s drafter drafting k guesses at every step (a fixed k; prompt
+    lookup without its own adaptive length), for the distribution check: a priced drafter may stop
+    guessing where guesses rarely hold, which would leave nothing to check, and a seeded sample
+    under the cost model takes deterministic guesses, while at a fixed k a drafter that samples
+    its guesses draws them from its q, the case the check must see."""
+    from ..drafters.ngram import NgramDrafter
+    from ..engine import Engine
+
+    drafter = engine.drafter
+    if drafter is None:
+        return engine
+    if isinstance(drafter, NgramDrafter) and drafter.policy is not None:
+        drafter = NgramDrafter(drafter.min_n, drafter.max_n, adaptive=False)
+    return Engine(engine.model, drafter, k=engine.k, eos_ids=engine.eos_ids, fixed_k=True)
+
+
 def distribution(config: Config, model, prompt: list[int], draws: int, tokens: int, temperature: float, seed: int,
                  batch: int = 32, alpha_level: float = 1e-3) -> dict:
-    """`draws` seeded sampled continuations of `tokens` tokens with speculation (rows of `batch`),
-    checked against the exact conditionals. The first token comes from the prefill; speculation
+    """`draws` seeded sampled continuations of `tokens` tokens with speculation (rows of `batch`,
+    drafting at every step: `always_drafting`), checked against the exact conditionals. The first token comes from the prefill; speculation
     acts from the second on, so `proposed` says how many guesses were actually verified."""
     seqs, proposed, accepted = [], 0, 0
     params = SamplingParams(temperature=temperature, max_new_tokens=tokens)
+    engine = always_drafting(config.engine)
     for start in range(0, draws, batch):
         n = min(batch, draws - start)
-        res = (config.check_engine or config.engine).generate([prompt] * n, replace(params, seed=seed + start))
+        res = engine.generate([prompt] * n, replace(params, seed=seed + start))
         for r in res:
             seqs.append(list(r.tokens))
             proposed += r.stats.proposed
