@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from .types import SamplingParams, SpecdecError
 
 METHODS = ("none", "ngram", "draft", "auto", "eagle", "medusa")
-SERVE_METHODS = METHODS  # the batcher runs every drafter (through the protocol where it has no policy of its own)
+SERVE_METHODS = METHODS  # the batcher runs every drafter (eagle and medusa through the protocol)
 DEFAULT_K = {"ngram": 8, "draft": 4, "auto": 8, "eagle": 5, "medusa": 4}  # measured on the Spec-Bench dev set (README)
 DEFAULT_TREE_NODES = {"eagle": 5, "medusa": 4}
 DTYPES = ("float32", "bfloat16")

@@ -53,12 +53,12 @@ class Engine:
         self._batches = 0
         # how the scheduler runs the drafter (its method), priced per step and row by the
         # scheduler's cost model (LoadPolicy), as the server prices it; the engine keeps that model
-        # so that what it learns carries between calls. A lookup drafter built not to price its
-        # guesses (`gates_itself` False) and one that may not sit a step out draft every step
+        # so that what it learns carries between calls. An auto drafter built not to be priced
+        # (`gate` False) and one that may not sit a step out draft every step
         self.method = "none" if drafter is None else priced_method(drafter)
         self.policy = None
         if drafter is not None:
-            adaptive = not fixed_k and drafter.may_skip and (self.method not in ("ngram", "auto") or drafter.gates_itself)
+            adaptive = not fixed_k and drafter.may_skip and (self.method != "auto" or drafter.gate)
             self.policy = LoadPolicy(self.k, adaptive=adaptive)
         # speculate in batches of 2+ rows only while it beats plain decoding, measured
         # (core.policy.BatchGuard), as the server guards them; kept here so that what it measured

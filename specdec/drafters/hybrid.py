@@ -44,8 +44,7 @@ class _LookupFirst(Drafter):
 
     def __init__(self, min_n: int, max_n: int, gate: bool) -> None:
         self.ngram = NgramDrafter(min_n, max_n)
-        self.gate = gate
-        self.gates_itself = gate  # priced by the cost model (False: the second source drafts every step)
+        self.gate = gate  # priced by the cost model (False: the second source drafts every step)
 
 
 class HybridDrafter(_LookupFirst):

@@ -126,7 +126,6 @@ class NgramDrafter(Drafter):
         # declined lookups are scored too, so one that would have held is learnt at once, and a
         # fresh process does not verify a short answer's chance matches at an optimistic prior
         self.policy = LengthPolicy(max_n, max_k, prior=LOOKUP_PRIOR) if adaptive else None
-        self.gates_itself = adaptive  # the length policy prices every guess (the engine guards batches only)
         self.max_k = max_k
         self.choose_length = choose_length
         self._last: list[tuple[int, int]] | None = None  # per row (n, proposed) of the last proposal
