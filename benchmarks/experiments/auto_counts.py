@@ -58,7 +58,7 @@ else:
 kw = {"greedy": {}, "t0.7": {"temperature": 0.7, "seed": 1}}[samp]
 params = SamplingParams(max_new_tokens=n, **kw)
 res = {m: [] for m in methods}; wall = {m: [] for m in methods}; st = {}; texts = {}
-saved = {}; hyb = {}
+saved = {}; positions = {}
 def engine(m):
     return build_engine(SpecConfig(method=m, draft=flags.get("draft") if m in ("draft", "auto") else None), target)
 
@@ -75,24 +75,18 @@ for rep in range(reps):
             else:
                 eng = engine(m)
                 if m in saved and not fresh: eng.relearn(json.loads(saved[m]))
-            d = eng.drafter
-            if hasattr(d, "pos_proposed"):  # a hybrid's counters: this repeat's only
-                d.rows_drafted = dict.fromkeys(d.rows_drafted, 0); d.draft_steps = 0; d.draft_seconds = 0.0
-                if i == 0: d.pos_proposed, d.pos_accepted = [], []
             t0 = time.process_time(); t1 = time.perf_counter()
             out = eng.generate([prompts[j] for j in unit], params)
             cpu += time.process_time() - t0; w += time.perf_counter() - t1
             if m != "none" and kept is None: saved[m] = json.dumps(eng.learned())
             for j, r in zip(unit, out):
                 texts.setdefault((m, j), []).append(r.tokens)
+            pos = positions.setdefault((m, rep), {})  # per draft position: (proposed, held), this repeat
             for r in out:
                 toks += len(r.tokens); fw += r.stats.target_forwards; prop += r.stats.proposed; acc += r.stats.accepted
                 ds += r.stats.draft_s; vs += r.stats.verify_s
-            if hasattr(d, "pos_proposed"):
-                h = hyb.setdefault((m, rep), {"rows": {}, "steps": 0, "draft_s": 0.0})
-                for k, v in d.rows_drafted.items(): h["rows"][k] = h["rows"].get(k, 0) + v
-                h["steps"] += d.draft_steps; h["draft_s"] += d.draft_seconds
-                h["pos"] = list(zip(d.pos_proposed, d.pos_accepted))
+                for j, (p, a) in enumerate(zip(r.stats.proposed_by_pos, r.stats.accepted_by_pos)):
+                    old = pos.get(j, (0, 0)); pos[j] = (old[0] + p, old[1] + a)
         res[m].append(cpu / toks * 1000); wall[m].append(w / toks * 1000)
         st[m] = (toks, fw, prop, acc, round(ds / toks * 1000, 2), round(vs / toks * 1000, 2))
 base = statistics.median(res[methods[0]])
@@ -100,7 +94,5 @@ for m in methods:
     same = all(texts[(m, i)] == texts[(methods[0], i)] for i in range(len(prompts)))
     print(f"{m:8} cpu ms/tok {statistics.median(res[m]):6.2f} wall {statistics.median(wall[m]):6.2f} ratio(cpu) {base / statistics.median(res[m]):.3f}  (toks, forwards, proposed, accepted, draft ms/tok, verify ms/tok) {st[m]}  same text as {methods[0]}: {same}")
     for rep in range(reps):
-        if (m, rep) in hyb:
-            h = hyb[(m, rep)]
-            print(f"   repeat {rep}: rows by source {h['rows']}, draft-model steps {h['steps']}, drafting "
-                  f"{h['draft_s'] * 1000:.0f} ms, per position (proposed, held) {h['pos']}")
+        if positions.get((m, rep)):
+            print(f"   repeat {rep}: per draft position (proposed, held) {[positions[(m, rep)][j] for j in sorted(positions[(m, rep)])]}")
