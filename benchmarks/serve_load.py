@@ -6,7 +6,9 @@ trees on every step, up to k guesses: `serve --fixed-k`); adaptive (the same, lo
 server's default `serve --method auto`); adaptive-ngram and fixed-ngram (prompt lookup only,
 `serve --method ngram`); adaptive-draft and fixed-draft (the shipped draft model's guesses,
 `serve --method draft`); adaptive-lookup-draft and fixed-lookup-draft (prompt lookup beside the
-shipped draft model, `serve --method auto --draft DRAFT`). Each setting is a `specdec serve` process on loopback (started at
+shipped draft model, `serve --method auto --draft DRAFT`); adaptive-eagle and fixed-eagle (the
+shipped EAGLE head's tree alone, `serve --method eagle`), adaptive-medusa and fixed-medusa (the
+shipped Medusa heads' tree, `serve --method medusa`). Each setting is a `specdec serve` process on loopback (started at
 once, idle while another is measured); the clients are threads in this process. At each concurrency level C, C client threads each send `--requests-per-client`
 streaming chat requests back to back (prompts: first turns of Spec-Bench dev, spread over
 categories, as chat; or with `--data humaneval` the HumanEval prompts as raw completions;
@@ -56,7 +58,9 @@ DEFAULT_DATA = DEV_SET
 SETTINGS = {"off": ("none", False), "fixed": ("auto", False), "adaptive": ("auto", True),
             "adaptive-ngram": ("ngram", True), "fixed-ngram": ("ngram", False),
             "adaptive-draft": ("draft", True), "fixed-draft": ("draft", False),
-            "adaptive-lookup-draft": ("auto", True, "draft"), "fixed-lookup-draft": ("auto", False, "draft")}
+            "adaptive-lookup-draft": ("auto", True, "draft"), "fixed-lookup-draft": ("auto", False, "draft"),
+            "adaptive-eagle": ("eagle", True), "fixed-eagle": ("eagle", False),
+            "adaptive-medusa": ("medusa", True), "fixed-medusa": ("medusa", False)}
 
 
 def free_port() -> int:

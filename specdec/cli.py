@@ -171,7 +171,6 @@ def cmd_validate(args) -> int:
 
     import torch
 
-    from .adaptive import BatchGuard
     from .bench.runner import machine_info
     from .engine import Engine
     from .validate import measure, pipeline, report
@@ -227,8 +226,6 @@ def cmd_validate(args) -> int:
         for k in ks:
             try:
                 eng = build_engine(cfg.replace(method=base, draft=drafts.get(base), k=k, tree=tree), target)
-                if eng.guard is not None:
-                    eng.guard = BatchGuard()  # measure each method drafting at batch 1: guard batches only
             except SpecdecError as e:
                 if explicit or (args.draft and base in ("draft", "auto")):
                     raise SpecdecError(f"method {m}: {e}") from None
