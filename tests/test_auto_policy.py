@@ -101,10 +101,10 @@ def test_seeded_text_ignores_timing(monkeypatch):
         d = drafter("lookup", depth=3, width=2, nodes=5)
         if noisy:
             noise = random.Random(7)
-            d.gain, d.t_draft, d.t_step = 5.0, 0.001, 0.01  # a learnt state that says the tree pays
+            d.gain = 5.0  # a learnt state that says the tree pays
             # the head's price, in the cost model's choice and in the tree's cut, at random each step
-            monkeypatch.setattr(LoadPolicy, "head_cost", lambda self, A, tree: noise.choice([0.0, 1.0]) * A)
-            monkeypatch.setattr(LookupEagleDrafter, "cost", lambda self: noise.uniform(0, 3))
+            monkeypatch.setattr(LoadPolicy, "head_cost", lambda self, A: noise.choice([0.0, 1.0]) * A)
+            monkeypatch.setattr(LoadPolicy, "head_steps", lambda self, tree_rows, A: noise.uniform(0, 3))
         return [r.tokens for r in Engine(target().model, d, k=3).generate(ps, params)], d.rows_drafted["eagle"]
 
     first, _ = run(False)

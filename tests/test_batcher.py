@@ -303,18 +303,14 @@ def test_head_cost_is_fitted_against_the_batch_size():
     """The head drafts trees for the rows that take them: its time is predicted per number of
     tree rows, and from a single count seen it scales per row (pessimistic above it), so many
     trees are not started on a cost measured for one."""
-    from specdec.drafters.hybrid import LookupEagleDrafter
-
     b = LoadPolicy(k_max=8)
-    tree = object.__new__(LookupEagleDrafter)
-    tree.t_draft = 0.004
-    assert b.head_cost(8, tree) == pytest.approx(0.032)  # nothing fitted: the drafter's own timing per row
+    assert b.head_cost(8) is None  # nothing timed: only a probe drafts a tree
     for _ in range(10):
-        b.observe_head(1, 0.004, True, tree)
-    assert b.head_cost(1, tree) == pytest.approx(0.004) and b.head_cost(16, tree) == pytest.approx(0.064)
+        b.observe_head(1, 0.004, True)
+    assert b.head_cost(1) == pytest.approx(0.004) and b.head_cost(16) == pytest.approx(0.064)
     for _ in range(30):
-        b.observe_head(8, 0.004 + 0.0005 * 7, True, tree)
-    assert b.head_cost(16, tree) == pytest.approx(0.004 + 0.0005 * 15, rel=0.05)
+        b.observe_head(8, 0.004 + 0.0005 * 7, True)
+    assert b.head_cost(16) == pytest.approx(0.004 + 0.0005 * 15, rel=0.05)
 
 
 def test_trees_are_chosen_only_by_a_clear_margin():
@@ -329,7 +325,8 @@ def test_trees_are_chosen_only_by_a_clear_margin():
             b.steps.observe(1, K, 0.015 + 0.0002 * K)
     b.lookup = LengthPolicy(max_n=4, max_k=16)
     d = object.__new__(LookupEagleDrafter)
-    d.t_draft, d.nodes = 0.004, 5.0
+    d.nodes = 5.0
+    b.observe_head(1, 0.004, True)  # the head drafts in 4 ms
     # a 5-node tree: t = 0.016 + 0.004 s for 1 + gain tokens, against 1 token in 0.015 s
     d.gain = 0.37  # ~3% more tokens per second than plain steps: below the margin
     assert b.choose([[]], [0], [True], d) == (0, [False])
@@ -360,7 +357,8 @@ def test_a_tree_that_does_not_pay_is_probed_ever_more_rarely_and_only_with_room(
             b.steps.observe(1, K, 0.015 + 0.0002 * K)
     b.lookup = LengthPolicy(max_n=4, max_k=16)
     d = object.__new__(LookupEagleDrafter)
-    d.t_draft, d.nodes, d.gain = 0.004, 5.0, 0.1  # a tree that costs more than it gains
+    d.nodes, d.gain = 5.0, 0.1  # a tree that costs more than it gains (its head drafts in 4 ms)
+    b.observe_head(1, 0.004, True)
 
     def probes(room, steps=400):
         return sum(b.choose_k([[]], [[1.0]], b.step, [True], d, [room])[1] == [True] for _ in range(steps))

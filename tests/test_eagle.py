@@ -364,8 +364,8 @@ def test_train_eagle_unrolled_from_a_trained_head(tmp_path):
 
 
 class _Tree:
-    """What the cost model reads of a tree drafter: a tree of 5 nodes that gains `gain` tokens,
-    drafted in 2 ms a row."""
+    """What the cost model reads of a tree drafter: a tree of 5 nodes that gains `gain` tokens
+    (its head's 2 ms a row are the policy's to time: `_fitted_policy`)."""
 
     usual_nodes = 5
 
@@ -375,17 +375,16 @@ class _Tree:
     def tree_tokens(self, k: int) -> float:
         return 1.0 + self.gain * min(1.0, k / 5)
 
-    def head_seconds(self, rows: int) -> float:
-        return 0.002 * rows
-
 
 def _fitted_policy(k_max: int = 5):
-    """A LoadPolicy whose step-time fit says: a one-row step costs 10 ms plus 1 ms a guess slot."""
+    """A LoadPolicy whose step-time fit says: a one-row step costs 10 ms plus 1 ms a guess slot;
+    the head drafts a tree in 2 ms a row."""
     from specdec.core.policy import LoadPolicy
 
     policy = LoadPolicy(k_max)
     for i in range(32):
         policy.observe_step(1, i % (k_max + 1), 0.010 + 0.001 * (i % (k_max + 1)))
+    policy.observe_head(1, 0.002, True)
     return policy
 
 
@@ -417,7 +416,7 @@ def test_a_tree_that_does_not_pay_is_only_probed_and_greedy_stays_exact(monkeypa
     hf.generation_config.pad_token_id = 0
     ps = prompts()
     want = [hf_greedy(hf, p, 80) for p in ps]
-    monkeypatch.setattr(LoadPolicy, "head_cost", lambda self, A, tree: 10.0 * A)
+    monkeypatch.setattr(LoadPolicy, "head_cost", lambda self, A: 10.0 * A)
     d = drafter("lookup", depth=3, width=2, nodes=5)
     engine = Engine(target().model, d, k=3)
     res = [engine.generate([p], SamplingParams(max_new_tokens=80))[0] for p in ps]
@@ -425,7 +424,7 @@ def test_a_tree_that_does_not_pay_is_only_probed_and_greedy_stays_exact(monkeypa
     steps = sum(x.stats.target_forwards for x in res)
     assert 0 < d.rows_drafted["eagle"] <= steps // 16 + len(ps)  # probes only
     noise = random.Random(0)
-    monkeypatch.setattr(LoadPolicy, "head_cost", lambda self, A, tree: noise.choice([0.0, 10.0]) * A)
+    monkeypatch.setattr(LoadPolicy, "head_cost", lambda self, A: noise.choice([0.0, 10.0]) * A)
     d = drafter("lookup", depth=3, width=2, nodes=5)
     res = Engine(target().model, d, k=3).generate(ps, SamplingParams(max_new_tokens=40))
     assert [x.tokens for x in res] == [w[:40] for w in want]

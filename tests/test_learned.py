@@ -164,14 +164,15 @@ def test_restored_auto_decides_from_its_first_step_and_stays_exact(monkeypatch):
     assert _run(Engine(target().model, first, k=3), SamplingParams(max_new_tokens=12), ps) == want
     assert first.rows_drafted["eagle"] == 0  # 12 tokens: before the first probe
     state = json.loads(json.dumps(Engine(target().model, first, k=3).learned()))
-    state["drafter"].update(t_draft=1e-4, gain=3.0)  # a head that paid well
+    state["drafter"].update(gain=3.0)  # a head that paid well, drafting a tree in 0.1 ms
+    state["policy"]["head_time"] = [8.0, 8.0, 8e-4, 8.0, 8e-4]  # (a line's sums: 8 points at 1 row, 0.1 ms)
     # a step-time fit of 10 ms a step, guesses free (what the first run timed depends on the
     # machine's load), so the cost model's verdict is fixed
     state["policy"]["steps"] = free_guesses()
     pays = drafter("lookup", depth=3, width=2, nodes=5)
     engine = Engine(target().model, pays, k=3)
     engine.relearn(state)
-    assert engine.policy.head_cost(1, pays) == pytest.approx(1e-4)
+    assert engine.policy.head_cost(1) == pytest.approx(1e-4)
     assert _run(engine, SamplingParams(max_new_tokens=12), ps) == want
     assert pays.rows_drafted["eagle"] > 0
     state["drafter"].update(gain=0.0)  # a head that did not
@@ -190,13 +191,13 @@ def test_the_cost_model_round_trips_and_refuses_what_does_not_fit():
     policy = LoadPolicy(4)
     for i in range(40):
         policy.observe_step(1 + i % 3, i % 5, 0.01 + 0.002 * (i % 5))
-        policy.observe_head(1 + i % 2, 0.003 * (1 + i % 2), True, None)
+        policy.observe_head(1 + i % 2, 0.003 * (1 + i % 2), True)
         policy.observe_draft([2], [1 + i % 2])
     state = json.loads(json.dumps(policy.learned()))
     new = LoadPolicy(4)
     new.relearn(state)
     assert new.steps.predict(2, 3) == pytest.approx(policy.steps.predict(2, 3))
-    assert new.head_cost(5, None) == pytest.approx(policy.head_cost(5, None))
+    assert new.head_cost(5) == pytest.approx(policy.head_cost(5))
     assert new.head_time.weight == pytest.approx(16.0)  # at most 16 steps' weight carried
     assert new.draft_odds.expected(0, 4) == pytest.approx(policy.draft_odds.expected(0, 4), rel=0.05)
     for bad in (dict(state, head_time=[1.0, 2.0]), dict(state, draft_time=[-1.0] * 5), dict(state, steps={})):
@@ -225,7 +226,8 @@ def test_a_seeded_sample_does_not_depend_on_what_was_restored(method):
     pol["acc"] = [[s for s in row] for row in pol["seen"]]  # every guess held
     pol["times"] = free_guesses()
     if method == "lookup":  # and no tree node worth verifying (an unseeded request would cut every tree)
-        state["drafter"].update(t_draft=1e-5, t_step=1e-2, gain=4.0, odds={"acc": [0.0] * 10, "seen": [8.0] * 10})
+        state["drafter"].update(gain=4.0, odds={"acc": [0.0] * 10, "seen": [8.0] * 10})
+        state["policy"]["head_time"] = [8.0, 8.0, 8e-5, 8.0, 8e-5]  # (the head timed at 0.01 ms a tree)
     eng.relearn(state)
     assert _run(eng, params, ps) == plain
 

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from specdec.adaptive import NodeOdds, best_prefix
+from specdec.adaptive import LoadPolicy, NodeOdds, best_prefix
 from specdec.engine import Engine
 from specdec.types import SamplingParams
 
@@ -67,8 +67,8 @@ def test_trimmed_trees_keep_greedy_exact_and_verify_only_nodes_worth_it(monkeypa
     sent, cuts = [], []
     trim, commit = d._trim, d.commit
 
-    def spy_trim(toks, pars, probs):
-        out = trim(toks, pars, probs)
+    def spy_trim(toks, pars, probs, cost):
+        out = trim(toks, pars, probs, cost)
         cuts.append((len(toks), len(out[0])))
         return out
 
@@ -148,13 +148,11 @@ def test_sampling_through_trimmed_trees_matches_exact_distribution(monkeypatch):
     (chi-square)."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.drafters import hybrid
-    from specdec.drafters.hybrid import LookupEagleDrafter
     from specdec.drafters.ngram import LengthPolicy
 
     from test_eagle import CTX, SV, chi2_against
 
-    monkeypatch.setattr(LookupEagleDrafter, "cost", lambda self: 0.3)
+    monkeypatch.setattr(LoadPolicy, "head_steps", lambda self, tree_rows, A: 0.3)
     monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.1))
     tg = target(3, SV)
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir(3, SV)), dtype=torch.float32).eval()
@@ -165,8 +163,8 @@ def test_sampling_through_trimmed_trees_matches_exact_distribution(monkeypatch):
     for s in range(5):
         d = drafter("lookup", 3, SV, depth=2, width=3, nodes=6, min_lookup=2, min_n=2, gate=False)
         trim = d._trim
-        def spy(toks, pars, probs, trim=trim):
-            out = trim(toks, pars, probs)
+        def spy(toks, pars, probs, cost, trim=trim):
+            out = trim(toks, pars, probs, cost)
             cuts.append((len(toks), len(out[0])))
             return out
 

@@ -677,13 +677,13 @@ class LoadPolicy:
         """A step of `rows` rows with `k` guess slots took `seconds` (drafting excluded)."""
         self.steps.observe(rows, k, seconds)
 
-    def observe_head(self, rows: int, seconds: float, steady: bool, tree) -> None:
-        """The tree drafter `tree`'s head drafted for `rows` rows in `seconds`; a draft that first
-        caught the head up on a context (not `steady`) is not its cost, and if nothing has timed
-        the head yet, the next step probes again (in steady state, so that it times it)."""
+    def observe_head(self, rows: int, seconds: float, steady: bool) -> None:
+        """An EAGLE head beside the lookup drafted trees for `rows` rows in `seconds`; a draft that
+        first caught the head up on a context (not `steady`) is not its cost, and if nothing has
+        timed the head yet, the next step probes again (in steady state, so that it times it)."""
         if steady:
             self.head_time.observe(rows, seconds)
-        elif self.head_cost(rows, tree) is None:
+        elif self.head_cost(rows) is None:
             self.probes.again(measured=False)
 
     def observe_draft_time(self, rows: int, seconds_per_token: float) -> None:
@@ -748,16 +748,23 @@ class LoadPolicy:
         read in a longer forward costs)."""
         return (self.t_catch if self.t_catch is not None else self.draft_cost(1)) * behind
 
-    def head_cost(self, A: int, tree) -> float | None:
+    def head_cost(self, A: int) -> float | None:
         """Predicted seconds the head drafts a tree for each of A rows: a line over the numbers
         of tree rows seen; from one number only, its cost per row times A (pessimistic above
-        it, so many trees are not started on a cost timed for few); before any, the tree
-        drafter's own timing; None while nothing has timed the head (then only a probe drafts a
-        tree, `eager` aside)."""
+        it, so many trees are not started on a cost timed for few); None while nothing has timed
+        the head (then only a probe drafts a tree, `eager` aside)."""
         h = self.head_time
         if h.weight < 1e-9:
-            return tree.head_seconds(A)
+            return None
         return _line_at(h, A, h.s[2] / max(h.s[1], 1e-9) * A)
+
+    def head_steps(self, tree_rows: int, A: int) -> float:
+        """c of a step of A rows whose `tree_rows` rows draft a tree: the head's predicted drafting
+        time in plain steps (what a tree's cut weighs its nodes against, LookupEagleDrafter's
+        `assemble`); 0 until the head is timed and a step is seen."""
+        head = self.head_cost(tree_rows) if tree_rows else None
+        plain = self.steps.plain_step(A) or self.steps.mean(A)
+        return head / plain if head is not None and plain else 0.0
 
     # -- what it chooses ----------------------------------------------------------------
     def _search(self, A: int, gains: list[list[float]], second, fit: tuple[float, float, float] | None = None,
@@ -834,7 +841,7 @@ class LoadPolicy:
             if not n:
                 return None
             if n not in head_costs:
-                head_costs[n] = self.head_cost(n, tree)
+                head_costs[n] = self.head_cost(n)
             head = head_costs[n]
             if head is None:
                 if not self.eager:

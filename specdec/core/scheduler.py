@@ -743,10 +743,11 @@ class ContinuousBatcher:
         if self.trees:
             # a tree row's lookup is grafted onto its tree, within the k_max slots a row reserves
             # the head's nodes cut to those worth verifying, as their learnt odds say (`trim`)
-            draft = self.drafter.assemble(ctx, s.guesses, s.use_tree, self.k_max, max_nodes=self.k_max, trim=True)
+            draft = self.drafter.assemble(ctx, s.guesses, s.use_tree, self.k_max, max_nodes=self.k_max, trim=True,
+                                          cost=self.policy.head_steps(sum(s.use_tree), s.A))
             s.t_head, s.steady = self.drafter.draft_timing()
             if s.t_head > 0:
-                self.policy.observe_head(sum(s.use_tree), s.t_head, s.steady, self.drafter)
+                self.policy.observe_head(sum(s.use_tree), s.t_head, s.steady)
             # a tree cut to its first nodes stays a tree
             s.counts = torch.minimum(draft.counts, torch.tensor(s.caps, dtype=torch.long))
             s.K = int(s.counts.max())

@@ -159,9 +159,9 @@ class LookupEagleDrafter(_LookupFirst):
     which the EAGLE head's dynamic tree, and how many guesses a row verifies, is chosen per step
     by the scheduler's cost model (`core.policy.LoadPolicy`), in `generate` and `serve` alike:
     a lookup is valued by its learnt per-position acceptance (`expected_tokens`), a tree by its
-    measured accepted tokens (`tree_tokens`) and its head's drafting time (`head_seconds`, until
-    the scheduler has fitted its own line), both against the step-time fit. The drafter builds
-    the proposal once the sources are chosen (`assemble`). Its `propose`, for a caller without
+    measured accepted tokens (`tree_tokens`) and the head's drafting time (the cost model's line,
+    `LoadPolicy.head_cost`), both against the step-time fit. The drafter builds the proposal once
+    the sources are chosen (`assemble`). Its `propose`, for a caller without
     that cost model (the protocol alone, `--fixed-k`), takes a row's lookup of at least
     `min_lookup` guesses and drafts the tree for the others (`prefer_lookup`).
 
@@ -178,7 +178,8 @@ class LookupEagleDrafter(_LookupFirst):
     head's tree has a path probability, the drafter learns how often nodes of that probability
     are accepted (`core.policy.NodeOdds`), and keeps the best nodes for as long as one more raises
     the expected committed tokens per unit of step time, (1 + sum of kept odds) / (1 + c + r *
-    kept), c the head's drafting time in plain steps (`cost`), r a verified node's. A confident
+    kept), c the head's drafting time in plain steps (as the scheduler prices it, `assemble`'s
+    `cost`), r a verified node's. A confident
     head keeps its whole tree, an unsure one a node or two, or none (the row then verifies only
     its lookup, if any). The cut trees' size is the `nodes` the cost model prices."""
 
@@ -192,8 +193,6 @@ class LookupEagleDrafter(_LookupFirst):
         so the odds of the nodes a cut drops stay measured)."""
         super().__init__(min_n, max_n, gate)
         self.probe_every = probe_every
-        self.t_step: float | None = None  # seconds of one target step (between proposals)
-        self._t_end: float | None = None
         self.eagle = eagle
         self.min_lookup = min_lookup
         self.graft = graft  # lookup nodes a tree row may add to its tree (0: none)
@@ -206,25 +205,9 @@ class LookupEagleDrafter(_LookupFirst):
         self.rows_drafted = {"lookup": 0, "eagle": 0, "graft": 0}  # row-steps each source drafted for (graft:
         # tree rows whose lookup added nodes to the tree)
         self.gain = 1.0  # accepted tokens per tree row-step (decayed; optimistic prior)
-        self.t_draft: float | None = None  # seconds the head drafts per step
         self.nodes = float(eagle.max_nodes or eagle.depth)
         self._tree_rows: list[bool] | None = None
         self._timing = (0.0, True)  # (seconds the head drafted in the last proposal, steady state)
-
-    def plain_step(self) -> float | None:
-        """Seconds of a plain step: the lookup's fitted step that verifies no guesses, else the mean
-        step between proposals (which includes verifying, so it understates the head's cost in
-        plain steps where verifying is dear); None before any step."""
-        policy = self.ngram.policy
-        plain = policy.step_seconds() if policy is not None else None
-        return plain or self.t_step or None
-
-    def cost(self) -> float | None:
-        """c: the head's drafting time in plain target steps (`plain_step`; None until both are measured)."""
-        if self.t_draft is None:
-            return None
-        plain = self.plain_step()
-        return None if plain is None else self.t_draft / plain
 
     def prefer_lookup(self, looked: list[list[int]]) -> list[bool]:
         """Per row, whether it takes its lookup rather than the tree when nothing prices the two
@@ -246,11 +229,6 @@ class LookupEagleDrafter(_LookupFirst):
         measured accepted tokens at its usual size, pro rata below it."""
         return 1.0 + self.gain * min(1.0, k / max(self.nodes, 1.0))
 
-    def head_seconds(self, rows: int) -> float | None:
-        """The head's drafting time for `rows` tree rows from its own timing (None until
-        measured), for a caller that has not fitted the head's cost yet."""
-        return None if self.t_draft is None else self.t_draft * rows
-
     @property
     def usual_nodes(self) -> int:
         """The nodes a tree of the usual size holds (what a probe drafts)."""
@@ -259,25 +237,20 @@ class LookupEagleDrafter(_LookupFirst):
     def begin(self, prompts, params, max_len) -> None:
         self.eagle.begin(prompts, params, max_len)
         self.ngram.begin(prompts, params, max_len)
-        self._t_end = None  # a prefill is not a step
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         """Each row's lookup or the tree, by `prefer_lookup` (the protocol alone: `generate` and
-        the server choose through their cost model and call `assemble`)."""
-        t0 = time.perf_counter()
-        if self._t_end is not None:
-            self.t_step = ema(self.t_step, t0 - self._t_end, 0.9)
+        the server choose through their cost model and call `assemble`); trees are cut at c = 0."""
         self._tree_rows = None
         if max_tokens <= 0:
             self.eagle.remember(ctx)
-            self._t_end = time.perf_counter()
             return Draft.empty(len(ctx.tokens))
         looked = self.ngram.lookups(ctx, max_tokens)
         tree_rows = [not u for u in self.prefer_lookup(looked)]
         return self.assemble(ctx, looked, tree_rows, max_tokens, self.max_nodes, trim=self.trim)
 
     def assemble(self, ctx: DraftContext, looked: list[list[int]], tree_rows: list[bool], max_tokens: int,
-                 max_nodes: int | None = None, trim: bool = False) -> Draft:
+                 max_nodes: int | None = None, trim: bool = False, cost: float = 0.0) -> Draft:
         """The proposal once each row's source is chosen: the head's tree for rows with
         tree_rows[b], the lookup chain looked[b] (possibly empty) for the others. With
         `max_nodes` above the tree's size, a tree row's lookup is grafted onto its tree too
@@ -286,7 +259,7 @@ class LookupEagleDrafter(_LookupFirst):
         expands the tree for those rows alone (every row's new pairs are fed to its cache);
         otherwise it just keeps the handed-over features. `propose` chooses with its own gate; the
         server's batcher with its load model. With `trim`, a tree row keeps only its head's
-        nodes worth verifying (`_trim`)."""
+        nodes worth verifying (`_trim`), the head's drafting time being `cost` plain steps."""
         B = len(ctx.tokens)
         tree = None
         self._node_p = {}
@@ -297,7 +270,6 @@ class LookupEagleDrafter(_LookupFirst):
             if not any(looked):  # a plain step: nothing to assemble
                 self.ngram.step_tokens = 0
                 self.ngram.handed_over()
-                self._t_end = time.perf_counter()
                 return Draft.empty(B)
         else:
             # the tree is drafted for the rows that take it only (every row's new pairs are fed)
@@ -310,11 +282,9 @@ class LookupEagleDrafter(_LookupFirst):
                 trim = self._trees % self.probe_every != 0  # else a whole-tree probe
             t1 = time.perf_counter()
             tree = self.eagle.propose(ctx, min(self.eagle.depth, max_tokens), rows=sub,
-                                      min_logp=self._min_logp() if trim else None)
+                                      min_logp=self._min_logp(cost) if trim else None)
             t_head = time.perf_counter() - t1
             self._timing = (t_head, steady(behind, max(self.ngram.max_n, self.eagle.depth)))
-            if self._timing[1]:
-                self.t_draft = ema(self.t_draft, t_head, 0.9)
             self._tree_rows = list(tree_rows)
         self.rows_drafted["lookup"] += sum(1 for g, t in zip(looked, tree_rows) if g and not t)
         self.rows_drafted["eagle"] += sum(tree_rows) if tree is not None else 0
@@ -330,7 +300,7 @@ class LookupEagleDrafter(_LookupFirst):
             probs = [math.exp(v) for v in self.eagle.last_scores[i]] if len(self.eagle.last_scores) > i else []
             if len(probs) == n:
                 if trim:
-                    toks, pars, probs = self._trim(toks, pars, probs)
+                    toks, pars, probs = self._trim(toks, pars, probs, cost)
                     n = len(toks)
                 self._node_p[b] = probs
             if looked[b] and max_nodes is not None and max_nodes > n:
@@ -345,30 +315,29 @@ class LookupEagleDrafter(_LookupFirst):
         # the lookup times the target step from here (the head's drafting is not part of it)
         self.ngram.step_tokens = N
         self.ngram.handed_over()
-        self._t_end = time.perf_counter()
         if tree is not None:
             sizes = [len(t) for (t, _), on in zip(rows, tree_rows) if on]
             self.nodes = ema(self.nodes, sum(sizes) / len(sizes), 0.9)
         return Draft(tokens, counts, None, parents)
 
-    def _min_logp(self) -> float | None:
+    def _min_logp(self, cost: float) -> float | None:
         """The path log-probability below which `_trim` would drop a node whatever else the tree
-        holds: its odds under r / (1 + c), the least a node must add (None: no such bound).
-        Below it the head need not expand."""
+        holds: its odds under r / (1 + c), c = `cost`, the least a node must add (None: no such
+        bound). Below it the head need not expand."""
         policy = self.ngram.policy
         if policy is None:
             return None
-        floor = policy.r / (1.0 + (self.cost() or 0.0))
+        floor = policy.r / (1.0 + cost)
         lows = (0.0,) + self.odds.EDGES
         worth = [lo for i, lo in enumerate(lows) if self.odds.acc[i] / self.odds.seen[i] > floor]
         if not worth:
             return math.inf  # not even a certain guess pays for its verification
         return math.log(worth[0]) if worth[0] > 0 else None
 
-    def _trim(self, toks: list[int], pars: list[int], probs: list[float]):
+    def _trim(self, toks: list[int], pars: list[int], probs: list[float], cost: float):
         """The head's tree cut to the nodes worth verifying: by their learnt odds of being accepted
         (`NodeOdds`, from the head's path probabilities), the best first, as many as maximise
-        committed tokens per unit of step time given the head's cost c (already spent) and r per
+        committed tokens per unit of step time given the head's cost c = `cost` (already spent) and r per
         verified node (core.policy.best_prefix). A node's path probability never exceeds its
         parent's, so every cut keeps parents. (`assemble` skips the cut on every probe_every-th
         step with trees, so that the odds of nodes it drops stay measured.) Returns (tokens,
@@ -377,7 +346,7 @@ class LookupEagleDrafter(_LookupFirst):
         if policy is None:
             return toks, pars, probs
         order = sorted(range(len(toks)), key=lambda j: (-probs[j], j))
-        m = best_prefix([self.odds(probs[j]) for j in order], self.cost() or 0.0, policy.r)
+        m = best_prefix([self.odds(probs[j]) for j in order], cost, policy.r)
         if m == len(toks):
             return toks, pars, probs
         keep = sorted(j + 1 for j in order[:m])
@@ -385,9 +354,8 @@ class LookupEagleDrafter(_LookupFirst):
         return toks, pars, [probs[j - 1] for j in keep]
 
     def skip(self) -> None:
-        """The engine decodes a step without drafting: do not time across it (the head's
-        features wait in the engine and arrive with the next proposal)."""
-        self._t_end = None
+        """The engine decodes a step without drafting (the head's features wait in the engine and
+        arrive with the next proposal)."""
         self._tree_rows = None
         self._node_p = {}
         self.ngram.skip()
@@ -418,15 +386,12 @@ class LookupEagleDrafter(_LookupFirst):
         self.eagle.add_row(max_len)
 
     def learned(self) -> dict:
-        """The lookup's policy, the tree's gain and size, the head's drafting time and the mean
-        step, for a later run to start from (learned.py): with the head's time known, the gate
-        decides from the first step instead of probing first."""
-        return {"ngram": self.ngram.learned(), "gain": self.gain, "nodes": self.nodes,
-                "t_draft": self.t_draft, "t_step": self.t_step, "odds": self.odds.learned()}
+        """The lookup's policy, the tree's gain and size and the nodes' odds, for a later run to
+        start from (learned.py; the head's drafting time is the cost model's, saved with it)."""
+        return {"ngram": self.ngram.learned(), "gain": self.gain, "nodes": self.nodes, "odds": self.odds.learned()}
 
     def relearn(self, state: dict) -> None:
         gain, nodes = nonneg(state["gain"], "gain"), nonneg(state["nodes"], "nodes")
-        t_draft, t_step = nonneg(state["t_draft"], "t_draft"), nonneg(state["t_step"], "t_step")
         if state.get("ngram"):
             self.ngram.relearn(state["ngram"])
         if state.get("odds"):
@@ -435,7 +400,6 @@ class LookupEagleDrafter(_LookupFirst):
             self.gain = gain
         if nodes:
             self.nodes = nodes
-        self.t_draft, self.t_step = t_draft, t_step
 
 
 def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
