@@ -42,12 +42,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "tree chosen from their measured accuracies). Default: auto (exact, like every method: the "
                         "same greedy text as none, sampled text from the same distribution)")
     g.add_argument("-k", "--num-draft-tokens", dest="k", type=guesses, default=None,
-                   help=f"most tokens drafted per step (0: none, i.e. plain decoding; at most {MAX_GUESSES}). ngram and auto propose fewer "
-                        "where their guesses tend not to hold (adaptive); the eagle tree's depth is --tree-depth "
+                   help=f"most tokens drafted per step (0: none, i.e. plain decoding; at most {MAX_GUESSES}). "
+                        "Every method drafts fewer, or none, where its guesses do not pay by the measured costs; "
+                        "the eagle tree's depth is --tree-depth "
                         f"instead. Default: {', '.join(f'{m} {k}' for m, k in DEFAULT_K.items())}")
     g.add_argument("--fixed-k", action="store_true",
-                   help="ngram, draft, auto: draft up to -k guesses every step instead of only as far as they pay "
-                        "by the measured costs (for comparisons and checks; as serve --fixed-k)")
+                   help="draft up to -k guesses (eagle, medusa: the whole tree) every step instead of only as far as "
+                        "they pay by the measured costs (for comparisons and checks; as serve --fixed-k)")
     g.add_argument("--draft-confidence", type=unit_interval, default=None, metavar="P",
                    help="draft model (draft, and auto without an EAGLE head): a row stops guessing after a token "
                         "the draft itself gives less than probability P (0 = always -k tokens). Exact at any value: "
