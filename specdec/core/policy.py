@@ -445,6 +445,11 @@ class StepModel:
         c = self.coefficients(rows)
         return None if c is None else c[0] + c[1] * rows
 
+    def plain_or_mean(self, rows: int) -> float | None:
+        """A plain step's seconds at `rows` rows from the fit, else the mean step seen (None
+        before any)."""
+        return self.plain_step(rows) or self.mean(rows)
+
     def guess_cost(self, rows: int) -> float | None:
         """r: what one more guess slot for each of `rows` rows adds to a step, in plain steps of
         those rows (None until fitted)."""
@@ -763,7 +768,7 @@ class LoadPolicy:
         time in plain steps (what a tree's cut weighs its nodes against, LookupEagleDrafter's
         `assemble`); 0 until the head is timed and a step is seen."""
         head = self.head_cost(tree_rows) if tree_rows else None
-        plain = self.steps.plain_step(A) or self.steps.mean(A)
+        plain = self.steps.plain_or_mean(A)
         return head / plain if head is not None and plain else 0.0
 
     # -- what it chooses ----------------------------------------------------------------
@@ -922,7 +927,7 @@ class LoadPolicy:
         # the draft model declined on every row: probed on the schedule, where it is cheap enough
         cheap = None  # (a row took it: `_probe` restarts the schedule, nothing to price)
         if not any(best_use):
-            plain = self.steps.plain_step(A) or self.steps.mean(A) or 0.0
+            plain = self.steps.plain_or_mean(A) or 0.0
             could = self._could_pay(A, per_tok)
             cheap = [could and self.catch_up_cost(b) <= plain * self.probes.gap / PROBE_EVERY for b in behind]
         probe = self._probe(A, best_use, draft_ok, room, cheap)

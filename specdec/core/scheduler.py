@@ -562,10 +562,12 @@ class ContinuousBatcher:
         if cache is not self.cache:
             cache.sync()
         n_acc = torch.tensor(res.accepted, dtype=torch.long)
-        self._commit_drafters(s, res, n_acc)
+        drafted_l, counts_l, failed = s.drafted.tolist(), s.counts.tolist(), res.failed
+        # how deep each row's proposal reached (a tree counts as a chain as deep as the tree)
+        depths = [res.proposed_depth(b, c) for b, c in enumerate(counts_l)]
+        self._commit_drafters(s, res.paths, n_acc, depths)
         t2 = time.perf_counter()
         self._record(s, n_acc, t2 - t0)
-        drafted_l, counts_l, failed = s.drafted.tolist(), s.counts.tolist(), res.failed
         for b, r in enumerate(self.rows):
             if b in failed:
                 continue
@@ -577,7 +579,7 @@ class ContinuousBatcher:
             r.context.extend(ids)
             st, accepted = r.stats, len(res.paths[b])
             st.target_forwards += 1
-            depth = res.proposed_depth(b, counts_l[b])  # a tree counts as a chain as deep as the tree
+            depth = depths[b]
             st.proposed += depth
             st.accepted += accepted
             if depth:
@@ -765,14 +767,12 @@ class ContinuousBatcher:
         self.last_k = s.K
         s.is_tree = s.parents is not None and s.K > 0 and any(s.use_tree)  # lookup rows alone: a plain chain step
 
-    def _commit_drafters(self, s: _Step, res, n_acc: torch.Tensor) -> None:
-        """Tell the drafters what each row kept (and the cost model what held)."""
-        paths = res.paths
+    def _commit_drafters(self, s: _Step, paths: list[list[int]], n_acc: torch.Tensor, depths: list[int]) -> None:
+        """Tell the drafters what each row kept (and the cost model what held; `depths`: how deep
+        each row's proposal reached)."""
         if self.generic:
             if s.proposed:  # every proposal is answered
                 self.drafter.commit(n_acc.tolist(), paths=paths if s.is_tree else None)
-                # how deep each row's guesses reached (a tree's deepest node) and how many held
-                depths = [res.proposed_depth(b, c) for b, c in enumerate(s.counts.tolist())]
                 self.policy.observe_draft(depths, n_acc.tolist())
         elif self.trees:
             self.drafter.commit(n_acc.tolist(), paths=paths if s.is_tree else None)
