@@ -16,7 +16,8 @@ import sys
 import time
 
 from . import learned, threads
-from .config import DEFAULT_K, DEFAULT_TREE_NODES, METHODS, SpecConfig, build_engine, load_target
+from .config import SpecConfig, build_engine, load_target
+from .methods import DEFAULT_K, DEFAULT_TREE_NODES, METHODS, parse_variant, variant_config
 from .distributed import wants_ray
 from .flags import build_parser
 from .prompts import encode_prompts, prompt_where, read_prompts
@@ -38,7 +39,7 @@ def cmd_serve(args) -> int:
         return serve_on_ray(args)
     cfg = SpecConfig.from_args(args)
     threads.start(cfg.threads)
-    lm, batcher, method = build_batcher(cfg)
+    lm, batcher = build_batcher(cfg)
     threads.settle()  # the free cores, measured while loading (the batcher may call threads.tick per step)
     if args.log_level == "debug":  # one line per step: batch size, draft cap, tree rows, guesses, accepted, time
         log = logging.getLogger("specdec.batcher")
@@ -51,7 +52,7 @@ def cmd_serve(args) -> int:
         batcher.log = log
     app = create_app(lm, batcher, args.served_model_name or lm.name, api_key=args.api_key,
                      request_timeout=args.request_timeout)
-    print(f"[specdec] serving {lm.name} on http://{args.host}:{args.port}/v1 (method {method}, "
+    print(f"[specdec] serving {lm.name} on http://{args.host}:{args.port}/v1 (method {batcher.method}, "
           f"max batch {args.max_batch})", file=sys.stderr)
     from .server.runner import serve
 
@@ -73,12 +74,10 @@ def cmd_bench(args) -> int:
     cfg = SpecConfig.from_args(args)  # (bad sampling values fail here, before anything loads)
     params = cfg.sampling
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bench_methods = METHODS + ("eagle-chain", "medusa-chain", "auto-draft", "auto-eagle")
     if not methods:
-        raise SpecdecError(f"--methods {args.methods!r} names no method; choose from {', '.join(bench_methods)}")
-    bad = [m for m in methods if m not in bench_methods]
-    if bad:
-        raise SpecdecError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(bench_methods)}")
+        raise SpecdecError(f"--methods {args.methods!r} names no method; choose from {', '.join(METHODS)}")
+    for m in methods:
+        parse_variant(m)  # an unknown method or option fails here, before anything loads
     if "none" not in methods:
         methods.insert(0, "none")
     peers = [] if args.peers.strip() in ("", "none") else [p.strip() for p in args.peers.split(",") if p.strip()]
@@ -96,19 +95,18 @@ def cmd_bench(args) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target = load_target(cfg, args.quiet)
-    runners = []
+    runners, ks = [], {}
+    drafts = {"draft": args.draft, "auto": args.draft, "eagle": args.eagle, "medusa": args.medusa,
+              "auto-draft": args.draft or default_draft_for(target), "auto-eagle": args.eagle or default_eagle_for(target)}
     for m in methods:
-        base = m.removesuffix("-chain").removesuffix("-draft").removesuffix("-eagle")
-        draft = {"draft": args.draft, "auto": args.draft, "eagle": args.eagle, "medusa": args.medusa}.get(base)
-        if m == "auto-draft":
-            draft = args.draft or default_draft_for(target)
-        elif m == "auto-eagle":
-            draft = args.eagle or default_eagle_for(target)
         try:
-            eng = build_engine(cfg.replace(method=base, draft=draft, tree=not m.endswith("-chain")), target, args.quiet)
+            variant = variant_config(cfg, m, drafts)
+            eng = build_engine(variant, target, args.quiet)
         except SpecdecError as e:
             runners.append(Runner(m, "specdec", None, str(e)))
             continue
+        if eng.k:
+            ks[m] = eng.k
         runners.append(Runner(m, "specdec", lambda ids, p, eng=eng: _one(eng, ids, p)))
     encoded = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
     for t, ids in zip(tasks, encoded):  # one bad prompt would fail every runner, after loading them all
@@ -126,7 +124,7 @@ def cmd_bench(args) -> int:
     cmd = "specdec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("specdec") else "specdec bench ..."
     result.update({
         "benchmark": "specdec bench", "command": cmd, "model": target.name,
-        "k": {m: cfg.method_k(m.split("-")[0]) for m in methods if m != "none"},
+        "k": ks,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "repeats": args.repeats,
         "machine": machine_info(torch.get_num_threads()), "tasks": args.tasks or ["humaneval"], "prompts": len(tasks),
     })
@@ -153,7 +151,7 @@ def writable_dir(path: str):
     return out
 
 
-VALIDATE_METHODS = ("ngram", "draft", "auto", "eagle", "eagle-chain", "medusa", "medusa-chain")
+VALIDATE_METHODS = ("ngram", "draft", "auto", "eagle", "eagle:tree=off", "medusa", "medusa:tree=off")
 
 
 def _csv_ints(text: str, flag: str) -> list[int]:
@@ -187,9 +185,10 @@ def cmd_validate(args) -> int:
                if m.strip()]
     if not methods:
         raise SpecdecError(f"--methods {args.methods!r} names no method; choose from {', '.join(VALIDATE_METHODS)}")
-    bad = [m for m in methods if m not in VALIDATE_METHODS]
-    if bad:
-        raise SpecdecError(f"unknown method(s) {', '.join(bad)} for validate; choose from {', '.join(VALIDATE_METHODS)}")
+    for m in methods:
+        if parse_variant(m)[0] == "none":
+            raise SpecdecError("validate compares every method with plain decoding already; leave 'none' out of "
+                               f"--methods (choose from {', '.join(VALIDATE_METHODS)})")
     k_list = _csv_ints(args.k_list, "--k") if args.k_list else None
     conc_text = args.concurrency or ("1,4" if q else "1,2,4,8,16")
     levels = [] if conc_text.strip() == "none" else _csv_ints(conc_text, "--concurrency")
@@ -213,8 +212,9 @@ def cmd_validate(args) -> int:
     drafts = {"draft": args.draft, "auto": args.draft, "eagle": args.eagle, "medusa": args.medusa}
     configs, skipped = [], {}
     for m in methods:
-        base = m.removesuffix("-chain")
-        tree = base in ("eagle", "medusa") and not m.endswith("-chain")
+        variant = variant_config(cfg, m, drafts)
+        base = variant.method
+        tree = base in ("eagle", "medusa") and variant.tree
         if tree:
             ks = [args.tree_depth if base == "eagle" else None]
         elif k_list:
@@ -222,10 +222,10 @@ def cmd_validate(args) -> int:
         elif base in ("ngram", "draft") and not q:
             ks = sorted({max(1, DEFAULT_K[base] // 2), DEFAULT_K[base]})
         else:
-            ks = [DEFAULT_K[base]]
+            ks = [variant.k or DEFAULT_K[base]]
         for k in ks:
             try:
-                eng = build_engine(cfg.replace(method=base, draft=drafts.get(base), k=k, tree=tree), target)
+                eng = build_engine(variant.replace(k=k), target)
             except SpecdecError as e:
                 if explicit or (args.draft and base in ("draft", "auto")):
                     raise SpecdecError(f"method {m}: {e}") from None
@@ -395,7 +395,7 @@ def cmd_generate(args) -> int:
     memory = None if args.fresh else cfg.learned_key(target)
     restored = memory is not None and learned.restore(engine, memory)
     tok = target.tokenizer
-    encoded, notes = encode_prompts(args, cfg, tok, rows_in, target.model.max_context, engine.drafter)
+    encoded, notes = encode_prompts(args, cfg, tok, rows_in, target.model.max_context, engine.sources)
     for note in [] if quiet else notes:
         print(f"[specdec] note: {note}", file=sys.stderr)
     if args.n > 1 and params.greedy and not quiet:
@@ -484,6 +484,10 @@ def print_summary(results, cfg: SpecConfig, wall: float, weights: str = "fp32") 
             shape, accept = f"k={cfg.method_k()}", "acceptance"
         line += (f", {shape}: {accept} {s['alpha']:.2f}, {s['tau']:.2f} tokens/forward, "
                  f"draft {s['draft_s']:.2f} s vs verify {s['verify_s']:.2f} s")
+        plain = s["plain_steps"]
+        if plain:  # the row-steps that verified no guess, and why (the cost model declining, the guard ...)
+            why = ", ".join(f"{reason} {n}" for reason, n in sorted(plain.items(), key=lambda kv: -kv[1]))
+            line += f", {sum(plain.values())} row-steps without guesses ({why})"
     reasons = sorted({r.stats.finish_reason for r in results})
     line += f"; finished: {', '.join(reasons)}"
     if weights != "fp32":

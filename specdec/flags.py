@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 
 from .argtypes import guesses, int_at_least, nonneg_int, one_to_max_guesses, positive_int, unit_interval
-from .config import DEFAULT_K, DEFAULT_TREE_NODES, DTYPES, METHODS, SERVE_METHODS
+from .config import DTYPES
+from .methods import DEFAULT_K, DEFAULT_TREE_NODES, METHODS
 from .distributed import add_generate_ray_args, add_serve_ray_args, add_train_ray_args
 from .types import MAX_GUESSES
 
@@ -158,7 +159,7 @@ def add_serve_parser(sub) -> None:
     v.add_argument("--model", metavar="PATH", default=None,
                    help="target model (a .gguf, a Hugging Face folder, or a hub id). Default: the embedded default model")
     add_weights_arg(v)
-    v.add_argument("--method", choices=SERVE_METHODS, default="auto",
+    v.add_argument("--method", choices=METHODS, default="auto",
                    help="speculation for the batch: auto (prompt lookup where the text repeats, the EAGLE head's tree "
                         "elsewhere, at loads where it pays; needs a head: the default model ships one, else --draft; "
                         "with --draft MODEL a draft model's guesses take the tree's place), "
@@ -217,13 +218,14 @@ def add_bench_parser(sub) -> None:
                         "(Spec-Bench rows with 'turns', or rows with 'prompt'/'messages'). Repeatable. "
                         "Default: humaneval")
     b.add_argument("--methods", default="none,ngram,draft,auto",
-                   help="comma-separated specdec methods (eagle-chain and medusa-chain: the heads without a tree; "
-                        "auto-draft and auto-eagle: auto with the draft model or with the EAGLE head); "
-                        "'none' is always included as the baseline. Default: none,ngram,draft,auto")
+                   help="comma-separated specdec methods, each with options as method:option=value (eagle:tree=off "
+                        "and medusa:tree=off: the heads' chains; auto:with=draft and auto:with=eagle: auto with the "
+                        "draft model or with the EAGLE head; any setting, e.g. ngram:k=4); 'none' is always "
+                        "included as the baseline. Default: none,ngram,draft,auto")
     b.add_argument("--eagle", metavar="DIR", default=None,
-                   help="EAGLE head for eagle / eagle-chain. Default: the head shipped for the default target")
+                   help="EAGLE head for eagle (and auto:with=eagle). Default: the head shipped for the default target")
     b.add_argument("--medusa", metavar="DIR", default=None,
-                   help="Medusa heads for medusa / medusa-chain. Default: the heads shipped for the default target")
+                   help="Medusa heads for medusa. Default: the heads shipped for the default target")
     b.add_argument("--peers", default=",".join(PEERS),
                    help=f"comma-separated peer engines from {', '.join(PEERS)}, or 'none'. llama.cpp rows need "
                         "the optional extra (pip install -e '.[peers]') and are skipped with a note without it. "
@@ -261,11 +263,12 @@ def add_validate_parser(sub) -> None:
                         "'prompt', OpenAI-style 'messages', or Spec-Bench 'turns'; optional 'id', 'category'), or "
                         "'humaneval' (raw code completion)")
     v.add_argument("--methods", default=None,
-                   help="comma-separated methods to test, from ngram, draft, auto, eagle, eagle-chain, medusa, "
-                        "medusa-chain. Default: every method that has what it needs for this target (the default "
-                        "target ships a draft, an EAGLE head and Medusa heads); --quick: ngram,auto,eagle")
+                   help="comma-separated methods to test, each with options as method:option=value (eagle:tree=off, "
+                        "medusa:tree=off: the heads' chains). Default: ngram, draft, auto, eagle, eagle:tree=off, "
+                        "medusa, medusa:tree=off where this target has what each needs (the default target ships a "
+                        "draft, an EAGLE head and Medusa heads); --quick: ngram,auto,eagle")
     v.add_argument("--k", dest="k_list", default=None, metavar="LIST",
-                   help="comma-separated draft lengths to try for chain methods (ngram, draft, auto, *-chain); "
+                   help="comma-separated draft lengths to try for chain methods (ngram, draft, auto, tree=off); "
                         "trees use --tree-* instead. Default: each method's default k, and for ngram and draft "
                         "also half of it (--quick: the default only)")
     v.add_argument("--concurrency", default=None, metavar="LIST",

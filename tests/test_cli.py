@@ -130,21 +130,17 @@ def test_steps_longer_than_the_kernels_verify_exactly_are_refused_before_loading
     """Guesses and tree nodes are capped (types.MAX_GUESSES) so that a step stays within the tokens
     the kernels verify bit for bit as plain decoding computes them (models/llama.py ATTEND_MAX_T);
     the Engine and the server's batcher refuse more guesses too."""
-    import inspect
-
-    from specdec.drafters.hybrid import LookupEagleDrafter
+    from specdec.core.scheduler import ContinuousBatcher
     from specdec.drafters.ngram import NgramDrafter
     from specdec.engine import Engine
     from specdec.models.llama import ATTEND_MAX_T
-    from specdec.core.scheduler import ContinuousBatcher
     from specdec.types import MAX_GUESSES, SpecdecError
 
-    graft = inspect.signature(LookupEagleDrafter).parameters["graft"].default  # lookup nodes auto adds to a tree
-    assert 1 + MAX_GUESSES + graft <= ATTEND_MAX_T
+    assert 1 + MAX_GUESSES <= ATTEND_MAX_T  # (a lookup grafted onto a tree stays within the step's slots)
     with pytest.raises(SpecdecError, match="between 0 and 48"):
         Engine(None, NgramDrafter(), k=MAX_GUESSES + 1)
-    with pytest.raises(SpecdecError, match="between 0 and 48"):
-        ContinuousBatcher(None, method="ngram", k_max=MAX_GUESSES + 1, thread=False)
+    with pytest.raises(SpecdecError, match="at most 48 guesses"):
+        ContinuousBatcher(None, (), [NgramDrafter()], k_max=MAX_GUESSES + 1, thread=False)
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
@@ -361,15 +357,14 @@ def test_batches_of_samples_differ(default_model, capsys):
 def test_notes_for_options_that_do_nothing(argv, drafter, chat, expect):
     """Options that do not apply to the run (tree shapes for chain methods, filters with greedy, a system
     message with raw prompts) used to be dropped without a word."""
+    from types import SimpleNamespace
+
     from specdec.config import SpecConfig, unused_setting_notes
-    from specdec.drafters.hybrid import LookupEagleDrafter
     from specdec.flags import build_parser
 
     args = build_parser().parse_args(["generate", "x", *argv])
-    from specdec.drafters.draft_model import DraftModelDrafter
-
-    d = {"lookup-eagle": object.__new__(LookupEagleDrafter), "other": object(), None: None,
-         "draft": object.__new__(DraftModelDrafter)}[drafter]
+    named = lambda *names: [SimpleNamespace(label=n) for n in names]  # noqa: E731  (the sources' names)
+    d = {"lookup-eagle": named("ngram", "eagle"), "other": named("other"), None: [], "draft": named("draft")}[drafter]
     notes = unused_setting_notes(SpecConfig.from_args(args), d, chat, args.system)
     assert len(notes) == len(expect), notes
     for note, want in zip(notes, expect):

@@ -24,12 +24,13 @@ MAX_CONTEXT = 512
 
 @pytest.fixture(scope="module")
 def server(default_model):
-    from specdec.drafters.hybrid import lookup_eagle_for
-    from specdec.server.app import create_app
+    from specdec.config import SpecConfig
     from specdec.core.scheduler import ContinuousBatcher
+    from specdec.methods import sources_for
+    from specdec.server.app import create_app
 
-    batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, method="auto", k_max=8, max_batch=8,
-                                max_queue=64, max_context=MAX_CONTEXT, drafter=lookup_eagle_for(default_model))
+    batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, sources_for(SpecConfig(), default_model)[0],
+                                method="auto", k_max=8, max_batch=8, max_queue=64, max_context=MAX_CONTEXT)
     app = create_app(default_model, batcher, "smol", request_timeout=120)
     with serving(app) as url:
         yield url, batcher
@@ -45,14 +46,14 @@ def client(server):
 
 def balanced(batcher) -> bool:
     s = batcher.stats()
-    return s["requests"] == s["finished"] + s["cancelled"] + s["failed"] + s["batch"] + s["queued"]
+    return s.requests == s.finished + s.cancelled + s.failed + s.batch + s.queued
 
 
 def wait_idle(batcher, seconds: float = 10.0) -> None:
     t0 = time.time()
     while time.time() - t0 < seconds:
         s = batcher.stats()
-        if s["batch"] == 0 and s["queued"] == 0:
+        if s.batch == 0 and s.queued == 0:
             return
         time.sleep(0.02)
     raise AssertionError(f"the batcher did not go idle: {batcher.stats()}")
@@ -161,7 +162,7 @@ def test_a_failing_row_ends_alone(server, default_model, poisoned, caplog):
     assert all(("chatcmpl-" in r.getMessage() or "cmpl-" in r.getMessage()) for r in failures)
     wait_idle(batcher)
     assert balanced(batcher), batcher.stats()
-    assert batcher.stats()["failed"] >= 3
+    assert batcher.stats().failed >= 3
 
 
 @pytest.mark.parametrize("body,needle", [

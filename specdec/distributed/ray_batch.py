@@ -71,7 +71,7 @@ class EngineWorker:
 
         try:
             ids, notes = encode_prompts(self.args, self.cfg, self.target.tokenizer, rows_in,
-                                        self.target.model.max_context, self.engine.drafter)
+                                        self.target.model.max_context, self.engine.sources)
         except SpecdecError as e:
             return {"ids": None, "notes": [], "error": str(e)}
         return {"ids": ids, "notes": notes, "error": None}

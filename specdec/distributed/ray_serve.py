@@ -186,7 +186,8 @@ class SpecdecEngine:
 
         torch.set_num_threads(engine_threads(args))
         self.args = args
-        self.lm, self.batcher, self.method = build_batcher(args)
+        self.lm, self.batcher = build_batcher(args)
+        self.method = self.batcher.method
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_tag if getattr(ctx, "replica_tag", None) else str(ctx.replica_id)
         self.board = ray.remote(num_cpus=0)(MetricsBoard).options(
@@ -233,7 +234,7 @@ class SpecdecEngine:
         while not self._stop.wait(PUSH_EVERY_S):
             try:
                 s = self.batcher.stats()
-                left = ray.get(self.board.post.remote(self.replica, self.own_metrics(), s["batch"] + s["queued"],
+                left = ray.get(self.board.post.remote(self.replica, self.own_metrics(), s.batch + s.queued,
                                                       self.batcher.draining), timeout=10)
             except Exception:  # the board is being replaced, or Ray is shutting down: try again next tick
                 continue

@@ -73,15 +73,14 @@ def run(target, samples: Samples, configs: list[measure.Config], none_engine, op
             levels = sorted(set(opts.concurrency))
             reference = [r["tokens"] for r in raw["none"]["samples"]]
             bar = _bar(opts.repeats * len(levels) * len(measure.LOAD_SETTINGS), "under load", opts.quiet)
-            from ..config import SpecConfig, serve_drafter
+            from ..config import SpecConfig
+            from ..methods import sources_for
 
-            # the server's own drafting (config.serve_drafter): auto (prompt lookup + the EAGLE head)
-            # where the target has a head, else prompt lookup
+            # the server's own drafting: auto (prompt lookup beside the EAGLE head or the draft model
+            # the target has, else prompt lookup alone)
             server = SpecConfig(method="auto")
-            has_head = serve_drafter(server, target, quiet=True)[0] == "auto"
-            make = (lambda: serve_drafter(server, target, quiet=True)[1]) if has_head else None
             load = measure.load(target.model, target.eos_ids, enc, params, levels, opts.load_k, opts.min_requests,
-                                opts.repeats, reference, bar, make_drafter=make)
+                                opts.repeats, reference, bar, make_sources=lambda: sources_for(server, target)[0])
             bar.close()
             findings = analysis.load_findings(load)
 
