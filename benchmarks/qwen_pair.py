@@ -414,8 +414,8 @@ def measure_decode(threads: int, max_new: int, n_prompts: int, k: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    from specdec.drafters.draft_model import _make as make_draft
     from specdec.drafters.ngram import NgramDrafter
+    from specdec.methods import draft_source
     from specdec.engine import Engine
     from specdec.models.loader import load_model
     from specdec.types import SamplingParams
@@ -424,7 +424,7 @@ def measure_decode(threads: int, max_new: int, n_prompts: int, k: int) -> dict:
     draft = load_model(str(fetch("draft")), quiet=True, pack=False)
     sp = SamplingParams(max_new_tokens=max_new)
     methods = {"none": lambda: None, "ngram": lambda: NgramDrafter(),
-               "draft": lambda: make_draft(target=target, draft=draft)}
+               "draft": lambda: draft_source(target, draft)}
     rates = {name: [] for name in methods}
     decode_rates = {name: [] for name in methods}
     equal = {name: 0 for name in methods}
