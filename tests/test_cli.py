@@ -215,6 +215,20 @@ def test_stop_string_cuts_text(default_model, capsys):
 
 
 @pytest.mark.default_model
+def test_streamed_text_stops_before_the_stop_string(default_model, capsys):
+    """Streaming to the terminal with --stop: what was printed is the text up to the stop (text
+    that could still become it is held back, never printed and taken back)."""
+    args = ["generate", "Count from 1 to 10, separated by commas.", "--max-new-tokens", "40", "--quiet"]
+    assert main(args + ["--json"]) == 0
+    full = json.loads(capsys.readouterr().out)["text"]
+    assert ", 5" in full, full
+    for stop in ("5", ", 5", ""):
+        assert main(args + ["--stop", stop]) == 0
+        printed = capsys.readouterr().out
+        assert printed == (full[: full.index(stop)] if stop else full) + "\n", (stop, printed)
+
+
+@pytest.mark.default_model
 def test_n_samples_batch_and_seed(default_model, tmp_path, capsys):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"prompt": "Say a word."}) + "\n" + json.dumps({"prompt": "Say a number."}) + "\n")
