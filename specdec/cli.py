@@ -30,7 +30,7 @@ def cmd_serve(args) -> int:
     import logging
 
     from .config import build_batcher
-    from .server.app import create_app
+    from .server.app import app_settings, create_app
 
     if wants_ray(args):
         from .distributed.ray_serve import serve_on_ray
@@ -49,8 +49,7 @@ def cmd_serve(args) -> int:
             log.addHandler(handler)
         log.propagate = False
         batcher.log = log
-    app = create_app(lm, batcher, args.served_model_name or lm.name, api_key=args.api_key,
-                     request_timeout=args.request_timeout)
+    app = create_app(lm, batcher, args.served_model_name or lm.name, **app_settings(args))
     print(f"[specdec] serving {lm.name} on http://{args.host}:{args.port}/v1 (method {method}, "
           f"max batch {args.max_batch})", file=sys.stderr)
     from .server.runner import serve

@@ -24,6 +24,14 @@ def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """Chat messages as the model's template writes them, ready for the assistant's turn (to be
+    tokenized without adding special tokens: the template wrote them)."""
+    if not has_chat_template(tokenizer):
+        raise SpecdecError("chat messages were given but this model's tokenizer has no chat template")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
 def encode_prompt(tokenizer, prompt: str | list, chat: bool | None, system: str | None = None) -> list[int]:
     """Token ids for a prompt.
 
@@ -110,6 +118,11 @@ class TextStream:
     def text(self) -> str:
         """The text released so far (after finish(): the whole answer, cut at a stop string)."""
         return "".join(self._released)
+
+    @property
+    def shown(self) -> int:
+        """Characters of text released so far."""
+        return self._released_chars
 
     @property
     def used_tokens(self) -> int:
@@ -238,8 +251,3 @@ class TextStream:
                 return n
         return len(self.tokens)
 
-
-def find_stop(text: str, stops: list[str]) -> int | None:
-    """Index where the earliest stop string starts in text, or None."""
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None

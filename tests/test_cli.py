@@ -56,6 +56,10 @@ def test_serve_port_out_of_range_is_refused_before_loading(capsys):
         main(["serve", "--port", "99999"])
     assert e.value.code == 2
     assert "--port: must be <= 65535, got 99999" in capsys.readouterr().err
+    for bad in ("0", "-1", "inf", "soon"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--body-timeout", bad])
+        assert e.value.code == 2 and "--body-timeout" in capsys.readouterr().err
 
 
 def test_corrupt_gguf(tmp_path, monkeypatch, capsys):

@@ -18,19 +18,7 @@ import pytest
 
 from specdec.text import TextStream, stop_strings
 from specdec.types import SpecdecError
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for each byte (what byte-level BPE vocabularies spell)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
+from tiny_gguf import byte_symbols
 
 
 def byte_level_tokenizer():
@@ -38,8 +26,7 @@ def byte_level_tokenizer():
     are split into their bytes unless a merge joins them; id 300 is a special token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    chars = _bytes_to_unicode()
-    vocab = {chars[b]: b for b in range(256)}
+    vocab = {symbol: b for b, symbol in enumerate(byte_symbols())}
     merges = []
     for word in ("he", "hel", "hell", "hello", "Ġw", "Ġwo"):
         left, right = (word[:-1], word[-1]) if len(word) > 2 or word[0] != "Ġ" else ("Ġ", word[1:])
