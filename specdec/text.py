@@ -1,9 +1,11 @@
-"""Text-side helpers around a tokenizer: prompt rendering, streaming detokenisation,
-stop strings. The engine never sees text; the CLI, server and benchmarks use these.
+"""Text-side helpers around a tokenizer: prompt rendering, and TextStream, the one incremental
+decoder (streaming text, stop strings). The engine never sees text; the CLI, the API, the server
+and benchmarks use these.
 """
 
 from __future__ import annotations
 
+import bisect
 import sys
 
 from .types import SpecdecError
@@ -87,7 +89,8 @@ class TextStream:
     still become a stop string waits until it cannot. Once a stop string appears the text ends
     before it (`stopped`), and later tokens add nothing. `finish()` returns what was held back;
     then `text` is the whole answer, equal to decoding every token at once and cutting at the
-    stop string. Of several stop strings, the one that is complete first ends the text.
+    stop string (bytes that never form a character aside: docs/design.md). Of several stop
+    strings, the one that is complete first ends the text.
 
     Linear in the answer's length: each push decodes a window of the last few tokens (since a
     token boundary where the text ended between characters, kept one push back so that a
@@ -167,8 +170,6 @@ class TextStream:
 
     def tokens_within(self, chars: int) -> int:
         """How many leading tokens end within the first `chars` characters (needs token_ends)."""
-        import bisect
-
         return bisect.bisect_right(self.ends, chars)
 
     # ------------------------------------------------------------------------------------
