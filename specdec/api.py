@@ -60,16 +60,19 @@ class Speculator:
         A prompt is text or a list of OpenAI-style messages ({"role", "content"}). chat=None
         uses the tokenizer's chat template when it has one (True requires it, False sends the
         text raw); system is the template's system message. stop: strings that end a row (cut
-        from its text). on_text(row, text): each row's newly decoded text as it comes.
+        from its text; empty ones are ignored). on_text(row, text): each row's new text as it
+        comes, never reaching a stop string (text that could still become one waits, as does a
+        character whose bytes have not all come).
         sampling: max_new_tokens, temperature (0: greedy), top_k, top_p, min_p, seed; the
         config's sampling defaults for the rest."""
-        from .text import check_text, encode_prompt, find_stop
+        from .text import TextStream, check_text, encode_prompt, stop_strings
 
         unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
         if unknown:
             raise SpecdecError(f"generate() got unknown option(s) {', '.join(unknown)}; sampling options are "
                                f"{', '.join(SAMPLING_FIELDS)}")
         params = dataclasses.replace(self.config.sampling, **sampling)
+        stops = stop_strings(stop, "a stop string")
         single = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict))
         prompts = [prompt] if single else list(prompt)
         if not prompts:
@@ -87,32 +90,24 @@ class Speculator:
             if len(ids) + 1 > ctx:
                 raise SpecdecError(f"{where} has {len(ids)} tokens but the model's context is {ctx}")
             encoded.append(ids)
-        stops = [s for s in stop if s]
+        streams = [TextStream(tok, stops) for _ in encoded]  # each row's text, stop strings held back
 
-        def cut(text: str) -> str:
-            at = find_stop(text, stops)
-            return text if at is None else text[:at]
-
-        on_tokens = None
-        if on_text is not None:
-            sent = [""] * len(encoded)
-            so_far: list[list[int]] = [[] for _ in encoded]
-
-            def on_tokens(row, ids):
-                so_far[row] += list(ids)
-                text = tok.decode(so_far[row], skip_special_tokens=True)
-                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
-                    return
-                if text.startswith(sent[row]) and len(text) > len(sent[row]):
-                    on_text(row, text[len(sent[row]):])
-                    sent[row] = text
+        def on_tokens(row, ids):
+            piece = streams[row].push(ids)
+            if piece:
+                on_text(row, piece)
 
         def stop_fn(row, ids):
-            return find_stop(tok.decode(ids, skip_special_tokens=True), stops) is not None
+            return streams[row].reached_stop(ids)
 
-        results = self.engine.generate(encoded, params, on_tokens, stop_fn if stops else None)
-        out = [Completion(cut(tok.decode(r.tokens, skip_special_tokens=True)), list(r.tokens),
-                          r.stats.finish_reason, r.stats) for r in results]
+        results = self.engine.generate(encoded, params, on_tokens if on_text is not None else None,
+                                       stop_fn if stops else None)
+        out = []
+        for row, (r, text) in enumerate(zip(results, streams)):
+            rest = text.finish(r.tokens)
+            if rest and on_text is not None:
+                on_text(row, rest)
+            out.append(Completion(text.text, list(r.tokens), r.stats.finish_reason, r.stats))
         return out[0] if single else out
 
 

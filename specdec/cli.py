@@ -31,7 +31,7 @@ def cmd_serve(args) -> int:
     import logging
 
     from .config import build_batcher
-    from .server.app import create_app
+    from .server.app import app_settings, create_app
 
     if wants_ray(args):
         from .distributed.ray_serve import serve_on_ray
@@ -50,8 +50,7 @@ def cmd_serve(args) -> int:
             log.addHandler(handler)
         log.propagate = False
         batcher.log = log
-    app = create_app(lm, batcher, args.served_model_name or lm.name, api_key=args.api_key,
-                     request_timeout=args.request_timeout)
+    app = create_app(lm, batcher, args.served_model_name or lm.name, **app_settings(args))
     print(f"[specdec] serving {lm.name} on http://{args.host}:{args.port}/v1 (method {batcher.method}, "
           f"max batch {args.max_batch})", file=sys.stderr)
     from .server.runner import serve
@@ -368,7 +367,7 @@ def cmd_train(args) -> int:
 
 # ---------------------------------------------------------------------------------------
 def cmd_generate(args) -> int:
-    from .text import StreamPrinter, find_stop
+    from .text import TextStream, stop_strings
 
     if wants_ray(args):
         from .distributed.ray_batch import generate_on_ray
@@ -385,6 +384,7 @@ def cmd_generate(args) -> int:
                                "answer (chat) or continue (raw)")
     if args.system is not None:
         check_text(args.system, "--system")
+    stops = stop_strings(args.stop, "--stop")
     threads.start(cfg.threads)
     quiet = args.quiet
     target = load_target(cfg, quiet)
@@ -405,53 +405,51 @@ def cmd_generate(args) -> int:
     rows = [(i, s) for i in range(len(encoded)) for s in range(args.n)]
     stream = not args.json and len(rows) == 1
     outputs: dict[tuple[int, int], object] = {}
+    texts: dict[tuple[int, int], str] = {}
     t_all = time.perf_counter()
     for start in range(0, len(rows), args.batch_size):
         chunk = rows[start:start + args.batch_size]
-        printer = StreamPrinter(tok, args.stop) if stream else None
+        streams = [TextStream(tok, stops) for _ in chunk]  # each row's text, stop strings held back
 
-        def on_tokens(r, ids, printer=printer):
-            printer.push(ids)
+        def on_tokens(r, ids, streams=streams):
+            sys.stdout.write(streams[r].push(ids))
+            sys.stdout.flush()
 
-        def stop_fn(r, ids):
-            return find_stop(tok.decode(ids, skip_special_tokens=True), args.stop) is not None
+        def stop_fn(r, ids, streams=streams):
+            return streams[r].reached_stop(ids)
 
         # each batch draws from its own seeded stream, else batches of equal rows would repeat
         chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
         results = engine.generate([encoded[i] for i, _ in chunk], chunk_params, on_tokens if stream else None,
-                                  stop_fn if args.stop else None)
-        for key, res in zip(chunk, results):
-            outputs[key] = res
+                                  stop_fn if stops else None)
+        for key, res, text in zip(chunk, results, streams):
+            rest = text.finish(res.tokens)
+            if stream:
+                sys.stdout.write(rest + "\n")
+            outputs[key], texts[key] = res, text.text
     wall = time.perf_counter() - t_all
     if memory is not None:
         learned.save(engine, memory)
-
-    def final_text(res) -> str:
-        text = tok.decode(res.tokens, skip_special_tokens=True)
-        cut = find_stop(text, args.stop)
-        return text if cut is None else text[:cut]
-
-    if stream:
-        printer.finish(final_text(outputs[rows[0]]))
-    else:
-        print_outputs(args, prompts, outputs, final_text, {"method": args.method, "model": target.name,
-                                                           "weights": target.weights, "learned_state": restored})
+    if not stream:
+        print_outputs(args, prompts, outputs, texts, {"method": args.method, "model": target.name,
+                                                      "weights": target.weights, "learned_state": restored})
     sys.stdout.flush()
     if not quiet:
         print_summary(list(outputs.values()), cfg, wall, target.weights)
     return 0
 
 
-def print_outputs(args, prompts: list, outputs: dict, final_text, run: dict) -> None:
-    """The completions of a run that does not stream: with --json one object per prompt (its
-    first completion's fields, every completion under "completions" with --n > 1, and `run`'s
-    fields), else each completion under a `=== prompt I[, sample S] ===` line."""
+def print_outputs(args, prompts: list, outputs: dict, texts: dict, run: dict) -> None:
+    """The completions of a run that does not stream (texts: each one's text, cut at a stop
+    string): with --json one object per prompt (its first completion's fields, every completion
+    under "completions" with --n > 1, and `run`'s fields), else each completion under a
+    `=== prompt I[, sample S] ===` line."""
     if args.json:
         for i, p in enumerate(prompts):
             comps = []
             for s in range(args.n):
                 res = outputs[(i, s)]
-                comps.append({"text": final_text(res), "token_ids": res.tokens,
+                comps.append({"text": texts[(i, s)], "token_ids": res.tokens,
                               "finish_reason": res.stats.finish_reason, "stats": res.stats.as_dict()})
             obj = {"index": i, "prompt": p, **comps[0], **run}
             if args.n > 1:
@@ -461,7 +459,7 @@ def print_outputs(args, prompts: list, outputs: dict, final_text, run: dict) -> 
     for (i, s), res in outputs.items():
         label = f"prompt {i + 1}" + (f", sample {s + 1}" if args.n > 1 else "")
         print(f"=== {label} ===")
-        print(final_text(res))
+        print(texts[(i, s)])
 
 
 def print_summary(results, cfg: SpecConfig, wall: float, weights: str = "fp32") -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from .argtypes import guesses, int_at_least, nonneg_int, one_to_max_guesses, positive_int, unit_interval
+from .argtypes import (guesses, int_at_least, nonneg_int, one_to_max_guesses, positive_float, positive_int,
+                       unit_interval)
 from .config import DTYPES
 from .methods import DEFAULT_K, DEFAULT_TREE_NODES, METHODS
 from .distributed import add_generate_ray_args, add_serve_ray_args, add_train_ray_args
@@ -181,13 +182,24 @@ def add_serve_parser(sub) -> None:
     v.add_argument("--served-model-name", default=None, help="model id reported and accepted. Default: the model's name")
     v.add_argument("--max-batch", type=positive_int, default=16, help="rows decoded together at most. Default: 16")
     v.add_argument("--max-queue", type=positive_int, default=256,
-                   help="requests waiting at most; more get 429 with Retry-After. Default: 256")
+                   help="requests waiting at most (a request counts once per prompt and n); more get 429 with "
+                        "Retry-After, and one that alone has more is a 400. Default: 256")
     v.add_argument("--max-context", type=positive_int, default=2048,
                    help="tokens per request (prompt + answer) at most; the KV cache holds --max-batch rows of this "
                         "many tokens, preallocated (the default model: ~6 MB per 1k tokens per row). Default: 2048 "
                         "(capped at the model's context)")
     v.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take in all, queued and running, before it fails (408; "
                         "a stream ends with an error event) and its batch row is freed. Default: 600")
+    v.add_argument("--body-timeout", type=positive_float, default=60.0,
+                   help="seconds a request's body may take to arrive; after it: 408 and the connection is closed "
+                        "(a client that sends less than its Content-Length would hold it open). Default: 60")
+    v.add_argument("--public-metrics", action="store_true",
+                   help="serve /metrics without the API key (with --api-key it needs the key by default: it shows "
+                        "the load and request counts), for a scraper that cannot send one")
+    v.add_argument("--special-tokens-in-messages", action="store_true",
+                   help="read text in chat messages that spells a special token (e.g. <|im_start|>) as that token, "
+                        "as vLLM and llama.cpp do; by default it is plain text, so a user cannot open a turn of "
+                        "another role")
     v.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds open requests may still run (no new ones are admitted) before each "
                         "is ended (a stream with an error event and [DONE]). Default: 30")

@@ -74,6 +74,24 @@ def test_streamed_text_adds_up_and_stop_strings_cut(spec):
 
 
 @pytest.mark.default_model
+def test_streamed_text_never_reaches_a_stop_string(spec):
+    """on_text with stop strings: every piece streamed adds up to the returned text, which ends
+    before the stop; nothing at or after it is ever streamed (the API used to stream on and only
+    cut the returned text). The empty stop string is ignored."""
+    prompt = "Count from 1 to 10, separated by commas."
+    full = spec.generate(prompt, max_new_tokens=40)
+    assert "7" in full.text, full.text  # the model counts; the test relies on it
+    for stop in (["7"], ["7", ""], [", 7", "8"]):
+        pieces = []
+        cut = spec.generate(prompt, max_new_tokens=40, stop=stop, on_text=lambda row, t: pieces.append(t))
+        assert cut.finish_reason == "stop" and "".join(pieces) == cut.text, (stop, pieces)
+        assert cut.text == full.text[:full.text.index(stop[0])] and "7" not in "".join(pieces)
+    pieces = []
+    ignored = spec.generate(prompt, max_new_tokens=40, stop=[""], on_text=lambda row, t: pieces.append(t))
+    assert ignored.text == "".join(pieces) == full.text
+
+
+@pytest.mark.default_model
 def test_api_and_cli_decode_the_same_tokens(spec, tmp_path):
     """One configuration, one builder: `specdec generate --json` and the API agree token for token."""
     p = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", PROMPTS[0], "--max-new-tokens", "24",

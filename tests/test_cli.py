@@ -56,6 +56,10 @@ def test_serve_port_out_of_range_is_refused_before_loading(capsys):
         main(["serve", "--port", "99999"])
     assert e.value.code == 2
     assert "--port: must be <= 65535, got 99999" in capsys.readouterr().err
+    for bad in ("0", "-1", "inf", "soon"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--body-timeout", bad])
+        assert e.value.code == 2 and "--body-timeout" in capsys.readouterr().err
 
 
 def test_corrupt_gguf(tmp_path, monkeypatch, capsys):
@@ -208,6 +212,20 @@ def test_stop_string_cuts_text(default_model, capsys):
     obj = json.loads(capsys.readouterr().out)
     assert obj["finish_reason"] == "stop"
     assert obj["text"] == full[: full.index("5")]
+
+
+@pytest.mark.default_model
+def test_streamed_text_stops_before_the_stop_string(default_model, capsys):
+    """Streaming to the terminal with --stop: what was printed is the text up to the stop (text
+    that could still become it is held back, never printed and taken back)."""
+    args = ["generate", "Count from 1 to 10, separated by commas.", "--max-new-tokens", "40", "--quiet"]
+    assert main(args + ["--json"]) == 0
+    full = json.loads(capsys.readouterr().out)["text"]
+    assert ", 5" in full, full
+    for stop in ("5", ", 5", ""):
+        assert main(args + ["--stop", stop]) == 0
+        printed = capsys.readouterr().out
+        assert printed == (full[: full.index(stop)] if stop else full) + "\n", (stop, printed)
 
 
 @pytest.mark.default_model

@@ -86,6 +86,7 @@ class FastTokenizer:
 
     def __init__(self, tk, config: dict, chat_template: str | None, source: Path) -> None:
         self._tk = tk
+        self._plain_tk = None  # a copy that reads special-token text as plain text (made when first asked)
         self._config = config
         self.chat_template = chat_template
         self.source = source
@@ -95,8 +96,21 @@ class FastTokenizer:
             setattr(self, k, t)
             setattr(self, f"{k}_id", None if t is None else tk.token_to_id(t))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        """split_special_tokens: text that spells a special token (`<|im_start|>`) is read as
+        plain text, as transformers' keyword of that name does."""
+        tk = self._tk
+        if split_special_tokens:
+            if self._plain_tk is None:  # a copy of its own: the flag is the tokenizer's state, shared by threads
+                self._plain_tk = type(tk).from_str(tk.to_str())
+                self._plain_tk.encode_special_tokens = True
+            tk = self._plain_tk
+        return tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @property
+    def added_tokens_decoder(self) -> dict:
+        """{id: AddedToken (.content, .special)}, as transformers' tokenizers have it."""
+        return self._tk.get_added_tokens_decoder()
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         if hasattr(ids, "tolist"):

@@ -3,10 +3,11 @@
 Every field a request may carry is typed here (strict: "10" is not an integer, true is not
 1, NaN and infinities are not numbers), so a body either validates or gets one OpenAI-shaped
 400 that names the field (`validation_error` turns pydantic's errors into that message).
-Checks that depend on the server (the largest `n`, the vocabulary, the drafting method) read
-the validation context `{"max_n", "vocab", "method"}`. Fields OpenAI defines but specdec does
-not implement are accepted only with the values that mean "not used" (as many clients send
-them); anything else is refused rather than silently ignored. Unknown extra fields (`user`,
+Checks that depend on the server (the largest `n`, the vocabulary, the drafting method, the
+most messages) read the validation context `{"max_n", "vocab", "method", "max_messages"}`.
+Fields OpenAI defines but specdec does not implement are accepted only with the values that
+mean "not used" (as many clients send them); anything else is refused rather than silently
+ignored. Unknown extra fields (`user`,
 `metadata`, ...) are ignored, as OpenAI's own API does for fields a model does not use.
 """
 
@@ -19,7 +20,8 @@ from typing import Annotated, Any, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
-from ..types import SEED_LIMIT
+from ..text import stop_strings
+from ..types import SEED_LIMIT, SpecdecError
 
 Number = Annotated[Union[StrictInt, StrictFloat], Field(allow_inf_nan=False)]
 TokenIds = list[StrictInt]
@@ -144,6 +146,17 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     speculative: Speculative | None = None
     user: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _readable_stops(cls, v):
+        """A stop string with a lone surrogate is refused (as in prompts); empty ones are kept
+        here and ignored where the text is decoded (text.TextStream)."""
+        try:
+            stop_strings([v] if isinstance(v, str) else v or [], "'stop'")
+        except SpecdecError as e:
+            raise ValueError(str(e)) from None
+        return v
 
     @field_validator("n")
     @classmethod
@@ -275,6 +288,16 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _not_more_than_the_context(cls, v, info: ValidationInfo):
+        """Each message takes at least one token of the context: more messages than that are
+        refused before each is validated (170,000 empty ones took seconds)."""
+        most = (info.context or {}).get("max_messages")
+        if most is not None and isinstance(v, list) and len(v) > most:
+            raise ValueError(f"'messages' has {len(v)} messages; at most {most} fit the context of {most} tokens")
+        return v
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
