@@ -12,6 +12,6 @@ the engine does not implement, raises SpecdecError naming it (the server's 400).
 
 from __future__ import annotations
 
-from .constraint import Constraint, Grammar, GrammarSpec, grammar_for, json_object, json_schema, lark
+from .constraint import Constraint, Grammar, GrammarSpec, grammar_for, json_object, json_schema, lark, lark_json
 
-__all__ = ["Constraint", "Grammar", "GrammarSpec", "grammar_for", "json_object", "json_schema", "lark"]
+__all__ = ["Constraint", "Grammar", "GrammarSpec", "grammar_for", "json_object", "json_schema", "lark", "lark_json"]

@@ -65,6 +65,12 @@ def lark(text: str, what: str) -> GrammarSpec:
     return GrammarSpec("lark", text=text, what=what)
 
 
+def lark_json(schema: dict) -> str:
+    """A JSON schema inside a Lark grammar (`%json {...}`), written with the same separators as
+    `json_schema`'s (the engine's default inside Lark is free whitespace)."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+
+
 def _engine_error(spec: GrammarSpec, message: str) -> SpecdecError:
     """One line saying what in the schema the engine refused and what to do."""
     keys = re.search(r"Unimplemented keys: \[(.*?)\]", message)
