@@ -109,6 +109,8 @@ class Request:
     prompt_logprobs: int | None = None  # as logprobs, for the prompt's tokens (set in prompt_lps at the prefill)
     score_only: bool = False  # prefill (and prompt_logprobs) only: no token is generated
     id: str = ""  # the caller's request id, for the log
+    prediction: list[int] | None = None  # the predicted answer, tokenised (OpenAI's `prediction`): a draft source
+    constraint: object | None = None  # the answer's grammar state (specdec.grammar.Constraint), if any
     key: int = 0  # its key for the uniforms its sampled tokens take (sampling.position_uniforms)
     cancelled: bool = False
     prompt_lps: list | None = None  # [None, (lp, alts), ...] per prompt token, when prompt_logprobs was asked

@@ -24,7 +24,8 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from ..text import find_stop
-from . import generation
+from . import generation, structured
+from ..tools import ToolParser
 from .errors import APIError, guarded, internal_error, log
 from .requests import check_context, parse, sampling
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -58,6 +59,8 @@ class Shaper:
         self.state, self.text, self.job, self.chat, self.top = state, state.text, job, chat, top
         self.obj = "chat.completion" if chat else "text_completion"
         self.created = created
+        shaping = job.shaping
+        self.tools = shaping.tools if shaping is not None else None  # parse tool calls (chat with tools)
 
     def envelope(self, choices: list, obj: str | None = None, **extra) -> dict:
         return {"id": self.job.rid, "object": obj or self.obj, "created": self.created,
@@ -82,6 +85,9 @@ class Shaper:
         keep = self.text.kept_tokens(c.tokens, len(text))
         echo = c.echo or ""
         lp = self.logprobs(c, 0, keep, len(echo))
+        if self.chat and self.tools is not None:
+            message, reason = structured.message(self.state, c.tokens, self.job.stops, reason, self.tools)
+            return {"index": i, "message": message, "logprobs": lp, "finish_reason": reason}
         if self.chat:
             return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                     "finish_reason": reason}
@@ -91,7 +97,15 @@ class Shaper:
     def usage(self, reasons: list[str]) -> dict:
         prompt = self.job.prompt_tokens
         comp = sum(self.text.completion_tokens(c.tokens, self.job.stops, r) for c, r in zip(self.job.choices, reasons))
-        return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp}
+        prediction = self.job.shaping.prediction if self.job.shaping is not None else None
+        answers = [self.text.finish_text(c.tokens, self.job.stops, c.reason)[0] for c in self.job.choices] \
+            if prediction is not None else []
+        return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp,
+                **structured.usage_details(self.state, prediction, answers)}
+
+    def metrics(self) -> dict:
+        """Per-request speculation figures (an extra field OpenAI clients ignore), vLLM's shape."""
+        return structured.speculation([c.stats for c in self.job.choices])
 
     def chunk(self, i: int, text: str, reason: str | None = None, lp=None) -> str:
         if self.chat:
@@ -99,6 +113,10 @@ class Shaper:
         else:
             c = {"index": i, "text": text, "finish_reason": reason, "logprobs": lp}
         return "data: " + json.dumps(self.envelope([c], self.obj + ".chunk" if self.chat else self.obj)) + "\n\n"
+
+    def tool_chunk(self, i: int, delta: dict) -> str:
+        c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+        return "data: " + json.dumps(self.envelope([c], "chat.completion.chunk")) + "\n\n"
 
     def role_chunk(self, i: int) -> str:
         c = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -113,7 +131,8 @@ async def _answer(state, req: HTTPRequest, job: generation.Job, shaper: Shaper, 
 
         return Response(status_code=499)  # the client left; nobody reads this
     choices = [shaper.choice(i) for i in range(len(job.choices))]
-    body = shaper.envelope(choices, usage=shaper.usage([c["finish_reason"] for c in choices]))
+    reasons = [shaper.text.finish_text(c.tokens, job.stops, c.reason)[1] for c in job.choices]
+    body = shaper.envelope(choices, usage=shaper.usage(reasons), metrics=shaper.metrics())
     return body
 
 
@@ -127,6 +146,7 @@ async def completions(req: HTTPRequest):
         raise APIError(400, f"{len(prompts)} prompts x n {body.n} is more than {max(MAX_CHOICES, state.max_n)} "
                             "choices in one request; split it", param="prompt")
     params, spec = sampling(state, body, body.new_tokens())
+    shaping = await structured.prepare(state, body)
     encoded = []
     for p in prompts:
         ids = state.text.encode_completion(p)
@@ -135,7 +155,7 @@ async def completions(req: HTTPRequest):
     rid = "cmpl-" + uuid.uuid4().hex[:24]
     prompt_top = body.logprobs if body.echo and body.logprobs is not None else None
     job = generation.submit(state, encoded, params, body.n, body.stops(), spec, body.logprobs, rid,
-                            prompt_top=prompt_top, score_only=body.max_tokens == 0)
+                            prompt_top=prompt_top, score_only=body.max_tokens == 0, shaping=shaping)
     shaper = Shaper(state, job, False, body.logprobs, int(time.time()))
     return await _answer(state, req, job, shaper, body.stream, body.usage_wanted())
 
@@ -146,10 +166,13 @@ async def chat_completions(req: HTTPRequest):
     state = req.app.state.specdec
     body = await parse(state, req, ChatCompletionRequest)
     params, spec = sampling(state, body, body.new_tokens())
-    ids = state.text.encode_chat([{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages])
+    messages, tools, syntax = structured.chat_messages(state, body)
+    ids = state.text.encode_chat(messages, tools)
     check_context(state, ids, body.new_tokens())
+    shaping = await structured.prepare(state, body, syntax)
     rid = "chatcmpl-" + uuid.uuid4().hex[:24]
-    job = generation.submit(state, [(ids, None)], params, body.n, body.stops(), spec, body.top(), rid)
+    job = generation.submit(state, [(ids, None)], params, body.n, body.stops(), spec, body.top(), rid,
+                            shaping=shaping)
     shaper = Shaper(state, job, True, body.top(), int(time.time()))
     return await _answer(state, req, job, shaper, body.stream, body.usage_wanted())
 
@@ -204,6 +227,7 @@ def _opening(shaper: Shaper, i: int) -> str | None:
 
 async def _stream(state, job: generation.Job, shaper: Shaper, usage: bool):
     texts = [_StreamText() for _ in job.choices]
+    parsers = [ToolParser(shaper.tools) for _ in job.choices] if shaper.tools is not None else None
     try:
         async for i, kind in generation.events(job):
             st = texts[i]
@@ -212,20 +236,24 @@ async def _stream(state, job: generation.Job, shaper: Shaper, usage: bool):
                 opening = _opening(shaper, i)
                 if opening:
                     yield opening
-            if kind == "tokens":
-                piece = _delta(shaper, st, i, final=False)
+            if parsers is not None:  # chat with tools: content and tool-call deltas
+                for delta in structured.tool_deltas(state, parsers[i], job.choices[i].tokens, job.stops,
+                                                    final=kind == "done"):
+                    yield shaper.tool_chunk(i, delta)
             else:
-                piece = _delta(shaper, st, i, final=True)
-            if piece:
-                yield piece
+                piece = _delta(shaper, st, i, final=kind != "tokens")
+                if piece:
+                    yield piece
             if kind == "done":
                 _, reason = shaper.text.finish_text(job.choices[i].tokens, job.stops, job.choices[i].reason)
+                if parsers is not None and parsers[i].calls and reason == "stop":
+                    reason = "tool_calls"
                 yield shaper.chunk(i, "", reason)
         reasons = [shaper.text.finish_text(c.tokens, job.stops, c.reason)[1] for c in job.choices]
         final = shaper.usage(reasons)
-        if usage:  # OpenAI's shape: empty choices, the request's usage
+        if usage:  # OpenAI's shape: empty choices, the request's usage (and the speculation figures)
             yield "data: " + json.dumps(shaper.envelope([], shaper.obj + ".chunk" if shaper.chat else shaper.obj,
-                                                        usage=final)) + "\n\n"
+                                                        usage=final, metrics=shaper.metrics())) + "\n\n"
     except APIError as e:
         yield e.event()
     except Exception:  # noqa: BLE001 - the stream has started: an error event, not a 500

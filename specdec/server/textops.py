@@ -35,13 +35,13 @@ class TextOps:
             raise APIError(400, f"the prompt has at least {at_least} tokens ({chars} characters); the context is "
                                 f"{self.max_context} tokens", param=param)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of chat messages through the model's template ("developer" is rendered as
-        "system", as OpenAI defines it)."""
+        "system", as OpenAI defines it), with `tools` for a template that renders them."""
         msgs = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
         self.check_prompt_text([m["content"] for m in msgs], "messages")
         try:
-            return encode_prompt(self.tok, msgs, True)
+            return encode_prompt(self.tok, msgs, True, tools=tools)
         except SpecdecError as e:
             raise APIError(400, str(e), param="messages")
         except Exception as e:  # noqa: BLE001 - a template that cannot render these messages (e.g. a role it lacks)
