@@ -94,9 +94,14 @@ class Engine:
         params: SamplingParams,
         on_tokens: OnTokens | None = None,
         stop_fn: StopFn | None = None,
+        predictions: list[list[int] | None] | None = None,
+        constraints: list | None = None,
     ) -> list[GenerationResult]:
         """Generate for every prompt (one batch: every row joins the scheduler at the start).
-        Returns one result per prompt, in order."""
+        Returns one result per prompt, in order. `predictions` (per prompt, token ids or None):
+        the text each answer is expected to repeat, a draft source; `constraints` (per prompt, a
+        specdec.grammar.Constraint or None): the grammar each answer must follow. Both ride on the
+        scheduler's Request."""
         if not prompts:
             return []
         for i, p in enumerate(prompts, 1):  # numbered from 1, as the CLI numbers prompts
@@ -119,7 +124,9 @@ class Engine:
                 on_tokens=(lambda ids, i=i: on_tokens(i, ids)) if on_tokens is not None else (lambda ids: None),
                 on_done=lambda reason, _stats: done.append(reason),
                 stop_fn=(lambda ids, i=i: stop_fn(i, ids)) if stop_fn is not None else None,
-                key=i, stats=results[i].stats, generator=generator))
+                key=i, stats=results[i].stats, generator=generator,
+                prediction=predictions[i] if predictions else None,
+                constraint=constraints[i] if constraints else None))
             scheduler.submit(requests[-1])
         self._batches += 1 if native else len(prompts)
         scheduler.run(until=lambda: len(done) == len(prompts))
