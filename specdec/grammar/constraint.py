@@ -127,7 +127,7 @@ _VOCABS_LOCK = threading.Lock()
 
 def grammar_for(tokenizer, vocab_size: int, eos_ids, spec: GrammarSpec) -> "Grammar":
     """`spec` compiled for `tokenizer` at `vocab_size` logits (cached per tokenizer: the first
-    grammar of a tokenizer reads its vocabulary, ~1 s for 49k tokens, ~4 s for 152k; a grammar
+    grammar of a tokenizer reads its vocabulary, 1-2 s for 49k tokens, 4-6 s for 152k; a grammar
     seen before costs nothing). Raises SpecdecError for an invalid or unsupported grammar."""
     key = (int(vocab_size), tuple(int(i) for i in eos_ids))
     with _VOCABS_LOCK:

@@ -69,7 +69,7 @@ def _compile(state, spec: gr.GrammarSpec) -> gr.Grammar:
 
 async def prepare(state, body, syntax: ToolSyntax | None = None) -> Shaping:
     """The grammar (compiled off the event loop: a tokenizer's first grammar reads its whole
-    vocabulary, ~1-4 s), the tokenised prediction and the tool syntax of a request; a 400 for a
+    vocabulary, 1-6 s), the tokenised prediction and the tool syntax of a request; a 400 for a
     schema the engine refuses, naming it."""
     shaping = Shaping(tools=syntax)
     spec = _grammar_spec(state, body, syntax)
