@@ -128,10 +128,6 @@ def _call_schema(tool: dict, syntax: ToolSyntax) -> dict:
             "required": ["name", syntax.args_key], "additionalProperties": False}
 
 
-def _lark_string(text: str) -> str:
-    return json.dumps(text)
-
-
 def call_grammar(tools: list[dict], choice: str | None, parallel: bool, syntax: ToolSyntax, tokenizer) -> str:
     """A Lark grammar (llguidance's dialect) for an answer that is only tool calls: of the named
     function `choice`, or (None) of any of `tools`; one call, or with `parallel` one or more.
@@ -150,19 +146,15 @@ def call_grammar(tools: list[dict], choice: str | None, parallel: bool, syntax: 
 
 
 def _marker(tokenizer, text: str) -> str:
-    """A fixed piece of text in the grammar: a special token by its id (its bytes are not text the
-    engine can match), anything else as a string."""
-    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    token_id = vocab.get(text)
-    special = getattr(tokenizer, "all_special_ids", None)
-    backend = getattr(tokenizer, "_tk", None)
-    if token_id is not None and backend is not None:
-        decoder = backend.get_added_tokens_decoder()
-        if token_id in decoder and decoder[token_id].special:
-            return f"<[{token_id}]>"
-    elif token_id is not None and special and token_id in special:
+    """A fixed piece of text in the grammar: a token the tokenizer adds on top of its merges
+    (Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`) by its id, since the engine matches such a
+    token as a whole, not by its text (and the template teaches the model that token); anything
+    else as a string."""
+    backend = getattr(tokenizer, "_tk", None) or getattr(tokenizer, "backend_tokenizer", None)
+    token_id = backend.token_to_id(text) if backend is not None else None
+    if token_id is not None and token_id in backend.get_added_tokens_decoder():
         return f"<[{token_id}]>"
-    return _lark_string(text)
+    return json.dumps(text)
 
 
 @dataclass
@@ -191,8 +183,17 @@ def _scan_value(text: str, start: int) -> int | None:
         except json.JSONDecodeError:
             return None
         return end
+    for j, ch, depth in _outside_strings(text, i):
+        if ch in "}]" and depth == 0:
+            return j + 1
+    return None
+
+
+def _outside_strings(text: str, start: int = 0):
+    """(index, character, bracket depth after it) for each character of `text` from `start` that
+    is outside a JSON string (quotes and escapes followed)."""
     depth, in_str, esc = 0, False, False
-    for j in range(i, len(text)):
+    for j in range(start, len(text)):
         ch = text[j]
         if in_str:
             if esc:
@@ -201,15 +202,15 @@ def _scan_value(text: str, start: int) -> int | None:
                 esc = True
             elif ch == '"':
                 in_str = False
-        elif ch == '"':
+            continue
+        if ch == '"':
             in_str = True
-        elif ch in "{[":
+            continue
+        if ch in "{[":
             depth += 1
         elif ch in "}]":
             depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
+        yield j, ch, depth
 
 
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -354,27 +355,15 @@ class ToolParser:
 
 def _split_top(text: str, sep: str) -> list[str]:
     """`text` split at `sep` outside JSON strings and brackets."""
-    parts, depth, in_str, esc, last = [], 0, False, False, 0
-    for j, ch in enumerate(text):
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-            continue
-        if ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-        elif ch == sep and depth == 0:
+    parts, last = [], 0
+    for j, ch, depth in _outside_strings(text):
+        if ch == sep and depth == 0:
             parts.append(text[last:j].strip())
             last = j + 1
     parts.append(text[last:].strip())
     return [p for p in parts if p]
+
+
 def _array_items(text: str) -> list[str]:
     """The items of a JSON array of objects being written (`[{...}, {...`), each as text."""
     inner = text[1:]
