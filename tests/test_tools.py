@@ -213,3 +213,27 @@ def test_named_choice_forces_the_call_opening(tok):
     text = call_grammar([WEATHER, TIME], "get_time", False, ToolSyntax(HERMES, native=False), tok)
     c = grammar_for(tok, len(tok), [tok.eos_token_id], lark(text, "tool_choice")).constraint()
     assert tok.decode(c.likely(64)).startswith('<tool_call>\n{"name": "get_time", "arguments": {"zone":')
+
+
+def test_an_added_marker_token_is_matched_as_that_token(tok):
+    """Qwen's `<tool_call>` is a token of its own (added, not special): the grammar names it by id,
+    so the answer opens with that one token, forced (a string there would be masked as the token
+    and then refused when consumed)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from specdec.grammar import grammar_for, lark
+    from specdec.models.tokenizer import FastTokenizer
+
+    backend = Tokenizer.from_str(tok._tk.to_str())
+    backend.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("</tool_call>", special=False)])
+    qwenish = FastTokenizer(backend, tok._config, QWEN25_TEMPLATE, tok.source)
+    opener = backend.token_to_id("<tool_call>")
+    text = call_grammar([WEATHER], "get_weather", False, syntax_for(QWEN25_TEMPLATE), qwenish)
+    assert f"<[{opener}]>" in text
+    c = grammar_for(qwenish, len(qwenish), [tok.eos_token_id], lark(text, "tools")).constraint()
+    assert c.forced(1) == [opener]
+    ids = qwenish.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+                         '\n</tool_call>', add_special_tokens=False)
+    assert ids[0] == opener and c.accepts(ids) == len(ids)
+    c.advance(ids)
+    assert c.finished()
