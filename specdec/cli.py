@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from . import learned, threads
 from .config import SpecConfig, build_engine, load_target
@@ -372,6 +373,8 @@ def cmd_generate(args) -> int:
     if wants_ray(args):
         from .distributed.ray_batch import generate_on_ray
 
+        if args.prediction is not None or args.json_schema is not None:
+            raise SpecdecError("--prediction and --json-schema run on one machine; leave out --ray (or them)")
         return generate_on_ray(args)
     cfg = SpecConfig.from_args(args)  # (bad sampling values fail here, before anything loads)
     params = cfg.sampling
@@ -385,6 +388,7 @@ def cmd_generate(args) -> int:
     if args.system is not None:
         check_text(args.system, "--system")
     stops = stop_strings(args.stop, "--stop")
+    prediction_text, schema = read_shaping(args)  # (a missing or bad file fails before anything loads)
     threads.start(cfg.threads)
     quiet = args.quiet
     target = load_target(cfg, quiet)
@@ -403,6 +407,12 @@ def cmd_generate(args) -> int:
               "pass --temperature > 0 to sample", file=sys.stderr)
 
     rows = [(i, s) for i in range(len(encoded)) for s in range(args.n)]
+    predicted = tok.encode(prediction_text, add_special_tokens=False) if prediction_text is not None else None
+    grammar = None
+    if schema is not None:
+        from .grammar import grammar_for, json_schema
+
+        grammar = grammar_for(tok, target.model.vocab_size, target.eos_ids, json_schema(schema, "--json-schema"))
     stream = not args.json and len(rows) == 1
     outputs: dict[tuple[int, int], object] = {}
     texts: dict[tuple[int, int], str] = {}
@@ -421,7 +431,9 @@ def cmd_generate(args) -> int:
         # each batch draws from its own seeded stream, else batches of equal rows would repeat
         chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
         results = engine.generate([encoded[i] for i, _ in chunk], chunk_params, on_tokens if stream else None,
-                                  stop_fn if stops else None)
+                                  stop_fn if stops else None,
+                                  predictions=[predicted] * len(chunk) if predicted is not None else None,
+                                  constraints=[grammar.constraint() for _ in chunk] if grammar is not None else None)
         for key, res, text in zip(chunk, results, streams):
             rest = text.finish(res.tokens)
             if stream:
@@ -437,6 +449,26 @@ def cmd_generate(args) -> int:
     if not quiet:
         print_summary(list(outputs.values()), cfg, wall, target.weights)
     return 0
+
+
+def read_shaping(args) -> tuple[str | None, dict | None]:
+    """(--prediction's text, --json-schema's schema), each None when not given; a file that cannot
+    be read, or a schema that is not a JSON object, is a SpecdecError naming the flag."""
+    prediction = schema = None
+    if args.prediction is not None:
+        try:
+            prediction = check_text(Path(args.prediction).read_text(encoding="utf-8"), "--prediction")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecdecError(f"--prediction: cannot read {args.prediction} ({e})") from None
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SpecdecError(f"--json-schema: cannot read a JSON schema from {args.json_schema} ({e})") from None
+        if not isinstance(schema, dict):
+            raise SpecdecError(f"--json-schema: {args.json_schema} must hold a JSON object (a JSON Schema), got "
+                               f"{type(schema).__name__}")
+    return prediction, schema
 
 
 def print_outputs(args, prompts: list, outputs: dict, texts: dict, run: dict) -> None:

@@ -124,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     tmpl.add_argument("--raw", dest="chat", action="store_const", const=False,
                       help="send the prompt text as is, without the chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
+    g.add_argument("--prediction", metavar="FILE", default=None,
+                   help="a text file the answer is expected to repeat (e.g. the file an edit keeps most of): a "
+                        "draft for every prompt's answer, as OpenAI's Predicted Outputs; the answer is the same "
+                        "without it")
+    g.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="a JSON Schema file the answer must follow (structured output; {\"type\": \"object\"}: "
+                        "any JSON object). A keyword the grammar engine does not support is an error naming it")
     g.add_argument("--n", type=positive_int, default=1, help="samples per prompt. Default: 1")
     g.add_argument("--batch-size", type=positive_int, default=8, help="rows decoded together in one batch. Default: 8")
     g.add_argument("--json", action="store_true",

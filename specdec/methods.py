@@ -145,6 +145,9 @@ TABLE: dict[str, Method] = {m.name: m for m in (
            "a Medusa heads folder (from `specdec train medusa`)", nodes=4),
 )}
 METHODS = tuple(TABLE)
+#: the sources every method (but none) adds, which draft from what a request carries: its predicted
+#: output and its grammar's forced tokens (a request that names one method keeps these too)
+REQUEST_SOURCES = frozenset({"prediction", "grammar"})
 DEFAULT_K = {name: m.k for name, m in TABLE.items() if m.k}
 DEFAULT_TREE_NODES = {name: m.nodes for name, m in TABLE.items() if m.nodes}
 
@@ -163,7 +166,7 @@ def sources_for(cfg, target, quiet: bool = True) -> tuple[list, int]:
     if cfg.method == "none" or cfg.k == 0:
         return [], 0
     sources = method.build(cfg, target, quiet)
-    if sources:  # every method also drafts from a request's predicted output and its grammar's forced tokens
+    if sources:  # every method also drafts from a request's predicted output and its grammar's forced tokens (REQUEST_SOURCES)
         from .drafters.grammar import GrammarDrafter
         from .drafters.prediction import PredictionDrafter
 

@@ -26,20 +26,24 @@ def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """Chat messages as the model's template writes them, ready for the assistant's turn (to be
-    tokenized without adding special tokens: the template wrote them)."""
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """Chat messages (and the tools offered, rendered by the template) as the model's template
+    writes them, ready for the assistant's turn (to be tokenized without adding special tokens:
+    the template wrote them)."""
     if not has_chat_template(tokenizer):
         raise SpecdecError("chat messages were given but this model's tokenizer has no chat template")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
 
 
-def encode_prompt(tokenizer, prompt: str | list, chat: bool | None, system: str | None = None) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list, chat: bool | None, system: str | None = None,
+                  tools: list[dict] | None = None) -> list[int]:
     """Token ids for a prompt.
 
     chat=None: use the chat template when the tokenizer has one; True: require it;
     False: the raw text as is (with the tokenizer's usual special tokens). A list of
-    OpenAI-style messages is always rendered with the template.
+    OpenAI-style messages is always rendered with the template. `tools`: OpenAI function
+    definitions for a template that renders them (specdec.tools prepares them).
     """
     if tokenizer is None:
         raise SpecdecError("this model has no tokenizer; cannot encode text prompts")
@@ -54,7 +58,8 @@ def encode_prompt(tokenizer, prompt: str | list, chat: bool | None, system: str 
             messages = [{"role": "user", "content": prompt}]
         if system:
             messages = [{"role": "system", "content": system}] + [m for m in messages if m.get("role") != "system"]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        extra = {"tools": tools} if tools else {}
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return [int(i) for i in ids]

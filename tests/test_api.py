@@ -120,3 +120,46 @@ def test_bad_generate_options_fail_in_one_line(spec):
             spec.generate("hi", **kwargs)
     with pytest.raises(SpecdecError, match="empty"):
         spec.generate("   ")
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                          "required": ["city"]}}}
+
+
+def _call(city: str, i: int) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+
+
+@pytest.mark.default_model
+def test_prediction_keeps_the_answer_and_tools_are_parsed(spec):
+    """A prediction is a draft: the greedy answer is the same with it. With tools the template
+    (the default model's: specdec's generic format) gets them and the answer's call is parsed."""
+    plain = spec.generate("List the days of the week.", max_new_tokens=40)
+    predicted = spec.generate("List the days of the week.", max_new_tokens=40, prediction=plain.text)
+    assert predicted.token_ids == plain.token_ids
+    few_shot = [{"role": "system", "content": "You answer only with a tool call."},
+                {"role": "user", "content": "Weather in Paris?"}, _call("Paris", 1),
+                {"role": "user", "content": "Weather in Rome?"}, _call("Rome", 2),
+                {"role": "user", "content": "Weather in London?"}]
+    out = spec.generate(few_shot, tools=[WEATHER], max_new_tokens=40)
+    assert out.finish_reason == "tool_calls" and out.text == ""
+    [call] = out.tool_calls
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "London"}
+
+
+def test_bad_shaping_options_fail_in_one_line(spec):
+    with pytest.raises(SpecdecError, match="'uniqueItems'"):
+        spec.generate("hi", json_schema={"type": "array", "uniqueItems": True})
+    with pytest.raises(SpecdecError, match="tool_choice"):
+        spec.generate("hi", tools=[WEATHER], tool_choice="get_time")
+
+
+@pytest.mark.default_model
+def test_json_schema_answers_validate(spec):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"river": {"type": "string"}, "km": {"type": "integer"}},
+              "required": ["river", "km"], "additionalProperties": False}
+    out = spec.generate("Name a long river.", json_schema=schema, max_new_tokens=40)
+    jsonschema.validate(json.loads(out.text), schema)

@@ -425,3 +425,21 @@ def test_empty_chat_row_of_a_prompts_file_is_named(tmp_path, capsys, monkeypatch
     f.write_text('{"prompt": "hi"}\n{"messages": [{"role": "user", "content": ""}]}\n')
     assert main(["generate", "--prompts-file", str(f)]) == 2
     assert f"{f}: prompt 2 is empty" in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.default_model
+def test_prediction_and_json_schema_files(default_model, tmp_path, capsys):
+    """--prediction is a draft (the same greedy text with it); a schema the engine does not support,
+    or a file that is not a schema, is one error line naming the flag."""
+    assert main(["generate", "Name three colours.", "--json", "--max-new-tokens", "12", "--quiet"]) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    (tmp_path / "p.txt").write_text(plain["text"])
+    assert main(["generate", "Name three colours.", "--json", "--max-new-tokens", "12", "--quiet",
+                 "--prediction", str(tmp_path / "p.txt")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[0])["token_ids"] == plain["token_ids"]
+    (tmp_path / "bad.json").write_text('{"type": "object", "properties": {"a": {"not": {}}}}')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for path, needle in (("bad.json", "'not'"), ("list.json", "must hold a JSON object"), ("none.json", "cannot read")):
+        assert main(["generate", "hi", "--json-schema", str(tmp_path / path)]) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert "--json-schema" in line and needle in line

@@ -82,6 +82,11 @@ class Sources:
     def needs_hidden(self) -> bool:
         return bool(self.hidden)
 
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The sources' names (what a request's `sources` choose among)."""
+        return tuple(d.label for d in self.drafters)
+
     def time_alone(self) -> None:
         """Price each on-demand source nothing has timed yet by timing it alone (a few forwards
         of its own), rather than in a request."""

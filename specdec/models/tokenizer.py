@@ -14,8 +14,9 @@ text as AutoTokenizer on the default model and on several templates.
 The chat template renders as transformers renders it: a sandboxed, immutable Jinja
 environment with `trim_blocks` and `lstrip_blocks`, loop controls, a `tojson` that keeps
 non-ASCII text, `raise_exception`, `strftime_now`, the special tokens as variables, and no
-special tokens added when the rendered text is tokenized. It does not know tools,
-documents, `{% generation %}` masks or continue-final-message (specdec uses none of them).
+special tokens added when the rendered text is tokenized, and `tools` (OpenAI-style function
+definitions, for templates that render them). It does not know documents, `{% generation %}`
+masks or continue-final-message (specdec uses none of them).
 
 `light_config` is the same idea for `config.json`: a plain object with the file's keys as
 attributes, for Llama checkpoints that spell out every key the native model reads;
@@ -125,17 +126,18 @@ class FastTokenizer:
     def __len__(self) -> int:
         return self._tk.get_vocab_size(with_added_tokens=True)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False,
+                    tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         msgs = [dict(m) for m in messages]  # a fresh copy: the template sees plain dicts only
-        return _compile(self.chat_template).render(messages=msgs, tools=None, documents=None,
+        return _compile(self.chat_template).render(messages=msgs, tools=tools or None, documents=None,
                                                    add_generation_prompt=add_generation_prompt,
                                                    **self.special_tokens_map)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = True):
-        text = self.render_chat(messages, add_generation_prompt)
+                            tokenize: bool = True, tools: list[dict] | None = None):
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def save_pretrained(self, out) -> None:

@@ -24,7 +24,8 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from . import generation
+from . import generation, structured
+from ..tools import ToolParser
 from .errors import APIError, guarded, internal_error, log
 from .requests import check_context, off_loop, parse_body, read_request, sampling
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -58,6 +59,8 @@ class Shaper:
         self.state, self.text, self.job, self.chat, self.top = state, state.text, job, chat, top
         self.obj = "chat.completion" if chat else "text_completion"
         self.created = created
+        shaping = job.shaping
+        self.tools = shaping.tools if shaping is not None else None  # parse tool calls (chat with tools)
 
     def envelope(self, choices: list, obj: str | None = None, **extra) -> dict:
         return {"id": self.job.rid, "object": obj or self.obj, "created": self.created,
@@ -82,6 +85,9 @@ class Shaper:
         keep = c.decoder.tokens_within(len(text)) if self.top is not None else 0
         echo = c.echo or ""
         lp = self.logprobs(c, 0, keep, len(echo))
+        if self.chat and self.tools is not None:
+            message, reason = structured.message(self.state, c.tokens, self.job.stops, reason, self.tools)
+            return {"index": i, "message": message, "logprobs": lp, "finish_reason": reason}
         if self.chat:
             return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                     "finish_reason": reason}
@@ -93,7 +99,14 @@ class Shaper:
         speculative step may have committed a few more before the stop was seen)."""
         prompt = self.job.prompt_tokens
         comp = sum(c.decoder.used_tokens for c in self.job.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp}
+        prediction = self.job.shaping.prediction if self.job.shaping is not None else None
+        answers = [c.decoder.text for c in self.job.choices] if prediction is not None else []
+        return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp,
+                **structured.usage_details(self.state, prediction, answers)}
+
+    def metrics(self) -> dict:
+        """Per-request speculation figures (an extra field OpenAI clients ignore), vLLM's shape."""
+        return structured.speculation([c.stats for c in self.job.choices])
 
     def chunk(self, i: int, text: str, reason: str | None = None, lp=None) -> str:
         if self.chat:
@@ -101,6 +114,10 @@ class Shaper:
         else:
             c = {"index": i, "text": text, "finish_reason": reason, "logprobs": lp}
         return "data: " + json.dumps(self.envelope([c], self.obj + ".chunk" if self.chat else self.obj)) + "\n\n"
+
+    def tool_chunk(self, i: int, delta: dict) -> str:
+        c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+        return "data: " + json.dumps(self.envelope([c], "chat.completion.chunk")) + "\n\n"
 
     def role_chunk(self, i: int) -> str:
         c = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -114,7 +131,8 @@ async def _answer(state, req: HTTPRequest, job: generation.Job, shaper: Shaper, 
         from fastapi.responses import Response
 
         return Response(status_code=499)  # the client left; nobody reads this
-    return shaper.envelope([shaper.choice(i) for i in range(len(job.choices))], usage=shaper.usage())
+    choices = [shaper.choice(i) for i in range(len(job.choices))]
+    return shaper.envelope(choices, usage=shaper.usage(), metrics=shaper.metrics())
 
 
 def _prepare_completion(state, raw: bytes):
@@ -140,22 +158,24 @@ async def completions(req: HTTPRequest):
     state = req.app.state.specdec
     raw = await read_request(state, req)
     body, params, spec, encoded = await off_loop(_prepare_completion, state, raw)
+    shaping = await structured.prepare(state, body)
     rid = "cmpl-" + uuid.uuid4().hex[:24]
     prompt_top = body.logprobs if body.echo and body.logprobs is not None else None
     job = generation.submit(state, encoded, params, body.n, body.stops(), spec, body.logprobs, rid,
-                            prompt_top=prompt_top, score_only=body.max_tokens == 0)
+                            prompt_top=prompt_top, score_only=body.max_tokens == 0, shaping=shaping)
     shaper = Shaper(state, job, False, body.logprobs, int(time.time()))
     return await _answer(state, req, job, shaper, body.stream, body.usage_wanted())
 
 
 def _prepare_chat(state, raw: bytes):
-    """(body, sampling, speculation, prompt ids): the work before a chat request is queued (the
-    template and the tokenizer), off the event loop."""
+    """(body, sampling, speculation, prompt ids, the tool-call syntax to parse or None): the work
+    before a chat request is queued (the template and the tokenizer), off the event loop."""
     body = parse_body(state, raw, ChatCompletionRequest)
     params, spec = sampling(state, body, body.new_tokens())
-    ids = state.text.encode_chat([{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages])
+    messages, tools, syntax = structured.chat_messages(state, body)
+    ids = state.text.encode_chat(messages, tools)
     check_context(state, ids, body.new_tokens())
-    return body, params, spec, ids
+    return body, params, spec, ids, syntax
 
 
 @router.post("/v1/chat/completions", openapi_extra=_openapi(ChatCompletionRequest))
@@ -163,9 +183,11 @@ def _prepare_chat(state, raw: bytes):
 async def chat_completions(req: HTTPRequest):
     state = req.app.state.specdec
     raw = await read_request(state, req)
-    body, params, spec, ids = await off_loop(_prepare_chat, state, raw)
+    body, params, spec, ids, syntax = await off_loop(_prepare_chat, state, raw)
+    shaping = await structured.prepare(state, body, syntax)
     rid = "chatcmpl-" + uuid.uuid4().hex[:24]
-    job = generation.submit(state, [(ids, None)], params, body.n, body.stops(), spec, body.top(), rid)
+    job = generation.submit(state, [(ids, None)], params, body.n, body.stops(), spec, body.top(), rid,
+                            shaping=shaping)
     shaper = Shaper(state, job, True, body.top(), int(time.time()))
     return await _answer(state, req, job, shaper, body.stream, body.usage_wanted())
 
@@ -205,6 +227,7 @@ def _opening(shaper: Shaper, i: int) -> str | None:
 
 async def _stream(state, job: generation.Job, shaper: Shaper, usage: bool):
     texts = [_StreamText() for _ in job.choices]
+    parsers = [ToolParser(shaper.tools) for _ in job.choices] if shaper.tools is not None else None
     try:
         async for i, kind in generation.events(job):
             st = texts[i]
@@ -213,15 +236,23 @@ async def _stream(state, job: generation.Job, shaper: Shaper, usage: bool):
                 opening = _opening(shaper, i)
                 if opening:
                     yield opening
-            piece = _delta(shaper, st, i)
-            if piece:
-                yield piece
+            if parsers is not None:  # chat with tools: content and tool-call deltas
+                for delta in structured.tool_deltas(state, parsers[i], job.choices[i].tokens, job.stops,
+                                                    final=kind == "done"):
+                    yield shaper.tool_chunk(i, delta)
+            else:
+                piece = _delta(shaper, st, i)
+                if piece:
+                    yield piece
             if kind == "done":
-                yield shaper.chunk(i, "", job.choices[i].finish_reason())
+                reason = job.choices[i].finish_reason()
+                if parsers is not None and parsers[i].calls and reason == "stop":
+                    reason = "tool_calls"
+                yield shaper.chunk(i, "", reason)
         final = shaper.usage()
-        if usage:  # OpenAI's shape: empty choices, the request's usage
+        if usage:  # OpenAI's shape: empty choices, the request's usage (and the speculation figures)
             yield "data: " + json.dumps(shaper.envelope([], shaper.obj + ".chunk" if shaper.chat else shaper.obj,
-                                                        usage=final)) + "\n\n"
+                                                        usage=final, metrics=shaper.metrics())) + "\n\n"
     except APIError as e:
         yield e.event()
     except Exception:  # noqa: BLE001 - the stream has started: an error event, not a 500

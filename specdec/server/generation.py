@@ -55,6 +55,7 @@ class Job:
     timeout: float
     prompt_tokens: int = 0  # each prompt once, whatever n
     disconnected: bool = False
+    shaping: object = None  # structured.Shaping: grammar, prediction, tool syntax (None: none)
 
     def cancel(self) -> None:
         for c in self.choices:
@@ -66,11 +67,12 @@ class Job:
 
 
 def submit(state, prompts: list[tuple[list[int], str | None]], params: SamplingParams, n: int, stops: list[str],
-           spec: tuple[int | None, bool], top: int | None, rid: str, prompt_top: int | None = None,
-           score_only: bool = False) -> Job:
+           spec: tuple[int | None, frozenset | None], top: int | None, rid: str, prompt_top: int | None = None,
+           score_only: bool = False, shaping=None) -> Job:
     """Queue one batcher request per prompt and per n (choice p * n + j samples with seed + j, so a
-    prompt gives the same text alone or batched). prompts: (token ids, echoed text or None)."""
-    spec_k, trees = spec
+    prompt gives the same text alone or batched). prompts: (token ids, echoed text or None).
+    shaping (structured.Shaping): each choice carries the prediction and its own grammar state."""
+    spec_k, sources = spec
     choices = len(prompts) * n
     if choices > state.batcher.waiting.maxsize:  # it would get 429 however long it waited
         raise APIError(400, f"this request has {choices} choices (prompts x n) but the server queues at most "
@@ -78,7 +80,7 @@ def submit(state, prompts: list[tuple[list[int], str | None]], params: SamplingP
                        param="n")
     loop = asyncio.get_running_loop()
     job = Job(rid, [], asyncio.Queue(), stops, time.perf_counter(), state.request_timeout,
-              prompt_tokens=sum(len(ids) for ids, _ in prompts))
+              prompt_tokens=sum(len(ids) for ids, _ in prompts), shaping=shaping)
 
     for ids, echo in prompts:
         for j in range(n):
@@ -99,8 +101,9 @@ def submit(state, prompts: list[tuple[list[int], str | None]], params: SamplingP
                 loop.call_soon_threadsafe(job.out.put_nowait, (i, "done", (reason, stats, rest, within)))
 
             r = Request(list(ids), p, on_tokens, on_done, stop_fn=decoder.reached_stop if decoder.stops else None,
-                        spec_k=spec_k, logprobs=top, trees=trees, prompt_logprobs=prompt_top, score_only=score_only,
-                        id=f"{rid}/{i}")
+                        spec_k=spec_k, logprobs=top, sources=sources, prompt_logprobs=prompt_top,
+                        score_only=score_only, id=f"{rid}/{i}", prediction=shaping.prediction if shaping else None,
+                        constraint=shaping.constraint() if shaping else None)
             try:
                 state.batcher.submit(r)
             except queue.Full:

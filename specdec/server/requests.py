@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request as HTTPRequest
 from pydantic import ValidationError
 
+from ..methods import REQUEST_SOURCES
 from ..types import SamplingParams, SpecdecError
 from .errors import APIError
 from .schemas import SamplingFields, validation_error
@@ -78,7 +79,7 @@ def parse_body(state, raw: bytes, schema: type[SamplingFields]):
         raise APIError(404, f"model {str(model)[:80]!r} not found; this server serves {state.model_name!r}",
                        "not_found_error", "model")
     context = {"max_n": state.max_n, "vocab": state.text.vocab, "method": state.batcher.method,
-               "max_messages": state.batcher.max_context}
+               "sources": state.batcher.sources.labels, "max_messages": state.batcher.max_context}
     try:
         return schema.model_validate(body, context=context)
     except ValidationError as e:
@@ -108,22 +109,23 @@ async def off_loop(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(fn, *args))
 
 
-def sampling(state, body: SamplingFields, max_tokens: int) -> tuple[SamplingParams, tuple[int | None, bool]]:
-    """(sampling settings, (cap on guesses or None, EAGLE trees / draft model allowed))."""
-    spec_k, trees = None, True
+def sampling(state, body: SamplingFields, max_tokens: int) -> tuple[SamplingParams, tuple[int | None, frozenset | None]]:
+    """(sampling settings, (cap on guesses or None, the draft sources the request may take or None: all))."""
+    spec_k, sources = None, None
     if body.speculative is not None:
         spec_k = body.speculative.k
-        if body.speculative.method == "none":
+        method = body.speculative.method
+        if method == "none":
             spec_k = 0
-        elif body.speculative.method == "ngram" and state.batcher.method == "auto":
-            trees = False  # prompt lookup only
+        elif method is not None and method != state.batcher.method:  # one of the server's sources alone
+            sources = frozenset({method}) | REQUEST_SOURCES
     try:
         params = SamplingParams(max_new_tokens=max(max_tokens, 1), temperature=float(body.temperature),
                                 top_p=float(body.top_p), top_k=max(body.top_k, 0), min_p=float(body.min_p),
                                 seed=body.seed)
     except SpecdecError as e:
         raise APIError(400, str(e))
-    return params, (spec_k, trees)
+    return params, (spec_k, sources)
 
 
 def check_context(state, ids: list[int], max_tokens: int) -> None:

@@ -48,13 +48,13 @@ class TextOps:
             raise APIError(400, f"the prompt has at least {at_least} tokens ({chars} characters); the context is "
                                 f"{self.max_context} tokens", param=param)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of chat messages through the model's template ("developer" is rendered as
-        "system", as OpenAI defines it). The rendered text is checked against the context
-        before it is tokenized; special-token text in the messages is plain text unless
-        special_in_messages (each occurrence stands in the template as a marker, and the
-        rendered text is tokenized piece by piece around the markers: messages without such
-        text are tokenized exactly as before)."""
+        "system", as OpenAI defines it), with `tools` for a template that renders them. The
+        rendered text is checked against the context before it is tokenized; special-token text
+        in the messages is plain text unless special_in_messages (each occurrence stands in the
+        template as a marker, and the rendered text is tokenized piece by piece around the
+        markers: messages without such text are tokenized exactly as before)."""
         msgs = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
         self.check_prompt_text([m["content"] for m in msgs], "messages")
         literal: dict[str, str] = {}  # marker -> the special-token text it stands for
@@ -68,7 +68,7 @@ class TextOps:
 
             msgs = [{**m, "content": self.specials.sub(mark, m["content"])} for m in msgs]
         try:
-            text = render_chat(self.tok, msgs)
+            text = render_chat(self.tok, msgs, tools)
         except SpecdecError as e:
             raise APIError(400, str(e), param="messages")
         except Exception as e:  # noqa: BLE001 - a template that cannot render these messages (e.g. a role it lacks)
