@@ -27,7 +27,7 @@
 // where the AVX2 build takes _mm256_maddubs_epi16 + _mm256_madd_epi16, and every int32 lane that
 // reaches the float arithmetic holds the same exact integer in both, so the two builds give the same
 // numbers bit for bit (tests/test_vnni.py). The VNNI build (AVX-512F) also multiplies steps of
-// several tokens by two weight rows at a time on 512-bit registers (kz_tile for the K-quants, iz_tile
+// several tokens by two weight rows at a time on 512-bit registers (kz_pass for the K-quants, iz_tile
 // for the 32-weight block types, bz_tile for the repacked Q4_1 / Q8_0 blocks): each weight block is
 // decoded once for up to 6-8 activation rows, and every lane runs the operations of the 256-bit code
 // on the same numbers, so those tiles too give each row its numbers alone (tests/test_multirow.py);
@@ -723,7 +723,7 @@ inline void interleave_quants(__m256i v[8]) {
 }
 
 #if ROWSTABLE_VNNI
-// The VNNI build's K-quant tiles of several activation rows (kz_tile) take two weight rows at a time
+// The VNNI build's K-quant products of several activation rows (kz_pass) take two weight rows at a time
 // on 512-bit registers, in the "pair layout": a 256-block's 8 parts of 32 quants as 4 vectors, whose
 // 128-bit lane q holds in int32 lane i the bytes 4k..4k+3 (vector k) of the half q & 1 of part
 // kz_part(q, i) = {0, 1, 4, 5}[i] + 2 (q >> 1). The 4 vectors' _mm512_dpbusd_epi32 products added
@@ -731,7 +731,7 @@ inline void interleave_quants(__m256i v[8]) {
 // lanes are made of, and it takes 8 shuffles a block to get there from the parts as they lie in
 // memory (transpose_dwords512), where the ymm layout takes 16 for the same 256 bytes.
 constexpr int kz_part(int q, int i) { return (i < 2 ? i : i + 2) + 2 * (q >> 1); }
-// The lane (q, j) of a product of two weight rows' sums (kz_tile's isum, corr, acc) is the int_tile /
+// The lane (q, j) of a product of two weight rows' sums (kz_pass's isum, corr, acc) is the int_tile /
 // int_row lane kz_lane(q, j) (4 half + pair of parts) of weight row j >> 1
 constexpr int kz_lane(int q, int j) { return 4 * (q & 1) + (q >> 1) + 2 * (j & 1); }
 
@@ -790,7 +790,7 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
   r.sx.resize(S == 32 ? nb : 0);
   r.bsum.resize(M * K / 16);
   r.bsum2.resize(S == 256 ? M * K / 32 : 0);
-  const bool pairs = ROWSTABLE_VNNI && S == 256 && M >= 2;  // (kz_tile's layouts)
+  const bool pairs = ROWSTABLE_VNNI && S == 256 && M >= 2;  // (kz_pass's layouts)
   r.qz.resize(pairs ? M * K : 0);
   r.bsz.resize(pairs ? M * K / 8 : 0);
   // (a decoding step's few thousand values take ~1-2 us on one thread, less than waking the others)
@@ -829,7 +829,7 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
         interleave_quants(v);
         for (int s = 0; s < 8; ++s) _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.qi.data() + b * S + 32 * s), v[s]);
 #if ROWSTABLE_VNNI
-        if (pairs) {  // the pair layout, and the 16-sums in kz_tile's corr order: lane (q, j, e) = bsum 2 kz_lane(q, j) + e
+        if (pairs) {  // the pair layout, and the 16-sums in kz_pass's corr order: lane (q, j, e) = bsum 2 kz_lane(q, j) + e
           __m512i z[4] = {join256(q, q + 64), join256(q + 32, q + 96), join256(q + 128, q + 192), join256(q + 160, q + 224)};
           transpose_dwords512(z[0], z[1], z[2], z[3]);
           for (int k = 0; k < 4; ++k) _mm512_storeu_si512(r.qz.data() + b * S + 64 * k, z[k]);
@@ -1104,7 +1104,7 @@ __attribute__((noinline)) void int_row(const Q8Rows& xr, int64_t row0, int64_t K
 }
 
 #if ROWSTABLE_VNNI
-// kz_tile: 2 weight rows x MR activation rows (2 <= MR <= KZ_MR) over nb 256-blocks, on 512-bit
+// kz_pass: 2 weight rows x up to KZ_ROWS activation rows over nb 256-blocks, on 512-bit
 // registers, in the pair layout (transpose_dwords512; the activations' copy: Q8Rows.qz). Every
 // output gets int_tile's numbers: each int32 lane holds the integer of int_tile's lane kz_lane(q, j)
 // of its weight row, and the float part runs the same operations on each lane, two weight rows'
@@ -1113,7 +1113,7 @@ __attribute__((noinline)) void int_row(const Q8Rows& xr, int64_t row0, int64_t K
 // instructions a block and row (16 of them 256-bit dot products, sums and float work), a pair of
 // rows takes 17 (Q4_K) to 22 (Q5_K) for both: 8 dpbusd of 64 bytes, the part scales (one packs and
 // one madd where a part's sums fit int16, Q4_K; else two mullo and two permutes), the correction's
-// madd, and the float part once for both rows; and a block's weights are decoded once for MR rows.
+// madd, and the float part once for both rows; and a block's weights are decoded once for all the rows.
 struct KzIdx {
   alignas(64) int16_t scl4[32], coef4[32], coef6[32];
   alignas(64) int32_t scl5[2][16], scl6[16], even[16], odd[16], fin[2][16];
@@ -1147,7 +1147,7 @@ const KzIdx kz_idx;
 inline __m512i kz_load(const int16_t* t) { return _mm512_load_si512(t); }
 inline __m512i kz_load(const int32_t* t) { return _mm512_load_si512(t); }
 
-// two weight rows' block (p0, p1) for kz_tile: quants (v[row][4], pair layout) and scales: scl
+// two weight rows' block (p0, p1) for kz_pass: quants (v[row][4], pair layout) and scales: scl
 // (GROUP 8: int16 lane (q, m), the scale of part kz_part(q, m & 3) of row m >> 2, for the madd after
 // packing both rows' sums), scl32 (else: int32 lane (q, i) of each row: the scale of part kz_part(q, i)'s
 // half q & 1), coef (int16 lane (q, j, e): the factor of 16-sum 2 kz_lane(q, j) + e of row j >> 1 in
@@ -1258,12 +1258,55 @@ template <> struct PairOf<IntQ4_K> { using T = PairQ4_K; };
 template <> struct PairOf<IntQ5_K> { using T = PairQ5_K; };
 template <> struct PairOf<IntQ6_K> { using T = PairQ6_K; };
 
+// MR activation rows (row0..) of one block b of the weight rows' pair st: acc, accc (lanes (q, j)) updated
 template <class D, int MR>
-__attribute__((noinline)) void kz_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, int64_t nb,
+__attribute__((always_inline)) inline void kz_rows(const KPair& st, const Q8Rows& xr, int64_t row0, int64_t K, int64_t b,
+                                                   __m512* acc, __m512* accc, __m512i even, __m512i odd) {
+  for (int i = 0; i < MR; ++i) {
+    const int64_t xb = (row0 + i) * (K / 256) + b;
+    const __m512i* xq = reinterpret_cast<const __m512i*>(xr.qz.data() + xb * 256);
+    const __m512i x0 = _mm512_load_si512(xq), x1 = _mm512_load_si512(xq + 1), x2 = _mm512_load_si512(xq + 2),
+                  x3 = _mm512_load_si512(xq + 3);
+    __m512i r[2];
+    for (int j = 0; j < 2; ++j) {
+      __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), st.v[j][0], x0);
+      t = _mm512_dpbusd_epi32(t, st.v[j][1], x1);
+      t = _mm512_dpbusd_epi32(t, st.v[j][2], x2);
+      r[j] = _mm512_dpbusd_epi32(t, st.v[j][3], x3);
+    }
+    __m512i isum;
+    if constexpr (D::GROUP == 8) {  // (a part half's sum fits int16: |sum| <= 16 * 15 * 127)
+      isum = _mm512_madd_epi16(_mm512_packs_epi32(r[0], r[1]), st.scl);
+    } else {
+      const __m512i m0 = _mm512_mullo_epi32(r[0], st.scl32[0]), m1 = _mm512_mullo_epi32(r[1], st.scl32[1]);
+      isum = _mm512_add_epi32(_mm512_permutex2var_epi32(m0, even, m1), _mm512_permutex2var_epi32(m0, odd, m1));
+    }
+    const __m512 dx = _mm512_set1_ps(xr.d[xb]);
+    const __m512i corr = _mm512_madd_epi16(st.coef, _mm512_load_si512(xr.bsz.data() + xb * 32));
+    if constexpr (D::FOLD) {
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(st.d, dx), _mm512_cvtepi32_ps(_mm512_sub_epi32(isum, corr)), acc[i]);
+    } else {
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(st.d, dx), _mm512_cvtepi32_ps(isum), acc[i]);
+      accc[i] = _mm512_fmadd_ps(_mm512_mul_ps(st.c, dx), _mm512_cvtepi32_ps(corr), accc[i]);
+    }
+  }
+}
+
+// The weight rows n, n + 1 (at w) for activation rows m0..m0 + M (2 <= M <= KZ_ROWS), block by block:
+// each block's pair decoded once (a decoding took ~35 cycles on Sapphire Rapids, about 3 rows' work)
+// for all M rows, in row tiles of up to KZ_MR kept in registers for the block (the running sums of
+// all M rows wait in L1 between blocks).
+constexpr int64_t KZ_ROWS = 32;
+
+template <class D>
+__attribute__((noinline)) void kz_pass(const Q8Rows& xr, int64_t m0, int64_t M, int64_t K, const uint8_t* w, int64_t rb,
                                        float* y, int64_t ldy) {
   using P = typename PairOf<D>::T;
-  __m512 acc[MR], accc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = accc[i] = _mm512_setzero_ps();
+  constexpr int64_t MRZ = P::KZ_MR;
+  const int64_t nb = K / 256;
+  __m512 acc[KZ_ROWS], accc[KZ_ROWS];
+  for (int64_t i = 0; i < M; ++i) acc[i] = accc[i] = _mm512_setzero_ps();
+  const int64_t tiles = (M + MRZ - 1) / MRZ;
   const int64_t pf = 2 * rb * std::max<int64_t>(1, (4096 + 2 * rb - 1) / (2 * rb));  // >= 4 KB ahead, a later pair of rows
   const __m512i even = kz_load(kz_idx.even), odd = kz_load(kz_idx.odd);
   for (int64_t b = 0; b < nb; ++b) {
@@ -1274,55 +1317,26 @@ __attribute__((noinline)) void kz_tile(const Q8Rows& xr, int64_t row0, int64_t K
     }
     KPair st;
     P::prepare(p0, p0 + rb, st);
-    for (int i = 0; i < MR; ++i) {
-      const int64_t xb = (row0 + i) * (K / 256) + b;
-      const __m512i* xq = reinterpret_cast<const __m512i*>(xr.qz.data() + xb * 256);
-      const __m512i x0 = _mm512_load_si512(xq), x1 = _mm512_load_si512(xq + 1), x2 = _mm512_load_si512(xq + 2),
-                    x3 = _mm512_load_si512(xq + 3);
-      __m512i r[2];
-      for (int j = 0; j < 2; ++j) {
-        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), st.v[j][0], x0);
-        t = _mm512_dpbusd_epi32(t, st.v[j][1], x1);
-        t = _mm512_dpbusd_epi32(t, st.v[j][2], x2);
-        r[j] = _mm512_dpbusd_epi32(t, st.v[j][3], x3);
-      }
-      __m512i isum;
-      if constexpr (D::GROUP == 8) {  // (a part half's sum fits int16: |sum| <= 16 * 15 * 127)
-        isum = _mm512_madd_epi16(_mm512_packs_epi32(r[0], r[1]), st.scl);
-      } else {
-        const __m512i m0 = _mm512_mullo_epi32(r[0], st.scl32[0]), m1 = _mm512_mullo_epi32(r[1], st.scl32[1]);
-        isum = _mm512_add_epi32(_mm512_permutex2var_epi32(m0, even, m1), _mm512_permutex2var_epi32(m0, odd, m1));
-      }
-      const __m512 dx = _mm512_set1_ps(xr.d[xb]);
-      const __m512i corr = _mm512_madd_epi16(st.coef, _mm512_load_si512(xr.bsz.data() + xb * 32));
-      if constexpr (D::FOLD) {
-        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(st.d, dx), _mm512_cvtepi32_ps(_mm512_sub_epi32(isum, corr)), acc[i]);
-      } else {
-        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(st.d, dx), _mm512_cvtepi32_ps(isum), acc[i]);
-        accc[i] = _mm512_fmadd_ps(_mm512_mul_ps(st.c, dx), _mm512_cvtepi32_ps(corr), accc[i]);
+    for (int64_t t = 0; t < tiles; ++t) {  // row tiles as even as M allows
+      const int64_t a = t * M / tiles, e = (t + 1) * M / tiles, r0 = m0 + a;
+      __m512 *ac = acc + a, *cc = accc + a;
+      switch (e - a) {
+        case 1: kz_rows<D, 1>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        case 2: kz_rows<D, 2>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        case 3: kz_rows<D, 3>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        case 4: kz_rows<D, 4>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        case 5: kz_rows<D, 5>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        case 6: kz_rows<D, 6>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        case 7: if constexpr (MRZ >= 7) kz_rows<D, 7>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        default: if constexpr (MRZ >= 8) kz_rows<D, 8>(st, xr, r0, K, b, ac, cc, even, odd); break;
       }
     }
   }
   const __m512i fin0 = kz_load(kz_idx.fin[0]), fin1 = kz_load(kz_idx.fin[1]);
-  for (int i = 0; i < MR; ++i) {
+  for (int64_t i = 0; i < M; ++i) {
     const __m512 s = D::FOLD ? acc[i] : _mm512_add_ps(acc[i], accc[i]);
     y[i * ldy] = hsum8(_mm512_castps512_ps256(_mm512_permutexvar_ps(fin0, s)));
     y[i * ldy + 1] = hsum8(_mm512_castps512_ps256(_mm512_permutexvar_ps(fin1, s)));
-  }
-}
-
-// rows m0..m0+mr (2 <= mr <= KZ_MR) of weight rows n, n + 1
-template <class D>
-void kz_tiles(const Q8Rows& xr, int64_t m0, int64_t mr, int64_t K, const uint8_t* wn, int64_t rb, float* y, int64_t ldy) {
-  const int64_t nb = K / 256;
-  switch (mr) {
-    case 2: kz_tile<D, 2>(xr, m0, K, wn, rb, nb, y, ldy); break;
-    case 3: kz_tile<D, 3>(xr, m0, K, wn, rb, nb, y, ldy); break;
-    case 4: kz_tile<D, 4>(xr, m0, K, wn, rb, nb, y, ldy); break;
-    case 5: kz_tile<D, 5>(xr, m0, K, wn, rb, nb, y, ldy); break;
-    case 6: kz_tile<D, 6>(xr, m0, K, wn, rb, nb, y, ldy); break;
-    case 7: if constexpr (PairOf<D>::T::KZ_MR >= 7) kz_tile<D, 7>(xr, m0, K, wn, rb, nb, y, ldy); break;
-    default: if constexpr (PairOf<D>::T::KZ_MR >= 8) kz_tile<D, 8>(xr, m0, K, wn, rb, nb, y, ldy); break;
   }
 }
 #endif
@@ -1495,14 +1509,13 @@ void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64
                  int64_t ldy) {
   if constexpr (D::BS == 256) {
 #if ROWSTABLE_VNNI
-    if (M >= 2) {  // pairs of weight rows (kz_tile) in row tiles of at most KZ_MR, as even as they come; an odd last row as below
-      constexpr int64_t MRZ = PairOf<D>::T::KZ_MR;
-      const int64_t tiles = (M + MRZ - 1) / MRZ;
+    if (M >= 2) {  // pairs of weight rows (kz_pass), up to KZ_ROWS activation rows a pass; an odd last row as below
+      const int64_t passes = (M + KZ_ROWS - 1) / KZ_ROWS;
       int64_t n = n0;
       for (; n + 2 <= n1; n += 2)
-        for (int64_t t = 0; t < tiles; ++t) {
-          const int64_t a = t * M / tiles, e = (t + 1) * M / tiles;
-          kz_tiles<D>(xr, a, e - a, K, w + n * rb, rb, y + a * ldy + n, ldy);
+        for (int64_t t = 0; t < passes; ++t) {
+          const int64_t a = t * M / passes, e = (t + 1) * M / passes;
+          kz_pass<D>(xr, a, e - a, K, w + n * rb, rb, y + a * ldy + n, ldy);
         }
       n0 = n;
       if (n0 == n1) return;
