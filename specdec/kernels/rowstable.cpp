@@ -1187,19 +1187,22 @@ inline __m512i kz_rot(int lo, int hi) {
   return _mm512_set_epi64(b, b, b, b, a, a, a, a);
 }
 
+// the 4-bit quants of a Q4_K / Q5_K block's 128 bytes at qs as parts [0 | 2], [1 | 3], [4 | 6], [5 | 7]
+// (bytes 0-63: parts 0, 2 in the low nibbles, 1, 3 in the high ones; bytes 64-127: parts 4-7)
+inline void kz_nibbles(const uint8_t* qs, __m512i v[4]) {
+  const __m512i f = _mm512_set1_epi8(0x0F), a = _mm512_loadu_si512(qs), b = _mm512_loadu_si512(qs + 64);
+  v[0] = _mm512_and_si512(a, f);
+  v[1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), f);
+  v[2] = _mm512_and_si512(b, f);
+  v[3] = _mm512_and_si512(_mm512_srli_epi16(b, 4), f);
+}
 struct PairQ4_K {
   static constexpr int KZ_MR = 6;
   static inline void prepare(const uint8_t* p0, const uint8_t* p1, KPair& st) {
     const uint8_t* ps[2] = {p0, p1};
-    const __m512i f = _mm512_set1_epi8(0x0F);
-    for (int r = 0; r < 2; ++r) {  // qs: bytes 0-63 hold parts 0, 2 (low nibbles) and 1, 3 (high); 64-127 parts 4-7
-      const __m512i a = _mm512_loadu_si512(ps[r] + 16), b = _mm512_loadu_si512(ps[r] + 80);
-      __m512i* v = st.v[r];
-      v[0] = _mm512_and_si512(a, f);
-      v[1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), f);
-      v[2] = _mm512_and_si512(b, f);
-      v[3] = _mm512_and_si512(_mm512_srli_epi16(b, 4), f);
-      transpose_dwords512(v[0], v[1], v[2], v[3]);
+    for (int r = 0; r < 2; ++r) {
+      kz_nibbles(ps[r] + 16, st.v[r]);
+      transpose_dwords512(st.v[r][0], st.v[r][1], st.v[r][2], st.v[r][3]);
     }
     kz_k4_scales(p0, p1, false, st);
   }
@@ -1208,15 +1211,14 @@ struct PairQ5_K {
   static constexpr int KZ_MR = 6;
   static inline void prepare(const uint8_t* p0, const uint8_t* p1, KPair& st) {
     const uint8_t* ps[2] = {p0, p1};
-    const __m512i f = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10);
-    for (int r = 0; r < 2; ++r) {  // as Q4_K's at 48, the fifth bit s of part s from byte l of the 32 at 16
-      const __m512i a = _mm512_loadu_si512(ps[r] + 48), b = _mm512_loadu_si512(ps[r] + 112);
+    const __m512i b4 = _mm512_set1_epi8(0x10);
+    const int bits[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};  // (the parts of each vector)
+    for (int r = 0; r < 2; ++r) {  // Q4_K's nibbles at 48, and the fifth bit s of part s from byte l of the 32 at 16
       const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ps[r] + 16)));
       __m512i* v = st.v[r];
-      v[0] = _mm512_or_si512(_mm512_and_si512(a, f), _mm512_and_si512(_mm512_rolv_epi64(h, kz_rot(0, 2)), b4));
-      v[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), f), _mm512_and_si512(_mm512_rolv_epi64(h, kz_rot(1, 3)), b4));
-      v[2] = _mm512_or_si512(_mm512_and_si512(b, f), _mm512_and_si512(_mm512_rolv_epi64(h, kz_rot(4, 6)), b4));
-      v[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), f), _mm512_and_si512(_mm512_rolv_epi64(h, kz_rot(5, 7)), b4));
+      kz_nibbles(ps[r] + 48, v);
+      for (int k = 0; k < 4; ++k)
+        v[k] = _mm512_or_si512(v[k], _mm512_and_si512(_mm512_rolv_epi64(h, kz_rot(bits[k][0], bits[k][1])), b4));
       transpose_dwords512(v[0], v[1], v[2], v[3]);
     }
     kz_k4_scales(p0, p1, true, st);
@@ -1502,6 +1504,20 @@ void iz_tiles(const Q8Rows& xr, int64_t m0, int64_t mr, int64_t K, const uint8_t
 }
 #endif
 
+#if ROWSTABLE_VNNI
+// The VNNI build's products of several rows: weight rows n0..n1 in pairs, the M activation rows in
+// runs of at most `most`, as even as M allows; f(a, e, n): rows a..e by weight rows n, n + 1. Returns
+// the weight row left over (n1, or an odd last one, for the 256-bit code).
+template <class F>
+int64_t in_pairs(int64_t M, int64_t n0, int64_t n1, int64_t most, F&& f) {
+  const int64_t runs = (M + most - 1) / most;
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2)
+    for (int64_t t = 0; t < runs; ++t) f(t * M / runs, (t + 1) * M / runs, n);
+  return n;
+}
+#endif
+
 // rows n0..n1 of the output for all M activation rows: the K-quants in tiles of up to KQ_MR rows
 // (int_tile; a tile of one row: int_row), the block types in tiles of up to INT_MR rows (int32_tile)
 template <class D>
@@ -1510,14 +1526,9 @@ void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64
   if constexpr (D::BS == 256) {
 #if ROWSTABLE_VNNI
     if (M >= 2) {  // pairs of weight rows (kz_pass), up to KZ_ROWS activation rows a pass; an odd last row as below
-      const int64_t passes = (M + KZ_ROWS - 1) / KZ_ROWS;
-      int64_t n = n0;
-      for (; n + 2 <= n1; n += 2)
-        for (int64_t t = 0; t < passes; ++t) {
-          const int64_t a = t * M / passes, e = (t + 1) * M / passes;
-          kz_pass<D>(xr, a, e - a, K, w + n * rb, rb, y + a * ldy + n, ldy);
-        }
-      n0 = n;
+      n0 = in_pairs(M, n0, n1, KZ_ROWS, [&](int64_t a, int64_t e, int64_t n) {
+        kz_pass<D>(xr, a, e - a, K, w + n * rb, rb, y + a * ldy + n, ldy);
+      });
       if (n0 == n1) return;
     }
 #endif
@@ -1542,14 +1553,9 @@ void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64
   } else {
 #if ROWSTABLE_VNNI
     if (M >= 2) {  // pairs of weight rows (iz_tile) in row tiles of at most IZ_MR; an odd last row as below
-      const int64_t tiles = (M + IZ_MR - 1) / IZ_MR;
-      int64_t n = n0;
-      for (; n + 2 <= n1; n += 2)
-        for (int64_t t = 0; t < tiles; ++t) {
-          const int64_t a = t * M / tiles, e = (t + 1) * M / tiles;
-          iz_tiles<D>(xr, a, e - a, K, w + n * rb, rb, y + a * ldy + n, ldy);
-        }
-      n0 = n;
+      n0 = in_pairs(M, n0, n1, IZ_MR, [&](int64_t a, int64_t e, int64_t n) {
+        iz_tiles<D>(xr, a, e - a, K, w + n * rb, rb, y + a * ldy + n, ldy);
+      });
       if (n0 == n1) return;
     }
 #endif
