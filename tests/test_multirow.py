@@ -1,7 +1,7 @@
 """Steps of several tokens (chains, trees, batches: 2-33 rows) on the row-stable kernels' products.
 
 A verification step multiplies T activation rows by each weight block at once (the VNNI build: two
-weight rows a pass, kz_tile / bz_tile in rowstable.cpp; row tiles of up to 6-8 rows, as even as T
+weight rows a pass, kz_pass, iz_tile, bz_tile in rowstable.cpp; row tiles of up to 6-8 rows, as even as T
 allows). Whatever the tiling, each row must get the numbers it gets alone (greedy speculation
 equals plain greedy only so). Oracles: the row multiplied alone (bit for bit), and
 `gguf.quants.dequantize` of the same bytes by a float64 product of the activations as the kernels
