@@ -1,0 +1,434 @@
+"""Suffix decoding (SuffixDecoding, Oliaro et al. 2025; Arctic Inference's `suffix`): draft from
+what earlier requests produced, and from the row's own prompt and output.
+
+Agents, batch pipelines and tools send the same kinds of requests again and again, and their
+answers repeat each other more than they repeat their own prompt. So a process keeps one
+`SuffixCache`: the outputs of its last finished requests (each after the last few tokens of its
+prompt, so the first tokens of an answer have a context to match), bounded by the tokens it
+keeps, the oldest evicted first, shared by every row of the process. Each row also has a store of
+its own prompt and committed output, and the rows in flight see each other's (n samples of one
+prompt draft from each other while they run).
+
+Each step, per row: the longest suffix of the row's context (2 to `max_depth` tokens) that occurs
+in those stores, and a tree of what followed its occurrences, grown best first by observed
+frequency (a node's score is the product of count ratios along its path), while a node's score
+is at least `min_prob` and up to `alpha` x the match length nodes. The scores are the source's own
+estimates of each path's odds; the policy calibrates them. Guesses are deterministic, so
+verification keeps greedy and sampled output exact (verify.py).
+
+The stores are native (kernels/suffix_store.cpp, built once per machine like the kernels, loaded
+with ctypes): proposal time stays ~10-40 us a row with a million cached tokens, where Python over
+dicts takes milliseconds (docs/design.md, "Suffix decoding"). `SuffixCache.save` / `load` keep the
+cache across restarts, refused when the tokenizer differs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..tree import depths, prune
+from ..types import SpecdecError
+from .base import Draft, DraftContext, Drafter, register
+
+SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "suffix_store.cpp"
+FILE_FORMAT = "specdec-suffix-cache"
+FILE_VERSION = 1
+PROMPT_TAIL = 4  # prompt tokens kept before each output in the cache: the context its first tokens follow
+KEY_CAP = 16  # Offer.key: the match length, capped (longer matches are learnt together)
+
+try:  # the proposer interface of issue 51 (docs/design.md); until base.py has it, the same fields here
+    from .base import Offer, RowInfo
+except ImportError:  # pragma: no cover - removed when base.py defines them
+    @dataclass
+    class Offer:
+        """What a known source could verify for one row this step (PROPOSERS.md)."""
+        tokens: list[int]
+        parents: list[int] | None = None
+        key: int = 0
+        scores: list[float] | None = None
+        certain: int = 0
+
+    RowInfo = None
+
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _native():
+    """The loaded store library (ctypes); SpecdecError saying why where it cannot be built."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]
+        if "why" in _state:
+            raise SpecdecError(_state["why"])
+        from ..kernels import _build
+        from ..models.loader import cache_root
+
+        try:
+            path = _build(cache_root() / "kernels", True, SOURCE, [], "the suffix-decoding store")
+            lib = ctypes.CDLL(str(path))
+        except (RuntimeError, OSError) as e:
+            _state["why"] = f"suffix decoding needs its native store, which could not be built or loaded ({e})"
+            raise SpecdecError(_state["why"]) from None
+        vp, i64, i32p, f64p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_double)
+        ip = ctypes.POINTER(ctypes.c_int)
+        lib.sd_new.restype = vp
+        lib.sd_free.argtypes = [vp]
+        lib.sd_append.argtypes = [vp, i32p, i64]
+        for name in ("sd_evict_oldest", "sd_tokens", "sd_sequences", "sd_bytes", "sd_open", "sd_export_size"):
+            getattr(lib, name).argtypes = [vp]
+            getattr(lib, name).restype = i64
+        lib.sd_export.argtypes = [vp, i32p]
+        c_int, c_double = ctypes.c_int, ctypes.c_double
+        lib.sd_speculate.argtypes = [ctypes.POINTER(vp), c_int, i32p, c_int, c_int, c_int, c_double, c_double,
+                                     c_double, c_int, c_int, c_int, c_int, i32p, i32p, f64p, ip, ip]
+        lib.sd_speculate.restype = c_int
+        _state["lib"] = lib
+        return lib
+
+
+def _int32(tokens) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(tokens, dtype=np.int32))
+
+
+def _ptr(arr: np.ndarray, kind):
+    return arr.ctypes.data_as(ctypes.POINTER(kind))
+
+
+class TokenStore:
+    """Token sequences one after another, indexed for suffix matches (kernels/suffix_store.cpp):
+    a row's own context (one open sequence that grows) or the cache of finished requests (closed
+    sequences, the oldest evicted first)."""
+
+    def __init__(self) -> None:
+        self._lib = _native()
+        self.handle = ctypes.c_void_p(self._lib.sd_new())
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None) is not None and self.handle.value:
+            self._lib.sd_free(self.handle)
+            self.handle = None
+
+    def append(self, tokens) -> None:
+        """Append to the open sequence (opening one); a -1 among them closes it."""
+        arr = _int32(tokens)
+        if arr.size:
+            self._lib.sd_append(self.handle, _ptr(arr, ctypes.c_int32), arr.size)
+
+    def close(self) -> None:
+        """Close the open sequence (nothing if none is open)."""
+        self.append([-1])
+
+    def evict_oldest(self) -> int:
+        """Drop the oldest sequence; its token count (-1: none, or only the open one is left)."""
+        return self._lib.sd_evict_oldest(self.handle)
+
+    @property
+    def tokens(self) -> int:
+        return self._lib.sd_tokens(self.handle)
+
+    @property
+    def sequences(self) -> int:
+        return self._lib.sd_sequences(self.handle)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes the store holds (its arrays' capacities and its bigram table)."""
+        return self._lib.sd_bytes(self.handle)
+
+    def export(self) -> np.ndarray:
+        """The live sequences as `append` takes them (each closed one followed by -1), int32."""
+        out = np.empty(self._lib.sd_export_size(self.handle), dtype=np.int32)
+        if out.size:
+            self._lib.sd_export(self.handle, _ptr(out, ctypes.c_int32))
+        return out
+
+
+@dataclass(frozen=True)
+class SuffixParams:
+    """How a suffix draft is made (kernels/suffix_store.cpp says the rule).
+
+    max_depth: longest context suffix matched; max_nodes: most nodes a draft has; alpha, offset:
+    at most alpha x match length + offset nodes; min_prob: the least path score a node may have;
+    tree: a tree (False: the best path only); max_walk: occurrences of the context's last two
+    tokens examined per store, newest first; max_occ: the newest matches a tree reads; lengths:
+    trees tried from the longest distinct match lengths (the highest sum of scores wins)."""
+
+    max_depth: int = 64
+    max_nodes: int = 24
+    alpha: float = 2.0
+    offset: float = 0.0
+    min_prob: float = 0.1
+    tree: bool = True
+    max_walk: int = 4096
+    max_occ: int = 256
+    lengths: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_depth < 2 or self.max_nodes < 0 or self.max_walk < 1 or self.max_occ < 1 or self.lengths < 1:
+            raise ValueError(f"bad suffix settings {self}")
+
+
+@dataclass
+class SuffixDraft:
+    """A draft: tokens, parents (0 = the pending token, else the 1-based node), per node its path
+    score; the matched suffix's length and the occurrences the tree was read from."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    match_len: int = 0
+    occurrences: int = 0
+
+    @property
+    def score(self) -> float:
+        """Expected accepted guesses if the scores hold (the sum of path scores)."""
+        return float(sum(self.scores))
+
+
+def speculate(stores: list[TokenStore], context, params: SuffixParams) -> SuffixDraft:
+    """The draft for `context` (its last token is the pending one) from `stores` pooled."""
+    if not stores or len(context) < 2:
+        return SuffixDraft()
+    lib = stores[0]._lib
+    ctx = _int32(context[-params.max_depth:])
+    handles = (ctypes.c_void_p * len(stores))(*[s.handle.value for s in stores])
+    n = max(params.max_nodes, 1)
+    tokens, parents, probs = np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float64)
+    match_len, occurrences = ctypes.c_int(0), ctypes.c_int(0)
+    count = lib.sd_speculate(handles, len(stores), _ptr(ctx, ctypes.c_int32), ctx.size, params.max_depth,
+                             params.max_nodes, params.alpha, params.offset, params.min_prob, params.max_walk,
+                             params.max_occ, params.lengths, int(params.tree), _ptr(tokens, ctypes.c_int32),
+                             _ptr(parents, ctypes.c_int32), _ptr(probs, ctypes.c_double),
+                             ctypes.byref(match_len), ctypes.byref(occurrences))
+    return SuffixDraft(tokens[:count].tolist(), parents[:count].tolist(), probs[:count].tolist(),
+                       match_len.value, occurrences.value)
+
+
+class SuffixCache:
+    """What a process keeps of its finished requests for suffix decoding: each request's output
+    (after the last PROMPT_TAIL tokens of its prompt, or its whole prompt with prompts=True), at
+    most `max_tokens` tokens and `max_requests` requests (None: no count limit), the oldest
+    evicted first. Thread-safe: inserts, drafts and saves take one lock."""
+
+    def __init__(self, max_tokens: int = 1 << 20, max_requests: int | None = None, prompts: bool = False) -> None:
+        if max_tokens < 1 or (max_requests is not None and max_requests < 1):
+            raise ValueError(f"a suffix cache needs max_tokens >= 1 and max_requests >= 1 or None, got "
+                             f"{max_tokens}, {max_requests}")
+        self.max_tokens, self.max_requests, self.prompts = max_tokens, max_requests, prompts
+        self.store = TokenStore()
+        self.lock = threading.Lock()
+
+    @property
+    def tokens(self) -> int:
+        return self.store.tokens
+
+    @property
+    def requests(self) -> int:
+        return self.store.sequences
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.store.memory_bytes
+
+    def insert(self, prompt: list[int], output: list[int]) -> None:
+        """A finished request: keep its output (with its prompt's tail, or whole prompt) and evict
+        the oldest requests beyond the bounds."""
+        if not output:
+            return
+        head = list(prompt) if self.prompts else list(prompt[-PROMPT_TAIL:])
+        with self.lock:
+            self.store.append(head + list(output) + [-1])
+            self._evict()
+
+    def _evict(self) -> None:
+        store = self.store
+        while store.sequences > 1 and (store.tokens > self.max_tokens or
+                                       (self.max_requests is not None and store.sequences > self.max_requests)):
+            store.evict_oldest()
+        if store.tokens > self.max_tokens:  # one request longer than the whole bound
+            store.evict_oldest()
+
+    def save(self, path, tokenizer_hash: str) -> None:
+        """Write the cache to `path` (atomically: a temporary file renamed), for a tokenizer
+        `tokenizer_hash` names (the fingerprint the model's tokenizer has)."""
+        path = Path(path)
+        with self.lock:
+            values = self.store.export()
+        header = {"format": FILE_FORMAT, "version": FILE_VERSION, "tokenizer": str(tokenizer_hash),
+                  "requests": self.requests, "values": int(values.size)}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write((json.dumps(header) + "\n").encode())
+            f.write(values.astype("<i4").tobytes())
+        os.replace(tmp, path)
+
+    def load(self, path, tokenizer_hash: str) -> int:
+        """Replace the cache by the one saved in `path`; the number of requests loaded (0 if the
+        file does not exist yet: the first run makes it). SpecdecError, in one line, if the file
+        was saved for another tokenizer or is not a suffix cache. The bounds of this cache apply
+        (the oldest requests beyond them are dropped)."""
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return 0
+        except OSError as e:
+            raise SpecdecError(f"cannot read the suffix cache {path}: {e.strerror or e}") from None
+        newline = data.find(b"\n")
+        try:
+            header = json.loads(data[:newline]) if newline > 0 else None
+        except ValueError:
+            header = None
+        if not isinstance(header, dict) or header.get("format") != FILE_FORMAT:
+            raise SpecdecError(f"{path} is not a specdec suffix cache; delete it or name another file")
+        if header.get("version") != FILE_VERSION:
+            raise SpecdecError(f"{path} is a suffix cache of format version {header.get('version')}, this specdec "
+                               f"reads version {FILE_VERSION}; delete it to start a new one")
+        if header.get("tokenizer") != str(tokenizer_hash):
+            raise SpecdecError(f"the suffix cache {path} was saved for tokenizer {header.get('tokenizer')}, but this "
+                               f"model's tokenizer is {tokenizer_hash}; delete the file or name another one")
+        body = data[newline + 1:]
+        if len(body) != 4 * int(header.get("values", -1)):
+            raise SpecdecError(f"the suffix cache {path} is cut short or damaged ({len(body)} bytes of tokens, "
+                               f"the header says {4 * int(header.get('values', 0))}); delete it to start a new one")
+        values = np.frombuffer(body, dtype="<i4")
+        store = TokenStore()
+        store.append(values)
+        store.close()
+        with self.lock:
+            self.store = store
+            self._evict()
+            return self.store.sequences
+
+
+_shared: SuffixCache | None = None
+
+
+def shared_cache() -> SuffixCache:
+    """The process's cache (made with the default bounds on first use): every suffix drafter of
+    the process drafts from it and adds to it unless given another."""
+    global _shared
+    with _lock:
+        if _shared is None:
+            _shared = SuffixCache()
+        return _shared
+
+
+class SuffixDrafter(Drafter):
+    """The `suffix` draft source: a known source (its guesses cost ~nothing and come before the
+    step is priced), one offer per row and step from the row's own store, the other rows' and the
+    process cache (`offer`); `propose` gives the same drafts as one tree proposal for the present
+    scheduler. A finished row's output goes into the cache (`finish_row`)."""
+
+    name = "suffix"
+    known = True
+
+    def __init__(self, cache: SuffixCache | None = None, params: SuffixParams = SuffixParams()) -> None:
+        self.cache = cache if cache is not None else shared_cache()
+        self.params = params
+        self.max_nodes = params.max_nodes if params.tree else 0
+        self.rows: list[_Row] = []
+        self.offer_seconds = 0.0  # time spent making offers (the benchmark reads it)
+
+    def begin(self, prompts, params, max_len) -> None:
+        self.rows = []
+        for p in prompts:
+            self.add_row(max_len, p)
+
+    def join(self, row) -> None:
+        """A row joins (issue 51's RowInfo: its prompt)."""
+        self.add_row(row.max_len, row.prompt)
+
+    def add_row(self, max_len, prompt=None) -> None:
+        self.rows.append(_Row(list(prompt or [])))
+
+    def keep_rows(self, rows) -> None:
+        self.rows = [self.rows[r] for r in rows]
+
+    def finish_row(self, row: int, tokens: list[int]) -> None:
+        """Row `row` ends with `tokens` (its prompt + output as committed): its output joins the cache."""
+        state = self.rows[row]
+        self.cache.insert(tokens[:state.prompt_len], tokens[state.prompt_len:])
+
+    def offer(self, ctx: DraftContext) -> list[Offer | None]:
+        """Per row the draft it could verify now (None: no suffix of its context occurs)."""
+        t0 = time.perf_counter()
+        for state, tokens in zip(self.rows, ctx.tokens):
+            state.sync(tokens)
+        out = []
+        rooms = ctx.room or [None] * len(ctx.tokens)
+        with self.cache.lock:
+            for b, (tokens, room) in enumerate(zip(ctx.tokens, rooms)):
+                stores = [self.rows[b].store] + [r.store for i, r in enumerate(self.rows) if i != b] + [self.cache.store]
+                draft = speculate(stores, tokens, self.params)
+                if room is not None:
+                    draft = _within(draft, room)
+                out.append(Offer(draft.tokens, draft.parents, min(draft.match_len, KEY_CAP), draft.scores)
+                           if draft.tokens else None)
+        self.offer_seconds += time.perf_counter() - t0
+        return out
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        """The offers as one tree proposal (each cut to its best `max_tokens` nodes)."""
+        offers = self.offer(ctx)
+        B = len(offers)
+        trees = [(o.tokens[:max_tokens], o.parents[:max_tokens]) if o else ([], []) for o in offers]
+        N = max((len(t) for t, _ in trees), default=0)
+        tokens = torch.zeros(B, N, dtype=torch.long)
+        parents = torch.zeros(B, N, dtype=torch.long)
+        for b, (t, p) in enumerate(trees):
+            tokens[b, :len(t)] = torch.tensor(t, dtype=torch.long)
+            parents[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        counts = torch.tensor([len(t) for t, _ in trees], dtype=torch.long)
+        return Draft(tokens, counts, None, parents if self.params.tree else None)
+
+    def commit(self, num_accepted, paths=None) -> None:
+        """Nothing to learn here: the committed tokens reach the row's store at the next offer."""
+
+
+class _Row:
+    """A row's own store: its prompt and committed output (the pending token last), appended as
+    they come; rebuilt if the row's tokens stop extending what it holds."""
+
+    CHECK = 8  # tokens compared at the end of what the store holds
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt_len = len(prompt)
+        self.store = TokenStore()
+        self.held: list[int] = []  # the store's last CHECK tokens
+        self.count = 0
+        self.sync(prompt)
+
+    def sync(self, tokens: list[int]) -> None:
+        n = self.count
+        if len(tokens) < n or tokens[max(0, n - self.CHECK):n] != self.held:
+            self.store, self.count, n = TokenStore(), 0, 0
+        if len(tokens) > n:
+            self.store.append(tokens[n:])
+            self.count = len(tokens)
+            self.held = list(tokens[max(0, self.count - self.CHECK):])
+
+
+def _within(draft: SuffixDraft, room: int) -> SuffixDraft:
+    """The draft less the nodes deeper than `room` (a row that may take only `room` more tokens)."""
+    keep = [i for i, d in enumerate(depths(draft.parents)[1:], start=1) if d <= room]
+    if len(keep) == len(draft.tokens):
+        return draft
+    tokens, parents = prune(draft.tokens, draft.parents, keep)  # a kept node's parent is shallower: kept
+    return SuffixDraft(tokens, parents, [draft.scores[i - 1] for i in keep], draft.match_len, draft.occurrences)
+
+
+@register("suffix")
+def _make(target=None, draft=None, **_):
+    return SuffixDrafter()
