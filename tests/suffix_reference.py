@@ -10,16 +10,17 @@ import math
 
 def occurrences(stores: list[tuple[list[list[int]], bool]], context: list[int], max_depth: int, max_walk: int):
     """[(store, sequence, position, match length)]: the positions where the context's last two
-    tokens end, in the order the rule reads them (longest match first; then stores in order, each
-    newest first); per store only the newest max_walk positions of that pair. stores: per store
-    (its sequences, whether its last sequence is still open)."""
+    tokens end (where none does, those of its last token), in the order the rule reads them
+    (longest match first; then stores in order, each newest first); per store only the newest
+    max_walk positions of that pair (or token). stores: per store (its sequences, whether its last
+    sequence is still open)."""
     n = len(context)
     found = []
     for k, (seqs, open_) in enumerate(stores):
         mine = []
         for s, seq in enumerate(seqs):
             for p in range(1, len(seq)):
-                if seq[p - 1] == context[-2] and seq[p] == context[-1]:
+                if n > 1 and seq[p - 1] == context[-2] and seq[p] == context[-1]:
                     mine.append((k, s, p))
         mine.reverse()  # newest first
         mine = mine[:max_walk]
@@ -31,6 +32,11 @@ def occurrences(stores: list[tuple[list[list[int]], bool]], context: list[int], 
             while length < min(max_depth, n, p + 1) and seq[p - length] == context[n - 1 - length]:
                 length += 1
             found.append((k_, s, p, length))
+    if not found:  # no two-token suffix occurs: the last token alone, newest max_walk positions per store
+        for k, (seqs, open_) in enumerate(stores):
+            mine = [(s, p) for s, seq in enumerate(seqs) for p in range(len(seq)) if seq[p] == context[-1]]
+            found += [(k, s, p, 1) for s, p in mine[::-1][:max_walk]
+                      if not (open_ and s == len(seqs) - 1 and p == len(seqs[s]) - 1)]
     found.sort(key=lambda o: -o[3])  # stable: stores in order, newest first
     return found
 
@@ -84,10 +90,10 @@ def grow(stores, occ, budget: int, min_prob: float, tree: bool):
 
 
 def speculate(stores, context, *, max_depth=64, max_nodes=24, alpha=2.0, offset=0.0, min_prob=0.1, max_walk=4096,
-              max_occ=256, lengths=1, tree=True):
+              max_occ=256, lengths=64, tree=True):
     """(nodes [(token, parent, score)], match length, occurrences read): the rule of
     kernels/suffix_store.cpp's sd_speculate, by brute force."""
-    if len(context) < 2:
+    if not context:
         return [], 0, 0
     found = occurrences(stores, context[-max_depth:], max_depth, max_walk)
     best, out = -1.0, ([], 0, 0)

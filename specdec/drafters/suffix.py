@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+from array import array
 import os
 import threading
 import time
@@ -80,29 +81,34 @@ def _native():
         except (RuntimeError, OSError) as e:
             _state["why"] = f"suffix decoding needs its native store, which could not be built or loaded ({e})"
             raise SpecdecError(_state["why"]) from None
-        vp, i64, i32p, f64p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_double)
-        ip = ctypes.POINTER(ctypes.c_int)
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.sd_new.restype = vp
         lib.sd_free.argtypes = [vp]
-        lib.sd_append.argtypes = [vp, i32p, i64]
+        lib.sd_append.argtypes = [vp, vp, i64]
         for name in ("sd_evict_oldest", "sd_tokens", "sd_sequences", "sd_bytes", "sd_open", "sd_export_size"):
             getattr(lib, name).argtypes = [vp]
             getattr(lib, name).restype = i64
-        lib.sd_export.argtypes = [vp, i32p]
-        c_int, c_double = ctypes.c_int, ctypes.c_double
-        lib.sd_speculate.argtypes = [ctypes.POINTER(vp), c_int, i32p, c_int, c_int, c_int, c_double, c_double,
-                                     c_double, c_int, c_int, c_int, c_int, i32p, i32p, f64p, ip, ip]
-        lib.sd_speculate.restype = c_int
+        lib.sd_export.argtypes = [vp, vp]
+        lib.sd_speculate.argtypes = [ctypes.POINTER(vp), ctypes.c_int, vp, ctypes.c_int,
+                                     ctypes.POINTER(_CParams), ctypes.POINTER(_CResult)]
+        lib.sd_speculate.restype = None
         _state["lib"] = lib
         return lib
 
 
-def _int32(tokens) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(tokens, dtype=np.int32))
+MAX_NODES = 64  # suffix_store.cpp's MAX_NODES: the most nodes one draft may have
 
 
-def _ptr(arr: np.ndarray, kind):
-    return arr.ctypes.data_as(ctypes.POINTER(kind))
+class _CParams(ctypes.Structure):
+    _fields_ = [("max_depth", ctypes.c_int32), ("max_nodes", ctypes.c_int32), ("alpha", ctypes.c_double),
+                ("offset", ctypes.c_double), ("min_prob", ctypes.c_double), ("max_walk", ctypes.c_int32),
+                ("max_occ", ctypes.c_int32), ("lengths", ctypes.c_int32), ("tree", ctypes.c_int32)]
+
+
+class _CResult(ctypes.Structure):
+    _fields_ = [("count", ctypes.c_int32), ("match_len", ctypes.c_int32), ("occurrences", ctypes.c_int32),
+                ("tokens", ctypes.c_int32 * MAX_NODES), ("parents", ctypes.c_int32 * MAX_NODES),
+                ("probs", ctypes.c_double * MAX_NODES)]
 
 
 class TokenStore:
@@ -121,9 +127,14 @@ class TokenStore:
 
     def append(self, tokens) -> None:
         """Append to the open sequence (opening one); a -1 among them closes it."""
-        arr = _int32(tokens)
-        if arr.size:
-            self._lib.sd_append(self.handle, _ptr(arr, ctypes.c_int32), arr.size)
+        if isinstance(tokens, np.ndarray):
+            buf = np.ascontiguousarray(tokens, dtype=np.int32)
+            address, n = buf.ctypes.data, buf.size
+        else:  # a list: an array("i") is made ~10x faster than a numpy or ctypes array
+            buf = array("i", tokens)
+            address, n = buf.buffer_info()
+        if n:
+            self._lib.sd_append(self.handle, address, n)
 
     def close(self) -> None:
         """Close the open sequence (nothing if none is open)."""
@@ -150,7 +161,7 @@ class TokenStore:
         """The live sequences as `append` takes them (each closed one followed by -1), int32."""
         out = np.empty(self._lib.sd_export_size(self.handle), dtype=np.int32)
         if out.size:
-            self._lib.sd_export(self.handle, _ptr(out, ctypes.c_int32))
+            self._lib.sd_export(self.handle, out.ctypes.data)
         return out
 
 
@@ -172,11 +183,16 @@ class SuffixParams:
     tree: bool = True
     max_walk: int = 4096
     max_occ: int = 256
-    lengths: int = 1
+    lengths: int = 64
 
     def __post_init__(self) -> None:
-        if self.max_depth < 2 or self.max_nodes < 0 or self.max_walk < 1 or self.max_occ < 1 or self.lengths < 1:
-            raise ValueError(f"bad suffix settings {self}")
+        if not (2 <= self.max_depth and 0 <= self.max_nodes <= MAX_NODES and self.max_walk >= 1 and self.max_occ >= 1
+                and self.lengths >= 1):
+            raise ValueError(f"suffix settings need max_depth >= 2, 0 <= max_nodes <= {MAX_NODES}, max_walk, max_occ "
+                             f"and lengths >= 1; got {self}")
+        native = _CParams(self.max_depth, self.max_nodes, self.alpha, self.offset, self.min_prob, self.max_walk,
+                          self.max_occ, self.lengths, int(self.tree))
+        object.__setattr__(self, "native", native)  # the C struct sd_speculate reads, made once
 
 
 @dataclass
@@ -198,21 +214,15 @@ class SuffixDraft:
 
 def speculate(stores: list[TokenStore], context, params: SuffixParams) -> SuffixDraft:
     """The draft for `context` (its last token is the pending one) from `stores` pooled."""
-    if not stores or len(context) < 2:
+    if not stores or not context:
         return SuffixDraft()
-    lib = stores[0]._lib
-    ctx = _int32(context[-params.max_depth:])
+    tail = array("i", context[-params.max_depth:])
     handles = (ctypes.c_void_p * len(stores))(*[s.handle.value for s in stores])
-    n = max(params.max_nodes, 1)
-    tokens, parents, probs = np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float64)
-    match_len, occurrences = ctypes.c_int(0), ctypes.c_int(0)
-    count = lib.sd_speculate(handles, len(stores), _ptr(ctx, ctypes.c_int32), ctx.size, params.max_depth,
-                             params.max_nodes, params.alpha, params.offset, params.min_prob, params.max_walk,
-                             params.max_occ, params.lengths, int(params.tree), _ptr(tokens, ctypes.c_int32),
-                             _ptr(parents, ctypes.c_int32), _ptr(probs, ctypes.c_double),
-                             ctypes.byref(match_len), ctypes.byref(occurrences))
-    return SuffixDraft(tokens[:count].tolist(), parents[:count].tolist(), probs[:count].tolist(),
-                       match_len.value, occurrences.value)
+    out = _CResult()
+    stores[0]._lib.sd_speculate(handles, len(stores), tail.buffer_info()[0], len(tail), ctypes.byref(params.native),
+                                ctypes.byref(out))
+    n = out.count
+    return SuffixDraft(out.tokens[:n], out.parents[:n], out.probs[:n], out.match_len, out.occurrences)
 
 
 class SuffixCache:

@@ -5,13 +5,14 @@
 // each closed sequence; the last sequence may still be open (growing). Every position p whose
 // token and the one before it belong to one sequence is indexed by that bigram: `head` maps a
 // bigram to its latest position and `back[p]` is the distance to the previous position with the
-// same bigram (0: none), so the occurrences of a bigram are walked newest first. The oldest
+// same bigram (0: none), so the occurrences of a bigram are walked newest first; tokens alone
+// are chained the same way (`head1`, `back1`). The oldest
 // sequence can be evicted (positions before `live` are dead: walks stop there); dead space is
-// given back once it is half the array. Memory: 4 bytes of token + 4 of link per position, plus
-// the bigram table (16 bytes a slot, at most half full).
+// given back once it is half the array. Memory: 4 bytes of token + 8 of links per position, plus
+// the bigram table (16 bytes a slot, at most half full) and 8 bytes per token id.
 //
-// speculate(context): the longest suffix of the context (2 tokens or more, up to max_depth)
-// that occurs in the store, then a tree of what followed its occurrences, grown best first by
+// speculate(context): the longest suffix of the context (up to max_depth tokens; the last token
+// alone only where no two-token suffix occurs) that occurs in the store, then a tree of what followed its occurrences, grown best first by
 // path probability (SuffixDecoding, Oliaro et al.): a node's probability is its parent's times
 // the share of the parent's occurrences that continue with its token (occurrences that end with
 // their sequence count in the share's denominator); nodes are added while the best candidate's
@@ -97,7 +98,9 @@ struct Store {
     int64_t live = 0;            // first live position
     std::vector<int32_t> tok;    // tokens, SEP after each closed sequence
     std::vector<uint32_t> back;  // distance to the previous position with the same bigram (0: none)
+    std::vector<uint32_t> back1; // distance to the previous position of the same token (0: none)
     HeadMap head;
+    std::vector<int64_t> head1;  // per token id: its latest position (-1: none)
     std::deque<int64_t> starts;  // first position of each live sequence, oldest first
     bool open = false;           // the last sequence still grows
     int64_t kept = 0;            // tokens of live sequences (separators not counted)
@@ -108,12 +111,18 @@ struct Store {
         uint32_t d = back[p - base];
         return d ? p - d : -1;
     }
+    int64_t prev1(int64_t p) const {
+        uint32_t d = back1[p - base];
+        return d ? p - d : -1;
+    }
+    int64_t latest(int32_t t) const { return t < static_cast<int64_t>(head1.size()) ? head1[t] : -1; }
 
     void push(int32_t t) {
         if (t == SEP) {
             if (open) {
                 tok.push_back(SEP);
                 back.push_back(0);
+                back1.push_back(0);
                 open = false;
             }
             return;
@@ -128,8 +137,12 @@ struct Store {
             int64_t old = head.put(bigram(at(p - 1), t), p);
             if (old >= 0 && p - old < (1ll << 32)) d = static_cast<uint32_t>(p - old);
         }
+        if (t >= static_cast<int64_t>(head1.size())) head1.resize(t + 1, -1);
+        int64_t old1 = head1[t];
+        head1[t] = p;
         tok.push_back(t);
         back.push_back(d);
+        back1.push_back(old1 >= 0 && p - old1 < (1ll << 32) ? static_cast<uint32_t>(p - old1) : 0);
         kept++;
     }
 
@@ -145,8 +158,10 @@ struct Store {
         if (dead > 4096 && dead * 2 > static_cast<int64_t>(tok.size())) {
             tok.erase(tok.begin(), tok.begin() + dead);
             back.erase(back.begin(), back.begin() + dead);
+            back1.erase(back1.begin(), back1.begin() + dead);
             tok.shrink_to_fit();
             back.shrink_to_fit();
+            back1.shrink_to_fit();
             base = live;
             size_t cap = 64;
             while (cap < 2 * std::max<size_t>(head.used, 1)) cap *= 2;
@@ -156,8 +171,8 @@ struct Store {
     }
 
     size_t bytes() const {
-        return sizeof(Store) + tok.capacity() * sizeof(int32_t) + back.capacity() * sizeof(uint32_t) + head.bytes() +
-               starts.size() * sizeof(int64_t);
+        return sizeof(Store) + tok.capacity() * sizeof(int32_t) + (back.capacity() + back1.capacity()) * sizeof(uint32_t) +
+               head.bytes() + head1.capacity() * sizeof(int64_t) + starts.size() * sizeof(int64_t);
     }
 };
 
@@ -289,63 +304,89 @@ void sd_export(void* sp, int32_t* out) {
     if (s->end() > s->live) std::memcpy(out, &s->tok[s->live - s->base], sizeof(int32_t) * (s->end() - s->live));
 }
 
-// A speculation tree for `context` from the stores `stores` pooled (see the file's comment).
-// Writes up to max_nodes nodes to tokens / parents (0 = root, else the 1-based node) / probs;
-// returns the node count and sets *match_len (0: no suffix of 2+ tokens occurs) and
-// *occurrences (the occurrences of the matched suffix the tree read). max_walk bounds the
-// occurrences of the context's last bigram examined per store, max_occ the (newest) occurrences a
-// tree reads. lengths: how many of the longest distinct match lengths to grow a tree from (each
-// with the occurrences at least that long and its own budget); the tree with the highest sum of
-// probabilities wins (the longer match on a tie).
-int sd_speculate(void* const* stores, int n_stores, const int32_t* ctx, int n, int max_depth, int max_nodes,
-                 double alpha, double offset, double min_prob, int max_walk, int max_occ, int lengths, int tree,
-                 int32_t* tokens, int32_t* parents, double* probs, int* match_len, int* occurrences) {
-    *match_len = 0;
-    *occurrences = 0;
-    if (n < 2 || max_depth < 2 || ctx[n - 1] < 0 || ctx[n - 2] < 0) return 0;
+// How a draft is made (SuffixParams in suffix.py, field for field) and what it is.
+struct Params {
+    int32_t max_depth, max_nodes;
+    double alpha, offset, min_prob;
+    int32_t max_walk, max_occ, lengths, tree;
+};
+
+constexpr int MAX_NODES = 64;
+
+struct Result {
+    int32_t count, match_len, occurrences;
+    int32_t tokens[MAX_NODES];
+    int32_t parents[MAX_NODES];  // 0 = root, else the 1-based node
+    double probs[MAX_NODES];
+};
+
+// A speculation tree for `context` from the stores `stores` pooled (see the file's comment), at
+// most min(max_nodes, MAX_NODES) nodes; match_len 0: not even the last token occurs; occurrences:
+// those of the matched suffix the tree read. max_walk bounds the occurrences of the context's last
+// bigram examined per store, max_occ the (newest) occurrences a tree reads. lengths: how many of
+// the longest distinct match lengths to grow a tree from (each with the occurrences at least that
+// long and its own budget); the tree with the highest sum of probabilities wins (the longer match
+// on a tie). max_walk bounds the last token's occurrences too, where it is matched alone.
+void sd_speculate(void* const* stores, int n_stores, const int32_t* ctx, int n, const Params* prm, Result* out) {
+    out->count = out->match_len = out->occurrences = 0;
+    const Params& P = *prm;
+    if (n < 1 || P.max_depth < 2 || ctx[n - 1] < 0 || (n > 1 && ctx[n - 2] < 0)) return;
     std::vector<Occ> found;
-    uint64_t key = bigram(ctx[n - 2], ctx[n - 1]);
-    for (int k = 0; k < n_stores; k++) {
-        const Store& s = *static_cast<const Store*>(stores[k]);
-        int64_t self_end = s.open ? s.end() - 1 : -1;  // the open sequence's last position: nothing follows yet
-        int walked = 0;
-        for (int64_t p = s.head.get(key); p >= s.live && walked < max_walk; p = s.prev(p)) {
-            walked++;
-            if (p == self_end) continue;
-            int len = 2;
-            while (len < max_depth && len < n && p - len >= s.live && s.at(p - len) == ctx[n - 1 - len]) len++;
-            found.push_back(Occ{&s, p, len});
+    if (n > 1) {
+        uint64_t key = bigram(ctx[n - 2], ctx[n - 1]);
+        for (int k = 0; k < n_stores; k++) {
+            const Store& s = *static_cast<const Store*>(stores[k]);
+            int64_t self_end = s.open ? s.end() - 1 : -1;  // the open sequence's last position: nothing follows yet
+            int walked = 0;
+            for (int64_t p = s.head.get(key); p >= s.live && walked < P.max_walk; p = s.prev(p)) {
+                walked++;
+                if (p == self_end) continue;
+                int len = 2;
+                while (len < P.max_depth && len < n && p - len >= s.live && s.at(p - len) == ctx[n - 1 - len]) len++;
+                found.push_back(Occ{&s, p, len});
+            }
         }
     }
-    if (found.empty()) return 0;
+    if (found.empty()) {  // no bigram occurs: the last token alone
+        for (int k = 0; k < n_stores; k++) {
+            const Store& s = *static_cast<const Store*>(stores[k]);
+            int64_t self_end = s.open ? s.end() - 1 : -1;
+            int walked = 0;
+            for (int64_t p = s.latest(ctx[n - 1]); p >= s.live && walked < P.max_walk; p = s.prev1(p)) {
+                walked++;
+                if (p != self_end) found.push_back(Occ{&s, p, 1});
+            }
+        }
+    }
+    if (found.empty()) return;
     // longest first; within a length, stores in the order given, each newest first
     std::stable_sort(found.begin(), found.end(), [](const Occ& a, const Occ& b) { return a.len > b.len; });
     std::vector<int32_t> t_best, p_best, t_try, p_try;
     std::vector<double> q_best, q_try;
     double best = -1;
     int tried = 0;
+    int cap = std::min(P.max_nodes, MAX_NODES);
     size_t i = 0;
-    while (i < found.size() && tried < lengths) {
+    while (i < found.size() && tried < P.lengths) {
         int len = found[i].len;
         while (i < found.size() && found[i].len == len) i++;  // found[0, i): the occurrences at least len long
         tried++;
-        int budget = static_cast<int>(std::min<double>(max_nodes, std::floor(alpha * len + offset + 1e-9)));
-        std::vector<Occ> occ(found.begin(), found.begin() + std::min<size_t>(i, static_cast<size_t>(max_occ)));
-        double score = budget > 0 ? grow(occ, budget, min_prob, tree != 0, t_try, p_try, q_try) : 0.0;
+        int budget = static_cast<int>(std::min<double>(cap, std::floor(P.alpha * len + P.offset + 1e-9)));
+        std::vector<Occ> occ(found.begin(), found.begin() + std::min<size_t>(i, static_cast<size_t>(P.max_occ)));
+        double score = budget > 0 ? grow(occ, budget, P.min_prob, P.tree != 0, t_try, p_try, q_try) : 0.0;
         if (score > best) {
             best = score;
             t_best.swap(t_try);
             p_best.swap(p_try);
             q_best.swap(q_try);
-            *match_len = len;
-            *occurrences = static_cast<int>(occ.size());
+            out->match_len = len;
+            out->occurrences = static_cast<int32_t>(occ.size());
         }
     }
-    int count = static_cast<int>(t_best.size());
-    std::copy(t_best.begin(), t_best.end(), tokens);
-    std::copy(p_best.begin(), p_best.end(), parents);
-    std::copy(q_best.begin(), q_best.end(), probs);
-    return count;
+    out->count = static_cast<int32_t>(t_best.size());
+    std::copy(t_best.begin(), t_best.end(), out->tokens);
+    std::copy(p_best.begin(), p_best.end(), out->parents);
+    std::copy(q_best.begin(), q_best.end(), out->probs);
 }
 
 }  // extern "C"
