@@ -9,27 +9,28 @@ keeps, the oldest evicted first, shared by every row of the process. Each row al
 its own prompt and committed output, and the rows in flight see each other's (n samples of one
 prompt draft from each other while they run).
 
-Each step, per row: the longest suffix of the row's context (2 to `max_depth` tokens) that occurs
-in those stores, and a tree of what followed its occurrences, grown best first by observed
-frequency (a node's score is the product of count ratios along its path), while a node's score
-is at least `min_prob` and up to `alpha` x the match length nodes. The scores are the source's own
+Each step, per row: the suffixes of the row's context (up to `max_depth` tokens) that occur in
+those stores, and per match length a tree of what followed the occurrences, grown best first by
+observed frequency (a node's score is the product of count ratios along its path) while a node
+scores at least `min_prob`, up to `alpha` x the match length nodes; the tree with the highest sum
+of scores is offered (kernels/suffix_store.cpp states the rule). The scores are the source's own
 estimates of each path's odds; the policy calibrates them. Guesses are deterministic, so
 verification keeps greedy and sampled output exact (verify.py).
 
-The stores are native (kernels/suffix_store.cpp, built once per machine like the kernels, loaded
-with ctypes): proposal time stays ~10-40 us a row with a million cached tokens, where Python over
-dicts takes milliseconds (docs/design.md, "Suffix decoding"). `SuffixCache.save` / `load` keep the
-cache across restarts, refused when the tokenizer differs.
+The stores are native (kernels/suffix_store.cpp, built once per machine with the kernels' builder,
+loaded with ctypes): ~21 MB per million cached tokens and ~45 us a draft with a million cached
+(docs/design.md, "Suffix decoding", says why this and not Arctic Inference or Python).
+`SuffixCache.save` / `load` keep the cache across restarts, refused when the tokenizer differs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-from array import array
 import os
 import threading
 import time
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,7 +182,7 @@ class SuffixParams:
     offset: float = 0.0
     min_prob: float = 0.1
     tree: bool = True
-    max_walk: int = 4096
+    max_walk: int = 1024
     max_occ: int = 256
     lengths: int = 64
 
