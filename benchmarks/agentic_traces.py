@@ -5,12 +5,13 @@ repeat each other more than they repeat their own prompt.
 and word lists written here, a fixed seed): `sql` (SQLite queries over one schema), `extract`
 (the same JSON fields from similar messages), `report` (a status template filled per project),
 `tools` (one JSON tool call against a fixed tool list), and `samples` (one word problem, answered
-SAMPLES times at temperature 0.8: best-of-n, where later samples draft from earlier ones). `record` decodes them with the default model
-(plain decoding, in order; greedy but for `samples`) and keeps the token ids of each
-prompt and answer in `<trace>.recorded.jsonl`, which `suffix_replay.py` replays without a model.
+SAMPLES times at temperature 0.8: best-of-n, where later samples draft from earlier ones).
+`record` decodes them with the default model (plain decoding, in order; greedy but for
+`samples`) and keeps the token ids of each prompt and answer in `<trace>.recorded.jsonl`, which
+`suffix_replay.py` replays without a model.
 
     python benchmarks/agentic_traces.py write
-    python benchmarks/agentic_traces.py record --max-new-tokens 160 --threads 2
+    python benchmarks/agentic_traces.py record --max-new-tokens 128 --threads 1 --batch 40
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 

@@ -24,6 +24,7 @@ for proposal time and memory at a realistic cache size.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -213,10 +214,7 @@ def main() -> int:
     fill = stdlib_fill(args.fill) if args.fill else []
     results: dict = {}
     for name in sources:
-        try:
-            if name.startswith("arctic"):
-                import arctic_inference.suffix_decoding  # noqa: F401
-        except ImportError:
+        if name.startswith("arctic") and importlib.util.find_spec("arctic_inference") is None:
             print(f"{name}: arctic-inference is not installed; skipped", file=sys.stderr)
             continue
         results[name] = {}

@@ -90,17 +90,20 @@ def grow(stores, occ, budget: int, min_prob: float, tree: bool):
 
 
 def speculate(stores, context, *, max_depth=64, max_nodes=24, alpha=2.0, offset=0.0, min_prob=0.1, max_walk=1024,
-              max_occ=256, lengths=64, tree=True):
+              max_occ=256, lengths=64, tree=True, own=0):
     """(nodes [(token, parent, score)], match length, occurrences read): the rule of
-    kernels/suffix_store.cpp's sd_speculate, by brute force."""
+    kernels/suffix_store.cpp's sd_speculate, by brute force: the best tree over the first `own`
+    stores alone, then over all of them (which must score higher to win)."""
     if not context:
         return [], 0, 0
-    found = occurrences(stores, context[-max_depth:], max_depth, max_walk)
     best, out = -1.0, ([], 0, 0)
-    for length in sorted({o[3] for o in found}, reverse=True)[:lengths]:
-        occ = [o for o in found if o[3] >= length][:max_occ]
-        budget = int(min(max_nodes, math.floor(alpha * length + offset + 1e-9)))
-        nodes, score = grow(stores, occ, budget, min_prob, tree) if budget > 0 else ([], 0.0)
-        if score > best:
-            best, out = score, (nodes, length, len(occ))
+    groups = ([stores[:own]] if own else []) + ([stores] if own < len(stores) else [])
+    for group in groups:
+        found = occurrences(group, context[-max_depth:], max_depth, max_walk)
+        for length in sorted({o[3] for o in found}, reverse=True)[:lengths]:
+            occ = [o for o in found if o[3] >= length][:max_occ]
+            budget = int(min(max_nodes, math.floor(alpha * length + offset + 1e-9)))
+            nodes, score = grow(group, occ, budget, min_prob, tree) if budget > 0 else ([], 0.0)
+            if score > best:
+                best, out = score, (nodes, length, len(occ))
     return out

@@ -33,14 +33,14 @@ def build(seqs: list[list[int]], open_last: bool) -> tuple[TokenStore, tuple]:
     return store, (kept, open_last and bool(seqs and seqs[-1]))
 
 
-def native(stores, context, params: SuffixParams):
-    d = speculate(stores, context, params)
+def native(stores, context, params: SuffixParams, own: int = 0):
+    d = speculate(stores, context, params, own)
     return list(zip(d.tokens, d.parents, d.scores)), d.match_len, d.occurrences
 
 
-def reference(views, context, params: SuffixParams):
+def reference(views, context, params: SuffixParams, own: int = 0):
     fields = ("max_depth", "max_nodes", "alpha", "offset", "min_prob", "max_walk", "max_occ", "lengths", "tree")
-    return ref.speculate(list(views), list(context), **{f: getattr(params, f) for f in fields})
+    return ref.speculate(list(views), list(context), own=own, **{f: getattr(params, f) for f in fields})
 
 
 def random_params(rng: random.Random) -> SuffixParams:
@@ -76,8 +76,9 @@ def test_drafts_equal_the_brute_force_rule(kind):
         source = rng.choice([s for v in views for s in v[0]] or [[0, 1]])
         cut = rng.randint(0, len(source))
         context = source[:cut] + stream(rng, kind, rng.randint(0, 3))  # often a context that occurs
-        got = native(stores, context, params)
-        assert got == reference(views, context, params), (params, context, views)
+        own = rng.randint(0, len(stores))  # the first `own` stores alone compete with all of them
+        got = native(stores, context, params, own)
+        assert got == reference(views, context, params, own), (params, context, views, own)
         drafted += bool(got[0])
     assert drafted >= 40  # the comparison saw many non-empty drafts
 
@@ -136,7 +137,7 @@ def test_a_drafters_row_store_follows_its_tokens_and_rebuilds_on_a_change():
         ctx = ctx + extra
         got = d.offer(DraftContext([ctx], SamplingParams(), None))[0]
         store, view = build([ctx], True)
-        want = native([store, cache.store], ctx, d.params)
+        want = native([store, cache.store], ctx, d.params, own=1)
         assert (got.tokens, got.parents, got.scores) == tuple(map(list, zip(*want[0]))) if want[0] else got is None
     other = [9, 9, 8, 9, 9]  # not an extension: the row's store starts again
     got = d.offer(DraftContext([other], SamplingParams(), None))[0]
@@ -301,7 +302,7 @@ def _replay(source, requests) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("trace", ["sql", "tools"])
+@pytest.mark.parametrize("trace", ["sql", "extract", "report", "tools", "samples"])
 def test_suffix_drafts_accept_at_least_what_arctics_do(trace):
     """On a recorded agent trace, replayed in order: the accepted guesses per step of suffix
     trees are at least those of Arctic Inference's SuffixDecodingCache with the same node budget

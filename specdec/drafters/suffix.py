@@ -90,7 +90,7 @@ def _native():
             getattr(lib, name).argtypes = [vp]
             getattr(lib, name).restype = i64
         lib.sd_export.argtypes = [vp, vp]
-        lib.sd_speculate.argtypes = [ctypes.POINTER(vp), ctypes.c_int, vp, ctypes.c_int,
+        lib.sd_speculate.argtypes = [ctypes.POINTER(vp), ctypes.c_int, ctypes.c_int, vp, ctypes.c_int,
                                      ctypes.POINTER(_CParams), ctypes.POINTER(_CResult)]
         lib.sd_speculate.restype = None
         _state["lib"] = lib
@@ -213,15 +213,17 @@ class SuffixDraft:
         return float(sum(self.scores))
 
 
-def speculate(stores: list[TokenStore], context, params: SuffixParams) -> SuffixDraft:
-    """The draft for `context` (its last token is the pending one) from `stores` pooled."""
+def speculate(stores: list[TokenStore], context, params: SuffixParams, own: int = 0) -> SuffixDraft:
+    """The draft for `context` (its last token is the pending one) from `stores` pooled, or from
+    the first `own` of them alone where that scores higher (a row's own store: a big cache's counts
+    would dilute what the row itself repeats)."""
     if not stores or not context:
         return SuffixDraft()
     tail = array("i", context[-params.max_depth:])
     handles = (ctypes.c_void_p * len(stores))(*[s.handle.value for s in stores])
     out = _CResult()
-    stores[0]._lib.sd_speculate(handles, len(stores), tail.buffer_info()[0], len(tail), ctypes.byref(params.native),
-                                ctypes.byref(out))
+    stores[0]._lib.sd_speculate(handles, len(stores), own, tail.buffer_info()[0], len(tail),
+                                ctypes.byref(params.native), ctypes.byref(out))
     n = out.count
     return SuffixDraft(out.tokens[:n], out.parents[:n], out.probs[:n], out.match_len, out.occurrences)
 
@@ -382,7 +384,7 @@ class SuffixDrafter(Drafter):
         with self.cache.lock:
             for b, (tokens, room) in enumerate(zip(ctx.tokens, rooms)):
                 stores = [self.rows[b].store] + [r.store for i, r in enumerate(self.rows) if i != b] + [self.cache.store]
-                draft = speculate(stores, tokens, self.params)
+                draft = speculate(stores, tokens, self.params, own=1)
                 if room is not None:
                     draft = _within(draft, room)
                 out.append(Offer(draft.tokens, draft.parents, min(draft.match_len, KEY_CAP), draft.scores)

@@ -5,21 +5,25 @@
 // each closed sequence; the last sequence may still be open (growing). Every position p whose
 // token and the one before it belong to one sequence is indexed by that bigram: `head` maps a
 // bigram to its latest position and `back[p]` is the distance to the previous position with the
-// same bigram (0: none), so the occurrences of a bigram are walked newest first; tokens alone
-// are chained the same way (`head1`, `back1`). The oldest
-// sequence can be evicted (positions before `live` are dead: walks stop there); dead space is
-// given back once it is half the array. Memory: 4 bytes of token + 8 of links per position, plus
-// the bigram table (16 bytes a slot, at most half full) and 8 bytes per token id.
+// same bigram (0: none), so the occurrences of a bigram are walked newest first; single tokens
+// are chained the same way (`head1`, `back1`). The oldest sequence can be evicted (positions
+// before `live` are dead: walks stop there); dead space is given back once it is half the array.
+// Memory: 4 bytes of token + 8 of links per position, the bigram table (16 bytes a slot, at most
+// half full) and 8 bytes per token id.
 //
-// speculate(context): the longest suffix of the context (up to max_depth tokens; the last token
-// alone only where no two-token suffix occurs) that occurs in the store, then a tree of what followed its occurrences, grown best first by
-// path probability (SuffixDecoding, Oliaro et al.): a node's probability is its parent's times
-// the share of the parent's occurrences that continue with its token (occurrences that end with
+// sd_speculate(context), over several stores pooled: the occurrences of the context's last two
+// tokens (where none occurs, of its last token), each with its match length (how far back it
+// agrees with the context, up to max_depth). For each distinct match length, longest first, a
+// tree of what followed the occurrences at least that long, grown best first by path
+// probability (SuffixDecoding, Oliaro et al.): a node's probability is its parent's times the
+// share of the parent's occurrences that continue with its token (occurrences that end with
 // their sequence count in the share's denominator); nodes are added while the best candidate's
-// probability is at least min_prob, up to min(max_nodes, alpha * match length + offset). An
-// occurrence that ends at the last position of the open sequence is the context itself (a row's
-// own store) and is skipped. Ties: more occurrences first, then the newest occurrence first, then
-// the candidate found first. suffix_reference.py states the same rule by brute force.
+// probability is at least min_prob, up to min(max_nodes, alpha * match length + offset). The tree
+// with the highest sum of probabilities (expected accepted tokens) wins, over the stores pooled and
+// over the first n_own of them alone (a row's own). An occurrence at the last
+// position of an open sequence (a row's own context: nothing follows it yet) is skipped. Ties:
+// more occurrences first, then the newest occurrence first, then the candidate found first.
+// tests/suffix_reference.py states the same rule by brute force.
 
 #include <algorithm>
 #include <cmath>
@@ -274,6 +278,84 @@ double grow(const std::vector<Occ>& occ, int budget, double min_prob, bool tree,
     return score;
 }
 
+// How a draft is made (SuffixParams in suffix.py, field for field) and what it is.
+struct Params {
+    int32_t max_depth, max_nodes;
+    double alpha, offset, min_prob;
+    int32_t max_walk, max_occ, lengths, tree;
+};
+
+constexpr int MAX_NODES = 64;
+
+struct Result {
+    int32_t count, match_len, occurrences;
+    int32_t tokens[MAX_NODES];
+    int32_t parents[MAX_NODES];  // 0 = root, else the 1-based node
+    double probs[MAX_NODES];
+};
+
+// The occurrences of the context's last two tokens in `stores` (where none occurs, of its last
+// token), each with its match length; longest first, then stores in order, each newest first.
+std::vector<Occ> collect(void* const* stores, int n_stores, const int32_t* ctx, int n, const Params& P) {
+    std::vector<Occ> found;
+    if (n > 1) {
+        uint64_t key = bigram(ctx[n - 2], ctx[n - 1]);
+        for (int k = 0; k < n_stores; k++) {
+            const Store& s = *static_cast<const Store*>(stores[k]);
+            int64_t self_end = s.open ? s.end() - 1 : -1;  // the open sequence's last position: nothing follows yet
+            int walked = 0;
+            for (int64_t p = s.head.get(key); p >= s.live && walked < P.max_walk; p = s.prev(p)) {
+                walked++;
+                if (p == self_end) continue;
+                int len = 2;
+                while (len < P.max_depth && len < n && p - len >= s.live && s.at(p - len) == ctx[n - 1 - len]) len++;
+                found.push_back(Occ{&s, p, len});
+            }
+        }
+    }
+    if (found.empty()) {  // no bigram occurs: the last token alone
+        for (int k = 0; k < n_stores; k++) {
+            const Store& s = *static_cast<const Store*>(stores[k]);
+            int64_t self_end = s.open ? s.end() - 1 : -1;
+            int walked = 0;
+            for (int64_t p = s.latest(ctx[n - 1]); p >= s.live && walked < P.max_walk; p = s.prev1(p)) {
+                walked++;
+                if (p != self_end) found.push_back(Occ{&s, p, 1});
+            }
+        }
+    }
+    std::stable_sort(found.begin(), found.end(), [](const Occ& a, const Occ& b) { return a.len > b.len; });
+    return found;
+}
+
+// Into `out`, the best of the trees grown from the occurrences at least as long as each of the
+// `lengths` longest distinct match lengths (the highest sum of probabilities; the longer match on
+// a tie), where its sum beats *out_score (which it then becomes).
+void best_tree(const std::vector<Occ>& found, const Params& P, Result* out, double* out_score) {
+    std::vector<int32_t> tokens, parents;
+    std::vector<double> probs;
+    int tried = 0;
+    int cap = std::min(P.max_nodes, MAX_NODES);
+    size_t i = 0;
+    while (i < found.size() && tried < P.lengths) {
+        int len = found[i].len;
+        while (i < found.size() && found[i].len == len) i++;  // found[0, i): the occurrences at least len long
+        tried++;
+        int budget = static_cast<int>(std::min<double>(cap, std::floor(P.alpha * len + P.offset + 1e-9)));
+        std::vector<Occ> occ(found.begin(), found.begin() + std::min<size_t>(i, static_cast<size_t>(P.max_occ)));
+        double score = budget > 0 ? grow(occ, budget, P.min_prob, P.tree != 0, tokens, parents, probs) : 0.0;
+        if (score > *out_score) {
+            *out_score = score;
+            out->count = static_cast<int32_t>(tokens.size());
+            std::copy(tokens.begin(), tokens.end(), out->tokens);
+            std::copy(parents.begin(), parents.end(), out->parents);
+            std::copy(probs.begin(), probs.end(), out->probs);
+            out->match_len = len;
+            out->occurrences = static_cast<int32_t>(occ.size());
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -304,89 +386,22 @@ void sd_export(void* sp, int32_t* out) {
     if (s->end() > s->live) std::memcpy(out, &s->tok[s->live - s->base], sizeof(int32_t) * (s->end() - s->live));
 }
 
-// How a draft is made (SuffixParams in suffix.py, field for field) and what it is.
-struct Params {
-    int32_t max_depth, max_nodes;
-    double alpha, offset, min_prob;
-    int32_t max_walk, max_occ, lengths, tree;
-};
-
-constexpr int MAX_NODES = 64;
-
-struct Result {
-    int32_t count, match_len, occurrences;
-    int32_t tokens[MAX_NODES];
-    int32_t parents[MAX_NODES];  // 0 = root, else the 1-based node
-    double probs[MAX_NODES];
-};
-
-// A speculation tree for `context` from the stores `stores` pooled (see the file's comment), at
-// most min(max_nodes, MAX_NODES) nodes; match_len 0: not even the last token occurs; occurrences:
-// those of the matched suffix the tree read. max_walk bounds the occurrences of the context's last
-// bigram examined per store, max_occ the (newest) occurrences a tree reads. lengths: how many of
-// the longest distinct match lengths to grow a tree from (each with the occurrences at least that
-// long and its own budget); the tree with the highest sum of probabilities wins (the longer match
-// on a tie). max_walk bounds the last token's occurrences too, where it is matched alone.
-void sd_speculate(void* const* stores, int n_stores, const int32_t* ctx, int n, const Params* prm, Result* out) {
+// A draft for `context` (see the file's comment), at most min(max_nodes, MAX_NODES) nodes, from the
+// stores pooled and from the first `n_own` of them alone (a row's own context: the cache's counts
+// do not dilute what the row itself repeats); the one with the higher sum of probabilities wins,
+// the row's own on a tie (Arctic Inference drafts from its local and global trees the same way).
+// match_len 0: not even the last token occurs; occurrences: those of the matched suffix the tree
+// read. max_walk bounds the occurrences examined per store, max_occ the (newest) occurrences a
+// tree reads, lengths the distinct match lengths (longest first) a tree is grown from.
+void sd_speculate(void* const* stores, int n_stores, int n_own, const int32_t* ctx, int n, const Params* prm,
+                  Result* out) {
     out->count = out->match_len = out->occurrences = 0;
     const Params& P = *prm;
     if (n < 1 || P.max_depth < 2 || ctx[n - 1] < 0 || (n > 1 && ctx[n - 2] < 0)) return;
-    std::vector<Occ> found;
-    if (n > 1) {
-        uint64_t key = bigram(ctx[n - 2], ctx[n - 1]);
-        for (int k = 0; k < n_stores; k++) {
-            const Store& s = *static_cast<const Store*>(stores[k]);
-            int64_t self_end = s.open ? s.end() - 1 : -1;  // the open sequence's last position: nothing follows yet
-            int walked = 0;
-            for (int64_t p = s.head.get(key); p >= s.live && walked < P.max_walk; p = s.prev(p)) {
-                walked++;
-                if (p == self_end) continue;
-                int len = 2;
-                while (len < P.max_depth && len < n && p - len >= s.live && s.at(p - len) == ctx[n - 1 - len]) len++;
-                found.push_back(Occ{&s, p, len});
-            }
-        }
-    }
-    if (found.empty()) {  // no bigram occurs: the last token alone
-        for (int k = 0; k < n_stores; k++) {
-            const Store& s = *static_cast<const Store*>(stores[k]);
-            int64_t self_end = s.open ? s.end() - 1 : -1;
-            int walked = 0;
-            for (int64_t p = s.latest(ctx[n - 1]); p >= s.live && walked < P.max_walk; p = s.prev1(p)) {
-                walked++;
-                if (p != self_end) found.push_back(Occ{&s, p, 1});
-            }
-        }
-    }
-    if (found.empty()) return;
-    // longest first; within a length, stores in the order given, each newest first
-    std::stable_sort(found.begin(), found.end(), [](const Occ& a, const Occ& b) { return a.len > b.len; });
-    std::vector<int32_t> t_best, p_best, t_try, p_try;
-    std::vector<double> q_best, q_try;
-    double best = -1;
-    int tried = 0;
-    int cap = std::min(P.max_nodes, MAX_NODES);
-    size_t i = 0;
-    while (i < found.size() && tried < P.lengths) {
-        int len = found[i].len;
-        while (i < found.size() && found[i].len == len) i++;  // found[0, i): the occurrences at least len long
-        tried++;
-        int budget = static_cast<int>(std::min<double>(cap, std::floor(P.alpha * len + P.offset + 1e-9)));
-        std::vector<Occ> occ(found.begin(), found.begin() + std::min<size_t>(i, static_cast<size_t>(P.max_occ)));
-        double score = budget > 0 ? grow(occ, budget, P.min_prob, P.tree != 0, t_try, p_try, q_try) : 0.0;
-        if (score > best) {
-            best = score;
-            t_best.swap(t_try);
-            p_best.swap(p_try);
-            q_best.swap(q_try);
-            out->match_len = len;
-            out->occurrences = static_cast<int32_t>(occ.size());
-        }
-    }
-    out->count = static_cast<int32_t>(t_best.size());
-    std::copy(t_best.begin(), t_best.end(), out->tokens);
-    std::copy(p_best.begin(), p_best.end(), out->parents);
-    std::copy(q_best.begin(), q_best.end(), out->probs);
+    double score = -1;
+    n_own = std::max(0, std::min(n_own, n_stores));
+    if (n_own > 0) best_tree(collect(stores, n_own, ctx, n, P), P, out, &score);
+    if (n_own < n_stores) best_tree(collect(stores, n_stores, ctx, n, P), P, out, &score);
 }
 
 }  // extern "C"
