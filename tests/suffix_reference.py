@@ -90,7 +90,7 @@ def grow(stores, occ, budget: int, min_prob: float, tree: bool):
 
 
 def speculate(stores, context, *, max_depth=64, max_nodes=24, alpha=2.0, offset=0.0, min_prob=0.1, max_walk=1024,
-              max_occ=256, lengths=64, tree=True, own=0):
+              max_occ=256, lengths=8, tree=True, own=0):
     """(nodes [(token, parent, score)], match length, occurrences read): the rule of
     kernels/suffix_store.cpp's sd_speculate, by brute force: the best tree over the first `own`
     stores alone, then over all of them (which must score higher to win)."""

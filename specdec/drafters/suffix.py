@@ -184,7 +184,7 @@ class SuffixParams:
     tree: bool = True
     max_walk: int = 1024
     max_occ: int = 256
-    lengths: int = 64
+    lengths: int = 8
 
     def __post_init__(self) -> None:
         if not (2 <= self.max_depth and 0 <= self.max_nodes <= MAX_NODES and self.max_walk >= 1 and self.max_occ >= 1
