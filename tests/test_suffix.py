@@ -210,6 +210,11 @@ def test_save_and_load_round_trip_and_refuse_another_tokenizer(tmp_path):
     (tmp_path / "cut.cache").write_bytes(data[:-6])
     with pytest.raises(SpecdecError, match="cut short"):
         SuffixCache().load(tmp_path / "cut.cache", "tok-abc")
+    header = data[:data.index(b"\n") + 1]
+    values = (len(data) - len(header)) // 4
+    (tmp_path / "odd.cache").write_bytes(header + (-5).to_bytes(4, "little", signed=True) * values)
+    with pytest.raises(SpecdecError, match="damaged"):
+        SuffixCache().load(tmp_path / "odd.cache", "tok-abc")
 
 
 def test_offers_are_well_formed_trees():

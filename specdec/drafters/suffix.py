@@ -312,10 +312,11 @@ class SuffixCache:
             raise SpecdecError(f"the suffix cache {path} was saved for tokenizer {header.get('tokenizer')}, but this "
                                f"model's tokenizer is {tokenizer_hash}; delete the file or name another one")
         body = data[newline + 1:]
-        if len(body) != 4 * int(header.get("values", -1)):
-            raise SpecdecError(f"the suffix cache {path} is cut short or damaged ({len(body)} bytes of tokens, "
-                               f"the header says {4 * int(header.get('values', 0))}); delete it to start a new one")
-        values = np.frombuffer(body, dtype="<i4")
+        count = header.get("values")
+        values = np.frombuffer(body, dtype="<i4") if len(body) % 4 == 0 else None
+        if not isinstance(count, int) or values is None or values.size != count or (count and values.min() < -1):
+            raise SpecdecError(f"the suffix cache {path} is cut short or damaged ({len(body)} bytes of tokens, the "
+                               f"header says {count} values); delete it to start a new one")
         store = TokenStore()
         store.append(values)
         store.close()

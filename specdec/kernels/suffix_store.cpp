@@ -121,8 +121,9 @@ struct Store {
     }
     int64_t latest(int32_t t) const { return t < static_cast<int64_t>(head1.size()) ? head1[t] : -1; }
 
-    void push(int32_t t) {
-        if (t == SEP) {
+    void push(int32_t t) {  // a token (t >= 0), or SEP: close the open sequence; other values are ignored
+        if (t < 0) {
+            if (t != SEP) return;
             if (open) {
                 tok.push_back(SEP);
                 back.push_back(0);
