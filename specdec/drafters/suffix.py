@@ -18,7 +18,7 @@ estimates of each path's odds; the policy calibrates them. Guesses are determini
 verification keeps greedy and sampled output exact (verify.py).
 
 The stores are native (kernels/suffix_store.cpp, built once per machine with the kernels' builder,
-loaded with ctypes): ~21 MB per million cached tokens and ~45 us a draft with a million cached
+loaded with ctypes): ~21 MB per million cached tokens and ~40-80 us a draft with a million cached
 (docs/design.md, "Suffix decoding", says why this and not Arctic Inference or Python).
 `SuffixCache.save` / `load` keep the cache across restarts, refused when the tokenizer differs.
 """
