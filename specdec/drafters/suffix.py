@@ -29,7 +29,6 @@ import ctypes
 import json
 import os
 import threading
-import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,19 +46,17 @@ FILE_VERSION = 1
 PROMPT_TAIL = 4  # prompt tokens kept before each output in the cache: the context its first tokens follow
 KEY_CAP = 16  # Offer.key: the match length, capped (longer matches are learnt together)
 
-try:  # the proposer interface of issue 51 (docs/design.md); until base.py has it, the same fields here
-    from .base import Offer, RowInfo
-except ImportError:  # pragma: no cover - removed when base.py defines them
+try:  # the proposer interface of issue 51; until base.py has it, the same fields here
+    from .base import Offer
+except ImportError:  # pragma: no cover - goes when base.py defines it
     @dataclass
     class Offer:
-        """What a known source could verify for one row this step (PROPOSERS.md)."""
+        """What a known source could verify for one row this step (issue 51's draft sources)."""
         tokens: list[int]
         parents: list[int] | None = None
         key: int = 0
         scores: list[float] | None = None
         certain: int = 0
-
-    RowInfo = None
 
 
 _lock = threading.Lock()
@@ -353,7 +350,6 @@ class SuffixDrafter(Drafter):
         self.params = params
         self.max_nodes = params.max_nodes if params.tree else 0
         self.rows: list[_Row] = []
-        self.offer_seconds = 0.0  # time spent making offers (the benchmark reads it)
 
     def begin(self, prompts, params, max_len) -> None:
         self.rows = []
@@ -377,7 +373,6 @@ class SuffixDrafter(Drafter):
 
     def offer(self, ctx: DraftContext) -> list[Offer | None]:
         """Per row the draft it could verify now (None: no suffix of its context occurs)."""
-        t0 = time.perf_counter()
         for state, tokens in zip(self.rows, ctx.tokens):
             state.sync(tokens)
         out = []
@@ -390,7 +385,6 @@ class SuffixDrafter(Drafter):
                     draft = _within(draft, room)
                 out.append(Offer(draft.tokens, draft.parents, min(draft.match_len, KEY_CAP), draft.scores)
                            if draft.tokens else None)
-        self.offer_seconds += time.perf_counter() - t0
         return out
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
