@@ -57,6 +57,10 @@ def cmd_serve(args) -> int:
     from .server.runner import serve
 
     serve(app, batcher, args.host, args.port, args.log_level, drain_timeout=args.drain_timeout)
+    if cfg.suffix_cache:  # (the answers of this run, for the next server to draft from)
+        from .drafters.suffix import save_cache
+
+        save_cache(cfg.suffix_cache, lm.tokenizer)
     return 0
 
 
@@ -394,6 +398,10 @@ def cmd_generate(args) -> int:
     target = load_target(cfg, quiet)
     if target.tokenizer is None:
         raise SpecdecError(f"{target.path} has no tokenizer; specdec generate needs one to read text prompts")
+    if cfg.suffix_cache:
+        from .drafters.suffix import load_cache
+
+        load_cache(cfg.suffix_cache, target.tokenizer, quiet)
     engine = build_engine(cfg, target, quiet)
     threads.settle()  # the free cores, measured while loading
     memory = None if args.fresh else cfg.learned_key(target)
@@ -442,6 +450,10 @@ def cmd_generate(args) -> int:
     wall = time.perf_counter() - t_all
     if memory is not None:
         learned.save(engine, memory)
+    if cfg.suffix_cache:
+        from .drafters.suffix import save_cache
+
+        save_cache(cfg.suffix_cache, tok)
     if not stream:
         print_outputs(args, prompts, outputs, texts, {"method": args.method, "model": target.name,
                                                       "weights": target.weights, "learned_state": restored})

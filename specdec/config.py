@@ -52,6 +52,7 @@ class SpecConfig:
     max_queue: int = 256
     max_context: int = 2048
     fixed_k: bool = False
+    suffix_cache: str | None = None  # the suffix cache's file: loaded at start, saved at the end
 
     def __post_init__(self) -> None:
         check_method(self.method)
@@ -179,6 +180,10 @@ def build_batcher(cfg: SpecConfig, quiet: bool = False, thread: bool = False):
     lm = load_target(cfg, quiet)
     if lm.tokenizer is None:
         raise SpecdecError("the model has no tokenizer; the server needs one to read text")
+    if cfg.suffix_cache:
+        from .drafters.suffix import load_cache
+
+        load_cache(cfg.suffix_cache, lm.tokenizer, quiet)
     sources, k = sources_for(cfg, lm, quiet)
     batcher = ContinuousBatcher(lm.model, lm.eos_ids, sources, method=cfg.method, k_max=k or cfg.method_k(),
                                 max_batch=cfg.max_batch, max_queue=cfg.max_queue, max_context=cfg.max_context,

@@ -41,7 +41,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "its tree), else the draft model while it "
                         "pays, with k adapted to the measured acceptance and cost), eagle (an EAGLE head reading the "
                         "target's hidden states; a dynamic token tree by default), medusa (Medusa heads; a static "
-                        "tree chosen from their measured accuracies). Default: auto (exact, like every method: the "
+                        "tree chosen from their measured accuracies), suffix (what earlier answers of this run wrote "
+                        "after the same tokens: --prompts-file answers draft from each other; auto uses it too). Every "
+                        "method also drafts from a --prediction. Default: auto (exact, like every method: the "
                         "same greedy text as none, sampled text from the same distribution)")
     g.add_argument("-k", "--num-draft-tokens", dest="k", type=guesses, default=None,
                    help=f"most tokens drafted per step (0: none, i.e. plain decoding; at most {MAX_GUESSES}). "
@@ -51,6 +53,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fixed-k", action="store_true",
                    help="draft up to -k guesses (eagle, medusa: the whole tree) every step instead of only as far as "
                         "they pay by the measured costs (for comparisons and checks; as serve --fixed-k)")
+    g.add_argument("--suffix-cache", metavar="FILE", default=None,
+                   help="keep the suffix cache (earlier answers, which suffix and auto draft from) in FILE: loaded "
+                        "at start (if it exists), saved at the end, so that a later run drafts from this one's answers")
     g.add_argument("--draft-confidence", type=unit_interval, default=None, metavar="P",
                    help="draft model (draft, and auto without an EAGLE head): a row stops guessing after a token "
                         "the draft itself gives less than probability P (0 = always -k tokens). Exact at any value: "
@@ -183,6 +188,10 @@ def add_serve_parser(sub) -> None:
                    help=f"most guesses per row and step (at most {MAX_GUESSES}). Default: 8")
     v.add_argument("--fixed-k", action="store_true",
                    help="always draft up to -k (no load-aware choice; for comparisons)")
+    v.add_argument("--suffix-cache", metavar="FILE", default=None,
+                   help="keep the suffix cache (the answers suffix and auto draft from) in FILE: loaded at start, "
+                        "saved when the server stops (after a drain), so that a restarted server drafts from what it "
+                        "answered before. Refused in one line when FILE was saved for another tokenizer")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on. Default: 127.0.0.1")
     v.add_argument("--port", type=int_at_least(1, 65535), default=8000, help="port (1-65535). Default: 8000")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request")

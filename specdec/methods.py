@@ -72,6 +72,14 @@ def draft_source(target, draft, confidence: float | None = None, lazy: bool = Fa
                              confidence=confidence, target_model=target.model, lazy=lazy)
 
 
+def _suffix(cfg, target, quiet):
+    """Suffix decoding: what earlier answers of this process (and this one) wrote after the same
+    tokens, from the process-wide cache (`--suffix-cache` keeps it across runs)."""
+    from .drafters.suffix import SuffixDrafter
+
+    return [SuffixDrafter()]
+
+
 def _draft(cfg, target, quiet):
     return [_draft_model(cfg, target, quiet)]
 
@@ -115,21 +123,22 @@ def _medusa(cfg, target, quiet):
 
 
 def _auto(cfg, target, quiet):
-    """Prompt lookup where the context repeats itself, and elsewhere the EAGLE head's tree (cfg.draft
-    a head, or the one shipped for the target) or a draft model (cfg.draft a model, or the one
-    shipped); each row and step priced by the cost model."""
+    """Prompt lookup where the context repeats itself, the suffix cache where earlier answers do,
+    and elsewhere the EAGLE head's tree (cfg.draft a head, or the one shipped for the target) or a
+    draft model (cfg.draft a model, or the one shipped); each row and step priced by the cost model."""
     from .drafters.eagle import default_eagle_for, is_eagle_dir
 
     path = cfg.draft
     if path is None and getattr(target.model, "native", False):
         path = default_eagle_for(target)
+    known = _ngram(cfg, target, quiet) + _suffix(cfg, target, quiet)
     if is_eagle_dir(path):
-        return _ngram(cfg, target, quiet) + [_eagle_head(cfg, target, path, tree=True)]
+        return known + [_eagle_head(cfg, target, path, tree=True)]
     draft = _draft_model(cfg, target, quiet, required=False, lazy=True)
     if draft is None and not quiet:
-        print("[specdec] no EAGLE head or draft model for this model: auto drafts with prompt lookup alone; pass "
-              "--draft with a head from `specdec train eagle` or a draft model", file=sys.stderr)
-    return _ngram(cfg, target, quiet) + ([draft] if draft is not None else [])
+        print("[specdec] no EAGLE head or draft model for this model: auto drafts with prompt lookup and the suffix "
+              "cache alone; pass --draft with a head from `specdec train eagle` or a draft model", file=sys.stderr)
+    return known + ([draft] if draft is not None else [])
 
 
 TABLE: dict[str, Method] = {m.name: m for m in (
@@ -137,12 +146,14 @@ TABLE: dict[str, Method] = {m.name: m for m in (
     Method("ngram", "prompt lookup: continuations of earlier occurrences of the last tokens", 8, _ngram),
     Method("draft", "a small draft model with the target's tokenizer", 4, _draft,
            "a draft model (a Hugging Face folder or .gguf file with the target's tokenizer)"),
-    Method("auto", "prompt lookup, with an EAGLE tree or a draft model where lookup has nothing", 8, _auto,
+    Method("auto", "prompt lookup and the suffix cache, with an EAGLE tree or a draft model where they have "
+           "nothing", 8, _auto,
            "an EAGLE head folder or a draft model (a Hugging Face folder or .gguf file)"),
     Method("eagle", "an EAGLE head's dynamic tree (--no-tree: its chain)", 5, _eagle,
            "an EAGLE head folder (from `specdec train eagle`)", nodes=5),
     Method("medusa", "Medusa heads' static tree (--no-tree: their chain)", 4, _medusa,
            "a Medusa heads folder (from `specdec train medusa`)", nodes=4),
+    Method("suffix", "suffix decoding: what earlier answers wrote after the same tokens, as a tree", 16, _suffix),
 )}
 METHODS = tuple(TABLE)
 #: the sources every method (but none) adds, which draft from what a request carries: its predicted
