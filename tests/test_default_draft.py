@@ -49,7 +49,8 @@ def test_greedy_speculation_equals_plain_on_default_model(default_model, method,
         draft_drafter = next(d for d in engine.sources if d.label == "draft")
         assert draft_drafter.subset is not None and len(draft_drafter.subset) > 0
     if method == "auto":  # the default target's auto: lookup + the shipped EAGLE head; --draft MODEL: + the draft
-        assert [d.label for d in engine.sources] == ["ngram", "draft" if draft else "eagle", "prediction", "grammar"]
+        assert [d.label for d in engine.sources] == ["ngram", "suffix", "draft" if draft else "eagle", "prediction",
+                                                     "grammar"]
     one_by_one = [engine.generate([x], params)[0] for x in ids]
     assert [r.tokens for r in one_by_one] == plain
     assert sum(r.stats.accepted for r in one_by_one) > 0  # the draft is right some of the time

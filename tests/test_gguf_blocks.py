@@ -134,7 +134,7 @@ def test_eagle_head_drafts_on_the_kernels_and_stays_exact(default_model):
 
     ops = need_kernels()
     d = sources_for(SpecConfig(), default_model)[0]  # auto: prompt lookup and the shipped EAGLE head
-    head = d[1]
+    head = next(s for s in d if s.label == "eagle")
     assert head.W_rs is not None and head.W_rs[0] == ops.q8_0_linear
     assert head.head.wqkv.rs is ops and head.head.wqkv.rs_blocks is not None
     ids = default_model.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n")
@@ -160,7 +160,7 @@ def test_eagle_head_steps_through_the_kernels_as_through_torch(default_model):
     from specdec.types import SamplingParams
 
     ops = need_kernels()
-    d = sources_for(SpecConfig(), default_model)[0][1]
+    d = next(s for s in sources_for(SpecConfig(), default_model)[0] if s.label == "eagle")
     assert d.kops is ops
     torch.manual_seed(0)
     D = d.dim

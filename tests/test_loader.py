@@ -210,7 +210,7 @@ def test_the_eagle_drafter_reads_embedding_and_head_rows_without_a_float_table(d
     from specdec.methods import sources_for
 
     lm = load_model(quiet=True)
-    d = sources_for(SpecConfig(), lm)[0][1]
+    d = next(s for s in sources_for(SpecConfig(), lm)[0] if s.label == "eagle")
     assert lm.model.embed._weight is None
     table = lm.model.lm_head_weight()  # (tied: the embedding table)
     assert d.subset is not None and torch.equal(d.W, table[d.subset])
