@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,15 @@ def test_the_reference_notices_a_broken_rule():
     assert got[0][0][0] == 3 and got[0][0][2] == pytest.approx(2 / 3)  # 1 2 -> 3 twice, -> 4 once
     assert got != reference([(view[0], False)], [7, 1, 2], params)  # the tail counted: 2/4
     assert native([store], [1, 2, 3, 1, 2], params)[0][0][0] == 4  # the longest match wins: 1 2 3 1 2 -> 4
+
+
+def test_a_fresh_process_makes_its_shared_cache_first():
+    """A suffix drafter built before any store (as `--method auto` does) loads the native library
+    inside shared_cache(): that must not wait on the lock shared_cache already holds."""
+    code = "from specdec.drafters.suffix import shared_cache; print(shared_cache().store.sequences)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "0"
 
 
 def test_a_rows_own_store_skips_its_own_tail():

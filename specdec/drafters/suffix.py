@@ -47,13 +47,14 @@ FILE_VERSION = 1
 PROMPT_TAIL = 4  # prompt tokens kept before each output in the cache: the context its first tokens follow
 KEY_CAP = 16  # Offer.key: the match length, capped (longer matches are learnt together)
 
-_lock = threading.Lock()
+_native_lock = threading.Lock()  # loading the store library
+_shared_lock = threading.Lock()  # making the process cache (which loads the library: its own lock)
 _state: dict = {}
 
 
 def _native():
     """The loaded store library (ctypes); SpecdecError saying why where it cannot be built."""
-    with _lock:
+    with _native_lock:
         if "lib" in _state:
             return _state["lib"]
         if "why" in _state:
@@ -318,7 +319,7 @@ def shared_cache() -> SuffixCache:
     """The process's cache (made with the default bounds on first use): every suffix drafter of
     the process drafts from it and adds to it unless given another."""
     global _shared
-    with _lock:
+    with _shared_lock:
         if _shared is None:
             _shared = SuffixCache()
         return _shared
