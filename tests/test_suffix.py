@@ -17,7 +17,7 @@ import pytest
 
 import suffix_reference as ref
 from specdec.drafters.base import DraftContext
-from specdec.drafters.suffix import (PROMPT_TAIL, SuffixCache, SuffixDrafter, SuffixParams, TokenStore, speculate)
+from specdec.drafters.suffix import (MAX_NODES, PROMPT_TAIL, SuffixCache, SuffixDrafter, SuffixParams, TokenStore, speculate)
 from specdec.tree import check_parents, depths
 from specdec.types import SamplingParams, SpecdecError
 
@@ -146,12 +146,12 @@ def test_a_drafters_row_store_follows_its_tokens_and_rebuilds_on_a_change():
     ctx = prompt + [3]
     for extra in ([4], [1, 2], [3]):
         ctx = ctx + extra
-        got = d.offer(DraftContext([ctx], SamplingParams(), None))[0]
+        got = d.offer(DraftContext([ctx], SamplingParams(), None), MAX_NODES)[0]
         store, view = build([ctx], True)
         want = native([store, cache.store], ctx, d.params, own=1)
         assert (got.tokens, got.parents, got.scores) == tuple(map(list, zip(*want[0]))) if want[0] else got is None
     other = [9, 9, 8, 9, 9]  # not an extension: the row's store starts again
-    got = d.offer(DraftContext([other], SamplingParams(), None))[0]
+    got = d.offer(DraftContext([other], SamplingParams(), None), MAX_NODES)[0]
     assert got.tokens[0] == 8
 
 
