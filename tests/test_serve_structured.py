@@ -36,12 +36,13 @@ FEW_SHOT = [{"role": "system", "content": "You answer only with a tool call."},
 
 @pytest.fixture(scope="module")
 def server(default_model):
+    from specdec.config import SpecConfig
     from specdec.core.scheduler import ContinuousBatcher
-    from specdec.drafters.hybrid import lookup_eagle_for
+    from specdec.methods import sources_for
     from specdec.server.app import create_app
 
-    batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, method="auto", k_max=8, max_batch=4,
-                                max_queue=50, max_context=1024, drafter=lookup_eagle_for(default_model))
+    batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, sources_for(SpecConfig(), default_model)[0],
+                                method="auto", k_max=8, max_batch=4, max_queue=50, max_context=1024)
     app = create_app(default_model, batcher, "smol", request_timeout=120)
     with serving(app) as url:
         yield url
@@ -172,7 +173,7 @@ def test_parse_with_a_pydantic_model(client):
         population_millions: float
 
     r = client.chat.completions.parse(model="smol", max_tokens=60, temperature=0, response_format=City,
-                                      messages=[{"role": "user", "content": "Describe Paris as JSON."}])
+                                      messages=[{"role": "user", "content": "Paris: name, country and population in millions, as JSON."}])
     city = r.choices[0].message.parsed
     assert isinstance(city, City) and city.name
 
@@ -183,7 +184,7 @@ def test_json_object_and_schema_answers_parse(client):
     r = chat(client, [{"role": "user", "content": "Hi"}], response_format={"type": "json_object"}, max_tokens=60)
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
-    r = client.completions.create(model="smol", prompt="Count:", max_tokens=30, temperature=0, extra_body={
+    r = client.completions.create(model="smol", prompt="The number of days in a week, as JSON:", max_tokens=30, temperature=0, extra_body={
         "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}})
     jsonschema.validate(json.loads(r.choices[0].text), schema)
 
@@ -191,8 +192,9 @@ def test_json_object_and_schema_answers_parse(client):
 def test_a_named_tool_choice_always_calls_it(client):
     r = chat(client, [{"role": "user", "content": "Tell me a joke."}], tools=[WEATHER], max_tokens=60,
              tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    [tc] = r.choices[0].message.tool_calls
-    assert tc.function.name == "get_weather" and isinstance(json.loads(tc.function.arguments)["city"], str)
+    calls = r.choices[0].message.tool_calls
+    assert calls and all(tc.function.name == "get_weather" for tc in calls)
+    assert isinstance(json.loads(calls[0].function.arguments)["city"], str)
 
 
 def test_langchain_bind_tools(server):

@@ -244,13 +244,6 @@ class Constraint:
                 m.rollback(consumed)
         return out
 
-    def likely(self, limit: int) -> list[int]:
-        """Up to `limit` tokens spelling the bytes the grammar forces next, as the tokenizer
-        spells them (llguidance's fast-forward tokens): a guess that usually holds, since models
-        write text in the tokenizer's own spelling, but may fail where another spelling is
-        allowed too (`forced` is the part that cannot)."""
-        return list(self._m.compute_ff_tokens()[:limit])
-
     def accepts(self, ids: list[int]) -> int:
         """How many leading tokens of `ids` the grammar allows after the committed text."""
         return self._m.validate_tokens(list(ids))
