@@ -395,6 +395,24 @@ def test_a_verified_tokens_logits_are_its_logits_decoded_alone(gguf_dir, stem):
                     assert torch.equal(many[b, i], alone(prompt, path)), (stem, mask is not None, b, i)
 
 
+@pytest.mark.parametrize("stem", SPEC_STEMS)
+def test_the_fused_step_gives_the_numbers_of_the_step_op_by_op(gguf_dir, stem, monkeypatch):
+    """rope_attend_scaled (q/k norms, rotation, cache write, attention in one call) against the same
+    step made op by op (the kernels' per-head rms_norm, torch's rotation, attend_scaled): the same
+    logits bit for bit, for chains, a tree and ragged rows through the windows."""
+    from conftest import ancestor_mask, steps_both_ways
+
+    from specdec.models import families
+
+    m = load(tiny(gguf_dir, stem)).model
+
+    def switch(on):
+        monkeypatch.setattr(families, "FUSED_STEP", on)
+
+    with one_thread():
+        steps_both_ways(m, 11, ((1, None), (5, None), (4, ancestor_mask([-1, 0, 0, 1])), (1, None)), switch)
+
+
 @pytest.mark.parametrize("stem", ["gemma3", "phi3-longrope"])
 def test_a_kept_tree_path_decodes_on_as_the_sequence_decoded_alone(gguf_dir, stem):
     """keep_paths moves a tree's accepted nodes after the prefix; the windows of the tokens decoded

@@ -1744,3 +1744,92 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
   lib.impl("gelu_tanh_mul", &gelu_tanh_mul);
   lib.impl("softcap", &softcap);
 }
+
+// ---------------------------------------------------------------------------------------------
+// A family layer's decoding-step attention in one call (models/families.py, FamilyBlock): from the
+// fused projection qkv [B, T, (H + 2 Hkv) Dh], RMS-norm each query and key head where q_norm / k_norm
+// are given (rms_norm's operations on a row of Dh), rotate the first R dimensions of each (x * cos +
+// roll(x, R / 2) * sin within them: a product, a product and a sum, as the torch expression), write k
+// and v to the caches at slots start[b] + t, and attend as attend_scaled does. The numbers of those
+// calls made one by one (tests/test_families.py compares them).
+namespace {
+
+at::Tensor rope_attend_scaled(const at::Tensor& qkv_, const c10::optional<at::Tensor>& q_norm,
+                              const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& cos_,
+                              const at::Tensor& sin_, at::Tensor kc, at::Tensor vc, const at::Tensor& start_, int64_t H,
+                              int64_t S, const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& row_keys,
+                              double scale, double softcap) {
+  TORCH_CHECK(qkv_.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && cos_.scalar_type() == at::kFloat,
+              "rope_attend_scaled: float32 only");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "rope_attend_scaled: the cache must be contiguous");
+  const at::Tensor qkv = qkv_.contiguous(), cs = cos_.contiguous(), sn = sin_.contiguous();
+  const at::Tensor start = start_.to(at::kLong).contiguous();
+  const int64_t B = qkv.size(0), T = qkv.size(1), Hkv = kc.size(1), Smax = kc.size(2), Dh = kc.size(3);
+  const int64_t R = cs.size(-1);
+  TORCH_CHECK(Dh % 8 == 0 && Hkv > 0 && H % Hkv == 0 && qkv.size(2) == (H + 2 * Hkv) * Dh && R % 2 == 0 && R <= Dh &&
+              cs.numel() == B * T * R && sn.numel() == B * T * R && start.numel() == B && S >= 1 && S <= Smax,
+              "rope_attend_scaled: bad shapes");
+  const float* wq = nullptr;
+  const float* wk = nullptr;
+  if (q_norm.has_value()) {
+    TORCH_CHECK(k_norm.has_value() && q_norm->numel() == Dh && k_norm->numel() == Dh && q_norm->is_contiguous() &&
+                k_norm->is_contiguous() && q_norm->scalar_type() == at::kFloat && k_norm->scalar_type() == at::kFloat,
+                "rope_attend_scaled: q_norm and k_norm are float32 [Dh], both or neither");
+    wq = q_norm->data_ptr<float>();
+    wk = k_norm->data_ptr<float>();
+  }
+  at::Tensor q = at::empty({B, T, H, Dh}, qkv.options());
+  const float* xp = qkv.data_ptr<float>();
+  const float* cp = cs.data_ptr<float>();
+  const float* sp = sn.data_ptr<float>();
+  const int64_t* st = start.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  const int64_t half = R / 2, W = (H + 2 * Hkv) * Dh;
+  const float feps = static_cast<float>(eps);
+  std::vector<float> normed(Dh);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = xp + (b * T + t) * W;
+      const float* c = cp + (b * T + t) * R;
+      const float* sg = sp + (b * T + t) * R;
+      const int64_t slot = st[b] + t;
+      TORCH_CHECK(slot < Smax, "rope_attend_scaled: the cache is full");
+      for (int64_t j = 0; j < H + Hkv; ++j) {
+        const float* x = row + j * Dh;
+        if (wq) {  // (rms_norm's operations on this head's Dh values)
+          const float* w = j < H ? wq : wk;
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t d = 0; d < Dh; d += 8) {
+            const __m256 v = _mm256_loadu_ps(x + d);
+            acc = _mm256_fmadd_ps(v, v, acc);
+          }
+          const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(hsum8(acc) / static_cast<float>(Dh) + feps));
+          for (int64_t d = 0; d < Dh; d += 8)
+            _mm256_storeu_ps(normed.data() + d,
+                             _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + d), inv), _mm256_loadu_ps(w + d)));
+          x = normed.data();
+        }
+        float* dst = j < H ? qp + ((b * T + t) * H + j) * Dh : kp + ((b * Hkv + (j - H)) * Smax + slot) * Dh;
+        for (int64_t d = 0; d < R; ++d) {
+          const float a = x[d] * c[d];
+          const float r = x[(d + half) % R] * sg[d];
+          dst[d] = a + r;
+        }
+        for (int64_t d = R; d < Dh; ++d) dst[d] = x[d];
+      }
+      for (int64_t j = 0; j < Hkv; ++j)
+        std::memcpy(vp + ((b * Hkv + j) * Smax + slot) * Dh, row + (H + Hkv + j) * Dh, Dh * sizeof(float));
+    }
+  return attend_scaled(q, kc, vc, S, mask, row_keys, scale, softcap);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec_rs, lib) {
+  lib.def("rope_attend_scaled(Tensor qkv, Tensor? q_norm, Tensor? k_norm, float eps, Tensor cos, Tensor sin, "
+          "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, int heads, int n_keys, Tensor? mask, Tensor? row_keys, "
+          "float scale, float softcap) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) { lib.impl("rope_attend_scaled", &rope_attend_scaled); }

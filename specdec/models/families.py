@@ -242,6 +242,11 @@ def hf_llama_layer_state(cfg, sd, i: int) -> dict[str, torch.Tensor]:
 
 
 # -- the layer -------------------------------------------------------------------------------------
+# Decoding steps make the q/k norms, rotation, cache write and attention one kernel call
+# (rope_attend_scaled); False makes them op by op (the same numbers; tests compare the two)
+FUSED_STEP = True
+
+
 def block(cfg, layer: int) -> Block:
     """The decoder layer `layer` of the native model: Block for Llama's families, FamilyBlock for these."""
     return FamilyBlock(cfg, layer) if cfg.model_type in FAMILY_TYPES else Block(cfg)
@@ -279,7 +284,12 @@ class FamilyBlock(Block):
         def norm(t, w):
             return kops.rms_norm(t, w, eps) if step else F.rms_norm(t, (t.shape[-1],), w, eps)
 
-        qkv = self.wqkv.forward(norm(x, self.attn_norm)).view(B, T, H + 2 * Hkv, Dh)
+        qkv = self.wqkv.forward(norm(x, self.attn_norm))
+        if step and FUSED_STEP:  # q/k norms, rotation, cache write and attention in one kernel call
+            o = kops.rope_attend_scaled(qkv, self.q_norm, self.k_norm, eps, cos, sin, cache.k[layer], cache.v[layer],
+                                        start, H, n_keys, mask, row_keys, self.scale, self.softcap)
+            return self._finish(x, o, norm, step)
+        qkv = qkv.view(B, T, H + 2 * Hkv, Dh)
         qk = qkv[:, :, : H + Hkv]
         if self.q_norm is not None:
             qk = torch.cat([norm(qk[:, :, :H], self.q_norm), norm(qk[:, :, H:], self.k_norm)], dim=2)
@@ -297,6 +307,12 @@ class FamilyBlock(Block):
                 mask, causal = LlamaModel._mask(start, uniform, T, n_keys, None, H // Hkv, adt), False
             o = self._attend(q, cache.k[layer][:, :, :n_keys], cache.v[layer][:, :, :n_keys], mask, causal)
             o = o.transpose(1, 2).reshape(B, T, H * Dh).to(x.dtype)
+        return self._finish(x, o, norm, step)
+
+    def _finish(self, x, o, norm, step: bool):
+        """The layer after its attention's output o [B, T, H * Dh]: the output projection, the MLP
+        and their norms and residual sums."""
+        kops = self.kops
         y = self.wo.forward(o)
         if self.post_attn_norm is not None:
             y = norm(y, self.post_attn_norm)
