@@ -250,7 +250,7 @@ def hf_config(family: str):
 
 
 @functools.lru_cache(maxsize=None)
-def hf_folder(family: str) -> Path:
+def hf_folder(family: str, seed: int = 0) -> Path:
     """A tiny random transformers model of the family saved as a folder (every parameter drawn at
     random: norms around 1 as they multiply, so Gemma's stored weight around 0)."""
     import tempfile
@@ -258,11 +258,11 @@ def hf_folder(family: str) -> Path:
     from conftest import randomize_
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32, attn_implementation="eager")
-    randomize_(hf, 0)
+    randomize_(hf, seed)
     if family.startswith("gemma"):
         with torch.no_grad():
             for n, p in hf.named_parameters():
@@ -298,6 +298,30 @@ def test_a_hugging_face_folder_runs_natively_as_transformers_computes_it(family)
                 if "norm" in n:
                     p.sub_(1.0)
         assert rel_err(stepwise_logits(lm.model, tokens), ref) > 100 * TOL
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_speculation_on_a_folder_target_equals_plain_greedy(family):
+    """A folder target with prompt lookup, a folder draft of the same family (on the target's
+    kernels, as `--draft` loads it) and an EAGLE tree: plain greedy decoding's tokens."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.engine import Engine
+    from specdec.models.loader import load_model
+
+    target = load_model(str(hf_folder(family)), quiet=True, with_tokenizer=False).model
+    draft = load_model(str(hf_folder(family, 1)), quiet=True, with_tokenizer=False, pack=False).model
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (7, 12)]
+    prompts[1] = prompts[1][:4] * 3
+    sp = SamplingParams(max_new_tokens=20)
+    want = [Engine(target, None, k=0, eos_ids=()).generate([p], sp)[0].tokens for p in prompts]
+    with one_thread():
+        for name, drafter in (("ngram", NgramDrafter(adaptive=False)),
+                              ("draft", DraftModelDrafter(draft, target_model=target)),
+                              ("eagle_tree", _random_eagle(target))):
+            outs = Engine(target, drafter, k=4, eos_ids=(), fixed_k=True).generate(prompts, sp)
+            assert [o.tokens for o in outs] == want, name
 
 
 def test_an_eagle_head_initialised_from_a_family_layer_reads_it_as_a_llama_layer():
