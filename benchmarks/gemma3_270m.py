@@ -11,8 +11,9 @@ specdec or its tests. Upstream the model is Google's Gemma 3 270M under the Gemm
         # greedy tokens of specdec against transformers' own GGUF loading of the same file (float32,
         # its dequantiser and Gemma 3 model), and against llama.cpp's where it is installed
     python3 benchmarks/gemma3_270m.py peers --threads 2 --prompts 4 --max-new-tokens 64 --repeats 3
-        # plain greedy decoding, specdec and llama.cpp on the same file and threads, interleaved per
-        # prompt (the order rotating each repeat): decode tokens/s, medians, and the read cap
+        # plain greedy decoding, specdec (default and float path) and llama.cpp on the same file and
+        # threads, interleaved per prompt (the order rotating each repeat): decode tokens/s, medians,
+        # and the read cap
     python3 benchmarks/gemma3_270m.py load --threads 2 [--engine llamacpp]
         # load time and peak RSS in this (fresh) process, after 8 decoded tokens, a 4096-token context
     python3 benchmarks/gemma3_270m.py spec --threads 2 --prompts 4 --max-new-tokens 64
@@ -101,10 +102,12 @@ def measure_check(n_prompts: int, max_new: int, threads: int) -> dict:
     mine = [specdec_greedy(lm.model, ids, max_new)[0] for ids in ids_list]
     default = load_specdec()
     mine8 = [specdec_greedy(default.model, ids, max_new)[0] for ids in ids_list]
-    out = {"prompts": n_prompts, "max_new_tokens": max_new,
-           "default_vs_float_path": {"equal": sum(a == b for a, b in zip(mine8, mine)),
-                                     "tokens_before_first_difference": [first_difference(a, b)
-                                                                        for a, b in zip(mine8, mine)]}}
+    def agreement(xs, ys) -> dict:
+        return {"equal": sum(a == b for a, b in zip(xs, ys)),
+                "tokens_before_first_difference": [first_difference(a, b) for a, b in zip(xs, ys)]}
+
+    out = {"prompts": n_prompts, "max_new_tokens": max_new, "default_vs_float_path": agreement(mine8, mine)}
+    hf_tokens = None
     try:
         from transformers import AutoModelForCausalLM
 
@@ -115,18 +118,19 @@ def measure_check(n_prompts: int, max_new: int, threads: int) -> dict:
             for ids in ids_list:
                 gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new)
                 theirs.append(gen[0, len(ids):].tolist())
-        out["float_path_vs_transformers"] = {
-            "equal": sum(a == b for a, b in zip(mine, theirs)),
-            "tokens_before_first_difference": [first_difference(a, b) for a, b in zip(mine, theirs)]}
+        out["float_path_vs_transformers"] = agreement(mine, theirs)
+        out["default_vs_transformers"] = agreement(mine8, theirs)
+        hf_tokens = theirs
     except Exception as e:  # (said, not hidden: which reader failed and why)
         out["float_path_vs_transformers"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     llm = load_llamacpp(threads)
     if llm is not None:
         theirs = [llamacpp_greedy(llm, ids, max_new)[0] for ids in ids_list]
-        out["default_vs_llamacpp"] = {
-            "equal": sum(a == b for a, b in zip(mine8, theirs)),
-            "tokens_before_first_difference": [first_difference(a, b) for a, b in zip(mine8, theirs)]}
-    for name in ("float_path_vs_transformers", "default_vs_llamacpp", "default_vs_float_path"):
+        out["default_vs_llamacpp"] = agreement(mine8, theirs)
+        if hf_tokens is not None:  # (how far llama.cpp's own rounding takes it from the float model)
+            out["llamacpp_vs_transformers"] = agreement(theirs, hf_tokens)
+    for name in ("float_path_vs_transformers", "default_vs_transformers", "default_vs_float_path",
+                 "default_vs_llamacpp", "llamacpp_vs_transformers"):
         if name in out and "equal" in out[name]:
             print(f"{name}: greedy tokens equal {out[name]['equal']}/{n_prompts} "
                   f"(tokens before the first difference: {out[name]['tokens_before_first_difference']})",
@@ -135,14 +139,16 @@ def measure_check(n_prompts: int, max_new: int, threads: int) -> dict:
 
 
 def measure_peers(threads: int, max_new: int, n_prompts: int, repeats: int) -> dict:
-    """Plain greedy decoding by specdec and llama.cpp on the same prompts, interleaved per prompt
-    (the order rotating each repeat); decode tokens/s = (n - 1) / (time after the first token),
-    medians over prompts x repeats; greedy agreement; the read cap (bytes a token / read bandwidth)."""
+    """Plain greedy decoding by specdec (its default 8-bit-activation path and its float path) and
+    llama.cpp on the same prompts, interleaved per prompt (the order rotating each repeat); decode
+    tokens/s = (n - 1) / (time after the first token), medians over prompts x repeats; greedy
+    agreement with llama.cpp; the read cap (bytes a token / read bandwidth)."""
     import torch
 
     torch.set_num_threads(threads)
-    lm = load_specdec()
-    runners = {"specdec": lambda ids: specdec_greedy(lm.model, ids, max_new)}
+    lm, flt = load_specdec(), load_specdec(act8=False)
+    runners = {"specdec": lambda ids: specdec_greedy(lm.model, ids, max_new),
+               "specdec-float": lambda ids: specdec_greedy(flt.model, ids, max_new)}
     llm = load_llamacpp(threads)
     if llm is not None:
         runners["llama.cpp"] = lambda ids: llamacpp_greedy(llm, ids, max_new)
