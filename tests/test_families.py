@@ -324,6 +324,34 @@ def test_speculation_on_a_folder_target_equals_plain_greedy(family):
             assert [o.tokens for o in outs] == want, name
 
 
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_bfloat16_verification_equals_one_at_a_time_bit_for_bit(family):
+    """A folder in bfloat16 (attention and cache in float64): a chain and a tree verified in a
+    ragged batch give each token the logits of decoding its path one token at a time, through the
+    windows, the caps and the partial rotation."""
+    from conftest import ancestor_mask, path_to, prefill_ragged, random_tokens
+
+    from specdec.models.loader import load_model
+
+    model = load_model(str(hf_folder(family)), dtype=torch.bfloat16, quiet=True, with_tokenizer=False).model
+    assert model.attn_dtype == torch.float64
+    parents = [[-1, 0, 1, 2, 3, 4], [-1, 0, 0, 1, 2, 3]]  # row 0 a chain, row 1 a tree
+    N = len(parents[0])
+    prompts = [random_tokens(9, seed=20), random_tokens(14, seed=21)]
+    nodes = torch.tensor([random_tokens(N, seed=22), random_tokens(N, seed=23)])
+    cache, _, lens = prefill_ragged(model, prompts)
+    mask = torch.stack([ancestor_mask(pa) for pa in parents])
+    depth = torch.tensor([[len(path_to(pa, i)) - 1 for i in range(N)] for pa in parents])
+    logits, _ = model(nodes, lens[:, None] + depth, cache, attn_mask=mask)
+    for b in range(2):
+        for i in range(N):
+            path = [int(nodes[b, j]) for j in path_to(parents[b], i)]
+            one, _, n = prefill_ragged(model, [prompts[b]])
+            for t, tok in enumerate(path):
+                ref, _ = model(torch.tensor([[tok]]), torch.tensor([[int(n[0]) + t]]), one)
+            assert torch.equal(logits[b, i], ref[0, 0]), f"row {b} node {i}"
+
+
 def test_an_eagle_head_initialised_from_a_family_layer_reads_it_as_a_llama_layer():
     """Phi-3's fused q/k/v and gate/up split, Gemma's norms as they multiply (1 + w): from a folder
     and from a GGUF file alike."""
