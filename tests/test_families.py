@@ -317,7 +317,7 @@ def test_speculation_on_a_folder_target_equals_plain_greedy(family):
     sp = SamplingParams(max_new_tokens=20)
     want = [Engine(target, None, k=0, eos_ids=()).generate([p], sp)[0].tokens for p in prompts]
     with one_thread():
-        for name, drafter in (("ngram", NgramDrafter(adaptive=False)),
+        for name, drafter in (("ngram", NgramDrafter()),
                               ("draft", DraftModelDrafter(draft, target_model=target)),
                               ("eagle_tree", _random_eagle(target))):
             outs = Engine(target, drafter, k=4, eos_ids=(), fixed_k=True).generate(prompts, sp)
@@ -520,7 +520,7 @@ def test_greedy_speculation_equals_plain_greedy(gguf_dir, stem):
     prompts[2] = prompts[2][:4] * 3  # repeats: prompt lookup proposes from the start
     sp = SamplingParams(max_new_tokens=20)
     want = [Engine(target, None, k=0, eos_ids=()).generate([p], sp)[0].tokens for p in prompts]
-    drafters = {"ngram": lambda: NgramDrafter(adaptive=False),
+    drafters = {"ngram": lambda: NgramDrafter(),
                 "draft": lambda: DraftModelDrafter(draft, target_model=target),
                 "draft_self": lambda: DraftModelDrafter(target, target_model=target),
                 "eagle_tree": lambda: _random_eagle(target)}
@@ -537,7 +537,8 @@ def test_greedy_speculation_equals_plain_greedy(gguf_dir, stem):
 # -- EAGLE and Medusa heads trained on a family's target --------------------------------------------
 @pytest.mark.parametrize("stem", ["gemma3", "phi3-longrope"])
 def test_eagle_and_medusa_heads_train_on_a_family_target_and_draft_exactly(gguf_dir, tmp_path, stem):
-    from specdec.drafters.base import REGISTRY
+    from specdec.drafters.eagle import EagleDrafter, load_eagle
+    from specdec.drafters.medusa import MedusaDrafter, load_medusa
     from specdec.engine import Engine
     from specdec.models.loader import load_model
     from specdec.train.eagle import EagleTrainConfig, train_eagle
@@ -557,11 +558,17 @@ def test_eagle_and_medusa_heads_train_on_a_family_target_and_draft_exactly(gguf_
     prompt = rows[0][0][:12]
     sp = SamplingParams(max_new_tokens=16)
     want = Engine(tg.model, None, k=0, eos_ids=()).generate([prompt], sp)[0].tokens
+    head, head_meta = load_eagle(tmp_path / "eagle", tg)
+    heads, heads_meta = load_medusa(tmp_path / "medusa", tg)
+    drafters = {"eagle tree": lambda: EagleDrafter(head, tg.model, head_meta["vocab_subset"], tree=True, depth=3,
+                                                   width=2, nodes=5),
+                "eagle chain": lambda: EagleDrafter(head, tg.model, head_meta["vocab_subset"], tree=False),
+                "medusa tree": lambda: MedusaDrafter(heads, tg.model, heads_meta["vocab_subset"],
+                                                     [tuple(x) for x in heads_meta["tree"]])}
     with one_thread():
-        for method, kw in (("eagle", dict(tree=True)), ("eagle", dict(tree=False)), ("medusa", dict(tree=True))):
-            d = REGISTRY[method](target=tg, draft=tmp_path / method, **kw)
-            [r] = Engine(tg.model, d, k=3, eos_ids=(), fixed_k=True).generate([prompt], sp)
-            assert r.tokens == want, (method, kw)
+        for name, make in drafters.items():
+            [r] = Engine(tg.model, make(), k=3, eos_ids=(), fixed_k=True).generate([prompt], sp)
+            assert r.tokens == want, name
 
 
 # -- tokens and templates ---------------------------------------------------------------------------
