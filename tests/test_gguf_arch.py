@@ -337,12 +337,12 @@ def test_an_attention_scale_of_one_over_root_head_size_is_read(tmp_path):
     assert load(path).model.cfg.head_dim == HEAD_DIM
 
 
-@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen3moe", "gemma3n"])
 def test_an_unsupported_architecture_is_named_before_any_block_is_read(tmp_path, monkeypatch, arch):
     path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, F32, layers=1)
     _no_block_reads(monkeypatch)
     with pytest.raises(SpecdecError, match=rf"architecture '{arch}' is not supported \(supported: llama, mistral3, "
-                                           r"qwen2; "
+                                           r"qwen2, qwen3, gemma2, gemma3, phi3; "
                                            r"llama\.cpp writes Mistral"):
         load(path)
 

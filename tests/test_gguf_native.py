@@ -268,7 +268,7 @@ def test_an_unsupported_architecture_is_named(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(SpecdecError, match=r"architecture 'gpt2' is not supported \(supported: llama, mistral3, "
-                                           r"qwen2; "):
+                                           r"qwen2, qwen3, gemma2, gemma3, phi3; "):
         load(tmp_path / "gpt2.gguf")
 
 

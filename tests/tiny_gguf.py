@@ -1,4 +1,4 @@
-"""Tiny Llama / Qwen2 GGUF files for tests, written with gguf.GGUFWriter.
+"""Tiny Llama / Qwen2 (and Qwen3, Gemma 2 / 3, Phi-3) GGUF files for tests, written with gguf.GGUFWriter.
 
 `write_tiny_gguf(path, arch, ggml_type)` writes a 2-layer model (hidden 256, 4 query heads and 2
 K/V heads of 64, feed-forward 512: every row a whole number of K-quant blocks) whose matrices are
@@ -64,7 +64,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
                     head_type: int | None = None, rope_freqs=False, name: str | None = None,
                     tokenizer: str = "gpt2", rope_scaling: dict | None = None, extra_tensor: str | None = None,
                     untied: bool | None = None, context: int = 512, meta: dict | None = None,
-                    head_dim: int = HEAD_DIM) -> Path:
+                    head_dim: int = HEAD_DIM, rope_base: float = 10000.0, rotary_dim: int | None = None,
+                    rope_factors: bool = False, chat_template: str | None = None, specials: tuple = ()) -> Path:
     """Write the tiny model (module docstring); head_type: the LM head's type (default ggml_type);
     rope_freqs: add Llama 3.1's frequency-factor tensor (True: factors 1..8, or the factors given);
     name: general.name; tokenizer: "gpt2" (byte-level BPE) or "llama" (SentencePiece-style);
@@ -72,7 +73,17 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
     this name that no supported architecture reads; untied: write output.weight (default: qwen2);
     context: the context length; meta: {key: value} written as {arch}.{key} (e.g.
     "attention.sliding_window"); head_dim: the size of a head (other than hidden / heads: the
-    attention key and value lengths are written, as for Mistral Nemo)."""
+    attention key and value lengths are written, as for Mistral Nemo); rope_base: the RoPE base
+    (Gemma 3: its full-attention layers'); rotary_dim: the rotated dimensions of a head (Phi-3's
+    partial rotation); rope_factors: write Phi-3's LongRoPE factor tensors (short 1.0..1.7, long
+    2.0..); chat_template: the one in the metadata (None: CHAT_TEMPLATE with the byte-level BPE
+    tokenizer, none with the SentencePiece one; "": none); specials: special tokens appended to the
+    byte-level vocabulary (a family's turn markers: Gemma's <start_of_turn> and <end_of_turn>).
+
+    The families beyond Llama's are written as llama.cpp's converter writes them: qwen3 with per-head
+    q/k norms; gemma2 / gemma3 with norms after attention and MLP (their weights hold 1 + w, the +1
+    llama.cpp's converter adds), gemma3 with q/k norms, and a tied head; phi3 with q/k/v fused into
+    attn_qkv and gate/up into ffn_up (gate first), an untied head."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     rng = np.random.default_rng(seed)
@@ -84,13 +95,14 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(head_dim if rotary_dim is None else rotary_dim)
     if head_dim * HEADS != HIDDEN:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_base)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(VOCAB)
+    vocab = VOCAB + len(specials)
+    w.add_vocab_size(vocab)
     keys = {f"rope.scaling.{k}": v for k, v in (rope_scaling or {}).items()} | dict(meta or {})
     for key, value in keys.items():
         full = f"{arch}.{key}"
@@ -111,17 +123,20 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
         w.add_unk_token_id(0)
         w.add_add_bos_token(True)
     else:
-        toks = tokens()
+        toks = tokens() + list(specials)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("default")
         w.add_token_list(toks)
-        w.add_token_types([3 if t in SPECIALS else 1 for t in toks])
+        w.add_token_types([3 if t in SPECIALS or t in specials else 1 for t in toks])
         w.add_token_merges(MERGES)
         w.add_bos_token_id(toks.index("<|im_start|>"))
         w.add_eos_token_id(EOS_ID)
         w.add_pad_token_id(toks.index("<|endoftext|>"))
         w.add_add_bos_token(False)
-        w.add_chat_template(CHAT_TEMPLATE)
+    if chat_template is None and tokenizer != "llama":
+        chat_template = CHAT_TEMPLATE
+    if chat_template:
+        w.add_chat_template(chat_template)
 
     def mat(name: str, n: int, k: int, t: int = ggml_type) -> None:
         w.add_tensor(name, random_blocks(t, n, k, rng), raw_dtype=GGMLQuantizationType(t))
@@ -129,25 +144,41 @@ def write_tiny_gguf(path: Path, arch: str = "llama", ggml_type: int = 8, seed: i
     def vec(name: str, n: int, scale: float, center: float = 0.0) -> None:
         w.add_tensor(name, (center + scale * rng.standard_normal(n)).astype(np.float32))
 
-    mat("token_embd.weight", VOCAB, HIDDEN)
+    mat("token_embd.weight", vocab, HIDDEN)
     for i in range(layers):
         p = f"blk.{i}."
         vec(p + "attn_norm.weight", HIDDEN, 0.1, 1.0)
         vec(p + "ffn_norm.weight", HIDDEN, 0.1, 1.0)
-        mat(p + "attn_q.weight", HEADS * head_dim, HIDDEN)
-        mat(p + "attn_k.weight", KV_HEADS * head_dim, HIDDEN)
-        mat(p + "attn_v.weight", KV_HEADS * head_dim, HIDDEN)
+        if arch == "phi3":
+            mat(p + "attn_qkv.weight", (HEADS + 2 * KV_HEADS) * head_dim, HIDDEN)
+        else:
+            mat(p + "attn_q.weight", HEADS * head_dim, HIDDEN)
+            mat(p + "attn_k.weight", KV_HEADS * head_dim, HIDDEN)
+            mat(p + "attn_v.weight", KV_HEADS * head_dim, HIDDEN)
         if arch == "qwen2":
             vec(p + "attn_q.bias", HEADS * head_dim, 0.5)
             vec(p + "attn_k.bias", KV_HEADS * head_dim, 0.5)
             vec(p + "attn_v.bias", KV_HEADS * head_dim, 0.5)
+        if arch in ("qwen3", "gemma3"):
+            vec(p + "attn_q_norm.weight", head_dim, 0.2, 1.0)
+            vec(p + "attn_k_norm.weight", head_dim, 0.2, 1.0)
+        if arch in ("gemma2", "gemma3"):
+            vec(p + "post_attention_norm.weight", HIDDEN, 0.2, 1.0)
+            vec(p + "post_ffw_norm.weight", HIDDEN, 0.2, 1.0)
         mat(p + "attn_output.weight", HIDDEN, HEADS * head_dim)
-        mat(p + "ffn_gate.weight", FFN, HIDDEN)
-        mat(p + "ffn_up.weight", FFN, HIDDEN)
+        if arch == "phi3":
+            mat(p + "ffn_up.weight", 2 * FFN, HIDDEN)
+        else:
+            mat(p + "ffn_gate.weight", FFN, HIDDEN)
+            mat(p + "ffn_up.weight", FFN, HIDDEN)
         mat(p + "ffn_down.weight", HIDDEN, FFN)
     vec("output_norm.weight", HIDDEN, 0.1, 1.0)
-    if arch == "qwen2" if untied is None else untied:
-        mat("output.weight", VOCAB, HIDDEN, ggml_type if head_type is None else head_type)
+    if rope_factors:
+        half = (head_dim if rotary_dim is None else rotary_dim) // 2
+        w.add_tensor("rope_factors_long.weight", np.linspace(2.0, 8.0, half).astype(np.float32))
+        w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 1.7, half).astype(np.float32))
+    if arch in ("qwen2", "phi3") if untied is None else untied:
+        mat("output.weight", vocab, HIDDEN, ggml_type if head_type is None else head_type)
     if rope_freqs is not False:
         factors = np.linspace(1.0, 8.0, head_dim // 2) if rope_freqs is True else rope_freqs
         w.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))

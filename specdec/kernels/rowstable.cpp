@@ -2011,3 +2011,285 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
   lib.impl("gguf_linear_q8", &gguf_linear_q8);
   lib.impl("gguf_linear_cat_q8", &gguf_linear_cat_q8);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The kernels of the model families beyond Llama's (models/families.py): attention with a given
+// scale, soft-capped scores and any head size that is a multiple of 8 (Gemma's 256, Phi-3's 96),
+// Gemma's GELU-tanh gate, and soft-capped logits (Gemma 2). As above, each output number is one
+// fixed sequence of operations on its own row's inputs: a vector tail is computed in a padded
+// buffer by the same instructions as the other lanes, so no number depends on the row's length
+// modulo 8, on the number of rows or on how the threads split them.
+namespace {
+
+// tanh of every lane by one fixed computation: for |x| < 0.625 x + x^3 P(x^2) (Cephes' tanhf
+// polynomial), else sign(x) (1 - t) / (1 + t) with t = exp(-2|x|) (exactly 1 for large |x|).
+inline __m256 tanh8(__m256 x) {
+  const __m256 neg0 = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  const __m256 ax = _mm256_andnot_ps(neg0, x);
+  const __m256 s = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(2.06390887954e-2f));
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-5.37397155531e-2f));
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(1.33314422036e-1f));
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-3.33332819422e-1f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, s), x, x);
+  const __m256 t = exp_nonpos(_mm256_mul_ps(ax, _mm256_set1_ps(-2.0f)));
+  const __m256 large = _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, t), _mm256_add_ps(one, t)), _mm256_and_ps(x, neg0));
+  return _mm256_blendv_ps(large, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+}
+
+// y[0:n] = f(x[0:n]) eight lanes at a time, the last partial group through a zero-padded buffer
+template <typename F>
+inline void map8(const float* x, float* y, int64_t n, F&& f) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, f(_mm256_loadu_ps(x + i)));
+  if (i < n) {
+    float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(buf, x + i, (n - i) * sizeof(float));
+    _mm256_storeu_ps(buf, f(_mm256_loadu_ps(buf)));
+    std::memcpy(y + i, buf, (n - i) * sizeof(float));
+  }
+}
+
+// cap * tanh(x / cap), as transformers writes the soft-capping (a division, tanh, a product)
+inline __m256 softcap8(__m256 x, __m256 cap) { return _mm256_mul_ps(tanh8(_mm256_div_ps(x, cap)), cap); }
+
+// One query (Dh = 8 * nv, nv <= 64) over the first S slots of its K/V head: scores q . k * scale,
+// soft-capped where softcap > 0, plus the mask row mrow where given (hidden slots -inf), then as
+// attend_one: exact maximum, exp_nonpos, the weighted sum of values over the slots in order.
+void attend_one_scaled(const float* q, const float* mrow, float* dst, const float* K, const float* V, int64_t S,
+                       int64_t nv, float scale, float softcap, float* sc) {
+  const int64_t Dh = 8 * nv, S8 = (S + 7) / 8 * 8;
+  __m256 qv[64], o[64];
+  for (int64_t d = 0; d < nv; ++d) qv[d] = _mm256_loadu_ps(q + 8 * d);
+  for (int64_t s = 0; s < S; ++s) {
+    const float* k = K + s * Dh;
+    __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+    for (int64_t d = 1; d < nv; ++d) acc = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), acc);
+    sc[s] = hsum8(acc) * scale;
+  }
+  for (int64_t s = S; s < S8; ++s) sc[s] = 0.0f;
+  if (softcap > 0.0f) {
+    const __m256 cap = _mm256_set1_ps(softcap);
+    for (int64_t s = 0; s < S8; s += 8) _mm256_storeu_ps(sc + s, softcap8(_mm256_loadu_ps(sc + s), cap));
+  }
+  if (mrow)
+    for (int64_t s = 0; s < S; ++s) sc[s] += mrow[s];
+  for (int64_t s = S; s < S8; ++s) sc[s] = -INFINITY;
+  float mx = -INFINITY;
+  for (int64_t s = 0; s < S; ++s) mx = std::max(mx, sc[s]);
+  const __m256 m = _mm256_set1_ps(mx);
+  for (int64_t s = 0; s < S8; s += 8) _mm256_storeu_ps(sc + s, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc + s), m)));
+  for (int64_t d = 0; d < nv; ++d) o[d] = _mm256_setzero_ps();
+  float l = 0.0f;
+  for (int64_t s = 0; s < S; ++s) {
+    const float w = sc[s];
+    l += w;
+    const __m256 p = _mm256_set1_ps(w);
+    const float* v = V + s * Dh;
+    for (int64_t d = 0; d < nv; ++d) o[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * d), o[d]);
+  }
+  const __m256 iv = _mm256_set1_ps(1.0f / l);
+  for (int64_t d = 0; d < nv; ++d) _mm256_storeu_ps(dst + 8 * d, _mm256_mul_ps(o[d], iv));
+}
+
+// out [B, T, H * Dh] = attention of q [B, T, H, Dh] over the first n_keys slots of the caches
+// [B, Hkv, Smax, Dh] (row b: its first row_keys[b] where given), grouped-query heads (query head h
+// reads K/V head h / G), scores scaled by `scale` and soft-capped by `softcap` (0: none); mask: null
+// or additive [B, 1, G * T, n_keys] (row g * T + t: token t of query head g of a K/V head), the
+// layout models/llama.py builds.
+at::Tensor attend_scaled(const at::Tensor& q_, const at::Tensor& kc, const at::Tensor& vc, int64_t S,
+                         const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& row_keys, double scale,
+                         double softcap) {
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
+              "attend_scaled: float32 only");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "attend_scaled: the cache must be contiguous");
+  const at::Tensor q = q_.contiguous();
+  TORCH_CHECK(q.dim() == 4, "attend_scaled: q must be [B, T, H, Dh]");
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), Dh = q.size(3);
+  const int64_t Hkv = kc.size(1), Smax = kc.size(2);
+  TORCH_CHECK(Dh % 8 == 0 && Dh <= 512 && Hkv > 0 && H % Hkv == 0 && kc.size(0) == B && kc.size(3) == Dh &&
+              vc.sizes() == kc.sizes() && S >= 1 && S <= Smax, "attend_scaled: bad shapes");
+  const int64_t G = H / Hkv;
+  const float* mp = nullptr;
+  if (mask.has_value()) {
+    const at::Tensor& m = *mask;
+    TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.dim() == 4 && m.size(0) == B &&
+                m.size(2) == G * T && m.size(3) == S, "attend_scaled: the mask must be [B, 1, G*T, n_keys] float32");
+    mp = m.data_ptr<float>();
+  }
+  at::Tensor rk;
+  const int64_t* rkp = nullptr;
+  if (row_keys.has_value()) {
+    rk = row_keys->to(at::kLong).contiguous();
+    TORCH_CHECK(rk.numel() == B, "attend_scaled: row_keys must hold one count per row");
+    rkp = rk.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rkp[b] >= 1 && rkp[b] <= S, "attend_scaled: row_keys must lie in 1..n_keys");
+  }
+  at::Tensor out = at::empty({B, T, H * Dh}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const int64_t items = B * T * H, S8 = (S + 7) / 8 * 8, grain = items * S * Dh < (int64_t{1} << 18) ? items : 1;
+  at::parallel_for(0, items, grain, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores(S8);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t h = w % H, t = (w / H) % T, b = w / (H * T);
+      const int64_t hk = h / G, g = h % G;
+      const int64_t Sb = rkp ? std::min(S, rkp[b]) : S;
+      const float* mrow = mp ? mp + (b * G * T + g * T + t) * S : nullptr;
+      attend_one_scaled(qp + w * Dh, mrow, op + w * Dh, kp + (b * Hkv + hk) * Smax * Dh, vp + (b * Hkv + hk) * Smax * Dh,
+                        Sb, Dh / 8, sc, cap, scores.data());
+    }
+  });
+  return out;
+}
+
+// gu [..., 2 I] (gate, up side by side) -> gelu_tanh(gate) * up [..., I], GELU with tanh as torch's
+// approximate="tanh" writes it: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+at::Tensor gelu_tanh_mul(const at::Tensor& gu_) {
+  TORCH_CHECK(gu_.scalar_type() == at::kFloat && gu_.size(-1) % 2 == 0, "gelu_tanh_mul: float32 [..., 2 I]");
+  const at::Tensor gu = gu_.contiguous();
+  const int64_t I = gu.size(-1) / 2, M = I ? gu.numel() / (2 * I) : 0;
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = I;
+  at::Tensor out = at::empty(shape, gu.options());
+  const float* xp = gu.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const __m256 beta = _mm256_set1_ps(0.7978845608028654f), kappa = _mm256_set1_ps(0.044715f);
+  const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = xp + r * 2 * I;
+      float* y = yp + r * I;
+      map8(g, y, I, [&](__m256 x) {
+        const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        const __m256 inner = _mm256_mul_ps(beta, _mm256_add_ps(x, _mm256_mul_ps(kappa, cube)));
+        return _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh8(inner)));
+      });
+      const float* u = g + I;
+      for (int64_t i = 0; i < I; ++i) y[i] *= u[i];
+    }
+  });
+  return out;
+}
+
+// cap * tanh(x / cap) of every element (logits of a Gemma 2 model)
+at::Tensor softcap(const at::Tensor& x_, double cap_) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && cap_ > 0.0, "softcap: float32 and a cap > 0");
+  const at::Tensor x = x_.contiguous();
+  at::Tensor y = at::empty_like(x);
+  const int64_t D = x.dim() ? x.size(-1) : 1, M = D ? x.numel() / D : 0;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const __m256 cap = _mm256_set1_ps(static_cast<float>(cap_));
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) map8(xp + r * D, yp + r * D, D, [&](__m256 v) { return softcap8(v, cap); });
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec_rs, lib) {
+  lib.def("attend_scaled(Tensor q, Tensor k_cache, Tensor v_cache, int n_keys, Tensor? mask, Tensor? row_keys, "
+          "float scale, float softcap) -> Tensor");
+  lib.def("gelu_tanh_mul(Tensor gu) -> Tensor");
+  lib.def("softcap(Tensor x, float cap) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
+  lib.impl("attend_scaled", &attend_scaled);
+  lib.impl("gelu_tanh_mul", &gelu_tanh_mul);
+  lib.impl("softcap", &softcap);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A family layer's decoding-step attention in one call (models/families.py, FamilyBlock): from the
+// fused projection qkv [B, T, (H + 2 Hkv) Dh], RMS-norm each query and key head where q_norm / k_norm
+// are given (rms_norm's operations on a row of Dh), rotate the first R dimensions of each (x * cos +
+// roll(x, R / 2) * sin within them: a product, a product and a sum, as the torch expression), write k
+// and v to the caches at slots start[b] + t, and attend as attend_scaled does. The numbers of those
+// calls made one by one (tests/test_families.py compares them).
+namespace {
+
+at::Tensor rope_attend_scaled(const at::Tensor& qkv_, const c10::optional<at::Tensor>& q_norm,
+                              const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& cos_,
+                              const at::Tensor& sin_, at::Tensor kc, at::Tensor vc, const at::Tensor& start_, int64_t H,
+                              int64_t S, const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& row_keys,
+                              double scale, double softcap) {
+  TORCH_CHECK(qkv_.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && cos_.scalar_type() == at::kFloat,
+              "rope_attend_scaled: float32 only");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "rope_attend_scaled: the cache must be contiguous");
+  const at::Tensor qkv = qkv_.contiguous(), cs = cos_.contiguous(), sn = sin_.contiguous();
+  const at::Tensor start = start_.to(at::kLong).contiguous();
+  const int64_t B = qkv.size(0), T = qkv.size(1), Hkv = kc.size(1), Smax = kc.size(2), Dh = kc.size(3);
+  const int64_t R = cs.size(-1);
+  TORCH_CHECK(Dh % 8 == 0 && Hkv > 0 && H % Hkv == 0 && qkv.size(2) == (H + 2 * Hkv) * Dh && R % 2 == 0 && R <= Dh &&
+              cs.numel() == B * T * R && sn.numel() == B * T * R && start.numel() == B && S >= 1 && S <= Smax,
+              "rope_attend_scaled: bad shapes");
+  const float* wq = nullptr;
+  const float* wk = nullptr;
+  if (q_norm.has_value()) {
+    TORCH_CHECK(k_norm.has_value() && q_norm->numel() == Dh && k_norm->numel() == Dh && q_norm->is_contiguous() &&
+                k_norm->is_contiguous() && q_norm->scalar_type() == at::kFloat && k_norm->scalar_type() == at::kFloat,
+                "rope_attend_scaled: q_norm and k_norm are float32 [Dh], both or neither");
+    wq = q_norm->data_ptr<float>();
+    wk = k_norm->data_ptr<float>();
+  }
+  at::Tensor q = at::empty({B, T, H, Dh}, qkv.options());
+  const float* xp = qkv.data_ptr<float>();
+  const float* cp = cs.data_ptr<float>();
+  const float* sp = sn.data_ptr<float>();
+  const int64_t* st = start.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  const int64_t half = R / 2, W = (H + 2 * Hkv) * Dh;
+  const float feps = static_cast<float>(eps);
+  std::vector<float> normed(Dh);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = xp + (b * T + t) * W;
+      const float* c = cp + (b * T + t) * R;
+      const float* sg = sp + (b * T + t) * R;
+      const int64_t slot = st[b] + t;
+      TORCH_CHECK(slot < Smax, "rope_attend_scaled: the cache is full");
+      for (int64_t j = 0; j < H + Hkv; ++j) {
+        const float* x = row + j * Dh;
+        if (wq) {  // (rms_norm's operations on this head's Dh values)
+          const float* w = j < H ? wq : wk;
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t d = 0; d < Dh; d += 8) {
+            const __m256 v = _mm256_loadu_ps(x + d);
+            acc = _mm256_fmadd_ps(v, v, acc);
+          }
+          const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(hsum8(acc) / static_cast<float>(Dh) + feps));
+          for (int64_t d = 0; d < Dh; d += 8)
+            _mm256_storeu_ps(normed.data() + d,
+                             _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + d), inv), _mm256_loadu_ps(w + d)));
+          x = normed.data();
+        }
+        float* dst = j < H ? qp + ((b * T + t) * H + j) * Dh : kp + ((b * Hkv + (j - H)) * Smax + slot) * Dh;
+        for (int64_t d = 0; d < R; ++d) {
+          const float a = x[d] * c[d];
+          const float r = x[(d + half) % R] * sg[d];
+          dst[d] = a + r;
+        }
+        for (int64_t d = R; d < Dh; ++d) dst[d] = x[d];
+      }
+      for (int64_t j = 0; j < Hkv; ++j)
+        std::memcpy(vp + ((b * Hkv + j) * Smax + slot) * Dh, row + (H + Hkv + j) * Dh, Dh * sizeof(float));
+    }
+  return attend_scaled(q, kc, vc, S, mask, row_keys, scale, softcap);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec_rs, lib) {
+  lib.def("rope_attend_scaled(Tensor qkv, Tensor? q_norm, Tensor? k_norm, float eps, Tensor cos, Tensor sin, "
+          "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, int heads, int n_keys, Tensor? mask, Tensor? row_keys, "
+          "float scale, float softcap) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) { lib.impl("rope_attend_scaled", &rope_attend_scaled); }

@@ -36,11 +36,19 @@ GGUF_MAGIC = b"GGUF"
 # what the native model runs; llama.cpp writes Llama 2 / 3 and Mistral models as "llama" (q and k rows
 # interleaved per head, Llama 3.1's rope_freqs), Ministral 3 as "mistral3" (llama's layers, YaRN,
 # attention temperature scaling), Qwen2 / Qwen2.5 as "qwen2" (q/k/v bias, untied head)
-ARCHITECTURES = ("llama", "mistral3", "qwen2")
+ARCHITECTURES = ("llama", "mistral3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # architectures whose files hold q and k rows interleaved per head (llama.cpp's rotary pairs neighbours)
 INTERLEAVED_QK = ("llama", "mistral3")
 # the transformers model type each architecture computes as (mistral3's text model is Mistral's layers)
-MODEL_TYPES = {"llama": "llama", "mistral3": "mistral", "qwen2": "qwen2"}
+MODEL_TYPES = {"llama": "llama", "mistral3": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+               "gemma3": "gemma3_text", "phi3": "phi3"}
+# architectures whose sliding-window attention the model computes (models/families.py) rather than
+# cutting the context at the window
+WINDOWED = ("gemma2", "gemma3", "phi3")
+# llama.cpp's Gemma settings the files do not carry: which layers slide (every layer whose index
+# modulo the period is not period - 1), the sliding layers' RoPE base, the default window and caps
+GEMMA = {"gemma2": dict(period=2, window=4096, attn_softcap=50.0, final_softcap=30.0, big_layers=46),
+         "gemma3": dict(period=6, window=0, attn_softcap=0.0, final_softcap=0.0, big_layers=62, local_theta=10000.0)}
 # llama.cpp's YaRN settings that this model computes as llama.cpp's defaults do (other values: refused)
 YARN_DEFAULTS = {".rope.scaling.yarn_ext_factor": (1.0, -1.0), ".rope.scaling.yarn_attn_factor": (1.0,)}
 
@@ -51,6 +59,9 @@ GGML_TYPES = {
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
 }
 SUPPORTED_TYPES = tuple(v[0] for v in GGML_TYPES.values())
+# the layer tensors (blk.N.{name}.weight) an architecture has beyond llama's
+LAYER_EXTRAS = {"qwen3": ["attn_q_norm", "attn_k_norm"], "gemma2": ["post_attention_norm", "post_ffw_norm"],
+                "gemma3": ["attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"]}
 # byte offsets of each block's float16 scales (d, and dmin / m where the type has one)
 SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
                  "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -296,7 +307,7 @@ class GGUFFile:
         if arch not in ARCHITECTURES:
             raise SpecdecError(f"{self.path.name}: architecture {arch!r} is not supported (supported: "
                                f"{', '.join(ARCHITECTURES)}; llama.cpp writes Mistral and Llama 3 models as llama, "
-                               "Ministral 3 as mistral3)")
+                               "Ministral 3 as mistral3, Phi-3 and Phi-4-mini as phi3)")
         return arch
 
     def model_config(self) -> SimpleNamespace:
@@ -311,22 +322,23 @@ class GGUFFile:
         Hkv = int(Hkv if np.ndim(Hkv) == 0 else Hkv[0])
         head_dim = int(self.get(".attention.key_length", D // H))
         rot = int(self.get(".rope.dimension_count", head_dim))
-        if rot != head_dim:
+        if rot != head_dim and arch != "phi3":
             raise SpecdecError(f"{self.path.name}: rotary embeddings over {rot} of {head_dim} dimensions a head "
-                               "(partial rotation) are not supported")
-        self.check_unread_settings(head_dim)
+                               f"(partial rotation) are not supported in {arch} files")
+        family = self.family_config(arch, D, H, head_dim, rot)
+        self.check_unread_settings(head_dim, family.get("query_pre_attn_scalar", head_dim))
         embd = self.tensors.get("token_embd.weight")
         if embd is None:
             raise SpecdecError(f"{self.path.name} has no token_embd.weight tensor")
         vocab = int(self.get(".vocab_size", embd.rows))
         theta = float(self.get(".rope.freq_base", 10000.0))
-        rope = self.rope_parameters(theta)
+        rope = family.pop("rope_parameters", None) or self.rope_parameters(theta)
         self.check_tensor_names(int(self.get(".block_count")))
         context = int(self.get(".context_length", 2048))
         limit = self.exact_context()
         if limit is not None and limit[0] >= context:
             limit = None
-        return SimpleNamespace(
+        return SimpleNamespace(**{**dict(
             model_type=MODEL_TYPES[arch], vocab_size=vocab, hidden_size=D,
             intermediate_size=int(self.get(".feed_forward_length")),
             num_hidden_layers=int(self.get(".block_count")), num_attention_heads=H, num_key_value_heads=Hkv,
@@ -338,7 +350,51 @@ class GGUFFile:
             attention_bias=False, mlp_bias=False, use_sliding_window=False,
             bos_token_id=self.meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=self.meta.get("tokenizer.ggml.eos_token_id"),
-            pad_token_id=self.meta.get("tokenizer.ggml.padding_token_id"))
+            pad_token_id=self.meta.get("tokenizer.ggml.padding_token_id")), **family})
+
+    def family_config(self, arch: str, D: int, H: int, head_dim: int, rot: int) -> dict:
+        """The transformers config attributes of a Gemma or Phi-3 file that llama's do not have
+        (models/families.config_from_hf reads them), as llama.cpp computes these files: Gemma's
+        sliding layers (every one whose index modulo the period is not period - 1, or
+        `attention.sliding_window_pattern`), its window, the sliding layers' RoPE base (10000),
+        the scores' scale (1 / sqrt(head size), of hidden / heads for the 27B models), the caps
+        (`attn_logit_softcapping`, `final_logit_softcapping`); Phi-3's partial rotation and LongRoPE
+        (the short factors of rope_factors_short.weight, `rope.scaling.attn_factor`, the original
+        context), its window. {} for the others."""
+        out: dict = {}
+        n_layers = int(self.get(".block_count"))
+        if arch in GEMMA:
+            g = GEMMA[arch]
+            window = int(self.get(".attention.sliding_window", g["window"]) or 0)
+            period = self.get(".attention.sliding_window_pattern", g["period"])
+            if np.ndim(period):  # (one flag a layer: true where it slides)
+                types = ["sliding_attention" if bool(f) else "full_attention" for f in np.asarray(period)]
+            else:
+                types = ["sliding_attention" if (i + 1) % int(period) else "full_attention" for i in range(n_layers)]
+            out.update(hidden_activation="gelu_pytorch_tanh", sliding_window=window or None, layer_types=types,
+                       query_pre_attn_scalar=D // H if n_layers == g["big_layers"] else head_dim,
+                       attn_logit_softcapping=float(self.get(".attn_logit_softcapping", g["attn_softcap"])) or None,
+                       final_logit_softcapping=float(self.get(".final_logit_softcapping", g["final_softcap"])) or None)
+            if "local_theta" in g:
+                theta = float(self.get(".rope.freq_base", 10000.0))
+                out["rope_parameters"] = {"full_attention": self.rope_parameters(theta),
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": g["local_theta"]}}
+        elif arch == "phi3":
+            out.update(partial_rotary_factor=rot / head_dim, sliding_window=self.get(".attention.sliding_window"))
+            if "rope_factors_short.weight" in self.tensors:
+                theta = float(self.get(".rope.freq_base", 10000.0))
+                orig = self.get(".rope.scaling.original_context_length")
+                if orig is None:
+                    raise SpecdecError(f"{self.path.name}: LongRoPE factors without "
+                                       "phi3.rope.scaling.original_context_length")
+                rope = {"rope_type": "longrope", "rope_theta": theta, "partial_rotary_factor": rot / head_dim,
+                        "short_factor": self.floats("rope_factors_short.weight").tolist(),
+                        "original_max_position_embeddings": int(orig),
+                        "factor": int(self.get(".context_length", orig)) / int(orig)}
+                if self.get(".rope.scaling.attn_factor") is not None:
+                    rope["attention_factor"] = float(self.get(".rope.scaling.attn_factor"))
+                out["rope_parameters"] = rope
+        return out
 
     def rope_parameters(self, theta: float) -> dict:
         """transformers' rope_parameters for the file's `{arch}.rope.scaling.*` keys, computing what
@@ -403,10 +459,14 @@ class GGUFFile:
         so a longer prompt or generation gets the context-length error instead of other numbers."""
         limits = []
         window = self.get(".attention.sliding_window")
-        if window is not None and int(window) > 0:
+        if window is not None and int(window) > 0 and self.architecture not in WINDOWED:
             limits.append((int(window), f"its sliding window ({self.architecture}.attention.sliding_window); "
                                         "specdec attends over the whole context"))
         temp = float(self.get(".attention.temperature_scale", 0.0) or 0.0)
+        if "rope_factors_short.weight" in self.tensors and self.get(".rope.scaling.original_context_length"):
+            limits.append((int(self.get(".rope.scaling.original_context_length")),
+                           "LongRoPE's long factors take over past it (rope_factors_long.weight); specdec computes "
+                           "the short ones"))
         if temp != 0.0:
             floor = self.get(".attention.temperature_length", self.get(".rope.scaling.original_context_length"))
             if floor is None or int(floor) <= 0:
@@ -417,20 +477,21 @@ class GGUFFile:
                                        f"temperature_scale) starts there; specdec does not compute it"))
         return min(limits) if limits else None
 
-    def check_unread_settings(self, head_dim: int) -> None:
+    def check_unread_settings(self, head_dim: int, scale_size: int) -> None:
         """Raise, naming the key, on metadata llama.cpp computes with for these architectures that
         the native model does not: experts (`expert_count`, Mixtral written as llama) and an
-        attention scale other than 1 / sqrt(head size) (`attention.scale`)."""
+        attention scale other than 1 / sqrt(scale_size) (`attention.scale`; scale_size is the head
+        size but in Gemma's 27B models)."""
         experts = int(self.get(".expert_count", 0) or 0)
         if experts > 0:
             raise SpecdecError(f"{self.path.name}: a mixture of experts ({self.architecture}.expert_count = {experts}) "
                                "is not supported")
         scale = self.get(".attention.scale")
-        if scale is not None and float(scale) != 0.0 and not math.isclose(float(scale), head_dim ** -0.5,
+        if scale is not None and float(scale) != 0.0 and not math.isclose(float(scale), scale_size ** -0.5,
                                                                           rel_tol=1e-6):
             raise SpecdecError(f"{self.path.name}: an attention scale of {float(scale):g} "
-                               f"({self.architecture}.attention.scale; 1 / sqrt({head_dim}) = {head_dim ** -0.5:g} "
-                               "is what specdec computes) is not supported")
+                               f"({self.architecture}.attention.scale; 1 / sqrt({scale_size}) = "
+                               f"{scale_size ** -0.5:g} is what specdec computes) is not supported")
 
     def check_tensor_names(self, n_layers: int) -> None:
         """Raise, naming it, on a tensor the native model would not read (a bias or norm of an
@@ -438,6 +499,10 @@ class GGUFFile:
         arch = self.architecture
         known = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
         layer = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+        layer += LAYER_EXTRAS.get(arch, [])
+        if arch == "phi3":  # (q/k/v and gate/up fused; the LongRoPE factors)
+            layer = [n for n in layer if n != "ffn_gate"] + ["attn_qkv"]
+            known.update({"rope_factors_long.weight", "rope_factors_short.weight"})
         for i in range(n_layers):
             known.update(f"blk.{i}.{n}.weight" for n in layer)
             if arch == "qwen2":

@@ -186,6 +186,9 @@ class GGUFEmbedding(nn.Module):
         return self._weight
 
 
+# FamilyBlock's norms beyond Llama's -> their tensors (blk.N.{name}); Gemma's hold 1 + w, as they multiply
+FAMILY_NORMS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+                "post_attn_norm": "post_attention_norm.weight", "post_mlp_norm": "post_ffw_norm.weight"}
 STEP_KINDS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # what the AVX2 kernels' repacked step products read
 
 
@@ -298,12 +301,20 @@ class GGUFLlamaModel(LlamaModel):
             if cfg.qkv_bias:
                 bias = torch.cat([vec(p + f"attn_{n}.bias") for n in "qkv"])
                 bias = bias if order is None else bias[order]
-            blk.wqkv = GGUFLinear([mat(p + "attn_q.weight", H * Dh, D), mat(p + "attn_k.weight", Hkv * Dh, D),
-                                   mat(p + "attn_v.weight", Hkv * Dh, D)], linear_op, bias, order)
+            fused = p + "attn_qkv.weight" in gf.tensors  # (Phi-3: q/k/v in one tensor, and gate/up)
+            qkv = [mat(p + "attn_qkv.weight", (H + 2 * Hkv) * Dh, D)] if fused else [
+                mat(p + "attn_q.weight", H * Dh, D), mat(p + "attn_k.weight", Hkv * Dh, D),
+                mat(p + "attn_v.weight", Hkv * Dh, D)]
+            blk.wqkv = GGUFLinear(qkv, linear_op, bias, order)
             blk.wo = GGUFLinear([mat(p + "attn_output.weight", D, H * Dh)], linear_op,
                                 vec(p + "attn_output.bias") if cfg.o_bias else None)
-            blk.w_gate_up = GGUFLinear([mat(p + "ffn_gate.weight", I, D), mat(p + "ffn_up.weight", I, D)], linear_op)
+            gate_up = [mat(p + "ffn_up.weight", 2 * I, D)] if cfg.model_type == "phi3" else [
+                mat(p + "ffn_gate.weight", I, D), mat(p + "ffn_up.weight", I, D)]
+            blk.w_gate_up = GGUFLinear(gate_up, linear_op)
             blk.w_down = GGUFLinear([mat(p + "ffn_down.weight", D, I)], linear_op)
+            for slot, name in FAMILY_NORMS.items():  # (Qwen3's and Gemma's further norms, as the file holds them)
+                if getattr(blk, slot, None) is not None:
+                    setattr(blk, slot, nn.Parameter(vec(p + name), requires_grad=False))
             blk.kops = kops
         self.norm = nn.Parameter(vec("output_norm.weight"), requires_grad=False)
         embd = mat("token_embd.weight", cfg.vocab_size, D)
@@ -368,7 +379,12 @@ class GGUFLlamaModel(LlamaModel):
         if logits_at is not None:
             idx = logits_at.to(torch.long)
             h = torch.gather(hidden, 1, idx[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        return self.head.forward(h)
+        logits = self.head.forward(h)
+        if self.cfg.final_softcap:  # (Gemma 2)
+            from .families import cap_logits
+
+            logits = cap_logits(self, logits)
+        return logits
 
     def pack(self) -> "GGUFLlamaModel":
         self._packed = True  # nothing to pack: every product reads the file's bytes
@@ -383,25 +399,19 @@ class GGUFLlamaModel(LlamaModel):
                                       for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))
 
     def hf_layer_state(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer i's weights dequantised to float32 (gguf.quants.dequantize) under transformers'
-        names and row order: what training a drafter initialised from a target layer reads (an
-        EAGLE head); a copy of one layer, never the model."""
-        p, out = f"model.layers.{i}.", {}
-        blk = self.layers[i]
-        names = {"wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "wo": ("self_attn.o_proj",),
-                 "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"), "w_down": ("mlp.down_proj",)}
-        for attr, hf_names in names.items():
+        """Layer i's weights dequantised to float32 (gguf.quants.dequantize) under a Llama layer's
+        transformers names and row order (a family's layer as families.llama_layer_state reads it):
+        what training a drafter initialised from a target layer reads (an EAGLE head); a copy of
+        one layer, never the model."""
+        from .families import llama_layer_state
+
+        blk, weights = self.layers[i], {}
+        for attr in ("wqkv", "wo", "w_gate_up", "w_down"):
             lin = getattr(blk, attr)
             w = torch.cat([torch.from_numpy(dequantize(raw, t, k)) for raw, t, _, k in lin.parts])
-            if lin.out_order is not None:
-                w = w[lin.out_order]
-            start = 0
-            for name, (_, _, n, _) in zip(hf_names, lin.parts):
-                out[p + name + ".weight"] = w[start:start + n]
-                start += n
-        out[p + "input_layernorm.weight"] = blk.attn_norm.detach().clone()
-        out[p + "post_attention_layernorm.weight"] = blk.mlp_norm.detach().clone()
-        return out
+            weights[attr] = w if lin.out_order is None else w[lin.out_order]
+        weights.update(attn_norm=blk.attn_norm.detach().clone(), mlp_norm=blk.mlp_norm.detach().clone())
+        return llama_layer_state(self.cfg, weights, i)
 
     def matrices(self):
         """(name, raw bytes, ggml type, N, K) of every matrix the model multiplies by."""

@@ -1,4 +1,5 @@
-"""Native Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) for speculative decoding.
+"""Native Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) for speculative decoding; Qwen3,
+Gemma 2 / 3 and Phi-3 add their layers' differences in models/families.py on the same model.
 
 One implementation covers: grouped-query attention, optional q/k/v (and o) bias (Qwen2),
 optional MLP bias, tied or untied embeddings, RoPE of type default / linear / llama3 /
@@ -71,11 +72,28 @@ class LlamaConfig:
     mlp_bias: bool = False
     max_position: int = 2048
     model_type: str = "llama"
+    # the families beyond Llama's (models/families.py): what their layers add
+    qk_norm: bool = False  # an RMS norm of each query and key head before the rotation (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma)
+    hidden_act: str = "silu"  # the MLP's gate: "silu" or "gelu_tanh" (Gemma)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden))
+    attn_scale: float = 0.0  # scores times this (Gemma: query_pre_attn_scalar^-1/2); 0: 1 / sqrt(head_dim)
+    attn_softcap: float = 0.0  # scores soft-capped, cap tanh(s / cap) (Gemma 2); 0: none
+    final_softcap: float = 0.0  # logits soft-capped likewise (Gemma 2); 0: none
+    sliding_window: int = 0  # the window of the sliding layers (0: none)
+    sliding_layers: tuple = ()  # per layer, whether it attends within sliding_window only
+    local_rope_theta: float = 0.0  # the sliding layers' RoPE base where it differs (Gemma 3)
+    rotary_dim: int = 0  # the dimensions of a head that rotate, where not all (Phi-3)
 
     @classmethod
     def from_hf(cls, hf) -> "LlamaConfig":
-        """Build from a transformers PretrainedConfig (llama / mistral / qwen2)."""
+        """Build from a transformers PretrainedConfig (llama / mistral / qwen2; qwen3, gemma2,
+        gemma3_text and phi3 through models/families.py)."""
         mt = getattr(hf, "model_type", "llama")
+        from . import families
+
+        if mt in families.FAMILY_TYPES:
+            return families.config_from_hf(cls, hf)
         if mt not in NATIVE_MODEL_TYPES:
             raise SpecdecError(f"model type {mt!r} is not native (native: {', '.join(NATIVE_MODEL_TYPES)})")
         rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
@@ -117,6 +135,10 @@ class LlamaConfig:
 def native_support_problem(hf_config) -> str | None:
     """None if the native model can run this config exactly, else the reason it cannot."""
     mt = getattr(hf_config, "model_type", None)
+    from . import families
+
+    if mt in families.FAMILY_TYPES:
+        return families.support_problem(hf_config)
     if mt not in NATIVE_MODEL_TYPES:
         return f"model type {mt!r}"
     act = getattr(hf_config, "hidden_act", "silu")
@@ -135,9 +157,14 @@ def rope_inv_freq(cfg: LlamaConfig) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim/2], attention scaling), matching transformers' rotary embedding."""
     rtype = cfg.rope_parameters.get("rope_type", "default")
     scaling = 1.0
+    dim = cfg.rotary_dim or cfg.head_dim
     if rtype == "default":
-        dim = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    elif rtype == "longrope":  # (Phi-3: its short factors, models/families.py)
+        from .families import longrope_inv_freq
+
+        inv_freq = longrope_inv_freq(cfg.rope_theta, dim, cfg.rope_parameters["short_factor"])
+        scaling = cfg.rope_parameters["attention_factor"]
     else:
         from transformers import PretrainedConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -148,7 +175,7 @@ def rope_inv_freq(cfg: LlamaConfig) -> tuple[torch.Tensor, float]:
             head_dim=cfg.head_dim,
             max_position_embeddings=cfg.max_position,
         )
-        hf.rope_parameters = dict(cfg.rope_parameters)
+        hf.rope_parameters = dict(cfg.rope_parameters, partial_rotary_factor=dim / cfg.head_dim)
         hf.rope_theta = cfg.rope_theta
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rtype](hf, "cpu")
     return inv_freq.float(), float(scaling)
@@ -468,13 +495,23 @@ class LlamaModel(nn.Module):
             self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         else:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        from .families import block
+
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_packed: torch.Tensor | None = None
         # a plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies
         with torch.device("cpu"):
             self.inv_freq, self.rope_scaling = rope_inv_freq(cfg)
+            # the sliding layers' own rotation where their RoPE base differs (Gemma 3), and the
+            # embeddings' scale (Gemma): plain attributes too, in float32
+            self.local_inv_freq = None
+            if cfg.local_rope_theta:
+                from .families import default_inv_freq
+
+                self.local_inv_freq = default_inv_freq(cfg.local_rope_theta, cfg.rotary_dim or cfg.head_dim)
+            self.embed_scale = torch.tensor(cfg.embed_scale) if cfg.embed_scale != 1.0 else None
 
     # -- properties the engine and loaders read -------------------------------------
     @property
@@ -552,9 +589,18 @@ class LlamaModel(nn.Module):
         # every slot after them: see _mask), so the row-stable kernels' attention stops there rather
         # than at the longest row's end. Same bits (hidden slots add exact zeros)
         row_keys = start + T if uniform is None and not causal and self.rowstable is not None else None
+        kinds = {False: (cos, sin, mask, causal)}  # per kind of layer (sliding or not): rotation and mask
+        if self.cfg.sliding_layers:
+            from .families import sliding_inputs
+
+            kinds[True] = sliding_inputs(self, positions, cos, sin, start, uniform, T, n_keys, attn_mask, groups, mask,
+                                         causal, cache.k[0].dtype)
         x = self.embed(tokens)  # [B, T, D]
+        if self.embed_scale is not None:  # (Gemma)
+            x = x * self.embed_scale.to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, cache, i, start, uniform, mask, n_keys, causal, row_keys)
+            lcos, lsin, lmask, lcausal = kinds[getattr(layer, "sliding", False)]
+            x = layer.forward(x, lcos, lsin, cache, i, start, uniform, lmask, n_keys, lcausal, row_keys)
         hidden = rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.layers[0].kops)  # [B, T, D]
         return self._logits(hidden, logits_at), hidden
 
@@ -574,6 +620,10 @@ class LlamaModel(nn.Module):
             logits = packed_linear(h, self.head_packed)
         else:
             logits = F.linear(h, self.lm_head_weight())
+        if self.cfg.final_softcap:  # (Gemma 2)
+            from .families import cap_logits
+
+            logits = cap_logits(self, logits)
         return logits
 
     def pack(self) -> "LlamaModel":
@@ -640,11 +690,15 @@ class LlamaModel(nn.Module):
         self.rowstable = ops
         return n
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, T, Dh/2], fp32 as in transformers
+    def _rope(self, positions: torch.Tensor, inv_freq=None, scaling=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin [B, T, 1, rotated dims]) at `positions`, of the model's rotation (or of inv_freq
+        and scaling: a sliding layer's, models/families.py)."""
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        scaling = self.rope_scaling if scaling is None else scaling
+        freqs = positions[..., None].float() * inv_freq.to(positions.device)  # [B, T, Dh/2], fp32 as in transformers
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scaling).to(self.dtype)[:, :, None]
-        sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, :, None]
+        cos = (emb.cos() * scaling).to(self.dtype)[:, :, None]
+        sin = (emb.sin() * scaling).to(self.dtype)[:, :, None]
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # signed for the roll form
         return cos, sin
@@ -673,6 +727,10 @@ class LlamaModel(nn.Module):
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load transformers-style weights (model.layers.N.self_attn.q_proj.weight ...)."""
         c = self.cfg
+        from . import families
+
+        if c.model_type in families.FAMILY_TYPES:
+            return families.load_hf_state_dict(self, sd)
         # names only: a lazy mapping (the loader's) then reads each tensor when it is copied in
         names = {k[len("model."):] if k.startswith("model.") else k: k for k in sd.keys()}
 
@@ -710,6 +768,7 @@ class LlamaModel(nn.Module):
         D, Dh, H, Hkv, I = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
         per_layer = D * (H + 2 * Hkv) * Dh + H * Dh * D + 3 * D * I + 2 * D
         per_layer += (H + 2 * Hkv) * Dh * c.qkv_bias + D * c.o_bias + (2 * I + D) * c.mlp_bias
+        per_layer += 2 * Dh * c.qk_norm + 2 * D * c.sandwich_norms
         head = 0 if c.tie_embeddings else c.vocab_size * D
         return c.num_layers * per_layer + D + c.vocab_size * D + head
 

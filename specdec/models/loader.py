@@ -10,9 +10,10 @@ A model spec can be:
   * a hub id ("org/name"): used from the local hub cache, else downloaded when the hub is
     reachable; offline, a clear error says how to point at a local directory instead.
 
-Llama-family configs get the native model (`llama.py`); anything else falls back to the
-transformers adapter, chosen automatically (GGUF files: native only; llama, which Mistral files also carry, mistral3 and qwen2). This is the only module of `models/` that
-touches files.
+Llama-family configs (llama, mistral, qwen2) and Qwen3, Gemma 2 / 3 and Phi-3 get the native
+model (`llama.py`, `families.py`); anything else falls back to the transformers adapter, chosen
+automatically (GGUF files: native only; gguf_file.ARCHITECTURES). This is the only module of
+`models/` that touches files.
 """
 
 from __future__ import annotations
@@ -172,6 +173,9 @@ def _eos_ids(hf_config, tokenizer, d: Path) -> list[int]:
     add(getattr(hf_config, "eos_token_id", None))
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         add(tokenizer.eos_token_id)
+    from .families import stop_ids
+
+    ids |= stop_ids(getattr(hf_config, "model_type", None), tokenizer)
     return sorted(ids)
 
 
@@ -437,6 +441,9 @@ def load_gguf(path: Path, source: str, quiet: bool = False, with_tokenizer: bool
     eos = set(gf.eos_ids())
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:
         eos.add(int(tok.eos_token_id))
+    from .families import stop_ids
+
+    eos |= stop_ids(hf.model_type, tok)  # (Gemma's <end_of_turn>, ...: llama.cpp stops on them too)
     kinds = sorted({t.type_name for t in gf.tensors.values()})
     lm = LoadedModel(model, tok, path.stem, str(path), source, hf, sorted(eos), time.perf_counter() - t0,
                      gguf=str(path), weights=f"gguf blocks ({', '.join(kinds)})")

@@ -193,7 +193,11 @@ def _hf_state(target) -> dict:
 
     if getattr(target.model, "gguf_native", False):  # a GGUF target: its last layer, dequantised
         return target.model.hf_layer_state(target.model.cfg.num_layers - 1)
+    from ..models import families
 
+    cfg = target.model.cfg
+    if cfg.model_type in families.FAMILY_TYPES:  # (its last layer as a Llama layer reads it)
+        return families.hf_llama_layer_state(cfg, _read_state_dict(Path(target.path)), cfg.num_layers - 1)
     return {k: v.float() for k, v in _read_state_dict(Path(target.path)).items()}
 
 
