@@ -147,7 +147,7 @@ def _greedy_all(target, drafters, prompts, n=24):
     with one_thread():
         for name, make in drafters.items():
             for batch in ([prompts[0]], prompts):
-                outs = Engine(target, make(), k=4, eos_ids=()).generate(batch, sp)
+                outs = Engine(target, make(), k=4, eos_ids=(), fixed_k=True).generate(batch, sp)
                 assert [o.tokens for o in outs] == want[: len(batch)], name
     return want
 
@@ -172,7 +172,7 @@ def test_greedy_speculation_equals_plain_greedy(gguf_dir, arch, t):
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 11, 9)]
     prompts[2] = prompts[2][:4] * 3  # repeats: prompt lookup proposes from the start
-    _greedy_all(target, {"ngram": lambda: NgramDrafter(adaptive=False),
+    _greedy_all(target, {"ngram": lambda: NgramDrafter(),
                          "draft": lambda: DraftModelDrafter(draft, target_model=target),
                          "draft_self": lambda: DraftModelDrafter(target, target_model=target),
                          "eagle_tree": eagle}, prompts)
@@ -193,18 +193,18 @@ def test_the_tokenizer_comes_from_the_files_metadata(gguf_dir):
 
 
 def test_a_gguf_draft_model_loads_on_the_same_path_with_the_same_tokenizer_check(gguf_dir):
-    from specdec.drafters import draft_model
+    from specdec.methods import draft_source
 
     target = load(tiny(gguf_dir, "llama", Q4_K), tokenizer=True)
     draft = load(tiny(gguf_dir, "llama", Q8_0, seed=1, layers=1), tokenizer=True)
-    d = draft_model._make(target=target, draft=draft)
+    d = draft_source(target, draft)
     assert d.model is draft.model
     from specdec.engine import Engine
 
     sp = SamplingParams(max_new_tokens=12)
     prompt = target.tokenizer.encode("the theater")
     want = Engine(target.model, None, k=0, eos_ids=()).generate([prompt], sp)[0].tokens
-    assert Engine(target.model, d, k=3, eos_ids=()).generate([prompt], sp)[0].tokens == want
+    assert Engine(target.model, d, k=3, eos_ids=(), fixed_k=True).generate([prompt], sp)[0].tokens == want
 
 
 # -- one clear error each ----------------------------------------------------------------------

@@ -45,19 +45,19 @@ def test_train_draft_end_to_end(tiny_target, tmp_path, capsys):
     assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3
 
     # the draft is usable: loads with its subset, and greedy speculation equals plain decoding
-    from specdec.drafters.draft_model import _make
     from specdec.engine import Engine
+    from specdec.methods import draft_source
     from specdec.models.loader import load_model
     from specdec.types import SamplingParams
 
     target = load_model(str(tiny_target), quiet=True)
     draft = load_model(str(out), quiet=True)
-    drafter = _make(target=target, draft=draft)
+    drafter = draft_source(target, draft)
     assert drafter.subset is not None and drafter.subset.numel() == 512
     prompt = target.tokenizer.encode("def add(a, b):\n    return")
     params = SamplingParams(max_new_tokens=12)
     plain = Engine(target.model, eos_ids=()).generate([prompt], params)[0].tokens
-    spec = Engine(target.model, drafter, k=3, eos_ids=()).generate([prompt], params)[0]
+    spec = Engine(target.model, drafter, k=3, eos_ids=(), fixed_k=True).generate([prompt], params)[0]
     assert spec.tokens == plain and spec.stats.proposed > 0
 
 
