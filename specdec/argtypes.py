@@ -36,6 +36,17 @@ def unit_interval(s: str) -> float:
     return v
 
 
+def positive_float(s: str) -> float:
+    """An argparse type: a finite number > 0 (seconds, ...)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {s!r}") from None
+    if not 0.0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
+    return v
+
+
 positive_int = int_at_least(1)
 nonneg_int = int_at_least(0)
 guesses = int_at_least(0, MAX_GUESSES)

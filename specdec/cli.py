@@ -62,7 +62,7 @@ def cmd_serve(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from .bench.peers import PEERS, build_peers
+    from .bench.peers import PEERS, RemotePeer, build_peers, close_peers
     from .bench.report import format_table, write
     from .bench.runner import Runner, machine_info, run
     from .bench.tasks import load_humaneval, load_jsonl, select
@@ -119,10 +119,15 @@ def cmd_bench(args) -> int:
                                f"is {target.model.max_context}")
     n_ctx = min(target.model.max_context, max(len(e) for e in encoded) + args.max_new_tokens + max(DEFAULT_K.values()) + 8)
     draft_dir = args.draft or default_draft_for(target)
-    for p in build_peers(peers, target, draft_dir, cfg.method_k("ngram"), torch.get_num_threads(), n_ctx):
+    built = build_peers(peers, target, draft_dir, cfg.method_k("ngram"), torch.get_num_threads(), n_ctx,
+                        args.peer_timeout)
+    for p in built:
         runners.append(Runner(p.name, "peer", None if p.error else (lambda ids, prm, p=p: (p.generate(ids, prm), None)),
-                              p.error))
-    result = run(runners, tasks, encoded, params, args.repeats, args.quiet)
+                              p.error, (lambda p=p: p.last_memory) if isinstance(p, RemotePeer) else None))
+    try:
+        result = run(runners, tasks, encoded, params, args.repeats, args.quiet)
+    finally:
+        close_peers(built)
     cmd = "specdec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("specdec") else "specdec bench ..."
     result.update({
         "benchmark": "specdec bench", "command": cmd, "model": target.name,

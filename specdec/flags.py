@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from .argtypes import guesses, int_at_least, nonneg_int, one_to_max_guesses, positive_int, unit_interval
+from .argtypes import (guesses, int_at_least, nonneg_int, one_to_max_guesses, positive_float, positive_int,
+                       unit_interval)
 from .config import DEFAULT_K, DEFAULT_TREE_NODES, DTYPES, METHODS, SERVE_METHODS
 from .distributed import add_generate_ray_args, add_serve_ray_args, add_train_ray_args
 from .types import MAX_GUESSES
@@ -228,6 +229,10 @@ def add_bench_parser(sub) -> None:
                    help=f"comma-separated peer engines from {', '.join(PEERS)}, or 'none'. llama.cpp rows need "
                         "the optional extra (pip install -e '.[peers]') and are skipped with a note without it. "
                         f"Default: {','.join(PEERS)}")
+    b.add_argument("--peer-timeout", type=positive_float, default=600.0, metavar="SECONDS",
+                   help="each peer runs in a process of its own: the seconds it may take to load its model and to "
+                        "answer one prompt; a peer that crashes or runs past this is reported as failed and the "
+                        "benchmark goes on. Default: 600")
     b.add_argument("--categories", default=None, help="comma-separated categories to keep. Default: all")
     b.add_argument("--limit", type=positive_int, default=None, help="at most this many prompts per category")
     b.add_argument("--repeats", type=positive_int, default=1, help="runs per (prompt, runner); median reported. Default: 1")
