@@ -159,6 +159,9 @@ def writable_dir(path: str):
 
 
 VALIDATE_METHODS = ("ngram", "draft", "auto", "eagle", "eagle-chain", "medusa", "medusa-chain")
+# --quick: the server's default (auto: prompt lookup + the EAGLE head where the target has one) and
+# prompt lookup alone, what other frameworks run; the heads alone rarely beat auto and are left out
+QUICK_METHODS = ("ngram", "auto")
 
 
 def _csv_ints(text: str, flag: str) -> list[int]:
@@ -188,8 +191,8 @@ def cmd_validate(args) -> int:
         raise SpecdecError(f"--dist-temperature must be a finite number > 0 (the check samples), "
                            f"got {args.dist_temperature}")
     explicit = args.methods is not None
-    methods = [m.strip() for m in (args.methods or ("ngram,auto,eagle" if q else ",".join(VALIDATE_METHODS))).split(",")
-               if m.strip()]
+    methods = [m.strip() for m in (args.methods or (",".join(QUICK_METHODS) if q else ",".join(VALIDATE_METHODS)))
+               .split(",") if m.strip()]
     if not methods:
         raise SpecdecError(f"--methods {args.methods!r} names no method; choose from {', '.join(VALIDATE_METHODS)}")
     bad = [m for m in methods if m not in VALIDATE_METHODS]
@@ -201,8 +204,7 @@ def cmd_validate(args) -> int:
     read_samples(args.data)  # a malformed file fails before the model loads
     out = writable_dir(args.out)
     cfg = SpecConfig.from_args(args)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    threads.start(cfg.threads)  # (as generate and serve: the cores other processes leave free, re-checked)
     target = load_target(cfg, args.quiet)
     if target.tokenizer is None:
         raise SpecdecError(f"{target.path} has no tokenizer; validate needs one to read your samples")
@@ -245,9 +247,14 @@ def cmd_validate(args) -> int:
         max_new_tokens=max_new, repeats=pick(args.repeats, 2, 1), concurrency=tuple(levels),
         load_k=max(ngram_ks) if ngram_ks else DEFAULT_K["ngram"], min_requests=pick(args.min_requests, 8, 4),
         dist_samples=pick(args.dist_samples, 2, 1), dist_draws=pick(args.dist_draws, 400, 200),
-        dist_tokens=args.dist_tokens, dist_temperature=args.dist_temperature, seed=args.seed, quiet=args.quiet)
+        dist_tokens=args.dist_tokens, dist_temperature=args.dist_temperature, seed=args.seed, quiet=args.quiet,
+        load_settings=("off", "adaptive") if q else measure.LOAD_SETTINGS)
+    threads.settle()  # the free cores, measured while loading
     cmd = "specdec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("specdec") else "specdec validate ..."
-    machine = machine_info(torch.get_num_threads()) | {"platform": platform.platform()}
+    machine = machine_info(torch.get_num_threads()) | {
+        "platform": platform.platform(),
+        "thread_choice": f"--threads {cfg.threads}" if cfg.threads else
+        "OMP_NUM_THREADS" if os.environ.get("OMP_NUM_THREADS") else "the free cores, re-checked while decoding"}
     result = pipeline.run(target, samples, configs, Engine(target.model, eos_ids=target.eos_ids), opts, skipped,
                           cmd, machine, drafts)
     files = report.write(result, out)
