@@ -288,7 +288,8 @@ def add_validate_parser(sub) -> None:
                    help="samples with a distribution check, per method (from the shorter half, those where the "
                         "method guessed most); 0 skips it. Default: 2 (--quick: 1)")
     v.add_argument("--dist-draws", type=positive_int, default=None,
-                   help="seeded sampled continuations per distribution check. Default: 400 (--quick: 200)")
+                   help="seeded sampled continuations per distribution check: 200 catch gross errors, subtle ones need "
+                        "about 800 (docs/validate.md). Default: 800 (--quick: 200)")
     v.add_argument("--dist-tokens", type=positive_int, default=4,
                    help="tokens per sampled continuation in the distribution check. Default: 4")
     v.add_argument("--dist-temperature", type=float, default=1.0,

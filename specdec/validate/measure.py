@@ -429,6 +429,11 @@ class PromptOnce:
         return logits.clone(), None if hidden is None else hidden.clone()
 
 
+#: draws that caught a subtle mistake (a rejected guess resampled from p, not the residual) in every seed of
+#: benchmarks/dist_power.py; fewer catch gross errors but may miss such ones (docs/validate.md)
+THOROUGH_DRAWS = 800
+
+
 def distribution(config: Config, model, prompt: list[int], draws: int, tokens: int, temperature: float, seed: int,
                  batch: int = 32, alpha_level: float = 1e-3) -> dict:
     """`draws` seeded sampled continuations of `tokens` tokens with speculation (rows of `batch`,

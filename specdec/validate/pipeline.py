@@ -27,7 +27,7 @@ class Options:
     min_requests: int = 8  # requests per concurrency level at least
     load_settings: tuple[str, ...] = measure.LOAD_SETTINGS  # which of off / fixed / adaptive the load test runs
     dist_samples: int = 2  # samples with a distribution check per method
-    dist_draws: int = 400
+    dist_draws: int = 800
     dist_tokens: int = 4
     dist_temperature: float = 1.0
     seed: int = 0
@@ -45,20 +45,20 @@ class Progress:
 
         self.plan = {name: list(costs) for name, costs in plan.items()}
         self.total = sum(sum(c) for c in self.plan.values())
-        self.bar = tqdm(total=round(self.total, 1), desc="validate:", disable=quiet, dynamic_ncols=True, leave=False,
-                        bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed} so far, about {remaining} left")
+        self.bar = tqdm(total=round(self.total, 1), desc="validate", disable=quiet, dynamic_ncols=True, leave=False,
+                        bar_format="{desc}{percentage:3.0f}%|{bar}| {elapsed} so far, about {remaining} left")
         self._left: list[float] = []
 
     def phase(self, name: str) -> "Progress":
         """Steps of `name` follow: each update(1) advances the bar by the next step's estimate."""
         self._left = list(self.plan.get(name, []))
-        self.bar.set_description(f"validate ({name}):")
+        self.bar.set_description(f"validate ({name})")
         return self
 
     def update(self, n: int = 1) -> None:
         for _ in range(n):
-            if self._left:
-                self.bar.update(round(self._left.pop(0), 1))
+            if self._left:  # (never past the total: the last step's rounding)
+                self.bar.update(min(round(self._left.pop(0), 1), max(0.0, self.bar.total - self.bar.n)))
 
     def close(self) -> None:
         self.bar.close()

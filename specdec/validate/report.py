@@ -145,6 +145,17 @@ def _html_load(result: dict, images: dict[str, str]) -> list[str]:
     return parts
 
 
+def _draws_note(dist: list[dict]) -> str:
+    """How many draws the checks took and what that many can miss."""
+    from .measure import THOROUGH_DRAWS
+
+    fewest = min(x["draws"] for x in dist)
+    if fewest >= THOROUGH_DRAWS:
+        return f"{fewest} draws each"
+    return (f"{fewest} draws each: enough for gross errors, subtle ones may pass unseen below {THOROUGH_DRAWS}, "
+            "see docs/validate.md")
+
+
 def _html_distribution(result: dict) -> list[str]:
     """The "Distribution check" section: one row per sampled-continuation test."""
     e = html.escape
@@ -158,7 +169,7 @@ def _html_distribution(result: dict) -> list[str]:
                      "transform (tokens ordered by probability), which is uniform exactly when the tokens follow "
                      "the target. Fails when either p-value is below 0.001 / 2. The drafters guess at every step "
                      "here (prompt lookup without its adaptive length, auto without its gate), so there are "
-                     "guesses to verify.</p>")
+                     f"guesses to verify. Draws: {html.escape(_draws_note(dist))}.</p>")
         rows = [[e(d["config"]), e(str(d["sample"])), str(d["draws"]), f"{d['tokens']} @ T={d['temperature']}",
                  f"{d['accepted']}/{d['proposed']}", f"{d['groups']} ({_f(d['chi2'], '.1f')}, {d['dof']} dof)",
                  _f(d["p_value_grouped"], ".3g"), str(d["speculated_tokens"]), _f(d["pit_p_value"], ".3g"),
@@ -277,7 +288,7 @@ def terminal_summary(result: dict) -> str:
         lines.append(v["load_note"])
     d = result.get("distribution", [])
     if d:
-        lines.append("distribution checks: " + ", ".join(f"{x['config']} {x['status']}" for x in d))
+        lines.append(f"distribution checks ({_draws_note(d)}): " + ", ".join(f"{x['config']} {x['status']}" for x in d))
     if result["samples"]["skipped"]:
         lines.append(f"skipped samples: {len(result['samples']['skipped'])} (too long for the context; see the report)")
     return "\n".join(lines)
