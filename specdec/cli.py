@@ -527,6 +527,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specdec: internal error: {type(e).__name__}: {e} (set SPECDEC_DEBUG=1 for a traceback)",
               file=sys.stderr)
         return 1
+    finally:
+        if argv is None:  # this process's own command, about to exit: see _quick_exit
+            _quick_exit()
+
+
+def _quick_exit() -> None:
+    """Let the interpreter's shutdown skip the garbage collector's pass over every object alive now
+    (torch's modules hold millions): gc.freeze() moves them out of its reach. On a busy 2-core Xeon
+    the shutdown after `import torch` took 2.1 s with that pass and 0.6 s without, and a one-token
+    `specdec generate` 11.2 s against 8.7. Only for the process's own command line: a Python caller
+    of main() goes on running, and its garbage must stay collectable."""
+    import gc
+
+    gc.freeze()
 
 
 if __name__ == "__main__":
