@@ -1,11 +1,11 @@
-"""Where a step of `generate --method auto` spends its time: step wall times (score + verify +
-commit, from one proposal's hand-over to the next proposal) by kind (a tree step or a chain
-step) and by the number of verified nodes, plus the drafter's own cost model at the end
-(t_step, the head's drafting time, r per verified token, the tree's gain, its mean size).
+"""Where a step of `generate --method auto` spends its time: the target's step (score, verify,
+commit) by kind (a tree step or a chain step) and by the number of guesses it verified, plus
+what the cost model learnt at the end (a plain step's time, r per verified guess, the head's
+drafting time, the tree's gain and mean size).
 
     python benchmarks/auto_step_costs.py --humaneval 6 --threads 2
 
-One run, greedy, 128 new tokens per prompt; medians per node count.
+One run, greedy, 128 new tokens per prompt; medians per guess count.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main() -> int:
 
     from specdec.bench.tasks import dev_and_humaneval
     from specdec.config import SpecConfig, build_engine
-    from specdec.drafters import hybrid
+    from specdec.core import scheduler
     from specdec.models.loader import load_model
     from specdec.types import SamplingParams
 
@@ -41,32 +41,29 @@ def main() -> int:
     if args.per_category <= 0:
         prompts = [p for p in prompts if p[0] == "humaneval"]
     engine = build_engine(SpecConfig(method="auto"), target)
-    drafter = engine.drafter
     steps: dict[str, dict[int, list[float]]] = {"tree": {}, "chain": {}}
-    last = {"kind": None, "nodes": 0, "end": None}
-    propose, assemble = hybrid.LookupEagleDrafter.propose, hybrid.LookupEagleDrafter.assemble
+    run_step = scheduler.run_step
 
-    def timed_propose(self, ctx, max_tokens):
-        if last["end"] is not None and last["kind"]:
-            steps[last["kind"]].setdefault(last["nodes"], []).append(time.perf_counter() - last["end"])
-        return propose(self, ctx, max_tokens)
+    def timed_step(model, cache, pending, draft, *a, **kw):
+        t0 = time.perf_counter()
+        res = run_step(model, cache, pending, draft, *a, **kw)
+        kind = "tree" if draft.parents is not None else "chain"
+        steps[kind].setdefault(int(draft.counts.max()) if draft.counts.numel() else 0, []).append(
+            time.perf_counter() - t0)
+        return res
 
-    def noted_assemble(self, ctx, looked, tree_rows, max_tokens, max_nodes=None):
-        draft = assemble(self, ctx, looked, tree_rows, max_tokens, max_nodes)
-        last.update(kind="tree" if any(tree_rows) else "chain", nodes=int(draft.counts.max()),
-                    end=time.perf_counter())
-        return draft
-
-    hybrid.LookupEagleDrafter.propose = timed_propose
-    hybrid.LookupEagleDrafter.assemble = noted_assemble
+    scheduler.run_step = timed_step
     for _, ids in prompts:
-        last["end"] = None  # a prefill is not a step
         engine.generate([ids], SamplingParams(max_new_tokens=args.max_new_tokens))
-    print(f"threads {args.threads}; {len(prompts)} prompts; step ms (count, median) by verified nodes")
+    print(f"threads {args.threads}; {len(prompts)} prompts; step ms (count, median) by guesses verified")
     for kind, by in steps.items():
         print(kind, {n: (len(ts), round(statistics.median(ts) * 1e3, 1)) for n, ts in sorted(by.items())})
-    print(f"cost model: t_step {drafter.t_step * 1e3:.1f} ms, head drafting {drafter.t_draft * 1e3:.1f} ms, "
-          f"r {drafter.ngram.policy.r:.3f}, tree gain {drafter.gain:.2f}, mean nodes {drafter.nodes:.1f}")
+    policy = engine.policy
+    head = policy.sources.get("eagle")
+    plain = policy.steps.plain_step(1)
+    print(f"cost model: plain step {plain * 1e3 if plain else float('nan'):.1f} ms, r {policy.guess_steps(1):.3f}"
+          + (f", head drafting {head.draft_seconds(1) * 1e3:.1f} ms, tree gain {head.gain:.2f}, "
+             f"mean nodes {head.nodes or 0:.1f}" if head is not None else ""))
     return 0
 
 

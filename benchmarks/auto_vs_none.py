@@ -68,11 +68,12 @@ def main() -> int:
     def auto_engine():
         if draft_lm is None:
             return build_engine(auto_config, target)
-        from specdec.drafters import REGISTRY
+        from specdec.drafters.ngram import NgramDrafter
         from specdec.engine import Engine
+        from specdec.methods import draft_source
 
-        drafter = REGISTRY["hybrid"](target=target, draft=draft_lm)
-        return Engine(target.model, drafter, k=max(auto_config.method_k(), 1), eos_ids=target.eos_ids)
+        sources = [NgramDrafter(), draft_source(target, draft_lm, lazy=True)]
+        return Engine(target.model, sources, k=max(auto_config.method_k(), 1), eos_ids=target.eos_ids)
 
     cats = args.categories.split(",") if args.categories else None
     tasks = select(load_jsonl(args.data), cats, args.per_category) if args.per_category > 0 else []

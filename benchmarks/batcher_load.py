@@ -54,8 +54,8 @@ class TimedModel:
 
 
 class StepLog(logging.Handler):
-    """Collects the batcher's per-step debug lines (batch, draft cap, tree rows, guesses, accepted,
-    ms), each with the step's forward time (the line is logged after the step's forward)."""
+    """Collects the batcher's per-step debug lines (batch, draft cap, guesses, accepted, ms, why a
+    step was plain), each with the step's forward time (the line is logged after the step's forward)."""
 
     def __init__(self, timed: TimedModel) -> None:
         super().__init__(logging.DEBUG)
@@ -68,15 +68,13 @@ class StepLog(logging.Handler):
 
 
 def make_batcher(setting: str, lm, k: int, max_batch: int):
-    from specdec.drafters.hybrid import lookup_eagle_for
+    from specdec.config import SpecConfig
     from specdec.core.scheduler import ContinuousBatcher
+    from specdec.methods import sources_for
 
-    if setting == "off":
-        return ContinuousBatcher(lm.model, lm.eos_ids, method="none", k_max=k, max_batch=max_batch,
-                                 max_context=1024, thread=False)
-    drafter = lookup_eagle_for(lm, None)
-    return ContinuousBatcher(lm.model, lm.eos_ids, method="auto", k_max=k, max_batch=max_batch, max_context=1024,
-                             adaptive=setting == "adaptive", drafter=drafter, thread=False)
+    sources = [] if setting == "off" else sources_for(SpecConfig(method="auto"), lm)[0]
+    return ContinuousBatcher(lm.model, lm.eos_ids, sources, method="none" if setting == "off" else "auto", k_max=k,
+                             max_batch=max_batch, max_context=1024, adaptive=setting == "adaptive", thread=False)
 
 
 def drive(batcher, prompts: list[list[int]], clients: int, total: int, max_tokens: int) -> dict:
@@ -124,7 +122,7 @@ def drive(batcher, prompts: list[list[int]], clients: int, total: int, max_token
 def breakdown(steps: list[tuple]) -> dict:
     """Decoding steps grouped by (batch size, guessed or not): count, seconds, tokens per step, ms per step."""
     groups = defaultdict(lambda: [0, 0.0, 0, 0.0])
-    for A, cap, trees, guesses, accepted, ms, fwd_ms in steps:
+    for A, cap, guesses, accepted, ms, _why, fwd_ms in steps:
         g = groups[(A, guesses > 0)]
         g[0] += 1
         g[1] += ms / 1e3

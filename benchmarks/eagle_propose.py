@@ -47,8 +47,7 @@ def main() -> int:
         ap.error(f"--variants: choose from kernels, torch, onednn (got {args.variants!r})")
     torch.set_num_threads(args.threads)
 
-    from specdec.drafters import REGISTRY
-    from specdec.drafters.eagle import default_eagle_for
+    from specdec.drafters.eagle import EagleDrafter, default_eagle_for, load_eagle
     from specdec.engine import Engine
     from specdec.models.llama import cpu_has_bf16
     from specdec.models.loader import load_model
@@ -73,7 +72,8 @@ def main() -> int:
                 raise SystemExit("--variants onednn: the target's steps are not on the row-stable AVX2 kernels here")
             target.model.rowstable = None  # (hidden while the drafter is built: it then packs for oneDNN)
         try:
-            d = REGISTRY["eagle"](target=target, draft=head, tree=True, depth=4, width=2, nodes=5)
+            h, meta = load_eagle(head, target)
+            d = EagleDrafter(h, target.model, meta.get("vocab_subset"), depth=4, width=2, nodes=5, trim=False)
         finally:
             target.model.rowstable = rowstable
         if variant == "kernels" and d.kops is None:

@@ -38,7 +38,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from specdec.bench.tasks import dev_and_humaneval
-    from specdec.drafters import REGISTRY
+    from specdec.drafters.eagle import EagleDrafter, load_eagle
     from specdec.engine import Engine
     from specdec.models.loader import load_model
     from specdec.types import SamplingParams
@@ -47,9 +47,11 @@ def main() -> int:
     encoded = dev_and_humaneval(target.tokenizer, args.data, args.per_category, args.humaneval)
     out = {}
     for head in args.heads:
-        d = REGISTRY["eagle"](target=target, draft=head, tree=True, depth=args.tree_depth, width=args.tree_width,
-                              nodes=args.tree_nodes)
-        engine = Engine(target.model, d, k=args.tree_depth, eos_ids=target.eos_ids)
+        h, meta = load_eagle(head, target)
+        # whole trees every step: tau depends on the head alone, not on timing
+        d = EagleDrafter(h, target.model, meta.get("vocab_subset"), depth=args.tree_depth, width=args.tree_width,
+                         nodes=args.tree_nodes, trim=False)
+        engine = Engine(target.model, d, k=args.tree_depth, eos_ids=target.eos_ids, fixed_k=True)
         sums: dict[str, list[int]] = {}
         for group, ids in encoded:
             [r] = engine.generate([ids], SamplingParams(max_new_tokens=args.max_new_tokens))

@@ -18,13 +18,15 @@ benchmarks, checks each file's size and sha256 prefix, and stores them under
         # plain greedy decoding, interleaved per prompt: specdec (8-bit activations, the default),
         # specdec's float path (SPECDEC_GGUF_ACT8=0) and llama.cpp on the same file, decode tokens/s;
         # with the machine's read bandwidth on these threads and the file's bytes a token: the cap
-    python benchmarks/qwen_pair.py verify --threads 2
-        # the time of one target forward over T = 1, 2, 4, 8 tokens (a verification step), both paths
+    python benchmarks/qwen_pair.py verify --threads 2 [--model default] [--float-path]
+        # the verify-cost curve: one forward over T = 1, 2, 4, 8, 16 tokens after 200 of context (a
+        # verification step, logits for every token) beside llama.cpp's batched decode of the same
+        # file, interleaved, and t(T) / t(1); SPECDEC_ROWSTABLE=avx2 in front: the kernels' AVX2 build
     (peers, verify --base REV: also specdec with its GGUF projections on git revision REV's
     kernels, AVX2 build (benchmarks/gguf_kernels.py's base_ops), interleaved with the others:
     `--base main` compares a change to the kernels, `--base HEAD` the AVX-512 VNNI build with the AVX2 one)
-    python benchmarks/qwen_pair.py profile --threads 2 --reps 20
-        # where a 1-token decoding step's time goes: each kernel call of the step timed in place
+    python benchmarks/qwen_pair.py profile --threads 2 --reps 20 --T 1,4,8,16 [--model default]
+        # where a step of T tokens spends its time: each kernel call of the step timed in place
         # (weights as cold as in decoding), per projection with its GB/s, and the Python between them
     (speculative methods against llama.cpp on HumanEval and Spec-Bench: `specdec bench --model
     <1.5B> --draft <0.5B> --peers llamacpp,llamacpp-lookup`, docs/benchmarks.md)
@@ -279,70 +281,139 @@ def measure_peers(threads: int, max_new: int, n_prompts: int, repeats: int, base
     return out
 
 
-def measure_verify(threads: int, reps: int, base: str | None = None) -> dict:
-    """Seconds of one target forward over T = 1, 2, 4, 8 new tokens after a 100-token context (a
-    verification step of T - 1 guesses; T = 1 is a plain decoding step), both specdec paths,
-    interleaved, medians; and each T's cost over T = 1 (what a step of accepted guesses must beat)."""
+def verify_models(which: str, base: str | None, base_isa: str, float_path: bool) -> dict:
+    """name -> the model a verify or profile run times: `which` is "target" (the 1.5B, 8-bit
+    activations: the default), "default" (the default model) or a GGUF path; with float_path the
+    1.5B's float path too, with base its GGUF projections on revision base's kernels (build base_isa)."""
+    from specdec.models.loader import load_model
+
+    def load():
+        return load_target(True).model if which == "target" else load_model(str(model_file(which)), quiet=True).model
+
+    models = {"specdec": load()}
+    if float_path and which == "target":
+        models["specdec-float"] = load_target(False).model
+    if base is not None:
+        from gguf_kernels import base_ops, use_kernels
+
+        models[f"specdec-{base}-{base_isa}"] = load()
+        use_kernels(models[f"specdec-{base}-{base_isa}"], base_ops(base, base_isa))
+    return models
+
+
+def model_file(which: str) -> Path:
+    from specdec.models.loader import default_model_path
+
+    return fetch("target") if which == "target" else default_model_path() if which == "default" else Path(which)
+
+
+def llamacpp_verify(path: Path, threads: int, ctx: list[int], P: int):
+    """f(T): one llama.cpp batched decode of ctx[P:P + T] after the P-token context, logits for every
+    token (logits_all, as a verification needs them); None where llama-cpp-python is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("llama-cpp-python is not installed: no llama.cpp row (pip install -e '.[peers]')", file=sys.stderr)
+        return None
+    llm = Llama(model_path=str(path), n_ctx=P + 64, n_batch=64, n_ubatch=64, n_threads=threads,
+                n_threads_batch=threads, logits_all=True, verbose=False)
+    llm.eval(ctx[:P])
+
+    def run(T: int) -> None:
+        llm.n_tokens = P  # (eval drops the cache past n_tokens: the same T tokens again)
+        llm.eval(ctx[P:P + T])
+
+    return run
+
+
+def measure_verify(threads: int, reps: int, base: str | None = None, which: str = "target", context: int = 200,
+                   Ts: tuple = (1, 2, 4, 8, 16), float_path: bool = False, llamacpp: bool = True,
+                   base_isa: str = "avx2") -> dict:
+    """Seconds of one forward over T new tokens (a chain, the LM head on every token) after a
+    `context`-token context (a verification step of T - 1 guesses; T = 1 is a plain decoding step):
+    specdec (and its float path, revision base's kernels) beside llama.cpp's batched decode of the
+    same file, interleaved, medians; and each T's cost over T = 1 (what a step of accepted guesses
+    must beat). The ISA is the process's: SPECDEC_ROWSTABLE=avx2 measures the AVX2 build."""
     import torch
 
-    torch.set_num_threads(threads)
-    out = {"cpu": cpu_name(), "threads": threads}
-    models = {"specdec": load_target(True).model, "specdec-float": load_target(False).model}
-    if base is not None:
-        from gguf_kernels import use_kernels
+    from specdec import kernels
 
-        models[f"specdec-{base}"] = load_target(True).model
-        use_kernels(models[f"specdec-{base}"], base_kernels(base)[1])
-    P, Ts = 100, (1, 2, 4, 8)
-    ctx = torch.randint(1000, 20000, (1, P + 8), generator=torch.Generator().manual_seed(0))
-    caches = {}
+    torch.set_num_threads(threads)
+    out = {"cpu": cpu_name(), "threads": threads, "isa": kernels.rowstable_isa(), "model": model_file(which).name,
+           "context": context}
+    runners = {}
+    P = context
+    ctx = torch.randint(1000, 20000, (1, P + max(Ts)), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        for name, m in models.items():
-            caches[name] = m.new_cache(1, 512)
-            m(ctx[:, :P], torch.arange(P)[None], caches[name])
-        times = {(n, T): [] for n in models for T in Ts}
+        for name, m in verify_models(which, base, base_isa, float_path).items():
+            cache = m.new_cache(1, P + 64)
+            m(ctx[:, :P], torch.arange(P)[None], cache)
+
+            def run(T, m=m, cache=cache):
+                cache.truncate(torch.tensor([P]))
+                m(ctx[:, P:P + T], torch.arange(P, P + T)[None], cache)
+
+            runners[name] = run
+    if llamacpp:
+        run = llamacpp_verify(model_file(which), threads, ctx[0].tolist(), P)
+        if run is not None:
+            runners["llama.cpp"] = run
+    times = {(n, T): [] for n in runners for T in Ts}
+    # on one thread the process's CPU time (what other processes on a shared machine do not stretch)
+    clock = time.process_time if threads == 1 else time.perf_counter
+    out["clock"] = "cpu" if threads == 1 else "wall"
+    with torch.inference_mode():
+        for name, run in runners.items():  # warm-up
+            for T in Ts:
+                run(T)
         for _ in range(reps):
             for T in Ts:
-                for name, m in models.items():
-                    caches[name].truncate(torch.tensor([P]))
-                    t = time.perf_counter()
-                    m(ctx[:, P:P + T], torch.arange(P, P + T)[None], caches[name])
-                    times[(name, T)].append(time.perf_counter() - t)
-    for name in models:
-        base = statistics.median(times[(name, 1)])
+                for name, run in runners.items():
+                    t = clock()
+                    run(T)
+                    times[(name, T)].append(clock() - t)
+    for name in runners:
+        one = statistics.median(times[(name, 1)])
         out[name] = {f"T={T}": {"ms": round(1e3 * statistics.median(times[(name, T)]), 1),
-                                "x_T1": round(statistics.median(times[(name, T)]) / base, 2)} for T in Ts}
+                                "x_T1": round(statistics.median(times[(name, T)]) / one, 2)} for T in Ts}
+        print(f"{name:24s} " + " ".join(f"T={T}: {out[name][f'T={T}']['ms']:6.1f} ms ({out[name][f'T={T}']['x_T1']:.2f})"
+                                       for T in Ts), file=sys.stderr)
     return out
 
 
-def measure_profile(threads: int, reps: int, T: int = 1) -> dict:
-    """A decoding step of T tokens after a 100-token context, on the default 8-bit path, made call by
-    call as models/llama.py's fused step makes it (checked: the same logits bit for bit), each call
-    timed where it runs, so each matrix is read as cold as in decoding. Per op: ms a step (the sum
-    of its calls, median over `reps` steps), share of the step, and for the projections GB/s of
-    their bytes; "python and glue" is the step's rest (module calls, bias and residual adds)."""
+def measure_profile(threads: int, reps: int, Ts: tuple = (1,), which: str = "target", context: int = 200) -> dict:
+    """A step of T tokens (a chain, the LM head on every token) after a `context`-token context, made
+    call by call as models/llama.py's fused step makes it (checked: the same logits bit for bit),
+    each call timed where it runs, so each matrix is read as cold as in decoding; the Ts interleaved.
+    Per op and T: ms a step (the sum of its calls, median over `reps` steps), share of the step, and
+    for the projections GB/s of their bytes; "python and glue" is the step's rest (mask and rotation
+    set-up, module calls, bias and residual adds)."""
     import collections
 
     import torch
 
+    from specdec.models.loader import load_model
+
     torch.set_num_threads(threads)
-    m = load_target(True).model
-    P = 100
-    ctx = torch.randint(1000, 20000, (1, P + T), generator=torch.Generator().manual_seed(0))
-    cache = m.new_cache(1, 512)
+    m = load_target(True).model if which == "target" else load_model(str(model_file(which)), quiet=True).model
+    P = context
+    ctx = torch.randint(1000, 20000, (1, P + max(Ts)), generator=torch.Generator().manual_seed(0))
+    cache = m.new_cache(1, P + 64)
     spent = collections.defaultdict(float)
-    per_step = collections.defaultdict(list)
+    per_step = {T: collections.defaultdict(list) for T in Ts}
+    # on one thread the thread's CPU time (what other processes on a shared machine do not stretch)
+    clock = time.thread_time if threads == 1 else time.perf_counter
 
     def timed(name, f, *args):
-        t = time.perf_counter()
+        t = clock()
         r = f(*args)
-        spent[name] += time.perf_counter() - t
+        spent[name] += clock() - t
         return r
 
-    def step():
+    def step(T):
         cache.truncate(torch.tensor([P]))
         spent.clear()
-        t0 = time.perf_counter()
+        t0 = clock()
         start, uniform = cache.reserve(T)
         n_keys = int(cache.lengths.max())
         cos, sin = m._rope(torch.arange(P, P + T)[None])
@@ -357,41 +428,52 @@ def measure_profile(threads: int, reps: int, T: int = 1) -> dict:
             gu = timed("gate,up", b.w_gate_up.forward, timed("rms_norm", k.rms_norm, x, b.mlp_norm, b.eps))
             x = x + timed("down", b.w_down.forward, timed("silu_mul", k.silu_mul, gu))
         logits = timed("LM head", m.head.forward, timed("rms_norm", k.rms_norm, x, m.norm, m.cfg.rms_norm_eps))
-        total = time.perf_counter() - t0
+        total = clock() - t0
         for name, s in spent.items():
-            per_step[name].append(s)
-        per_step["python and glue"].append(total - sum(spent.values()))
-        per_step["step"].append(total)
+            per_step[T][name].append(s)
+        per_step[T]["python and glue"].append(total - sum(spent.values()))
+        per_step[T]["step"].append(total)
         return logits
 
     with torch.inference_mode():
         m(ctx[:, :P], torch.arange(P)[None], cache)
-        cache.truncate(torch.tensor([P]))
-        ref, _ = m(ctx[:, P:P + T], torch.arange(P, P + T)[None], cache)
-        if not torch.equal(step(), ref):
-            raise SystemExit("the step made call by call differs from the model's forward")
-        per_step.clear()
+        for T in Ts:
+            cache.truncate(torch.tensor([P]))
+            ref, _ = m(ctx[:, P:P + T], torch.arange(P, P + T)[None], cache)
+            if not torch.equal(step(T), ref):
+                raise SystemExit(f"the {T}-token step made call by call differs from the model's forward")
+            per_step[T].clear()
         for _ in range(reps):
-            step()
+            for T in Ts:
+                step(T)
     blk = m.layers[0]
     nbytes = {"q,k,v": sum(b.wqkv.nbytes for b in m.layers), "o": sum(b.wo.nbytes for b in m.layers),
               "gate,up": sum(b.w_gate_up.nbytes for b in m.layers), "down": sum(b.w_down.nbytes for b in m.layers),
               "LM head": m.head.nbytes}
-    step_s = statistics.median(per_step.pop("step"))
-    out = {"threads": threads, "T": T, "step_ms": round(1e3 * step_s, 1), "reps": reps,
+    out = {"threads": threads, "clock": "cpu" if clock is time.thread_time else "wall", "model": model_file(which).name,
+           "context": P, "reps": reps,
            "types": {n: [kernel_type_name(p[1]) for p in lin.parts] for n, lin in
                      (("q,k,v", blk.wqkv), ("o", blk.wo), ("gate,up", blk.w_gate_up), ("down", blk.w_down),
-                      ("LM head", m.head))},
-           "ops": {}}
-    for name, v in per_step.items():
-        s = statistics.median(v)
-        row = {"ms": round(1e3 * s, 2), "share": round(s / step_s, 3)}
-        if name in nbytes:
-            row.update(MB=round(nbytes[name] / 1e6, 1), GB_s=round(nbytes[name] / s / 1e9, 1))
-        out["ops"][name] = row
-    for name, row in out["ops"].items():
-        print(f"{name:16s} {row['ms']:8.2f} ms {100 * row['share']:5.1f}%"
-              + (f"  {row['GB_s']:5.1f} GB/s of {row['MB']} MB" if "GB_s" in row else ""), file=sys.stderr)
+                      ("LM head", m.head))}}
+    names = [n for n in per_step[Ts[0]] if n != "step"]
+    print("| op | " + " | ".join(f"T={T}: ms (share)" for T in Ts) + " |", file=sys.stderr)
+    print("|---|" + "---|" * len(Ts), file=sys.stderr)
+    for T in Ts:
+        step_s = statistics.median(per_step[T]["step"])
+        ops = {}
+        for name in names:
+            s = statistics.median(per_step[T][name])
+            row = {"ms": round(1e3 * s, 2), "share": round(s / step_s, 3)}
+            if name in nbytes:
+                row.update(MB=round(nbytes[name] / 1e6, 1), GB_s=round(nbytes[name] / s / 1e9, 1))
+            ops[name] = row
+        out[f"T={T}"] = {"step_ms": round(1e3 * step_s, 1), "ops": ops}
+    for name in [*names, "step"]:
+        cells = []
+        for T in Ts:
+            r = out[f"T={T}"]
+            cells.append(f"{r['step_ms']:.1f}" if name == "step" else f"{r['ops'][name]['ms']:.2f} ({100 * r['ops'][name]['share']:.0f}%)")
+        print(f"| {name} | " + " | ".join(cells) + " |", file=sys.stderr)
     return out
 
 
@@ -414,8 +496,8 @@ def measure_decode(threads: int, max_new: int, n_prompts: int, k: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    from specdec.drafters.draft_model import _make as make_draft
     from specdec.drafters.ngram import NgramDrafter
+    from specdec.methods import draft_source
     from specdec.engine import Engine
     from specdec.models.loader import load_model
     from specdec.types import SamplingParams
@@ -424,7 +506,7 @@ def measure_decode(threads: int, max_new: int, n_prompts: int, k: int) -> dict:
     draft = load_model(str(fetch("draft")), quiet=True, pack=False)
     sp = SamplingParams(max_new_tokens=max_new)
     methods = {"none": lambda: None, "ngram": lambda: NgramDrafter(),
-               "draft": lambda: make_draft(target=target, draft=draft)}
+               "draft": lambda: draft_source(target, draft)}
     rates = {name: [] for name in methods}
     decode_rates = {name: [] for name in methods}
     equal = {name: 0 for name in methods}
@@ -464,6 +546,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--base", default=None, help="peers, verify: also time git revision BASE's kernels (AVX2 build)")
+    ap.add_argument("--base-isa", default="avx2", help="verify: the build of --base's kernels (avx2, avx512vnni)")
+    ap.add_argument("--model", default="target",
+                    help="verify, profile: target (the 1.5B), default (the default model) or a GGUF path")
+    ap.add_argument("--T", default="1,2,4,8,16", help="verify, profile: the step sizes (tokens)")
+    ap.add_argument("--context", type=int, default=200, help="verify, profile: tokens already in the cache")
+    ap.add_argument("--float-path", action="store_true", help="verify: the 1.5B's float path too (SPECDEC_GGUF_ACT8=0)")
+    ap.add_argument("--no-llamacpp", action="store_true", help="verify: without llama.cpp's batched decode")
     a = ap.parse_args()
     if a.what == "fetch":
         for which in MODELS:
@@ -477,9 +566,10 @@ def main() -> None:
     elif a.what == "peers":
         res = measure_peers(a.threads, a.max_new_tokens, a.prompts, a.repeats, a.base)
     elif a.what == "verify":
-        res = measure_verify(a.threads, a.reps, a.base)
+        res = measure_verify(a.threads, a.reps, a.base, a.model, a.context, tuple(int(t) for t in a.T.split(",")),
+                             a.float_path, not a.no_llamacpp, a.base_isa)
     elif a.what == "profile":
-        res = measure_profile(a.threads, a.reps)
+        res = measure_profile(a.threads, a.reps, tuple(int(t) for t in a.T.split(",")), a.model, a.context)
     else:
         res = measure_decode(a.threads, a.max_new_tokens, a.prompts, a.k)
     res.setdefault("cpu", cpu_name())

@@ -132,15 +132,16 @@ def step_seconds(path: Path, skip: int) -> tuple[int, dict]:
 
 
 def server_metrics(url: str) -> dict:
-    """The server's Prometheus counters and gauges, name -> value."""
+    """The server's Prometheus counters and gauges, name -> value (a labelled series as
+    name{label="value"})."""
     import urllib.request
 
     with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10) as r:
         text = r.read().decode()
     out = {}
     for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, _, value = line.partition(" ")
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
 
@@ -321,7 +322,7 @@ def main() -> int:
               "repeats": args.repeats, "table": table,
               "adaptive_over_off_per_repeat": {c: [round(r, 3) for r in paired[c]] for c in levels},
               "draft_k_last": {n: metrics[n].get("specdec_draft_length") for n in settings},
-              "tree_rows": {n: metrics[n].get("specdec_tree_rows_total") for n in settings},
+              "tree_rows": {n: metrics[n].get('specdec_source_rows_total{source="eagle"}', 0.0) for n in settings},
               "tau": {n: metrics[n].get("specdec_mean_accepted_length") for n in settings}}
     if args.out:
         out = Path(args.out)

@@ -37,11 +37,11 @@ def unit_interval(s: str) -> float:
 
 
 def positive_float(s: str) -> float:
-    """An argparse type: a finite number > 0 (seconds, ...)."""
+    """An argparse type: a finite number > 0 (seconds)."""
     try:
         v = float(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {s!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
     if not 0.0 < v < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
     return v

@@ -14,9 +14,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from . import learned, threads
-from .config import DEFAULT_K, DEFAULT_TREE_NODES, METHODS, SpecConfig, build_engine, load_target
+from .config import SpecConfig, build_engine, load_target
+from .methods import DEFAULT_K, DEFAULT_TREE_NODES, METHODS, parse_variant, variant_config
 from .distributed import wants_ray
 from .flags import build_parser
 from .prompts import encode_prompts, prompt_where, read_prompts
@@ -30,7 +32,7 @@ def cmd_serve(args) -> int:
     import logging
 
     from .config import build_batcher
-    from .server.app import create_app
+    from .server.app import app_settings, create_app
 
     if wants_ray(args):
         from .distributed.ray_serve import serve_on_ray
@@ -38,7 +40,7 @@ def cmd_serve(args) -> int:
         return serve_on_ray(args)
     cfg = SpecConfig.from_args(args)
     threads.start(cfg.threads)
-    lm, batcher, method = build_batcher(cfg)
+    lm, batcher = build_batcher(cfg)
     threads.settle()  # the free cores, measured while loading (the batcher may call threads.tick per step)
     if args.log_level == "debug":  # one line per step: batch size, draft cap, tree rows, guesses, accepted, time
         log = logging.getLogger("specdec.batcher")
@@ -49,13 +51,16 @@ def cmd_serve(args) -> int:
             log.addHandler(handler)
         log.propagate = False
         batcher.log = log
-    app = create_app(lm, batcher, args.served_model_name or lm.name, api_key=args.api_key,
-                     request_timeout=args.request_timeout)
-    print(f"[specdec] serving {lm.name} on http://{args.host}:{args.port}/v1 (method {method}, "
+    app = create_app(lm, batcher, args.served_model_name or lm.name, **app_settings(args))
+    print(f"[specdec] serving {lm.name} on http://{args.host}:{args.port}/v1 (method {batcher.method}, "
           f"max batch {args.max_batch})", file=sys.stderr)
     from .server.runner import serve
 
     serve(app, batcher, args.host, args.port, args.log_level, drain_timeout=args.drain_timeout)
+    if cfg.suffix_cache:  # (the answers of this run, for the next server to draft from)
+        from .drafters.suffix import save_cache
+
+        save_cache(cfg.suffix_cache, lm.tokenizer)
     return 0
 
 
@@ -73,12 +78,10 @@ def cmd_bench(args) -> int:
     cfg = SpecConfig.from_args(args)  # (bad sampling values fail here, before anything loads)
     params = cfg.sampling
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bench_methods = METHODS + ("eagle-chain", "medusa-chain", "auto-draft", "auto-eagle")
     if not methods:
-        raise SpecdecError(f"--methods {args.methods!r} names no method; choose from {', '.join(bench_methods)}")
-    bad = [m for m in methods if m not in bench_methods]
-    if bad:
-        raise SpecdecError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(bench_methods)}")
+        raise SpecdecError(f"--methods {args.methods!r} names no method; choose from {', '.join(METHODS)}")
+    for m in methods:
+        parse_variant(m)  # an unknown method or option fails here, before anything loads
     if "none" not in methods:
         methods.insert(0, "none")
     peers = [] if args.peers.strip() in ("", "none") else [p.strip() for p in args.peers.split(",") if p.strip()]
@@ -96,19 +99,18 @@ def cmd_bench(args) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target = load_target(cfg, args.quiet)
-    runners = []
+    runners, ks = [], {}
+    drafts = {"draft": args.draft, "auto": args.draft, "eagle": args.eagle, "medusa": args.medusa,
+              "auto-draft": args.draft or default_draft_for(target), "auto-eagle": args.eagle or default_eagle_for(target)}
     for m in methods:
-        base = m.removesuffix("-chain").removesuffix("-draft").removesuffix("-eagle")
-        draft = {"draft": args.draft, "auto": args.draft, "eagle": args.eagle, "medusa": args.medusa}.get(base)
-        if m == "auto-draft":
-            draft = args.draft or default_draft_for(target)
-        elif m == "auto-eagle":
-            draft = args.eagle or default_eagle_for(target)
         try:
-            eng = build_engine(cfg.replace(method=base, draft=draft, tree=not m.endswith("-chain")), target, args.quiet)
+            variant = variant_config(cfg, m, drafts)
+            eng = build_engine(variant, target, args.quiet)
         except SpecdecError as e:
             runners.append(Runner(m, "specdec", None, str(e)))
             continue
+        if eng.k:
+            ks[m] = eng.k
         runners.append(Runner(m, "specdec", lambda ids, p, eng=eng: _one(eng, ids, p)))
     encoded = [encode_prompt(target.tokenizer, t.prompt, t.chat) for t in tasks]
     for t, ids in zip(tasks, encoded):  # one bad prompt would fail every runner, after loading them all
@@ -131,7 +133,7 @@ def cmd_bench(args) -> int:
     cmd = "specdec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("specdec") else "specdec bench ..."
     result.update({
         "benchmark": "specdec bench", "command": cmd, "model": target.name,
-        "k": {m: cfg.method_k(m.split("-")[0]) for m in methods if m != "none"},
+        "k": ks,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "repeats": args.repeats,
         "machine": machine_info(torch.get_num_threads()), "tasks": args.tasks or ["humaneval"], "prompts": len(tasks),
     })
@@ -158,7 +160,7 @@ def writable_dir(path: str):
     return out
 
 
-VALIDATE_METHODS = ("ngram", "draft", "auto", "eagle", "eagle-chain", "medusa", "medusa-chain")
+VALIDATE_METHODS = ("ngram", "draft", "auto", "eagle", "eagle:tree=off", "medusa", "medusa:tree=off")
 # --quick: the server's default (auto: prompt lookup + the EAGLE head where the target has one) and
 # prompt lookup alone, what other frameworks run; the heads alone rarely beat auto and are left out
 QUICK_METHODS = ("ngram", "auto")
@@ -195,9 +197,10 @@ def cmd_validate(args) -> int:
                .split(",") if m.strip()]
     if not methods:
         raise SpecdecError(f"--methods {args.methods!r} names no method; choose from {', '.join(VALIDATE_METHODS)}")
-    bad = [m for m in methods if m not in VALIDATE_METHODS]
-    if bad:
-        raise SpecdecError(f"unknown method(s) {', '.join(bad)} for validate; choose from {', '.join(VALIDATE_METHODS)}")
+    for m in methods:
+        if parse_variant(m)[0] == "none":
+            raise SpecdecError("validate compares every method with plain decoding already; leave 'none' out of "
+                               f"--methods (choose from {', '.join(VALIDATE_METHODS)})")
     k_list = _csv_ints(args.k_list, "--k") if args.k_list else None
     conc_text = args.concurrency or ("1,4" if q else "1,2,4,8,16")
     levels = [] if conc_text.strip() == "none" else _csv_ints(conc_text, "--concurrency")
@@ -220,8 +223,9 @@ def cmd_validate(args) -> int:
     drafts = {"draft": args.draft, "auto": args.draft, "eagle": args.eagle, "medusa": args.medusa}
     configs, skipped = [], {}
     for m in methods:
-        base = m.removesuffix("-chain")
-        tree = base in ("eagle", "medusa") and not m.endswith("-chain")
+        variant = variant_config(cfg, m, drafts)
+        base = variant.method
+        tree = base in ("eagle", "medusa") and variant.tree
         if tree:
             ks = [args.tree_depth if base == "eagle" else None]
         elif k_list:
@@ -229,10 +233,10 @@ def cmd_validate(args) -> int:
         elif base in ("ngram", "draft") and not q:
             ks = sorted({max(1, DEFAULT_K[base] // 2), DEFAULT_K[base]})
         else:
-            ks = [DEFAULT_K[base]]
+            ks = [variant.k or DEFAULT_K[base]]
         for k in ks:
             try:
-                eng = build_engine(cfg.replace(method=base, draft=drafts.get(base), k=k, tree=tree), target)
+                eng = build_engine(variant.replace(k=k), target)
             except SpecdecError as e:
                 if explicit or (args.draft and base in ("draft", "auto")):
                     raise SpecdecError(f"method {m}: {e}") from None
@@ -380,11 +384,13 @@ def cmd_train(args) -> int:
 
 # ---------------------------------------------------------------------------------------
 def cmd_generate(args) -> int:
-    from .text import StreamPrinter, find_stop
+    from .text import TextStream, stop_strings
 
     if wants_ray(args):
         from .distributed.ray_batch import generate_on_ray
 
+        if args.prediction is not None or args.json_schema is not None:
+            raise SpecdecError("--prediction and --json-schema run on one machine; leave out --ray (or them)")
         return generate_on_ray(args)
     cfg = SpecConfig.from_args(args)  # (bad sampling values fail here, before anything loads)
     params = cfg.sampling
@@ -397,17 +403,23 @@ def cmd_generate(args) -> int:
                                "answer (chat) or continue (raw)")
     if args.system is not None:
         check_text(args.system, "--system")
+    stops = stop_strings(args.stop, "--stop")
+    prediction_text, schema = read_shaping(args)  # (a missing or bad file fails before anything loads)
     threads.start(cfg.threads)
     quiet = args.quiet
     target = load_target(cfg, quiet)
     if target.tokenizer is None:
         raise SpecdecError(f"{target.path} has no tokenizer; specdec generate needs one to read text prompts")
+    if cfg.suffix_cache:
+        from .drafters.suffix import load_cache
+
+        load_cache(cfg.suffix_cache, target.tokenizer, quiet)
     engine = build_engine(cfg, target, quiet)
     threads.settle()  # the free cores, measured while loading
     memory = None if args.fresh else cfg.learned_key(target)
     restored = memory is not None and learned.restore(engine, memory)
     tok = target.tokenizer
-    encoded, notes = encode_prompts(args, cfg, tok, rows_in, target.model.max_context, engine.drafter)
+    encoded, notes = encode_prompts(args, cfg, tok, rows_in, target.model.max_context, engine.sources)
     for note in [] if quiet else notes:
         print(f"[specdec] note: {note}", file=sys.stderr)
     if args.n > 1 and params.greedy and not quiet:
@@ -415,55 +427,85 @@ def cmd_generate(args) -> int:
               "pass --temperature > 0 to sample", file=sys.stderr)
 
     rows = [(i, s) for i in range(len(encoded)) for s in range(args.n)]
+    predicted = tok.encode(prediction_text, add_special_tokens=False) if prediction_text is not None else None
+    grammar = None
+    if schema is not None:
+        from .grammar import grammar_for, json_schema
+
+        grammar = grammar_for(tok, target.model.vocab_size, target.eos_ids, json_schema(schema, "--json-schema"))
     stream = not args.json and len(rows) == 1
     outputs: dict[tuple[int, int], object] = {}
+    texts: dict[tuple[int, int], str] = {}
     t_all = time.perf_counter()
     for start in range(0, len(rows), args.batch_size):
         chunk = rows[start:start + args.batch_size]
-        printer = StreamPrinter(tok, args.stop) if stream else None
+        streams = [TextStream(tok, stops) for _ in chunk]  # each row's text, stop strings held back
 
-        def on_tokens(r, ids, printer=printer):
-            printer.push(ids)
+        def on_tokens(r, ids, streams=streams):
+            sys.stdout.write(streams[r].push(ids))
+            sys.stdout.flush()
 
-        def stop_fn(r, ids):
-            return find_stop(tok.decode(ids, skip_special_tokens=True), args.stop) is not None
+        def stop_fn(r, ids, streams=streams):
+            return streams[r].reached_stop(ids)
 
         # each batch draws from its own seeded stream, else batches of equal rows would repeat
         chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
         results = engine.generate([encoded[i] for i, _ in chunk], chunk_params, on_tokens if stream else None,
-                                  stop_fn if args.stop else None)
-        for key, res in zip(chunk, results):
-            outputs[key] = res
+                                  stop_fn if stops else None,
+                                  predictions=[predicted] * len(chunk) if predicted is not None else None,
+                                  constraints=[grammar.constraint() for _ in chunk] if grammar is not None else None)
+        for key, res, text in zip(chunk, results, streams):
+            rest = text.finish(res.tokens)
+            if stream:
+                sys.stdout.write(rest + "\n")
+            outputs[key], texts[key] = res, text.text
     wall = time.perf_counter() - t_all
     if memory is not None:
         learned.save(engine, memory)
+    if cfg.suffix_cache:
+        from .drafters.suffix import save_cache
 
-    def final_text(res) -> str:
-        text = tok.decode(res.tokens, skip_special_tokens=True)
-        cut = find_stop(text, args.stop)
-        return text if cut is None else text[:cut]
-
-    if stream:
-        printer.finish(final_text(outputs[rows[0]]))
-    else:
-        print_outputs(args, prompts, outputs, final_text, {"method": args.method, "model": target.name,
-                                                           "weights": target.weights, "learned_state": restored})
+        save_cache(cfg.suffix_cache, tok)
+    if not stream:
+        print_outputs(args, prompts, outputs, texts, {"method": args.method, "model": target.name,
+                                                      "weights": target.weights, "learned_state": restored})
     sys.stdout.flush()
     if not quiet:
         print_summary(list(outputs.values()), cfg, wall, target.weights)
     return 0
 
 
-def print_outputs(args, prompts: list, outputs: dict, final_text, run: dict) -> None:
-    """The completions of a run that does not stream: with --json one object per prompt (its
-    first completion's fields, every completion under "completions" with --n > 1, and `run`'s
-    fields), else each completion under a `=== prompt I[, sample S] ===` line."""
+def read_shaping(args) -> tuple[str | None, dict | None]:
+    """(--prediction's text, --json-schema's schema), each None when not given; a file that cannot
+    be read, or a schema that is not a JSON object, is a SpecdecError naming the flag."""
+    prediction = schema = None
+    if args.prediction is not None:
+        try:
+            prediction = check_text(Path(args.prediction).read_text(encoding="utf-8"), "--prediction")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecdecError(f"--prediction: cannot read {args.prediction} ({e})") from None
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SpecdecError(f"--json-schema: cannot read a JSON schema from {args.json_schema} ({e})") from None
+        if not isinstance(schema, dict):
+            raise SpecdecError(f"--json-schema: {args.json_schema} must hold a JSON object (a JSON Schema), got "
+                               f"{type(schema).__name__}")
+    return prediction, schema
+
+
+def print_outputs(args, prompts: list, outputs: dict, texts: dict, run: dict) -> None:
+    """The completions of a run that does not stream (texts: each one's text, cut at a stop
+    string): with --json one object per prompt (its first completion's fields, every completion
+    under "completions" with --n > 1, and `run`'s fields), else each completion under a
+    `=== prompt I[, sample S] ===` line."""
     if args.json:
         for i, p in enumerate(prompts):
             comps = []
             for s in range(args.n):
                 res = outputs[(i, s)]
-                comps.append({"text": final_text(res), "token_ids": res.tokens,
+                comps.append({"text": texts[(i, s)], "token_ids": res.tokens,
                               "finish_reason": res.stats.finish_reason, "stats": res.stats.as_dict()})
             obj = {"index": i, "prompt": p, **comps[0], **run}
             if args.n > 1:
@@ -473,7 +515,7 @@ def print_outputs(args, prompts: list, outputs: dict, final_text, run: dict) -> 
     for (i, s), res in outputs.items():
         label = f"prompt {i + 1}" + (f", sample {s + 1}" if args.n > 1 else "")
         print(f"=== {label} ===")
-        print(final_text(res))
+        print(texts[(i, s)])
 
 
 def print_summary(results, cfg: SpecConfig, wall: float, weights: str = "fp32") -> None:
@@ -496,6 +538,10 @@ def print_summary(results, cfg: SpecConfig, wall: float, weights: str = "fp32") 
             shape, accept = f"k={cfg.method_k()}", "acceptance"
         line += (f", {shape}: {accept} {s['alpha']:.2f}, {s['tau']:.2f} tokens/forward, "
                  f"draft {s['draft_s']:.2f} s vs verify {s['verify_s']:.2f} s")
+        plain = s["plain_steps"]
+        if plain:  # the row-steps that verified no guess, and why (the cost model declining, the guard ...)
+            why = ", ".join(f"{reason} {n}" for reason, n in sorted(plain.items(), key=lambda kv: -kv[1]))
+            line += f", {sum(plain.values())} row-steps without guesses ({why})"
     reasons = sorted({r.stats.finish_reason for r in results})
     line += f"; finished: {', '.join(reasons)}"
     if weights != "fp32":

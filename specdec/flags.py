@@ -11,7 +11,8 @@ import argparse
 
 from .argtypes import (guesses, int_at_least, nonneg_int, one_to_max_guesses, positive_float, positive_int,
                        unit_interval)
-from .config import DEFAULT_K, DEFAULT_TREE_NODES, DTYPES, METHODS, SERVE_METHODS
+from .config import DTYPES
+from .methods import DEFAULT_K, DEFAULT_TREE_NODES, METHODS
 from .distributed import add_generate_ray_args, add_serve_ray_args, add_train_ray_args
 from .types import MAX_GUESSES
 
@@ -40,7 +41,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "its tree), else the draft model while it "
                         "pays, with k adapted to the measured acceptance and cost), eagle (an EAGLE head reading the "
                         "target's hidden states; a dynamic token tree by default), medusa (Medusa heads; a static "
-                        "tree chosen from their measured accuracies). Default: auto (exact, like every method: the "
+                        "tree chosen from their measured accuracies), suffix (what earlier answers of this run wrote "
+                        "after the same tokens: --prompts-file answers draft from each other; auto uses it too). Every "
+                        "method also drafts from a --prediction. Default: auto (exact, like every method: the "
                         "same greedy text as none, sampled text from the same distribution)")
     g.add_argument("-k", "--num-draft-tokens", dest="k", type=guesses, default=None,
                    help=f"most tokens drafted per step (0: none, i.e. plain decoding; at most {MAX_GUESSES}). "
@@ -50,6 +53,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fixed-k", action="store_true",
                    help="draft up to -k guesses (eagle, medusa: the whole tree) every step instead of only as far as "
                         "they pay by the measured costs (for comparisons and checks; as serve --fixed-k)")
+    g.add_argument("--suffix-cache", metavar="FILE", default=None,
+                   help="keep the suffix cache (earlier answers, which suffix and auto draft from) in FILE: loaded "
+                        "at start (if it exists), saved at the end, so that a later run drafts from this one's answers")
     g.add_argument("--draft-confidence", type=unit_interval, default=None, metavar="P",
                    help="draft model (draft, and auto without an EAGLE head): a row stops guessing after a token "
                         "the draft itself gives less than probability P (0 = always -k tokens). Exact at any value: "
@@ -123,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     tmpl.add_argument("--raw", dest="chat", action="store_const", const=False,
                       help="send the prompt text as is, without the chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
+    g.add_argument("--prediction", metavar="FILE", default=None,
+                   help="a text file the answer is expected to repeat (e.g. the file an edit keeps most of): a "
+                        "draft for every prompt's answer, as OpenAI's Predicted Outputs; the answer is the same "
+                        "without it")
+    g.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="a JSON Schema file the answer must follow (structured output; {\"type\": \"object\"}: "
+                        "any JSON object). A keyword the grammar engine does not support is an error naming it")
     g.add_argument("--n", type=positive_int, default=1, help="samples per prompt. Default: 1")
     g.add_argument("--batch-size", type=positive_int, default=8, help="rows decoded together in one batch. Default: 8")
     g.add_argument("--json", action="store_true",
@@ -159,7 +172,7 @@ def add_serve_parser(sub) -> None:
     v.add_argument("--model", metavar="PATH", default=None,
                    help="target model (a .gguf, a Hugging Face folder, or a hub id). Default: the embedded default model")
     add_weights_arg(v)
-    v.add_argument("--method", choices=SERVE_METHODS, default="auto",
+    v.add_argument("--method", choices=METHODS, default="auto",
                    help="speculation for the batch: auto (prompt lookup where the text repeats, the EAGLE head's tree "
                         "elsewhere, at loads where it pays; needs a head: the default model ships one, else --draft; "
                         "with --draft MODEL a draft model's guesses take the tree's place), "
@@ -175,19 +188,34 @@ def add_serve_parser(sub) -> None:
                    help=f"most guesses per row and step (at most {MAX_GUESSES}). Default: 8")
     v.add_argument("--fixed-k", action="store_true",
                    help="always draft up to -k (no load-aware choice; for comparisons)")
+    v.add_argument("--suffix-cache", metavar="FILE", default=None,
+                   help="keep the suffix cache (the answers suffix and auto draft from) in FILE: loaded at start, "
+                        "saved when the server stops (after a drain), so that a restarted server drafts from what it "
+                        "answered before. Refused in one line when FILE was saved for another tokenizer")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on. Default: 127.0.0.1")
     v.add_argument("--port", type=int_at_least(1, 65535), default=8000, help="port (1-65535). Default: 8000")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request")
     v.add_argument("--served-model-name", default=None, help="model id reported and accepted. Default: the model's name")
     v.add_argument("--max-batch", type=positive_int, default=16, help="rows decoded together at most. Default: 16")
     v.add_argument("--max-queue", type=positive_int, default=256,
-                   help="requests waiting at most; more get 429 with Retry-After. Default: 256")
+                   help="requests waiting at most (a request counts once per prompt and n); more get 429 with "
+                        "Retry-After, and one that alone has more is a 400. Default: 256")
     v.add_argument("--max-context", type=positive_int, default=2048,
                    help="tokens per request (prompt + answer) at most; the KV cache holds --max-batch rows of this "
                         "many tokens, preallocated (the default model: ~6 MB per 1k tokens per row). Default: 2048 "
                         "(capped at the model's context)")
     v.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take in all, queued and running, before it fails (408; "
                         "a stream ends with an error event) and its batch row is freed. Default: 600")
+    v.add_argument("--body-timeout", type=positive_float, default=60.0,
+                   help="seconds a request's body may take to arrive; after it: 408 and the connection is closed "
+                        "(a client that sends less than its Content-Length would hold it open). Default: 60")
+    v.add_argument("--public-metrics", action="store_true",
+                   help="serve /metrics without the API key (with --api-key it needs the key by default: it shows "
+                        "the load and request counts), for a scraper that cannot send one")
+    v.add_argument("--special-tokens-in-messages", action="store_true",
+                   help="read text in chat messages that spells a special token (e.g. <|im_start|>) as that token, "
+                        "as vLLM and llama.cpp do; by default it is plain text, so a user cannot open a turn of "
+                        "another role")
     v.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds open requests may still run (no new ones are admitted) before each "
                         "is ended (a stream with an error event and [DONE]). Default: 30")
@@ -218,13 +246,14 @@ def add_bench_parser(sub) -> None:
                         "(Spec-Bench rows with 'turns', or rows with 'prompt'/'messages'). Repeatable. "
                         "Default: humaneval")
     b.add_argument("--methods", default="none,ngram,draft,auto",
-                   help="comma-separated specdec methods (eagle-chain and medusa-chain: the heads without a tree; "
-                        "auto-draft and auto-eagle: auto with the draft model or with the EAGLE head); "
-                        "'none' is always included as the baseline. Default: none,ngram,draft,auto")
+                   help="comma-separated specdec methods, each with options as method:option=value (eagle:tree=off "
+                        "and medusa:tree=off: the heads' chains; auto:with=draft and auto:with=eagle: auto with the "
+                        "draft model or with the EAGLE head; any setting, e.g. ngram:k=4); 'none' is always "
+                        "included as the baseline. Default: none,ngram,draft,auto")
     b.add_argument("--eagle", metavar="DIR", default=None,
-                   help="EAGLE head for eagle / eagle-chain. Default: the head shipped for the default target")
+                   help="EAGLE head for eagle (and auto:with=eagle). Default: the head shipped for the default target")
     b.add_argument("--medusa", metavar="DIR", default=None,
-                   help="Medusa heads for medusa / medusa-chain. Default: the heads shipped for the default target")
+                   help="Medusa heads for medusa. Default: the heads shipped for the default target")
     b.add_argument("--peers", default=",".join(PEERS),
                    help=f"comma-separated peer engines from {', '.join(PEERS)}, or 'none'. llama.cpp rows need "
                         "the optional extra (pip install -e '.[peers]') and are skipped with a note without it. "
@@ -266,11 +295,12 @@ def add_validate_parser(sub) -> None:
                         "'prompt', OpenAI-style 'messages', or Spec-Bench 'turns'; optional 'id', 'category'), or "
                         "'humaneval' (raw code completion)")
     v.add_argument("--methods", default=None,
-                   help="comma-separated methods to test, from ngram, draft, auto, eagle, eagle-chain, medusa, "
-                        "medusa-chain. Default: every method that has what it needs for this target (the default "
-                        "target ships a draft, an EAGLE head and Medusa heads); --quick: ngram,auto")
+                   help="comma-separated methods to test, each with options as method:option=value (eagle:tree=off, "
+                        "medusa:tree=off: the heads' chains). Default: ngram, draft, auto, eagle, eagle:tree=off, "
+                        "medusa, medusa:tree=off where this target has what each needs (the default target ships a "
+                        "draft, an EAGLE head and Medusa heads); --quick: ngram,auto")
     v.add_argument("--k", dest="k_list", default=None, metavar="LIST",
-                   help="comma-separated draft lengths to try for chain methods (ngram, draft, auto, *-chain); "
+                   help="comma-separated draft lengths to try for chain methods (ngram, draft, auto, tree=off); "
                         "trees use --tree-* instead. Default: each method's default k, and for ngram and draft "
                         "also half of it (--quick: the default only)")
     v.add_argument("--concurrency", default=None, metavar="LIST",

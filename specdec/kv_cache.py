@@ -167,13 +167,26 @@ class KVCache:
         self._view(B + n)
         self.lengths = torch.cat([self.lengths, other.lengths])
 
-    def fill_row(self, row: int, one: "KVCache") -> None:
-        """Row `row` takes the committed entries of `one`'s single row (a prompt prefilled alone)."""
-        n = int(one.lengths[0])
+    def fill_row(self, row: int, one: "KVCache", src: int = 0) -> None:
+        """Row `row` takes the committed entries of row `src` of `one` (a prompt prefilled alone in a
+        cache of its own, or another row of this cache)."""
+        n = int(one.lengths[src])
         for layer in range(len(self.k)):
-            self.k[layer][row, :, :n] = one.k[layer][0, :, :n]
-            self.v[layer][row, :, :n] = one.v[layer][0, :, :n]
+            self.k[layer][row, :, :n] = one.k[layer][src, :, :n]
+            self.v[layer][row, :, :n] = one.v[layer][src, :, :n]
         self.lengths[row] = n
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row `dst` takes row `src`'s committed entries (a row leaving the batch gives its slot to the
+        last one); `src` is left empty."""
+        if src != dst:
+            self.fill_row(dst, self, src)
+        self.lengths[src] = 0
+
+    def first_rows(self, rows: int) -> "KVCache":
+        """The first `rows` rows as a cache for one forward (storage shared; `RowsView.sync` writes
+        their lengths back), or this cache when that is all of it."""
+        return self if rows == self.batch_size else RowsView(self, rows)
 
     def reorder_rows(self, rows: torch.Tensor) -> None:
         """Keep/permute batch rows (used when finished rows leave a batch)."""
@@ -190,3 +203,22 @@ class KVCache:
         self.k = [t[:rows] for t in self._ks]
         self.v = [t[:rows] for t in self._vs]
         self.batch_size = rows
+
+
+class RowsView:
+    """The first A rows of a KVCache as a cache object for one forward (storage shared);
+    `sync()` writes the row lengths back to the full cache."""
+
+    def __init__(self, cache: KVCache, rows: int) -> None:
+        self.base, self.A = cache, rows
+        self.k = [k[:rows] for k in cache.k]
+        self.v = [v[:rows] for v in cache.v]
+        self.lengths = cache.lengths[:rows].clone()
+        self.max_len = cache.max_len
+        self.batch_size = rows
+
+    def __getattr__(self, name):  # reserve, write, truncate, keep_paths: the KVCache methods on this view
+        return getattr(KVCache, name).__get__(self)
+
+    def sync(self) -> None:
+        self.base.lengths[: self.A] = self.lengths

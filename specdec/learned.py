@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-VERSION = 2  # bump when a drafter's learned() layout changes: older entries are then ignored
+VERSION = 3  # bump when a drafter's learned() layout changes: older entries are then ignored
 MAX_ENTRIES = 64  # oldest entries dropped beyond this
 
 

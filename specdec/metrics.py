@@ -53,4 +53,19 @@ def summarize(results: list[GenerationResult]) -> dict:
         "draft_s": draft_s,
         "verify_s": verify_s,
         "draft_cost": cost,
+        "plain_steps": _summed([s.plain_steps for s in st]),
+        "sources": {name: dict(zip(("proposed", "accepted"), v)) for name, v in _summed([s.sources for s in st]).items()},
     }
+
+
+def _summed(dicts: list[dict]) -> dict:
+    """Values summed by key (numbers, or lists of numbers element-wise)."""
+    out: dict = {}
+    for d in dicts:
+        for key, v in d.items():
+            if isinstance(v, list):
+                old = out.get(key, [0] * len(v))
+                out[key] = [a + b for a, b in zip(old, v)]
+            else:
+                out[key] = out.get(key, 0) + v
+    return out

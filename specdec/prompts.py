@@ -62,7 +62,7 @@ def check_encoded(encoded: list[list[int]], max_context: int, max_new_tokens: in
     return notes
 
 
-def encode_prompts(args, cfg, tok, rows_in: list[tuple], max_context: int, drafter) -> tuple[list[list[int]], list[str]]:
+def encode_prompts(args, cfg, tok, rows_in: list[tuple], max_context: int, sources) -> tuple[list[list[int]], list[str]]:
     """(every prompt's ids, notes to print) as `generate` reads them: a --prompts-file row's own
     "chat" (true / false) wins over --chat / --raw; a prompt with no tokens or one that fills the
     context is refused (check_encoded); the notes name settings that do nothing in this run and
@@ -75,7 +75,7 @@ def encode_prompts(args, cfg, tok, rows_in: list[tuple], max_context: int, draft
     encoded = [encode_prompt(tok, p, chat, args.system) for (p, _), chat in zip(rows_in, chats)]
     any_chat = any(isinstance(p, list) or c is True or (c is None and has_chat_template(tok))
                    for (p, _), c in zip(rows_in, chats))
-    notes = unused_setting_notes(cfg, drafter, any_chat, args.system)
+    notes = unused_setting_notes(cfg, sources, any_chat, args.system)
     notes += check_encoded(encoded, max_context, cfg.sampling.max_new_tokens,
                            lambda i: prompt_where(args, i, len(encoded)))
     return encoded, notes

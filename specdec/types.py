@@ -76,6 +76,10 @@ class RequestStats:
     verify_s: float = 0.0
     finish_reason: str = ""  # "eos" | "length" | "stop"
     batch: int = 0  # which engine batch the row ran in (rows of a batch share wall time)
+    sources: dict = field(default_factory=dict)  # draft source name -> [guesses verified, held]
+    # steps this row decoded without guesses, by why: cost (none paid), guard (the batch guard),
+    # nothing (no source had a guess), warming, probe, row (the step drafted for other rows only)
+    plain_steps: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -116,6 +120,8 @@ class RequestStats:
             "draft_s": round(self.draft_s, 6),
             "verify_s": round(self.verify_s, 6),
             "finish_reason": self.finish_reason,
+            "sources": {name: {"proposed": p, "accepted": a} for name, (p, a) in self.sources.items()},
+            "plain_steps": dict(self.plain_steps),
         }
 
 

@@ -283,6 +283,6 @@ def _batches_always_speculate(request, monkeypatch):
     BatchGuard (which falls back to plain steps where speculation does not pay, as it does
     not on these tiny models) is bypassed unless a test is marked `real_guard`."""
     if request.node.get_closest_marker("real_guard") is None:
-        from specdec.adaptive import BatchGuard
+        from specdec.policy import BatchGuard
 
         monkeypatch.setattr(BatchGuard, "speculate", lambda self, rows: True)

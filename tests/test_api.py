@@ -74,6 +74,24 @@ def test_streamed_text_adds_up_and_stop_strings_cut(spec):
 
 
 @pytest.mark.default_model
+def test_streamed_text_never_reaches_a_stop_string(spec):
+    """on_text with stop strings: every piece streamed adds up to the returned text, which ends
+    before the stop; nothing at or after it is ever streamed (the API used to stream on and only
+    cut the returned text). The empty stop string is ignored."""
+    prompt = "Count from 1 to 10, separated by commas."
+    full = spec.generate(prompt, max_new_tokens=40)
+    assert "7" in full.text, full.text  # the model counts; the test relies on it
+    for stop in (["7"], ["7", ""], [", 7", "8"]):
+        pieces = []
+        cut = spec.generate(prompt, max_new_tokens=40, stop=stop, on_text=lambda row, t: pieces.append(t))
+        assert cut.finish_reason == "stop" and "".join(pieces) == cut.text, (stop, pieces)
+        assert cut.text == full.text[:full.text.index(stop[0])] and "7" not in "".join(pieces)
+    pieces = []
+    ignored = spec.generate(prompt, max_new_tokens=40, stop=[""], on_text=lambda row, t: pieces.append(t))
+    assert ignored.text == "".join(pieces) == full.text
+
+
+@pytest.mark.default_model
 def test_api_and_cli_decode_the_same_tokens(spec, tmp_path):
     """One configuration, one builder: `specdec generate --json` and the API agree token for token."""
     p = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", PROMPTS[0], "--max-new-tokens", "24",
@@ -102,3 +120,46 @@ def test_bad_generate_options_fail_in_one_line(spec):
             spec.generate("hi", **kwargs)
     with pytest.raises(SpecdecError, match="empty"):
         spec.generate("   ")
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                          "required": ["city"]}}}
+
+
+def _call(city: str, i: int) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+
+
+@pytest.mark.default_model
+def test_prediction_keeps_the_answer_and_tools_are_parsed(spec):
+    """A prediction is a draft: the greedy answer is the same with it. With tools the template
+    (the default model's: specdec's generic format) gets them and the answer's call is parsed."""
+    plain = spec.generate("List the days of the week.", max_new_tokens=40)
+    predicted = spec.generate("List the days of the week.", max_new_tokens=40, prediction=plain.text)
+    assert predicted.token_ids == plain.token_ids
+    few_shot = [{"role": "system", "content": "You answer only with a tool call."},
+                {"role": "user", "content": "Weather in Paris?"}, _call("Paris", 1),
+                {"role": "user", "content": "Weather in Rome?"}, _call("Rome", 2),
+                {"role": "user", "content": "Weather in London?"}]
+    out = spec.generate(few_shot, tools=[WEATHER], max_new_tokens=40)
+    assert out.finish_reason == "tool_calls" and out.text == ""
+    [call] = out.tool_calls
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "London"}
+
+
+def test_bad_shaping_options_fail_in_one_line(spec):
+    with pytest.raises(SpecdecError, match="'uniqueItems'"):
+        spec.generate("hi", json_schema={"type": "array", "uniqueItems": True})
+    with pytest.raises(SpecdecError, match="tool_choice"):
+        spec.generate("hi", tools=[WEATHER], tool_choice="get_time")
+
+
+@pytest.mark.default_model
+def test_json_schema_answers_validate(spec):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"river": {"type": "string"}, "km": {"type": "integer"}},
+              "required": ["river", "km"], "additionalProperties": False}
+    out = spec.generate("Name a long river.", json_schema=schema, max_new_tokens=40)
+    jsonschema.validate(json.loads(out.text), schema)

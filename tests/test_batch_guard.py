@@ -11,14 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.adaptive import BatchGuard
-from specdec.core.policy import band
-from specdec.drafters import REGISTRY
+import helpers
+from helpers import V, prompts, target, target_dir
 from specdec.engine import Engine
+from specdec.policy import BatchGuard, band
 from specdec.types import SamplingParams
 
 from oracle import hf_greedy
-from test_eagle import V, drafter, prompts, target, target_dir
 
 pytestmark = pytest.mark.real_guard
 
@@ -115,28 +114,25 @@ class Alternate(BatchGuard):
 
 
 def make(kind, kw):
-    """A drafter for the tiny target: prompt lookup, a draft model (a second, differently seeded
-    tiny model), lookup + draft model (auto-draft), Medusa heads, the EAGLE tree or lookup + tree."""
-    from specdec.drafters.draft_model import DraftModelDrafter
-    from specdec.drafters.hybrid import HybridDrafter
-    from specdec.drafters.ngram import NgramDrafter
-
+    """Sources for the tiny target: prompt lookup, a draft model (a second, differently seeded tiny
+    model), lookup + draft model (auto with a draft), Medusa heads, the EAGLE tree or lookup + tree."""
     if kind == "ngram":
-        return NgramDrafter()
-    if kind in ("draft", "hybrid"):
-        d = DraftModelDrafter(target(1).model, vocab_size=V)
-        return d if kind == "draft" else HybridDrafter(d, min_n=2, max_n=3)
+        return helpers.lookup()
+    if kind == "draft":
+        return helpers.draft_model(1)
+    if kind == "hybrid":
+        return helpers.auto_draft()
     if kind == "medusa":
-        from test_medusa import heads_dir
-
-        return REGISTRY["medusa"](target=target(), draft=heads_dir())
-    return drafter(kind, **kw)
+        return helpers.medusa()
+    if kind == "lookup":
+        return helpers.auto(**kw)
+    return helpers.eagle(True, **kw)
 
 
 @pytest.mark.parametrize("kind,kw", [("ngram", {}), ("draft", {}), ("hybrid", {}), ("medusa", {}),
                                      (True, dict(depth=3, width=2, nodes=5)),
-                                     ("lookup", dict(depth=3, width=2, nodes=5, min_lookup=1))])
-def test_steps_alternating_plain_and_speculative_stay_exact(kind, kw):
+                                     ("lookup", dict(depth=3, width=2, nodes=5))])
+def test_steps_alternating_plain_and_speculative_stay_exact(monkeypatch, kind, kw):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
@@ -145,8 +141,7 @@ def test_steps_alternating_plain_and_speculative_stay_exact(kind, kw):
     want = [hf_greedy(hf, p, 16) for p in ps]
     d = make(kind, kw)
     eng = Engine(target().model, d, k=4)
-    if kind in ("draft", "hybrid"):  # (the cost model lets every row take the draft model: the guard decides)
-        eng.policy.choose_draft = lambda guesses, gains, step, ok, room=None, behind=None: (eng.policy.k_max, list(ok))
+    helpers.always_drafting(monkeypatch, eng.policy)  # (every row drafts: the guard decides)
     eng.guard = Alternate()
     res = eng.generate(ps, SamplingParams(max_new_tokens=16))
     assert [r.tokens for r in res] == want
@@ -165,7 +160,7 @@ def test_seeded_samples_of_sampled_guesses_take_deterministic_ones_under_the_cos
     seeded = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3)
     plain = [r.tokens for r in Engine(target().model, None).generate(prompts(), seeded)]
     for fixed_k in (False, True):
-        chain, asked = drafter(False), []
+        chain, asked = helpers.eagle(False), []
         propose = chain.propose
         chain.propose = lambda ctx, k: asked.append(ctx.params.greedy) or propose(ctx, k)
         calls.clear()
@@ -180,15 +175,13 @@ def test_seeded_samples_of_sampled_guesses_take_deterministic_ones_under_the_cos
 def test_server_batcher_with_steps_turned_plain_stays_exact():
     """The server's batcher behind the same guard: with steps alternately turned plain (rows
     joining and leaving), every answer still equals plain greedy decoding and trees still ran."""
-    from test_batcher import _auto_batcher, run_join_leave
-
-    b = _auto_batcher(True)
-    b.policy.eager = True  # trees before the head is timed (these short answers never earn a probe)
+    b = helpers.batcher(helpers.auto(depth=3, width=2, nodes=5))
+    b.policy.eager = True  # trees on these short answers, every other step
     b.guard = Alternate()
-    got, want = run_join_leave(b)
+    got, want = helpers.run_join_leave(b)
     assert got == want
     assert b.guard.decisions[True] > 0 and b.guard.decisions[False] > 0
-    assert b.stats()["tree_rows"] > 0
+    assert b.stats().source_rows.get("eagle", 0) > 0
 
 
 @pytest.mark.parametrize("broken", [False, True])
@@ -218,9 +211,9 @@ def test_sampling_with_steps_alternating_plain_and_speculative_follows_the_targe
     out = {c: [] for c in CTX}
     guard = Alternate()
     for s in range(5):
-        d = drafter("lookup", 3, SV, depth=2, width=3, nodes=6, min_lookup=2, min_n=2)
+        d = helpers.auto(3, SV, depth=2, width=3, nodes=6)
         eng = Engine(tg.model, d, k=2)
-        eng.policy.eager = True  # speculate on these 4-token answers (else only probes would, which need room)
+        eng.policy.eager = True  # speculate on these 4-token answers, every other step
         eng.guard = guard
         res = eng.generate(rows, SamplingParams(max_new_tokens=4, seed=900 + s, **params))
         for p, r in zip(rows, res):
@@ -246,19 +239,16 @@ def test_engine_guards_batches_of_every_priced_drafter_and_none_at_a_fixed_k():
     the protocol) is guarded in batches of 2+ rows, as the server guards them (a single row is
     priced by the cost model alone); at a fixed k, or for a drafter that may not sit a step out,
     every step drafts: no guard."""
-    from specdec.drafters.draft_model import DraftModelDrafter
-    from specdec.drafters.ngram import NgramDrafter
-
     from oracle import RandomGuessDrafter
 
     model = target(0).model
-    draft = DraftModelDrafter(target(1).model, vocab_size=V)
+    draft = helpers.draft_model(1)
     assert Engine(model, draft, k=4).guard.min_rows == 2
     assert Engine(model, draft, k=4, fixed_k=True).guard is None
-    assert Engine(model, NgramDrafter(), k=4).guard.min_rows == 2
+    assert Engine(model, helpers.lookup(), k=4).guard.min_rows == 2
     protocol = RandomGuessDrafter(V)
     assert Engine(model, protocol, k=4).guard is None and not Engine(model, protocol, k=4).policy.adaptive
     protocol.may_skip = True
     engine = Engine(model, protocol, k=4)
-    assert engine.method == "protocol" and engine.policy.adaptive and engine.guard.min_rows == 2
+    assert engine.policy.adaptive and engine.guard.min_rows == 2
     assert Engine(model, None).guard is None

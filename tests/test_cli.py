@@ -56,6 +56,10 @@ def test_serve_port_out_of_range_is_refused_before_loading(capsys):
         main(["serve", "--port", "99999"])
     assert e.value.code == 2
     assert "--port: must be <= 65535, got 99999" in capsys.readouterr().err
+    for bad in ("0", "-1", "inf", "soon"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--body-timeout", bad])
+        assert e.value.code == 2 and "--body-timeout" in capsys.readouterr().err
 
 
 def test_corrupt_gguf(tmp_path, monkeypatch, capsys):
@@ -130,21 +134,17 @@ def test_steps_longer_than_the_kernels_verify_exactly_are_refused_before_loading
     """Guesses and tree nodes are capped (types.MAX_GUESSES) so that a step stays within the tokens
     the kernels verify bit for bit as plain decoding computes them (models/llama.py ATTEND_MAX_T);
     the Engine and the server's batcher refuse more guesses too."""
-    import inspect
-
-    from specdec.drafters.hybrid import LookupEagleDrafter
+    from specdec.core.scheduler import ContinuousBatcher
     from specdec.drafters.ngram import NgramDrafter
     from specdec.engine import Engine
     from specdec.models.llama import ATTEND_MAX_T
-    from specdec.core.scheduler import ContinuousBatcher
     from specdec.types import MAX_GUESSES, SpecdecError
 
-    graft = inspect.signature(LookupEagleDrafter).parameters["graft"].default  # lookup nodes auto adds to a tree
-    assert 1 + MAX_GUESSES + graft <= ATTEND_MAX_T
+    assert 1 + MAX_GUESSES <= ATTEND_MAX_T  # (a lookup grafted onto a tree stays within the step's slots)
     with pytest.raises(SpecdecError, match="between 0 and 48"):
         Engine(None, NgramDrafter(), k=MAX_GUESSES + 1)
-    with pytest.raises(SpecdecError, match="between 0 and 48"):
-        ContinuousBatcher(None, method="ngram", k_max=MAX_GUESSES + 1, thread=False)
+    with pytest.raises(SpecdecError, match="at most 48 guesses"):
+        ContinuousBatcher(None, (), [NgramDrafter()], k_max=MAX_GUESSES + 1, thread=False)
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
@@ -212,6 +212,20 @@ def test_stop_string_cuts_text(default_model, capsys):
     obj = json.loads(capsys.readouterr().out)
     assert obj["finish_reason"] == "stop"
     assert obj["text"] == full[: full.index("5")]
+
+
+@pytest.mark.default_model
+def test_streamed_text_stops_before_the_stop_string(default_model, capsys):
+    """Streaming to the terminal with --stop: what was printed is the text up to the stop (text
+    that could still become it is held back, never printed and taken back)."""
+    args = ["generate", "Count from 1 to 10, separated by commas.", "--max-new-tokens", "40", "--quiet"]
+    assert main(args + ["--json"]) == 0
+    full = json.loads(capsys.readouterr().out)["text"]
+    assert ", 5" in full, full
+    for stop in ("5", ", 5", ""):
+        assert main(args + ["--stop", stop]) == 0
+        printed = capsys.readouterr().out
+        assert printed == (full[: full.index(stop)] if stop else full) + "\n", (stop, printed)
 
 
 @pytest.mark.default_model
@@ -361,15 +375,14 @@ def test_batches_of_samples_differ(default_model, capsys):
 def test_notes_for_options_that_do_nothing(argv, drafter, chat, expect):
     """Options that do not apply to the run (tree shapes for chain methods, filters with greedy, a system
     message with raw prompts) used to be dropped without a word."""
+    from types import SimpleNamespace
+
     from specdec.config import SpecConfig, unused_setting_notes
-    from specdec.drafters.hybrid import LookupEagleDrafter
     from specdec.flags import build_parser
 
     args = build_parser().parse_args(["generate", "x", *argv])
-    from specdec.drafters.draft_model import DraftModelDrafter
-
-    d = {"lookup-eagle": object.__new__(LookupEagleDrafter), "other": object(), None: None,
-         "draft": object.__new__(DraftModelDrafter)}[drafter]
+    named = lambda *names: [SimpleNamespace(label=n) for n in names]  # noqa: E731  (the sources' names)
+    d = {"lookup-eagle": named("ngram", "eagle"), "other": named("other"), None: [], "draft": named("draft")}[drafter]
     notes = unused_setting_notes(SpecConfig.from_args(args), d, chat, args.system)
     assert len(notes) == len(expect), notes
     for note, want in zip(notes, expect):
@@ -412,3 +425,21 @@ def test_empty_chat_row_of_a_prompts_file_is_named(tmp_path, capsys, monkeypatch
     f.write_text('{"prompt": "hi"}\n{"messages": [{"role": "user", "content": ""}]}\n')
     assert main(["generate", "--prompts-file", str(f)]) == 2
     assert f"{f}: prompt 2 is empty" in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.default_model
+def test_prediction_and_json_schema_files(default_model, tmp_path, capsys):
+    """--prediction is a draft (the same greedy text with it); a schema the engine does not support,
+    or a file that is not a schema, is one error line naming the flag."""
+    assert main(["generate", "Name three colours.", "--json", "--max-new-tokens", "12", "--quiet"]) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    (tmp_path / "p.txt").write_text(plain["text"])
+    assert main(["generate", "Name three colours.", "--json", "--max-new-tokens", "12", "--quiet",
+                 "--prediction", str(tmp_path / "p.txt")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[0])["token_ids"] == plain["token_ids"]
+    (tmp_path / "bad.json").write_text('{"type": "object", "properties": {"a": {"not": {}}}}')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for path, needle in (("bad.json", "'not'"), ("list.json", "must hold a JSON object"), ("none.json", "cannot read")):
+        assert main(["generate", "hi", "--json-schema", str(tmp_path / path)]) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert "--json-schema" in line and needle in line

@@ -39,8 +39,6 @@ def _config(method, tree=True, draft=None):
                                                ("auto", True, str(DEFAULT_DRAFT_DIR)), ("eagle", True, None),
                                                ("eagle", False, None), ("medusa", True, None), ("medusa", False, None)])
 def test_greedy_speculation_equals_plain_on_default_model(default_model, method, tree, draft):
-    from specdec.drafters.hybrid import HybridDrafter, LookupEagleDrafter
-
     tok = default_model.tokenizer
     ids = [encode_prompt(tok, p, chat) for p, chat in PROMPTS]
     params = SamplingParams(max_new_tokens=48)
@@ -48,10 +46,11 @@ def test_greedy_speculation_equals_plain_on_default_model(default_model, method,
     plain = [plain_engine.generate([x], params)[0].tokens for x in ids]
     engine = build_engine(_config(method, tree, draft), default_model)
     if method == "draft" or draft is not None:  # the shipped draft, with its vocabulary-subset head
-        draft_drafter = engine.drafter.draft if draft else engine.drafter
+        draft_drafter = next(d for d in engine.sources if d.label == "draft")
         assert draft_drafter.subset is not None and len(draft_drafter.subset) > 0
     if method == "auto":  # the default target's auto: lookup + the shipped EAGLE head; --draft MODEL: + the draft
-        assert isinstance(engine.drafter, HybridDrafter if draft else LookupEagleDrafter)
+        assert [d.label for d in engine.sources] == ["ngram", "suffix", "draft" if draft else "eagle", "prediction",
+                                                     "grammar"]
     one_by_one = [engine.generate([x], params)[0] for x in ids]
     assert [r.tokens for r in one_by_one] == plain
     assert sum(r.stats.accepted for r in one_by_one) > 0  # the draft is right some of the time

@@ -12,14 +12,14 @@ import sys
 import pytest
 import torch
 
+import helpers
+from helpers import prompts, run_join_leave, run_jobs, target, target_dir
+from specdec.core.scheduler import ContinuousBatcher
 from specdec.drafters import Draft, DraftContext, Drafter
 from specdec.engine import Engine
-from specdec.core.scheduler import ContinuousBatcher
 from specdec.types import SamplingParams, SpecdecError
 
 from oracle import hf_greedy, one_thread
-from test_batcher import _run, run_join_leave
-from test_eagle import prompts, target, target_dir
 
 
 class EchoDrafter(Drafter):
@@ -86,7 +86,9 @@ def test_a_protocol_only_drafter_runs_in_generate(tree):
     hf.generation_config.pad_token_id = 0
     ps = prompts()
     d = EchoDrafter(tree)
-    res = Engine(target().model, d, k=4).generate(ps, SamplingParams(max_new_tokens=16))
+    # (a fixed k: every step drafts; priced, an unmeasured tree may wait for a probe these answers
+    # are too short for)
+    res = Engine(target().model, d, k=4, fixed_k=True).generate(ps, SamplingParams(max_new_tokens=16))
     assert [r.tokens for r in res] == [hf_greedy(hf, p, 16) for p in ps]
     assert d.commits > 0 and sum(r.stats.proposed for r in res) > 0
 
@@ -94,49 +96,39 @@ def test_a_protocol_only_drafter_runs_in_generate(tree):
 @pytest.mark.parametrize("tree", [False, True])
 def test_a_protocol_only_drafter_runs_in_the_batcher(tree):
     d = EchoDrafter(tree)
-    b = ContinuousBatcher(target().model, (), method="echo", k_max=4, max_batch=3, max_context=96, drafter=d,
-                          adaptive=False)
+    b = ContinuousBatcher(target().model, (), [d], method="echo", k_max=4, max_batch=3, max_context=96, adaptive=False)
     got, want = run_join_leave(b)
     assert got == want
     s = b.stats()
-    assert d.commits > 0 and s["proposed"] > 0 and s["accepted"] > 0 and s["batch"] == 0
-    if tree:
-        assert s["tree_rows"] > 0
+    assert d.commits > 0 and s.proposed > 0 and s.accepted > 0 and s.batch == 0
+    assert s.source_rows.get("echodrafter", 0) > 0
 
 
 @pytest.mark.parametrize("method,tree", [("medusa", True), ("medusa", False), ("eagle", True)])
 def test_registered_head_drafters_run_in_the_batcher(method, tree):
-    """Medusa (chain and static tree) and an EAGLE tree in the server's batcher, adaptive (the
-    batch guard may sit steps out): every answer equals plain greedy decoding."""
-    from specdec.drafters import REGISTRY
-
-    if method == "medusa":
-        from test_medusa import heads_dir
-
-        d = REGISTRY["medusa"](target=target(), draft=heads_dir(), tree=tree)
-    else:
-        from test_eagle import drafter
-
-        d = drafter(tree, depth=3, width=2, nodes=6)
-    b = ContinuousBatcher(target().model, (), method=method, k_max=3, max_batch=3, max_context=96, drafter=d)
+    """Medusa (chain and static tree) and an EAGLE tree in the server's batcher, every row drafting
+    (a fixed k: priced, a tree nothing has measured waits for a probe these answers are too short
+    for): every answer equals plain greedy decoding."""
+    d = helpers.medusa(tree=tree) if method == "medusa" else helpers.eagle(tree, depth=3, width=2, nodes=6)
+    b = ContinuousBatcher(target().model, (), [d], method=method, k_max=3, max_batch=3, max_context=96,
+                          adaptive=False)
     got, want = run_join_leave(b)
     assert got == want
-    assert b.stats()["proposed"] > 0
+    assert b.stats().proposed > 0
 
 
 def test_a_seeded_sample_in_the_generic_batcher_does_not_depend_on_the_load():
     """Seeded sampled rows take no guesses from a generic drafter: the same tokens alone and
     beside greedy rows that speculate."""
     d = EchoDrafter()
-    b = ContinuousBatcher(target().model, (), method="echo", k_max=4, max_batch=3, max_context=96, drafter=d,
-                          adaptive=False)
+    b = ContinuousBatcher(target().model, (), [d], method="echo", k_max=4, max_batch=3, max_context=96, adaptive=False)
     seeded = SamplingParams(max_new_tokens=12, temperature=0.9, seed=5)
     try:
-        alone = _run(b, [(prompts()[0], seeded)])
-        shared = _run(b, [(prompts()[1], SamplingParams(max_new_tokens=12)), (prompts()[0], seeded)])
+        alone = run_jobs(b, [(prompts()[0], seeded)])
+        shared = run_jobs(b, [(prompts()[1], SamplingParams(max_new_tokens=12)), (prompts()[0], seeded)])
     finally:
         b.close()
-    assert shared[1] == alone[0] and b.stats()["proposed"] > 0
+    assert shared[1] == alone[0] and b.stats().proposed > 0
 
 
 def test_a_drafter_outside_the_protocol_is_refused():
@@ -146,14 +138,14 @@ def test_a_drafter_outside_the_protocol_is_refused():
     with pytest.raises(SpecdecError, match="subclass specdec.drafters.Drafter"):
         Engine(target().model, Loose(), k=2)
     with pytest.raises(SpecdecError, match="Drafter"):
-        ContinuousBatcher(target().model, (), method="loose", drafter=Loose(), thread=False)
+        ContinuousBatcher(target().model, (), [Loose()], method="loose", thread=False)
 
 
-def test_the_registry_imports_a_drafter_only_when_asked():
-    code = ("import sys, specdec.drafters as d; "
-            "assert not [m for m in sys.modules if m.startswith('specdec.drafters.') and m != 'specdec.drafters.base'];"
-            "assert 'medusa' in d.REGISTRY and 'medusa' in list(d.REGISTRY); d.REGISTRY['ngram']; "
-            "loaded = sorted(m for m in sys.modules if m.startswith('specdec.drafters.')); "
+def test_the_method_table_imports_a_source_only_when_it_builds_it():
+    code = ("import sys, specdec.methods as m, specdec.drafters; "
+            "assert not [x for x in sys.modules if x.startswith('specdec.drafters.') and x != 'specdec.drafters.base'];"
+            "assert 'medusa' in m.TABLE; m.TABLE['ngram'].build(None, None, True); "
+            "loaded = sorted(x for x in sys.modules if x.startswith('specdec.drafters.')); "
             "assert loaded == ['specdec.drafters.base', 'specdec.drafters.ngram'], loaded")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -180,7 +172,7 @@ def test_a_protocol_only_drafter_runs_in_validate(tree):
     lm = SimpleNamespace(model=model, eos_ids=[], name="tiny", source="tiny-dir", gguf=None)
     samples = Samples([Task(str(i), "c", "p", False) for i in range(len(ps))], ps, source="mem", fmt="jsonl",
                       total=len(ps))
-    config = measure.Config("echo", "echo", 4, tree, Engine(model, EchoDrafter(tree), k=4))
+    config = measure.Config("echo", "echo", 4, tree, Engine(model, EchoDrafter(tree), k=4, fixed_k=True))
     opts = pipeline.Options(max_new_tokens=12, repeats=1, concurrency=(), dist_samples=1, dist_draws=160,
                             dist_tokens=3, quiet=True)
     r = pipeline.run(lm, samples, [config], Engine(model), opts, {}, "test", {})
@@ -189,7 +181,7 @@ def test_a_protocol_only_drafter_runs_in_validate(tree):
     assert [d["status"] for d in r["distribution"]] == ["pass"], r["distribution"]
     params = SamplingParams(max_new_tokens=12)
     load = measure.load(model, [], ps, params, levels=[1, 3], k=4, min_requests=3, repeats=1, reference=want,
-                        make_drafter=lambda: EchoDrafter(tree), method="echo")
+                        make_sources=lambda: [EchoDrafter(tree)], method="echo")
     for name in measure.LOAD_SETTINGS:
         for c in (1, 3):
             row = load["table"][name][c]
@@ -222,3 +214,40 @@ def test_a_draft_models_timing_is_steady_only_without_a_catch_up():
     d.skip()  # steps sat out: more than a step's worth to catch up on
     d.propose(DraftContext([c + [7] * 12 for c in ctx], SamplingParams(), None), 3)
     assert not d.draft_timing()[1]
+
+
+@pytest.mark.default_model
+def test_the_documented_draft_source_runs_in_generate_serve_and_validate(default_model):
+    """docs/draft-sources.md's example, run as written (a known source and its one-line method):
+    through the Python API (generate), the server's batcher (build_batcher) and validate's
+    pipeline; greedy output equals plain decoding in each, and its guesses were verified."""
+    import re
+    from pathlib import Path
+
+    from specdec.config import SpecConfig, build_batcher
+    from specdec.methods import TABLE
+    from specdec.text import encode_prompt
+    from specdec.validate import measure
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "draft-sources.md").read_text()
+    code = re.search(r"```python\n(.*?)\n```", text, re.S).group(1)
+    space: dict = {}
+    try:
+        exec(code, space)  # noqa: S102 - the documented example, as a user runs it
+        out, spec, prompt = space["out"], space["spec"], space["prompt"]
+        plain = space["speculator"].generate(prompt, chat=False, max_new_tokens=32)
+        assert out.token_ids == plain.token_ids and out.stats.sources["phrases"][0] > 0, out.stats.sources
+        ids = encode_prompt(default_model.tokenizer, prompt, False)
+        lm, batcher = build_batcher(SpecConfig(method="phrases"), quiet=True, thread=True)
+        try:
+            [served] = run_jobs(batcher, [(ids, SamplingParams(max_new_tokens=32))])
+        finally:
+            batcher.close()
+        assert served == plain.token_ids and batcher.stats().source_rows.get("phrases", 0) > 0
+        config = measure.Config("phrases", "phrases", 8, False, spec.engine)
+        none = space["speculator"].engine
+        runs = measure.acceptance([config], none, [ids], SamplingParams(max_new_tokens=32), repeats=1)
+        [row] = runs["phrases"]["samples"]
+        assert row["equal"] and row["proposed"] > 0, row
+    finally:
+        TABLE.pop("phrases", None)

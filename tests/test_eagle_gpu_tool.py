@@ -19,8 +19,9 @@ def run(*args):
 
 
 def test_eagle_gpu_tool_dry_run_on_cpu(tmp_path):
-    from specdec.drafters import REGISTRY
+    from specdec.config import SpecConfig
     from specdec.engine import Engine
+    from specdec.methods import TABLE
     from specdec.models.loader import load_model
     from specdec.types import SamplingParams
 
@@ -45,7 +46,8 @@ def test_eagle_gpu_tool_dry_run_on_cpu(tmp_path):
     target = load_model(str(out / "tiny_target"), quiet=True)
     prompt = target.tokenizer.encode("def add(a, b):\n")
     plain = Engine(target.model, eos_ids=[]).generate([prompt], SamplingParams(max_new_tokens=12))[0].tokens
-    d = REGISTRY["eagle"](target=target, draft=str(out), tree=True, depth=3, width=2, nodes=4)
+    [d] = TABLE["eagle"].build(SpecConfig(method="eagle", draft=str(out), tree_depth=3, tree_width=2, tree_nodes=4),
+                               target, True)
     spec = Engine(target.model, d, k=3, eos_ids=[]).generate([prompt], SamplingParams(max_new_tokens=12))[0]
     assert spec.tokens == plain and spec.stats.proposed > 0
 

@@ -29,7 +29,6 @@ import specdec.core.step
 import specdec.engine
 from specdec.drafters.base import DraftContext
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.drafters.hybrid import HybridDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.types import SamplingParams
@@ -86,7 +85,7 @@ def make_drafter(name: str, temperature: float, top_k: int, top_p: float):
     target_hf, target, draft = models()
     return {
         # fixed lengths: the adaptive rule would learn to stop guessing on a random model
-        "ngram": lambda: NgramDrafter(adaptive=False),
+        "ngram": lambda: NgramDrafter(),
         "draft_model": lambda: DraftModelDrafter(draft),
         "draft_self": lambda: DraftModelDrafter(target),
         # rows stop guessing after a doubtful token (the draft's own probability < 0.1):
@@ -99,7 +98,7 @@ def make_drafter(name: str, temperature: float, top_k: int, top_p: float):
         "confidently_wrong": lambda: ConfidentlyWrongDrafter(target_hf, temperature, top_k, top_p),
         "random_guesses": lambda: RandomGuessDrafter(V, seed=5, mode="random"),
         # lookup rows carry one-hot q, draft rows the draft's q, mixed within a batch
-        "hybrid": lambda: HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3, gate=False),
+        "hybrid": lambda: [NgramDrafter(2, 3), DraftModelDrafter(draft, lazy=True)],
     }[name]()
 
 
@@ -257,23 +256,23 @@ def test_same_seed_same_sample_whatever_the_timing(monkeypatch, drafter_name):
     draft model that drew its guesses from q for seeded rows would fail this)."""
     import random
 
-    from specdec.core.policy import LengthPolicy, LoadPolicy
+    from specdec.policy import Choice, LoadPolicy
 
     _, target, draft = models()
     noise = random.Random(0)
-    monkeypatch.setattr(LengthPolicy, "r", property(lambda self: noise.uniform(0.0, 2.0)))
+    monkeypatch.setattr(LoadPolicy, "guess_steps", lambda self, rows: noise.uniform(0.0, 2.0))
 
-    def noisy(self, guesses, gains, step, ok, *rest, **kw):
-        return noise.randint(0, self.k_max), [o and noise.random() < 0.7 for o in ok]
+    def noisy(self, quotes, step, room, fixed=False):
+        pick = [noise.choice([None] + [i for i, q in enumerate(quotes) if q.ok[b]]) for b in range(len(room))]
+        return Choice(noise.randint(0, self.k_max), pick)
 
-    monkeypatch.setattr(LoadPolicy, "choose_draft", noisy)
-    monkeypatch.setattr(LoadPolicy, "choose_k", lambda self, guesses, *a, **kw: noisy(self, guesses, 0, 0, [False] * len(guesses)))
+    monkeypatch.setattr(LoadPolicy, "choose", noisy)
     prompts = [list(c) for c in contexts()] * 2
     params = SamplingParams(max_new_tokens=20, seed=11, temperature=0.9, top_p=0.95)
 
     def run():
         d = {"ngram_adaptive": NgramDrafter, "draft_adaptive": lambda: DraftModelDrafter(draft),
-             "hybrid_adaptive": lambda: HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3)}[drafter_name]()
+             "hybrid_adaptive": lambda: [NgramDrafter(2, 3), DraftModelDrafter(draft, lazy=True)]}[drafter_name]()
         res = Engine(target, d, k=4).generate(prompts, params)
         assert sum(r.stats.proposed for r in res) > 0
         return [r.tokens for r in res]
@@ -301,13 +300,13 @@ def test_deterministic_guesses_commit_plain_samplings_text(monkeypatch, drafter_
     if drafter_name == "ngram_adaptive":
         d = NgramDrafter()
     elif drafter_name.endswith("_priced"):  # a seeded row's draft-model guesses are its argmax
-        from specdec.core.policy import LoadPolicy
+        from specdec.policy import Choice, LoadPolicy
 
-        # (the cost model lets every row that may take the draft model do so: these answers are short)
-        monkeypatch.setattr(LoadPolicy, "choose_draft", lambda self, guesses, gains, step, ok, room=None, behind=None:
-                            (self.k_max, list(ok)))
-        d = DraftModelDrafter(models()[2])
-        d = HybridDrafter(d, min_n=2, max_n=3) if drafter_name == "hybrid_priced" else d
+        # (the cost model lets every row take the draft model: these answers are short)
+        monkeypatch.setattr(LoadPolicy, "choose", lambda self, quotes, step, room, fixed=False: Choice(
+            self.k_max, [len(quotes) - 1 if quotes[-1].ok[b] else None for b in range(len(room))]))
+        d = DraftModelDrafter(models()[2], lazy=drafter_name == "hybrid_priced")
+        d = [NgramDrafter(2, 3), d] if drafter_name == "hybrid_priced" else d
     elif drafter_name.startswith("tree_"):  # deterministic trees (probs None), of the target's top tokens
         warp_args = (params["temperature"], params.get("top_k", 0), params.get("top_p", 1.0))
         d = TreeDrafter(models()[0], (2, 2), mode=drafter_name[5:], warp_args=warp_args)
@@ -351,14 +350,14 @@ def test_unseeded_rows_carry_the_draft_models_q_and_lookup_rows_one_hot(monkeypa
         return run_step(model, cache, pending, d, *args, **kwargs)
 
     monkeypatch.setattr(scheduler, "run_step", spy)
-    from specdec.core.policy import LoadPolicy
+    from specdec.policy import Choice, LoadPolicy
 
     # (the cost model's choice, made here: even rows take the draft model, odd ones their lookup)
-    monkeypatch.setattr(LoadPolicy, "choose_draft", lambda self, guesses, gains, step, ok, room=None, behind=None:
-                        (self.k_max, [o and b % 2 == 0 for b, o in enumerate(ok)]))
+    monkeypatch.setattr(LoadPolicy, "choose", lambda self, quotes, step, room, fixed=False: Choice(
+        self.k_max, [1 if b % 2 == 0 else 0 for b in range(len(room))]))
     prompts = [list(c) for c in contexts()] * 2
     params = SamplingParams(max_new_tokens=16, temperature=0.9)
-    res = Engine(target, HybridDrafter(DraftModelDrafter(draft), min_n=2, max_n=3), k=3).generate(prompts, params)
+    res = Engine(target, [NgramDrafter(2, 3), DraftModelDrafter(draft, lazy=True)], k=3).generate(prompts, params)
     assert all(len(r.tokens) == 16 for r in res)
     rows = {"draft": 0, "lookup": 0}
     for d in seen:

@@ -127,14 +127,16 @@ def test_quantize_q8_0_error_is_within_half_a_step_and_q8_values_survive():
 def test_eagle_head_drafts_on_the_kernels_and_stays_exact(default_model):
     """The EAGLE head drafts on the row-stable kernels its GGUF target runs on (Q8_0 copies of its
     projections and subset head); auto's greedy output still equals plain greedy output."""
-    from specdec.drafters.hybrid import lookup_eagle_for
+    from specdec.config import SpecConfig
     from specdec.engine import Engine
+    from specdec.methods import sources_for
     from specdec.types import SamplingParams
 
     ops = need_kernels()
-    d = lookup_eagle_for(default_model)
-    assert d.eagle.W_rs is not None and d.eagle.W_rs[0] == ops.q8_0_linear
-    assert d.eagle.head.wqkv.rs is ops and d.eagle.head.wqkv.rs_blocks is not None
+    d = sources_for(SpecConfig(), default_model)[0]  # auto: prompt lookup and the shipped EAGLE head
+    head = next(s for s in d if s.label == "eagle")
+    assert head.W_rs is not None and head.W_rs[0] == ops.q8_0_linear
+    assert head.head.wqkv.rs is ops and head.head.wqkv.rs_blocks is not None
     ids = default_model.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n")
     sp = SamplingParams(max_new_tokens=40)
     [plain] = Engine(default_model.model, None, k=0).generate([ids], sp)
@@ -152,12 +154,13 @@ def test_eagle_head_steps_through_the_kernels_as_through_torch(default_model):
     ancestors; and whole tree proposals agree with the torch path's."""
     import torch
 
+    from specdec.config import SpecConfig
     from specdec.drafters.base import DraftContext
-    from specdec.drafters.hybrid import lookup_eagle_for
+    from specdec.methods import sources_for
     from specdec.types import SamplingParams
 
     ops = need_kernels()
-    d = lookup_eagle_for(default_model).eagle
+    d = next(s for s in sources_for(SpecConfig(), default_model)[0] if s.label == "eagle")
     assert d.kops is ops
     torch.manual_seed(0)
     D = d.dim

@@ -104,11 +104,11 @@ def test_bench_with_a_gguf_draft_equals_plain(files, tmp_path, capsys):
     tasks.write_text("".join(json.dumps({"prompt": p, "chat": False, "category": "c"}) + "\n" for p in PROMPTS))
     capsys.readouterr()
     rc = main(["bench", "--tasks", str(tasks), "--model", str(target), "--draft", str(draft), "--methods",
-               "none,draft,auto-draft", "--peers", "hf", "--max-new-tokens", str(N), "--quiet"])
+               "none,draft,auto:with=draft", "--peers", "hf", "--max-new-tokens", str(N), "--quiet"])
     out = capsys.readouterr().out
     assert rc == 0, out
     result = json.loads(out.strip().splitlines()[-1])
-    for runner in ("draft", "auto-draft", "hf"):  # hf: transformers' own GGUF loading, an independent engine
+    for runner in ("draft", "auto:with=draft", "hf"):  # hf: transformers' own GGUF loading, an independent engine
         row = result["table"][runner]["all"]
         assert row["status"] == "ok" and row["equal_to_none"] == f"{len(PROMPTS)}/{len(PROMPTS)}", runner
     assert result["table"]["draft"]["all"]["draft_s"] > 0

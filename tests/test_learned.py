@@ -11,14 +11,19 @@ import json
 import pytest
 import torch
 
+from helpers import auto, prompts, target, target_dir
 from specdec import learned
-from specdec.adaptive import BatchGuard, DecayedLine, StepModel
-from specdec.drafters.ngram import LengthPolicy, NgramDrafter
+from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
+from specdec.policy import Acceptance, BatchGuard, DecayedLine, StepModel
 from specdec.types import SamplingParams
 
 from oracle import hf_greedy
-from test_eagle import _one_thread, drafter, prompts, target, target_dir  # noqa: F401  (fixture)
+from test_eagle import _one_thread  # noqa: F401  (a module-wide fixture)
+
+
+def drafter():
+    return auto(depth=3, width=2, nodes=5)
 
 
 def test_decayed_line_scaled_keeps_the_fitted_line_and_caps_the_weight():
@@ -43,30 +48,36 @@ def free_guesses() -> dict:
     return fit.learned(16.0)
 
 
-def test_length_policy_round_trips_capped_and_refuses_what_does_not_fit():
-    pol = LengthPolicy(max_n=4, max_k=8)
+def test_acceptance_round_trips_capped_and_refuses_what_does_not_fit():
+    pol = Acceptance(5, 8, prior=0.5)
     for i in range(200):
         pol.observe(2, 4, 3 if i % 4 else 0)
-        pol.observe_time(i % 4, 0.01 + 0.003 * (i % 4))
     state = json.loads(json.dumps(pol.learned()))  # as it goes through the file
     assert max(max(r) for r in state["seen"]) == pytest.approx(8.0)
-    new = LengthPolicy(max_n=4, max_k=8)
+    new = Acceptance(5, 8, prior=0.5)
     new.relearn(state)
-    assert new.r == pytest.approx(pol.r) and new.step_seconds() == pytest.approx(pol.step_seconds())
     assert new.expected(2, 4) == pytest.approx(pol.expected(2, 4))  # same acceptance, fewer counts
     assert new.seen[2][0] < pol.seen[2][0]
-    assert new.times.weight(1) == pytest.approx(16.0)  # the step-time fit, capped too
-    before = (new.acc, new.seen, new.times.learned(1e9))
-    nan_fit = json.loads(json.dumps(state["times"]))
-    nan_fit["all"]["v"][1] = float("nan")
-    for bad in (dict(state, acc=state["acc"][:-1]),  # another max_n
-                dict(state, seen=[r[:-1] for r in state["seen"]]),  # another max_k
-                dict(state, acc=[[9.0] * 8] + state["acc"][1:]),  # more accepted than seen
-                dict(state, times=nan_fit),
-                dict(state, times=[1.0, 2.0, 0, 0, 0])):  # the layout before the step-time fit
+    before = (new.acc, new.seen)
+    for bad in (dict(state, acc=state["acc"][:-1]),  # another number of keys
+                dict(state, seen=[r[:-1] for r in state["seen"]]),  # another number of positions
+                dict(state, acc=[[9.0] * 8] + state["acc"][1:])):  # more accepted than seen
         with pytest.raises((ValueError, TypeError)):
             new.relearn(bad)
-        assert (new.acc, new.seen, new.times.learned(1e9)) == before
+        assert (new.acc, new.seen) == before
+
+
+def test_the_step_time_fit_round_trips_capped_and_refuses_a_nan():
+    fit = StepModel()
+    for i in range(200):
+        fit.observe(1, i % 4, 0.01 + 0.003 * (i % 4))
+    state = json.loads(json.dumps(fit.learned(16.0)))
+    new = StepModel()
+    new.relearn(state)
+    assert new.predict(1, 3) == pytest.approx(fit.predict(1, 3)) and new.weight(1) == pytest.approx(16.0)
+    state["all"]["v"][1] = float("nan")
+    with pytest.raises(ValueError):
+        StepModel().relearn(state)
 
 
 def test_guard_round_trip():
@@ -151,60 +162,63 @@ def _run(engine, params, ps):
 
 
 def test_restored_auto_decides_from_its_first_step_and_stays_exact(monkeypatch):
-    """A fresh auto engine does not draft a tree before a probe has timed the head; one restored
-    from a run that found trees paying drafts them from its first step, and one restored from a
-    run that found them not paying does not. Greedy output equals transformers' either way."""
+    """An auto engine restored from a run that found trees paying drafts them from its first step,
+    and one restored from a run that found them not paying does not. Greedy output equals
+    transformers' either way."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
     hf.generation_config.pad_token_id = 0
     ps = prompts()
     want = [hf_greedy(hf, p, 12) for p in ps]
-    first = drafter("lookup", depth=3, width=2, nodes=5)
-    assert _run(Engine(target().model, first, k=3), SamplingParams(max_new_tokens=12), ps) == want
-    assert first.rows_drafted["eagle"] == 0  # 12 tokens: before the first probe
-    state = json.loads(json.dumps(Engine(target().model, first, k=3).learned()))
-    state["drafter"].update(gain=3.0)  # a head that paid well, drafting a tree in 0.1 ms
-    state["policy"]["head_time"] = [8.0, 8.0, 8e-4, 8.0, 8e-4]  # (a line's sums: 8 points at 1 row, 0.1 ms)
+    first = Engine(target().model, drafter(), k=3)
+    assert _run(first, SamplingParams(max_new_tokens=12), ps) == want
+    state = json.loads(json.dumps(first.learned()))
+    head = state["policy"]["sources"]["eagle"]
+    head.update(gain=3.0, time=[8.0, 8.0, 8e-4, 8.0, 8e-4])  # a head that paid well, drafting a tree in 0.1 ms
     # a step-time fit of 10 ms a step, guesses free (what the first run timed depends on the
     # machine's load), so the cost model's verdict is fixed
     state["policy"]["steps"] = free_guesses()
-    pays = drafter("lookup", depth=3, width=2, nodes=5)
-    engine = Engine(target().model, pays, k=3)
-    engine.relearn(state)
-    assert engine.policy.head_cost(1) == pytest.approx(1e-4)
-    assert _run(engine, SamplingParams(max_new_tokens=12), ps) == want
-    assert pays.rows_drafted["eagle"] > 0
-    state["drafter"].update(gain=0.0)  # a head that did not
-    idle = drafter("lookup", depth=3, width=2, nodes=5)
-    engine = Engine(target().model, idle, k=3)
-    engine.relearn(state)
-    assert _run(engine, SamplingParams(max_new_tokens=12), ps) == want
-    assert idle.rows_drafted["eagle"] == 0
+
+    def trees(state) -> int:
+        engine = Engine(target().model, drafter(), k=3)
+        engine.relearn(state)
+        res = engine.generate(ps, SamplingParams(max_new_tokens=12))
+        assert [r.tokens for r in res] == want
+        return sum(r.stats.sources.get("eagle", [0])[0] for r in res)
+
+    assert trees(state) > 0
+    head.update(gain=0.0)  # a head that did not pay
+    assert trees(state) == 0
 
 
 def test_the_cost_model_round_trips_and_refuses_what_does_not_fit():
-    """LoadPolicy.learned / relearn: the step-time fit, the head's drafting-time line and the
-    draft model's acceptance come back as they were (capped); a malformed entry changes nothing."""
-    from specdec.core.policy import LoadPolicy
+    """LoadPolicy.learned / relearn: the step-time fit, a source's drafting-time line and its
+    acceptance come back as they were (capped); a malformed step fit changes nothing, a malformed
+    source is dropped when that source registers."""
+    from specdec.policy import LoadPolicy
 
     policy = LoadPolicy(4)
+    head, draft = policy.source("eagle", False, True, 0.6, 5), policy.source("draft", False, False, 0.6)
     for i in range(40):
         policy.observe_step(1 + i % 3, i % 5, 0.01 + 0.002 * (i % 5))
-        policy.observe_head(1 + i % 2, 0.003 * (1 + i % 2), True)
-        policy.observe_draft([2], [1 + i % 2])
+        policy.observe_drafting(head, 1 + i % 2, 0.003 * (1 + i % 2), 1, True)
+        policy.observe_outcome(draft, [2], [1 + i % 2])
     state = json.loads(json.dumps(policy.learned()))
     new = LoadPolicy(4)
     new.relearn(state)
+    new_head, new_draft = new.source("eagle", False, True, 0.6, 5), new.source("draft", False, False, 0.6)
     assert new.steps.predict(2, 3) == pytest.approx(policy.steps.predict(2, 3))
-    assert new.head_cost(5) == pytest.approx(policy.head_cost(5))
-    assert new.head_time.weight == pytest.approx(16.0)  # at most 16 steps' weight carried
-    assert new.draft_odds.expected(0, 4) == pytest.approx(policy.draft_odds.expected(0, 4), rel=0.05)
-    for bad in (dict(state, head_time=[1.0, 2.0]), dict(state, draft_time=[-1.0] * 5), dict(state, steps={})):
-        fresh = LoadPolicy(4)
-        with pytest.raises((ValueError, KeyError)):
-            fresh.relearn(bad)
-        assert fresh.head_time.weight == 0 and fresh.steps.predict(1, 1) is None
+    assert new_head.draft_seconds(5) == pytest.approx(head.draft_seconds(5))
+    assert new_head.time.weight == pytest.approx(16.0)  # at most 16 steps' weight carried
+    assert new_draft.acceptance.expected(0, 4) == pytest.approx(draft.acceptance.expected(0, 4), rel=0.05)
+    with pytest.raises((ValueError, KeyError)):
+        LoadPolicy(4).relearn(dict(state, steps={}))
+    bad = json.loads(json.dumps(state))
+    bad["sources"]["eagle"]["time"] = [1.0, 2.0]
+    fresh = LoadPolicy(4)
+    fresh.relearn(bad)
+    assert not fresh.source("eagle", False, True, 0.6, 5).timed
 
 
 @pytest.mark.parametrize("method", ["ngram", "lookup"])
@@ -216,18 +230,18 @@ def test_a_seeded_sample_does_not_depend_on_what_was_restored(method):
     ps = [rep, prompts()[1]]
 
     def make():
-        d = NgramDrafter() if method == "ngram" else drafter("lookup", depth=3, width=2, nodes=5)
-        return Engine(target().model, d, k=3)
+        return Engine(target().model, NgramDrafter() if method == "ngram" else drafter(), k=3)
 
-    plain = _run(make(), params, ps)
+    first = make()
+    plain = _run(first, params, ps)
+    state = json.loads(json.dumps(first.learned()))
     eng = make()
-    state = json.loads(json.dumps(eng.learned()))
-    pol = state["drafter"]["policy"] if method == "ngram" else state["drafter"]["ngram"]["policy"]
-    pol["acc"] = [[s for s in row] for row in pol["seen"]]  # every guess held
-    pol["times"] = free_guesses()
+    look = state["policy"]["sources"]["ngram"]["acceptance"]
+    look["acc"] = [[s for s in row] for row in look["seen"]]  # every guess held
+    state["policy"]["steps"] = free_guesses()
     if method == "lookup":  # and no tree node worth verifying (an unseeded request would cut every tree)
-        state["drafter"].update(gain=4.0, odds={"acc": [0.0] * 10, "seen": [8.0] * 10})
-        state["policy"]["head_time"] = [8.0, 8.0, 8e-5, 8.0, 8e-5]  # (the head timed at 0.01 ms a tree)
+        state["policy"]["sources"]["eagle"].update(gain=4.0, time=[8.0, 8.0, 8e-5, 8.0, 8e-5])
+        state["source:eagle"] = {"odds": {"acc": [0.0] * 10, "seen": [8.0] * 10}}
     eng.relearn(state)
     assert _run(eng, params, ps) == plain
 

@@ -206,10 +206,11 @@ def test_the_eagle_drafter_reads_embedding_and_head_rows_without_a_float_table(d
     whole vocabulary (113 MB here, ~0.9 GB for a 1.5B Qwen): it looks tokens up through the
     target's embedding and reads its vocabulary subset's head rows alone, with the numbers of the
     whole table's rows (the oracle: lm_head_weight(), built after the check)."""
-    from specdec.drafters.hybrid import lookup_eagle_for
+    from specdec.config import SpecConfig
+    from specdec.methods import sources_for
 
     lm = load_model(quiet=True)
-    d = lookup_eagle_for(lm).eagle
+    d = next(s for s in sources_for(SpecConfig(), lm)[0] if s.label == "eagle")
     assert lm.model.embed._weight is None
     table = lm.model.lm_head_weight()  # (tied: the embedding table)
     assert d.subset is not None and torch.equal(d.W, table[d.subset])
@@ -233,13 +234,13 @@ def test_default_model_named_by_its_path_is_the_default(default_model):
     load_medusa(default_medusa_for(bf), bf)
     # and auto drafts with the head on the bf16 target (its fp32 rotary table promoted q/k, and
     # writing them into the bf16 cache failed before)
-    from specdec.drafters.hybrid import lookup_eagle_for
+    from specdec.config import SpecConfig
     from specdec.engine import Engine
+    from specdec.methods import sources_for
     from specdec.types import SamplingParams
 
     ids = bf.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
-    drafter = lookup_eagle_for(bf)
-    engine = Engine(bf.model, drafter, k=8, eos_ids=())
-    engine.policy.eager = True  # trees from the first step (a fresh engine waits to time the head)
+    engine = Engine(bf.model, sources_for(SpecConfig(), bf)[0], k=8, eos_ids=())
+    engine.policy.eager = True  # every source drafts every other step
     [r] = engine.generate([ids], SamplingParams(max_new_tokens=24))
-    assert len(r.tokens) == 24 and r.stats.proposed > 0 and drafter.rows_drafted["eagle"] > 0
+    assert len(r.tokens) == 24 and r.stats.proposed > 0 and r.stats.sources.get("eagle", [0])[0] > 0

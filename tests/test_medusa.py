@@ -5,23 +5,19 @@ training pipeline end to end on local shards (reusing EAGLE-style features)."""
 
 from __future__ import annotations
 
-import functools
 import itertools
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
-from specdec.drafters import REGISTRY
-from specdec.drafters.eagle import target_fingerprint
-from specdec.drafters.medusa import MedusaHeads, choose_tree, load_medusa, save_medusa
+from helpers import V, heads_dir, method_sources, prompts, target, target_dir
+from specdec.drafters.medusa import choose_tree, load_medusa
 from specdec.engine import Engine
 from specdec.train.medusa import MedusaTrainConfig, train_medusa
 from specdec.types import SamplingParams, SpecdecError
 
 from oracle import hf_greedy, one_thread
-from test_eagle import _TMP, CTX, SV, V, chi2_against, prompts, target, target_dir
+from test_eagle import CTX, SV, chi2_against
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -41,22 +37,6 @@ def test_choose_tree_is_the_most_probable_prefix_closed_set():
     assert tree.index((0,)) < tree.index((0, 0))  # prefixes come first
 
 
-@functools.lru_cache(maxsize=None)
-def heads_dir(seed: int = 0, vocab: int = V, noise: float = 0.3):
-    tg = target(seed, vocab)
-    D = tg.model.cfg.hidden_size
-    heads = MedusaHeads(D, 3)
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(noise * torch.randn(p.shape, generator=g))
-    d = Path(tempfile.mkdtemp(prefix="medusa-", dir=_TMP.name))
-    acc = [[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.2, 0.1]]
-    save_medusa(heads, d, {"target": "tiny", "target_vocab_size": vocab, "target_fingerprint": target_fingerprint(tg.model),
-                           "vocab_subset": None, "accuracy": acc, "tree": [list(t) for t in choose_tree(acc, 8)]})
-    return d
-
-
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_medusa_greedy_equals_transformers(tree, batch):
@@ -65,7 +45,7 @@ def test_medusa_greedy_equals_transformers(tree, batch):
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
     hf.generation_config.pad_token_id = 0
     ps = prompts()[:batch]
-    d = REGISTRY["medusa"](target=target(), draft=heads_dir(), tree=tree)
+    [d] = method_sources("medusa", target(), draft=str(heads_dir()), tree=tree)
     res = Engine(target().model, d, k=3).generate(ps, SamplingParams(max_new_tokens=14))
     assert [r.tokens for r in res] == [hf_greedy(hf, p, 14) for p in ps]
     assert sum(r.stats.proposed for r in res) > 0
@@ -80,7 +60,7 @@ def test_medusa_sampling_matches_exact_distribution():
     rows = [list(CTX[i % 2]) for i in range(800)]
     out = {c: [] for c in CTX}
     for s in range(5):
-        d = REGISTRY["medusa"](target=tg, draft=heads_dir(3, SV, 1.0), tree=True, nodes=6)
+        [d] = method_sources("medusa", tg, draft=str(heads_dir(3, SV, 1.0)), tree_nodes=6)
         # (a fixed k: the tree at every step, so the check covers it)
         res = Engine(tg.model, d, k=2, fixed_k=True).generate(rows, SamplingParams(max_new_tokens=4, seed=900 + s,
                                                                                    **params))
@@ -111,7 +91,7 @@ def test_train_medusa_pipeline_end_to_end(tmp_path):
     heads, meta = load_medusa(out, tg)
     assert len(meta["accuracy"]) == 3 and len(meta["tree"]) == 5
     assert all(0.0 <= a <= 1.0 for row in meta["accuracy"] for a in row)
-    d = REGISTRY["medusa"](target=tg, draft=out, tree=True)
+    [d] = method_sources("medusa", tg, draft=str(out))
     p = prompts()[2]
     from transformers import AutoModelForCausalLM
 

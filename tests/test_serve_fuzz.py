@@ -46,7 +46,9 @@ KNOWN = [{"temperature": 1e-40}, {"temperature": 5e-324, "stream": True}, {"temp
          {"messages": [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}]},
          {"messages": [{"role": "bogus", "content": "hi"}]}, {"messages": [{"role": "user"}]},
          {"prompt": [1, 2, 3]}, {"prompt": [[1, 2], [3]], "echo": True, "logprobs": 2},
-         {"prompt": "hi", "echo": True, "max_tokens": 0, "logprobs": 1}, {"stream": True, "n": 3, "logprobs": 2}]
+         {"prompt": "hi", "echo": True, "max_tokens": 0, "logprobs": 1}, {"stream": True, "n": 3, "logprobs": 2},
+         # a second probe (issue 55; test_serve_robust checks their answers): empty and unreadable stop strings
+         {"stop": "", "stream": True}, {"stop": ["", "x"], "stream": True}, {"stop": ["\udfff"]}]
 
 
 def _small(key: str, v):

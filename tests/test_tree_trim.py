@@ -1,8 +1,7 @@
-"""auto's tree trimming: the learnt odds of a node being accepted by its path probability
-(adaptive.NodeOdds), the choice of how many nodes to verify (adaptive.best_prefix, against a
-brute force), and the drafter's cut on a tiny random target: only nodes worth verifying go
-out (every probe_every-th tree whole), and greedy output still equals transformers' plain
-greedy output."""
+"""EAGLE tree trimming: the learnt odds of a node being accepted by its path probability
+(policy.NodeOdds), the choice of how many nodes to verify (policy.best_prefix, against a brute
+force), and the head's cut on a tiny random target: only nodes worth verifying go out (every
+PROBE_EVERY-th tree whole), and greedy output still equals transformers' plain greedy output."""
 
 from __future__ import annotations
 
@@ -12,12 +11,13 @@ import random
 import pytest
 import torch
 
-from specdec.adaptive import LoadPolicy, NodeOdds, best_prefix
+from helpers import eagle, prompts, target, target_dir
 from specdec.engine import Engine
+from specdec.policy import PROBE_EVERY, LoadPolicy, NodeOdds, best_prefix
 from specdec.types import SamplingParams
 
 from oracle import hf_greedy
-from test_eagle import _one_thread, drafter, prompts, target, target_dir  # noqa: F401  (fixture)
+from test_eagle import _one_thread  # noqa: F401  (a module-wide fixture)
 
 
 def test_node_odds_start_at_the_heads_word_and_learn():
@@ -54,26 +54,23 @@ def test_best_prefix_maximises_tokens_per_step_time():
 def test_trimmed_trees_keep_greedy_exact_and_verify_only_nodes_worth_it(monkeypatch):
     """Odds fixed at 0 below p = 0.3 and 1 from there (with a prior too heavy to move): every
     tree that is not a whole-tree probe sends exactly the nodes with p >= 0.3, some trees are
-    cut, and greedy output equals transformers'. (Lookups off, gate off: a tree every step.)"""
+    cut, and greedy output equals transformers'. (A fixed k: a tree every step.)"""
     from transformers import AutoModelForCausalLM
 
-    from specdec.drafters import ngram
-
-    monkeypatch.setattr(ngram.SuffixIndex, "match", lambda *a, **k: (0, []))
-    d = drafter("lookup", depth=3, width=2, nodes=6, gate=False)
+    d = eagle(True, depth=3, width=2, nodes=6)
     lows = (0.0,) + NodeOdds.EDGES
     d.odds.seen = [1e9] * len(lows)
     d.odds.acc = [1e9 if lo >= 0.3 else 0.0 for lo in lows]
     sent, cuts = [], []
     trim, commit = d._trim, d.commit
 
-    def spy_trim(toks, pars, probs, cost):
-        out = trim(toks, pars, probs, cost)
+    def spy_trim(toks, pars, probs, cost, r):
+        out = trim(toks, pars, probs, cost, r)
         cuts.append((len(toks), len(out[0])))
         return out
 
     def spy_commit(num_accepted, paths=None):
-        probe = d._trees % d.probe_every == 0  # this step's trees went out whole
+        probe = d._trees % PROBE_EVERY == 0  # this step's trees went out whole
         sent.extend((list(p), probe) for p in d._node_p.values())
         return commit(num_accepted, paths)
 
@@ -82,7 +79,8 @@ def test_trimmed_trees_keep_greedy_exact_and_verify_only_nodes_worth_it(monkeypa
     hf.generation_config.pad_token_id = 0
     ps = prompts()
     want = [hf_greedy(hf, p, 40) for p in ps]
-    got = [Engine(target().model, d, k=3).generate([p], SamplingParams(max_new_tokens=40))[0].tokens for p in ps]
+    got = [Engine(target().model, d, k=3, fixed_k=True).generate([p], SamplingParams(max_new_tokens=40))[0].tokens
+           for p in ps]
     assert got == want
     assert any(n_out < n_in for n_in, n_out in cuts)  # some trees were cut
     assert any(probe for _, probe in sent)  # and some sent whole
@@ -99,12 +97,9 @@ def test_early_stop_drops_only_nodes_the_trim_would_drop(monkeypatch):
     saves head steps."""
     import math
 
-    from specdec.drafters import ngram
-
-    monkeypatch.setattr(ngram.SuffixIndex, "match", lambda *a, **k: (0, []))
-    d = drafter("lookup", depth=4, width=2, nodes=8, gate=False)
+    d = eagle(True, depth=4, width=2, nodes=8)
     steps = {"full": 0, "cut": 0}
-    head_step, propose = d.eagle._step, d.eagle.propose
+    head_step, propose = d._step, d._propose_tree
     mode = ["full"]
 
     def count_step(*a, **k):
@@ -125,19 +120,19 @@ def test_early_stop_drops_only_nodes_the_trim_would_drop(monkeypatch):
 
     compared = []
 
-    def both(ctx, k, rows=None, min_logp=None):
-        mode[0] = "cut"  # first, so that the head's catch-up on new tokens counts against it
-        cut = propose(ctx, k, rows=rows, min_logp=math.log(0.2))
-        cut_scores = list(d.eagle.last_scores[0])
+    def both(h, depth, sel=None, min_logp=None):
+        mode[0] = "cut"
+        cut = propose(h, depth, sel, min_logp=math.log(0.2))
+        cut_scores = list(d.last_scores[0])
         mode[0] = "full"
-        full = propose(ctx, k, rows=rows)
-        compared.append(paths(full, d.eagle.last_scores[0], 0.2) == paths(cut, cut_scores, 0.2))
-        d.eagle.last_scores = [cut_scores]  # the scores of the tree handed back (the drafter cuts by them)
+        full = propose(h, depth, sel)
+        compared.append(paths(full, d.last_scores[0], 0.2) == paths(cut, cut_scores, 0.2))
+        d.last_scores = [cut_scores]  # the scores of the tree handed back (the drafter cuts by them)
         return cut
 
-    d.eagle._step, d.eagle.propose = count_step, both
+    d._step, d._propose_tree = count_step, both
     for p in prompts():
-        Engine(target().model, d, k=4).generate([p], SamplingParams(max_new_tokens=30))
+        Engine(target().model, d, k=4, fixed_k=True).generate([p], SamplingParams(max_new_tokens=30))
     assert len(compared) > 20 and all(compared)
     assert steps["cut"] < steps["full"]
 
@@ -148,12 +143,10 @@ def test_sampling_through_trimmed_trees_matches_exact_distribution(monkeypatch):
     (chi-square)."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.drafters.ngram import LengthPolicy
-
     from test_eagle import CTX, SV, chi2_against
 
-    monkeypatch.setattr(LoadPolicy, "head_steps", lambda self, tree_rows, A: 0.3)
-    monkeypatch.setattr(LengthPolicy, "r", property(lambda self: 0.1))
+    monkeypatch.setattr(LoadPolicy, "draft_steps", lambda self, stats, drafting, rows: 0.3)
+    monkeypatch.setattr(LoadPolicy, "guess_steps", lambda self, rows: 0.1)
     tg = target(3, SV)
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir(3, SV)), dtype=torch.float32).eval()
     rows = [list(CTX[i % 2]) for i in range(800)]
@@ -161,15 +154,17 @@ def test_sampling_through_trimmed_trees_matches_exact_distribution(monkeypatch):
     cuts = []
     params = dict(temperature=0.9)
     for s in range(5):
-        d = drafter("lookup", 3, SV, depth=2, width=3, nodes=6, min_lookup=2, min_n=2, gate=False)
+        d = eagle(True, 3, SV, depth=2, width=3, nodes=6)
         trim = d._trim
-        def spy(toks, pars, probs, cost, trim=trim):
-            out = trim(toks, pars, probs, cost)
+
+        def spy(toks, pars, probs, cost, r, trim=trim):
+            out = trim(toks, pars, probs, cost, r)
             cuts.append((len(toks), len(out[0])))
             return out
 
         d._trim = spy
-        res = Engine(tg.model, d, k=2).generate(rows, SamplingParams(max_new_tokens=4, seed=900 + s, **params))
+        res = Engine(tg.model, d, k=2, fixed_k=True).generate(rows, SamplingParams(max_new_tokens=4, seed=900 + s,
+                                                                                   **params))
         for p, r in zip(rows, res):
             out[tuple(p)].append(r.tokens[:3])
     assert any(n_out < n_in for n_in, n_out in cuts)  # trees were cut

@@ -29,7 +29,7 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def _byte_symbols() -> list[str]:
+def byte_symbols() -> list[str]:
     """GPT-2's printable stand-ins for the 256 byte values, in byte order."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     chars, n = {}, 0
@@ -44,7 +44,7 @@ def _byte_symbols() -> list[str]:
 
 def tokens() -> list[str]:
     """The vocabulary: byte symbols, merged pairs, special tokens."""
-    return _byte_symbols() + [m.replace(" ", "") for m in MERGES] + SPECIALS
+    return byte_symbols() + [m.replace(" ", "") for m in MERGES] + SPECIALS
 
 
 SPM_PIECES = ["▁", "▁t", "he", "▁the", "in", "▁a", "er", "on", "▁s", "re"]

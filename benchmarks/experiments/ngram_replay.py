@@ -47,26 +47,35 @@ def measure_r(model, ctx: int) -> float:
     return statistics.median([(times[T] - times[1]) / (T - 1) / times[1] for T in (5, 9)])
 
 
-def replay(drafter, prompt: list[int], out: list[int], k: int, r: float) -> tuple[int, float]:
-    from specdec.drafters.base import DraftContext
+def replay(adaptive: bool, prompt: list[int], out: list[int], k: int, r: float) -> tuple[int, float]:
+    """Prompt lookup over a recorded greedy output, through the scheduler's proposal path without a
+    model: each step the lookup offers, the cost model (adaptive) or a fixed k chooses, the guesses
+    that match the output hold, and the step costs 1 + r * guesses plain steps. Returns (tokens
+    committed, cost in plain steps)."""
+    from specdec.core.proposal import Sources
+    from specdec.drafters.base import RowInfo
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.policy import LoadPolicy
     from specdec.types import SamplingParams
 
-    params = SamplingParams()
-    drafter.begin([prompt], params, 0)
-    ctx, m, tokens, cost = prompt + out[:1], 1, 1, 1.0
+    class Row:
+        spec_k, sources, feats, params, generator = None, None, {}, SamplingParams(), None
+
+    policy = LoadPolicy(k, adaptive=adaptive)
+    sources = Sources([NgramDrafter(1, 4 if adaptive else 3)], policy, k, None, k)
+    row = Row()
+    row.context = prompt + out[:1]
+    sources.join(RowInfo(row.context, row.params, len(prompt) + len(out) + k + 2))
+    m, tokens, cost, step = 1, 1, 1.0, 0
     while m < len(out):
-        d = drafter.propose(DraftContext([ctx], params, None), k)
-        g = d.tokens[0, : int(d.counts[0])].tolist()
-        if drafter.policy is not None:  # the replay's clock: the cost model, not wall time
-            drafter.policy.observe_time(len(g), 1 + r * len(g))
-            drafter._t_end = None
+        g = sources.plan([row], step, [len(out) - m], None).guesses[0]
         a = 0
         while a < len(g) and m + a < len(out) and g[a] == out[m + a]:
             a += 1
-        drafter.commit([a])
+        policy.observe_step(1, len(g), 1 + r * len(g))  # the replay's clock: the cost model, not wall time
         cost += 1 + r * len(g)
         n = min(a + 1, len(out) - m)
-        ctx, m, tokens = ctx + out[m : m + n], m + n, tokens + n
+        row.context, m, tokens, step = row.context + out[m : m + n], m + n, tokens + n, step + 1
     return tokens, cost
 
 
@@ -97,8 +106,8 @@ def main() -> int:
     per = defaultdict(lambda: {"fixed": [0, 0.0], "adaptive": [0, 0.0]})
     for i, (t, ids) in enumerate(zip(tasks, enc)):
         [res] = eng.generate([ids], SamplingParams(max_new_tokens=args.max_new_tokens))
-        for name, d in (("fixed", NgramDrafter(1, 3, adaptive=False)), ("adaptive", NgramDrafter())):
-            tok, cost = replay(d, ids, res.tokens, 4 if name == "fixed" else args.k, r)
+        for name in ("fixed", "adaptive"):
+            tok, cost = replay(name == "adaptive", ids, res.tokens, 4 if name == "fixed" else args.k, r)
             per[t.category][name][0] += tok
             per[t.category][name][1] += cost
         print(f"{i + 1}/{len(tasks)} {t.category}", file=sys.stderr)

@@ -6,6 +6,9 @@ proposal does to the rows is here.
 
 - score: the pending token and the guesses of every row in one target forward; a tree with its
   ancestor mask and depths as positions (`tree.masks`), a chain with consecutive positions;
+- constrain: a row with a grammar (`Request.constraint`) has every position's disallowed tokens
+  masked out of the target's logits before verifying (`constrained`), so greedy and sampled
+  verification are exact for the constrained distribution;
 - verify: per row, how many guesses hold and the next token (`verify.py`). Rows share one
   sampling setting and one generator (`generate`: one batched call per rule), or each row has
   its own (the server: greedy chain rows in one call, every other row alone with its own
@@ -27,7 +30,7 @@ import torch
 from .. import tree as tree_mod
 from ..drafters.base import Draft
 from ..sampling import warp
-from ..types import SamplingParams
+from ..types import SamplingParams, SpecdecError
 from ..verify import verify_greedy, verify_stochastic, verify_tree_greedy, verify_tree_stochastic
 
 
@@ -62,7 +65,7 @@ class StepResult:
 
 def run_step(model, cache, pending: list[int], draft: Draft, params: SamplingParams | list[SamplingParams],
              generators, room: list[int], tree_rows: list[bool] | None = None,
-             row_keys: list[int] | None = None) -> StepResult:
+             row_keys: list[int] | None = None, constraints: list | None = None) -> StepResult:
     """Score, verify and commit one step of A rows (`cache` holds exactly these rows).
 
     pending: each row's pending token; draft: the guesses (`Draft`; `parents` None = chains);
@@ -71,7 +74,8 @@ def run_step(model, cache, pending: list[int], draft: Draft, params: SamplingPar
     stops there); tree_rows: in a tree step with per-row settings, the rows verified by the
     tree rule (others hold chains, node j under node j - 1; default: all); row_keys: each row's
     key for the uniforms its sampled tokens take at their text positions
-    (sampling.position_uniforms; default 0 for every row, for rows with generators of their own)."""
+    (sampling.position_uniforms; default 0 for every row, for rows with generators of their own);
+    constraints: per row its grammar or None (`constrained`)."""
     A, K = draft.tokens.shape
     is_tree = draft.parents is not None and K > 0
     inp = torch.empty(A, K + 1, dtype=torch.long)
@@ -84,6 +88,8 @@ def run_step(model, cache, pending: list[int], draft: Draft, params: SamplingPar
         logits, hidden = model(inp, base[:, None] + depth, cache, attn_mask=mask)
     else:
         logits, hidden = model(inp, base[:, None] + torch.arange(K + 1)[None, :], cache)
+    if constraints is not None and any(c is not None for c in constraints):
+        logits = constrained(logits, constraints, [_paths(draft, b, parents) for b in range(A)])
     # the text position of each row's first new token (the pending token sits at `base`)
     draws = ((base + 1).tolist(), list(row_keys) if row_keys is not None else [0] * A)
     if isinstance(params, SamplingParams):
@@ -155,3 +161,35 @@ def _verify_per_row(logits, draft: Draft, parents, params: list[SamplingParams],
         except Exception as e:  # noqa: BLE001 - this row's own failure: the caller ends it alone
             failed[b], paths[b] = e, []
     return paths, nxt, failed
+
+
+def _paths(draft: Draft, row: int, parents) -> list[list[int]]:
+    """Row `row`'s path of guessed tokens to each position of its forward: [] for the pending
+    token's, then each guess's (a chain's prefix, or a tree node's ancestors and itself)."""
+    n = int(draft.counts[row])
+    toks = draft.tokens[row, :n].tolist()
+    if parents is None:
+        return [toks[:j] for j in range(draft.tokens.shape[1] + 1)]
+    par = parents[row].tolist()
+    out = [[]]
+    for j in range(1, draft.tokens.shape[1] + 1):
+        out.append(out[par[j - 1]] + [toks[j - 1]] if j <= n else [])
+    return out
+
+
+def constrained(logits: torch.Tensor, constraints: list, paths: list[list[list[int]]]) -> torch.Tensor:
+    """logits [B, P, V] with the tokens each row's grammar forbids at each position set to -inf:
+    position p of row b follows the committed text and then paths[b][p] (rows without a constraint
+    as they are). A position where the grammar allows no token is the request's own error."""
+    out = None
+    for b, constraint in enumerate(constraints):
+        if constraint is None:
+            continue
+        allowed = constraint.allowed(paths[b][: logits.shape[1]])
+        allowed = allowed[:, : logits.shape[-1]]
+        if not bool(allowed.any(dim=-1).all()):
+            raise SpecdecError("the request's grammar allows no token here (the schema cannot be completed)")
+        if out is None:
+            out = logits.clone()
+        out[b, : allowed.shape[0]] = out[b, : allowed.shape[0]].masked_fill(~allowed.to(out.device), float("-inf"))
+    return logits if out is None else out

@@ -71,7 +71,7 @@ class EngineWorker:
 
         try:
             ids, notes = encode_prompts(self.args, self.cfg, self.target.tokenizer, rows_in,
-                                        self.target.model.max_context, self.engine.drafter)
+                                        self.target.model.max_context, self.engine.sources)
         except SpecdecError as e:
             return {"ids": None, "notes": [], "error": str(e)}
         return {"ids": ids, "notes": notes, "error": None}
@@ -79,22 +79,22 @@ class EngineWorker:
     def generate(self, start: int, rows: list[tuple[int, int]], ids: list[list[int]]) -> list[dict]:
         """Decode one chunk (rows[start:start + batch] of the single-process run) with the
         seed that run gives it; one `--json`-shaped object per row."""
-        from ..text import find_stop
+        from ..text import TextStream
 
         args, tok = self.args, self.target.tokenizer
         params = self.cfg.sampling
         if params.seed is not None:  # as cmd_generate: each batch draws from its own seeded stream
             params = dataclasses.replace(params, seed=params.seed + start)
+        streams = [TextStream(tok, args.stop) for _ in ids]
 
         def stop_fn(r, out_ids):
-            return find_stop(tok.decode(out_ids, skip_special_tokens=True), args.stop) is not None
+            return streams[r].reached_stop(out_ids)
 
-        results = self.engine.generate(ids, params, None, stop_fn if args.stop else None)
+        results = self.engine.generate(ids, params, None, stop_fn if streams[0].stops else None)
         out = []
-        for (i, s), res in zip(rows, results):
-            text = tok.decode(res.tokens, skip_special_tokens=True)
-            cut = find_stop(text, args.stop)
-            out.append({"index": i, "sample": s, "text": text if cut is None else text[:cut],
+        for (i, s), res, text in zip(rows, results, streams):
+            text.finish(res.tokens)
+            out.append({"index": i, "sample": s, "text": text.text,
                         "token_ids": res.tokens, "finish_reason": res.stats.finish_reason,
                         "stats": res.stats.as_dict(), "model": self.target.name, "weights": self.target.weights,
                         "learned_state": self.restored})

@@ -186,7 +186,8 @@ class SpecdecEngine:
 
         torch.set_num_threads(engine_threads(args))
         self.args = args
-        self.lm, self.batcher, self.method = build_batcher(args)
+        self.lm, self.batcher = build_batcher(args)
+        self.method = self.batcher.method
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_tag if getattr(ctx, "replica_tag", None) else str(ctx.replica_id)
         self.board = ray.remote(num_cpus=0)(MetricsBoard).options(
@@ -203,13 +204,14 @@ class SpecdecEngine:
     def _build_app(self):
         """create_app's app with /metrics answering for every replica; (app, a function giving this
         replica's own /metrics text). A middleware answers /metrics before the app's own route."""
-        from fastapi.responses import PlainTextResponse
+        from fastapi.responses import JSONResponse, PlainTextResponse
 
-        from ..server.app import create_app
+        from ..server.app import app_settings, create_app
+        from ..server.errors import APIError
+        from ..server.requests import check_metrics_key
 
         args = self.args
-        app = create_app(self.lm, self.batcher, args.served_model_name or self.lm.name, api_key=args.api_key,
-                         request_timeout=args.request_timeout)
+        app = create_app(self.lm, self.batcher, args.served_model_name or self.lm.name, **app_settings(args))
 
         def own_text() -> str:
             body, _content_type = app.state.specdec.metrics.render()
@@ -219,6 +221,10 @@ class SpecdecEngine:
         async def metrics_for_every_replica(request, call_next):
             if request.url.path != "/metrics" or request.method != "GET":
                 return await call_next(request)
+            try:
+                check_metrics_key(app.state.specdec, request)
+            except APIError as e:
+                return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
             text = own_text()
             await self.board.post.remote(self.replica, text)
             texts = await self.board.recent.remote(STALE_S)
@@ -233,7 +239,7 @@ class SpecdecEngine:
         while not self._stop.wait(PUSH_EVERY_S):
             try:
                 s = self.batcher.stats()
-                left = ray.get(self.board.post.remote(self.replica, self.own_metrics(), s["batch"] + s["queued"],
+                left = ray.get(self.board.post.remote(self.replica, self.own_metrics(), s.batch + s.queued,
                                                       self.batcher.draining), timeout=10)
             except Exception:  # the board is being replaced, or Ray is shutting down: try again next tick
                 continue

@@ -1,6 +1,6 @@
-"""Drafting methods. `REGISTRY` maps a method name to its factory, importing the method's module
-on first use (`base.METHODS`)."""
+"""Draft sources: the protocol (`base`) and the built-in sources. Which method builds which
+sources is specdec.methods' table; importing this package imports no source module."""
 
-from .base import METHODS, REGISTRY, Draft, DraftContext, Drafter, register
+from .base import Draft, DraftContext, Drafter, Offer, RowInfo
 
-__all__ = ["METHODS", "REGISTRY", "Draft", "DraftContext", "Drafter", "register"]
+__all__ = ["Draft", "DraftContext", "Drafter", "Offer", "RowInfo"]

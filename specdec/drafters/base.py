@@ -1,22 +1,48 @@
-"""The drafter protocol (docs/design.md, "The drafter protocol") and the registry of drafting methods.
+"""The draft-source protocol (docs/design.md, "Draft sources").
 
-A drafter guesses up to `max_tokens` next tokens per row; the core (core/step.py, driven by
-`Engine` and `ContinuousBatcher`) verifies them and tells the drafter what each row kept.
-`Drafter` lists everything the core calls or reads; the core probes nothing else, so a drafter
-that subclasses it runs in `generate` and `serve` alike. Drafters know nothing about
-tokenizers or text.
+A draft source guesses the next tokens of the rows in a batch; the scheduler (core/) prices its
+guesses against every other source's with one cost model (specdec.policy.LoadPolicy), verifies
+the chosen ones and tells each source what held. `Drafter` lists everything the scheduler calls
+or reads on a source, and the scheduler never asks which class a source is. Two kinds:
+
+- *known* sources (`known = True`: prompt lookup, a request's prediction, a suffix cache, a
+  grammar's forced tokens) have their guesses in hand before the step is priced and make them for
+  free: they answer `offer` with a chain or a tree per row;
+- *on-demand* sources (a draft model, EAGLE and Medusa heads, your own) draft when a row takes
+  them: `propose` with the rows and the cap the cost model chose.
+
+Sources know nothing about tokenizers or text.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from importlib import import_module
-from typing import Callable
 
 import torch
 
 from ..types import SamplingParams
+
+
+@dataclass
+class RowInfo:
+    """A row as it joins the batch: what a source may read about its request."""
+    prompt: list[int]
+    params: SamplingParams
+    max_len: int  # the row's room in the cache
+    prediction: list[int] | None = None  # the request's predicted output, tokenised (OpenAI `prediction`)
+    constraint: object | None = None  # the request's grammar (core.step reads its `allowed`), if any
+
+
+@dataclass
+class Offer:
+    """What a known source could verify for one row this step, before the step is priced."""
+    tokens: list[int]
+    parents: list[int] | None = None  # a tree: node j (tokens[j-1]) hangs under parents[j-1] in 0..j-1
+    # (0: the pending token); None: a chain
+    key: int = 0  # what the source's acceptance is learnt per (a lookup's match length)
+    scores: list[float] | None = None  # a tree's nodes: the source's probability of each node's path
+    certain: int = 0  # the first `certain` guesses cannot fail (a grammar forces them)
 
 
 @dataclass
@@ -25,9 +51,12 @@ class DraftContext:
     params: SamplingParams
     generator: torch.Generator | None
     hidden: torch.Tensor | None = None  # target hidden states, for head-based drafters
-    # per row: tokens it may still generate after its pending one (None: not known). A probe,
-    # whose cost only later tokens can earn back, waits while too few may come (core.policy.PROBE_ROOM)
+    # per row: tokens it may still generate after its pending one (None: not known); a source need
+    # not start what a short answer cannot repay
     room: list[int] | None = None
+    want: list[bool] | None = None  # the rows this proposal is for (None: all); others may be left empty
+    draft_cost: float = 0.0  # c: this proposal's drafting time in plain steps, as the cost model prices it
+    guess_cost: float = 0.08  # r: what one more verified guess costs, in plain steps
 
 
 @dataclass
@@ -41,67 +70,98 @@ class Draft:
     def empty(batch: int) -> "Draft":
         return Draft(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
 
+    @staticmethod
+    def chains(guesses: list[list[int]]) -> "Draft":
+        """Deterministic chains, one list of guessed ids per row (a known source's `propose`:
+        `Draft.chains([o.tokens if o else [] for o in self.offer(ctx, k)])`)."""
+        B, N = len(guesses), max((len(g) for g in guesses), default=0)
+        tokens = torch.tensor([list(g) + [0] * (N - len(g)) for g in guesses], dtype=torch.long).reshape(B, N)
+        return Draft(tokens, torch.tensor([len(g) for g in guesses], dtype=torch.long))
+
 
 class Drafter(ABC):
-    """What the core calls on a drafter. Rows are the batch rows in order; a finished row
-    leaves (`keep_rows`), a request joining a running batch adds one at the end (`add_row`).
+    """A draft source. Rows are the batch rows in order: a request joins as the last row (`join`),
+    a finished one ends (`finish_row`) and leaves (`keep_rows`). Per step the scheduler asks a
+    known source for its offers (`offer`), an on-demand source for a proposal when some row takes
+    it (`propose`, then `commit` with what each row kept), or tells it the step went on without
+    its guesses (`skip`). Guesses must be drawn as `Draft.probs` says (None: deterministic, q
+    one-hot): the server, and `generate` for seeded sampled rows under the cost model, ask with
+    greedy params, so every row verifies one-hot guesses exactly. Only `propose` and `commit` are
+    required."""
 
-    Per step the core either asks for a proposal (`propose`, then `commit` with what each row
-    kept) or, when speculation does not pay this step, tells the drafter it sits it out (`skip`;
-    only drafters with `may_skip`). Guesses must be drawn as `Draft.probs` says (None:
-    deterministic guesses, q one-hot), which the core relies on: the server, and `generate` for
-    seeded sampled rows under the cost model, ask with greedy params, so every row verifies
-    one-hot guesses exactly."""
-
+    #: the source's name in stats and in what the cost model learns (the class name by default)
+    name: str = ""
+    #: guesses in hand before pricing, free to make: `offer` answers (lookup, prediction, suffix)
+    known: bool = False
+    #: acceptance of a guess before any is seen (the cost model learns the rest)
+    prior: float = 0.6
     #: propose reads `DraftContext.hidden`: the target's final hidden states of the committed
     #: positions not yet handed over (EAGLE, Medusa)
     needs_hidden: bool = False
     #: a tree drafter's node budget per row (the cache keeps room for it); 0 for chains
     max_nodes: int = 0
-    #: the core may decode a step without asking for a proposal (`skip`), as the cost model finds
-    #: it pays; False: every step proposes (k guesses, as at a fixed k)
+    #: the scheduler may decode a step without its guesses (`skip`), as the cost model finds it
+    #: pays; False: every step proposes (k guesses, as at a fixed k)
     may_skip: bool = True
-    #: in sampled decoding its guesses are drawn from a q (`Draft.probs`: a draft model, an EAGLE
-    #: chain), so a seeded request's text depends on what was drafted (`timing_free`); False:
-    #: deterministic guesses, with which a seeded request commits plain sampling's text
+    #: in sampled decoding its guesses are drawn from a q (`Draft.probs`), so a seeded request's
+    #: text depends on what was drafted (`timing_free`); False: deterministic guesses
     samples_guesses: bool = False
+    #: drafts only the rows `DraftContext.want` names (its cost grows with them); False: every row
+    partial_rows: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.name or type(self).__name__.lower()
 
     def begin(self, prompts: list[list[int]], params: SamplingParams | None, max_len: int) -> None:
-        """A batch starts with these rows: the scheduler passes none (rows join with `add_row`) and
-        params, the sampling settings every row shares (`generate`), or None (the server: each
-        request its own, and guesses are asked for greedily)."""
+        """A batch starts with these rows (the scheduler passes none: rows join with `join`) and
+        params, the sampling settings every row shares (`generate`), or None (the server)."""
+
+    def join(self, row: RowInfo) -> None:
+        """A request joins as the last row. By default `add_row(row.max_len, row.prompt)`."""
+        self.add_row(row.max_len, row.prompt)
+
+    def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
+        """A prompt joins the batch as the last row (its features come with the next proposal
+        when `needs_hidden`). A source with per-row state keeps it here and in `keep_rows`."""
+
+    def finish_row(self, row: int, tokens: list[int]) -> None:
+        """Row `row` ends with `tokens` (its prompt and output as committed), before it leaves."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep (and reorder to) these rows; sources with per-row state override it."""
+
+    def offer(self, ctx: DraftContext, max_tokens: int) -> list[Offer | None]:
+        """A known source: per row, up to `max_tokens` guesses it could verify now (None: none)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a known source (known = False)")
 
     @abstractmethod
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        """Guesses for every row: a chain of up to max_tokens, or a tree (`Draft.parents`)."""
+        """Guesses for the rows (`ctx.want`, default all): a chain of up to max_tokens, or a tree."""
 
     @abstractmethod
     def commit(self, num_accepted: list[int], paths: list[list[int]] | None = None) -> None:
         """After a proposal: per row how many guesses held (and for a tree, which nodes)."""
 
     def skip(self) -> None:
-        """This step decodes without a proposal; the next `propose` sees what was committed meanwhile."""
+        """This step decodes without its proposal; the next one sees what was committed meanwhile."""
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Keep (and reorder to) these rows; drafters with per-row state override it."""
+    def lags(self, tokens: list[list[int]]) -> list[int]:
+        """Per row, the committed tokens it has not read yet, which its next proposal first reads
+        (a catch-up, priced by the cost model); 0 for a source that reads as it goes."""
+        return [0] * len(tokens)
 
-    def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
-        """A prompt joins the batch as the last row (its prompt, for drafters that read it ahead;
-        its target features come with the next proposal when `needs_hidden`). A drafter with
-        per-row state keeps it here and in `keep_rows`."""
-
-    def expected_tokens(self) -> list[list[float]] | None:
-        """Per row of the last proposal: the expected committed tokens (1 + expected accepted
-        guesses) when its first j guesses are verified, j = 0 .. its count; None: no estimate.
-        The server's load-aware policy (core/policy.py) caps guesses by these."""
+    def time_alone(self) -> tuple[float, float] | None:
+        """(seconds per drafted unit: a guess of a chain, a tree; seconds per token read in a
+        catch-up), measured on scratch state of its own, so the cost model can price the source
+        before its first proposal; None: not known (it is priced as free until it is timed)."""
         return None
 
     def draft_timing(self) -> tuple[float, bool] | None:
-        """(seconds, steady) of the last proposal's own drafting, for a drafter that times it
-        itself: the model or head that guessed (0 when none ran) and whether it drafted in
-        steady state, with nothing to catch up on first (a prompt that just joined, steps it sat
-        out). The cost models learn from steady timings only. None: the core times `propose`
-        and counts it steady."""
+        """(seconds, steady) of the last proposal's own drafting, for a source that times it
+        itself, and whether it drafted in steady state (not first catching up on a prompt or steps
+        it sat out); the cost model learns drafting times from steady proposals only. None: the
+        scheduler times `propose`."""
         return None
 
     def learned(self) -> dict | None:
@@ -120,7 +180,7 @@ def steady(behind: int, max_tokens: int) -> bool:
 
 
 def timing_free(params) -> bool:
-    """A seeded sampled request, for a drafter that draws its guesses from a q
+    """A seeded sampled request, for a source that draws its guesses from a q
     (`Drafter.samples_guesses`): with those, how many guesses a step verifies decides which
     random numbers verification draws, so for the same seed to give the same sample, drafting
     for it must not depend on measured times (or on other requests). So the scheduler asks for
@@ -128,56 +188,3 @@ def timing_free(params) -> bool:
     fixed k; deterministic guesses commit plain sampling's text (verify.py, "sample and
     compare")."""
     return params is not None and params.seed is not None and not params.greedy
-
-
-#: method name -> module (in specdec.drafters) whose `@register(name)` factory makes it. Registering
-#: a drafter is one line here: the module is imported on first use, so importing
-#: specdec.drafters does not import every drafter (and what they import).
-METHODS = {
-    "ngram": "ngram",
-    "draft": "draft_model",
-    "eagle": "eagle",
-    "medusa": "medusa",
-    "lookup-eagle": "hybrid",
-    "hybrid": "hybrid",
-}
-
-
-class _Registry(dict):
-    """Method name -> factory(target LoadedModel-like object, draft spec, options) -> Drafter,
-    importing a method's module the first time it is asked for."""
-
-    def _load(self, name: str) -> None:
-        if not dict.__contains__(self, name) and name in METHODS:
-            import_module(f"{__package__}.{METHODS[name]}")
-
-    def __getitem__(self, name: str):
-        self._load(name)
-        return dict.__getitem__(self, name)
-
-    def get(self, name, default=None):
-        self._load(name)
-        return dict.get(self, name, default)
-
-    def __contains__(self, name) -> bool:
-        return dict.__contains__(self, name) or name in METHODS
-
-    def keys(self):
-        return sorted(set(dict.keys(self)) | set(METHODS))
-
-    def __iter__(self):
-        return iter(self.keys())
-
-    def __len__(self) -> int:
-        return len(self.keys())
-
-
-REGISTRY: dict[str, Callable[..., Drafter]] = _Registry()
-
-
-def register(name: str):
-    def deco(factory):
-        dict.__setitem__(REGISTRY, name, factory)
-        return factory
-
-    return deco

@@ -18,15 +18,16 @@ import torch
 from ..models.llama import packed_linear, step_call
 from ..sampling import draw
 from ..types import SpecdecError
-from .base import Draft, DraftContext, Drafter, register, steady
+from .base import Draft, DraftContext, Drafter, RowInfo, steady
 from ..models.kernel_glue import draft_on_rowstable, pack_drafting_head
 
 
 class DraftModelDrafter(Drafter):
+    name = "draft"
     samples_guesses = True  # sampled decoding draws guesses from the draft's q
 
     def __init__(self, model, vocab_size: int | None = None, vocab_subset: list[int] | None = None,
-                 confidence: float = 0.0, target_model=None) -> None:
+                 confidence: float = 0.0, target_model=None, lazy: bool = False) -> None:
         """vocab_subset: token ids the draft may propose (a frequency-ranked head: reading
         8k rows instead of 49k is most of a small draft's cost). Exact: q is 0 elsewhere.
         confidence: a row stops drafting after a guess the draft gives less than this
@@ -34,8 +35,11 @@ class DraftModelDrafter(Drafter):
         on the draft's own numbers, never on the target's.
         target_model: given, the draft runs its decoding steps on the target's row-stable kernels
         where the target does (draft_on_rowstable) and is packed for oneDNN (pass an unpacked
-        model then)."""
+        model then). lazy: a joining row's prompt is read when the draft first drafts for it (a
+        catch-up the cost model prices), not at once: beside prompt lookup, a request whose lookups
+        do better never pays the draft's prefill."""
         self.model = model
+        self.lazy = lazy
         self.vocab_size = vocab_size or model.vocab_size  # the target's vocabulary (q is padded to it)
         self.subset = None
         self.head_packed = self.head_dtype = None  # a prepacked subset head (kernel_glue.pack_drafting_head)
@@ -168,13 +172,16 @@ class DraftModelDrafter(Drafter):
     def skip(self) -> None:
         pass  # a step without drafting: the next proposal feeds what the draft has not seen
 
-    def time_alone(self, steps: int = 2, read: int = 1) -> float:
-        """Seconds per drafted guess (read=1), or per token of a forward that reads `read` tokens
-        at once (what a catch-up costs a token), measured on a scratch cache of its own: a
-        warm-up forward (a first call pays one-off costs: the weights' pages, buffers), then the
-        fastest of `steps` forwards. What a cost model needs to price the draft model before its
-        first proposal, for a few forwards instead of a catch-up on a whole prompt; the rows'
-        state is left as it was."""
+    def time_alone(self) -> tuple[float, float]:
+        """(seconds per drafted guess, per token of a forward that reads 32 at once: what a
+        catch-up costs a token), each the fastest of a few forwards on a scratch cache of its
+        own: the cost model prices the draft model before its first proposal for a few forwards
+        instead of a catch-up on a whole prompt. The rows' state is left as it was."""
+        return self._time_forward(), self._time_forward(read=32)
+
+    def _time_forward(self, steps: int = 2, read: int = 1) -> float:
+        """Seconds per token of a forward reading `read` tokens at once: a warm-up forward (a
+        first call pays one-off costs: the weights' pages, buffers), then the fastest of `steps`."""
         saved = self.cache, self.fed
         vocab = self.model.vocab_size
         times = []
@@ -188,6 +195,9 @@ class DraftModelDrafter(Drafter):
         finally:
             self.cache, self.fed = saved
         return min(times) / read
+
+    def join(self, row: RowInfo) -> None:
+        self.add_row(row.max_len, None if self.lazy else row.prompt)
 
     def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
         """Append a row (a request joining a running batch; `begin` must have run with the same
@@ -227,20 +237,3 @@ def check_same_vocabulary(target_tok, draft_tok) -> None:
 #: with the shipped draft (6 HumanEval + 8 Spec-Bench dev prompts, 96 tokens, k 4, README):
 #: 0 -> 1.08x / 1.01x of plain, 0.3 -> 1.16x / 1.10x, 0.4 -> 1.16x / 1.10x, 0.7 -> 1.13x / 1.11x
 DEFAULT_CONFIDENCE = 0.4
-
-
-@register("draft")
-def _make(target=None, draft=None, confidence: float | None = None, **_):
-    """target, draft: LoadedModel objects (see models.loader)."""
-    if draft is None:
-        raise SpecdecError("--method draft needs a draft model: pass --draft PATH (a folder or .gguf with the same tokenizer)")
-    check_same_vocabulary(getattr(target, "tokenizer", None), draft.tokenizer)
-    t_vocab, d_vocab = target.model.vocab_size, getattr(draft.model, "vocab_size", None)
-    if (draft.tokenizer is None or getattr(target, "tokenizer", None) is None) and d_vocab != t_vocab:
-        raise SpecdecError(f"the draft's vocabulary has {d_vocab} tokens, the target's {t_vocab}: a draft model must "
-                           "share the target's vocabulary (and should come with its tokenizer, so the ids can be "
-                           "checked)")
-    meta = getattr(draft, "draft_meta", None) or {}
-    return DraftModelDrafter(draft.model, vocab_size=target.model.vocab_size, vocab_subset=meta.get("vocab_subset"),
-                             confidence=DEFAULT_CONFIDENCE if confidence is None else confidence,
-                             target_model=target.model)

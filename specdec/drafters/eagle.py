@@ -34,6 +34,8 @@ refused with a clear message.
 from __future__ import annotations
 
 import json
+import math
+import time
 from pathlib import Path
 
 import torch
@@ -43,10 +45,12 @@ import torch.nn.functional as F
 from ..models.llama import (ATTEND_HEAD_SIZES, ATTEND_MAX_T, BLOCK_MAX_ROWS, Linear, additive_mask,
                              mkldnn_packing_available, packed_linear, step_call)
 from ..kv_cache import keep_in_place, with_room
+from .. import tree as tree_mod
 from ..models.kernel_glue import pack_drafting_head, rowstable_drafting
+from ..policy import PROBE_EVERY, NodeOdds, best_prefix
 from ..sampling import draw
-from ..types import SpecdecError
-from .base import Draft, DraftContext, Drafter, register
+from ..types import SamplingParams, SpecdecError
+from .base import Draft, DraftContext, Drafter, steady
 from .heads import load_head, subset_head, target_fingerprint  # noqa: F401  (target_fingerprint: used by train/)
 
 EAGLE_META = "specdec_eagle.json"
@@ -182,12 +186,23 @@ def load_eagle(path, target) -> tuple[EagleHead, dict]:
 
 
 class EagleDrafter(Drafter):
-    """Chain or dynamic-tree drafting with an EagleHead (see the module docstring)."""
+    """Chain or dynamic-tree drafting with an EagleHead (see the module docstring).
 
+    A drafted tree is cut to the nodes worth verifying (`trim`): each node has a path probability,
+    the drafter learns how often nodes of that probability are accepted (`policy.NodeOdds`), and
+    keeps the best nodes for as long as one more raises the expected committed tokens per unit of
+    step time, (1 + sum of kept odds) / (1 + c + r * kept), c the head's drafting time and r a
+    verified node's cost in plain steps, as the scheduler's cost model prices them
+    (`DraftContext.draft_cost`, `guess_cost`). A confident head keeps its whole tree, an unsure one
+    a node or two, or none; every PROBE_EVERY-th tree is verified whole, so that the odds of the
+    nodes a cut drops stay measured."""
+
+    name = "eagle"
     needs_hidden = True
+    partial_rows = True  # the tree's expansions run for the rows that take it only
 
     def __init__(self, head: EagleHead, target_model, vocab_subset=None, tree: bool = True, depth: int = 5,
-                 width: int = 4, nodes: int = 24) -> None:
+                 width: int = 4, nodes: int = 24, trim: bool = True) -> None:
         if depth < 1 or width < 1 or nodes < 1:
             raise SpecdecError(f"EAGLE tree settings must be >= 1 (depth {depth}, width {width}, nodes {nodes})")
         self.head = head
@@ -209,7 +224,15 @@ class EagleDrafter(Drafter):
         self.vocab_size = target_model.vocab_size
         self.tree, self.depth, self.width, self.nodes = tree, depth, width, nodes
         self.max_nodes = nodes if tree else 0
-        self.last_scores: list[list[float]] = []  # the last tree's path log-probabilities (per row, per node)
+        self.trim = trim and tree
+        self.odds = NodeOdds()  # P(a tree node is accepted | the head's path probability), learnt
+        self.last_scores: list[list[float]] = []  # the last tree's path log-probabilities (per drafted row, per node)
+        self._node_p: dict[int, list[float]] = {}  # per row of the last tree: its nodes' path probabilities
+        self._trees = 0  # trees drafted (every PROBE_EVERY-th is verified whole)
+        self._timing = (0.0, True)  # (seconds, steady) of the last proposal
+
+    def draft_timing(self) -> tuple[float, bool]:
+        return self._timing
 
     # -- cache ------------------------------------------------------------------------
     def begin(self, prompts, params, max_len) -> None:
@@ -352,25 +375,128 @@ class EagleDrafter(Drafter):
         return out[torch.arange(B), last]
 
     @torch.inference_mode()
-    def propose(self, ctx: DraftContext, max_tokens: int, rows: list[int] | None = None,
-                min_logp: float | None = None) -> Draft:
-        """Draft for rows `rows` of the batch (default all; the Draft has one row per drafted
-        row, in that order). Every row's new pairs still go into the head's cache (one cheap
-        batched step), so a row left out has no backlog to catch up when it drafts again;
-        only the tree's expansions run for the drafted rows alone. min_logp (trees): stop
-        expanding once no frontier node's path log-probability reaches it (deeper nodes
-        could only be less likely; a caller that would not verify them saves the head steps)."""
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        """Draft for the rows `ctx.want` names (default all; the others get no guesses). Every
+        row's new pairs still go into the head's cache (one cheap batched step), so a row left out
+        has no backlog to catch up when it drafts again; only the tree's expansions run for the
+        drafted rows alone. A tree is cut to the nodes worth verifying (`trim`)."""
+        t0 = time.perf_counter()
         B = len(ctx.tokens)
-        sel = None if rows is None or list(rows) == list(range(B)) else list(rows)
-        if max_tokens <= 0:
+        self._node_p = {}
+        sel = [b for b in range(B) if ctx.want is None or ctx.want[b]]
+        behind = max((len(t) - 1 - n for t, n in zip(ctx.tokens, self.n)), default=0)
+        if max_tokens <= 0 or not sel:
             self.remember(ctx)
-            return Draft.empty(B if sel is None else len(sel))
+            self._timing = (0.0, True)
+            return Draft.empty(B)
         h = self._catch_up(ctx)
-        if sel is not None:
-            h = h[sel]
+        sub = None if len(sel) == B else sel
+        if sub is not None:
+            h = h[sub]
         if self.tree:
-            return self._propose_tree(h, min(self.depth, max_tokens), sel, min_logp)
-        return self._propose_chain(ctx, h, max_tokens, sel)
+            trim = self.trim
+            if trim:
+                self._trees += 1
+                trim = self._trees % PROBE_EVERY != 0  # else a whole tree, so every node's odds stay measured
+            d = self._propose_tree(h, min(self.depth, max_tokens), sub,
+                                   self._min_logp(ctx.draft_cost, ctx.guess_cost) if trim else None)
+            d = self._cut(d, sel, trim, ctx.draft_cost, ctx.guess_cost)
+        else:
+            d = self._propose_chain(ctx, h, max_tokens, sub)
+        self._timing = (time.perf_counter() - t0, steady(behind, self.depth + 2))
+        return _scatter(d, sel, B)
+
+    def _cut(self, d: Draft, sel: list[int], trim: bool, cost: float, r: float) -> Draft:
+        """The tree of each drafted row, cut to the nodes worth verifying when `trim` (`_trim`);
+        remembers each row's nodes' path probabilities, whose outcome `commit` learns from."""
+        rows = []
+        for i, b in enumerate(sel):
+            n = int(d.counts[i])
+            toks, pars = d.tokens[i, :n].tolist(), d.parents[i, :n].tolist()
+            probs = [math.exp(v) for v in self.last_scores[i]] if len(self.last_scores) > i else []
+            if len(probs) == n:
+                if trim:
+                    toks, pars, probs = self._trim(toks, pars, probs, cost, r)
+                self._node_p[b] = probs
+            rows.append((toks, pars))
+        N = max((len(t) for t, _ in rows), default=0)
+        tokens = torch.tensor([t + [0] * (N - len(t)) for t, _ in rows], dtype=torch.long).reshape(len(sel), N)
+        parents = torch.tensor([p + [0] * (N - len(p)) for _, p in rows], dtype=torch.long).reshape(len(sel), N)
+        return Draft(tokens, torch.tensor([len(t) for t, _ in rows], dtype=torch.long), None, parents)
+
+    def _min_logp(self, cost: float, r: float) -> float | None:
+        """The path log-probability below which `_trim` would drop a node whatever else the tree
+        holds: its odds under r / (1 + c), the least a node must add (None: no such bound). Below
+        it the head need not expand."""
+        floor = r / (1.0 + cost)
+        lows = (0.0,) + self.odds.EDGES
+        worth = [lo for i, lo in enumerate(lows) if self.odds.acc[i] / self.odds.seen[i] > floor]
+        if not worth:
+            return math.inf  # not even a certain guess pays for its verification
+        return math.log(worth[0]) if worth[0] > 0 else None
+
+    def _trim(self, toks: list[int], pars: list[int], probs: list[float], cost: float, r: float):
+        """The tree cut to the nodes worth verifying: by their learnt odds of being accepted, the
+        best first, as many as maximise committed tokens per unit of step time given the head's
+        cost c (already spent) and r per verified node (policy.best_prefix). A node's path
+        probability never exceeds its parent's, so every cut keeps parents. Returns (tokens,
+        parents, probs)."""
+        order = sorted(range(len(toks)), key=lambda j: (-probs[j], j))
+        m = best_prefix([self.odds(probs[j]) for j in order], cost, r)
+        if m == len(toks):
+            return toks, pars, probs
+        keep = sorted(j + 1 for j in order[:m])
+        toks, pars = tree_mod.prune(toks, pars, keep)
+        return toks, pars, [probs[j - 1] for j in keep]
+
+    def commit(self, num_accepted, paths=None) -> None:
+        """The head's cache keeps committed pairs only (speculative slots are overwritten next
+        time); the last tree's nodes teach their odds, held or not, by path probability."""
+        if paths is not None:
+            for b, probs in self._node_p.items():
+                held = set(paths[b])
+                for j, p in enumerate(probs, start=1):
+                    self.odds.observe(p, j in held)
+        self._node_p = {}
+
+    def skip(self) -> None:
+        self._node_p = {}  # its features wait in the rows for the next proposal
+
+    @torch.inference_mode()
+    def time_alone(self) -> tuple[float, float]:
+        """(seconds per proposal, per pair read in a catch-up), on a scratch one-row cache: a
+        warm-up, then a catch-up on 32 pairs and whole proposals with nothing new to read. The
+        rows' state is left as it was."""
+        saved = (self._ks, self._vs, self.k, self.v, self.n, self.feat, self.last_h, self.last_scores, self._trees)
+        L = 32
+        trim, self.trim = self.trim, False  # whole trees: what a proposal costs before any cut
+        try:
+            times = []
+            for _ in range(2):  # the first round pays one-off costs (buffers, the weights' pages)
+                self.begin([[0]], None, L + self.nodes + 2)
+                ctx = DraftContext([[1 + i % 7 for i in range(L + 1)]], SamplingParams(), None,
+                                   [torch.zeros(L, self.dim, dtype=self.dtype)])
+                round_times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    self.propose(ctx, self.depth)
+                    round_times.append(time.perf_counter() - t0)
+                    ctx.hidden = None
+                times = round_times
+            per_draft = min(times[1:])
+            return per_draft, max(times[0] - per_draft, 0.0) / L
+        finally:
+            (self._ks, self._vs, self.k, self.v, self.n, self.feat, self.last_h, self.last_scores,
+             self._trees) = saved
+            self.trim = trim
+
+    def learned(self) -> dict:
+        """The node odds the trees' cuts read, for a later run (learned.py)."""
+        return {"odds": self.odds.learned()} if self.trim else None
+
+    def relearn(self, state: dict) -> None:
+        if state.get("odds"):
+            self.odds.relearn(state["odds"])
 
     def _propose_chain(self, ctx, h, k, sel=None):
 
@@ -480,12 +606,6 @@ class EagleDrafter(Drafter):
                      torch.tensor(counts, dtype=torch.long), None,
                      torch.tensor(out_par, dtype=torch.long).view(B, n_keep))
 
-    def commit(self, num_accepted, paths=None) -> None:
-        pass  # speculative slots are simply overwritten next time; committed pairs come with features
-
-    def skip(self) -> None:
-        pass  # a step without drafting: its features arrive with the next proposal
-
     def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
         """Append an empty row (a request joining a running batch); `begin` must have run, with
         the same max_len (an empty batch is fine). Its features arrive with its first proposal."""
@@ -516,10 +636,19 @@ class EagleDrafter(Drafter):
             self.last_h = self.last_h[idx]
 
 
-@register("eagle")
-def _make(target=None, draft=None, tree: bool = True, depth: int = 5, width: int = 4, nodes: int = 24, **_):
-    """draft: a path to an EAGLE head folder."""
-    if draft is None:
-        raise SpecdecError("--method eagle needs an EAGLE head: pass --draft DIR (from `specdec train eagle`)")
-    head, meta = load_eagle(draft, target)
-    return EagleDrafter(head, target.model, meta.get("vocab_subset"), tree=tree, depth=depth, width=width, nodes=nodes)
+def _scatter(d: Draft, sel: list[int], B: int) -> Draft:
+    """A draft of the rows `sel` as one of all B rows (the others with no guesses)."""
+    if len(sel) == B:
+        return d
+    N = d.tokens.shape[1]
+    tokens, counts = torch.zeros(B, N, dtype=torch.long), torch.zeros(B, dtype=torch.long)
+    idx = torch.tensor(sel, dtype=torch.long)
+    tokens[idx], counts[idx] = d.tokens, d.counts
+    probs = parents = None
+    if d.probs is not None:
+        probs = torch.zeros(B, N, d.probs.shape[-1])
+        probs[idx] = d.probs
+    if d.parents is not None:
+        parents = torch.zeros(B, N, dtype=torch.long)
+        parents[idx] = d.parents
+    return Draft(tokens, counts, probs, parents)

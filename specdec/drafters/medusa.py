@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..types import SpecdecError
-from .base import Draft, DraftContext, Drafter, register
+from .base import Draft, DraftContext, Drafter
 from .heads import load_head, subset_head
 
 MEDUSA_META = "specdec_medusa.json"
@@ -95,6 +95,7 @@ def load_medusa(path, target) -> tuple[MedusaHeads, dict]:
 
 
 class MedusaDrafter(Drafter):
+    name = "medusa"
     needs_hidden = True
 
     def __init__(self, heads: MedusaHeads, target_model, vocab_subset=None, tree: list[tuple[int, ...]] | None = None) -> None:
@@ -149,14 +150,3 @@ class MedusaDrafter(Drafter):
 
     def add_row(self, max_len: int, prompt: list[int] | None = None) -> None:
         self.last.append(None)  # its feature comes with the next proposal
-
-
-@register("medusa")
-def _make(target=None, draft=None, tree: bool = True, nodes: int | None = None, **_):
-    if draft is None:
-        raise SpecdecError("--method medusa needs Medusa heads: pass --draft DIR (from `specdec train medusa`)")
-    heads, meta = load_medusa(draft, target)
-    t = None
-    if tree:
-        t = choose_tree(meta["accuracy"], nodes) if nodes else [tuple(x) for x in meta["tree"]]
-    return MedusaDrafter(heads, target.model, meta.get("vocab_subset"), t)

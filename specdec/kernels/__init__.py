@@ -13,7 +13,8 @@ build under a folder the caller names (the loader uses ~/.cache/specdec/kernels)
 `torch.ops.specdec_rs`; it returns None, and `rowstable_unavailable()` says why, where the kernels
 cannot run (no AVX2 / FMA / F16C, no compiler, a failed build, SPECDEC_ROWSTABLE=0). Where the CPU
 has AVX-512 VNNI, VL and BW it is built with those too, and its 8-bit-activation integer dot
-products run on VNNI, with the AVX2 build's numbers bit for bit (`rowstable_isa()` says which
+products run on VNNI, and its products of several rows (verification steps) on 512-bit registers
+two weight rows at a time, with the AVX2 build's numbers bit for bit (`rowstable_isa()` says which
 build; SPECDEC_ROWSTABLE=avx2 forces the AVX2 one).
 
 `GGUF_TYPES`, `row_bytes()` and `check_gguf_tensor()` describe and check the tensors gguf_linear

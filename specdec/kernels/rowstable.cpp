@@ -26,7 +26,12 @@
 // rowstable_ops): the 8-bit-activation integer dot products then take _mm256_dpbusd_epi32 (ROWSTABLE_VNNI)
 // where the AVX2 build takes _mm256_maddubs_epi16 + _mm256_madd_epi16, and every int32 lane that
 // reaches the float arithmetic holds the same exact integer in both, so the two builds give the same
-// numbers bit for bit (tests/test_vnni.py); everything else is the same source.
+// numbers bit for bit (tests/test_vnni.py). The VNNI build (AVX-512F) also multiplies steps of
+// several tokens by two weight rows at a time on 512-bit registers (kz_pass for the K-quants, iz_tile
+// for the 32-weight block types, bz_tile for the repacked Q4_1 / Q8_0 blocks): each weight block is
+// decoded once for up to 6-8 activation rows, and every lane runs the operations of the 256-bit code
+// on the same numbers, so those tiles too give each row its numbers alone (tests/test_multirow.py);
+// everything else is the same source.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -181,6 +186,68 @@ void block_tile(const float* x, int64_t ldx, const uint8_t* g, int64_t nb, int j
     for (int j = 0; j < NJ; ++j) y[i * ldy + j0 + j] = hsum8(acc[i][j]);
 }
 
+#if ROWSTABLE_VNNI
+// The VNNI build (AVX-512F) takes a group's 4 outputs as two pairs in 512-bit registers: lanes 0-7
+// output j, 8-15 output j + 1, each weight chunk rebuilt for both at once and each activation chunk
+// loaded once into both halves (bz_tile). Every lane runs block_tile's operations on the same
+// numbers (the rebuild's fma / mul, then one FMA chain a row and output), and each output is its
+// 8 lanes by hsum8: the same numbers bit for bit, with about half the instructions.
+// x chunk (8 floats) in both halves
+inline __m512 bz_x(const float* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(reinterpret_cast<const double*>(p))));
+}
+// float lanes [v[a] x 8 | v[b] x 8] of the 4 floats at v
+inline __m512 bz_pair(const float* v, int a) {
+  return _mm512_permutexvar_ps(_mm512_set_epi32(a + 1, a + 1, a + 1, a + 1, a + 1, a + 1, a + 1, a + 1, a, a, a, a, a, a, a, a),
+                               _mm512_castps128_ps512(_mm_loadu_ps(v)));
+}
+
+template <int MR, bool Q4>
+void bz_tile(const float* x, int64_t ldx, const uint8_t* g, int64_t nb, float* y, int64_t ldy) {
+  constexpr int64_t GB = Q4 ? 32 + 64 : 16 + 128;
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const __m512i f = _mm512_set1_epi32(0x0F);
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* p = g + blk * GB;
+    const float* ds = reinterpret_cast<const float*>(p);
+    const float* xb = x + blk * 32;
+    for (int64_t c = 0; c < GB; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PF * GB + c), _MM_HINT_T0);
+    __m512 w[2][4];  // [pair][chunk]
+    for (int h = 0; h < 2; ++h) {
+      const __m512 d = bz_pair(ds, 2 * h);
+      if (Q4) {  // outputs 2h, 2h + 1: 16 nibble bytes each, weights 0-15 low, 16-31 high
+        const __m512 m = bz_pair(ds + 4, 2 * h);
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * h));
+        for (int c = 0; c < 2; ++c) {  // bytes 8c..8c+7 of both outputs: chunks c (low nibbles) and c + 2 (high)
+          const __m512i q = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(_mm256_permute4x64_epi64(b, c ? 0x0D : 0x08)));
+          w[h][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, f)), d, m);
+          w[h][c + 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+        }
+      } else {  // outputs 2h, 2h + 1: 32 int8 each
+        const uint8_t* q = p + 16 + 64 * h;
+        for (int c = 0; c < 4; ++c) {
+          const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c)),
+                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 32 + 8 * c)));
+          w[h][c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d);
+        }
+      }
+    }
+    for (int c = 0; c < 4; ++c)
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xv = bz_x(xb + i * ldx + 8 * c);
+        acc[i][0] = _mm512_fmadd_ps(xv, w[0][c], acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(xv, w[1][c], acc[i][1]);
+      }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < 2; ++h) {
+      y[i * ldy + 2 * h] = hsum8(_mm512_castps512_ps256(acc[i][h]));
+      y[i * ldy + 2 * h + 1] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][h]), 1)));
+    }
+}
+#endif
+
 template <bool Q4>
 at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t N) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat, "block linear: float32 activations only");
@@ -207,6 +274,17 @@ at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t 
         const int64_t r = std::min(MR, M - m);
         const float* xt = xp + m * K;
         float* yt = yp + m * N + 4 * g;
+#if ROWSTABLE_VNNI
+        switch (r) {
+          case 1: bz_tile<1, Q4>(xt, K, gp, nb, yt, N); break;
+          case 2: bz_tile<2, Q4>(xt, K, gp, nb, yt, N); break;
+          case 3: bz_tile<3, Q4>(xt, K, gp, nb, yt, N); break;
+          case 4: bz_tile<4, Q4>(xt, K, gp, nb, yt, N); break;
+          case 5: bz_tile<5, Q4>(xt, K, gp, nb, yt, N); break;
+          default: bz_tile<6, Q4>(xt, K, gp, nb, yt, N); break;
+        }
+        continue;
+#endif
         switch (r) {
           case 1: block_tile<1, 4, Q4>(xt, K, gp, nb, 0, yt, N); break;
           case 2: block_tile<2, 4, Q4>(xt, K, gp, nb, 0, yt, N); break;
@@ -644,6 +722,37 @@ inline void interleave_quants(__m256i v[8]) {
 #endif
 }
 
+#if ROWSTABLE_VNNI
+// The VNNI build's K-quant products of several activation rows (kz_pass) take two weight rows at a time
+// on 512-bit registers, in the "pair layout": a 256-block's 8 parts of 32 quants as 4 vectors, whose
+// 128-bit lane q holds in int32 lane i the bytes 4k..4k+3 (vector k) of the half q & 1 of part
+// kz_part(q, i) = {0, 1, 4, 5}[i] + 2 (q >> 1). The 4 vectors' _mm512_dpbusd_epi32 products added
+// then hold in lane (q, i) the dot product of that part's half (16 quants): the numbers int_tile's
+// lanes are made of, and it takes 8 shuffles a block to get there from the parts as they lie in
+// memory (transpose_dwords512), where the ymm layout takes 16 for the same 256 bytes.
+constexpr int kz_part(int q, int i) { return (i < 2 ? i : i + 2) + 2 * (q >> 1); }
+// The lane (q, j) of a product of two weight rows' sums (kz_pass's isum, corr, acc) is the int_tile /
+// int_row lane kz_lane(q, j) (4 half + pair of parts) of weight row j >> 1
+constexpr int kz_lane(int q, int j) { return 4 * (q & 1) + (q >> 1) + 2 * (j & 1); }
+
+// a 4 x 4 transpose of int32 lanes inside each 128-bit lane of (a, b, c, d): with a = [part 0 | part
+// 2], b = [1 | 3], c = [4 | 6], d = [5 | 7] (32 bytes each), afterwards a, b, c, d are the pair
+// layout's vectors 0-3
+inline void transpose_dwords512(__m512i& a, __m512i& b, __m512i& c, __m512i& d) {
+  const __m512i t0 = _mm512_unpacklo_epi32(a, b), t1 = _mm512_unpackhi_epi32(a, b);
+  const __m512i t2 = _mm512_unpacklo_epi32(c, d), t3 = _mm512_unpackhi_epi32(c, d);
+  a = _mm512_unpacklo_epi64(t0, t2);
+  b = _mm512_unpackhi_epi64(t0, t2);
+  c = _mm512_unpacklo_epi64(t1, t3);
+  d = _mm512_unpackhi_epi64(t1, t3);
+}
+
+inline __m512i join256(const void* lo, const void* hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
+}
+#endif
+
 // Activation rows rounded to 8 bits in slices of S (256 for the K-quants, 32 for the 32-weight
 // block types; K % S == 0): q [M, K], (S = 256) qi: q with each slice's 8 parts of 32 interleaved
 // (interleave_quants), the scale d of each slice, the sums of each 16 q (bsum; S = 256: bsum2, those
@@ -666,9 +775,9 @@ using vec64 = std::vector<T, Align64<T>>;
 
 struct Q8Rows {
   int64_t S = 0;
-  vec64<int8_t> q, qi;
+  vec64<int8_t> q, qi, qz;
   vec64<float> d, sx;
-  vec64<int16_t> bsum;
+  vec64<int16_t> bsum, bsz;
   vec64<int32_t> bsum2;
 };
 
@@ -681,6 +790,9 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
   r.sx.resize(S == 32 ? nb : 0);
   r.bsum.resize(M * K / 16);
   r.bsum2.resize(S == 256 ? M * K / 32 : 0);
+  const bool pairs = ROWSTABLE_VNNI && S == 256 && M >= 2;  // (kz_pass's layouts)
+  r.qz.resize(pairs ? M * K : 0);
+  r.bsz.resize(pairs ? M * K / 8 : 0);
   // (a decoding step's few thousand values take ~1-2 us on one thread, less than waking the others)
   at::parallel_for(0, nb, std::max<int64_t>(16, 32768 / S), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -716,6 +828,17 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
         for (int s = 0; s < 8; ++s) v[s] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
         interleave_quants(v);
         for (int s = 0; s < 8; ++s) _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.qi.data() + b * S + 32 * s), v[s]);
+#if ROWSTABLE_VNNI
+        if (pairs) {  // the pair layout, and the 16-sums in kz_pass's corr order: lane (q, j, e) = bsum 2 kz_lane(q, j) + e
+          __m512i z[4] = {join256(q, q + 64), join256(q + 32, q + 96), join256(q + 128, q + 192), join256(q + 160, q + 224)};
+          transpose_dwords512(z[0], z[1], z[2], z[3]);
+          for (int k = 0; k < 4; ++k) _mm512_storeu_si512(r.qz.data() + b * S + 64 * k, z[k]);
+          int16_t* bz = r.bsz.data() + b * 32;
+          for (int qq = 0; qq < 4; ++qq)
+            for (int j = 0; j < 4; ++j)
+              for (int e = 0; e < 2; ++e) bz[8 * qq + 2 * j + e] = r.bsum[b * 16 + 2 * kz_lane(qq, j) + e];
+        }
+#endif
       }
     }
   });
@@ -980,6 +1103,246 @@ __attribute__((noinline)) void int_row(const Q8Rows& xr, int64_t row0, int64_t K
   *y = hsum8(D::FOLD ? acc : _mm256_add_ps(acc, accc));
 }
 
+#if ROWSTABLE_VNNI
+// kz_pass: 2 weight rows x up to KZ_ROWS activation rows over nb 256-blocks, on 512-bit
+// registers, in the pair layout (transpose_dwords512; the activations' copy: Q8Rows.qz). Every
+// output gets int_tile's numbers: each int32 lane holds the integer of int_tile's lane kz_lane(q, j)
+// of its weight row, and the float part runs the same operations on each lane, two weight rows'
+// lanes side by side in one register (acc, accc in lane order (q, j)); at the end each output's 8
+// lanes are put back in int_tile's order (kz_idx.fin) and summed by hsum8. Against int_tile's 18-19
+// instructions a block and row (16 of them 256-bit dot products, sums and float work), a pair of
+// rows takes 17 (Q4_K) to 22 (Q5_K) for both: 8 dpbusd of 64 bytes, the part scales (one packs and
+// one madd where a part's sums fit int16, Q4_K; else two mullo and two permutes), the correction's
+// madd, and the float part once for both rows; and a block's weights are decoded once for all the rows.
+struct KzIdx {
+  alignas(64) int16_t scl4[32], coef4[32], coef6[32];
+  alignas(64) int32_t scl5[2][16], scl6[16], even[16], odd[16], fin[2][16];
+  alignas(64) int32_t dsel[16], csel[16], dsel6[16];
+  KzIdx() {
+    for (int q = 0; q < 4; ++q)
+      for (int j = 0; j < 4; ++j) {
+        const int l = 4 * q + j, w = j >> 1;
+        for (int e = 0; e < 2; ++e) {
+          scl4[8 * q + 2 * j + e] = static_cast<int16_t>(8 * ((2 * j + e) >> 2) + kz_part(q, (2 * j + e) & 3));
+          coef4[8 * q + 2 * j + e] = static_cast<int16_t>(8 * w + kz_lane(q, j));
+          coef6[8 * q + 2 * j + e] = static_cast<int16_t>(16 * w + 2 * kz_lane(q, j) + e);
+        }
+        for (int r = 0; r < 2; ++r) scl5[r][l] = 8 * r + kz_part(q, j);
+        scl6[l] = 2 * kz_part(q, j) + (q & 1);
+        even[l] = 16 * w + 4 * q + 2 * (j & 1);
+        odd[l] = even[l] + 1;
+        dsel[l] = 2 * w;
+        csel[l] = 2 * w + 1;
+        dsel6[l] = w;
+      }
+    for (int r = 0; r < 2; ++r)
+      for (int n = 0; n < 16; ++n) {  // int_tile's lane n = 4 h + jp of row r: lane (2 (jp & 1) + h, 2 r + (jp >> 1))
+        const int h = (n & 7) >> 2, jp = n & 3;
+        fin[r][n] = 4 * (2 * (jp & 1) + h) + 2 * r + (jp >> 1);
+      }
+  }
+};
+const KzIdx kz_idx;
+
+inline __m512i kz_load(const int16_t* t) { return _mm512_load_si512(t); }
+inline __m512i kz_load(const int32_t* t) { return _mm512_load_si512(t); }
+
+// two weight rows' block (p0, p1) for kz_pass: quants (v[row][4], pair layout) and scales: scl
+// (GROUP 8: int16 lane (q, m), the scale of part kz_part(q, m & 3) of row m >> 2, for the madd after
+// packing both rows' sums), scl32 (else: int32 lane (q, i) of each row: the scale of part kz_part(q, i)'s
+// half q & 1), coef (int16 lane (q, j, e): the factor of 16-sum 2 kz_lane(q, j) + e of row j >> 1 in
+// the correction, as KInt's coef), d and c (float lane (q, j): row j >> 1's, as KInt's)
+struct KPair {
+  __m512i v[2][4];
+  __m512i scl, scl32[2], coef;
+  __m512 d, c;
+};
+
+inline void kz_k4_scales(const uint8_t* p0, const uint8_t* p1, bool int32_scales, KPair& st) {
+  uint64_t sc0, mn0, sc1, mn1;
+  k_scale_bytes(p0, sc0, mn0);
+  k_scale_bytes(p1, sc1, mn1);
+  const __m256i s16 = _mm256_cvtepu8_epi16(_mm_set_epi64x(static_cast<int64_t>(sc1), static_cast<int64_t>(sc0)));
+  const __m256i m16 = _mm256_cvtepu8_epi16(_mm_set_epi64x(static_cast<int64_t>(mn1), static_cast<int64_t>(mn0)));
+  if (int32_scales) {
+    const __m512i s32 = _mm512_cvtepu16_epi32(s16);
+    st.scl32[0] = _mm512_permutexvar_epi32(kz_load(kz_idx.scl5[0]), s32);
+    st.scl32[1] = _mm512_permutexvar_epi32(kz_load(kz_idx.scl5[1]), s32);
+  } else {
+    st.scl = _mm512_permutexvar_epi16(kz_load(kz_idx.scl4), _mm512_castsi256_si512(s16));
+  }
+  st.coef = _mm512_permutexvar_epi16(kz_load(kz_idx.coef4), _mm512_castsi256_si512(m16));
+  uint32_t dm0, dm1;
+  std::memcpy(&dm0, p0, 4);
+  std::memcpy(&dm1, p1, 4);
+  // d, -dmin of each row (the sign bit of the second float16 flipped), as KInt's d and c
+  const __m128 f = _mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(dm1 ^ 0x80000000u), static_cast<int>(dm0 ^ 0x80000000u)));
+  st.d = _mm512_permutexvar_ps(kz_load(kz_idx.dsel), _mm512_castps128_ps512(f));
+  st.c = _mm512_permutexvar_ps(kz_load(kz_idx.csel), _mm512_castps128_ps512(f));
+}
+
+// the rotation (by 64-bit lane, lower and upper 256 bits) that takes bit `lo` / `hi` of each byte to bit 4
+inline __m512i kz_rot(int lo, int hi) {
+  const long long a = (4 - lo) & 63, b = (4 - hi) & 63;
+  return _mm512_set_epi64(b, b, b, b, a, a, a, a);
+}
+
+// the 4-bit quants of a Q4_K / Q5_K block's 128 bytes at qs as parts [0 | 2], [1 | 3], [4 | 6], [5 | 7]
+// (bytes 0-63: parts 0, 2 in the low nibbles, 1, 3 in the high ones; bytes 64-127: parts 4-7)
+inline void kz_nibbles(const uint8_t* qs, __m512i v[4]) {
+  const __m512i f = _mm512_set1_epi8(0x0F), a = _mm512_loadu_si512(qs), b = _mm512_loadu_si512(qs + 64);
+  v[0] = _mm512_and_si512(a, f);
+  v[1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), f);
+  v[2] = _mm512_and_si512(b, f);
+  v[3] = _mm512_and_si512(_mm512_srli_epi16(b, 4), f);
+}
+struct PairQ4_K {
+  static constexpr int KZ_MR = 6;
+  static inline void prepare(const uint8_t* p0, const uint8_t* p1, KPair& st) {
+    const uint8_t* ps[2] = {p0, p1};
+    for (int r = 0; r < 2; ++r) {
+      kz_nibbles(ps[r] + 16, st.v[r]);
+      transpose_dwords512(st.v[r][0], st.v[r][1], st.v[r][2], st.v[r][3]);
+    }
+    kz_k4_scales(p0, p1, false, st);
+  }
+};
+struct PairQ5_K {
+  static constexpr int KZ_MR = 6;
+  static inline void prepare(const uint8_t* p0, const uint8_t* p1, KPair& st) {
+    const uint8_t* ps[2] = {p0, p1};
+    const __m512i b4 = _mm512_set1_epi8(0x10);
+    const int bits[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};  // (the parts of each vector)
+    for (int r = 0; r < 2; ++r) {  // Q4_K's nibbles at 48, and the fifth bit s of part s from byte l of the 32 at 16
+      const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ps[r] + 16)));
+      __m512i* v = st.v[r];
+      kz_nibbles(ps[r] + 48, v);
+      for (int k = 0; k < 4; ++k)
+        v[k] = _mm512_or_si512(v[k], _mm512_and_si512(_mm512_rolv_epi64(h, kz_rot(bits[k][0], bits[k][1])), b4));
+      transpose_dwords512(v[0], v[1], v[2], v[3]);
+    }
+    kz_k4_scales(p0, p1, true, st);
+  }
+};
+struct PairQ6_K {
+  static constexpr int KZ_MR = 8;
+  static inline void prepare(const uint8_t* p0, const uint8_t* p1, KPair& st) {
+    const uint8_t* ps[2] = {p0, p1};
+    const __m512i f = _mm512_set1_epi8(0x0F), b45 = _mm512_set1_epi8(0x30);
+    const __m512i hi_nibble = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    for (int r = 0; r < 2; ++r) {  // part 4 h + t: the low (t < 2) or high nibble of ql byte 64 h + 32 (t & 1) + l,
+      const uint8_t* p = ps[r];     // bits 2 t, 2 t + 1 of qh byte 128 + 32 h + l; vector k = parts [k' | k' + 2]
+      for (int k = 0; k < 4; ++k) {
+        const int h = k >> 1, t = k & 1;  // (vectors 0-3: parts [0 | 2], [1 | 3], [4 | 6], [5 | 7])
+        const __m512i ql = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * t)));
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h)));
+        const __m512i lo = _mm512_and_si512(_mm512_srlv_epi64(ql, hi_nibble), f);
+        // bits 2t, 2t + 1 (and 2t + 4, 2t + 5 for the upper part) to bits 4, 5
+        const __m512i hb = _mm512_and_si512(_mm512_rolv_epi64(qh, kz_rot(2 * t, 2 * t + 4)), b45);
+        st.v[r][k] = _mm512_or_si512(lo, hb);
+      }
+      transpose_dwords512(st.v[r][0], st.v[r][1], st.v[r][2], st.v[r][3]);
+    }
+    st.scl32[0] = _mm512_permutexvar_epi32(kz_load(kz_idx.scl6), _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0 + 192))));
+    st.scl32[1] = _mm512_permutexvar_epi32(kz_load(kz_idx.scl6), _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p1 + 192))));
+    const __m256i sc = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0 + 192))),
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1 + 192)), 1);
+    st.coef = _mm512_permutexvar_epi16(kz_load(kz_idx.coef6), _mm512_slli_epi16(_mm512_cvtepi8_epi16(sc), 5));  // 32 sc
+    int16_t h0, h1;
+    std::memcpy(&h0, p0 + 208, 2);
+    std::memcpy(&h1, p1 + 208, 2);
+    st.d = _mm512_permutexvar_ps(kz_load(kz_idx.dsel6), _mm512_castps128_ps512(_mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, 0, 0, h1, h0))));
+    st.c = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(st.d), _mm512_set1_epi32(INT32_MIN)));  // -d
+  }
+};
+template <class D> struct PairOf;
+template <> struct PairOf<IntQ4_K> { using T = PairQ4_K; };
+template <> struct PairOf<IntQ5_K> { using T = PairQ5_K; };
+template <> struct PairOf<IntQ6_K> { using T = PairQ6_K; };
+
+// MR activation rows (row0..) of one block b of the weight rows' pair st: acc, accc (lanes (q, j)) updated
+template <class D, int MR>
+__attribute__((always_inline)) inline void kz_rows(const KPair& st, const Q8Rows& xr, int64_t row0, int64_t K, int64_t b,
+                                                   __m512* acc, __m512* accc, __m512i even, __m512i odd) {
+  for (int i = 0; i < MR; ++i) {
+    const int64_t xb = (row0 + i) * (K / 256) + b;
+    const __m512i* xq = reinterpret_cast<const __m512i*>(xr.qz.data() + xb * 256);
+    const __m512i x0 = _mm512_load_si512(xq), x1 = _mm512_load_si512(xq + 1), x2 = _mm512_load_si512(xq + 2),
+                  x3 = _mm512_load_si512(xq + 3);
+    __m512i r[2];
+    for (int j = 0; j < 2; ++j) {
+      __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), st.v[j][0], x0);
+      t = _mm512_dpbusd_epi32(t, st.v[j][1], x1);
+      t = _mm512_dpbusd_epi32(t, st.v[j][2], x2);
+      r[j] = _mm512_dpbusd_epi32(t, st.v[j][3], x3);
+    }
+    __m512i isum;
+    if constexpr (D::GROUP == 8) {  // (a part half's sum fits int16: |sum| <= 16 * 15 * 127)
+      isum = _mm512_madd_epi16(_mm512_packs_epi32(r[0], r[1]), st.scl);
+    } else {
+      const __m512i m0 = _mm512_mullo_epi32(r[0], st.scl32[0]), m1 = _mm512_mullo_epi32(r[1], st.scl32[1]);
+      isum = _mm512_add_epi32(_mm512_permutex2var_epi32(m0, even, m1), _mm512_permutex2var_epi32(m0, odd, m1));
+    }
+    const __m512 dx = _mm512_set1_ps(xr.d[xb]);
+    const __m512i corr = _mm512_madd_epi16(st.coef, _mm512_load_si512(xr.bsz.data() + xb * 32));
+    if constexpr (D::FOLD) {
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(st.d, dx), _mm512_cvtepi32_ps(_mm512_sub_epi32(isum, corr)), acc[i]);
+    } else {
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(st.d, dx), _mm512_cvtepi32_ps(isum), acc[i]);
+      accc[i] = _mm512_fmadd_ps(_mm512_mul_ps(st.c, dx), _mm512_cvtepi32_ps(corr), accc[i]);
+    }
+  }
+}
+
+// The weight rows n, n + 1 (at w) for activation rows m0..m0 + M (2 <= M <= KZ_ROWS), block by block:
+// each block's pair decoded once (a decoding took ~35 cycles on Sapphire Rapids, about 3 rows' work)
+// for all M rows, in row tiles of up to KZ_MR kept in registers for the block (the running sums of
+// all M rows wait in L1 between blocks).
+constexpr int64_t KZ_ROWS = 32;
+
+template <class D>
+__attribute__((noinline)) void kz_pass(const Q8Rows& xr, int64_t m0, int64_t M, int64_t K, const uint8_t* w, int64_t rb,
+                                       float* y, int64_t ldy) {
+  using P = typename PairOf<D>::T;
+  constexpr int64_t MRZ = P::KZ_MR;
+  const int64_t nb = K / 256;
+  __m512 acc[KZ_ROWS], accc[KZ_ROWS];
+  for (int64_t i = 0; i < M; ++i) acc[i] = accc[i] = _mm512_setzero_ps();
+  const int64_t tiles = (M + MRZ - 1) / MRZ;
+  const int64_t pf = 2 * rb * std::max<int64_t>(1, (4096 + 2 * rb - 1) / (2 * rb));  // >= 4 KB ahead, a later pair of rows
+  const __m512i even = kz_load(kz_idx.even), odd = kz_load(kz_idx.odd);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p0 = w + b * D::BB;
+    for (int o = 0; o < D::BB; o += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p0 + pf + o), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p0 + rb + pf + o), _MM_HINT_T0);
+    }
+    KPair st;
+    P::prepare(p0, p0 + rb, st);
+    for (int64_t t = 0; t < tiles; ++t) {  // row tiles as even as M allows
+      const int64_t a = t * M / tiles, e = (t + 1) * M / tiles, r0 = m0 + a;
+      __m512 *ac = acc + a, *cc = accc + a;
+      switch (e - a) {
+        case 1: kz_rows<D, 1>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        case 2: kz_rows<D, 2>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        case 3: kz_rows<D, 3>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        case 4: kz_rows<D, 4>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        case 5: kz_rows<D, 5>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        case 6: kz_rows<D, 6>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        case 7: if constexpr (MRZ >= 7) kz_rows<D, 7>(st, xr, r0, K, b, ac, cc, even, odd); break;
+        default: if constexpr (MRZ >= 8) kz_rows<D, 8>(st, xr, r0, K, b, ac, cc, even, odd); break;
+      }
+    }
+  }
+  const __m512i fin0 = kz_load(kz_idx.fin[0]), fin1 = kz_load(kz_idx.fin[1]);
+  for (int64_t i = 0; i < M; ++i) {
+    const __m512 s = D::FOLD ? acc[i] : _mm512_add_ps(acc[i], accc[i]);
+    y[i * ldy] = hsum8(_mm512_castps512_ps256(_mm512_permutexvar_ps(fin0, s)));
+    y[i * ldy + 1] = hsum8(_mm512_castps512_ps256(_mm512_permutexvar_ps(fin1, s)));
+  }
+}
+#endif
+
 // The 32-weight block types on 8-bit activations (llama.cpp's ggml_vec_dot_q*_q8_0 / _q8_1): a block
 // contributes d * dx * <q_w, q_x> + c * sx, the dot product exact in int32 (the quants unsigned, or
 // for Q8_0 signed through |q_w| and the sign moved onto q_x), c the block's offset (Q4_0: -8 d,
@@ -1074,12 +1437,101 @@ void int32_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int
     for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum8(acc[i][j]) + accc[i][j];
 }
 
+#if ROWSTABLE_VNNI
+// iz_tile: int32_tile for 2 weight rows x MR activation rows (2 <= MR <= IZ_MR) on 512-bit registers,
+// the VNNI build's multi-row path: a block of each weight row side by side in one register (lanes 0-7,
+// 8-15), the activations' block in both halves, so one _mm512_dpbusd_epi32 gives both rows' int32
+// lanes of int32_tile and the float part runs once for both (d * dx, then the FMA, as int32_tile
+// does lane by lane; the offsets' / minimums' c * sx as int32_tile's scalar fma, in lanes 0 and 8).
+// Q8_0's quants are signed, and AVX-512 has no _mm256_sign_epi8: the activations go in as unsigned
+// q + 128 (bytes ^ 0x80) and each lane starts from -128 x the sum of its 4 weight quants (the same
+// exact integer: sum (q + 128) w - 128 sum w = sum q w).
+constexpr int IZ_MR = 8;
+// [a x 8 | b x 8]
+inline __m512 bz_halves(float a, float b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(a))),
+                                             _mm256_castps_pd(_mm256_set1_ps(b)), 1));
+}
+
+template <class D, int MR>
+__attribute__((noinline)) void iz_tile(const Q8Rows& xr, int64_t row0, int64_t K, const uint8_t* w, int64_t rb, int64_t nb,
+                                       float* y, int64_t ldy) {
+  __m512 acc[MR], accc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = accc[i] = _mm512_setzero_ps();
+  const int64_t pf = 2 * rb;  // the same block of the next pair of rows
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p0 = w + b * D::BB;
+    const uint8_t* p1 = p0 + rb;
+    _mm_prefetch(reinterpret_cast<const char*>(p0 + pf), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p1 + pf), _MM_HINT_T0);
+    const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(D::quants(p0)), D::quants(p1), 1);
+    // (Q8_0: -128 x each lane's 4 signed quants; else 0)
+    const __m512i start = D::SIGNED ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, wq))
+                                    : _mm512_setzero_si512();
+    float d0, c0, d1, c1;
+    D::scales(p0, d0, c0);
+    D::scales(p1, d1, c1);
+    const __m512 d = bz_halves(d0, d1), c = bz_halves(c0, c1);
+    for (int i = 0; i < MR; ++i) {
+      const int64_t xb = (row0 + i) * nb + b;
+      __m512i xq = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(xr.q.data() + xb * 32)));
+      const __m512i dot = D::SIGNED ? _mm512_dpbusd_epi32(start, _mm512_xor_si512(xq, flip), wq)
+                                    : _mm512_dpbusd_epi32(start, wq, xq);
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xr.d[xb])), _mm512_cvtepi32_ps(dot), acc[i]);
+      if (D::CORR) accc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(xr.sx[xb]), accc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    y[i * ldy] = hsum8(_mm512_castps512_ps256(acc[i])) + _mm512_cvtss_f32(accc[i]);
+    y[i * ldy + 1] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1))) +
+                     _mm_cvtss_f32(_mm512_extractf32x4_ps(accc[i], 2));
+  }
+}
+
+template <class D>
+void iz_tiles(const Q8Rows& xr, int64_t m0, int64_t mr, int64_t K, const uint8_t* wn, int64_t rb, float* y, int64_t ldy) {
+  const int64_t nb = K / 32;
+  switch (mr) {
+    case 2: iz_tile<D, 2>(xr, m0, K, wn, rb, nb, y, ldy); break;
+    case 3: iz_tile<D, 3>(xr, m0, K, wn, rb, nb, y, ldy); break;
+    case 4: iz_tile<D, 4>(xr, m0, K, wn, rb, nb, y, ldy); break;
+    case 5: iz_tile<D, 5>(xr, m0, K, wn, rb, nb, y, ldy); break;
+    case 6: iz_tile<D, 6>(xr, m0, K, wn, rb, nb, y, ldy); break;
+    case 7: iz_tile<D, 7>(xr, m0, K, wn, rb, nb, y, ldy); break;
+    default: iz_tile<D, 8>(xr, m0, K, wn, rb, nb, y, ldy); break;
+  }
+}
+#endif
+
+#if ROWSTABLE_VNNI
+// The VNNI build's products of several rows: weight rows n0..n1 in pairs, the M activation rows in
+// runs of at most `most`, as even as M allows; f(a, e, n): rows a..e by weight rows n, n + 1. Returns
+// the weight row left over (n1, or an odd last one, for the 256-bit code).
+template <class F>
+int64_t in_pairs(int64_t M, int64_t n0, int64_t n1, int64_t most, F&& f) {
+  const int64_t runs = (M + most - 1) / most;
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2)
+    for (int64_t t = 0; t < runs; ++t) f(t * M / runs, (t + 1) * M / runs, n);
+  return n;
+}
+#endif
+
 // rows n0..n1 of the output for all M activation rows: the K-quants in tiles of up to KQ_MR rows
 // (int_tile; a tile of one row: int_row), the block types in tiles of up to INT_MR rows (int32_tile)
 template <class D>
 void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, float* y,
                  int64_t ldy) {
   if constexpr (D::BS == 256) {
+#if ROWSTABLE_VNNI
+    if (M >= 2) {  // pairs of weight rows (kz_pass), up to KZ_ROWS activation rows a pass; an odd last row as below
+      n0 = in_pairs(M, n0, n1, KZ_ROWS, [&](int64_t a, int64_t e, int64_t n) {
+        kz_pass<D>(xr, a, e - a, K, w + n * rb, rb, y + a * ldy + n, ldy);
+      });
+      if (n0 == n1) return;
+    }
+#endif
     for (int64_t m = 0; m < M; m += KQ_MR) {
       const int64_t mr = std::min<int64_t>(KQ_MR, M - m);
       float* ym = y + m * ldy;
@@ -1099,6 +1551,14 @@ void int_columns(const Q8Rows& xr, int64_t M, int64_t K, const uint8_t* w, int64
       }
     }
   } else {
+#if ROWSTABLE_VNNI
+    if (M >= 2) {  // pairs of weight rows (iz_tile) in row tiles of at most IZ_MR; an odd last row as below
+      n0 = in_pairs(M, n0, n1, IZ_MR, [&](int64_t a, int64_t e, int64_t n) {
+        iz_tiles<D>(xr, a, e - a, K, w + n * rb, rb, y + a * ldy + n, ldy);
+      });
+      if (n0 == n1) return;
+    }
+#endif
     for (int64_t m = 0; m < M; m += INT_MR) {
       const int64_t mr = std::min<int64_t>(INT_MR, M - m);
       float* ym = y + m * ldy;

@@ -14,8 +14,9 @@ text as AutoTokenizer on the default model and on several templates.
 The chat template renders as transformers renders it: a sandboxed, immutable Jinja
 environment with `trim_blocks` and `lstrip_blocks`, loop controls, a `tojson` that keeps
 non-ASCII text, `raise_exception`, `strftime_now`, the special tokens as variables, and no
-special tokens added when the rendered text is tokenized. It does not know tools,
-documents, `{% generation %}` masks or continue-final-message (specdec uses none of them).
+special tokens added when the rendered text is tokenized, and `tools` (OpenAI-style function
+definitions, for templates that render them). It does not know documents, `{% generation %}`
+masks or continue-final-message (specdec uses none of them).
 
 `light_config` is the same idea for `config.json`: a plain object with the file's keys as
 attributes, for Llama checkpoints that spell out every key the native model reads;
@@ -86,6 +87,7 @@ class FastTokenizer:
 
     def __init__(self, tk, config: dict, chat_template: str | None, source: Path) -> None:
         self._tk = tk
+        self._plain_tk = None  # a copy that reads special-token text as plain text (made when first asked)
         self._config = config
         self.chat_template = chat_template
         self.source = source
@@ -95,8 +97,21 @@ class FastTokenizer:
             setattr(self, k, t)
             setattr(self, f"{k}_id", None if t is None else tk.token_to_id(t))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        """split_special_tokens: text that spells a special token (`<|im_start|>`) is read as
+        plain text, as transformers' keyword of that name does."""
+        tk = self._tk
+        if split_special_tokens:
+            if self._plain_tk is None:  # a copy of its own: the flag is the tokenizer's state, shared by threads
+                self._plain_tk = type(tk).from_str(tk.to_str())
+                self._plain_tk.encode_special_tokens = True
+            tk = self._plain_tk
+        return tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @property
+    def added_tokens_decoder(self) -> dict:
+        """{id: AddedToken (.content, .special)}, as transformers' tokenizers have it."""
+        return self._tk.get_added_tokens_decoder()
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         if hasattr(ids, "tolist"):
@@ -111,17 +126,18 @@ class FastTokenizer:
     def __len__(self) -> int:
         return self._tk.get_vocab_size(with_added_tokens=True)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False,
+                    tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         msgs = [dict(m) for m in messages]  # a fresh copy: the template sees plain dicts only
-        return _compile(self.chat_template).render(messages=msgs, tools=None, documents=None,
+        return _compile(self.chat_template).render(messages=msgs, tools=tools or None, documents=None,
                                                    add_generation_prompt=add_generation_prompt,
                                                    **self.special_tokens_map)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = True):
-        text = self.render_chat(messages, add_generation_prompt)
+                            tokenize: bool = True, tools: list[dict] | None = None):
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def save_pretrained(self, out) -> None:

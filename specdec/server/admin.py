@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
-from .requests import check_key
+from .requests import check_key, check_metrics_key
 
 router = APIRouter()
 
@@ -31,5 +31,6 @@ async def health(req: HTTPRequest):
 
 @router.get("/metrics")
 async def metrics(req: HTTPRequest):
+    check_metrics_key(req.app.state.specdec, req)
     body, content_type = req.app.state.specdec.metrics.render()
     return Response(body, media_type=content_type)

@@ -1,8 +1,9 @@
 """POST /v1/completions and /v1/chat/completions: answers and streams in OpenAI's shapes.
 
 Non-streaming: one JSON object with every choice. Streaming (`stream: true`): server-sent
-events, each `data: {chunk}`; chat starts each choice with a role delta; text is held back
-while it could still become a stop string or ends in an incomplete UTF-8 sequence; each
+events, each `data: {chunk}`; chat starts each choice with a role delta; text comes from the
+choice's TextStream (held back while it could still become a stop string or ends in an
+incomplete UTF-8 sequence; both answers are its text, so they agree); each
 choice ends with a chunk carrying its finish reason; `stream_options.include_usage` adds a
 last chunk with empty choices and the usage; an error after the stream started is a
 `data: {"error": ...}` event; the stream always ends with `data: [DONE]`.
@@ -23,10 +24,10 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from ..text import find_stop
-from . import generation
+from . import generation, structured
+from ..tools import ToolParser
 from .errors import APIError, guarded, internal_error, log
-from .requests import check_context, parse, sampling
+from .requests import check_context, off_loop, parse_body, read_request, sampling
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .textops import merge_logprobs
 
@@ -58,6 +59,8 @@ class Shaper:
         self.state, self.text, self.job, self.chat, self.top = state, state.text, job, chat, top
         self.obj = "chat.completion" if chat else "text_completion"
         self.created = created
+        shaping = job.shaping
+        self.tools = shaping.tools if shaping is not None else None  # parse tool calls (chat with tools)
 
     def envelope(self, choices: list, obj: str | None = None, **extra) -> dict:
         return {"id": self.job.rid, "object": obj or self.obj, "created": self.created,
@@ -78,20 +81,32 @@ class Shaper:
 
     def choice(self, i: int) -> dict:
         c = self.job.choices[i]
-        text, reason = self.text.finish_text(c.tokens, self.job.stops, c.reason)
-        keep = self.text.kept_tokens(c.tokens, len(text))
+        text, reason = c.decoder.text, c.finish_reason()
+        keep = c.decoder.tokens_within(len(text)) if self.top is not None else 0
         echo = c.echo or ""
         lp = self.logprobs(c, 0, keep, len(echo))
+        if self.chat and self.tools is not None:
+            message, reason = structured.message(self.state, c.tokens, self.job.stops, reason, self.tools)
+            return {"index": i, "message": message, "logprobs": lp, "finish_reason": reason}
         if self.chat:
             return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                     "finish_reason": reason}
         return {"index": i, "text": echo + text, "finish_reason": reason,
                 "logprobs": merge_logprobs(self.echo_logprobs(c), lp) if self.top is not None else None}
 
-    def usage(self, reasons: list[str]) -> dict:
+    def usage(self) -> dict:
+        """Tokens a choice used: with a stop string, only up to the token that completed it (a
+        speculative step may have committed a few more before the stop was seen)."""
         prompt = self.job.prompt_tokens
-        comp = sum(self.text.completion_tokens(c.tokens, self.job.stops, r) for c, r in zip(self.job.choices, reasons))
-        return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp}
+        comp = sum(c.decoder.used_tokens for c in self.job.choices)
+        prediction = self.job.shaping.prediction if self.job.shaping is not None else None
+        answers = [c.decoder.text for c in self.job.choices] if prediction is not None else []
+        return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp,
+                **structured.usage_details(self.state, prediction, answers)}
+
+    def metrics(self) -> dict:
+        """Per-request speculation figures (an extra field OpenAI clients ignore), vLLM's shape."""
+        return structured.speculation([c.stats for c in self.job.choices])
 
     def chunk(self, i: int, text: str, reason: str | None = None, lp=None) -> str:
         if self.chat:
@@ -99,6 +114,10 @@ class Shaper:
         else:
             c = {"index": i, "text": text, "finish_reason": reason, "logprobs": lp}
         return "data: " + json.dumps(self.envelope([c], self.obj + ".chunk" if self.chat else self.obj)) + "\n\n"
+
+    def tool_chunk(self, i: int, delta: dict) -> str:
+        c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+        return "data: " + json.dumps(self.envelope([c], "chat.completion.chunk")) + "\n\n"
 
     def role_chunk(self, i: int) -> str:
         c = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -113,15 +132,13 @@ async def _answer(state, req: HTTPRequest, job: generation.Job, shaper: Shaper, 
 
         return Response(status_code=499)  # the client left; nobody reads this
     choices = [shaper.choice(i) for i in range(len(job.choices))]
-    body = shaper.envelope(choices, usage=shaper.usage([c["finish_reason"] for c in choices]))
-    return body
+    return shaper.envelope(choices, usage=shaper.usage(), metrics=shaper.metrics())
 
 
-@router.post("/v1/completions", openapi_extra=_openapi(CompletionRequest))
-@guarded
-async def completions(req: HTTPRequest):
-    state = req.app.state.specdec
-    body = await parse(state, req, CompletionRequest)
+def _prepare_completion(state, raw: bytes):
+    """(body, sampling, speculation, [(prompt ids, echoed text)]): the work before a completion
+    is queued, off the event loop."""
+    body = parse_body(state, raw, CompletionRequest)
     prompts = body.prompts()
     if len(prompts) * body.n > max(MAX_CHOICES, state.max_n):
         raise APIError(400, f"{len(prompts)} prompts x n {body.n} is more than {max(MAX_CHOICES, state.max_n)} "
@@ -132,63 +149,69 @@ async def completions(req: HTTPRequest):
         ids = state.text.encode_completion(p)
         check_context(state, ids, body.new_tokens())
         encoded.append((ids, (p if isinstance(p, str) else state.text.decode(p, special=True)) if body.echo else None))
+    return body, params, spec, encoded
+
+
+@router.post("/v1/completions", openapi_extra=_openapi(CompletionRequest))
+@guarded
+async def completions(req: HTTPRequest):
+    state = req.app.state.specdec
+    raw = await read_request(state, req)
+    body, params, spec, encoded = await off_loop(_prepare_completion, state, raw)
+    shaping = await structured.prepare(state, body)
     rid = "cmpl-" + uuid.uuid4().hex[:24]
     prompt_top = body.logprobs if body.echo and body.logprobs is not None else None
     job = generation.submit(state, encoded, params, body.n, body.stops(), spec, body.logprobs, rid,
-                            prompt_top=prompt_top, score_only=body.max_tokens == 0)
+                            prompt_top=prompt_top, score_only=body.max_tokens == 0, shaping=shaping)
     shaper = Shaper(state, job, False, body.logprobs, int(time.time()))
     return await _answer(state, req, job, shaper, body.stream, body.usage_wanted())
+
+
+def _prepare_chat(state, raw: bytes):
+    """(body, sampling, speculation, prompt ids, the tool-call syntax to parse or None): the work
+    before a chat request is queued (the template and the tokenizer), off the event loop."""
+    body = parse_body(state, raw, ChatCompletionRequest)
+    params, spec = sampling(state, body, body.new_tokens())
+    messages, tools, syntax = structured.chat_messages(state, body)
+    ids = state.text.encode_chat(messages, tools)
+    check_context(state, ids, body.new_tokens())
+    return body, params, spec, ids, syntax
 
 
 @router.post("/v1/chat/completions", openapi_extra=_openapi(ChatCompletionRequest))
 @guarded
 async def chat_completions(req: HTTPRequest):
     state = req.app.state.specdec
-    body = await parse(state, req, ChatCompletionRequest)
-    params, spec = sampling(state, body, body.new_tokens())
-    ids = state.text.encode_chat([{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages])
-    check_context(state, ids, body.new_tokens())
+    raw = await read_request(state, req)
+    body, params, spec, ids, syntax = await off_loop(_prepare_chat, state, raw)
+    shaping = await structured.prepare(state, body, syntax)
     rid = "chatcmpl-" + uuid.uuid4().hex[:24]
-    job = generation.submit(state, [(ids, None)], params, body.n, body.stops(), spec, body.top(), rid)
+    job = generation.submit(state, [(ids, None)], params, body.n, body.stops(), spec, body.top(), rid,
+                            shaping=shaping)
     shaper = Shaper(state, job, True, body.top(), int(time.time()))
     return await _answer(state, req, job, shaper, body.stream, body.usage_wanted())
 
 
 class _StreamText:
-    """Per choice: the text and logprobs sent so far."""
+    """Per choice: whether its stream started, and the tokens whose logprobs were sent."""
 
     def __init__(self) -> None:
-        self.sent = 0  # characters of text sent
-        self.lp_sent = 0  # tokens whose logprobs were sent
+        self.lp_sent = 0
         self.started = False
 
 
-def _delta(shaper: Shaper, st: _StreamText, i: int, final: bool) -> str | None:
-    """The chunk with choice i's new text (None if nothing can be sent yet): text that might
-    still become a stop string, or that ends in an incomplete UTF-8 sequence, waits."""
-    job, text_ops = shaper.job, shaper.text
-    c = job.choices[i]
-    if final:
-        text, _ = text_ops.finish_text(c.tokens, job.stops, c.reason)
-        safe = len(text)
-    else:
-        text = text_ops.decode(c.tokens)
-        cut = find_stop(text, job.stops) if job.stops else None
-        safe = cut if cut is not None else len(text)
-        if job.stops and cut is None:  # hold back a possible partial stop string
-            safe = max(st.sent, len(text) - (max(len(s) for s in job.stops) - 1))
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
-            safe = min(safe, len(text) - 1)
-    if safe <= st.sent:
-        return None
-    piece = text[st.sent:safe]
+def _delta(shaper: Shaper, st: _StreamText, i: int) -> str | None:
+    """The chunk with choice i's text that arrived since the last one (None if none did), and
+    the logprobs of the tokens now wholly inside the text sent."""
+    c = shaper.job.choices[i]
+    piece, c.unsent = c.unsent, ""
     lp = None
-    if shaper.top is not None:  # the tokens now wholly inside the text sent
-        start = st.lp_sent
-        st.lp_sent = text_ops.kept_tokens(c.tokens, safe, start)
-        if st.lp_sent > start:
-            lp = shaper.logprobs(c, start, st.lp_sent, len(c.echo or "") + len(text_ops.decode(c.tokens[:start])))
-    st.sent = safe
+    if shaper.top is not None and c.within > st.lp_sent:
+        start, st.lp_sent = st.lp_sent, c.within
+        offset = len(c.echo or "") + (c.decoder.ends[start - 1] if start else 0)
+        lp = shaper.logprobs(c, start, st.lp_sent, offset)
+    if not piece and lp is None:
+        return None
     return shaper.chunk(i, piece, None, lp)
 
 
@@ -204,6 +227,7 @@ def _opening(shaper: Shaper, i: int) -> str | None:
 
 async def _stream(state, job: generation.Job, shaper: Shaper, usage: bool):
     texts = [_StreamText() for _ in job.choices]
+    parsers = [ToolParser(shaper.tools) for _ in job.choices] if shaper.tools is not None else None
     try:
         async for i, kind in generation.events(job):
             st = texts[i]
@@ -212,20 +236,23 @@ async def _stream(state, job: generation.Job, shaper: Shaper, usage: bool):
                 opening = _opening(shaper, i)
                 if opening:
                     yield opening
-            if kind == "tokens":
-                piece = _delta(shaper, st, i, final=False)
+            if parsers is not None:  # chat with tools: content and tool-call deltas
+                for delta in structured.tool_deltas(state, parsers[i], job.choices[i].tokens, job.stops,
+                                                    final=kind == "done"):
+                    yield shaper.tool_chunk(i, delta)
             else:
-                piece = _delta(shaper, st, i, final=True)
-            if piece:
-                yield piece
+                piece = _delta(shaper, st, i)
+                if piece:
+                    yield piece
             if kind == "done":
-                _, reason = shaper.text.finish_text(job.choices[i].tokens, job.stops, job.choices[i].reason)
+                reason = job.choices[i].finish_reason()
+                if parsers is not None and parsers[i].calls and reason == "stop":
+                    reason = "tool_calls"
                 yield shaper.chunk(i, "", reason)
-        reasons = [shaper.text.finish_text(c.tokens, job.stops, c.reason)[1] for c in job.choices]
-        final = shaper.usage(reasons)
-        if usage:  # OpenAI's shape: empty choices, the request's usage
+        final = shaper.usage()
+        if usage:  # OpenAI's shape: empty choices, the request's usage (and the speculation figures)
             yield "data: " + json.dumps(shaper.envelope([], shaper.obj + ".chunk" if shaper.chat else shaper.obj,
-                                                        usage=final)) + "\n\n"
+                                                        usage=final, metrics=shaper.metrics())) + "\n\n"
     except APIError as e:
         yield e.event()
     except Exception:  # noqa: BLE001 - the stream has started: an error event, not a 500

@@ -1,9 +1,10 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the HTTP status.
 
 400 invalid parameters, 401 a wrong API key, 404 an unknown model or path, 405 a wrong HTTP
-method, 408 a request past the request timeout, 429 a full queue (with Retry-After), 500 a
-failure inside this one request (logged once with its request id; the server stays up),
-503 while the server starts or shuts down. A stream that has started ends with the same
+method, 408 a request past the request timeout or a body that did not arrive within the body
+timeout (then the connection is closed), 415 a body not declared JSON, 429 a full queue (with
+Retry-After), 500 a failure inside this one request (logged once with its request id; the
+server stays up), 503 while the server starts or shuts down. A stream that has started ends with the same
 object as a `data:` event, then `data: [DONE]`.
 """
 

@@ -1,8 +1,9 @@
 """One HTTP request's choices on the batcher: submit them, follow their tokens, answer.
 
 A `Job` is one request's choices (one per prompt and per `n`), each a batcher `Request` whose
-callbacks (on the model thread) put (choice, kind, payload) events into an asyncio queue on
-the event loop. `collect` waits for every choice to end (a non-streaming answer); `events`
+callbacks (on the model thread) decode its text (a `TextStream` per choice, which is also the
+request's stop_fn) and put (choice, kind, payload) events into an asyncio queue on the event
+loop: the new tokens with the text they add, then the end with the text held back till then. `collect` waits for every choice to end (a non-streaming answer); `events`
 yields them as they come (a stream). A client that leaves cancels its choices at once: a
 watcher task waits for the connection's disconnect message (non-streaming), and Starlette
 cancels a stream's generator when its client goes (its `finally` cancels the rows). A choice
@@ -17,10 +18,12 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from ..text import find_stop
+from ..text import TextStream
 from ..types import SamplingParams, SpecdecError
 from ..core.scheduler import FAILED, Request
 from .errors import APIError, internal_error
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 @dataclass
@@ -28,10 +31,18 @@ class Choice:
     prompt_ids: list[int]
     echo: str | None  # the prompt's text in front of the answer (completions' echo)
     request: Request
+    decoder: TextStream  # fed on the model thread; read here once the choice ended (and its `ends`
+    # below the count an event carried: an append-only list)
     tokens: list[int] = field(default_factory=list)
     lps: list = field(default_factory=list)
+    unsent: str = ""  # text that arrived and was not streamed yet
+    within: int = 0  # tokens wholly inside the text that arrived (with logprobs)
     reason: str | None = None  # the batcher's finish reason, once ended
     stats: dict = field(default_factory=dict)
+
+    def finish_reason(self) -> str:
+        """OpenAI's finish reason: "stop" for a stop string or the end of text, else "length"."""
+        return "stop" if self.decoder.stopped else FINISH_REASONS.get(self.reason, self.reason)
 
 
 @dataclass
@@ -44,6 +55,7 @@ class Job:
     timeout: float
     prompt_tokens: int = 0  # each prompt once, whatever n
     disconnected: bool = False
+    shaping: object = None  # structured.Shaping: grammar, prediction, tool syntax (None: none)
 
     def cancel(self) -> None:
         for c in self.choices:
@@ -55,35 +67,43 @@ class Job:
 
 
 def submit(state, prompts: list[tuple[list[int], str | None]], params: SamplingParams, n: int, stops: list[str],
-           spec: tuple[int | None, bool], top: int | None, rid: str, prompt_top: int | None = None,
-           score_only: bool = False) -> Job:
+           spec: tuple[int | None, frozenset | None], top: int | None, rid: str, prompt_top: int | None = None,
+           score_only: bool = False, shaping=None) -> Job:
     """Queue one batcher request per prompt and per n (choice p * n + j samples with seed + j, so a
-    prompt gives the same text alone or batched). prompts: (token ids, echoed text or None)."""
-    spec_k, trees = spec
+    prompt gives the same text alone or batched). prompts: (token ids, echoed text or None).
+    shaping (structured.Shaping): each choice carries the prediction and its own grammar state."""
+    spec_k, sources = spec
+    choices = len(prompts) * n
+    if choices > state.batcher.waiting.maxsize:  # it would get 429 however long it waited
+        raise APIError(400, f"this request has {choices} choices (prompts x n) but the server queues at most "
+                            f"{state.batcher.waiting.maxsize} (--max-queue); send fewer prompts or a smaller n",
+                       param="n")
     loop = asyncio.get_running_loop()
     job = Job(rid, [], asyncio.Queue(), stops, time.perf_counter(), state.request_timeout,
-              prompt_tokens=sum(len(ids) for ids, _ in prompts))
-    tok = state.text
-
-    def stop_fn(tokens):
-        return find_stop(tok.decode(tokens), stops) is not None
+              prompt_tokens=sum(len(ids) for ids, _ in prompts), shaping=shaping)
 
     for ids, echo in prompts:
         for j in range(n):
             i = len(job.choices)
             p = params if params.seed is None or j == 0 else SamplingParams(**{**params.__dict__, "seed": params.seed + j})
+            decoder = TextStream(state.text.tok, stops, token_ends=top is not None)
 
-            def on_tokens(new, lps=None, i=i):
-                loop.call_soon_threadsafe(job.out.put_nowait, (i, "tokens", (list(new), lps)))
+            def on_tokens(new, lps=None, i=i, decoder=decoder):
+                piece = decoder.push(new)
+                within = decoder.tokens_within(decoder.shown) if decoder.ends is not None else 0
+                loop.call_soon_threadsafe(job.out.put_nowait, (i, "tokens", (list(new), lps, piece, within)))
 
-            def on_done(reason, stats, i=i):
+            def on_done(reason, stats, i=i, decoder=decoder):
                 if reason != "cancelled" and reason not in FAILED:  # the batcher counted it finished
                     state.metrics.observe_finished(time.perf_counter() - job.t0, stats)
-                loop.call_soon_threadsafe(job.out.put_nowait, (i, "done", (reason, stats)))
+                rest = decoder.finish()
+                within = decoder.tokens_within(decoder.shown) if decoder.ends is not None else 0
+                loop.call_soon_threadsafe(job.out.put_nowait, (i, "done", (reason, stats, rest, within)))
 
-            r = Request(list(ids), p, on_tokens, on_done, stop_fn=stop_fn if stops else None, spec_k=spec_k,
-                        logprobs=top, trees=trees, prompt_logprobs=prompt_top, score_only=score_only,
-                        id=f"{rid}/{i}")
+            r = Request(list(ids), p, on_tokens, on_done, stop_fn=decoder.reached_stop if decoder.stops else None,
+                        spec_k=spec_k, logprobs=top, sources=sources, prompt_logprobs=prompt_top,
+                        score_only=score_only, id=f"{rid}/{i}", prediction=shaping.prediction if shaping else None,
+                        constraint=shaping.constraint() if shaping else None)
             try:
                 state.batcher.submit(r)
             except queue.Full:
@@ -95,7 +115,7 @@ def submit(state, prompts: list[tuple[list[int], str | None]], params: SamplingP
                 if state.batcher.draining:
                     raise APIError(503, str(e), "server_error", headers={"Retry-After": "5"})
                 raise APIError(400, str(e), param="max_tokens")
-            job.choices.append(Choice(list(ids), echo, r))
+            job.choices.append(Choice(list(ids), echo, r, decoder))
     return job
 
 
@@ -104,10 +124,12 @@ def apply(job: Job, event) -> tuple[int, str]:
     i, kind, payload = event
     c = job.choices[i]
     if kind == "tokens":
-        c.tokens.extend(payload[0])
-        c.lps.extend(payload[1] or [])
+        new, lps, piece, c.within = payload
+        c.tokens.extend(new)
+        c.lps.extend(lps or [])
     else:
-        c.reason, c.stats = payload
+        c.reason, c.stats, piece, c.within = payload
+    c.unsent += piece
     return i, kind
 
 

@@ -4,8 +4,8 @@ Each app has its own registry (several apps may live in one process: tests, Ray 
 The unit is the batcher's request: one choice of an HTTP request (one prompt and one sample of
 `n`), so a request with n = 2 or with three batched prompts counts 2 or 3 times, in the
 counters and in the histograms alike. The batcher's counters and gauges are read from
-`ContinuousBatcher.stats()` at scrape time by a collector, so they are always the batcher's
-own figures. Requests balance: requests_total = finished + cancelled + failed + running
+`ContinuousBatcher.stats()` (a `BatcherStats`) at scrape time by a collector, so they are always
+the batcher's own figures. Requests balance: requests_total = finished + cancelled + failed + running
 (batch_size) + queued (queue_size). The latency histograms observe each finished choice once,
 as it ends (`observe_finished`), so specdec_request_seconds_count equals
 specdec_requests_finished_total, and the time-to-first-token and per-token histograms count
@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-# (metric name without the _total suffix, stats() key, help)
+# (metric name without the _total suffix, BatcherStats attribute, help)
 COUNTERS = (
     ("specdec_requests", "requests", "requests submitted to the batcher"),
     ("specdec_requests_finished", "finished", "requests that ended normally (stop, length, end of text)"),
@@ -28,9 +28,14 @@ COUNTERS = (
     ("specdec_generated_tokens", "tokens", "tokens generated"),
     ("specdec_draft_tokens_proposed", "proposed", "guessed tokens verified by the target"),
     ("specdec_draft_tokens_accepted", "accepted", "guessed tokens the target accepted"),
-    ("specdec_tree_rows", "tree_rows", "row-steps that verified an EAGLE tree"),
-    ("specdec_draft_model_rows", "draft_rows", "row-steps that verified a draft model's guesses"),
-    ("specdec_lookup_rows", "lookup_rows", "row-steps that verified prompt-lookup guesses"),
+    ("specdec_steps", "steps", "decoding steps"),
+)
+# (metric name without the _total suffix, BatcherStats dict attribute, its label, help)
+LABELLED = (
+    ("specdec_source_rows", "source_rows", "source", "row-steps that verified a draft source's guesses"),
+    ("specdec_plain_steps", "plain_steps", "reason", "steps decoded without guesses, by why (cost: the cost model "
+                                                     "found no guess worth its price; guard: the batch guard; "
+                                                     "nothing: no source had a guess; warming, probe)"),
 )
 GAUGES = (
     ("specdec_acceptance_rate", "alpha", "accepted / proposed guesses"),
@@ -49,11 +54,16 @@ class _BatcherCollector:
         s = self.batcher.stats()
         for name, key, doc in COUNTERS:
             c = CounterMetricFamily(name, doc)
-            c.add_metric([], s[key])
+            c.add_metric([], getattr(s, key))
+            yield c
+        for name, key, label, doc in LABELLED:
+            c = CounterMetricFamily(name, doc, labels=[label])
+            for value, count in sorted(getattr(s, key).items()):
+                c.add_metric([value], count)
             yield c
         for name, key, doc in GAUGES:
             g = GaugeMetricFamily(name, doc)
-            g.add_metric([], s[key])
+            g.add_metric([], getattr(s, key))
             yield g
 
 

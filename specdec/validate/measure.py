@@ -181,25 +181,24 @@ def load_settings(settings) -> list[str]:
 
 def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, levels: list[int], k: int,
          min_requests: int, repeats: int, reference: list[list[int]] | None = None, bar=None,
-         make_drafter=None, method: str | None = None, settings: tuple[str, ...] = LOAD_SETTINGS) -> dict:
+         make_sources=None, method: str | None = None, settings: tuple[str, ...] = LOAD_SETTINGS) -> dict:
     """Off / fixed-k / load-aware speculation through the server's batcher (`settings`, of
     LOAD_SETTINGS; "off" always), each concurrency level run for every setting in turn (off,
     fixed, adaptive, off, ...), `repeats` rounds; medians per (setting, level). Each level sends at
-    least `min_requests` requests. The drafting is the server's: prompt lookup, or with
-    `make_drafter` (a new drafter per call) `method` with it: the server's `auto` by default
-    (prompt lookup + an EAGLE drafter), or any method with a `Drafter`, as `specdec serve
-    --method` runs it."""
+    least `min_requests` requests. The drafting is the server's: `make_sources()` (new draft
+    sources per call) under `method` (the server's `auto` by default), or prompt lookup alone
+    without it, as `specdec serve --method` runs them."""
     from ..core.scheduler import ContinuousBatcher
+    from ..drafters.ngram import NgramDrafter
 
     ctx = min(model.max_context, max(len(p) for p in encoded) + params.max_new_tokens + k + 8)
-    if make_drafter is None:
-        method = "ngram"
+    if make_sources is None:
+        method, make_sources = "ngram", lambda: [NgramDrafter()]
     method = method or "auto"
     spec = {"off": ("none", False), "fixed": (method, False), "adaptive": (method, True)}
     spec = {name: spec[name] for name in load_settings(settings)}
-    batchers = {name: ContinuousBatcher(model, eos_ids, method=m, k_max=k, max_batch=max(levels), max_context=ctx,
-                                        adaptive=ad, thread=False,
-                                        drafter=make_drafter() if m != "none" and make_drafter else None)
+    batchers = {name: ContinuousBatcher(model, eos_ids, make_sources() if m != "none" else [], method=m, k_max=k,
+                                        max_batch=max(levels), max_context=ctx, adaptive=ad, thread=False)
                 for name, (m, ad) in spec.items()}
     raw = {name: {c: [] for c in levels} for name in spec}
     chosen_k = {name: {c: [] for c in levels} for name in spec}
@@ -211,10 +210,10 @@ def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, level
                     before = b.stats()
                     res = drive(b, encoded, c, per_client, params, reference)
                     after = b.stats()
-                    guesses = after["proposed"] - before["proposed"]
-                    rows = after["forwards"] - before["forwards"]
+                    guesses = after.proposed - before.proposed
+                    rows = after.forwards - before.forwards
                     res["mean_guesses"] = guesses / rows if rows else 0.0
-                    res["alpha"] = ((after["accepted"] - before["accepted"]) / guesses) if guesses else 0.0
+                    res["alpha"] = ((after.accepted - before.accepted) / guesses) if guesses else 0.0
                     raw[name][c].append(res)
                     chosen_k[name][c].append(res["mean_guesses"])
                     if bar is not None:
@@ -380,21 +379,17 @@ def check_sequences(model, prompt: list[int], seqs: list[list[int]], temperature
 
 
 def always_drafting(engine, model=None):
-    """An engine with `engine`'s drafter drafting k guesses at every step (a fixed k; prompt
-    lookup without its own adaptive length), for the distribution check: a priced drafter may stop
-    guessing where guesses rarely hold, which would leave nothing to check, and a seeded sample
-    under the cost model takes deterministic guesses, while at a fixed k a drafter that samples
-    its guesses draws them from its q, the case the check must see. `model`: the target to run
-    (default: the engine's; a PromptOnce around it)."""
-    from ..drafters.ngram import NgramDrafter
+    """An engine with `engine`'s sources drafting k guesses at every step (a fixed k), for the
+    distribution check: a priced source may stop guessing where guesses rarely hold, which would
+    leave nothing to check, and a seeded sample under the cost model takes deterministic guesses,
+    while at a fixed k a source that samples its guesses draws them from its q, the case the check
+    must see. `model`: the target to run (default: the engine's; a PromptOnce around it)."""
     from ..engine import Engine
 
-    drafter = engine.drafter
-    if drafter is None and model is None:
+    if not engine.sources and model is None:
         return engine
-    if isinstance(drafter, NgramDrafter) and drafter.policy is not None:
-        drafter = NgramDrafter(drafter.min_n, drafter.max_n, adaptive=False)
-    return Engine(model or engine.model, drafter, k=engine.k, eos_ids=engine.eos_ids, fixed_k=drafter is not None)
+    return Engine(model or engine.model, engine.sources, k=engine.k, eos_ids=engine.eos_ids,
+                  fixed_k=bool(engine.sources), method=engine.method)
 
 
 class PromptOnce:

@@ -156,16 +156,15 @@ def run(target, samples: Samples, configs: list[measure.Config], none_engine, op
             t0 = time.perf_counter()
             levels = sorted(set(opts.concurrency))
             reference = [r["tokens"] for r in raw["none"]["samples"]]
-            from ..config import SpecConfig, serve_drafter
+            from ..config import SpecConfig
+            from ..methods import sources_for
 
-            # the server's own drafting (config.serve_drafter): auto (prompt lookup + the EAGLE head)
-            # where the target has a head, else prompt lookup
+            # the server's own drafting: auto (prompt lookup beside the EAGLE head or the draft model
+            # the target has, else prompt lookup alone)
             server = SpecConfig(method="auto")
-            has_head = serve_drafter(server, target, quiet=True)[0] == "auto"
-            make = (lambda: serve_drafter(server, target, quiet=True)[1]) if has_head else None
             load = measure.load(target.model, target.eos_ids, enc, params, levels, opts.load_k, opts.min_requests,
-                                opts.repeats, reference, progress.phase("under load"), make_drafter=make,
-                                settings=opts.load_settings)
+                                opts.repeats, reference, progress.phase("under load"),
+                                make_sources=lambda: sources_for(server, target)[0], settings=opts.load_settings)
             findings = analysis.load_findings(load)
             took["under load"] = round(time.perf_counter() - t0, 1)
 

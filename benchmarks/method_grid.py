@@ -1,0 +1,103 @@
+"""Every method against plain decoding, cell by cell: methods x greedy / sampled x batch 1 / 8 x a
+fresh engine / a warm one, on the dev set and HumanEval, the ratio of decode rates (tokens over
+decode seconds) in one run, interleaved.
+
+A fresh engine is built for every call (its sources new, nothing learned: what a new `specdec
+generate` process starts from, its first timings included); a warm one is kept across every call
+of its cell, after one untimed pass over the prompts. Sampled cells are seeded: every method's text
+must equal plain sampling's with the seed (deterministic guesses under the cost model), as every
+greedy text must equal plain greedy text; a cell that differs is marked. Each cell also counts the
+row-steps decoded without guesses and why (RequestStats.plain_steps: the cost model declining,
+the guard, nothing to guess).
+
+    python benchmarks/method_grid.py --methods ngram,draft,eagle,medusa,auto --per-category 1 --humaneval 4 \\
+        --max-new-tokens 128 --repeats 2 --threads 2
+
+The last line is one JSON document; `resolution` is the spread of a cell's repeats (half their
+range over the median): a ratio closer to 1 than that is within the noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from devset import DEV_SET
+from harness import emit, interleaved, machine, median, spread, table
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=str(DEV_SET), help="Spec-Bench JSONL. Default: the shared dev set")
+    ap.add_argument("--per-category", type=int, default=1, help="dev prompts per category. Default: 1")
+    ap.add_argument("--humaneval", type=int, default=4, help="HumanEval prompts. Default: 4")
+    ap.add_argument("--methods", default="ngram,draft,eagle,medusa,auto")
+    ap.add_argument("--samplings", default="greedy,t0.8", help="greedy and/or tT (temperature T, seeded)")
+    ap.add_argument("--batches", default="1,8", help="batch sizes. Default: 1,8")
+    ap.add_argument("--states", default="fresh,warm", help="fresh and/or warm engines. Default: both")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from specdec.bench.tasks import dev_and_humaneval
+    from specdec.config import SpecConfig, build_engine
+    from specdec.metrics import summarize
+    from specdec.models.loader import load_model
+    from specdec.types import SamplingParams
+
+    target = load_model(None, quiet=True)
+    prompts = [ids for _, ids in dev_and_humaneval(target.tokenizer, args.data, args.per_category, args.humaneval)]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() != "none"]
+    states = [s.strip() for s in args.states.split(",") if s.strip()]
+    cells, rows = [], []
+    for sampling in [s.strip() for s in args.samplings.split(",") if s.strip()]:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens) if sampling == "greedy" else \
+            SamplingParams(max_new_tokens=args.max_new_tokens, temperature=float(sampling[1:]), seed=7)
+        for batch in [int(b) for b in args.batches.split(",") if b.strip()]:
+            items = [prompts[i:i + batch] for i in range(0, len(prompts), batch)] if batch > 1 else [[p] for p in prompts]
+            warm = {m: build_engine(SpecConfig(method=m), target) for m in methods} if "warm" in states else {}
+            for engine in warm.values():  # one untimed pass: what a process that decoded before has learnt
+                for item in items:
+                    engine.generate(item, params)
+
+            def run(engine_for):
+                return lambda item: engine_for().generate(item, params)
+
+            variants = {"none": run(lambda: build_engine(SpecConfig(method="none"), target))}
+            for m in methods:
+                if "fresh" in states:
+                    variants[f"{m} fresh"] = run(lambda m=m: build_engine(SpecConfig(method=m), target))
+                if "warm" in states:
+                    variants[f"{m} warm"] = run(lambda m=m: warm[m])
+            print(f"{sampling}, batch {batch}: {len(items)} items x {len(variants)} variants x {args.repeats}",
+                  flush=True)
+            raw = interleaved(variants, items, args.repeats)
+            plain = raw["none"]
+            for name, by_item in raw.items():
+                if name == "none":
+                    continue
+                ratios, equal, declined = [], True, {}
+                for rep in range(args.repeats):
+                    spec_s = summarize([r for i in by_item for r in by_item[i][rep]])
+                    none_s = summarize([r for i in plain for r in plain[i][rep]])
+                    ratios.append(spec_s["tokens_per_s"] / none_s["tokens_per_s"] if none_s["tokens_per_s"] else 0.0)
+                    for i in by_item:
+                        equal &= [r.tokens for r in by_item[i][rep]] == [r.tokens for r in plain[i][rep]]
+                    for why, n in spec_s["plain_steps"].items():
+                        declined[why] = declined.get(why, 0) + n
+                cell = {"method": name.split()[0], "state": name.split()[1], "sampling": sampling, "batch": batch,
+                        "ratio": round(median(ratios), 3), "resolution": round(spread(ratios), 3),
+                        "equal": equal, "row_steps_without_guesses": declined}
+                cells.append(cell)
+                rows.append({**cell, "declined": ", ".join(f"{k} {v}" for k, v in sorted(declined.items()))})
+    print(table(rows, ["method", "state", "sampling", "batch", "ratio", "resolution", "equal", "declined"]))
+    worst = min((c["ratio"] for c in cells), default=None)
+    emit({"benchmark": "method_grid", "machine": machine(args.threads), "prompts": len(prompts),
+          "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "cells": cells, "worst": worst})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,230 @@
+"""How often guesses hold, learnt online (docs/design.md, "The policy").
+
+- `best_prefix`: how many of a proposal's guesses (or a tree's nodes) to verify, given their
+  expected acceptance, c and r;
+- `Acceptance`: P(guess i holds | the guesses before it held), per key (a lookup's match length;
+  0 for a source without keys) and draft position, as exponentially decayed counts;
+- `NodeOdds`: how often a tree node holds, by the source's own probability of its path;
+- `Hindsight`: scores a known source's offers against the text that followed, verified or not,
+  so a declined offer teaches as much as a verified one;
+- `carried` / `counts_ok`: counts as a later run starts from them (learned.py).
+
+Pure: counts in, estimates out; nothing here knows about models.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+from .fits import FIT_DECAY
+
+CARRIED_COUNTS = 8.0  # observations' worth of an acceptance rate that a later run starts from (learned.py)
+
+
+def carried(acc: float, seen: float, most: float = CARRIED_COUNTS) -> tuple[float, float]:
+    """Decayed counts (accepted, seen) scaled so that seen is at most `most`: the same rate,
+    which a later run's own observations soon outweigh (learned.py)."""
+    f = min(1.0, most / seen) if seen > 0 else 1.0
+    return f * acc, f * seen
+
+
+def counts_ok(acc: float, seen: float) -> bool:
+    """Whether saved counts can be decayed counts of a rate: 0 <= accepted <= seen, 0 < seen < inf."""
+    return 0.0 <= acc <= seen < math.inf and seen > 0
+
+
+def best_prefix(values: list[float], c: float, r: float) -> int:
+    """How many of `values` (expected accepted tokens per node, best first) to verify: the m
+    that maximises committed tokens per unit of step time, (1 + sum(values[:m])) / (1 + c + r m),
+    with c the drafting cost and r the cost of a verified node, in plain steps."""
+    best_m, best, total = 0, 1.0 / (1.0 + c), 1.0
+    for m, v in enumerate(values, start=1):
+        total += v
+        rate = total / (1.0 + c + r * m)
+        if rate > best:
+            best_m, best = m, rate
+    return best_m
+
+
+class Acceptance:
+    """P(guess i holds | the guesses before it held) per key and draft position i, from
+    exponentially decayed counts; before any observation every cell is `prior`, worth two
+    observations. A key beyond the last is counted as the last (a lookup's longest match)."""
+
+    def __init__(self, keys: int, positions: int, prior: float, decay: float = FIT_DECAY) -> None:
+        self.decay = decay
+        self.acc = [[2.0 * prior] * positions for _ in range(keys)]
+        self.seen = [[2.0] * positions for _ in range(keys)]
+
+    def _key(self, key: int) -> int:
+        return min(max(key, 0), len(self.acc) - 1)
+
+    def held(self, key: int, k: int, certain: int = 0) -> list[float]:
+        """P(the first j guesses all hold), j = 1 .. min(k, positions tracked): the expected
+        accepted tokens each guess adds. The first `certain` guesses hold for sure (a grammar
+        forces them)."""
+        row = self._key(key)
+        acc, seen = self.acc[row], self.seen[row]
+        out, p = [], 1.0
+        for i in range(min(k, len(acc))):
+            if i >= certain:
+                p *= acc[i] / seen[i]
+            out.append(p)
+        return out
+
+    def expected(self, key: int, k: int, certain: int = 0) -> list[float]:
+        """[E(0), .., E(k')]: expected committed tokens (1 + accepted guesses) when j guesses are
+        verified, j = 0 .. k' = min(k, positions tracked)."""
+        out = [1.0]
+        for p in self.held(key, k, certain):
+            out.append(out[-1] + p)
+        return out
+
+    def observe(self, key: int, proposed: int, accepted: int) -> None:
+        self.observe_rows(key, [(proposed, accepted)])
+
+    def observe_rows(self, key: int, rows: list[tuple[int, int]]) -> None:
+        """One step's (proposed, accepted) of each row that guessed under `key`: the counts decay
+        once a step, not once a row, so a batch of many rows does not forget faster."""
+        row = self._key(key)
+        acc, seen, d = self.acc[row], self.seen[row], self.decay
+        for i in range(min(len(acc), max((min(p, a + 1) for p, a in rows), default=0))):
+            held = tried = 0
+            for proposed, accepted in rows:
+                if i < min(proposed, accepted + 1):  # the positions whose predecessors all held
+                    tried += 1
+                    held += i < accepted
+            acc[i] = d * acc[i] + held
+            seen[i] = d * seen[i] + tried
+
+    def learned(self, max_seen: float = CARRIED_COUNTS) -> dict:
+        """The counts, capped at max_seen per cell (`carried`), for a later run (learned.py)."""
+        acc, seen = [], []
+        for a_row, s_row in zip(self.acc, self.seen):
+            cells = [carried(a, s, max_seen) for a, s in zip(a_row, s_row)]
+            acc.append([a for a, _ in cells])
+            seen.append([s for _, s in cells])
+        return {"acc": acc, "seen": seen}
+
+    def relearn(self, state: dict) -> None:
+        """Start from `learned()`'s output; ValueError (nothing changed) if its shape or counts do
+        not fit."""
+        shape = [len(r) for r in self.acc]
+        acc = [[float(v) for v in r] for r in state["acc"]]
+        seen = [[float(v) for v in r] for r in state["seen"]]
+        if [len(r) for r in acc] != shape or [len(r) for r in seen] != shape:
+            raise ValueError("learned acceptance tables of another shape")
+        if not all(counts_ok(a, s) for ar, sr in zip(acc, seen) for a, s in zip(ar, sr)):
+            raise ValueError("learned acceptance counts out of range")
+        self.acc, self.seen = acc, seen
+
+
+class NodeOdds:
+    """How often a tree node is accepted, by the source's probability of its path p (the product
+    of its probabilities from the root to the node), in bins of p with exponentially decayed
+    counts; before any observation a bin's odds are its middle p (a source taken at its word)."""
+
+    EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9)  # bin i holds EDGES[i-1] <= p < EDGES[i]
+
+    def __init__(self, decay: float = 0.995, prior: float = 2.0) -> None:
+        self.decay = decay
+        lows, highs = (0.0,) + self.EDGES, self.EDGES + (1.0,)
+        self.seen = [prior] * len(lows)
+        self.acc = [prior * (lo + hi) / 2 for lo, hi in zip(lows, highs)]
+
+    def bin(self, p: float) -> int:
+        return bisect.bisect_right(self.EDGES, p)
+
+    def __call__(self, p: float) -> float:
+        i = self.bin(p)
+        return self.acc[i] / self.seen[i]
+
+    def observe(self, p: float, accepted: bool) -> None:
+        i = self.bin(p)
+        self.acc[i] = self.decay * self.acc[i] + (1.0 if accepted else 0.0)
+        self.seen[i] = self.decay * self.seen[i] + 1.0
+
+    def expected(self, scores: list[float]) -> list[float]:
+        """[E(0), .., E(n)]: expected committed tokens when the j nodes of highest `scores` are
+        verified (the nodes' odds summed, best first)."""
+        out = [1.0]
+        for p in sorted(scores, reverse=True):
+            out.append(out[-1] + self(p))
+        return out
+
+    def learned(self) -> dict:
+        """The counts per bin, capped (`carried`), for a later run (learned.py)."""
+        acc, seen = zip(*(carried(a, s) for a, s in zip(self.acc, self.seen)))
+        return {"acc": list(acc), "seen": list(seen)}
+
+    def relearn(self, state: dict) -> None:
+        acc, seen = [float(v) for v in state["acc"]], [float(v) for v in state["seen"]]
+        if len(acc) != len(self.acc) or len(seen) != len(self.seen):
+            raise ValueError("learned node odds of another shape")
+        if not all(counts_ok(a, s) for a, s in zip(acc, seen)):
+            raise ValueError("learned node odds out of range")
+        self.acc, self.seen = acc, seen
+
+
+class Hindsight:
+    """A known source's offers for one row, scored against the text that followed them, whether
+    or not they were verified: a guess "holds" if the committed token at its position equals it,
+    given that the guesses before it held. For a verified guess that is its verification's
+    outcome; for one that was not, the outcome verifying it would have had (greedy: the committed
+    text is the target's argmax chain; sampled: every committed token is distributed as the
+    target's, so the chance that it equals a one-hot guess is the chance the guess would have
+    been accepted). So acceptance is learnt as fast from declined offers as from verified ones,
+    and a text that starts to repeat is noticed without probing."""
+
+    def __init__(self) -> None:
+        # (position of the first guess in the row's tokens, key, tokens, parents, scores)
+        self.open: list[tuple[int, int, list[int], list[int] | None, list[float] | None]] = []
+
+    def add(self, start: int, key: int, tokens: list[int], parents: list[int] | None,
+            scores: list[float] | None) -> None:
+        self.open.append((start, key, tokens, parents, scores))
+
+    def score(self, text: list[int], acceptance: Acceptance, odds: NodeOdds) -> None:
+        """Score the open offers that `text` (the row's committed tokens) settles, teaching
+        `acceptance` (chains) and `odds` (trees, by their scores); the others wait for more text."""
+        waiting = []
+        for offer in self.open:
+            start, key, tokens, parents, scores = offer
+            if parents is None:
+                known = text[start : start + len(tokens)]
+                held = 0
+                while held < len(known) and known[held] == tokens[held]:
+                    held += 1
+                if held < len(known):  # guess `held` differs from the text: the ones before it held
+                    acceptance.observe(key, held + 1, held)
+                elif held == len(tokens):
+                    acceptance.observe(key, held, held)
+                else:
+                    waiting.append(offer)
+            else:
+                path = _tree_path(tokens, parents, text[start:])
+                if path is None:
+                    waiting.append(offer)
+                elif scores is not None:
+                    on = set(path)
+                    for j, p in enumerate(scores, start=1):
+                        odds.observe(p, j in on)
+        self.open = waiting
+
+
+def _tree_path(tokens: list[int], parents: list[int], text: list[int]) -> list[int] | None:
+    """The nodes (1-based) of a tree that `text` follows from the root, or None while the text
+    ends before the path could go on (a child of the last node reached may still hold)."""
+    path, node, depth = [], 0, 0
+    while True:
+        children = [j for j in range(1, len(tokens) + 1) if parents[j - 1] == node]
+        if not children:
+            return path
+        if depth >= len(text):
+            return None
+        nxt = next((j for j in children if tokens[j - 1] == text[depth]), None)
+        if nxt is None:
+            return path
+        path.append(nxt)
+        node, depth = nxt, depth + 1

@@ -1,0 +1,406 @@
+"""The load policy: per step, how far to speculate and which source each row verifies
+(docs/design.md, "The policy").
+
+A guess is worth verifying when it raises the batch's expected committed tokens per second,
+
+    sum over rows of E(committed tokens | its source, cap K) / (t(A, K) + drafting time),
+
+with t from the step-time fit (`StepModel`, t = a + r A + b A K), a row's value under each
+source from what the policy learnt of that source (`SourceStats`: acceptance per key and
+position for chains, node odds by score for known trees, accepted tokens per step for trees drafted
+on demand) and drafting time from each source's measured line in the rows it drafts for. K = 0 is
+plain decoding. Every source is priced by this one chooser (`LoadPolicy.choose`): known sources
+(their guesses are in hand before pricing and cost nothing to make: prompt lookup, a request's
+prediction, a suffix cache, a grammar's forced tokens) and sources that draft on demand (a draft
+model, an EAGLE or Medusa head, your own), which a row takes only where they promise more than
+its best known offer. Probes follow `probing.ProbeSchedule` (see `choose`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..learned import nonneg
+from .acceptance import Acceptance, NodeOdds
+from .fits import FIT_DECAY, DecayedLine, StepModel, ema
+from .probing import PROBE_EVERY, PROBE_ROOM, ProbeSchedule
+
+#: the keys and draft positions a source's acceptance is learnt over (a lookup's match lengths)
+KEYS, POSITIONS = 8, 16
+#: a tree drafted on demand is expected to gain this many tokens a step until one is seen: a tree
+#: pays at once only where verifying its nodes is cheap (a CPU rarely), and learns fast (0.9 a step)
+TREE_PRIOR = 0.5
+
+
+class SourceStats:
+    """What the policy learnt of one draft source (`name`): the acceptance of its chains per key
+    and position (`prior` until seen), the odds of its known trees' nodes by their scores, an
+    on-demand tree's accepted tokens and nodes per row-step, its drafting time (seconds per guess
+    for a chain, per proposal for a tree) as a line in the rows it drafts for, and its time per
+    token read on a catch-up."""
+
+    def __init__(self, name: str, known: bool, tree: bool, prior: float, k_max: int) -> None:
+        self.name, self.known, self.tree = name, known, tree
+        self.acceptance = Acceptance(KEYS, max(POSITIONS, k_max), prior)
+        self.odds = NodeOdds()
+        self.gain = TREE_PRIOR  # on-demand trees: accepted tokens per row-step that drafted one
+        self.nodes: float | None = None  # and the nodes such a tree held
+        self.time = DecayedLine(FIT_DECAY)
+        self.t_catch: float | None = None
+        self.probes = ProbeSchedule(PROBE_EVERY)
+        self.probing = False  # the last choice forced this source on rows as a probe
+
+    @property
+    def timed(self) -> bool:
+        return self.time.weight > 1e-9
+
+    def draft_seconds(self, rows: int) -> float:
+        """Predicted drafting seconds per unit (a guess of a chain, a tree) for `rows` rows: the
+        line once it rests on 4 points, else its mean pro rata in the rows (0 until timed)."""
+        line = self.time
+        if not self.timed:
+            return 0.0
+        return line.at(rows, line.s[2] / max(line.s[1], 1e-9) * rows)
+
+    def catch_up(self, behind: int) -> float:
+        """Seconds to read `behind` tokens the source has not seen: the measured time per token
+        read on catch-ups; before one, its drafting time per unit at one row."""
+        return (self.t_catch if self.t_catch is not None else self.draft_seconds(1)) * behind
+
+    def value(self, k: int, k_max: int) -> float:
+        """Expected committed tokens of a row that verifies this on-demand source's guesses under
+        a cap of k: a tree's measured accepted tokens pro rata below its usual size; a chain's
+        acceptance per position."""
+        if self.tree:
+            return 1.0 + self.gain * min(1.0, k / max(self.nodes or 1.0, 1.0))
+        return self.acceptance.expected(0, k_max)[min(k, k_max)]
+
+    def learned(self) -> dict:
+        return {"acceptance": self.acceptance.learned(), "odds": self.odds.learned(), "gain": self.gain,
+                "nodes": self.nodes, "time": self.time.scaled(16.0), "t_catch": self.t_catch}
+
+    def relearn(self, state: dict) -> None:
+        """Start from `learned()`'s output; ValueError if it does not fit (parts may be restored)."""
+        sums = [nonneg(v, "time") for v in state["time"]]
+        if len(sums) != 5 or None in sums:
+            raise ValueError("learned drafting time is not a line's five sums")
+        gain, nodes, t_catch = (nonneg(state.get(n), n) for n in ("gain", "nodes", "t_catch"))
+        self.acceptance.relearn(state["acceptance"])
+        self.odds.relearn(state["odds"])
+        self.time.s = sums
+        self.gain = self.gain if gain is None else gain
+        self.nodes, self.t_catch = nodes or None, t_catch
+
+
+@dataclass
+class Quote:
+    """One source's standing this step, as the proposal path hands it to `LoadPolicy.choose`."""
+    stats: SourceStats
+    ok: list[bool]  # rows that may take it (the request allows it, the row has room)
+    offers: list | None = None  # a known source: per row its offer (tokens, key, scores, certain) or None
+    lags: list[int] | None = None  # on demand: per row, the committed tokens it must read first
+    every_row: bool = True  # on demand: it drafts every row whenever it drafts (its time line's x is A)
+
+
+@dataclass
+class Choice:
+    """The step's plan: the cap K on each row's guesses and the source each row verifies (an
+    index into the quotes, None: its pending token alone); `reason` says why a step is plain."""
+    k: int
+    source: list[int | None]
+    probe: bool = False
+    reason: str = ""
+    values: list[list[float]] = field(default_factory=list)  # per known quote, per row: E(j guesses)
+
+
+class LoadPolicy:
+    """The scheduler's per-step choice, in `serve` and `generate` alike (module docstring).
+
+    Probes (`choose`): while the best cap is below k_max, every PROBE_EVERY-th step allows one
+    guess more, so what a guess costs at this batch size stays measured (while the fit cannot yet
+    tell it and every step drafts the most, that step is plain instead); an on-demand source that
+    no row took is tried on rows with room for PROBE_ROOM more tokens, in batches of up to
+    PROBE_MAX_ROWS rows, on its `ProbeSchedule`, while some acceptance could make it pay and its
+    catch-up is cheap next to the probes' gap. Before the step-time fit rests on data, a step is
+    priced at the mean step seen (a unit step before any) and a guess at R_PRIOR of a row's share
+    of it; a source nothing has timed is priced as free until its first proposal times it.
+    `eager` (a warm-up that must run every source and measure both ends): every other step drafts
+    as at a fixed k, the others are plain."""
+
+    PROBE_MAX_ROWS = 4  # forced probes of a declined source only in batches this small
+    TREE_MARGIN = 1.05  # an on-demand tree must promise this much more than the best choice without it
+    R_PRIOR = 0.08  # a verified guess's cost in plain steps until the step-time fit tells it
+
+    def __init__(self, k_max: int, adaptive: bool = True) -> None:
+        self.k_max, self.adaptive = k_max, adaptive
+        self.steps = StepModel()
+        self.sources: dict[str, SourceStats] = {}
+        self.eager = False
+        self.probe_room = PROBE_ROOM
+        self._saved: dict = {}  # learned state of sources not yet registered (relearn before `source`)
+
+    def source(self, name: str, known: bool, tree: bool, prior: float, nodes: int = 0) -> SourceStats:
+        """The stats of source `name` (a tree of up to `nodes` nodes), made (and restored from
+        learned state) on first use."""
+        stats = self.sources.get(name)
+        if stats is None:
+            stats = self.sources[name] = SourceStats(name, known, tree, prior, self.k_max)
+            if name in self._saved:
+                try:
+                    stats.relearn(self._saved.pop(name))
+                except (ValueError, KeyError, TypeError):
+                    stats = self.sources[name] = SourceStats(name, known, tree, prior, self.k_max)
+            if tree and stats.nodes is None and nodes:
+                stats.nodes = float(nodes)
+        return stats
+
+    # -- what was measured --------------------------------------------------------------
+    def observe_step(self, rows: int, k: int, seconds: float) -> None:
+        """A step of `rows` rows with `k` guess slots took `seconds` (drafting excluded)."""
+        self.steps.observe(rows, k, seconds)
+
+    def observe_drafting(self, stats: SourceStats, rows: int, seconds: float, units: int, steady: bool,
+                         behind: int = 0) -> None:
+        """Source `stats` drafted `units` (guesses of a chain, or 1 tree) for `rows` rows in
+        `seconds`. A proposal that first read `behind` committed tokens it had not seen (not
+        `steady`) is a catch-up, priced per token read; if nothing has timed the source yet, the
+        next step probes it again, in steady state."""
+        if steady:
+            stats.time.observe(rows, seconds / max(units, 1))
+            return
+        if behind > 0 and stats.timed:
+            drafting = stats.draft_seconds(rows) * (1 if stats.tree else max(units - 1, 0))
+            stats.t_catch = ema(stats.t_catch, max(seconds - drafting, 0.0) / behind, 0.8)
+        if not stats.timed:
+            stats.probes.again(measured=False)
+
+    def observe_outcome(self, stats: SourceStats, reached: list[int], accepted: list[int]) -> None:
+        """Per row that verified this on-demand source's guesses: how deep its proposal reached
+        (a chain's guesses, a tree's depth) and how many held. A probe whose guess held is
+        repeated at once (one observation is too few to turn the choice)."""
+        pairs = [(d, a) for d, a in zip(reached, accepted) if d > 0]
+        if not pairs:
+            return
+        if stats.tree:
+            stats.gain = ema(stats.gain, sum(a for _, a in pairs) / len(pairs), 0.9)
+        else:
+            stats.acceptance.observe_rows(0, pairs)
+        if stats.probing and any(a > 0 for _, a in pairs):
+            stats.probes.again()
+
+    def observe_nodes(self, stats: SourceStats, nodes: list[int]) -> None:
+        """The sizes of the trees an on-demand tree source drafted this step (after any cut)."""
+        if nodes:
+            stats.nodes = ema(stats.nodes, sum(nodes) / len(nodes), 0.9)
+
+    # -- what it predicts ---------------------------------------------------------------
+    def guess_steps(self, rows: int) -> float:
+        """r: what one more verified guess costs at `rows` rows, in plain steps (R_PRIOR until the
+        fit rests on 8 steps)."""
+        steps = self.steps
+        if steps.weight(rows) < 8:
+            return self.R_PRIOR
+        r = steps.guess_cost(rows)
+        return self.R_PRIOR if r is None else min(max(r, 0.005), 1.0)
+
+    def draft_steps(self, stats: SourceStats, drafting: int, rows: int) -> float:
+        """c: source `stats`'s predicted drafting time for `drafting` rows, in plain steps of
+        `rows` rows (0 until it is timed and a step is seen)."""
+        plain = self.steps.plain_or_mean(rows)
+        if not plain or not stats.timed:
+            return 0.0
+        return stats.draft_seconds(drafting) / plain
+
+    def _fit(self, A: int) -> tuple[float, float, float]:
+        """(a, r, b) of the step-time fit at A rows; before it is fitted, a step priced at the mean
+        step seen (a unit step before any) and a guess at R_PRIOR of a row's share of it."""
+        fit = self.steps.coefficients(A)
+        if fit is not None:
+            return fit
+        mean = self.steps.mean(A) or 1.0
+        return mean, 0.0, self.R_PRIOR * mean / A
+
+    # -- what it chooses ----------------------------------------------------------------
+    def choose(self, quotes: list[Quote], step: int, room: list[int], fixed: bool = False) -> Choice:
+        """This step's cap and each row's source (module and class docstrings). `step` is the
+        caller's count of decode steps (the probes' phase); room: the tokens each row may still
+        take beyond its pending one; fixed: draft k_max this step (as when not adaptive)."""
+        A = len(room)
+        values = [self._known_values(q) if q.stats.known else None for q in quotes]
+        for q in quotes:
+            q.stats.probing = False
+        if fixed or not self.adaptive:
+            return self._fixed(quotes, values, A)
+        if self.eager:  # a warm-up: every source drafts on every other step, so both ends are measured
+            return self._fixed(quotes, values, A) if step % 2 else Choice(0, [None] * A, reason="probe")
+        fit = self._fit(A)
+        has_fit = self.steps.coefficients(A) is not None
+        on_demand = [i for i, q in enumerate(quotes) if not q.stats.known and any(q.ok)]
+        offered = any(v for vs in values if vs for v in vs)
+        if not has_fit and self.steps.mean(A) is None and not offered:
+            return Choice(0, [None] * A, reason="warming")  # the first step: nothing to price it by
+        known_top = max((len(v) - 1 for vs in values if vs for v in vs if v), default=0)
+        top = self.k_max if on_demand and not all(quotes[i].stats.tree for i in on_demand) else known_top
+        for i in on_demand:
+            if quotes[i].stats.tree:
+                top = max(top, round(quotes[i].stats.nodes or self.k_max) + 1)
+        top = min(top, self.k_max)
+        may = {i: self._repaid(quotes[i], fit, A, room) for i in on_demand}
+        best = {None: (None, 0, [None] * A)}  # option -> (rate, k, per-row source)
+        a, r, b = fit
+        for k in range(top + 1):
+            t = a + r * A + b * A * k
+            base_val, base_src = self._best_known(values, k, A)
+            self._keep(best, None, sum(base_val) / t, k, base_src)
+            for i in on_demand:
+                stats = quotes[i].stats
+                if k == 0:
+                    continue
+                v = stats.value(k, self.k_max)
+                use = [m and v > bv for m, bv in zip(may[i], base_val)]
+                n = sum(use)
+                if not n:
+                    continue
+                cost = self._drafting(quotes[i], n, A, k)
+                tokens = sum(v if u else bv for u, bv in zip(use, base_val))
+                self._keep(best, i, tokens / (t + cost), k,
+                           [i if u else s for u, s in zip(use, base_src)])
+        rate0, best_k, best_src = best[None]
+        for i in on_demand:
+            if i in best and best[i][0] > rate0 * (self.TREE_MARGIN if quotes[i].stats.tree else 1.0):
+                rate0, best_k, best_src = best[i]
+        return self._probe(quotes, values, step, room, best_k, best_src, has_fit, on_demand)
+
+    def _probe(self, quotes, values, step, room, best_k, best_src, has_fit, on_demand) -> Choice:
+        """The chosen plan, or a probe instead (class docstring)."""
+        A = len(room)
+        roomy = max(room, default=0) >= self.probe_room
+        known = any(q.stats.known for q in quotes)
+        in_use = known or any(s is not None for s in best_src)
+        if step % PROBE_EVERY == 0 and roomy and in_use:
+            if best_k < self.k_max:
+                return Choice(best_k + 1, best_src, True, values=values)
+            if not has_fit:
+                return Choice(0, [None] * A, True, reason="probe", values=values)  # a second draft length to fit
+        for i in on_demand:
+            q = quotes[i]
+            if any(s == i for s in best_src):
+                q.stats.probes.taken()
+                continue
+            if A > self.PROBE_MAX_ROWS:
+                continue
+            plain = self.steps.plain_or_mean(A) or 0.0
+            could = self._could_pay(q, A)
+            rows = [ok and left >= self.probe_room and could
+                    and q.stats.catch_up(lag) <= plain * q.stats.probes.gap / PROBE_EVERY
+                    for ok, left, lag in zip(q.ok, room, q.lags or [0] * A)]
+            if q.stats.probes.due(any(rows), share=1.0 / A):
+                q.stats.probing = True
+                k = max(best_k, min(self.k_max, round(q.stats.nodes or self.k_max)) if q.stats.tree else 1)
+                return Choice(k, [i if use else s for use, s in zip(rows, best_src)], True, values=values)
+        if best_k == 0 or all(s is None for s in best_src):
+            offered = on_demand or any(v for vs in values if vs for v in vs)
+            return Choice(0, [None] * A, reason="cost" if offered else "nothing", values=values)
+        return Choice(best_k, best_src, values=values)
+
+    def _fixed(self, quotes, values, A) -> Choice:
+        """Every step drafts k_max: a row takes a known offer of 2+ guesses, else the first
+        on-demand source that may draft for it, else whatever known offer it has."""
+        src: list[int | None] = []
+        for b in range(A):
+            known = [(len(vs[b]) - 1, i) for i, vs in enumerate(values) if vs and vs[b]]
+            long = [i for n, i in sorted(known, reverse=True) if n >= 2]
+            demand = [i for i, q in enumerate(quotes) if not q.stats.known and q.ok[b]]
+            pick = long[0] if long else demand[0] if demand else max(known)[1] if known else None
+            src.append(pick)
+        return Choice(self.k_max if any(s is not None for s in src) else 0, src, values=values,
+                      reason="" if any(s is not None for s in src) else "nothing")
+
+    @staticmethod
+    def _keep(best: dict, option, rate: float, k: int, src: list) -> None:
+        if option not in best or best[option][0] is None or rate > best[option][0] * 1.0001:
+            best[option] = (rate, k, src)
+
+    def _known_values(self, q: Quote) -> list[list[float] | None]:
+        """Per row, E(committed tokens | its first j guesses verified) of a known source's offer."""
+        out = []
+        for ok, offer in zip(q.ok, q.offers or []):
+            if not ok or offer is None or not offer.tokens:
+                out.append(None)
+            elif offer.parents is not None and offer.scores is not None:
+                out.append(q.stats.odds.expected(offer.scores))
+            else:
+                out.append(q.stats.acceptance.expected(offer.key, len(offer.tokens), offer.certain))
+        return out
+
+    @staticmethod
+    def _best_known(values, k: int, A: int) -> tuple[list[float], list[int | None]]:
+        """Per row, the most a known offer is worth under cap k, and which source's it is."""
+        val, src = [1.0] * A, [None] * A
+        for i, vs in enumerate(values):
+            if not vs:
+                continue
+            for b, v in enumerate(vs):
+                if v and len(v) > 1:
+                    x = v[min(k, len(v) - 1)]
+                    if x > val[b]:
+                        val[b], src[b] = x, i
+        return val, src
+
+    def _drafting(self, q: Quote, n: int, A: int, k: int) -> float:
+        """Seconds an on-demand source takes to draft under cap k for n of A rows."""
+        per_unit = q.stats.draft_seconds(A if q.every_row else n)
+        return per_unit if q.stats.tree else k * per_unit
+
+    def _could_pay(self, q: Quote, A: int) -> bool:
+        """Whether any acceptance could make an on-demand source pay at A rows: its guesses (a
+        tree's nodes) all held multiply the step's tokens by 1 + depth, against their
+        verification and drafting."""
+        slots = round(q.stats.nodes or self.k_max) if q.stats.tree else 1
+        plain, drafted = self.steps.predict(A, 0), self.steps.predict(A, slots)
+        if plain is None or drafted is None:
+            return True
+        return drafted + self._drafting(q, 1, A, slots) < (1.0 + slots) * plain
+
+    def _repaid(self, q: Quote, fit, A: int, room: list[int]) -> list[bool]:
+        """The rows that may take on-demand source q: those it has nearly caught up on, and those
+        whose catch-up what may still come repays, room * (1 - 1/v) plain steps' time saved (v its
+        best rate over plain decoding); before the step-time fit, those with room for PROBE_ROOM."""
+        lags = q.lags or [0] * A
+        far = [ok and late > self.k_max + 2 for ok, late in zip(q.ok, lags)]
+        if not any(far):
+            return list(q.ok)
+        has_fit = self.steps.coefficients(A) is not None
+        a, r, b = fit
+        plain = a + r * A
+        gain = max(q.stats.value(k, self.k_max) * plain / (plain + b * A * k + self._drafting(q, 1, A, k))
+                   for k in range(1, self.k_max + 1)) if has_fit else None
+        out = []
+        for ok, f, late, left in zip(q.ok, far, lags, room):
+            if not f:
+                out.append(ok)
+            elif gain is None:
+                out.append(left >= self.probe_room)
+            else:
+                out.append(gain > 1.0 and left * plain * (1.0 - 1.0 / gain) >= q.stats.catch_up(late))
+        return out
+
+    # -- what a later run starts from ----------------------------------------------------
+    def learned(self) -> dict:
+        """The step-time fit (at most 16 steps' weight) and every source's stats (learned.py)."""
+        saved = dict(self._saved)
+        saved.update({name: s.learned() for name, s in self.sources.items()})
+        return {"steps": self.steps.learned(16.0), "sources": saved}
+
+    def relearn(self, state: dict) -> None:
+        """Start from `learned()`'s output; ValueError (the step fit unchanged) if it does not fit.
+        Sources not registered yet are restored when they are (`source`)."""
+        steps = StepModel(self.steps.decay, self.steps.forget)
+        steps.relearn(state["steps"])
+        self.steps.all, self.steps.bands = steps.all, steps.bands
+        self.steps.version += 1
+        for name, sub in dict(state.get("sources") or {}).items():
+            if name in self.sources:
+                self.sources[name].relearn(sub)
+            else:
+                self._saved[name] = sub

@@ -1,0 +1,59 @@
+"""When a declined choice is tried anyway (docs/design.md, "The policy": one probing rule).
+
+Every part that can decline to speculate (the load policy declining a source or a guess more,
+the batch guard declining speculation) must notice when the declined choice would pay again,
+and only trying it tells. One rule for all of them, `ProbeSchedule`: after `PROBE_EVERY`
+declined steps, then twice as many each time a probe finds the choice still declined, and never
+on a row that may take fewer than `PROBE_ROOM` more tokens (a short answer never earns a probe
+back). Pure: nothing here knows about models.
+"""
+
+from __future__ import annotations
+
+#: a declined choice is first tried again after this many declined steps
+PROBE_EVERY = 16
+#: a probe (a declined choice tried anyway, or a source's first catch-up) waits until at least
+#: this many tokens of the request may still come: a short answer never earns one back
+PROBE_ROOM = 32
+
+
+class ProbeSchedule:
+    """When a gate that declined a choice tries it anyway: after `every` declined steps, then
+    after twice as many each time a probe finds the choice still declined (up to `most` times
+    `every`), back to `every` once the gate takes it again. A probe that cannot pay for itself
+    (`room` False: too little of the answer left to earn back what the probe costs) waits.
+    Knows nothing about models."""
+
+    def __init__(self, every: int = PROBE_EVERY, most: int = 32) -> None:
+        """most: the longest gap, in `every`s. A probe of a second source costs its catch-up on
+        the context (an EAGLE head's on ~90 tokens: ~4 plain steps of the default model), so
+        while the source does not pay, probes every 512 steps cost under 1% (every 128: ~3%,
+        measured in the server at one client)."""
+        self.every, self.most = every, most
+        self.gap = every  # declined steps before the next probe
+        self.last_gap = every  # the gap before the last probe lengthened it
+        self.skipped = 0  # declined steps since the last probe
+
+    def due(self, room: bool = True, share: float = 1.0) -> bool:
+        """The gate declined this step: whether to probe anyway (the gap doubles with each probe).
+        share: what this step counts towards the gap (a probe of A rows costs A rows' drafting, so
+        the server counts a step of A rows as 1/A)."""
+        self.skipped += share
+        if self.skipped < self.gap or not room:
+            return False
+        self.skipped = 0
+        self.last_gap, self.gap = self.gap, min(2 * self.gap, self.most * self.every)
+        return True
+
+    def taken(self) -> None:
+        """The gate took the choice: the next probe comes `every` declined steps after it stops."""
+        self.gap, self.skipped = self.every, 0
+
+    def again(self, measured: bool = True) -> None:
+        """The next declined step probes again: the last probe looked promising (one probe is
+        one observation, too few to turn a gate), or it measured nothing (`measured` False: it
+        only caught the drafter up, so it does not lengthen the gap either)."""
+        if not measured:
+            self.gap = self.last_gap
+        self.skipped = self.gap
+
