@@ -46,7 +46,7 @@ def main() -> int:
         for seed in range(args.seeds):
             for rule in (real, broken_verify_stochastic):
                 specdec.core.step.verify_stochastic = rule
-                engine = Engine(model, NgramDrafter(adaptive=False), k=3)
+                engine = Engine(model, NgramDrafter(), k=3, fixed_k=True)
                 ok = measure.distribution(measure.Config("ngram k=3", "ngram", 3, False, engine), model, PROMPT,
                                           draws, 4, 1.0, 1000 * seed)["passed"]
                 if rule is real:

@@ -135,7 +135,7 @@ def test_check_passes_exact_samples_and_catches_distorted_ones(tiny):
 
 
 def _ngram_config(model, k=3):
-    eng = Engine(model, NgramDrafter(adaptive=False), k=k)
+    eng = Engine(model, NgramDrafter(), k=k, fixed_k=True)
     return measure.Config("ngram k=3", "ngram", k, False, eng)
 
 
