@@ -11,7 +11,8 @@ shipped EAGLE head's tree alone, `serve --method eagle`), adaptive-medusa and fi
 shipped Medusa heads' tree, `serve --method medusa`). Each setting is a `specdec serve` process on loopback (started at
 once, idle while another is measured); the clients are threads in this process. At each concurrency level C, C client threads each send `--requests-per-client`
 streaming chat requests back to back (prompts: first turns of Spec-Bench dev, spread over
-categories, as chat; or with `--data humaneval` the HumanEval prompts as raw completions;
+categories, as chat; or with `--data humaneval` the HumanEval prompts as raw completions; or with
+`--data code` short raw completions, a comment line and a `def` header per HumanEval task;
 greedy, max_tokens fixed; answers may end early at EOS, so tokens are counted as received,
 by re-tokenizing each streamed chunk). Measured per level: throughput (completion tokens / wall seconds), time to
 first token (p50), time per output token (TPOT: a request's time from its first to its last
@@ -26,6 +27,8 @@ clients of a low concurrency level send more requests each, so that no level las
 few seconds.
 
     python benchmarks/serve_load.py --concurrency 1,2,4,8,16,32 --min-requests 24 --out /tmp/serve-bench
+    python benchmarks/serve_load.py --data code --max-tokens 96 --settings off,adaptive --concurrency 1,8,16,32 \
+        --repeats 3 --min-requests 16 --threads 0       # speculation's cost on short code completions
 
 `--busy N` measures beside N busy loops (`yes > /dev/null`, started after the warm-up and
 stopped at the end): run once without and once with it to see what a server keeps of its speed
@@ -197,11 +200,31 @@ def drive(url: str, prompts: list[str], conc: int, per_client: int, max_tokens: 
             "errors": len(errors), "wall": wall}
 
 
+def short_code_prompts() -> list[str]:
+    """Short raw code completions, as an editor plugin sends them: per HumanEval task, a comment line
+    (the first sentence of the docstring) and the function's `def` header, e.g.
+    "# Return the decimal part of the number.\ndef truncate_number(number: float) -> float:\n"."""
+    from specdec.bench.tasks import load_humaneval
+
+    out = []
+    for task in load_humaneval():
+        lines = task.prompt.splitlines()
+        at = max((i for i, ln in enumerate(lines) if ln.startswith("def ")), default=None)  # (the entry point)
+        if at is None:
+            continue
+        doc = " ".join(ln.strip().strip('"').strip() for ln in lines[at + 1:at + 4]).strip()
+        first = re.split(r"(?<=[.!?])\s", doc, maxsplit=1)[0].strip() if doc else ""
+        if first:
+            out.append(f"# {first}\n{lines[at]}\n")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--data", default=str(DEFAULT_DATA),
-                    help="Spec-Bench JSONL (chat requests) or 'humaneval' (raw completions)")
+                    help="Spec-Bench JSONL (chat requests), 'humaneval' (raw completions of the whole prompts) or "
+                         "'code' (short raw completions: a comment line and a def header per HumanEval task)")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32")
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--min-requests", type=int, default=0,
@@ -232,9 +255,11 @@ def main() -> int:
     from specdec.models.loader import load_model
 
     lm = load_model(args.model, quiet=True)
-    chat = args.data != "humaneval"
+    chat = args.data not in ("humaneval", "code")
     if chat:
         texts = [json.loads(line)["turns"][0] for line in open(args.data)]
+    elif args.data == "code":
+        texts = short_code_prompts()
     else:
         from specdec.bench.tasks import load_humaneval
 

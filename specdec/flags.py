@@ -258,6 +258,10 @@ def add_bench_parser(sub) -> None:
                    help=f"comma-separated peer engines from {', '.join(PEERS)}, or 'none'. llama.cpp rows need "
                         "the optional extra (pip install -e '.[peers]') and are skipped with a note without it. "
                         f"Default: {','.join(PEERS)}")
+    b.add_argument("--peer-timeout", type=positive_float, default=600.0, metavar="SECONDS",
+                   help="each peer runs in a process of its own: the seconds it may take to load its model and to "
+                        "answer one prompt; a peer that crashes or runs past this is reported as failed and the "
+                        "benchmark goes on. Default: 600")
     b.add_argument("--categories", default=None, help="comma-separated categories to keep. Default: all")
     b.add_argument("--limit", type=positive_int, default=None, help="at most this many prompts per category")
     b.add_argument("--repeats", type=positive_int, default=1, help="runs per (prompt, runner); median reported. Default: 1")
@@ -294,7 +298,7 @@ def add_validate_parser(sub) -> None:
                    help="comma-separated methods to test, each with options as method:option=value (eagle:tree=off, "
                         "medusa:tree=off: the heads' chains). Default: ngram, draft, auto, eagle, eagle:tree=off, "
                         "medusa, medusa:tree=off where this target has what each needs (the default target ships a "
-                        "draft, an EAGLE head and Medusa heads); --quick: ngram,auto,eagle")
+                        "draft, an EAGLE head and Medusa heads); --quick: ngram,auto")
     v.add_argument("--k", dest="k_list", default=None, metavar="LIST",
                    help="comma-separated draft lengths to try for chain methods (ngram, draft, auto, tree=off); "
                         "trees use --tree-* instead. Default: each method's default k, and for ngram and draft "
@@ -314,7 +318,8 @@ def add_validate_parser(sub) -> None:
                    help="samples with a distribution check, per method (from the shorter half, those where the "
                         "method guessed most); 0 skips it. Default: 2 (--quick: 1)")
     v.add_argument("--dist-draws", type=positive_int, default=None,
-                   help="seeded sampled continuations per distribution check. Default: 400 (--quick: 200)")
+                   help="seeded sampled continuations per distribution check: 200 catch gross errors, subtle ones need "
+                        "about 800 (docs/validate.md). Default: 800 (--quick: 200)")
     v.add_argument("--dist-tokens", type=positive_int, default=4,
                    help="tokens per sampled continuation in the distribution check. Default: 4")
     v.add_argument("--dist-temperature", type=float, default=1.0,
@@ -323,7 +328,10 @@ def add_validate_parser(sub) -> None:
     v.add_argument("--raw", action="store_true",
                    help="send text prompts as they are, without the chat template (messages always use it)")
     v.add_argument("--quick", action="store_true",
-                   help="a minutes-long run: fewer samples, methods, levels and draws (explicit flags still win)")
+                   help="a first answer in a few minutes (about 2 on 2 cores with the default model): 8 samples of "
+                        "64 tokens, ngram and auto, concurrency 1 and 4 with the server's own settings only (off, "
+                        "load-aware; no fixed draft length), one repeat, one 200-draw distribution check per method. "
+                        "Explicit flags still win")
     v.add_argument("--out", metavar="DIR", default="validate-report",
                    help="where report.html and report.json go. Default: ./validate-report")
     v.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -1,10 +1,12 @@
 """specdec bench: task files (errors name the line), category selection, runners that are
-skipped or fail mid-run (marked, not dropped), the report files, and a small end-to-end run on
-the default model whose JSON (last stdout line) holds every runner and category."""
+skipped or fail mid-run (marked, not dropped), peers in child processes that crash (SIGILL) or
+hang (tests/fake_peers.py) becoming rows that say so, the report files, and a small end-to-end run
+on the default model whose JSON (last stdout line) holds every runner and category."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -239,3 +241,83 @@ def test_category_speedups_sum_median_times_per_category():
              "fast": {0: [1.0, 1.1, 5.0], 1: [2.0], 2: [2.0]}}
     table = category_speedups(["a", "a", "b"], times, "none", ["fast"])
     assert table == {"a": {"fast": round(6.2 / 3.1, 3)}, "b": {"fast": 0.5}, "all": {"fast": round(7.2 / 5.1, 3)}}
+
+
+# -- peers in child processes -----------------------------------------------------------------
+def _process(names, timeout=60.0, crash_while_loading=False):
+    from fake_peers import build
+
+    from specdec.bench.peers import PeerProcess
+
+    proc = PeerProcess(names, build, (names, crash_while_loading), threads=1, timeout=timeout)
+    return proc, proc.start()
+
+
+def test_a_peer_that_crashes_its_process_fails_with_the_signal_named():
+    from specdec.bench.peers import PeerFailed
+    from specdec.types import SamplingParams
+
+    proc, ready = _process(["good", "crash", "raises", "missing"])
+    try:
+        assert ready == {"good": None, "crash": None, "raises": None, "missing": "not installed"}
+        params = SamplingParams(max_new_tokens=3)
+        tokens, peak, grow = proc.call("good", [5], params)
+        assert tokens == [1, 2, 3] and peak > 0 and grow >= 0  # (the child's own memory)
+        with pytest.raises(PeerFailed, match="ValueError: bad prompt"):
+            proc.call("raises", [5], params)
+        assert proc.call("good", [6], params)[0] == [1, 2, 3]  # an exception leaves the process running
+        with pytest.raises(PeerFailed, match=r"crashed with SIGILL \(illegal instruction\)"):
+            proc.call("crash", [5], params)
+        with pytest.raises(PeerFailed, match="SIGILL"):  # the process is gone for every peer in it
+            proc.call("good", [5], params)
+    finally:
+        proc.close()
+
+
+def test_a_peer_that_hangs_is_ended_after_its_timeout():
+    from specdec.bench.peers import PeerFailed
+    from specdec.types import SamplingParams
+
+    proc, ready = _process(["hang"])
+    assert ready == {"hang": None}
+    proc.timeout = 3.0
+    t0 = time.perf_counter()
+    with pytest.raises(PeerFailed, match=r"no answer in 3 s .*--peer-timeout"):
+        proc.call("hang", [5], SamplingParams(max_new_tokens=3))
+    assert time.perf_counter() - t0 < 30 and not proc._proc.is_alive()
+
+
+def test_a_peer_process_that_crashes_while_loading_skips_its_peers():
+    proc, ready = _process(["good", "other"], crash_while_loading=True)
+    assert set(ready) == {"good", "other"}
+    assert all("crashed with SIGILL" in why and "while loading" in why for why in ready.values())
+    proc.close()
+
+
+def test_a_crashed_and_a_hung_peer_become_rows_saying_so_and_the_run_goes_on():
+    """Through the bench's runner: the peers in their own processes, one crashing, one hanging;
+    the other runners' rows are complete."""
+    from specdec.bench.peers import RemotePeer
+    from specdec.types import SamplingParams
+
+    procs = {}
+    for name in ("good", "crash", "hang"):
+        procs[name], ready = _process([name], timeout=120.0)
+        assert ready == {name: None}
+        procs[name].timeout = 5.0  # (a call's limit; loading took longer on a busy machine)
+    peers = [RemotePeer(name, proc) for name, proc in procs.items()]
+    runners = [Runner("none", "specdec", lambda ids, p: ([1, 2, 3], None))]
+    runners += [Runner(p.name, "peer", lambda ids, prm, p=p: (p.generate(ids, prm), None), None,
+                       lambda p=p: p.last_memory) for p in peers]
+    try:
+        result = run(runners, _fake_tasks(), [[1], [2], [3]], SamplingParams(max_new_tokens=3), repeats=1, quiet=True)
+    finally:
+        for proc in procs.values():
+            proc.close()
+    status = result["status"]
+    assert status["crash"].startswith("failed on a1: PeerFailed: its process crashed with SIGILL")
+    assert status["hang"].startswith("failed on a1: PeerFailed: no answer in 5 s")
+    assert status["none"] == status["good"] == "ok"
+    assert result["table"]["good"]["all"]["equal_to_none"] == "3/3"
+    assert result["table"]["good"]["all"]["peak_rss_mb"] > 0  # the peer's process's, reported back
+    assert "failed on a1" in format_table(result)

@@ -91,3 +91,26 @@ def test_repacked_layouts_that_no_load_can_read_again_are_removed(tmp_path, monk
     assert again.is_dir()
     claim_repacked(model, now=later + REPACKED_SWEEP_EVERY + 60)
     assert not again.exists()
+
+
+@pytest.mark.parametrize("array", [torch.arange(24, dtype=torch.uint8).reshape(4, 6), torch.arange(7, dtype=torch.int32),
+                                   torch.ones(2, 3, 5), torch.zeros(0, 4, dtype=torch.uint8)])
+def test_a_saved_layout_reads_back_as_numpy_loads_it(tmp_path, array):
+    """_read_saved's own .npy reading (no literal_eval, no np.memmap) against np.load: the same
+    dtype, shape and bytes; writes to it stay in memory (copy on write); a file cut short is no
+    layout (the load repacks) rather than an error."""
+    import numpy as np
+
+    from specdec.models.gguf_model import _read_saved, _write_saved
+
+    path = tmp_path / "blk.0.wqkv.npy"
+    _write_saved(path, array)
+    got = _read_saved(path)
+    want = np.load(path)
+    assert got.numpy().dtype == want.dtype and tuple(got.shape) == want.shape and (got.numpy() == want).all()
+    if got.numel():
+        got.zero_()
+        assert (np.load(path) == array.numpy()).all()
+    path.write_bytes(path.read_bytes()[: 128 + array.numel() * array.element_size() // 2])
+    if array.numel() > 1:
+        assert _read_saved(path) is None

@@ -135,7 +135,7 @@ def test_check_passes_exact_samples_and_catches_distorted_ones(tiny):
 
 
 def _ngram_config(model, k=3):
-    eng = Engine(model, NgramDrafter(adaptive=False), k=k)
+    eng = Engine(model, NgramDrafter(), k=k, fixed_k=True)
     return measure.Config("ngram k=3", "ngram", k, False, eng)
 
 
@@ -312,3 +312,121 @@ def test_an_interrupted_run_still_reports_what_was_measured(tiny, monkeypatch):
     assert r["interrupted"] == "the load test" and r["verdict"]["headline"].startswith("PARTIAL")
     assert r["configs"]["ngram k=3"]["equal"] == 2 and r["load"] is None and r["distribution"] == []
     assert {e["framework"] for e in r["settings"]} == {"specdec", "vllm", "llama.cpp", "tgi"}
+
+
+# ------------------------------------------------------------------------------ cost and certainty
+def test_exact_probs_after_a_cached_prompt_equal_the_oracles(tiny):
+    """The distribution check's probabilities: the prompt prefilled once, each prefix forwarded from a
+    copy of its cache, against transformers' softmax over the whole sequence (and the full forwards)."""
+    hf, model = tiny
+    seqs = [PROMPT + [a, b] for a in range(4) for b in range(9)]
+    cached = measure.exact_probs(model, seqs, 0.8, batch=16, prompt=PROMPT)
+    full = measure.exact_probs(model, seqs, 0.8, batch=16)
+    with torch.no_grad():
+        want = torch.stack([torch.softmax(hf(torch.tensor([s])).logits[0, -1].double() / 0.8, -1) for s in seqs])
+    assert torch.allclose(cached, want, atol=1e-6) and torch.allclose(full, want, atol=1e-6)
+    shifted = measure.exact_probs(model, seqs, 0.8, batch=16, prompt=[1] + PROMPT[1:])  # a wrong cache is caught
+    assert not torch.allclose(shifted, want, atol=1e-3)
+
+
+def _rows(decode_s, none_decode_s, tokens=65):
+    return ([{"new_tokens": tokens, "decode_s": d} for d in decode_s],
+            [{"new_tokens": tokens, "decode_s": d} for d in none_decode_s])
+
+
+def test_speedup_interval_over_samples():
+    steady = analysis.speedup_interval(*_rows([1.0] * 8, [1.3] * 8))
+    assert steady == pytest.approx([1.3, 1.3])
+    spread_rows = _rows([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [0.9, 1.0, 1.1, 1.2, 1.4, 1.6, 1.8, 2.0])
+    lo, hi = analysis.speedup_interval(*spread_rows)
+    point = 11.0 / 8.0
+    assert lo < point < hi and hi - lo > 0.2
+    assert analysis.speedup_interval(*_rows([1.0, 1.0], [1.2, 1.2])) is None  # too few samples to say
+
+
+def test_verdict_states_the_interval_and_when_it_is_uncertain():
+    sure = {"speedup": 1.4, "e2e_speedup": 1.3, "not_equal": [], "samples": 8, "speedup_interval": [1.2, 1.6]}
+    v = analysis.verdict({"auto k=8": sure}, None, [], {})
+    assert v["enable"] and "95% interval over the samples 1.20-1.60x" in v["headline"] and "uncertain" not in v
+    maybe = dict(sure, speedup=1.08, speedup_interval=[0.97, 1.2])
+    v = analysis.verdict({"auto k=8": maybe}, None, [], {})
+    assert v["enable"] and "not certain" in v["uncertain"]
+    no = dict(sure, speedup=1.02, speedup_interval=[0.9, 1.15])
+    v = analysis.verdict({"auto k=8": no}, None, [], {})
+    assert not v["enable"] and "reaches 1.15x" in v["headline"]
+
+
+def test_the_progress_plan_has_a_step_for_every_measured_step(tiny, monkeypatch):
+    """The one bar's ETA counts on each phase's planned steps matching what the phase measures."""
+    from types import SimpleNamespace
+
+    from specdec.bench.tasks import Task
+    from specdec.validate import pipeline
+    from specdec.validate.samples import Samples
+
+    _, model = tiny
+    target = SimpleNamespace(model=model, eos_ids=[], name="tiny", source="tiny-dir", gguf=None)
+    prompts = [PROMPT, [5, 2, 8, 5, 2, 8, 5], [1, 2, 3, 4]]
+    samples = Samples([Task(str(i), "c", "p", False) for i in range(3)], prompts, source="mem", fmt="jsonl", total=3)
+    leftover = {}
+    real_phase = pipeline.Progress.phase
+
+    def phase(self, name):
+        if getattr(self, "_name", None) is not None:
+            leftover[self._name] = len(self._left)
+        self._name = name
+        return real_phase(self, name)
+
+    real_close = pipeline.Progress.close
+
+    def close(self):
+        leftover[self._name] = len(self._left)
+        real_close(self)
+
+    monkeypatch.setattr(pipeline.Progress, "phase", phase)
+    monkeypatch.setattr(pipeline.Progress, "close", close)
+    opts = pipeline.Options(max_new_tokens=6, repeats=2, concurrency=(1, 2), min_requests=3, dist_samples=1,
+                            dist_draws=40, quiet=True)
+    r = pipeline.run(target, samples, [_ngram_config(model)], Engine(model), opts, {}, "test", {})
+    assert leftover == {"acceptance": 0, "under load": 0, "distribution": 0}
+    assert r["timing"]["estimated_s"].keys() == {"acceptance", "under load", "distribution"}
+    assert set(r["timing"]["measured_s"]) == {"acceptance", "under load", "distribution"}
+    assert all(v > 0 for v in r["timing"]["estimated_s"].values())
+
+
+def test_the_draws_prefill_their_prompt_once_with_the_same_numbers(tiny, monkeypatch):
+    """PromptOnce: the distribution check's draws take copies of one prefill and sample exactly the
+    sequences they sample when every row prefills its own prompt."""
+    _, model = tiny
+    calls = []
+    real = type(model).forward
+
+    def counting(self, tokens, *a, **k):
+        calls.append(tokens.shape[1])
+        return real(self, tokens, *a, **k)
+
+    monkeypatch.setattr(type(model), "forward", counting)
+    once = measure.distribution(_ngram_config(model), model, PROMPT, draws=64, tokens=4, temperature=1.0, seed=5)
+    prefills = calls.count(len(PROMPT))
+    calls.clear()
+    monkeypatch.setattr(measure, "PromptOnce", lambda m, prompt: m)  # every row prefills its own prompt
+    each = measure.distribution(_ngram_config(model), model, PROMPT, draws=64, tokens=4, temperature=1.0, seed=5)
+    assert calls.count(len(PROMPT)) >= 64 > prefills  # (the exact probabilities prefill the prompt too)
+    for key in ("chi2", "pit_chi2", "proposed", "accepted", "p_value"):
+        assert once[key] == each[key], key
+    assert once["proposed"] > 0
+
+
+def test_a_load_test_without_a_fixed_draft_length_says_so(tiny):
+    """--quick's load test runs the server's own settings only: no fixed row, no concurrency limit
+    claimed for other frameworks, and the verdict says the fixed length was not measured."""
+    _, model = tiny
+    load = measure.load(model, [], [PROMPT, [1, 2, 3, 4]], SamplingParams(max_new_tokens=6), levels=[1, 2], k=4,
+                        min_requests=2, repeats=1, settings=("off", "adaptive"))
+    assert set(load["table"]) == {"off", "adaptive"} and load["settings"] == ["off", "adaptive"]
+    f = analysis.load_findings(load)
+    assert "fixed" not in f and set(f["by_concurrency"][2]) == {"adaptive"}
+    good = {"speedup": 1.4, "e2e_speedup": 1.3, "not_equal": [], "samples": 3}
+    v = analysis.verdict({"ngram k=8": good}, f, [], {})
+    assert v["enable"] and v["max_concurrency"] is None and "fixed draft length" not in v["headline"]
+    assert "was not measured under load" in v["load_note"]

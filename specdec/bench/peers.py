@@ -10,17 +10,26 @@
   own ways, so greedy texts may part after a near-tie; the report says how far they agree.
 
 Each peer is a `Peer` with `generate(ids, params) -> list[int]` (new token ids, EOS
-included if it was produced). A peer that cannot be built (package missing, no GGUF file)
-carries `error` and is reported as skipped; one that fails mid-run is reported as failed
-with the error. This module knows nothing about tables or categories.
+included if it was produced). `build_peers` runs them in child processes (`PeerProcess`: the
+transformers peers share one, each llama.cpp peer has its own), each call with a timeout: a
+peer whose process crashes (llama.cpp built for AMX dies with SIGILL on some CPUs) or does not
+answer in time raises `PeerFailed` saying so, and the benchmark goes on with the others. A
+peer that cannot be built (package missing, no GGUF file, its process crashed while loading)
+carries `error` and is reported as skipped; one that fails mid-run is reported as failed with
+the error. This module knows nothing about tables or categories.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import signal
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 PEERS = ("hf", "hf-lookup", "hf-assist", "llamacpp", "llamacpp-lookup")
+#: seconds a peer's process may take to load its model, and to answer one generate call
+PEER_TIMEOUT = 600.0
 
 
 class Peer:
@@ -91,8 +100,47 @@ class LlamaCppPeer(Peer):
         return out
 
 
-def build_peers(names: list[str], target, draft_dir: Path | None, k: int, threads: int, n_ctx: int) -> list[Peer]:
-    """Build the requested peers; a peer that cannot be built is returned with `error` set."""
+def build_peers(names: list[str], target, draft_dir: Path | None, k: int, threads: int, n_ctx: int,
+                timeout: float = PEER_TIMEOUT) -> list[Peer]:
+    """The requested peers, each running in a child process (module docstring); a peer that
+    cannot be built is returned with `error` set. close_peers ends the processes."""
+    out: dict[str, Peer] = {}
+    groups: list[list[str]] = []
+    for name in names:
+        if name.startswith("hf"):
+            if name == "hf-assist" and draft_dir is None:
+                out[name] = Peer(name, "no draft model for this target: pass --draft PATH")
+            elif not groups or not groups[0][0].startswith("hf"):
+                groups.insert(0, [name])  # (the transformers peers share one process: one fp32 model)
+            else:
+                groups[0].append(name)
+        elif importlib.util.find_spec("llama_cpp") is None:
+            out[name] = Peer(name, "llama-cpp-python is not installed (pip install -e '.[peers]'; it compiles "
+                                   "llama.cpp, about 5 minutes on two cores)")
+        elif getattr(target, "gguf", None) is None:
+            out[name] = Peer(name, "the target was not loaded from a GGUF file, so llama.cpp has nothing to run")
+        else:
+            groups.append([name])
+    spec = SimpleNamespace(path=str(target.path) if target is not None else None,
+                           gguf=getattr(target, "gguf", None), eos_ids=list(getattr(target, "eos_ids", [])))
+    draft = None if draft_dir is None else str(draft_dir)
+    for group in groups:
+        proc = PeerProcess(group, build_local, (group, spec, draft, k, threads, n_ctx), threads, timeout)
+        for name, error in proc.start().items():
+            out[name] = Peer(name, error) if error else RemotePeer(name, proc)
+    return [out[n] for n in names]
+
+
+def close_peers(peers: list[Peer]) -> None:
+    """End the peers' child processes."""
+    for p in peers:
+        if isinstance(p, RemotePeer):
+            p.process.close()
+
+
+def build_local(names: list[str], target, draft_dir: str | None, k: int, threads: int, n_ctx: int) -> list[Peer]:
+    """The peers built in this process (what build_peers's processes run); one that cannot be
+    built is returned with `error` set."""
     out: list[Peer] = []
     hf_model = None
     for name in names:
@@ -105,27 +153,159 @@ def build_peers(names: list[str], target, draft_dir: Path | None, k: int, thread
                 elif name == "hf-lookup":
                     out.append(HFPeer(name, hf_model, target.eos_ids, {"prompt_lookup_num_tokens": k}))
                 else:
-                    if draft_dir is None:
-                        out.append(Peer(name, "no draft model for this target: pass --draft PATH"))
-                        continue
                     out.append(HFPeer(name, hf_model, target.eos_ids, {"assistant_model": _hf_model(draft_dir)}))
             except Exception as e:  # a peer that cannot load must not stop the benchmark
                 out.append(Peer(name, f"transformers could not load the model: {type(e).__name__}: {e}"))
         else:
-            if importlib.util.find_spec("llama_cpp") is None:
-                out.append(Peer(name, "llama-cpp-python is not installed (pip install -e '.[peers]'; it compiles "
-                                      "llama.cpp, about 5 minutes on two cores)"))
-                continue
-            gguf = getattr(target, "gguf", None)
-            if gguf is None:
-                out.append(Peer(name, "the target was not loaded from a GGUF file, so llama.cpp has nothing to run"))
-                continue
             try:
-                out.append(LlamaCppPeer(name, Path(gguf), threads, n_ctx, k if name == "llamacpp-lookup" else None,
-                                        target.eos_ids))
+                out.append(LlamaCppPeer(name, Path(target.gguf), threads, n_ctx,
+                                        k if name == "llamacpp-lookup" else None, target.eos_ids))
             except Exception as e:
-                out.append(Peer(name, f"llama.cpp could not load {gguf}: {type(e).__name__}: {e}"))
+                out.append(Peer(name, f"llama.cpp could not load {target.gguf}: {type(e).__name__}: {e}"))
     return out
+
+
+class PeerFailed(RuntimeError):
+    """A peer's process crashed or did not answer in time."""
+
+
+def _died(exitcode: int | None) -> str:
+    """How a child process ended, in words: 'crashed with SIGILL (illegal instruction)', ..."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            sig = signal.Signals(-exitcode)
+            what = signal.strsignal(sig)
+            return f"crashed with {sig.name} ({what.lower() if what else 'signal ' + str(-exitcode)})"
+        except ValueError:
+            return f"crashed with signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+_SIGILL_HINT = ("; llama.cpp built for instructions this CPU or its kernel does not run (its AMX path on some "
+                "Xeons): rebuild it without them, see docs/troubleshooting.md")
+
+
+class PeerProcess:
+    """Peers built and run in a child process (spawned: a fresh interpreter, no threads forked):
+    `start` builds them there, `builder(*builder_args)` (a module-level function returning Peers
+    named `names`), and says which could not be built; `call` runs one generate call with a
+    timeout and returns the new tokens with the child's peak resident memory during the call and
+    how far it grew above its level before it. A crash or a timeout raises PeerFailed (the child
+    is ended; every later call raises the same); an exception in the peer raises PeerFailed with
+    its text (the child goes on)."""
+
+    def __init__(self, names: list[str], builder, builder_args: tuple, threads: int,
+                 timeout: float = PEER_TIMEOUT) -> None:
+        self.names, self.timeout = list(names), timeout
+        self._args = (builder, builder_args, threads)
+        self._proc = self._conn = None
+        self.dead: str | None = None  # why the process is gone
+
+    def start(self) -> dict[str, str | None]:
+        """Start the child and build the peers: name -> None (ready) or why it cannot run."""
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child_main, args=(child, *self._args), daemon=True)
+        self._proc.start()
+        child.close()  # (only the child holds its end: its death reads as the end of the pipe here)
+        self._conn = parent
+        try:
+            return self._answer(self.timeout, "while loading")
+        except PeerFailed as e:
+            return {n: str(e) for n in self.names}
+
+    def call(self, name: str, ids: list[int], params) -> tuple[list[int], int, int]:
+        if self.dead:
+            raise PeerFailed(self.dead)
+        try:
+            self._conn.send((name, list(ids), params))
+        except (BrokenPipeError, OSError):
+            pass  # (the child is gone: _answer says how)
+        return self._answer(self.timeout, "")
+
+    def _answer(self, timeout: float, when: str):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self._conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+                    kind, value = self._conn.recv()
+                    if kind == "error":  # (the peer raised; its process goes on)
+                        raise PeerFailed(value)
+                    return value
+            except (EOFError, ConnectionResetError, BrokenPipeError):
+                self._proc.join(5)
+                why = _died(self._proc.exitcode)
+                hint = _SIGILL_HINT if self._proc.exitcode == -signal.SIGILL and any(
+                    n.startswith("llamacpp") for n in self.names) else ""
+                self._fail(f"its process {why}{' ' + when if when else ''}{hint}")
+            if time.monotonic() >= deadline:
+                self._fail(f"no answer in {timeout:.0f} s{' ' + when if when else ''} (hung or far too slow; "
+                           "--peer-timeout sets the limit): its process was ended")
+
+    def _fail(self, why: str):
+        self.dead = why
+        self.close()
+        raise PeerFailed(why)
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            try:
+                self._conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self._proc.join(2)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.dead = self.dead or "closed"
+
+
+def _child_main(conn, builder, builder_args, threads) -> None:
+    """A PeerProcess's child: build the peers, then answer (name, ids, params) with
+    ("ok", (tokens, peak rss, growth)) or ("error", text) until told to stop (None)."""
+    import torch
+
+    from .runner import PeakMemory, rss_bytes
+
+    torch.set_num_threads(threads)
+    peers = {p.name: p for p in builder(*builder_args)}
+    conn.send(("ok", {n: p.error for n, p in peers.items()}))
+    pm = PeakMemory()
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        name, ids, params = msg
+        try:
+            before = rss_bytes()
+            with pm:
+                tokens = peers[name].generate(ids, params)
+            conn.send(("ok", (tokens, pm.peak, pm.peak - before)))
+        except Exception as e:  # reported by the parent as this runner's failure
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class RemotePeer(Peer):
+    """A peer running in a PeerProcess; `last_memory` is (peak resident bytes of its process during
+    the last call, growth above its level before the call)."""
+
+    def __init__(self, name: str, process: PeerProcess) -> None:
+        super().__init__(name)
+        self.process = process
+        self.last_memory = (0, 0)
+
+    def generate(self, ids, params):
+        tokens, peak, grow = self.process.call(self.name, ids, params)
+        self.last_memory = (peak, grow)
+        return tokens
 
 
 def _hf_model(path):

@@ -13,7 +13,8 @@ Also per runner: whether its greedy outputs equal specdec `none` token for token
 of prompts), acceptance figures (specdec runners only: peers do not report them), and
 memory: the process's peak resident memory while the runner ran, and the most it grew
 above its level just before a call (the runner's working memory: KV cache, activations).
-All runners live in one process, so the peak includes every loaded model.
+specdec's runners live in this process, so their peak includes every model it loaded; a peer
+runs in a process of its own (peers.py) and reports that process's peak.
 
 A runner that cannot be built is reported as skipped with the reason; one that raises is
 reported as failed with the error and not called again; the rest of the benchmark goes on.
@@ -57,6 +58,8 @@ class Runner:
     kind: str  # "specdec" or "peer"
     call: Callable | None  # (ids, params) -> (new token ids, GenerationResult or None)
     error: str | None = None  # set: skipped with this reason
+    # () -> (peak resident bytes, growth) of the last call, for a runner in its own process (a peer)
+    memory: Callable | None = None
 
 
 def machine_info(threads: int) -> dict:
@@ -170,8 +173,9 @@ def run(runners: list[Runner], tasks: list[Task], encoded: list[list[int]], para
                     status[r.name] = f"failed on {task.task_id}: {type(e).__name__}: {e}"
                     bar.update(1)
                     continue
-                peak[r.name] = max(peak[r.name], pm.peak)
-                grow[r.name] = max(grow[r.name], pm.peak - before)
+                call_peak, call_grow = r.memory() if r.memory is not None else (pm.peak, pm.peak - before)
+                peak[r.name] = max(peak[r.name], call_peak)
+                grow[r.name] = max(grow[r.name], call_grow)
                 acc = totals[r.name][task.category][rep]
                 acc[0] += len(tokens)
                 acc[1] += dt

@@ -306,6 +306,9 @@ def check_gguf(gf, quiet: bool = False) -> None:
     try:
         for t in gf.tensors.values():
             gf.check_tensor(t)
+            # (reading its scales mapped in every page of the tensor: give them back, so a first load
+            # holds no more of the file than a later one; what decoding reads maps back from the page cache)
+            gf.release(gf.bytes[t.offset: t.offset + t.n_bytes])
             progress.step()
     finally:
         progress.close()

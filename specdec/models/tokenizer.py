@@ -239,12 +239,80 @@ def _mark_plain_if_equal(d: Path, tok) -> None:
         cfg_file.write_text(json.dumps(saved, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+# the tokenizer class transformers' AutoTokenizer picks for a GGUF file of these architectures; named
+# directly, it skips AutoTokenizer's reading of the model configuration from the file, which for
+# these goes through gguf-py's reader: ~25 s and 0.4 GB more at a first load of a 150k-word vocabulary
+# (tests/test_gguf_arch.py checks that both give the same tokenizer files)
+_GGUF_TOKENIZER_CLASSES = {"qwen2": "Qwen2Tokenizer", "llama": "TokenizersBackend"}
+
+
+def _gguf_tokenizer_class(gf, auto):
+    """The class to convert `gf`'s tokenizer with: _GGUF_TOKENIZER_CLASSES's, else `auto`
+    (AutoTokenizer). A llama file named like Mistral goes to `auto`: transformers may read it as
+    a Mistral model with another tokenizer."""
+    import transformers
+
+    arch, name = gf.architecture, str(gf.meta.get("general.name", ""))
+    cls = _GGUF_TOKENIZER_CLASSES.get(arch)
+    if cls is None or (arch == "llama" and "mistral" in name.lower()):
+        return auto
+    return getattr(transformers, cls, None) or auto
+
+
+def convert_gguf_tokenizer(path: str, out: str) -> None:
+    """Convert the tokenizer in the metadata of the GGUF file at `path` with transformers' GGUF
+    tokenizer reader (vocabulary, merges, special tokens, chat template) and save it as a tokenizer
+    folder `out`, marked plain where a FastTokenizer reads it the same (_mark_plain_if_equal).
+    gguf_tokenizer runs this in a child process."""
+    import logging
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from .gguf_file import GGUFFile
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    gf = GGUFFile(Path(path))
+    tok = _gguf_tokenizer_class(gf, AutoTokenizer).from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
+    tok.save_pretrained(out)
+    _mark_plain_if_equal(Path(out), tok)
+
+
+def _convert_in_child(gf, tmp: Path) -> None:
+    """convert_gguf_tokenizer(gf's file, tmp) in a child Python process: transformers' modules and
+    the converter's Python objects (~0.3 GB for a 150k-word vocabulary, which the allocator does not
+    give back) never enter the process that then holds the model. One line names what failed."""
+    import os
+    import subprocess
+    import sys
+
+    import specdec
+
+    env = dict(os.environ)
+    root = str(Path(specdec.__file__).resolve().parents[1])  # (the child imports this same specdec)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    code = ("import sys\n"
+            "from specdec.models.tokenizer import convert_gguf_tokenizer\n"
+            "try:\n    convert_gguf_tokenizer(sys.argv[1], sys.argv[2])\n"
+            "except Exception as e:  # transformers raises many types for tokenizers it does not know\n"
+            "    sys.exit(f'{type(e).__name__}: {str(e)[:200]}')\n")
+    done = subprocess.run([sys.executable, "-c", code, str(gf.path), str(tmp)], env=env, capture_output=True,
+                          text=True)
+    if done.returncode:
+        from ..types import SpecdecError
+
+        lines = [ln for ln in (done.stderr or "").splitlines() if ln.strip()]
+        raise SpecdecError(f"cannot read the tokenizer from {gf.path.name}'s metadata "
+                           f"({lines[-1] if lines else f'exit status {done.returncode}'})")
+
+
 def gguf_tokenizer(gf, cache_dir: Path, quiet: bool = False):
     """The tokenizer a GGUF file's metadata describes (`gf`: models.gguf_file.GGUFFile), no hub
-    access: converted once by transformers' GGUF tokenizer reader (vocabulary, merges, special
-    tokens, chat template) and saved as a tokenizer folder under `cache_dir`, keyed by the hash of
-    the file's tokenizer metadata (files of one family share it); later loads read that folder (a
-    FastTokenizer where it is plain or checked equal to transformers' on probe texts)."""
+    access: converted once (convert_gguf_tokenizer, in a child process) and saved as a tokenizer
+    folder under `cache_dir`, keyed by the hash of the file's tokenizer metadata (files of one
+    family share it); later loads read that folder (a FastTokenizer where it is plain or checked
+    equal to transformers' on probe texts)."""
     import os
     import shutil
     import sys
@@ -254,24 +322,13 @@ def gguf_tokenizer(gf, cache_dir: Path, quiet: bool = False):
         if not quiet:
             print(f"[specdec] reading the tokenizer from {gf.path.name}'s metadata once (cached in {out}) ...",
                   file=sys.stderr, flush=True)
-        import logging
-
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        logging.getLogger("transformers").setLevel(logging.ERROR)
-        try:
-            tok = AutoTokenizer.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
-        except Exception as e:  # transformers raises many types for tokenizers it does not know
-            from ..types import SpecdecError
-
-            raise SpecdecError(f"cannot read the tokenizer from {gf.path.name}'s metadata "
-                             f"({type(e).__name__}: {str(e)[:200]})") from e
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        tok.save_pretrained(str(tmp))
-        _mark_plain_if_equal(tmp, tok)
+        try:
+            _convert_in_child(gf, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     tok = load_fast_tokenizer(out)

@@ -38,6 +38,33 @@ def spread(xs: list[float]) -> dict:
             "p10": _quantile(xs, 0.1), "p50": _quantile(xs, 0.5), "p90": _quantile(xs, 0.9), "max": max(xs)}
 
 
+def speedup_interval(rows: list[dict], none_rows: list[dict], level: float = 0.95, draws: int = 2000,
+                     seed: int = 0) -> list[float] | None:
+    """A `level` interval of the decode speedup over the samples: the samples drawn again with
+    replacement `draws` times (a seeded bootstrap), each draw's speedup the ratio of its summed decode
+    rates (first repeat's times, as `rows` hold them), and the middle `level` of those. It says how
+    far another set of samples like these could move the figure (which samples were picked, and each
+    run's timing noise); None under 3 samples."""
+    import random
+
+    pairs = [(r["new_tokens"] - 1, r["decode_s"], n["new_tokens"] - 1, n["decode_s"])
+             for r, n in zip(rows, none_rows) if r["decode_s"] > 0 and n["decode_s"] > 0]
+    if len(pairs) < 3:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(draws):
+        pick = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        tok, dec, tok0, dec0 = (sum(p[j] for p in pick) for j in range(4))
+        if tok0 > 0 and dec > 0:
+            ratios.append((tok / dec) / (tok0 / dec0))
+    ratios.sort()
+    if not ratios:
+        return None
+    tail = (1 - level) / 2
+    return [ratios[int(tail * (len(ratios) - 1))], ratios[int((1 - tail) * (len(ratios) - 1))]]
+
+
 def _median_rep(reps: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in reps)
 
@@ -74,6 +101,7 @@ def summarize_config(entry: dict, none: dict) -> dict:
     F0 = sum(r["forwards"] for r in none["samples"])
     out["decode_tokens_per_s"] = (new - R) / dec if dec else 0.0
     out["speedup"] = ((new - R) / dec) / ((new0 - R) / dec0) if dec and dec0 and new0 > R else 0.0
+    out["speedup_interval"] = speedup_interval(rows, none["samples"])
     out["e2e_speedup"] = (new / wall) / (new0 / wall0) if wall and wall0 else 0.0
     out["prefill_share"] = statistics.median(r["prefill_s"] / (r["prefill_s"] + r["decode_s"]) for r in none["reps"]
                                              if r["prefill_s"] + r["decode_s"] > 0) if none["reps"] else 0.0
@@ -127,11 +155,12 @@ def load_findings(load: dict) -> dict:
     speculation pays (latency at least NOISE better, throughput not NOISE worse), and the first
     level at which it stops paying."""
     t = load["table"]
+    measured = [name for name in ("fixed", "adaptive") if name in t]
     rows = {}
     for c in load["levels"]:
         off = t["off"][c]
         r = {}
-        for name in ("fixed", "adaptive"):
+        for name in measured:
             s = t[name][c]
             thr = s["throughput"] / off["throughput"] if off["throughput"] else 0.0
             lat = off["token_p50"] / s["token_p50"] if s["token_p50"] else 0.0
@@ -139,7 +168,7 @@ def load_findings(load: dict) -> dict:
                        "pays": lat >= 1 + NOISE and thr >= 1 - NOISE, "hurts": thr < 1 - NOISE}
         rows[c] = r
     out = {"by_concurrency": rows}
-    for name in ("fixed", "adaptive"):
+    for name in measured:
         levels = sorted(load["levels"])
         stops = next((c for c in levels if not rows[c][name]["pays"]), None)
         out[name] = {"pays_at": [c for c in levels if rows[c][name]["pays"]], "stops_paying_at": stops,
@@ -177,32 +206,44 @@ def verdict(configs: dict, load: dict | None, dist: list[dict], skipped_methods:
         out.update(enable=False, headline="DO NOT ENABLE: exactness check failed: " + failures[0],
                    recommended=None)
         return out
+    interval = best.get("speedup_interval") if best else None
     if best is None or best["speedup"] < 1 + NOISE:
         sp = f"{best['speedup']:.2f}x" if best else "n/a"
+        reach = (f"; its 95% interval over the samples reaches {interval[1]:.2f}x, so more samples may show a gain"
+                 if interval and interval[1] >= 1 + NOISE else "")
         out.update(enable=False, recommended=None,
                    headline=f"speculation does not pay on these samples (best: {best_name} at {sp} decode speed "
-                            f"at concurrency 1; the gain must exceed {NOISE:.0%})")
+                            f"at concurrency 1; the gain must exceed {NOISE:.0%}{reach})")
         return out
     out.update(enable=True, recommended=best_name, speedup=best["speedup"], e2e_speedup=best["e2e_speedup"])
     limit = None
     note = ""
     if load is not None:
-        ad = load["adaptive"]
-        fx = load["fixed"]
-        limit = fx["max_pays"]
-        if not ad["hurts_at"]:
+        ad = load.get("adaptive")
+        fx = load.get("fixed")
+        limit = fx["max_pays"] if fx else None
+        if ad is None:
+            note = ""
+        elif not ad["hurts_at"]:
             note = ("specdec's load-aware speculation never cost more than 5% throughput at any tested concurrency"
                     + (f" and lowered per-token latency up to concurrency {ad['max_pays']}" if ad["max_pays"] else ""))
         else:
             note = f"load-aware speculation lost throughput at concurrency {', '.join(map(str, ad['hurts_at']))}"
-        if fx["hurts_at"]:
+        if fx and fx["hurts_at"]:
             note += (f"; a fixed draft length costs throughput from concurrency {min(fx['hurts_at'])}: "
                      "disable it above " + (str(limit) if limit else "1"))
+        if fx is None:
+            note += ("; a fixed draft length (what other frameworks run) was not measured under load: the "
+                     "settings for them carry no concurrency limit (the full check measures it)")
     out["max_concurrency"] = limit
     out["load_note"] = note
-    head = (f"ENABLE {best_name}: {best['speedup']:.2f}x decode speed ({best['e2e_speedup']:.2f}x end to end) "
-            "at concurrency 1")
-    if load is not None:
+    within = (f", 95% interval over the samples {interval[0]:.2f}-{interval[1]:.2f}x" if interval else "")
+    head = (f"ENABLE {best_name}: {best['speedup']:.2f}x decode speed ({best['e2e_speedup']:.2f}x end to end"
+            f"{within}) at concurrency 1")
+    if interval and interval[0] < 1 + NOISE:
+        out["uncertain"] = (f"the interval reaches below {1 + NOISE:.2f}x: a gain is likely, not certain, on "
+                            f"{best['samples']} samples; more samples (the full check) settle it")
+    if load is not None and load.get("fixed"):
         head += (f"; with a fixed draft length it pays up to concurrency {limit}" if limit
                  else "; with a fixed draft length it did not pay under load")
     out["headline"] = head

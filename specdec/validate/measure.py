@@ -174,15 +174,20 @@ def drive(batcher, prompts: list[list[int]], conc: int, per_client: int, params:
 LOAD_SETTINGS = ("off", "fixed", "adaptive")
 
 
+def load_settings(settings) -> list[str]:
+    """The load test's settings in their order: "off" (the baseline) and those of `settings`."""
+    return [name for name in LOAD_SETTINGS if name == "off" or name in settings]
+
+
 def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, levels: list[int], k: int,
          min_requests: int, repeats: int, reference: list[list[int]] | None = None, bar=None,
-         make_sources=None, method: str | None = None) -> dict:
-    """Off / fixed-k / load-aware speculation through the server's batcher, each concurrency
-    level run for every setting in turn (off, fixed, adaptive, off, ...), `repeats` rounds;
-    medians per (setting, level). Each level sends at least `min_requests` requests. The
-    drafting is the server's: `make_sources()` (new draft sources per call) under `method` (the
-    server's `auto` by default), or prompt lookup alone without it, as `specdec serve --method`
-    runs them."""
+         make_sources=None, method: str | None = None, settings: tuple[str, ...] = LOAD_SETTINGS) -> dict:
+    """Off / fixed-k / load-aware speculation through the server's batcher (`settings`, of
+    LOAD_SETTINGS; "off" always), each concurrency level run for every setting in turn (off,
+    fixed, adaptive, off, ...), `repeats` rounds; medians per (setting, level). Each level sends at
+    least `min_requests` requests. The drafting is the server's: `make_sources()` (new draft
+    sources per call) under `method` (the server's `auto` by default), or prompt lookup alone
+    without it, as `specdec serve --method` runs them."""
     from ..core.scheduler import ContinuousBatcher
     from ..drafters.ngram import NgramDrafter
 
@@ -191,6 +196,7 @@ def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, level
         method, make_sources = "ngram", lambda: [NgramDrafter()]
     method = method or "auto"
     spec = {"off": ("none", False), "fixed": (method, False), "adaptive": (method, True)}
+    spec = {name: spec[name] for name in load_settings(settings)}
     batchers = {name: ContinuousBatcher(model, eos_ids, make_sources() if m != "none" else [], method=m, k_max=k,
                                         max_batch=max(levels), max_context=ctx, adaptive=ad, thread=False)
                 for name, (m, ad) in spec.items()}
@@ -230,6 +236,7 @@ def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, level
             row["checked"] = sum(r["checked"] for r in rs)
             table[name][c] = row
     return {"k": k, "levels": levels, "repeats": repeats, "min_requests": min_requests, "table": table,
+            "settings": list(spec),
             "drafting": DRAFTING.get(method, f"method {method}")}
 
 
@@ -237,18 +244,36 @@ DRAFTING = {"auto": "prompt lookup + EAGLE tree", "ngram": "prompt lookup"}  # t
 
 
 # ---------------------------------------------------------------------------------------------
-def exact_probs(model, seqs: list[list[int]], temperature: float, batch: int = 32) -> torch.Tensor:
+def exact_probs(model, seqs: list[list[int]], temperature: float, batch: int = 32,
+                prompt: list[int] | None = None) -> torch.Tensor:
     """The target's next-token distributions after each sequence (all of one length) at
-    `temperature`: plain forwards over the whole sequences (no speculation, no cache reuse),
-    softmax(logits / T) in float64. [len(seqs), V]."""
+    `temperature`: plain forwards (no speculation), softmax(logits / T) in float64. [len(seqs), V].
+    With `prompt` (a prefix every sequence starts with) and a native model, the prompt is
+    prefilled once and each chunk of sequences forwards only what follows it from a copy of that
+    cache (what plain decoding computes); otherwise every sequence is one forward from scratch."""
+    L = len(seqs[0]) if seqs else 0
+    base = None
+    if prompt and getattr(model, "native", False) and len(prompt) < L:
+        base = model.new_cache(1, len(prompt))
+        with torch.inference_mode():
+            model(torch.tensor([prompt]), torch.arange(len(prompt))[None], base,
+                  logits_at=torch.zeros(1, 0, dtype=torch.long))
     out = []
     for i in range(0, len(seqs), batch):
         chunk = seqs[i:i + batch]
-        n, L = len(chunk), len(chunk[0])
+        n = len(chunk)
+        start = 0
         cache = model.new_cache(n, L + 1)
+        if base is not None:
+            start = len(prompt)
+            for layer in range(len(base.k)):
+                cache.k[layer][:, :, :start] = base.k[layer][:, :, :start]
+                cache.v[layer][:, :, :start] = base.v[layer][:, :, :start]
+            cache.lengths[:] = start
         with torch.inference_mode():
-            logits, _ = model(torch.tensor(chunk), torch.arange(L)[None].expand(n, L), cache,
-                              logits_at=torch.full((n, 1), L - 1))
+            logits, _ = model(torch.tensor([s[start:] for s in chunk]),
+                              torch.arange(start, L)[None].expand(n, L - start), cache,
+                              logits_at=torch.full((n, 1), L - start - 1))
         out.append(torch.softmax(logits[:, 0].double() / temperature, dim=-1))
     return torch.cat(out)
 
@@ -319,7 +344,7 @@ def check_sequences(model, prompt: list[int], seqs: list[list[int]], temperature
                 cell = by_prefix.setdefault(tuple(s[:t]), {})
                 cell[s[t]] = cell.get(s[t], 0) + 1
         prefixes = list(by_prefix)
-        probs = exact_probs(model, [list(prompt) + list(pf) for pf in prefixes], temperature)
+        probs = exact_probs(model, [list(prompt) + list(pf) for pf in prefixes], temperature, prompt=list(prompt))
         for pf, p in zip(prefixes, probs):
             counts = by_prefix[pf]
             n = sum(counts.values())
@@ -353,27 +378,67 @@ def check_sequences(model, prompt: list[int], seqs: list[list[int]], temperature
     return out
 
 
-def always_drafting(engine):
+def always_drafting(engine, model=None):
     """An engine with `engine`'s sources drafting k guesses at every step (a fixed k), for the
     distribution check: a priced source may stop guessing where guesses rarely hold, which would
     leave nothing to check, and a seeded sample under the cost model takes deterministic guesses,
     while at a fixed k a source that samples its guesses draws them from its q, the case the check
-    must see."""
+    must see. `model`: the target to run (default: the engine's; a PromptOnce around it)."""
     from ..engine import Engine
 
-    if not engine.sources:
+    if not engine.sources and model is None:
         return engine
-    return Engine(engine.model, engine.sources, k=engine.k, eos_ids=engine.eos_ids, fixed_k=True, method=engine.method)
+    return Engine(model or engine.model, engine.sources, k=engine.k, eos_ids=engine.eos_ids,
+                  fixed_k=bool(engine.sources), method=engine.method)
+
+
+class PromptOnce:
+    """A native target whose prefill of `prompt` into an empty one-row cache is computed once: later
+    prefills of the same prompt take a copy of its cache entries and outputs, the same numbers (a
+    forward is deterministic), so the distribution check's hundreds of draws from one prompt pay
+    one prefill instead of one each. Every other call and attribute goes to the model."""
+
+    def __init__(self, model, prompt: list[int]) -> None:
+        self._model, self._prompt, self._saved = model, list(prompt), None
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, tokens, positions, cache, attn_mask=None, logits_at=None):
+        L = len(self._prompt)
+        if not (attn_mask is None and logits_at is not None and tuple(tokens.shape) == (1, L)
+                and getattr(cache, "batch_size", None) == 1 and int(cache.lengths[0]) == 0
+                and tokens[0].tolist() == self._prompt and positions.reshape(-1).tolist() == list(range(L))
+                and logits_at.tolist() == [[L - 1]]):
+            return self._model(tokens, positions, cache, attn_mask=attn_mask, logits_at=logits_at)
+        if self._saved is None:
+            logits, hidden = self._model(tokens, positions, cache, logits_at=logits_at)
+            self._saved = ([k[:, :, :L].clone() for k in cache.k], [v[:, :, :L].clone() for v in cache.v],
+                           logits.clone(), None if hidden is None else hidden.clone())
+            return logits, hidden
+        keys, values, logits, hidden = self._saved
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            cache.k[layer][:, :, :L] = k
+            cache.v[layer][:, :, :L] = v
+        cache.lengths[:] = L
+        return logits.clone(), None if hidden is None else hidden.clone()
+
+
+#: draws that caught a subtle mistake (a rejected guess resampled from p, not the residual) in every seed of
+#: benchmarks/dist_power.py; fewer catch gross errors but may miss such ones (docs/validate.md)
+THOROUGH_DRAWS = 800
 
 
 def distribution(config: Config, model, prompt: list[int], draws: int, tokens: int, temperature: float, seed: int,
                  batch: int = 32, alpha_level: float = 1e-3) -> dict:
     """`draws` seeded sampled continuations of `tokens` tokens with speculation (rows of `batch`,
-    drafting at every step: `always_drafting`), checked against the exact conditionals. The first token comes from the prefill; speculation
-    acts from the second on, so `proposed` says how many guesses were actually verified."""
+    drafting at every step: `always_drafting`, the prompt prefilled once: `PromptOnce`), checked
+    against the exact conditionals. The first token comes from the prefill; speculation acts from
+    the second on, so `proposed` says how many guesses were actually verified."""
     seqs, proposed, accepted = [], 0, 0
     params = SamplingParams(temperature=temperature, max_new_tokens=tokens)
-    engine = always_drafting(config.engine)
+    target = config.engine.model
+    engine = always_drafting(config.engine, PromptOnce(target, prompt) if getattr(target, "native", False) else None)
     for start in range(0, draws, batch):
         n = min(batch, draws - start)
         res = engine.generate([prompt] * n, replace(params, seed=seed + start))

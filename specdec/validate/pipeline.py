@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+import time
 from dataclasses import dataclass
 
 from ..types import SamplingParams
@@ -24,18 +25,82 @@ class Options:
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
     load_k: int = 8  # prompt lookup's draft length in the load test (fixed, and the load-aware cap)
     min_requests: int = 8  # requests per concurrency level at least
+    load_settings: tuple[str, ...] = measure.LOAD_SETTINGS  # which of off / fixed / adaptive the load test runs
     dist_samples: int = 2  # samples with a distribution check per method
-    dist_draws: int = 400
+    dist_draws: int = 800
     dist_tokens: int = 4
     dist_temperature: float = 1.0
     seed: int = 0
     quiet: bool = False
 
 
-def _bar(total: int, desc: str, quiet: bool):
-    from tqdm import tqdm
+class Progress:
+    """One progress bar over the whole run, counted in estimated seconds: each phase's steps (a
+    generate call, a concurrency level's run, a distribution check) advance it by what that step is
+    expected to cost, so its ETA (tqdm's, from the pace so far) covers the phases still to come.
+    `plan` maps a phase to its steps' estimated seconds, in the order they run."""
 
-    return tqdm(total=total, desc=desc, unit="run", disable=quiet, dynamic_ncols=True, leave=False)
+    def __init__(self, plan: dict[str, list[float]], quiet: bool) -> None:
+        from tqdm import tqdm
+
+        self.plan = {name: list(costs) for name, costs in plan.items()}
+        self.total = sum(sum(c) for c in self.plan.values())
+        self.bar = tqdm(total=round(self.total, 1), desc="validate", disable=quiet, dynamic_ncols=True, leave=False,
+                        bar_format="{desc}{percentage:3.0f}%|{bar}| {elapsed} so far, about {remaining} left")
+        self._left: list[float] = []
+
+    def phase(self, name: str) -> "Progress":
+        """Steps of `name` follow: each update(1) advances the bar by the next step's estimate."""
+        self._left = list(self.plan.get(name, []))
+        self.bar.set_description(f"validate ({name})")
+        return self
+
+    def update(self, n: int = 1) -> None:
+        for _ in range(n):
+            if self._left:  # (never past the total: the last step's rounding)
+                self.bar.update(min(round(self._left.pop(0), 1), max(0.0, self.bar.total - self.bar.n)))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def plan_run(encoded: list[list[int]], n_configs: int, opts: "Options", n_checks: int, prefill_s_per_token: float,
+             step_s: float) -> dict[str, list[float]]:
+    """Each phase's steps with their estimated seconds, from a plain run's cost of a prompt token
+    (prefill) and of a decoding step (batch 1): the speculative configurations taken to cost what
+    plain decoding does, a batched step of b rows (1 + (b - 1) / 2) single steps. Rough by design:
+    the progress bar's ETA corrects it by the pace measured so far."""
+    new = opts.max_new_tokens
+
+    def run(length: int, rows: int = 1) -> float:
+        return rows * length * prefill_s_per_token + new * step_s * (1 + (rows - 1) / 2)
+
+    mean_len = sum(len(e) for e in encoded) / max(1, len(encoded))
+    plan = {"acceptance": [run(len(ids)) for _ in range(opts.repeats) for ids in encoded
+                           for _ in range(1 + n_configs)]}
+    levels = sorted(set(opts.concurrency))
+    per_level = {c: c * max(1, -(-opts.min_requests // c)) for c in levels}  # requests at level c
+    plan["under load"] = [per_level[c] / c * run(int(mean_len), c) for _ in range(opts.repeats) for c in levels
+                          for _ in measure.load_settings(opts.load_settings)]
+    # a check: one prefill of the prompt, the draws' batched steps, then per depth a prefill of the
+    # prompt and the distinct prefixes (at most one a draw) forwarded past a copy of its cache
+    shortest = sorted(len(e) for e in encoded)[0] if encoded else 0
+    batches, depth = -(-opts.dist_draws // 32), opts.dist_tokens
+    draws = shortest * prefill_s_per_token + batches * depth * step_s * (1 + 31 / 2)
+    exact = depth * shortest * prefill_s_per_token + opts.dist_draws * depth * (depth / 2) * prefill_s_per_token
+    plan["distribution"] = [draws + exact] * n_checks
+    return plan
+
+
+def _calibrate(engine, ids: list[int]) -> tuple[float, float]:
+    """Seconds a prompt token (prefill) and a decoding step cost: one short plain run of `ids`."""
+    [res] = engine.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=16))
+    st = res.stats
+    return st.prefill_s / max(1, len(ids)), st.decode_s / max(1, st.new_tokens - 1)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
 def run(target, samples: Samples, configs: list[measure.Config], none_engine, opts: Options,
@@ -43,11 +108,29 @@ def run(target, samples: Samples, configs: list[measure.Config], none_engine, op
     """drafts: method -> the draft / head path the user gave (for the recommended settings)."""
     params = SamplingParams(temperature=0.0, max_new_tokens=opts.max_new_tokens)
     enc = samples.encoded
+    # one configuration per method (chain / tree) gets distribution checks
+    per_method: dict[tuple, measure.Config] = {}
+    for c in configs:
+        per_method.setdefault((c.method, c.tree), c)
+    checking = opts.dist_draws > 0 and opts.dist_samples > 0 and per_method
+    n_checks = len(per_method) * min(opts.dist_samples, len(enc)) if checking else 0
+    # how long it will take, said up front: from one short plain run (also a warm-up)
+    plan = plan_run(enc, len(configs), opts, n_checks, *_calibrate(none_engine, enc[0]))
+    if not opts.concurrency:
+        plan["under load"] = []
+    estimate = {name: round(sum(costs), 1) for name, costs in plan.items()}
+    if not opts.quiet:
+        print(f"[specdec] validate: about {_minutes(sum(estimate.values()))} on this machine (acceptance "
+              f"{_minutes(estimate['acceptance'])}, under load {_minutes(estimate['under load'])}, distribution "
+              f"{_minutes(estimate['distribution'])}; from a first plain run: the bar's ETA follows the real pace)",
+              file=sys.stderr)
+    progress = Progress(plan, opts.quiet)
+    took: dict[str, float] = {}
+    t0 = time.perf_counter()
 
     # 1. acceptance and speed at concurrency 1 (also greedy exactness against plain decoding)
-    bar = _bar(opts.repeats * len(enc) * (1 + len(configs)), "acceptance", opts.quiet)
-    raw = measure.acceptance(configs, none_engine, enc, params, opts.repeats, bar)
-    bar.close()
+    raw = measure.acceptance(configs, none_engine, enc, params, opts.repeats, progress.phase("acceptance"))
+    took["acceptance"] = round(time.perf_counter() - t0, 1)
     none_sum = analysis.summarize_config(raw["none"], raw["none"])
     summaries = {}
     for c in configs:
@@ -70,9 +153,9 @@ def run(target, samples: Samples, configs: list[measure.Config], none_engine, op
         # 2. under load, through the server's batcher
         if opts.concurrency:
             interrupted = "the load test"
+            t0 = time.perf_counter()
             levels = sorted(set(opts.concurrency))
             reference = [r["tokens"] for r in raw["none"]["samples"]]
-            bar = _bar(opts.repeats * len(levels) * len(measure.LOAD_SETTINGS), "under load", opts.quiet)
             from ..config import SpecConfig
             from ..methods import sources_for
 
@@ -80,20 +163,19 @@ def run(target, samples: Samples, configs: list[measure.Config], none_engine, op
             # the target has, else prompt lookup alone)
             server = SpecConfig(method="auto")
             load = measure.load(target.model, target.eos_ids, enc, params, levels, opts.load_k, opts.min_requests,
-                                opts.repeats, reference, bar, make_sources=lambda: sources_for(server, target)[0])
-            bar.close()
+                                opts.repeats, reference, progress.phase("under load"),
+                                make_sources=lambda: sources_for(server, target)[0], settings=opts.load_settings)
             findings = analysis.load_findings(load)
+            took["under load"] = round(time.perf_counter() - t0, 1)
 
         # 3. distribution checks on the shortest samples, one configuration per method (chain / tree)
         interrupted = "the distribution check"
-        per_method: dict[tuple, measure.Config] = {}
-        for c in configs:
-            per_method.setdefault((c.method, c.tree), c)
+        t0 = time.perf_counter()
         # among the shorter half of the samples (cheap to prefill hundreds of times), those where the
         # method guessed most often at concurrency 1, so the check sees guesses verified
         shorter = sorted(range(len(enc)), key=lambda i: len(enc[i]))[: max(opts.dist_samples, (len(enc) + 1) // 2)]
-        if opts.dist_draws > 0 and opts.dist_samples > 0 and per_method:
-            bar = _bar(opts.dist_samples * len(per_method), "distribution", opts.quiet)
+        if checking:
+            progress.phase("distribution")
             for c in per_method.values():
                 rows = raw[c.name]["samples"]
                 chosen = sorted(shorter, key=lambda i: -rows[i]["proposed"] / max(1, rows[i]["forwards"]))
@@ -104,11 +186,13 @@ def run(target, samples: Samples, configs: list[measure.Config], none_engine, op
                     d["status"] = ("inconclusive" if not d["tested"] else "FAIL" if not d["passed"] else
                                    "pass" if d["exercised"] else "pass (no guesses verified)")
                     dist.append(d)
-                    bar.update(1)
-            bar.close()
+                    progress.update(1)
+            took["distribution"] = round(time.perf_counter() - t0, 1)
         interrupted = None
     except KeyboardInterrupt:
         print(f"\n[specdec] interrupted during {interrupted}: writing a partial report", file=sys.stderr)
+    finally:
+        progress.close()
 
     verdict = analysis.verdict(summaries, findings, dist, skipped_methods)
     if verdict.get("recommended"):
@@ -122,10 +206,11 @@ def run(target, samples: Samples, configs: list[measure.Config], none_engine, op
         "samples": {"source": samples.source, "format": samples.fmt, "read": samples.total, "kept": len(enc),
                     "skipped": samples.skipped, "ids": [t.task_id for t in samples.tasks],
                     "prompt_tokens": [len(e) for e in enc]},
-        "options": vars(opts) | {"concurrency": list(opts.concurrency)},
+        "options": vars(opts) | {"concurrency": list(opts.concurrency), "load_settings": list(opts.load_settings)},
         "none": {k: none_sum[k] for k in ("decode_tokens_per_s", "prefill_share", "new_tokens", "forwards")},
         "configs": summaries, "load": load, "load_findings": findings, "distribution": dist,
         "verdict": verdict, "skipped_methods": skipped_methods,
+        "timing": {"estimated_s": estimate, "measured_s": took},
     }
     result["settings"] = recommended_settings(verdict, target, drafts or {})
     return result

@@ -75,7 +75,7 @@ def plots(result: dict) -> dict[str, str]:
         levels = load["levels"]
         f = result["load_findings"]["by_concurrency"]
         fig, axs = plt.subplots(1, 2, figsize=(10, 3.6))
-        for name in ("fixed", "adaptive"):
+        for name in [n for n in ("fixed", "adaptive") if n in load["table"]]:
             axs[0].plot(levels, [f[c][name]["throughput_vs_off"] for c in levels], marker="o", label=name)
             axs[1].plot(levels, [f[c][name]["latency_gain"] for c in levels], marker="o", label=name)
         for ax, lab in zip(axs, ("throughput / off", "per-token latency gain (off TPOT p50 / TPOT p50)")):
@@ -114,18 +114,20 @@ def _html_load(result: dict, images: dict[str, str]) -> list[str]:
     parts: list[str] = []
     load = result.get("load")
     if load:
+        t = load["table"]
         parts.append(f"<h2>Under load</h2><p>The server's batched engine with its own speculation "
-                     f"({load.get('drafting', 'prompt lookup')}, k = {load['k']}): off, fixed k, load-aware; at each concurrency C, C clients send requests "
+                     f"({load.get('drafting', 'prompt lookup')}, k = {load['k']}): "
+                     f"{', '.join({'off': 'off', 'fixed': 'fixed k', 'adaptive': 'load-aware'}[n] for n in t)}; "
+                     f"at each concurrency C, C clients send requests "
                      f"back to back (at least {load['min_requests']} per level), medians of {load['repeats']} "
                      "rounds. TPOT: time per output token of a request (first to last token / tokens after the "
                      "first; p50, p95 over requests), the per-token latency a reader of the stream sees. ITL: each "
                      "gap between deliveries / the tokens delivered; its median hides speculation's gain, as most "
                      "deliveries still carry one token.</p>")
-        t = load["table"]
         f = result["load_findings"]["by_concurrency"]
         rows = []
         for c in load["levels"]:
-            for name in ("off", "fixed", "adaptive"):
+            for name in [n for n in ("off", "fixed", "adaptive") if n in t]:
                 s = t[name][c]
                 gain = "" if name == "off" else (f"{_f(f[c][name]['throughput_vs_off'])} / "
                                                  f"{_f(f[c][name]['latency_gain'])}")
@@ -143,6 +145,17 @@ def _html_load(result: dict, images: dict[str, str]) -> list[str]:
     return parts
 
 
+def _draws_note(dist: list[dict]) -> str:
+    """How many draws the checks took and what that many can miss."""
+    from .measure import THOROUGH_DRAWS
+
+    fewest = min(x["draws"] for x in dist)
+    if fewest >= THOROUGH_DRAWS:
+        return f"{fewest} draws each"
+    return (f"{fewest} draws each: enough for gross errors, subtle ones may pass unseen below {THOROUGH_DRAWS}, "
+            "see docs/validate.md")
+
+
 def _html_distribution(result: dict) -> list[str]:
     """The "Distribution check" section: one row per sampled-continuation test."""
     e = html.escape
@@ -156,7 +169,7 @@ def _html_distribution(result: dict) -> list[str]:
                      "transform (tokens ordered by probability), which is uniform exactly when the tokens follow "
                      "the target. Fails when either p-value is below 0.001 / 2. The drafters guess at every step "
                      "here (prompt lookup without its adaptive length, auto without its gate), so there are "
-                     "guesses to verify.</p>")
+                     f"guesses to verify. Draws: {html.escape(_draws_note(dist))}.</p>")
         rows = [[e(d["config"]), e(str(d["sample"])), str(d["draws"]), f"{d['tokens']} @ T={d['temperature']}",
                  f"{d['accepted']}/{d['proposed']}", f"{d['groups']} ({_f(d['chi2'], '.1f')}, {d['dof']} dof)",
                  _f(d["p_value_grouped"], ".3g"), str(d["speculated_tokens"]), _f(d["pit_p_value"], ".3g"),
@@ -177,6 +190,8 @@ def html_report(result: dict, images: dict[str, str]) -> str:
              f"{len(result['samples']['skipped'])} skipped); {e(json.dumps(result['machine']))}; "
              f"{e(result['date'])}</small></p>",
              f"<div class='verdict {'yes' if v['enable'] else 'no'}'>{e(v['headline'])}</div>"]
+    if v.get("uncertain"):
+        parts.append(f"<p><b>Uncertain:</b> {e(v['uncertain'])}.</p>")
     if v["exactness_failures"]:
         parts.append("<h2 class='fail'>EXACTNESS FAILURES</h2><ul>" +
                      "".join(f"<li class='fail'>{e(x)}</li>" for x in v["exactness_failures"]) + "</ul>")
@@ -193,17 +208,21 @@ def html_report(result: dict, images: dict[str, str]) -> str:
     cfg = result["configs"]
     parts.append("<h2>Acceptance and speed at concurrency 1</h2><p>Greedy, batch 1, each configuration against "
                  "plain decoding in the same run (medians of the repeats). alpha = accepted / proposed guesses; "
-                 "tau = tokens committed per target forward; spread = over samples (p10 / p50 / p90).</p>")
+                 "tau = tokens committed per target forward; spread = over samples (p10 / p50 / p90); the decode "
+                 "speedup's 95% interval: the samples drawn again with replacement (a bootstrap over the first "
+                 "repeat's times), how far another set of samples like these could move it.</p>")
     rows = []
     for n, s in cfg.items():
         a, t = s["alpha_spread"], s["tau_spread"]
+        ci = s.get("speedup_interval")
         rows.append([e(n), _f(s["alpha"]), f"{_f(a.get('p10'))} / {_f(a.get('p50'))} / {_f(a.get('p90'))}",
                      _f(s["tau"]), f"{_f(t.get('p10'))} / {_f(t.get('p50'))} / {_f(t.get('p90'))}",
-                     _f(s["mean_draft"]), _f(s["decode_tokens_per_s"], ".1f"), _f(s["speedup"]),
+                     _f(s["mean_draft"]), _f(s["decode_tokens_per_s"], ".1f"),
+                     _f(s["speedup"]) + (f" ({_f(ci[0])}-{_f(ci[1])})" if ci else ""),
                      _f(s["e2e_speedup"]),
                      f"<span class='{'ok' if not s['not_equal'] else 'fail'}'>{s['equal']}/{s['samples']}</span>"])
     parts.append(_table(["config", "alpha", "alpha p10/p50/p90", "tau", "tau p10/p50/p90", "guesses/step",
-                         "decode tok/s", "decode speedup", "end-to-end speedup", "greedy equal"], rows))
+                         "decode tok/s", "decode speedup (95% interval)", "end-to-end speedup", "greedy equal"], rows))
     if cfg:
         none = result["none"]
         parts.append(f"<p>none: {_f(none['decode_tokens_per_s'], '.1f')} decode tok/s; prefill is "
@@ -248,6 +267,8 @@ def html_report(result: dict, images: dict[str, str]) -> str:
 def terminal_summary(result: dict) -> str:
     v = result["verdict"]
     lines = ["", "== specdec validate ==", v["headline"]]
+    if v.get("uncertain"):
+        lines.append("  uncertain: " + v["uncertain"])
     for x in v["exactness_failures"]:
         lines.append("  EXACTNESS FAILURE: " + x)
     cfg = result["configs"]
@@ -259,14 +280,15 @@ def terminal_summary(result: dict) -> str:
                          f"{_f(p):>7}  {s['equal']}/{s['samples']}")
     if result.get("load"):
         f = result["load_findings"]["by_concurrency"]
-        lines.append("under load (adaptive / fixed throughput vs off): " + ", ".join(
-            f"c={c}: {f[c]['adaptive']['throughput_vs_off']:.2f} / {f[c]['fixed']['throughput_vs_off']:.2f}"
+        names = [n for n in ("adaptive", "fixed") if n in result["load"]["table"]]
+        lines.append(f"under load ({' / '.join(names)} throughput vs off): " + ", ".join(
+            f"c={c}: " + " / ".join(f"{f[c][n]['throughput_vs_off']:.2f}" for n in names)
             for c in result["load"]["levels"]))
     if v.get("load_note"):
         lines.append(v["load_note"])
     d = result.get("distribution", [])
     if d:
-        lines.append("distribution checks: " + ", ".join(f"{x['config']} {x['status']}" for x in d))
+        lines.append(f"distribution checks ({_draws_note(d)}): " + ", ".join(f"{x['config']} {x['status']}" for x in d))
     if result["samples"]["skipped"]:
         lines.append(f"skipped samples: {len(result['samples']['skipped'])} (too long for the context; see the report)")
     return "\n".join(lines)
