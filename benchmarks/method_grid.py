@@ -43,6 +43,7 @@ def main() -> int:
 
     from specdec.bench.tasks import dev_and_humaneval
     from specdec.config import SpecConfig, build_engine
+    from specdec.drafters.suffix import forget_shared
     from specdec.metrics import summarize
     from specdec.models.loader import load_model
     from specdec.types import SamplingParams
@@ -63,7 +64,10 @@ def main() -> int:
                     engine.generate(item, params)
 
             def run(engine_for):
-                return lambda item: engine_for().generate(item, params)
+                def call(item):
+                    forget_shared()  # no suffix drafts from these prompts' earlier answers
+                    return engine_for().generate(item, params)
+                return call
 
             variants = {"none": run(lambda: build_engine(SpecConfig(method="none"), target))}
             for m in methods:

@@ -106,6 +106,29 @@ def test_a_fresh_process_makes_its_shared_cache_first():
     assert p.stdout.strip() == "0"
 
 
+def test_bench_times_each_call_with_the_shared_cache_emptied():
+    """`bench` (and validate) call forget_shared before each timed request: a repeat of a prompt,
+    or the same prompt under the next method, finds none of its earlier answers to draft from."""
+    from specdec.bench.runner import Runner, run
+    from specdec.bench.tasks import Task
+    from specdec.drafters.suffix import forget_shared, shared_cache
+
+    seen = []
+
+    def call(ids, params):
+        seen.append(shared_cache().tokens)
+        shared_cache().insert(ids, [5, 6, 7, 8])  # what a finished request leaves behind
+        return [5, 6, 7, 8], None
+
+    tasks = [Task("a", "qa", "x", False), Task("b", "qa", "y", False)]
+    run([Runner("none", "specdec", call), Runner("suffix", "specdec", call)], tasks, [[1, 2], [3, 4]],
+        SamplingParams(max_new_tokens=4), repeats=2, quiet=True)
+    assert seen == [0] * 8
+    assert shared_cache().tokens > 0
+    forget_shared()
+    assert shared_cache().tokens == 0 and shared_cache().requests == 0
+
+
 def test_a_rows_own_store_skips_its_own_tail():
     """The context's own last position is not an occurrence (nothing follows it yet), but a closed
     sequence's last position is (a request that ended there)."""

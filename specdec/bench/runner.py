@@ -146,6 +146,8 @@ def run(runners: list[Runner], tasks: list[Task], encoded: list[list[int]], para
     """Returns per-runner, per-category results (see the module docstring)."""
     from tqdm import tqdm
 
+    from ..drafters.suffix import forget_shared
+
     names = [r.name for r in runners]
     status = {r.name: ("skipped: " + r.error) if r.error else "ok" for r in runners}
     live = [r for r in runners if not r.error]
@@ -163,6 +165,7 @@ def run(runners: list[Runner], tasks: list[Task], encoded: list[list[int]], para
                 if status[r.name] != "ok":
                     bar.update(1)
                     continue
+                forget_shared()  # timed as a newcomer: no suffix drafts from this prompt's earlier answers
                 before = rss_bytes()
                 try:
                     with pm:

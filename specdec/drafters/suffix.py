@@ -250,6 +250,11 @@ class SuffixCache:
             self.store.append(head + list(output) + [-1])
             self._evict()
 
+    def clear(self) -> None:
+        """Forget every request kept."""
+        with self.lock:
+            self.store = TokenStore()
+
     def _evict(self) -> None:
         store = self.store
         while store.sequences > 1 and (store.tokens > self.max_tokens or
@@ -323,6 +328,15 @@ def shared_cache() -> SuffixCache:
         if _shared is None:
             _shared = SuffixCache()
         return _shared
+
+
+def forget_shared() -> None:
+    """Empty the process's cache (if made). Measurements call it before each timed request, so
+    that a repeat of a prompt, or the same prompt under another method, cannot draft from the
+    answer an earlier call gave it: each request is timed as a newcomer would be."""
+    with _shared_lock:
+        if _shared is not None:
+            _shared.clear()
 
 
 class SuffixDrafter(Drafter):

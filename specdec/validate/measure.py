@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..drafters.suffix import forget_shared
 from ..types import SamplingParams
 
 
@@ -65,6 +66,7 @@ def acceptance(configs: list[Config], none_engine, encoded: list[list[int]], par
     for rep in range(repeats):
         for ids in encoded:
             for name, eng in runs:
+                forget_shared()  # no suffix drafts from this sample's earlier answers (another repeat, config)
                 [res] = eng.generate([ids], params)
                 acc = out[name]["reps"][rep]
                 acc["new_tokens"] += res.stats.new_tokens
