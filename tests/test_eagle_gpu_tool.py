@@ -48,7 +48,7 @@ def test_eagle_gpu_tool_dry_run_on_cpu(tmp_path):
     plain = Engine(target.model, eos_ids=[]).generate([prompt], SamplingParams(max_new_tokens=12))[0].tokens
     [d] = TABLE["eagle"].build(SpecConfig(method="eagle", draft=str(out), tree_depth=3, tree_width=2, tree_nodes=4),
                                target, True)
-    spec = Engine(target.model, d, k=3, eos_ids=[]).generate([prompt], SamplingParams(max_new_tokens=12))[0]
+    spec = Engine(target.model, d, k=3, eos_ids=[], fixed_k=True).generate([prompt], SamplingParams(max_new_tokens=12))[0]
     assert spec.tokens == plain and spec.stats.proposed > 0
 
 

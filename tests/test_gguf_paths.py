@@ -315,6 +315,7 @@ def test_serve_a_ministral3_target_with_a_gguf_draft(gguf_dir):
 
     from specdec.engine import Engine
     from specdec.models.loader import load_model
+    from specdec.text import TextStream
     from specdec.types import SamplingParams
 
     target = tiny(gguf_dir, "ministral3", "mistral3", name="Ministral-3-3B-Instruct-2512", tokenizer="llama",
@@ -326,7 +327,10 @@ def test_serve_a_ministral3_target_with_a_gguf_draft(gguf_dir):
     lm = load_model(str(target), quiet=True)
     [r] = Engine(lm.model, None, k=0, eos_ids=()).generate([lm.tokenizer.encode(prompt)],
                                                             SamplingParams(max_new_tokens=n))
-    want = lm.tokenizer.decode(r.tokens, skip_special_tokens=True)
+    # the server's incremental decoder (a random model's bytes that form no character are shown as
+    # they come, where decoding all at once replaces the whole byte run: docs/design.md, "Text")
+    stream = TextStream(lm.tokenizer)
+    want = "".join(stream.push([t]) for t in r.tokens) + stream.finish()
     args = ["--model", str(target), "--method", "draft", "--draft", str(draft), "--fixed-k", "-k", "4"]
     with served(args) as (url, _):
         got = _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0})

@@ -144,7 +144,6 @@ def test_allowed_rows_equal_a_fresh_constraint_and_roll_back(tok):
             assert bool(rows[i].all()), i
     assert torch.equal(c.allowed([[]]), before)
     c.forced(8)
-    c.likely(8)
     assert torch.equal(c.allowed([[]]), before)
     c.advance(rest)  # and the committed state still takes the rest of the text
     assert c.finished()
@@ -176,17 +175,6 @@ def test_forced_tokens_are_exactly_those_with_one_legal_choice(tok):
             c.advance([t])
     assert seen_forced >= 1  # the end-of-sequence token at least
     assert c.forced(3) == [tok.eos_token_id]
-
-
-def test_likely_tokens_spell_the_forced_text(tok):
-    schema = {"type": "object", "properties": {"name": {"const": "get_weather"}, "city": {"type": "string"}},
-              "required": ["name", "city"], "additionalProperties": False}
-    c = compile_(tok, json_schema(schema)).constraint()
-    guess = c.likely(32)
-    text, forced_text = tok.decode(guess), '{"name": "get_weather", "city": "'
-    # the forced bytes, up to where a token could still run on into the free part (' "P...')
-    assert forced_text.startswith(text) and len(text) >= len(forced_text) - 2
-    assert c.accepts(guess) == len(guess)
 
 
 @pytest.mark.parametrize("schema,needle", [

@@ -46,7 +46,7 @@ def test_medusa_greedy_equals_transformers(tree, batch):
     hf.generation_config.pad_token_id = 0
     ps = prompts()[:batch]
     [d] = method_sources("medusa", target(), draft=str(heads_dir()), tree=tree)
-    res = Engine(target().model, d, k=3).generate(ps, SamplingParams(max_new_tokens=14))
+    res = Engine(target().model, d, k=3, fixed_k=True).generate(ps, SamplingParams(max_new_tokens=14))
     assert [r.tokens for r in res] == [hf_greedy(hf, p, 14) for p in ps]
     assert sum(r.stats.proposed for r in res) > 0
 

@@ -233,7 +233,7 @@ def sample_tree(mode, branching, params, seed0, calls=CALLS):
         # deterministic candidates: the target's own top tokens (so deep paths get accepted);
         # sampled children: the independent draft model's q
         d = TreeDrafter(target_hf if mode == "topk" else draft_hf, branching, mode=mode, warp_args=warp_args)
-        res = Engine(target, d, k=len(branching)).generate(prompts, SamplingParams(max_new_tokens=4, seed=seed0 + s, **params))
+        res = Engine(target, d, k=len(branching), fixed_k=True).generate(prompts, SamplingParams(max_new_tokens=4, seed=seed0 + s, **params))
         for p, r in zip(prompts, res):
             out[tuple(p)].append(r.tokens[:3])
         for step in d.commits[:1]:  # the first decode step decides x2 and x3

@@ -116,9 +116,11 @@ class Sources:
             rows[:] = [rows[r] for r in keep]
 
     # -- a step -------------------------------------------------------------------------
-    def plan(self, rows, step: int, room: list[int], guard: BatchGuard | None) -> Plan:
+    def plan(self, rows, step: int, room: list[int], guard: BatchGuard | None, space: list[int] | None = None) -> Plan:
         """This step's proposal for the requests `rows` (the scheduler's), each with `context`,
-        `spec_k`, `sources` (the source names it allows, None: all), `feats` and `params`."""
+        `spec_k`, `sources` (the source names it allows, None: all), `feats` and `params`. room:
+        the tokens each row may still take beyond its pending one; space: the cache slots each
+        has left for guesses (default: room)."""
         A = len(rows)
         plan = Plan(A, room, source=[None] * A)
         if self.k_max == 0 or not self.drafters:
@@ -139,13 +141,15 @@ class Sources:
         if choice.k > 0 and guard is not None and not self.fixed and not guard.speculate(A):
             choice = Choice(0, [None] * A, reason="guard")
         plan.k, plan.probe, plan.reason = choice.k, choice.probe, choice.reason
-        caps = [max(0, min(choice.k, r.spec_k if r.spec_k is not None else self.k_max, left))
-                for r, left in zip(rows, room)]
+        # a row's node budget, within the cache slots it has left (`space`, default: its room); a
+        # chain is cut to its room too, a tree's paths to it at verification
+        caps = [max(0, min(choice.k, r.spec_k if r.spec_k is not None else self.k_max, free)) if left > 0 else 0
+                for r, left, free in zip(rows, room, space or room)]
         plan.source = [s if c > 0 else None for s, c in zip(choice.source, caps)]
         plan.guesses, plan.parents, plan.probs = [[] for _ in range(A)], [None] * A, [None] * A
         for b, s in enumerate(plan.source):
             if s is not None and self.drafters[s].known:
-                self._take_offer(plan, b, quotes[s].offers[b], caps[b], self.stats[s])
+                self._take_offer(plan, b, quotes[s].offers[b], caps[b], room[b])
         for i in self.on_demand:
             want = [s == i for s in plan.source]
             if any(want):
@@ -172,12 +176,13 @@ class Sources:
                 rows[b].add(len(text), offer.key, list(offer.tokens), offer.parents, offer.scores)
 
     @staticmethod
-    def _take_offer(plan: Plan, b: int, offer, cap: int, stats) -> None:
-        """Row b verifies a known offer, cut to its cap (a tree to its best `cap` nodes by score)."""
+    def _take_offer(plan: Plan, b: int, offer, cap: int, room: int) -> None:
+        """Row b verifies a known offer, cut to its cap (a chain to its room too, a tree to its
+        best `cap` nodes by score)."""
         if offer is None:
             return
         if offer.parents is None:
-            plan.guesses[b] = list(offer.tokens[:cap])
+            plan.guesses[b] = list(offer.tokens[:min(cap, room)])
             return
         toks, pars = list(offer.tokens), list(offer.parents)
         if cap < len(toks):
@@ -193,12 +198,14 @@ class Sources:
         n = sum(want)
         params, generator = self._guess_params(rows)
         drafting = n if d.partial_rows else A
+        # at a fixed k nothing is priced: a source that cuts its guesses by their cost keeps them all
         ctx = DraftContext([r.context for r in rows], params, generator, self._hand_over(i, rows), room=plan.room,
-                           want=want, draft_cost=self.policy.draft_steps(stats, drafting, A),
-                           guess_cost=self.policy.guess_steps(A))
+                           want=want, draft_cost=0.0 if self.fixed else self.policy.draft_steps(stats, drafting, A),
+                           guess_cost=0.0 if self.fixed else self.policy.guess_steps(A))
         behind = max((lag for lag, w in zip(quotes[i].lags or [0] * A, want) if w), default=0)
         t0 = time.perf_counter()
-        draft = d.propose(ctx, max(c for c, w in zip(caps, want) if w))
+        # a tree's node budget, or a chain's length (within its row's room)
+        draft = d.propose(ctx, max(c if d.max_nodes else min(c, left) for c, left, w in zip(caps, plan.room, want) if w))
         seconds, steady = time.perf_counter() - t0, True
         timing = d.draft_timing()
         if timing is not None:
@@ -214,11 +221,13 @@ class Sources:
             if not want[b]:
                 continue
             count = min(int(draft.counts[b]), caps[b]) if b < draft.counts.shape[0] else 0
+            if draft.parents is None:
+                count = min(count, plan.room[b])
             toks = draft.tokens[b, :count].tolist()
+            if draft.probs is not None:  # guesses drawn from q (a chain's, or each tree node's)
+                plan.probs[b] = draft.probs[b, :count]
             if draft.parents is None:
                 plan.guesses[b] = toks
-                if draft.probs is not None:
-                    plan.probs[b] = draft.probs[b, :count]
                 continue
             pars = draft.parents[b, :count].tolist()
             sizes.append(len(toks))

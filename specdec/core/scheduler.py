@@ -366,9 +366,9 @@ class ContinuousBatcher:
         threads.tick()  # follow the cores other processes leave free (threads.py), as generate does
         t0 = time.perf_counter()
         A = len(self.rows)
-        room = [min(r.params.max_new_tokens - len(r.tokens) - 1, self.max_context - len(r.context) - 2)
-                for r in self.rows]
-        plan = self.sources.plan(self.rows, self.totals.steps, room, self.guard)
+        space = [self.max_context - len(r.context) - 2 for r in self.rows]  # cache slots a step may fill
+        room = [min(r.params.max_new_tokens - len(r.tokens) - 1, free) for r, free in zip(self.rows, space)]
+        plan = self.sources.plan(self.rows, self.totals.steps, room, self.guard, space)
         draft = plan.draft()
         t1 = time.perf_counter()
         cache = self.cache.first_rows(A)
