@@ -237,9 +237,9 @@ def test_greedy_speculation_on_rowstable_equals_plain_greedy_and_transformers():
     assert want == [Engine(native, None, k=0).generate([p], sp)[0].tokens for p in prompts]
     assert want == [hf_greedy(hf, p, 24) for p in prompts]
     with one_thread():
-        for drafter in (NgramDrafter(adaptive=False), DraftModelDrafter(native)):
+        for drafter in (NgramDrafter(), DraftModelDrafter(native)):
             for batch in ([prompts[0]], prompts):
-                outs = Engine(native, drafter, k=4).generate(batch, sp)
+                outs = Engine(native, drafter, k=4, fixed_k=True).generate(batch, sp)
                 assert [o.tokens for o in outs] == want[: len(batch)], type(drafter).__name__
 
 
@@ -307,7 +307,7 @@ def test_eagle_head_drafts_on_the_rowstable_kernels_and_greedy_stays_exact(on_bl
         assert want == [hf_greedy(hf, p, 20) for p in prompts]
     with one_thread():
         for batch in ([prompts[0]], prompts):
-            outs = Engine(native, make(), k=3).generate(batch, sp)
+            outs = Engine(native, make(), k=3, fixed_k=True).generate(batch, sp)
             assert [o.tokens for o in outs] == want[: len(batch)]
             assert sum(o.stats.proposed for o in outs) > 0
 

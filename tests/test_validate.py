@@ -275,7 +275,7 @@ def test_validate_bad_input(tmp_path, capsys):
     assert main(["validate", "--data", str(empty), "--quick"]) == 2
     assert "is empty" in capsys.readouterr().err
     assert main(["validate", "--data", str(empty), "--methods", "warp"]) == 2
-    assert "unknown method" in capsys.readouterr().err
+    assert "method must be one of" in capsys.readouterr().err
     ok = tmp_path / "ok.txt"
     ok.write_text("hello\n")
     blocker = tmp_path / "a-file"

@@ -49,6 +49,18 @@ class HFCache:
             crop(self.inner, remove)
         self.lengths = torch.tensor([n])
 
+    def first_rows(self, rows: int) -> "HFCache":
+        """The scheduler's view of its running rows: the one row there is."""
+        if rows != 1:
+            raise SpecdecError("this model runs through the transformers adapter, which decodes one row at a time")
+        return self
+
+    def move_row(self, src: int, dst: int) -> None:
+        """The row leaves (the one row: nothing moves into its slot); the cache is empty after."""
+        if src != dst:
+            raise SpecdecError("this model runs through the transformers adapter, which decodes one row at a time")
+        self.truncate([0])
+
     def compact(self, *args, **kwargs) -> None:
         raise SpecdecError("this model runs through the transformers adapter, which verifies chains only (no trees)")
 
