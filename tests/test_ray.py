@@ -146,13 +146,13 @@ def test_generate_and_its_ray_actors_check_prompts_with_one_function(default_mod
     tok = default_model.tokenizer
     args = build_parser().parse_args(["generate", "--prompts-file", "P.jsonl", "--max-new-tokens", "40"])
     cfg = SpecConfig.from_args(args)
-    ids, notes = encode_prompts(args, cfg, tok, [("Hi there", False), ("Hi there", None)], 64, None)
+    ids, notes = encode_prompts(args, cfg, tok, [("Hi there", False), ("Hi there", None)], 64, [])
     assert ids == [encode_prompt(tok, "Hi there", False), encode_prompt(tok, "Hi there", None)] and ids[0] != ids[1]
     assert any("P.jsonl: prompt 2 has" in n and "of --max-new-tokens 40 fit" in n for n in notes)
     with pytest.raises(SpecdecError, match=r"P.jsonl: prompt 2 is empty and goes in raw"):
-        encode_prompts(args, cfg, tok, [("Hi", False), ("", False)], 64, None)
+        encode_prompts(args, cfg, tok, [("Hi", False), ("", False)], 64, [])
     with pytest.raises(SpecdecError, match=r"P.jsonl: prompt 1 has \d+ tokens but the model's context is 4"):
-        encode_prompts(args, cfg, tok, [("one two three four five six", False)], 4, None)
+        encode_prompts(args, cfg, tok, [("one two three four five six", False)], 4, [])
 
 
 # --- batch generation on actors -----------------------------------------------------------

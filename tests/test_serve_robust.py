@@ -301,7 +301,7 @@ def test_a_client_that_leaves_frees_its_row_at_once(server, stream):
     wait_idle(batcher, seconds=5)
     assert time.time() - t0 < 1.0  # noticed within a step or two, not after seconds
     s = batcher.stats()
-    assert s["cancelled"] == before["cancelled"] + 1 and s["tokens"] > before["tokens"], (before, s)
+    assert s.cancelled == before.cancelled + 1 and s.tokens > before.tokens, (before, s)
     assert balanced(batcher)
 
 
@@ -393,13 +393,13 @@ def test_a_row_that_joined_since_the_last_lookup_can_leave_at_its_prefill():
     from specdec.drafters.ngram import NgramDrafter
     from specdec.types import SamplingParams
 
-    d = NgramDrafter(choose_length=False)  # whole lookups: the rows' bookkeeping is what is tested
+    d = NgramDrafter()  # the rows' bookkeeping is what is tested
     d.begin([[1, 2, 3, 1, 2]], SamplingParams(), 100)
     d.propose(DraftContext([[1, 2, 3, 1, 2]], SamplingParams(), None), 4)
     d.keep_rows([0, 1])  # rows 0 and 1 stay of 0, 1 (joined) and 2 (joined, left at its prefill)
     rows = [[1, 2, 3, 1, 2], [5, 6, 5]]
     draft = d.propose(DraftContext(rows, SamplingParams(), None), 4)
-    fresh = NgramDrafter(choose_length=False)  # the oracle: a drafter that starts with these two rows
+    fresh = NgramDrafter()  # the oracle: a drafter that starts with these two rows
     fresh.begin(rows, SamplingParams(), 100)
     want = fresh.propose(DraftContext(rows, SamplingParams(), None), 4)
     assert draft.counts.tolist() == want.counts.tolist() == [3, 2]  # 3 1 2 after "1 2", 6 5 after "5"
@@ -478,10 +478,10 @@ def test_health_answers_while_a_request_is_being_tokenized(small, monkeypatch):
     text = app.state.specdec.text
     encode = text.encode_chat
 
-    def slow_encode(messages):
+    def slow_encode(messages, tools=None):
         entered.set()
         release.wait(30)
-        return encode(messages)
+        return encode(messages, tools)
 
     monkeypatch.setattr(text, "encode_chat", slow_encode)
     result = {}
@@ -528,7 +528,7 @@ def test_a_request_larger_than_the_queue_is_a_400_saying_why(small):
     err = json.loads(text)["error"]
     assert code == 400 and "9 choices" in err["message"] and "--max-queue" in err["message"], err
     after = batcher.stats()
-    assert (after["requests"], after["cancelled"]) == (before["requests"], before["cancelled"])
+    assert (after.requests, after.cancelled) == (before.requests, before.cancelled)
     assert http(url + "/v1/completions", {"prompt": ["a", "b"], "n": 4, "max_tokens": 2}, key="k")[0] == 200
 
 
