@@ -190,8 +190,10 @@ def test_sampling_with_steps_alternating_plain_and_speculative_follows_the_targe
     tree) still follow the target's exact distribution (chi-square over the first 3 tokens,
     transformers' probabilities as the oracle). A broken plain step (the most likely token
     instead of a sample) must be caught by the same check."""
-    from test_eagle import CTX, SV, chi2_against
     from transformers import AutoModelForCausalLM
+
+    from helpers import CTX, SV
+    from oracle import chi2_against
 
     import specdec.core.step as step_mod
 

@@ -105,13 +105,13 @@ def test_auto_batcher_sampling_matches_exact_distribution(monkeypatch, broken):
     """Sampled rows verify trees inside the batcher: over many seeded requests (fixed caps, every
     row drafts a tree with its lookup grafted on) the first three tokens follow the target's
     exact distribution (chi-square); with a broken tree rule (no residual) the same check fails."""
-    import test_tree
+    from helpers import SV
+    from oracle import broken_tree_verify
     from specdec.policy import Choice, LoadPolicy
-    from test_eagle import SV
 
     monkeypatch.setattr(LoadPolicy, "_fixed", lambda self, quotes, values, A: Choice(self.k_max, [1] * A))
     if broken:
-        monkeypatch.setattr(step_mod, "verify_tree_stochastic", test_tree.broken_tree_verify)
+        monkeypatch.setattr(step_mod, "verify_tree_stochastic", broken_tree_verify)
     s, b = _chi2_through_batcher(
         monkeypatch, lambda: _auto_batcher(adaptive=False, max_batch=8, seed=3, vocab=SV), broken, "auto")
     assert s.source_rows.get("eagle", 0) > 0 and 0 < s.accepted < s.proposed
@@ -119,18 +119,14 @@ def test_auto_batcher_sampling_matches_exact_distribution(monkeypatch, broken):
 
 def _chi2_through_batcher(monkeypatch, make_batcher, broken: bool, label: str):
     """1200 seeded sampled requests (temperature 0.9, seeded rows allowed to draft here) for 3
-    tokens after test_eagle's CTX[0], through the batcher `make_batcher()` builds over the tiny
+    tokens after helpers.CTX[0], through the batcher `make_batcher()` builds over the tiny
     target of seed 3; the chi-square views of the samples against the target's exact
     distribution must pass, or, when the caller `broken` a rule, some must fail. Returns the
     batcher's stats and the batcher."""
-    import functools
-
     from transformers import AutoModelForCausalLM
 
-    import test_tree
-    from oracle import exact_joint, one_thread
-    from test_eagle import CTX, SV
-    from test_tree import chi2_views
+    from helpers import CTX, SV
+    from oracle import chi2_against, one_thread
 
     # lookup guesses must be verified here, on a random text whose lookups rarely hold: start the
     # lookup at an even prior (a fresh one declines every lookup until one would have held)
@@ -145,9 +141,7 @@ def _chi2_through_batcher(monkeypatch, make_batcher, broken: bool, label: str):
             s = b.stats()
         finally:
             b.close()
-    monkeypatch.setattr(test_tree, "exact", functools.lru_cache(maxsize=None)(
-        lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p)))
-    results = chi2_views({CTX[0]: torch.tensor(got)}, params)
+    results = chi2_against(hf, {CTX[0]: got}, params)
     if broken:
         assert any(r.rejected for _, r in results), [f"{lb}: {r}" for lb, r in results]
     else:
@@ -191,7 +185,7 @@ def test_draft_batcher_sampling_matches_exact_distribution(monkeypatch, broken):
     the batcher: over many seeded requests (fixed caps) the first three tokens follow the target's exact distribution (chi-square); with a
     broken rule (the recovered token drawn from p, not the residual) the same check fails."""
     import oracle
-    from test_eagle import SV
+    from helpers import SV
 
     if broken:
         monkeypatch.setattr(step_mod, "verify_stochastic", oracle.broken_verify_stochastic)
@@ -232,7 +226,7 @@ def test_lookup_and_draft_batcher_sampling_matches_exact_distribution(monkeypatc
     batcher: over many seeded requests the first three tokens follow the
     target's exact distribution (chi-square; the broken-rule counterpart is the draft-model test
     above, same check, same verification call)."""
-    from test_eagle import SV
+    from helpers import SV
 
     s, _ = _chi2_through_batcher(
         monkeypatch, lambda: _draft_batcher(adaptive=False, draft_seed=4, max_batch=8, seed=3, vocab=SV,

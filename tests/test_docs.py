@@ -17,7 +17,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from server_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -184,18 +185,12 @@ def test_quickstart_train(tmp_path):
     assert _run(decode, tmp_path).stdout.strip(), "decoding with the trained draft printed nothing"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.default_model
 def test_quickstart_serve(tmp_path):
     _need_console_script()
     blocks = quickstart_blocks(README.read_text())
     [serve], [client] = blocks["serve"], blocks["serve-client"]
-    port = str(_free_port())
+    port = str(free_port())
     serve = serve.replace(f"--port {README_PORT}", f"--port {port}")
     client = client.replace(f":{README_PORT}/", f":{port}/")
     # a suite started in the background passes SIGINT ignored to its children: restore it for Ctrl-C

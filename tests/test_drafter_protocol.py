@@ -19,7 +19,7 @@ from specdec.drafters import Draft, DraftContext, Drafter
 from specdec.engine import Engine
 from specdec.types import SamplingParams, SpecdecError
 
-from oracle import hf_greedy, one_thread
+from oracle import hf_greedy
 
 
 class EchoDrafter(Drafter):
@@ -72,10 +72,7 @@ class EchoDrafter(Drafter):
         self.commits += 1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 @pytest.mark.parametrize("tree", [False, True])

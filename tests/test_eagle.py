@@ -7,27 +7,21 @@ the heads here are small random perturbations of the initialisation or a few tra
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 import helpers
-from helpers import V, head_dir, prompts, target, target_dir
+from helpers import CTX, SV, V, head_dir, prompts, target, target_dir
 from specdec import tree as tree_mod
 from specdec.drafters.eagle import EagleDrafter, load_eagle
 from specdec.engine import Engine
 from specdec.train.eagle import EagleTrainConfig, train_eagle
 from specdec.types import SamplingParams, SpecdecError
 
-from oracle import exact_joint, hf_greedy, one_thread
-from test_tree import chi2_views
+from oracle import chi2_against, hf_greedy
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 def drafter(tree: bool | str, seed: int = 0, vocab: int = V, **kw):
@@ -122,25 +116,6 @@ def test_eagle_needs_the_targets_features():
     n, known = left[-1]
     assert n <= known < committed
     assert known >= committed - 1 - 3
-
-
-SV = 12
-CTX = (tuple(range(SV)) + (3, 1, 4), tuple(reversed(range(SV))) + (5,))
-
-
-def chi2_against(hf, out: dict, params: dict):
-    """test_tree's chi-square views of sampled 3-token continuations (context -> list of token
-    triples), against the exact distributions of the transformers model `hf` (chi2_views reads
-    test_tree's own models: ours are swapped in for the call)."""
-    import test_tree
-
-    key = lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p)  # noqa: E731
-    orig = test_tree.exact
-    test_tree.exact = functools.lru_cache(maxsize=None)(key)
-    try:
-        return chi2_views({c: torch.tensor(v) for c, v in out.items()}, params)
-    finally:
-        test_tree.exact = orig
 
 
 @pytest.mark.parametrize("tree,params", [(False, dict(temperature=1.0)), (False, dict(temperature=0.7, top_k=6)),

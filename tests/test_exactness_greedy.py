@@ -19,17 +19,14 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.types import SamplingParams
 
-from oracle import RandomGuessDrafter, greedy_margins, hf_greedy, native_of, one_thread, tiny_hf_llama
+from oracle import RandomGuessDrafter, greedy_margins, hf_greedy, native_of, tiny_hf_llama
 
 VOCAB = 64
 N_NEW = 20
 PROMPT_LENS = (5, 11, 8)  # ragged
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 @functools.lru_cache(maxsize=None)

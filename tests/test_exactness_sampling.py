@@ -43,7 +43,6 @@ from oracle import (
     exact_joint,
     histogram,
     native_of,
-    one_thread,
     tiny_hf_llama,
 )
 
@@ -54,10 +53,7 @@ ROWS = 1000  # rows per generate call (half per context)
 CALLS = 6  # generate calls (seeds) per setting -> 3000 samples per context
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 @functools.lru_cache(maxsize=None)

@@ -221,7 +221,7 @@ def test_a_broken_rule_is_caught(gguf_dir, case):
 
 
 # -- Hugging Face folders ------------------------------------------------------------------------
-_COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, rms_norm_eps=1e-6)
 
 
@@ -229,18 +229,18 @@ def hf_config(family: str):
     from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen3Config
 
     if family == "qwen3":
-        return Qwen3Config(**_COMMON, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
+        return Qwen3Config(**COMMON, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
     if family == "gemma2":
-        return Gemma2Config(**_COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        return Gemma2Config(**COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
                             max_position_embeddings=256, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
     if family == "gemma3":
-        return Gemma3TextConfig(**_COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        return Gemma3TextConfig(**COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
                                 max_position_embeddings=256, sliding_window_pattern=3,
                                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
                                                                     "rope_theta": 100000.0},
                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
     if family == "phi3":
-        return Phi3Config(**_COMMON, max_position_embeddings=512, original_max_position_embeddings=128,
+        return Phi3Config(**COMMON, max_position_embeddings=512, original_max_position_embeddings=128,
                           sliding_window=7, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                            "short_factor": [1.0 + 0.1 * i for i in range(4)],
@@ -255,7 +255,7 @@ def hf_folder(family: str, seed: int = 0) -> Path:
     random: norms around 1 as they multiply, so Gemma's stored weight around 0)."""
     import tempfile
 
-    from conftest import randomize_
+    from model_helpers import randomize_
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -329,7 +329,7 @@ def test_bfloat16_verification_equals_one_at_a_time_bit_for_bit(family):
     """A folder in bfloat16 (attention and cache in float64): a chain and a tree verified in a
     ragged batch give each token the logits of decoding its path one token at a time, through the
     windows, the caps and the partial rotation."""
-    from conftest import ancestor_mask, path_to, prefill_ragged, random_tokens
+    from model_helpers import ancestor_mask, path_to, prefill_ragged, random_tokens
 
     from specdec.models.loader import load_model
 
@@ -407,7 +407,7 @@ def test_a_verified_tokens_logits_are_its_logits_decoded_alone(gguf_dir, stem):
     """After ragged prompts longer than the window, 5 tokens verified in one call (a chain, and a
     tree whose nodes sit at their depths) get bit for bit the logits of decoding each alone, its
     path one token at a time: each token's window is its own position's."""
-    from conftest import ancestor_mask, path_to
+    from model_helpers import ancestor_mask, path_to
 
     m = load(tiny(gguf_dir, stem)).model
     prompts = [[5, 17, 99, 200, 3, 8, 260, 42, 9], [7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -452,7 +452,7 @@ def test_the_fused_step_gives_the_numbers_of_the_step_op_by_op(gguf_dir, stem, m
     """rope_attend_scaled (q/k norms, rotation, cache write, attention in one call) against the same
     step made op by op (the kernels' per-head rms_norm, torch's rotation, attend_scaled): the same
     logits bit for bit, for chains, a tree and ragged rows through the windows."""
-    from conftest import ancestor_mask, steps_both_ways
+    from model_helpers import ancestor_mask, steps_both_ways
 
     from specdec.models import families
 
@@ -469,7 +469,7 @@ def test_the_fused_step_gives_the_numbers_of_the_step_op_by_op(gguf_dir, stem, m
 def test_a_kept_tree_path_decodes_on_as_the_sequence_decoded_alone(gguf_dir, stem):
     """keep_paths moves a tree's accepted nodes after the prefix; the windows of the tokens decoded
     next see them at their positions, bit for bit as if the path had been decoded token by token."""
-    from conftest import ancestor_mask
+    from model_helpers import ancestor_mask
 
     m = load(tiny(gguf_dir, stem)).model
     prompt, new, parents = [5, 17, 99, 200, 3, 8, 260, 42], [3, 8, 260, 42, 7], [-1, 0, 0, 2, 3]
@@ -649,7 +649,7 @@ def test_a_folder_variant_the_native_model_does_not_compute_is_named(tmp_path):
 
     from specdec.models.llama import native_support_problem
 
-    cfg = Gemma3TextConfig(**_COMMON, head_dim=32, use_bidirectional_attention=True)
+    cfg = Gemma3TextConfig(**COMMON, head_dim=32, use_bidirectional_attention=True)
     assert native_support_problem(cfg) == "bidirectional attention (an embedding model)"
-    cfg = Gemma3TextConfig(**_COMMON, head_dim=32, hidden_activation="gelu")
+    cfg = Gemma3TextConfig(**COMMON, head_dim=32, hidden_activation="gelu")
     assert native_support_problem(cfg) == "activation 'gelu' in a gemma3_text model"

@@ -14,7 +14,7 @@ import torch
 
 from specdec.models import gguf_blocks as gb
 
-from conftest import need_kernels
+from model_helpers import need_kernels
 from oracle import tiny_hf_llama
 
 

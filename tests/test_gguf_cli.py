@@ -76,13 +76,13 @@ def test_generate_with_a_gguf_draft_equals_plain(files, plain, capsys, which):
 
 
 def test_serve_with_a_gguf_draft_answers_exactly(files, plain):
-    from test_serve_cli import _post, served
+    from server_helpers import post, served
 
     target, draft = files
     args = ["--model", str(target), "--method", "draft", "--draft", str(draft), "--fixed-k", "-k", "4"]
     with served(args) as (url, _):
         for p in PROMPTS:
-            r = _post(url + "/v1/completions", {"prompt": p, "max_tokens": N, "temperature": 0})
+            r = post(url + "/v1/completions", {"prompt": p, "max_tokens": N, "temperature": 0})
             assert plain[p][1].startswith(r["choices"][0]["text"]) and r["choices"][0]["text"], p
         with urllib_open(url + "/metrics") as m:
             metrics = m.read().decode()

@@ -335,7 +335,7 @@ def test_a_direct_decoding_step_gives_the_general_paths_numbers(gguf_dir, arch, 
     outputs reordered, Qwen2's q/k/v bias added, as GGUFLinear.forward does): the same logits bit
     for bit as the step through Linear.forward, for chains, a tree and a ragged batch. Without
     the bias in the direct calls (a broken rule) Qwen2's logits differ."""
-    from conftest import ancestor_mask, direct_step_switch, steps_both_ways
+    from model_helpers import ancestor_mask, direct_step_switch, steps_both_ways
 
     m = load(tiny(gguf_dir, arch, t)).model
     if not on_kernels(m):

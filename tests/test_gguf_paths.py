@@ -36,10 +36,10 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_helpers import (FAR, THETA, TOKENS, TOL, greedy_hf, greedy_native, hf_logits, hf_model, llama_cpp_inv_freq,
+                          load, mistral_from_transformers, native_logits, rel_err)
 from gguf_random import Q8_0
 from specdec.types import SpecdecError
-from test_gguf_arch import (FAR, THETA, TOKENS, TOL, greedy_hf, greedy_native, hf_logits, hf_model,
-                            llama_cpp_inv_freq, load, mistral_from_transformers, native_logits, rel_err)
 from tiny_gguf import HEAD_DIM, dequantized_state_dict, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -311,7 +311,7 @@ def test_serve_a_ministral3_target_with_a_gguf_draft(gguf_dir):
     the draft guessed, and a request past the cut context gets a 400 naming the context."""
     import urllib.error
 
-    from test_serve_cli import _post, served
+    from server_helpers import post, served
 
     from specdec.engine import Engine
     from specdec.models.loader import load_model
@@ -329,7 +329,7 @@ def test_serve_a_ministral3_target_with_a_gguf_draft(gguf_dir):
     want = lm.tokenizer.decode(r.tokens, skip_special_tokens=True)
     args = ["--model", str(target), "--method", "draft", "--draft", str(draft), "--fixed-k", "-k", "4"]
     with served(args) as (url, _):
-        got = _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0})
+        got = post(url + "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0})
         text = got["choices"][0]["text"]
         assert text and want.startswith(text)
         with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
@@ -337,7 +337,7 @@ def test_serve_a_ministral3_target_with_a_gguf_draft(gguf_dir):
         proposed = [x for x in metrics.splitlines() if x.startswith("specdec_draft_tokens_proposed_total ")]
         assert proposed and float(proposed[0].split()[1]) > 0
         with pytest.raises(urllib.error.HTTPError) as e:
-            _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": ORIG, "temperature": 0})
+            post(url + "/v1/completions", {"prompt": prompt, "max_tokens": ORIG, "temperature": 0})
         assert e.value.code == 400 and f"{ORIG} tokens" in e.value.read().decode()
 
 

@@ -16,7 +16,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from conftest import need_kernels
+from model_helpers import need_kernels
 from gguf_random import BF16, F16, F32, NAMES, Q4_K, Q5_K, Q6_K, SIZES, TYPES, random_blocks
 from specdec import kernels
 from specdec.types import SpecdecError

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TOL, ancestor_mask, get_pair, maxdiff, path_to, prefill_ragged, random_tokens
+from model_helpers import TOL, ancestor_mask, get_pair, maxdiff, path_to, prefill_ragged, random_tokens
 from specdec.kv_cache import KVCache
 from specdec.types import SpecdecError
 

@@ -19,7 +19,8 @@ from specdec.policy import Acceptance, BatchGuard, DecayedLine, StepModel
 from specdec.types import SamplingParams
 
 from oracle import hf_greedy
-from test_eagle import _one_thread  # noqa: F401  (a module-wide fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 def drafter():

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 import torch
 
-from test_serve_cli import SERVE, _free_port, _wait_health
+from server_helpers import SERVE, free_port, wait_health
 
 pytestmark = pytest.mark.default_model
 
@@ -150,13 +150,13 @@ def test_lm_eval_loglikelihoods_equal_the_models(default_model, tasks_dir, monke
         return body
     monkeypatch.setattr(LocalCompletionsAPI, "_create_payload", create)
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(SERVE + ["--port", str(port), "--method", method], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        _wait_health(url, proc)
+        wait_health(url, proc)
         with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
             model_name = json.loads(r.read())["data"][0]["id"]
         out = lm_eval.simple_evaluate(

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import TOL, build_hf, randomize_
+from model_helpers import TOL, build_hf, randomize_
 from specdec.models.loader import load_model
 from specdec.types import SamplingParams, SpecdecError
 

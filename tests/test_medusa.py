@@ -10,20 +10,16 @@ import itertools
 import pytest
 import torch
 
-from helpers import V, heads_dir, method_sources, prompts, target, target_dir
+from helpers import CTX, SV, V, heads_dir, method_sources, prompts, target, target_dir
 from specdec.drafters.medusa import choose_tree, load_medusa
 from specdec.engine import Engine
 from specdec.train.medusa import MedusaTrainConfig, train_medusa
 from specdec.types import SamplingParams, SpecdecError
 
-from oracle import hf_greedy, one_thread
-from test_eagle import CTX, SV, chi2_against
+from oracle import chi2_against, hf_greedy
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 def test_choose_tree_is_the_most_probable_prefix_closed_set():

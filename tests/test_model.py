@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TOL, Pair, ancestor_mask, get_pair, maxdiff, path_to, prefill_ragged, random_tokens
+from model_helpers import TOL, Pair, ancestor_mask, get_pair, maxdiff, path_to, prefill_ragged, random_tokens
 from specdec.models.llama import native_support_problem
 
 
@@ -171,11 +171,11 @@ def test_yarn_rope_matches_transformers(rope):
     """The module claims YaRN too (attention scaling folded into cos/sin)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from conftest import _COMMON, randomize_
+    from model_helpers import COMMON, randomize_
     from specdec.models.llama import build_native
 
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(LlamaConfig(**_COMMON, rope_parameters=rope), attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON, rope_parameters=rope), attn_implementation="eager")
     hf = randomize_(hf, seed=4).eval()
     native = build_native(hf.config, hf.state_dict())
     toks = torch.tensor([random_tokens(100, seed=18)])
@@ -189,7 +189,7 @@ def test_yarn_rope_matches_transformers(rope):
 def test_native_support_problem():
     from transformers import GPT2Config, LlamaConfig
 
-    from conftest import hf_config
+    from model_helpers import hf_config
 
     assert native_support_problem(GPT2Config()) is not None
     assert "gpt2" in native_support_problem(GPT2Config())
@@ -336,11 +336,11 @@ def test_build_native_skips_random_init_only_while_loading():
     the switch must be off again afterwards, also when the weights turn out to be missing."""
     from transformers import LlamaConfig
 
-    from conftest import _COMMON
+    from model_helpers import COMMON
     from specdec.models.llama import LlamaConfig as NativeConfig, LlamaModel, build_native
     from specdec.types import SpecdecError
 
-    hf = LlamaConfig(**_COMMON)
+    hf = LlamaConfig(**COMMON)
     with pytest.raises(SpecdecError, match="missing"):
         build_native(hf, {})
     torch.manual_seed(0)

@@ -8,13 +8,13 @@ replicas' greedy text. Skipped, with the reason, where Ray is not installed.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import threading
 import time
 
 import pytest
 
+from server_helpers import free_port
 from specdec.cli import build_parser, main
 
 try:
@@ -88,7 +88,7 @@ def test_an_unreachable_cluster_address_is_one_clear_error():
     from specdec.types import SpecdecError
 
     with pytest.raises(SpecdecError, match=r"could not reach the Ray cluster at --address 127.0.0.1:\d+ .*ray start --head"):
-        check_reachable(f"127.0.0.1:{_free_port()}")  # a port nothing listens on
+        check_reachable(f"127.0.0.1:{free_port()}")  # a port nothing listens on
     check_reachable("auto")  # left to Ray
 
 
@@ -247,12 +247,6 @@ def test_train_ray_flags_without_ray_are_one_error():
 
 
 # --- Ray Serve replicas -------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_app(local_ray):
     """Two replicas deployed as a cluster's Serve config deploys them (app_builder), HTTP as
@@ -261,7 +255,7 @@ def ray_app(local_ray):
 
     from specdec.distributed.ray_serve import app_builder, stop_app, wait_until_ready
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(app_builder({"flags": "--replicas 2 --max-batch 8 --max-context 640 --log-level warning "
                                     "--drain-timeout 3"}), name="specdec-test", route_prefix="/", blocking=False)

@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from conftest import ancestor_mask, built_kernels, need_kernels, prefill_ragged, steps_both_ways
+from model_helpers import ancestor_mask, built_kernels, need_kernels, prefill_ragged, steps_both_ways
 from oracle import hf_greedy, one_thread, tiny_hf_llama
 
 

@@ -6,42 +6,17 @@ response is complete and is exactly what that prompt gives alone, memory back to
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import threading
 import time
 
 import pytest
 import torch
 
+from server_helpers import http, plain_greedy, serving
+
 pytestmark = pytest.mark.default_model
 
 MAX_CONTEXT = 640
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(app):
-    """Run `app` with uvicorn in a thread on a free loopback port; yields its base URL."""
-    import uvicorn
-
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{srv.config.port}"
-    finally:
-        srv.should_exit = True
-        th.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -66,34 +41,6 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=server[0] + "/v1", api_key="sekrit", max_retries=0, timeout=120)
-
-
-def http(url, body=None, raw: bytes | None = None, key: str | None = "sekrit"):
-    """(status, text) of a GET (no body) or POST, with the standard library only."""
-    import json
-    import urllib.error
-    import urllib.request
-
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
-    req.add_header("Content-Type", "application/json")
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def plain_greedy(lm, prompt, chat: bool, n: int) -> str:
-    from specdec.engine import Engine
-    from specdec.text import encode_prompt
-    from specdec.types import SamplingParams
-
-    ids = encode_prompt(lm.tokenizer, prompt, chat)
-    [r] = Engine(lm.model, None, eos_ids=lm.eos_ids).generate([ids], SamplingParams(max_new_tokens=n))
-    return lm.tokenizer.decode(r.tokens, skip_special_tokens=True)
 
 
 def test_models_health_and_metrics(client, server):

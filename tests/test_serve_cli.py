@@ -8,12 +8,10 @@ loading."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import socket
 import subprocess
-import sys
 import time
 import threading
 import urllib.error
@@ -21,61 +19,16 @@ import urllib.request
 
 import pytest
 
-from test_serve import plain_greedy
+from server_helpers import SERVE, free_port, plain_greedy, post, served, wait_health
 
 pytestmark = pytest.mark.default_model
-
-SERVE = [sys.executable, "-c", "import sys; from specdec.cli import main; sys.exit(main())", "serve", "--threads", "1",
-         "--max-batch", "2", "--max-context", "512", "--log-level", "warning"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_health(url: str, proc, timeout: float = 120.0) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return
-        except OSError:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited: {proc.stderr.read()}")
-            time.sleep(0.3)
-    raise AssertionError("server did not start")
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
-
-
-@contextlib.contextmanager
-def served(args: list[str]):
-    """A `specdec serve` process on a free port with these arguments, once its /health answers:
-    yields (url, process); killed on the way out."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(SERVE + ["--port", str(port)] + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        _wait_health(url, proc)
-        yield url, proc
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-
 
 def _exact_completion_then_metrics(url: str, proc, default_model) -> dict:
     """Once the server answers: a greedy completion equals plain greedy decoding; returns /metrics
     as {name: value} (a labelled series as name{label="value"})."""
-    _wait_health(url, proc)
+    wait_health(url, proc)
     prompt = "def fibonacci(n):\n"
-    r = _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
+    r = post(url + "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
     assert r["choices"][0]["text"] == plain_greedy(default_model, prompt, False, 24)
     with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
         return dict(line.rsplit(" ", 1) for line in m.read().decode().splitlines()
@@ -83,7 +36,7 @@ def _exact_completion_then_metrics(url: str, proc, default_model) -> dict:
 
 
 def test_serve_process_answers_exactly_and_stops_on_ctrl_c(default_model):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     # Ctrl-C as a terminal sends it: a run started in the background (nohup, `&`) inherits SIGINT
     # ignored, and Python then installs no KeyboardInterrupt handler (this test then timed out in
@@ -177,7 +130,7 @@ def test_sigterm_drains_and_ends_every_open_stream(default_model):
     """SIGTERM with streams open: no request is admitted any more (503), each open stream ends
     either finished or with an error event, always followed by data: [DONE], and the process
     exits 0 soon after the drain time. /health says "starting" (503) until warm, then "ok"."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(SERVE + ["--port", str(port), "--method", "ngram", "--drain-timeout", "1",
                                      "--max-batch", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -210,7 +163,7 @@ def test_sigterm_drains_and_ends_every_open_stream(default_model):
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         try:
-            _post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+            post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
             raise AssertionError("a request during the drain was admitted")
         except urllib.error.HTTPError as e:
             assert e.code == 503 and "shutting down" in json.loads(e.read())["error"]["message"]

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from test_serve import http, plain_greedy
-from test_serve_robust import balanced, client, server, wait_idle  # noqa: F401 - fixtures
+from server_helpers import balanced, http, plain_greedy, wait_idle
+from test_serve_robust import client, server  # noqa: F401 - fixtures
 
 hypothesis = pytest.importorskip("hypothesis")
 st = pytest.importorskip("hypothesis.strategies")

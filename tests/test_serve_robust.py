@@ -15,11 +15,9 @@ import time
 import pytest
 import torch
 
-from test_serve import http, plain_greedy, serving
+from server_helpers import MAX_CONTEXT, balanced, http, plain_greedy, serving, wait_idle
 
 pytestmark = pytest.mark.default_model
-
-MAX_CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
@@ -42,21 +40,6 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-def balanced(batcher) -> bool:
-    s = batcher.stats()
-    return s.requests == s.finished + s.cancelled + s.failed + s.batch + s.queued
-
-
-def wait_idle(batcher, seconds: float = 10.0) -> None:
-    t0 = time.time()
-    while time.time() - t0 < seconds:
-        s = batcher.stats()
-        if s.batch == 0 and s.queued == 0:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"the batcher did not go idle: {batcher.stats()}")
 
 
 def run_together(jobs: dict) -> dict:

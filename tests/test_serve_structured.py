@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from test_serve import http, serving
+from server_helpers import http, serving
 
 pytestmark = pytest.mark.default_model
 

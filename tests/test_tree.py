@@ -18,22 +18,11 @@ from specdec import tree
 from specdec.engine import Engine
 from specdec.types import SamplingParams
 
-from oracle import (
-    TreeDrafter,
-    chi2_test,
-    exact_joint,
-    hf_greedy,
-    histogram,
-    native_of,
-    one_thread,
-    tiny_hf_llama,
-)
+from helpers import CTX, SV
+from oracle import TreeDrafter, broken_tree_verify, chi2_views, exact_joint, hf_greedy, native_of, tiny_hf_llama
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 # ---------------------------------------------------------------------------------------
@@ -204,8 +193,7 @@ def test_tree_respects_max_new_tokens_inside_an_accepted_path():
 # sampling exactness (chi-square against the exact distribution)
 # ---------------------------------------------------------------------------------------
 
-SV = 12
-ROWS, CALLS, ALPHA = 800, 5, 1e-3
+ROWS, CALLS = 800, 5
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,9 +201,6 @@ def sampling_models():
     target_hf = tiny_hf_llama(3, vocab=SV, logit_scale=1.5)
     draft_hf = tiny_hf_llama(4, vocab=SV, layers=1, logit_scale=1.5)
     return target_hf, native_of(target_hf), draft_hf
-
-
-CTX = (tuple(range(SV)) + (3, 1, 4), tuple(reversed(range(SV))) + (5,))
 
 
 @functools.lru_cache(maxsize=None)
@@ -242,16 +227,6 @@ def sample_tree(mode, branching, params, seed0, calls=CALLS):
     return {c: torch.tensor(v) for c, v in out.items()}, acc_depth
 
 
-def chi2_views(samples, params):
-    alpha = ALPHA / (3 * len(samples))
-    out = []
-    for i, (ctx, s) in enumerate(samples.items()):
-        joint = exact(ctx, params["temperature"], params.get("top_k", 0), params.get("top_p", 1.0))
-        for label, obs, probs in (("x1,x2", s[:, :2], joint.sum(2)), ("x2,x3", s[:, 1:], joint.sum(0)), ("all", s, joint)):
-            out.append((f"context {i} {label}", chi2_test(histogram(obs, tuple(probs.shape)), probs, alpha)))
-    return out
-
-
 TREE_SETTINGS = [
     ("iid-2x2-t1.0", "iid", (2, 2), dict(temperature=1.0)),
     ("iid-3x1-t0.7-topk6", "iid", (3, 1), dict(temperature=0.7, top_k=6)),
@@ -266,37 +241,8 @@ def test_tree_sampling_matches_exact_distribution(name, mode, branching, params)
     samples, acc_depth = sample_tree(mode, branching, params, seed0)
     # verification decided x2 and x3: paths of length 0, 1 and 2 all happened
     assert all(n > 0.02 * ROWS * CALLS for n in acc_depth), acc_depth
-    for label, res in chi2_views(samples, params):
+    for label, res in chi2_views(samples, params, exact):
         assert not res.rejected, f"{name} {label}: tree samples differ from the exact distribution: {res}"
-
-
-def broken_tree_verify(target_probs, tokens, parents, draft_probs, counts, generator, max_depth=None, positions=None,
-                       rows=None):
-    """Wrong: every sibling is judged against the original p (no residual update), and the
-    recovered token is sampled from p instead of the residual (text positions ignored)."""
-    from specdec.verify import _tree_children
-
-    toks, pars, cnt = tokens.tolist(), parents.tolist(), counts.tolist()
-    paths, nxt = [], []
-    for b in range(len(toks)):
-        ch = _tree_children(pars[b], cnt[b])
-        node, path = 0, []
-        while True:
-            p = target_probs[b, node]
-            acc = None
-            for c in ch[node] if max_depth is None or len(path) < max_depth[b] else []:
-                x = toks[b][c - 1]
-                qx = 1.0 if draft_probs is None else float(draft_probs[b, c - 1, x])
-                if float(torch.rand((), generator=generator)) * qx < float(p[x]):
-                    acc = c
-                    break
-            if acc is None:
-                nxt.append(int(torch.multinomial(p, 1, generator=generator)[0]))
-                break
-            path.append(acc)
-            node = acc
-        paths.append(path)
-    return paths, torch.tensor(nxt)
 
 
 @pytest.mark.parametrize("name", ["iid-2x2-t1.0", "topk-2x2-t0.8-topp0.9"])
@@ -304,5 +250,5 @@ def test_broken_tree_rule_is_caught(monkeypatch, name):
     _, mode, branching, params = next(s for s in TREE_SETTINGS if s[0] == name)
     monkeypatch.setattr(specdec.core.step, "verify_tree_stochastic", broken_tree_verify)
     samples, _ = sample_tree(mode, branching, params, seed0=99, calls=3)
-    results = chi2_views(samples, params)
+    results = chi2_views(samples, params, exact)
     assert any(r.rejected for _, r in results), [f"{lb}: {r}" for lb, r in results]

@@ -17,7 +17,8 @@ from specdec.policy import PROBE_EVERY, LoadPolicy, NodeOdds, best_prefix
 from specdec.types import SamplingParams
 
 from oracle import hf_greedy
-from test_eagle import _one_thread  # noqa: F401  (a module-wide fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 def test_node_odds_start_at_the_heads_word_and_learn():
@@ -143,7 +144,8 @@ def test_sampling_through_trimmed_trees_matches_exact_distribution(monkeypatch):
     (chi-square)."""
     from transformers import AutoModelForCausalLM
 
-    from test_eagle import CTX, SV, chi2_against
+    from helpers import CTX, SV
+    from oracle import chi2_against
 
     monkeypatch.setattr(LoadPolicy, "draft_steps", lambda self, stats, drafting, rows: 0.3)
     monkeypatch.setattr(LoadPolicy, "guess_steps", lambda self, rows: 0.1)

@@ -14,7 +14,7 @@ import torch
 
 from specdec.verify import verify_greedy, verify_stochastic
 
-from oracle import broken_verify_stochastic, chi2_critical, chi2_test, histogram, one_thread
+from oracle import broken_verify_stochastic, chi2_critical, chi2_test, histogram
 
 ALPHA = 1e-3
 V = 6
@@ -23,10 +23,7 @@ P_BONUS = torch.tensor([0.05, 0.05, 0.10, 0.20, 0.25, 0.35])
 P_TOPK = torch.tensor([0.50, 0.30, 0.20, 0.0, 0.0, 0.0])  # a target after top-k: zeros allowed
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 def _confidently_wrong(p: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import need_kernels
+from model_helpers import need_kernels
 from gguf_random import F16, NAMES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, random_blocks
 from specdec import kernels
 
