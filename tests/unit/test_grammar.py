@@ -18,7 +18,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from specdec.grammar import grammar_for, json_object, json_schema  # noqa: E402
 from specdec.types import SpecdecError  # noqa: E402
 
-DEV = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "json_extraction.jsonl"
+DEV = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "json_extraction.jsonl"
 
 BOUNDED = {  # every text it allows is short, so a walk of random legal tokens ends
     "type": "object",

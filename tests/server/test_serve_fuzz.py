@@ -11,7 +11,6 @@ import json
 import pytest
 
 from server_helpers import balanced, http, plain_greedy, wait_idle
-from test_serve_robust import client, server  # noqa: F401 - fixtures
 
 hypothesis = pytest.importorskip("hypothesis")
 st = pytest.importorskip("hypothesis.strategies")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "specdec"
 EXPECTED_CYCLES: list[set[str]] = []  # none: the house has no import cycle
 

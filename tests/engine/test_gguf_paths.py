@@ -42,7 +42,7 @@ from gguf_random import Q8_0
 from specdec.types import SpecdecError
 from tiny_gguf import HEAD_DIM, dequantized_state_dict, write_tiny_gguf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -60,7 +60,7 @@ def gguf_dir(tmp_path_factory):
 def float_products(monkeypatch):
     """Comparisons with transformers on the exact float path (the float product over the dequantised
     blocks), so any difference is the architecture's; speculation tests run on it too (exactness
-    does not depend on the path: tests/test_gguf_native.py)."""
+    does not depend on the path: tests/engine/test_gguf_native.py)."""
     monkeypatch.setenv("SPECDEC_GGUF_ACT8", "0")
 
 

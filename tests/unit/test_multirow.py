@@ -7,7 +7,7 @@ equals plain greedy only so). Oracles: the row multiplied alone (bit for bit), a
 `gguf.quants.dequantize` of the same bytes by a float64 product of the activations as the kernels
 round them (kernels.act8_slices; within float32 rounding) and of the unrounded activations (within
 kernels.act8_error_bound); for the repacked Q4_1 / Q8_0 blocks, `linear` over the dequantised
-weights bit for bit. The VNNI build against the AVX2 build: tests/test_vnni.py.
+weights bit for bit. The VNNI build against the AVX2 build: tests/unit/test_vnni.py.
 """
 
 from __future__ import annotations

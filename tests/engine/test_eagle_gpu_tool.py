@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "eagle_gpu.py"
 TOKENIZER = ROOT / "specdec" / "assets" / "drafts" / "smollm2-135m-instruct"
 

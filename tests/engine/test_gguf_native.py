@@ -74,7 +74,7 @@ TOKENS = torch.tensor([[5, 17, 99, 200, 3, 8, 260, 42, 42, 7]])
 def test_logits_equal_transformers_gguf_loading(gguf_dir, arch, t, monkeypatch):
     """The float path (SPECDEC_GGUF_ACT8=0) within float32 rounding of transformers. The quantised
     types' default 8-bit-activation path (kernels.gguf_act8) only roughly: each product is the rounded
-    activations' product to ~1e-7 (tests/test_gguf_types.py), but the rounding (~0.5% a product)
+    activations' product to ~1e-7 (tests/unit/test_gguf_types.py), but the rounding (~0.5% a product)
     compounds through these random layers (up to ~6% of the largest logit on Q6_K)."""
     path = tiny(gguf_dir, arch, t)
     ref = hf_logits(path, TOKENS)

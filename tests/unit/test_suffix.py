@@ -21,7 +21,7 @@ from specdec.drafters.suffix import (MAX_NODES, PROMPT_TAIL, SuffixCache, Suffix
 from specdec.tree import check_parents, depths
 from specdec.types import SamplingParams, SpecdecError
 
-TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "agentic"
+TRACES = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "agentic"
 
 
 def build(seqs: list[list[int]], open_last: bool) -> tuple[TokenStore, tuple]:

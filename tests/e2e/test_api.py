@@ -16,7 +16,7 @@ import pytest
 import specdec
 from specdec.types import SamplingParams, SpecdecError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["Name three rivers.", "def add(a, b):\n    \"\"\"Return a plus b.\"\"\"\n"]
 
 

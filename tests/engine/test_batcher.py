@@ -76,7 +76,7 @@ def _seeded_alone_and_shared(b):
     Alone it must give plain sampling's text for its seed (`Engine` without a drafter: the
     guesses are deterministic, verify.py "sample and compare"). The greedy neighbours (verified
     together, apart from the sampled row) must equal transformers' plain greedy output of the
-    target (test_eagle's tiny model 0)."""
+    target (helpers.target(0))."""
     from transformers import AutoModelForCausalLM
 
     from oracle import hf_greedy, one_thread

@@ -18,7 +18,7 @@ import pytest
 from specdec.types import SpecdecError
 from tiny_gguf import write_tiny_gguf
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _saved(tok, out: Path) -> dict[str, str]:

@@ -226,7 +226,7 @@ def test_the_documented_draft_source_runs_in_generate_serve_and_validate(default
     from specdec.text import encode_prompt
     from specdec.validate import measure
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "draft-sources.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "draft-sources.md").read_text()
     code = re.search(r"```python\n(.*?)\n```", text, re.S).group(1)
     space: dict = {}
     try:

@@ -15,31 +15,9 @@ import time
 import pytest
 import torch
 
-from server_helpers import MAX_CONTEXT, balanced, http, plain_greedy, serving, wait_idle
+from server_helpers import MAX_CONTEXT, balanced, http, plain_greedy, wait_idle
 
 pytestmark = pytest.mark.default_model
-
-
-@pytest.fixture(scope="module")
-def server(default_model):
-    from specdec.config import SpecConfig
-    from specdec.core.scheduler import ContinuousBatcher
-    from specdec.methods import sources_for
-    from specdec.server.app import create_app
-
-    batcher = ContinuousBatcher(default_model.model, default_model.eos_ids, sources_for(SpecConfig(), default_model)[0],
-                                method="auto", k_max=8, max_batch=8, max_queue=64, max_context=MAX_CONTEXT)
-    app = create_app(default_model, batcher, "smol", request_timeout=120)
-    with serving(app) as url:
-        yield url, batcher
-    batcher.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def run_together(jobs: dict) -> dict:

@@ -27,7 +27,7 @@ import pytest
 
 from server_helpers import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 BENCHMARKS = ROOT / "benchmarks"
