@@ -2,7 +2,8 @@
 them), the default model and its transformers twin, one torch thread per module, and the
 batch guard bypassed unless a test is marked `real_guard`. Shared functions live in the helper
 modules beside this file (helpers.py, model_helpers.py, server_helpers.py, gguf_helpers.py,
-oracle.py, tiny_gguf.py, gguf_random.py); tests/ is on sys.path through this file."""
+oracle.py, tiny_gguf.py, gguf_random.py, fake_peers.py, suffix_reference.py), which the test
+folders (unit, engine, server, e2e) import by name: tests/ is on sys.path through this file."""
 
 from __future__ import annotations
 

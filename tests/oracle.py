@@ -7,9 +7,9 @@ type to talk to the engine (the Draft/DraftContext value types, `build_native`):
 - exact next-token distributions from transformers' forward + transformers' own logits
   warpers (temperature, top-k, top-p), enumerated over short continuations;
 - a chi-square goodness-of-fit test with the critical value computed from the regularised
-  incomplete gamma function (no scipy needed);
-- a deliberately *broken* stochastic verifier (recovered token drawn from p instead of the
-  residual norm(max(0, p - q))) that the distribution checks must reject;
+  incomplete gamma function (no scipy needed), and its views of sampled 3-token continuations;
+- deliberately *broken* stochastic verifiers, chain and tree (recovered token drawn from p
+  instead of the residual norm(max(0, p - q))) that the distribution checks must reject;
 - adversarial drafters (random / corrupted / confidently wrong guesses).
 """
 

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_helpers import greedy_hf, greedy_native, load, rel_err
 from gguf_random import F16, NAMES, Q4_K, Q5_0, Q6_K, Q8_0
 from oracle import one_thread
 from specdec.types import SamplingParams, SpecdecError
@@ -71,12 +72,6 @@ def tiny(directory: Path, stem: str, t: int = Q8_0, seed: int = 0, **kw) -> Path
     if not p.exists():
         write_tiny_gguf(p, arch, t, seed, **{**base, **kw})
     return p
-
-
-def load(path: Path, tokenizer: bool = False):
-    from specdec.models.loader import load_model
-
-    return load_model(str(path), quiet=True, with_tokenizer=tokenizer)
 
 
 def transformers_model(path: Path, stem: str):
@@ -137,24 +132,6 @@ def stepwise_logits(m, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
     kernels, through the windows."""
     cache = m.new_cache(1, 40)
     return torch.cat([m(tokens[:, t:t + 1], torch.tensor([[t]]), cache)[0] for t in range(tokens.shape[1])], 1)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max()) / float(b.abs().max())
-
-
-def greedy_native(m, prompt: list[int], n: int = 12) -> list[int]:
-    from specdec.engine import Engine
-
-    return Engine(m, None, k=0, eos_ids=()).generate([prompt], SamplingParams(max_new_tokens=n))[0].tokens
-
-
-def greedy_hf(hf, prompt: list[int], n: int = 12) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 # -- against transformers ------------------------------------------------------------------------

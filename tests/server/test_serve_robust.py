@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from server_helpers import MAX_CONTEXT, balanced, http, plain_greedy, wait_idle
+from server_helpers import MAX_CONTEXT, balanced, http, plain_greedy, serving, wait_idle
 
 pytestmark = pytest.mark.default_model
 
