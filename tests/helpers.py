@@ -16,6 +16,9 @@ import torch
 from oracle import tiny_hf_llama
 
 V = 32  # the tiny targets' vocabulary
+SV = 12  # the vocabulary of the sampling tests' targets: small enough to enumerate 3 tokens exactly
+# the sampling tests' two contexts (their continuations are checked by chi-square)
+CTX = (tuple(range(SV)) + (3, 1, 4), tuple(reversed(range(SV))) + (5,))
 
 # the tiny models and heads below live here; removed when the test process exits
 _TMP = tempfile.TemporaryDirectory(prefix="specdec-tests-")

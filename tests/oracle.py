@@ -7,9 +7,9 @@ type to talk to the engine (the Draft/DraftContext value types, `build_native`):
 - exact next-token distributions from transformers' forward + transformers' own logits
   warpers (temperature, top-k, top-p), enumerated over short continuations;
 - a chi-square goodness-of-fit test with the critical value computed from the regularised
-  incomplete gamma function (no scipy needed);
-- a deliberately *broken* stochastic verifier (recovered token drawn from p instead of the
-  residual norm(max(0, p - q))) that the distribution checks must reject;
+  incomplete gamma function (no scipy needed), and its views of sampled 3-token continuations;
+- deliberately *broken* stochastic verifiers, chain and tree (recovered token drawn from p
+  instead of the residual norm(max(0, p - q))) that the distribution checks must reject;
 - adversarial drafters (random / corrupted / confidently wrong guesses).
 """
 
@@ -123,7 +123,7 @@ def histogram(samples: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------
-# a broken stochastic verifier (must be caught by the distribution checks)
+# broken stochastic verifiers (must be caught by the distribution checks)
 # ----------------------------------------------------------------------------------------
 
 
@@ -149,6 +149,63 @@ def broken_verify_stochastic(target_probs, draft_tokens, draft_probs, counts, ge
         n_acc[b] = i
         nxt[b] = torch.multinomial(target_probs[b, i], 1, generator=generator)[0]  # BUG: p, not residual
     return n_acc, nxt
+
+
+def broken_tree_verify(target_probs, tokens, parents, draft_probs, counts, generator, max_depth=None, positions=None,
+                       rows=None):
+    """Wrong: every sibling is judged against the original p (no residual update), and the
+    recovered token is sampled from p instead of the residual (text positions ignored)."""
+    from specdec.verify import _tree_children
+
+    toks, pars, cnt = tokens.tolist(), parents.tolist(), counts.tolist()
+    paths, nxt = [], []
+    for b in range(len(toks)):
+        ch = _tree_children(pars[b], cnt[b])
+        node, path = 0, []
+        while True:
+            p = target_probs[b, node]
+            acc = None
+            for c in ch[node] if max_depth is None or len(path) < max_depth[b] else []:
+                x = toks[b][c - 1]
+                qx = 1.0 if draft_probs is None else float(draft_probs[b, c - 1, x])
+                if float(torch.rand((), generator=generator)) * qx < float(p[x]):
+                    acc = c
+                    break
+            if acc is None:
+                nxt.append(int(torch.multinomial(p, 1, generator=generator)[0]))
+                break
+            path.append(acc)
+            node = acc
+        paths.append(path)
+    return paths, torch.tensor(nxt)
+
+
+# ----------------------------------------------------------------------------------------
+# chi-square views of sampled continuations
+# ----------------------------------------------------------------------------------------
+
+
+def chi2_views(samples: dict, params: dict, exact, alpha: float = 1e-3) -> list:
+    """[(label, Chi2Result)]: chi-square tests of sampled 3-token continuations (context -> [N, 3]
+    tensor of tokens) against `exact(ctx, temperature, top_k, top_p)`, the exact joint [V, V, V]
+    of the three tokens: the pairs (x1, x2) and (x2, x3) and the whole triple, per context, at a
+    family-wise level `alpha`."""
+    alpha = alpha / (3 * len(samples))
+    out = []
+    for i, (ctx, s) in enumerate(samples.items()):
+        joint = exact(ctx, params["temperature"], params.get("top_k", 0), params.get("top_p", 1.0))
+        for label, obs, probs in (("x1,x2", s[:, :2], joint.sum(2)), ("x2,x3", s[:, 1:], joint.sum(0)), ("all", s, joint)):
+            out.append((f"context {i} {label}", chi2_test(histogram(obs, tuple(probs.shape)), probs, alpha)))
+    return out
+
+
+def chi2_against(hf, out: dict, params: dict) -> list:
+    """chi2_views of sampled 3-token continuations (context -> list of token triples) against the
+    exact distributions of the transformers model `hf`."""
+    import functools
+
+    exact = functools.lru_cache(maxsize=None)(lambda c, t, k, p: exact_joint(hf, list(c), 3, t, k, p))
+    return chi2_views({c: torch.tensor(v) for c, v in out.items()}, params, exact)
 
 
 # ----------------------------------------------------------------------------------------

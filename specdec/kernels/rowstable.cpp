@@ -26,11 +26,11 @@
 // rowstable_ops): the 8-bit-activation integer dot products then take _mm256_dpbusd_epi32 (ROWSTABLE_VNNI)
 // where the AVX2 build takes _mm256_maddubs_epi16 + _mm256_madd_epi16, and every int32 lane that
 // reaches the float arithmetic holds the same exact integer in both, so the two builds give the same
-// numbers bit for bit (tests/test_vnni.py). The VNNI build (AVX-512F) also multiplies steps of
+// numbers bit for bit (tests/unit/test_vnni.py). The VNNI build (AVX-512F) also multiplies steps of
 // several tokens by two weight rows at a time on 512-bit registers (kz_pass for the K-quants, iz_tile
 // for the 32-weight block types, bz_tile for the repacked Q4_1 / Q8_0 blocks): each weight block is
 // decoded once for up to 6-8 activation rows, and every lane runs the operations of the 256-bit code
-// on the same numbers, so those tiles too give each row its numbers alone (tests/test_multirow.py);
+// on the same numbers, so those tiles too give each row its numbers alone (tests/unit/test_multirow.py);
 // everything else is the same source.
 
 #include <ATen/ATen.h>
@@ -658,7 +658,7 @@ void gguf_columns(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
 // are exact whatever their order, and the float accumulations run block by block in order, so a row's
 // outputs still never depend on the other rows or the threads: row-stable, as the float path. The
 // numbers are not the float path's: the product is that of the rounded activations (to float32
-// rounding), ~0.2-0.5% of sum |x w| from the unrounded one (tests/test_gguf_types.py states both).
+// rounding), ~0.2-0.5% of sum |x w| from the unrounded one (tests/unit/test_gguf_types.py states both).
 // F32 / F16 / BF16 compute as in gguf_linear.
 //
 // No saturation, so both builds' integers are exact and equal: _mm256_maddubs_epi16 saturates a pair
@@ -2211,7 +2211,7 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
 // are given (rms_norm's operations on a row of Dh), rotate the first R dimensions of each (x * cos +
 // roll(x, R / 2) * sin within them: a product, a product and a sum, as the torch expression), write k
 // and v to the caches at slots start[b] + t, and attend as attend_scaled does. The numbers of those
-// calls made one by one (tests/test_families.py compares them).
+// calls made one by one (tests/engine/test_families.py compares them).
 namespace {
 
 at::Tensor rope_attend_scaled(const at::Tensor& qkv_, const c10::optional<at::Tensor>& q_norm,

@@ -5,7 +5,7 @@ here are a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices for its decoding steps (decod
 bytes by `_q4` / `_q8`, packed by `_pack_q4` / `_pack_q8`: gguf_model.repack_for_steps), and the
 Q8_0 copies drafters make of their own float weights (`quantize_q8_0`: a drafting step then reads
 ~1 byte a weight). The decoders are checked against gguf.quants.dequantize of the same bytes
-(tests/test_gguf_blocks.py), so nothing needs an fp32 copy of a model.
+(tests/unit/test_gguf_blocks.py), so nothing needs an fp32 copy of a model.
 
 Layout (see rowstable.cpp's block_linear): K-major, output rows in groups of 4; per group and
 32-weight block, Q4_1: d[4], m[4] as float32 then 4 x 16 nibble bytes; Q8_0: d[4] as float32 then

@@ -242,7 +242,7 @@ def _mark_plain_if_equal(d: Path, tok) -> None:
 # the tokenizer class transformers' AutoTokenizer picks for a GGUF file of these architectures; named
 # directly, it skips AutoTokenizer's reading of the model configuration from the file, which for
 # these goes through gguf-py's reader: ~25 s and 0.4 GB more at a first load of a 150k-word vocabulary
-# (tests/test_gguf_arch.py checks that both give the same tokenizer files)
+# (tests/engine/test_gguf_arch.py checks that both give the same tokenizer files)
 _GGUF_TOKENIZER_CLASSES = {"qwen2": "Qwen2Tokenizer", "llama": "TokenizersBackend"}
 
 
