@@ -198,10 +198,9 @@ class Sources:
         n = sum(want)
         params, generator = self._guess_params(rows)
         drafting = n if d.partial_rows else A
-        # at a fixed k nothing is priced: a source that cuts its guesses by their cost keeps them all
         ctx = DraftContext([r.context for r in rows], params, generator, self._hand_over(i, rows), room=plan.room,
-                           want=want, draft_cost=0.0 if self.fixed else self.policy.draft_steps(stats, drafting, A),
-                           guess_cost=0.0 if self.fixed else self.policy.guess_steps(A))
+                           want=want, draft_cost=self.policy.draft_steps(stats, drafting, A),
+                           guess_cost=self.policy.guess_steps(A))
         behind = max((lag for lag, w in zip(quotes[i].lags or [0] * A, want) if w), default=0)
         t0 = time.perf_counter()
         # a tree's node budget, or a chain's length (within its row's room)
