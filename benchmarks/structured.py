@@ -1,9 +1,10 @@
 """Predicted outputs and structured output, measured through the Python API (specdec.load).
 
 `edits`: the code-edit dev set (benchmarks/data/code_edits.jsonl: 20 small modules, each with an
-instruction; the model answers with the whole updated file), greedy, with the original file as
-the prediction and without: tokens/s of each, their ratio, and the share of edits whose answer is
-the same with and without the prediction (it must be all: a prediction is only a draft).
+instruction; the model answers with the whole updated file), greedy: plain decoding, `--method`
+without the prediction and with the original file as the prediction: tokens/s of each, their
+ratios, and the share of edits whose answer is the same in all three (it must be all: a
+prediction is only a draft).
 
 `extract`: the JSON-schema extraction dev set (benchmarks/data/json_extraction.jsonl: 20
 documents with schemas), greedy: constrained decoding with speculation (`--method`), constrained
@@ -78,29 +79,35 @@ def valid(text: str, schema: dict) -> bool:
     return True
 
 
-def run_edits(args, spec) -> dict:
-    per, same = {"prediction": [], "none": []}, 0
+def run_edits(args, spec, plain) -> dict:
+    """Per edit: plain decoding (no speculation), `--method` without the prediction and with it."""
+    variants = {"plain": (plain, False), "none": (spec, False), "prediction": (spec, True)}
+    per, same = {v: [] for v in variants}, 0
     tasks = rows("code_edits.jsonl", args.limit)
     for t in tasks:
         messages, prediction = edit_task(t)
         n = len(spec.tokenizer.encode(t["original"])) + 96
-        speeds = {"prediction": [], "none": []}
+        speeds = {v: [] for v in variants}
         texts = {}
         for _ in range(args.repeats):
-            for variant in ("none", "prediction"):
-                out, s = timed(spec, messages, max_new_tokens=n,
-                               prediction=prediction if variant == "prediction" else None)
+            for variant, (engine, predicted) in variants.items():
+                out, s = timed(engine, messages, max_new_tokens=n, prediction=prediction if predicted else None)
                 speeds[variant].append(len(out.token_ids) / s)
                 texts[variant] = out.token_ids
-        same += texts["prediction"] == texts["none"]
+        same += texts["prediction"] == texts["none"] == texts["plain"]
         for v in per:
             per[v].append(statistics.median(speeds[v]))
-        print(f"{t['id']:24s} none {per['none'][-1]:7.1f} tok/s  prediction {per['prediction'][-1]:7.1f} tok/s  "
-              f"x{per['prediction'][-1] / per['none'][-1]:.2f}  same {texts['prediction'] == texts['none']}",
+        print(f"{t['id']:24s} plain {per['plain'][-1]:6.1f}  none {per['none'][-1]:6.1f}  prediction "
+              f"{per['prediction'][-1]:6.1f} tok/s  x{per['prediction'][-1] / per['none'][-1]:.2f} (vs plain "
+              f"x{per['prediction'][-1] / per['plain'][-1]:.2f})  same {texts['prediction'] == texts['none'] == texts['plain']}",
               flush=True)
-    ratio = statistics.median(p / q for p, q in zip(per["prediction"], per["none"]))
-    print(f"median speed-up with the prediction: x{ratio:.2f}; same answer: {same}/{len(tasks)}")
-    return {"median_ratio": ratio, "same": same, "tasks": len(tasks),
+    ratios = {"prediction / none": statistics.median(p / q for p, q in zip(per["prediction"], per["none"])),
+              "prediction / plain": statistics.median(p / q for p, q in zip(per["prediction"], per["plain"])),
+              "none / plain": statistics.median(p / q for p, q in zip(per["none"], per["plain"]))}
+    for k, r in ratios.items():
+        print(f"median {k}: x{r:.2f}")
+    print(f"same answer in all three: {same}/{len(tasks)}")
+    return {"ratios": ratios, "same": same, "tasks": len(tasks),
             "tokens_per_s": {v: statistics.median(x) for v, x in per.items()}}
 
 
@@ -154,10 +161,10 @@ def main() -> None:
     spec = specdec.load(args.model, method=args.method, **settings)
     report = {"what": args.what, "model": spec.target.name, "method": args.method, "cpu": _cpu(),
               "load_before": os.getloadavg()[0]}
+    plain = specdec.load(args.model, method="none", **settings)
     if args.what == "edits":
-        report.update(run_edits(args, spec))
+        report.update(run_edits(args, spec, plain))
     else:
-        plain = specdec.load(args.model, method="none", **settings)
         report.update(run_extract(args, spec, plain))
     report["load_after"] = os.getloadavg()[0]
     print(json.dumps(report))
