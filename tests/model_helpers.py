@@ -215,3 +215,37 @@ def direct_step_switch(model, fast: list | None = None):
             blk.fast = f if on else None
 
     return switch
+
+
+def random_eagle(target, noise: float = 0.05):
+    """An EAGLE tree drafter (depth 3, width 2, 5 nodes) over `target` (a native model) with a
+    head of seeded random weights near its initialisation: guesses of any quality, to check that
+    drafting stays exact on a model's kernels."""
+    from specdec.drafters.eagle import EagleDrafter, head_from_target
+
+    torch.manual_seed(3)
+    head = head_from_target(target.cfg)
+    with torch.no_grad():
+        for prm in head.parameters():
+            prm.copy_(noise * torch.randn(prm.shape) + (1.0 if prm.dim() == 1 else 0.0))
+    return EagleDrafter(head.eval(), target, None, tree=True, depth=3, width=2, nodes=5)
+
+
+def check_verification_equals_one_at_a_time(model) -> None:
+    """A chain and a tree, verified in one forward over a ragged batch of two rows, give each node
+    exactly the logits of decoding its path one token at a time after its row's prompt."""
+    parents = [[-1, 0, 1, 2, 3, 4], [-1, 0, 0, 1, 2, 3]]  # row 0 a chain, row 1 a tree
+    N = len(parents[0])
+    prompts = [random_tokens(9, seed=20), random_tokens(14, seed=21)]
+    nodes = torch.tensor([random_tokens(N, seed=22), random_tokens(N, seed=23)])
+    cache, _, lens = prefill_ragged(model, prompts)
+    mask = torch.stack([ancestor_mask(pa) for pa in parents])
+    depth = torch.tensor([[len(path_to(pa, i)) - 1 for i in range(N)] for pa in parents])
+    logits, _ = model(nodes, lens[:, None] + depth, cache, attn_mask=mask)
+    for b in range(2):
+        for i in range(N):
+            path = [int(nodes[b, j]) for j in path_to(parents[b], i)]
+            one, _, n = prefill_ragged(model, [prompts[b]])
+            for t, tok in enumerate(path):  # one token per forward, as plain decoding runs
+                ref, _ = model(torch.tensor([[tok]]), torch.tensor([[int(n[0]) + t]]), one)
+            assert torch.equal(logits[b, i], ref[0, 0]), f"row {b} node {i}"

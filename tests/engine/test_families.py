@@ -29,6 +29,7 @@ import torch
 
 from gguf_helpers import greedy_hf, greedy_native, load, rel_err
 from gguf_random import F16, NAMES, Q4_K, Q5_0, Q6_K, Q8_0
+from model_helpers import random_eagle
 from oracle import one_thread
 from specdec.types import SamplingParams, SpecdecError
 from tiny_gguf import VOCAB, write_tiny_gguf
@@ -296,7 +297,7 @@ def test_speculation_on_a_folder_target_equals_plain_greedy(family):
     with one_thread():
         for name, drafter in (("ngram", NgramDrafter()),
                               ("draft", DraftModelDrafter(draft, target_model=target)),
-                              ("eagle_tree", _random_eagle(target))):
+                              ("eagle_tree", random_eagle(target))):
             outs = Engine(target, drafter, k=4, eos_ids=(), fixed_k=True).generate(prompts, sp)
             assert [o.tokens for o in outs] == want, name
 
@@ -306,27 +307,13 @@ def test_bfloat16_verification_equals_one_at_a_time_bit_for_bit(family):
     """A folder in bfloat16 (attention and cache in float64): a chain and a tree verified in a
     ragged batch give each token the logits of decoding its path one token at a time, through the
     windows, the caps and the partial rotation."""
-    from model_helpers import ancestor_mask, path_to, prefill_ragged, random_tokens
+    from model_helpers import check_verification_equals_one_at_a_time
 
     from specdec.models.loader import load_model
 
     model = load_model(str(hf_folder(family)), dtype=torch.bfloat16, quiet=True, with_tokenizer=False).model
     assert model.attn_dtype == torch.float64
-    parents = [[-1, 0, 1, 2, 3, 4], [-1, 0, 0, 1, 2, 3]]  # row 0 a chain, row 1 a tree
-    N = len(parents[0])
-    prompts = [random_tokens(9, seed=20), random_tokens(14, seed=21)]
-    nodes = torch.tensor([random_tokens(N, seed=22), random_tokens(N, seed=23)])
-    cache, _, lens = prefill_ragged(model, prompts)
-    mask = torch.stack([ancestor_mask(pa) for pa in parents])
-    depth = torch.tensor([[len(path_to(pa, i)) - 1 for i in range(N)] for pa in parents])
-    logits, _ = model(nodes, lens[:, None] + depth, cache, attn_mask=mask)
-    for b in range(2):
-        for i in range(N):
-            path = [int(nodes[b, j]) for j in path_to(parents[b], i)]
-            one, _, n = prefill_ragged(model, [prompts[b]])
-            for t, tok in enumerate(path):
-                ref, _ = model(torch.tensor([[tok]]), torch.tensor([[int(n[0]) + t]]), one)
-            assert torch.equal(logits[b, i], ref[0, 0]), f"row {b} node {i}"
+    check_verification_equals_one_at_a_time(model)
 
 
 def test_an_eagle_head_initialised_from_a_family_layer_reads_it_as_a_llama_layer():
@@ -470,17 +457,6 @@ def test_a_kept_tree_path_decodes_on_as_the_sequence_decoded_alone(gguf_dir, ste
         assert torch.equal(g, w)
 
 
-def _random_eagle(target):
-    from specdec.drafters.eagle import EagleDrafter, head_from_target
-
-    torch.manual_seed(3)
-    head = head_from_target(target.cfg)
-    with torch.no_grad():
-        for prm in head.parameters():
-            prm.copy_(0.05 * torch.randn(prm.shape) + (1.0 if prm.dim() == 1 else 0.0))
-    return EagleDrafter(head.eval(), target, None, tree=True, depth=3, width=2, nodes=5)
-
-
 @pytest.mark.parametrize("stem", SPEC_STEMS + ["phi3"])
 def test_greedy_speculation_equals_plain_greedy(gguf_dir, stem):
     """Prompt lookup, a draft model of the same family (another file), the target as its own
@@ -500,7 +476,7 @@ def test_greedy_speculation_equals_plain_greedy(gguf_dir, stem):
     drafters = {"ngram": lambda: NgramDrafter(),
                 "draft": lambda: DraftModelDrafter(draft, target_model=target),
                 "draft_self": lambda: DraftModelDrafter(target, target_model=target),
-                "eagle_tree": lambda: _random_eagle(target)}
+                "eagle_tree": lambda: random_eagle(target)}
     accepted = 0
     with one_thread():
         for name, make in drafters.items():

@@ -13,7 +13,6 @@ Tiny Llama and Qwen2 files with random blocks of every supported type (tests/tin
 
 from __future__ import annotations
 
-import functools
 import json
 import warnings
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from gguf_random import BF16, F16, F32, NAMES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from model_helpers import random_eagle
 from oracle import one_thread
 from specdec import kernels
 from specdec.types import SamplingParams, SpecdecError
@@ -155,19 +155,13 @@ def _greedy_all(target, drafters, prompts, n=24):
 @pytest.mark.parametrize("arch,t", [("llama", Q4_K), ("qwen2", Q8_0), ("llama", Q6_K)])
 def test_greedy_speculation_equals_plain_greedy(gguf_dir, arch, t):
     from specdec.drafters.draft_model import DraftModelDrafter
-    from specdec.drafters.eagle import EagleDrafter, head_from_target
     from specdec.drafters.ngram import NgramDrafter
 
     target = load(tiny(gguf_dir, arch, t)).model
     draft = load(tiny(gguf_dir, arch, Q8_0, seed=1, layers=1)).model
 
     def eagle():
-        torch.manual_seed(3)
-        head = head_from_target(target.cfg)
-        with torch.no_grad():
-            for prm in head.parameters():
-                prm.copy_(0.05 * torch.randn(prm.shape) + (1.0 if prm.dim() == 1 else 0.0))
-        return EagleDrafter(head.eval(), target, None, tree=True, depth=3, width=2, nodes=5)
+        return random_eagle(target)
 
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 11, 9)]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import TOL, Pair, ancestor_mask, get_pair, maxdiff, path_to, prefill_ragged, random_tokens
+from model_helpers import (TOL, Pair, ancestor_mask, check_verification_equals_one_at_a_time, get_pair, maxdiff, path_to,
+                           prefill_ragged, random_tokens)
 from specdec.models.llama import native_support_problem
 
 
@@ -361,18 +362,4 @@ def test_bfloat16_verification_equals_one_at_a_time_bit_for_bit(family):
     p = get_pair(family)
     model = build_native(p.hf.config, p.hf.state_dict(), dtype=torch.bfloat16, pack=True)
     assert model.attn_dtype == torch.float64
-    parents = [[-1, 0, 1, 2, 3, 4], [-1, 0, 0, 1, 2, 3]]  # row 0 a chain, row 1 a tree
-    N = len(parents[0])
-    prompts = [random_tokens(9, seed=20), random_tokens(14, seed=21)]
-    nodes = torch.tensor([random_tokens(N, seed=22), random_tokens(N, seed=23)])
-    cache, _, lens = prefill_ragged(model, prompts)
-    mask = torch.stack([ancestor_mask(pa) for pa in parents])
-    depth = torch.tensor([[len(path_to(pa, i)) - 1 for i in range(N)] for pa in parents])
-    logits, _ = model(nodes, lens[:, None] + depth, cache, attn_mask=mask)
-    for b in range(2):
-        for i in range(N):
-            path = [int(nodes[b, j]) for j in path_to(parents[b], i)]
-            one, _, n = prefill_ragged(model, [prompts[b]])
-            for t, tok in enumerate(path):  # one token per forward, as plain decoding runs
-                ref, _ = model(torch.tensor([[tok]]), torch.tensor([[int(n[0]) + t]]), one)
-            assert torch.equal(logits[b, i], ref[0, 0]), f"row {b} node {i}"
+    check_verification_equals_one_at_a_time(model)

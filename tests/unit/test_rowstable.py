@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from model_helpers import ancestor_mask, built_kernels, need_kernels, prefill_ragged, steps_both_ways
+from model_helpers import ancestor_mask, built_kernels, need_kernels, prefill_ragged, random_eagle, steps_both_ways
 from oracle import hf_greedy, one_thread, tiny_hf_llama
 
 
@@ -267,7 +267,6 @@ def test_eagle_head_drafts_on_the_rowstable_kernels_and_greedy_stays_exact(on_bl
     through torch's norms and attention, and greedy speculation with it equals plain greedy
     decoding of the same model at batch 1 and 3 (and transformers' where the model is fp32)."""
     from specdec.drafters.base import DraftContext
-    from specdec.drafters.eagle import EagleDrafter, head_from_target
     from specdec.engine import Engine
     from specdec.types import SamplingParams
 
@@ -275,12 +274,7 @@ def test_eagle_head_drafts_on_the_rowstable_kernels_and_greedy_stays_exact(on_bl
     hf, native = rs_target(on_blocks)
 
     def make():
-        torch.manual_seed(3)
-        head = head_from_target(native.cfg)
-        with torch.no_grad():
-            for prm in head.parameters():
-                prm.copy_(0.3 * torch.randn(prm.shape) + (1.0 if prm.dim() == 1 else 0.0))
-        return EagleDrafter(head.eval(), native, None, tree=True, depth=3, width=2, nodes=5)
+        return random_eagle(native, noise=0.3)
 
     d, ref = make(), make()
     assert d.kops is ops and d.W_rs[0] == (ops.q8_0_linear if on_blocks else ops.linear)
