@@ -14,7 +14,8 @@ streaming chat requests back to back (prompts: first turns of Spec-Bench dev, sp
 categories, as chat; or with `--data humaneval` the HumanEval prompts as raw completions; or with
 `--data code` short raw completions, a comment line and a `def` header per HumanEval task;
 greedy, max_tokens fixed; answers may end early at EOS, so tokens are counted as received,
-by re-tokenizing each streamed chunk). Measured per level: throughput (completion tokens / wall seconds), time to
+by re-tokenizing each streamed chunk). Each (repeat, level) sends prompts no earlier one sent (the same ones to every setting), so no
+request drafts from its own earlier answer in a server's suffix cache. Measured per level: throughput (completion tokens / wall seconds), time to
 first token (p50), time per output token (TPOT: a request's time from its first to its last
 chunk / its tokens after the first; p50 and p95 over requests), the per-token latency a
 reader of the stream sees, and inter-token latency (ITL: gaps between streamed chunks divided
@@ -280,15 +281,24 @@ def main() -> int:
             drive(servers[name][1], prompts[::-1], args.warmup, 1, args.max_tokens, lm.tokenizer, chat)
     levels = [int(c) for c in args.concurrency.split(",")]
     raw = {name: {c: [] for c in levels} for name in settings}
+    # each (repeat, level) sends prompts no earlier one sent (both settings the same ones): a
+    # server's suffix cache keeps every answer, and a prompt sent again would draft its own answer
+    fresh, offset = prompts[: len(prompts) - (args.warmup or 0)] if args.warmup else prompts, 0
+    need = args.repeats * sum(c * max(args.requests_per_client, -(-args.min_requests // c)) for c in levels)
+    if need > len(fresh):
+        print(f"note: {need} requests over {len(fresh)} prompts: some repeat (the suffix cache then has their answers)",
+              file=sys.stderr)
     busy = start_busy(args.busy, 3600)
     try:
         for rep in range(args.repeats):
             for c in levels:
+                per_client = max(args.requests_per_client, -(-args.min_requests // c))
+                batch = [fresh[(offset + i) % len(fresh)] for i in range(c * per_client)]
+                offset += c * per_client
                 for name in (list(settings) if rep % 2 == 0 else list(settings)[::-1]):  # order flips each repeat
-                    per_client = max(args.requests_per_client, -(-args.min_requests // c))
                     log = servers[name][0].log_path
                     skip = step_seconds(log, 0)[0] if log else 0
-                    res = drive(servers[name][1], prompts, c, per_client, args.max_tokens, lm.tokenizer, chat)
+                    res = drive(servers[name][1], batch, c, per_client, args.max_tokens, lm.tokenizer, chat)
                     if log:
                         res.update(step_seconds(log, skip)[1])
                     raw[name][c].append(res)
