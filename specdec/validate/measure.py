@@ -209,6 +209,7 @@ def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, level
             for c in levels:
                 per_client = max(1, -(-min_requests // c))
                 for name, b in batchers.items():
+                    forget_shared()  # no suffix drafts from the answers an earlier level or setting gave
                     before = b.stats()
                     res = drive(b, encoded, c, per_client, params, reference)
                     after = b.stats()
@@ -242,7 +243,7 @@ def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, level
             "drafting": DRAFTING.get(method, f"method {method}")}
 
 
-DRAFTING = {"auto": "prompt lookup + EAGLE tree", "ngram": "prompt lookup"}  # the load test's drafting, in words
+DRAFTING = {"auto": "prompt lookup + suffix cache + EAGLE tree", "ngram": "prompt lookup"}  # the load test's drafting, in words
 
 
 # ---------------------------------------------------------------------------------------------
