@@ -283,7 +283,8 @@ def main() -> int:
     raw = {name: {c: [] for c in levels} for name in settings}
     # each (repeat, level) sends prompts no earlier one sent (both settings the same ones): a
     # server's suffix cache keeps every answer, and a prompt sent again would draft its own answer
-    fresh, offset = prompts[: len(prompts) - (args.warmup or 0)] if args.warmup else prompts, 0
+    fresh = prompts[: len(prompts) - args.warmup] if args.warmup else prompts  # (the last ones warm up)
+    offset = 0
     need = args.repeats * sum(c * max(args.requests_per_client, -(-args.min_requests // c)) for c in levels)
     if need > len(fresh):
         print(f"note: {need} requests over {len(fresh)} prompts: some repeat (the suffix cache then has their answers)",

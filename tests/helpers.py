@@ -214,6 +214,16 @@ def batcher(sources, seed: int = 0, vocab: int = V, k_max: int = 6, max_batch: i
                              max_context=96, max_queue=2048, adaptive=adaptive, thread=thread, **kw)
 
 
+def pinned_costs(monkeypatch, draft: float, guess: float) -> None:
+    """Every cost model prices a proposal's drafting at `draft` plain steps and a verified guess
+    at `guess`, whatever the machine's timing: what a source that cuts its guesses by their cost
+    (an EAGLE tree) reads, made deterministic."""
+    from specdec.policy import LoadPolicy
+
+    monkeypatch.setattr(LoadPolicy, "draft_steps", lambda self, stats, drafting, rows: draft)
+    monkeypatch.setattr(LoadPolicy, "guess_steps", lambda self, rows: guess)
+
+
 def always_drafting(monkeypatch, policy) -> None:
     """`policy` drafts every step as at a fixed k (every row its best source), while still pricing
     nothing else differently: what a test of exactness under other choices (a guard, say) needs."""

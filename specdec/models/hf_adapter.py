@@ -29,6 +29,9 @@ def _cache_kwarg(hf_model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+ONE_ROW = "this model runs through the transformers adapter, which decodes one row at a time"
+
+
 class HFCache:
     """A one-row cache over transformers' DynamicCache with the KVCache interface."""
 
@@ -52,13 +55,13 @@ class HFCache:
     def first_rows(self, rows: int) -> "HFCache":
         """The scheduler's view of its running rows: the one row there is."""
         if rows != 1:
-            raise SpecdecError("this model runs through the transformers adapter, which decodes one row at a time")
+            raise SpecdecError(ONE_ROW)
         return self
 
     def move_row(self, src: int, dst: int) -> None:
         """The row leaves (the one row: nothing moves into its slot); the cache is empty after."""
         if src != dst:
-            raise SpecdecError("this model runs through the transformers adapter, which decodes one row at a time")
+            raise SpecdecError(ONE_ROW)
         self.truncate([0])
 
     def compact(self, *args, **kwargs) -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from helpers import pinned_costs
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "eagle_gpu.py"
 TOKENIZER = ROOT / "specdec" / "assets" / "drafts" / "smollm2-135m-instruct"
@@ -23,7 +25,6 @@ def test_eagle_gpu_tool_dry_run_on_cpu(tmp_path, monkeypatch):
     from specdec.engine import Engine
     from specdec.methods import TABLE
     from specdec.models.loader import load_model
-    from specdec.policy import LoadPolicy
     from specdec.types import SamplingParams
 
     prompts = tmp_path / "prompts.json"
@@ -50,8 +51,7 @@ def test_eagle_gpu_tool_dry_run_on_cpu(tmp_path, monkeypatch):
     [d] = TABLE["eagle"].build(SpecConfig(method="eagle", draft=str(out), tree_depth=3, tree_width=2, tree_nodes=4),
                                target, True)
     # guesses priced free: the barely trained head's tree is not cut away, whatever the machine's timing
-    monkeypatch.setattr(LoadPolicy, "draft_steps", lambda self, stats, drafting, rows: 0.0)
-    monkeypatch.setattr(LoadPolicy, "guess_steps", lambda self, rows: 0.0)
+    pinned_costs(monkeypatch, draft=0.0, guess=0.0)
     spec = Engine(target.model, d, k=3, eos_ids=[], fixed_k=True).generate([prompt], SamplingParams(max_new_tokens=12))[0]
     assert spec.tokens == plain and spec.stats.proposed > 0
 

@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from helpers import eagle, prompts, target, target_dir
+from helpers import eagle, pinned_costs, prompts, target, target_dir
 from specdec.engine import Engine
-from specdec.policy import PROBE_EVERY, LoadPolicy, NodeOdds, best_prefix
+from specdec.policy import PROBE_EVERY, NodeOdds, best_prefix
 from specdec.types import SamplingParams
 
 from oracle import hf_greedy
@@ -147,8 +147,7 @@ def test_sampling_through_trimmed_trees_matches_exact_distribution(monkeypatch):
     from helpers import CTX, SV
     from oracle import chi2_against
 
-    monkeypatch.setattr(LoadPolicy, "draft_steps", lambda self, stats, drafting, rows: 0.3)
-    monkeypatch.setattr(LoadPolicy, "guess_steps", lambda self, rows: 0.1)
+    pinned_costs(monkeypatch, draft=0.3, guess=0.1)
     tg = target(3, SV)
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir(3, SV)), dtype=torch.float32).eval()
     rows = [list(CTX[i % 2]) for i in range(800)]
