@@ -110,6 +110,17 @@ def prune(tokens: list[int], parents: list[int], keep: list[int]) -> tuple[list[
     return out_tok, out_par
 
 
+def best_nodes(toks: list[int], pars: list[int], probs: list[float], m: int):
+    """The tree's m most likely nodes by path probability (ties: the earlier node), as (tokens,
+    parents, probs) in the original order. A node's path probability never exceeds its parent's,
+    so the kept nodes hold their parents."""
+    if m >= len(toks):
+        return toks, pars, probs
+    keep = sorted(j + 1 for j in sorted(range(len(toks)), key=lambda j: (-probs[j], j))[:m])
+    toks, pars = prune(toks, pars, keep)
+    return toks, pars, [probs[j - 1] for j in keep]
+
+
 def graft(tokens: list[int], parents: list[int], seq: list[int], max_nodes: int) -> tuple[list[int], list[int]]:
     """Add the chain `seq` (continuing from the root) to the tree (tokens, parents): follow the
     nodes it shares with the tree, append the rest as a branch (new nodes after the old

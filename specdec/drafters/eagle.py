@@ -400,15 +400,17 @@ class EagleDrafter(Drafter):
                 trim = self._trees % PROBE_EVERY != 0  # else a whole tree, so every node's odds stay measured
             d = self._propose_tree(h, min(self.depth, max_tokens), sub,
                                    self._min_logp(ctx.draft_cost, ctx.guess_cost) if trim else None)
-            d = self._cut(d, sel, trim, ctx.draft_cost, ctx.guess_cost)
+            d = self._cut(d, sel, trim, ctx.draft_cost, ctx.guess_cost, max_tokens)
         else:
             d = self._propose_chain(ctx, h, max_tokens, sub)
         self._timing = (time.perf_counter() - t0, steady(behind, self.depth + 2))
         return _scatter(d, sel, B)
 
-    def _cut(self, d: Draft, sel: list[int], trim: bool, cost: float, r: float) -> Draft:
-        """The tree of each drafted row, cut to the nodes worth verifying when `trim` (`_trim`);
-        remembers each row's nodes' path probabilities, whose outcome `commit` learns from."""
+    def _cut(self, d: Draft, sel: list[int], trim: bool, cost: float, r: float, budget: int) -> Draft:
+        """The tree of each drafted row, cut to the nodes worth verifying when `trim` (`_trim`)
+        and to its `budget` most likely nodes (the scheduler's node cap: a probe's small tree
+        holds the nodes likeliest to be accepted, not the first ones drafted); remembers each
+        row's nodes' path probabilities, whose outcome `commit` learns from."""
         rows = []
         for i, b in enumerate(sel):
             n = int(d.counts[i])
@@ -417,6 +419,8 @@ class EagleDrafter(Drafter):
             if len(probs) == n:
                 if trim:
                     toks, pars, probs = self._trim(toks, pars, probs, cost, r)
+                if len(toks) > budget:
+                    toks, pars, probs = tree_mod.best_nodes(toks, pars, probs, budget)
                 self._node_p[b] = probs
             rows.append((toks, pars))
         N = max((len(t) for t, _ in rows), default=0)
@@ -442,12 +446,7 @@ class EagleDrafter(Drafter):
         probability never exceeds its parent's, so every cut keeps parents. Returns (tokens,
         parents, probs)."""
         order = sorted(range(len(toks)), key=lambda j: (-probs[j], j))
-        m = best_prefix([self.odds(probs[j]) for j in order], cost, r)
-        if m == len(toks):
-            return toks, pars, probs
-        keep = sorted(j + 1 for j in order[:m])
-        toks, pars = tree_mod.prune(toks, pars, keep)
-        return toks, pars, [probs[j - 1] for j in keep]
+        return tree_mod.best_nodes(toks, pars, probs, best_prefix([self.odds(probs[j]) for j in order], cost, r))
 
     def commit(self, num_accepted, paths=None) -> None:
         """The head's cache keeps committed pairs only (speculative slots are overwritten next
@@ -461,6 +460,11 @@ class EagleDrafter(Drafter):
 
     def skip(self) -> None:
         self._node_p = {}  # its features wait in the rows for the next proposal
+
+    def lags(self, tokens: list[list[int]]) -> list[int]:
+        """Per row, the committed (feature, token) pairs the head has not read: what its next
+        proposal first feeds (a whole prompt on a row's first one), priced by the cost model."""
+        return [max(len(t) - 1 - n, 0) for t, n in zip(tokens, self.n)]
 
     @torch.inference_mode()
     def time_alone(self) -> tuple[float, float]:

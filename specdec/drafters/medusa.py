@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..tree import best_nodes
 from ..types import SpecdecError
 from .base import Draft, DraftContext, Drafter
 from .heads import load_head, subset_head
@@ -130,14 +131,26 @@ class MedusaDrafter(Drafter):
         H = min(self.heads.num_heads, max_tokens)
         hf = self.heads(f)[:, :H]  # [B, H, D]
         logits = hf.float() @ self.W.float().T  # [B, H, S]
-        top = logits.topk(self.topk, dim=-1).indices  # [B, H, topk]
-        ids = self.subset[top] if self.subset is not None else top
+        top = logits.topk(self.topk, dim=-1)  # [B, H, topk]
+        ids = self.subset[top.indices] if self.subset is not None else top.indices
         if not self.tree:
             return Draft(ids[:, :, 0], torch.full((B,), H, dtype=torch.long))
         nodes = [t for t in self.tree if len(t) <= H]
         toks = torch.stack([ids[:, len(t) - 1, t[-1]] for t in nodes], 1)  # [B, N]
         parents = torch.tensor(self.parents[: len(nodes)], dtype=torch.long)[None].expand(B, -1).clone()
-        return Draft(toks, torch.full((B,), len(nodes), dtype=torch.long), None, parents)
+        if len(nodes) <= max_tokens:
+            return Draft(toks, torch.full((B,), len(nodes), dtype=torch.long), None, parents)
+        # a node budget below the tree: each row keeps its likeliest nodes, by the heads' own
+        # probabilities along each node's path (a child is never likelier than its parent)
+        lp = torch.log_softmax(logits, -1).gather(2, top.indices)  # [B, H, topk]
+        rows = []
+        for b in range(B):
+            path = [float(sum(lp[b, i, r] for i, r in enumerate(t))) for t in nodes]
+            kept = best_nodes(toks[b].tolist(), parents[b].tolist(), path, max_tokens)
+            rows.append(kept[:2])
+        return Draft(torch.tensor([t for t, _ in rows], dtype=torch.long),
+                     torch.full((B,), max_tokens, dtype=torch.long), None,
+                     torch.tensor([p for _, p in rows], dtype=torch.long))
 
     def commit(self, num_accepted, paths=None) -> None:
         pass

@@ -128,6 +128,10 @@ class LoadPolicy:
     as at a fixed k, the others are plain."""
 
     PROBE_MAX_ROWS = 4  # forced probes of a declined source only in batches this small
+    #: a forced probe of a declined tree source verifies at most its best this-many nodes: where a
+    #: tree does not pay (a CPU verifying 16 nodes at ~3.6 plain steps) a whole tree a probe costs
+    #: a request more than the probes could ever learn; a small tree tells whether its guesses hold
+    PROBE_NODES = 4
     TREE_MARGIN = 1.05  # an on-demand tree must promise this much more than the best choice without it
     R_PRIOR = 0.08  # a verified guess's cost in plain steps until the step-time fit tells it
 
@@ -291,12 +295,14 @@ class LoadPolicy:
                 continue
             plain = self.steps.plain_or_mean(A) or 0.0
             could = self._could_pay(q, A)
-            rows = [ok and left >= self.probe_room and could
-                    and q.stats.catch_up(lag) <= plain * q.stats.probes.gap / PROBE_EVERY
-                    for ok, left, lag in zip(q.ok, room, q.lags or [0] * A)]
+            k = max(best_k, min(self.k_max, self.PROBE_NODES, round(q.stats.nodes or self.k_max))
+                    if q.stats.tree else 1)
+            costs = [self._probe_cost(q, lag, k, A) / plain if plain else 0.0 for lag in q.lags or [0] * A]
+            rows = [ok and left >= self.probe_room and could and q.stats.probes.affordable(cost, left)
+                    for ok, left, cost in zip(q.ok, room, costs)]
             if q.stats.probes.due(any(rows), share=1.0 / A):
                 q.stats.probing = True
-                k = max(best_k, min(self.k_max, round(q.stats.nodes or self.k_max)) if q.stats.tree else 1)
+                q.stats.probes.paid(sum(cost for cost, use in zip(costs, rows) if use) / A)
                 return Choice(k, [i if use else s for use, s in zip(rows, best_src)], True, values=values)
         if best_k == 0 or all(s is None for s in best_src):
             offered = on_demand or any(v for vs in values if vs for v in vs)
@@ -352,6 +358,12 @@ class LoadPolicy:
         per_unit = q.stats.draft_seconds(A if q.every_row else n)
         return per_unit if q.stats.tree else k * per_unit
 
+    def _probe_cost(self, q: Quote, lag: int, k: int, A: int) -> float:
+        """Seconds a probe of on-demand source q under cap k costs a row beyond a plain step: its
+        catch-up on `lag` unread tokens, its drafting, and verifying k more guesses."""
+        a, r, b = self._fit(A)
+        return q.stats.catch_up(lag) + self._drafting(q, 1, A, k) + b * k
+
     def _could_pay(self, q: Quote, A: int) -> bool:
         """Whether any acceptance could make an on-demand source pay at A rows: its guesses (a
         tree's nodes) all held multiply the step's tokens by 1 + depth, against their
@@ -365,24 +377,23 @@ class LoadPolicy:
     def _repaid(self, q: Quote, fit, A: int, room: list[int]) -> list[bool]:
         """The rows that may take on-demand source q: those it has nearly caught up on, and those
         whose catch-up what may still come repays, room * (1 - 1/v) plain steps' time saved (v its
-        best rate over plain decoding); before the step-time fit, those with room for PROBE_ROOM."""
+        best rate over plain decoding; before the step-time fit, a step priced at the mean step
+        seen), with room for PROBE_ROOM more tokens."""
         lags = q.lags or [0] * A
         far = [ok and late > self.k_max + 2 for ok, late in zip(q.ok, lags)]
         if not any(far):
             return list(q.ok)
-        has_fit = self.steps.coefficients(A) is not None
         a, r, b = fit
         plain = a + r * A
         gain = max(q.stats.value(k, self.k_max) * plain / (plain + b * A * k + self._drafting(q, 1, A, k))
-                   for k in range(1, self.k_max + 1)) if has_fit else None
+                   for k in range(1, self.k_max + 1))
         out = []
         for ok, f, late, left in zip(q.ok, far, lags, room):
             if not f:
                 out.append(ok)
-            elif gain is None:
-                out.append(left >= self.probe_room)
             else:
-                out.append(gain > 1.0 and left * plain * (1.0 - 1.0 / gain) >= q.stats.catch_up(late))
+                out.append(ok and left >= self.probe_room and gain > 1.0
+                           and left * plain * (1.0 - 1.0 / gain) >= q.stats.catch_up(late))
         return out
 
     # -- what a later run starts from ----------------------------------------------------

@@ -15,6 +15,11 @@ PROBE_EVERY = 16
 #: a probe (a declined choice tried anyway, or a source's first catch-up) waits until at least
 #: this many tokens of the request may still come: a short answer never earns one back
 PROBE_ROOM = 32
+#: every probe together may cost at most this share of the plain steps that declined the choice
+#: (and of a request's next ones, see `ProbeSchedule.affordable`)
+PROBE_SHARE = 0.02
+#: a fresh engine counts this many of a request's coming steps towards its first probes' budget
+PROBE_HORIZON = 64
 
 
 class ProbeSchedule:
@@ -33,12 +38,28 @@ class ProbeSchedule:
         self.gap = every  # declined steps before the next probe
         self.last_gap = every  # the gap before the last probe lengthened it
         self.skipped = 0  # declined steps since the last probe
+        self.declined = 0.0  # declined steps in all (each counted as `due`'s share)
+        self.spent = 0.0  # what the probes cost, in plain steps (`paid`)
+
+    def affordable(self, cost: float, left: int) -> bool:
+        """Whether a probe costing `cost` plain steps keeps every probe's cost within PROBE_SHARE
+        of the steps declined so far and of those the row may still take (its room `left`, counted
+        up to as many as were declined, at least PROBE_HORIZON): exploring a choice that does not
+        pay costs ~2% at most, front-loaded in a fresh engine no more than its first request can
+        repay."""
+        horizon = min(left, max(self.declined, PROBE_HORIZON))
+        return self.spent + cost <= PROBE_SHARE * (self.declined + horizon)
+
+    def paid(self, cost: float) -> None:
+        """A probe was made that cost `cost` plain steps (what `affordable` was asked)."""
+        self.spent += cost
 
     def due(self, room: bool = True, share: float = 1.0) -> bool:
         """The gate declined this step: whether to probe anyway (the gap doubles with each probe).
         share: what this step counts towards the gap (a probe of A rows costs A rows' drafting, so
         the server counts a step of A rows as 1/A)."""
         self.skipped += share
+        self.declined += share
         if self.skipped < self.gap or not room:
             return False
         self.skipped = 0

@@ -351,25 +351,31 @@ def test_a_tree_that_does_not_pay_is_only_probed_and_greedy_stays_exact(monkeypa
     assert used(res).get("eagle", 0) > 0
 
 
-def test_a_fresh_auto_scheduler_times_the_head_alone_and_prices_its_first_tree(monkeypatch):
+def test_a_fresh_auto_scheduler_times_the_head_alone_and_prices_its_trees(monkeypatch):
     """A fresh auto engine times the EAGLE head alone (a few proposals on a scratch cache) before
-    any request, so its first trees are priced rather than probed; greedy output stays equal to
-    plain decoding. (Lookups are off, so every step would draft a tree; the clock is steady, so the
-    choice is the same on any machine.)"""
+    any request, so its trees are priced from the first step, catch-up included; priced as cheap,
+    the trees are drafted. Greedy output stays equal to plain decoding either way. (Lookups are off,
+    so only the tree could guess; the clock is steady, so the choice is the same on any machine.)"""
     from transformers import AutoModelForCausalLM
 
     from specdec.drafters import ngram
+    from specdec.policy import FIT_DECAY, DecayedLine
 
     monkeypatch.setattr(ngram.SuffixIndex, "match", lambda *a, **k: (0, []))
     helpers.steady_clock(monkeypatch)
     p = prompts()[1]
     engine = Engine(target().model, drafter("lookup", depth=3, width=2, nodes=5), k=3)
-    [res] = engine.generate([p], SamplingParams(max_new_tokens=60))
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir(0)), dtype=torch.float32).eval()
     hf.generation_config.pad_token_id = 0
-    assert res.tokens == hf_greedy(hf, p, 60)
+    want = hf_greedy(hf, p, 60)
+    [res] = engine.generate([p], SamplingParams(max_new_tokens=60))
+    assert res.tokens == want
     head = engine.policy.sources["eagle"]
     assert head.timed and head.t_catch is not None
+    head.time, head.t_catch = DecayedLine(FIT_DECAY), 0.0
+    head.time.observe(1, 1e-6)
+    [res] = engine.generate([p], SamplingParams(max_new_tokens=60))
+    assert res.tokens == want
     assert res.stats.sources.get("eagle", [0])[0] > 0
 
 
@@ -468,7 +474,7 @@ def test_dynamic_tree_equals_a_path_by_path_reference(monkeypatch, depth, width,
         _, h = tg.model(torch.tensor([p]), torch.arange(len(p))[None], tg.model.new_cache(1, 64))
         hid.append(h[0])
     d.begin(ps, SamplingParams(), 64)
-    got = d.propose(DraftContext([list(p) for p in ps], SamplingParams(), None, list(hid)), depth)
+    got = d.propose(DraftContext([list(p) for p in ps], SamplingParams(), None, list(hid)), nodes)
 
     head = d.head
     E = tg.model.embed.weight.detach().float()

@@ -298,7 +298,8 @@ def priced_run(c: float, r: float, holds: list[float], steps: int = 300, k: int 
     (a fixed seed; from step later[0] on, later[1] instead). timed_alone: the scheduler timed the
     draft model alone first (else it is priced as free until it drafts). rule: "priced" (the cost
     model), "always" (a fixed k), "free probes" (probes that ignore their catch-up's cost and
-    whether the draft could pay), "no room" (a first catch-up before the fit waits for no room).
+    whether the draft could pay), "no room" (a first catch-up waits for
+    no room and is priced as free).
     Returns (the steps that drafted, their lengths, committed tokens per plain step's time)."""
     policy = LoadPolicy(k, adaptive=rule != "always")
     stats = policy.source("draft", False, False, 0.6)
@@ -310,6 +311,7 @@ def priced_run(c: float, r: float, holds: list[float], steps: int = 300, k: int 
         policy._could_pay = lambda q, A: True
     if rule == "no room":
         policy.probe_room = 0
+        stats.catch_up = lambda behind: 0.0
     rng = random.Random(0)
     behind, committed, clock = 40, 0, 0.0
     at, lengths = [], []
@@ -398,7 +400,8 @@ def test_a_draft_that_starts_to_pay_is_noticed_where_probes_are_cheap(catch_up):
 @pytest.mark.parametrize("rule", ["priced", "no room"])
 def test_a_short_answer_does_not_start_the_draft_model(rule):
     """With 24 tokens to go, the draft model's catch-up on a 40-token prompt (10 plain steps) could
-    not pay back: it never runs. Without the room rule the first steps pay it."""
+    not pay back: it never runs. Without the room rule and the catch-up's price the first steps
+    pay it."""
     at, _, rate = priced_run(c=0.2, r=0.05, holds=[0.9], steps=20, room=24, rule=rule)
     assert (at == [] and rate == 1.0) == (rule == "priced"), (at, rate)
 
@@ -548,10 +551,11 @@ def test_auto_takes_the_tree_only_where_it_pays_more_than_the_lookup():
 def test_a_tree_that_does_not_pay_is_probed_ever_more_rarely_and_only_with_room(monkeypatch, rule):
     """At one row a tree that never pays is probed after 16, 32, 64, 128, 256 declined steps (4
     probes in 400 steps), never for a row with fewer than PROBE_ROOM tokens left. A probe every
-    16th step whatever it found (a broken rule) makes ~25."""
+    16th step whatever it found and cost (a broken rule) makes ~25."""
     if rule == "every 16th step":
         monkeypatch.setattr(ProbeSchedule, "due", lambda self, room=True, share=1.0: (
             setattr(self, "n", getattr(self, "n", 0) + 1) or self.n % PROBE_EVERY == 0))
+        monkeypatch.setattr(ProbeSchedule, "affordable", lambda self, cost, left: True)
     policy, tree = auto_policy(0.1)
 
     def probes(room, steps=400):
@@ -613,3 +617,49 @@ def test_the_cost_model_round_trips_and_restores_sources_registered_later():
     other = LoadPolicy(4)
     other.relearn(bad)  # a source's state that does not fit is dropped when it registers
     assert not other.source("draft", False, False, 0.6).timed
+
+
+def test_probes_cost_at_most_their_share_of_the_declined_steps():
+    """Every probe together costs at most PROBE_SHARE of the steps that declined the choice, plus
+    a request's coming steps up to PROBE_HORIZON (or as many as were declined): a fresh engine
+    may spend ~1.3 plain steps on its first probe of a 64-token answer, not 3."""
+    from specdec.policy.probing import PROBE_HORIZON, PROBE_SHARE
+
+    schedule = ProbeSchedule()
+    for _ in range(16):
+        schedule.due()
+    budget = PROBE_SHARE * (16 + 47)
+    assert schedule.affordable(budget * 0.99, left=47) and not schedule.affordable(budget * 1.01, left=47)
+    assert not schedule.affordable(budget * 0.99, left=10)  # a shorter answer repays less
+    # a long answer counts PROBE_HORIZON of its steps, not all of them
+    assert not schedule.affordable(PROBE_SHARE * (16 + PROBE_HORIZON) * 1.01, left=10_000)
+    schedule.paid(budget * 0.99)
+    assert not schedule.affordable(0.1, left=47)  # what was spent counts
+    for _ in range(200):
+        schedule.due()
+    assert schedule.affordable(0.1, left=47)
+
+
+@pytest.mark.parametrize("rule", ["priced", "free probes"])
+def test_a_tree_whose_probe_a_short_answer_cannot_repay_is_not_probed(monkeypatch, rule):
+    """A declined tree whose first probe must read a 100-token prompt (0.05 plain steps a token)
+    is not probed in a 64-token answer; one that reads as it goes is, with its best PROBE_NODES
+    nodes only (not its whole 16-node tree). Probes priced as free (a broken rule) probe both."""
+    if rule == "free probes":
+        monkeypatch.setattr(ProbeSchedule, "affordable", lambda self, cost, left: True)
+
+    def first_probe(lag: int):
+        policy, tree = auto_policy(0.1)
+        tree.nodes, tree.t_catch = 16.0, 0.05 * 0.010
+        look = policy.source("ngram", True, False, LOOKUP_PRIOR)
+        for step in range(1, 64):
+            behind = lag + step if lag else 0  # (declined, it falls behind by a token a step)
+            quotes = [Quote(look, [True], offers=[None]), Quote(tree, [True], lags=[behind], every_row=False)]
+            choice = policy.choose(quotes, step, [64 - step])
+            if choice.source == [1]:
+                return choice
+        return None
+
+    probe = first_probe(lag=0)
+    assert probe is not None and probe.probe and probe.k == LoadPolicy.PROBE_NODES, probe
+    assert (first_probe(lag=100) is None) == (rule == "priced")

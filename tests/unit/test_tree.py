@@ -252,3 +252,18 @@ def test_broken_tree_rule_is_caught(monkeypatch, name):
     samples, _ = sample_tree(mode, branching, params, seed0=99, calls=3)
     results = chi2_views(samples, params, exact)
     assert any(r.rejected for _, r in results), [f"{lb}: {r}" for lb, r in results]
+
+
+def test_best_nodes_keeps_the_likeliest_nodes_with_their_parents():
+    """The m likeliest nodes by path probability, in the original order with parents renumbered;
+    a node's probability never exceeds its parent's, so no kept node loses its parent."""
+    from specdec.tree import best_nodes
+
+    #        root
+    #   1(.6)     2(.3)
+    #  3(.5) 4(.05)  5(.2)
+    toks, pars, probs = [10, 20, 30, 40, 50], [0, 0, 1, 1, 2], [0.6, 0.3, 0.5, 0.05, 0.2]
+    assert best_nodes(toks, pars, probs, 3) == ([10, 20, 30], [0, 0, 1], [0.6, 0.3, 0.5])
+    assert best_nodes(toks, pars, probs, 2) == ([10, 30], [0, 1], [0.6, 0.5])
+    assert best_nodes(toks, pars, probs, 4) == ([10, 20, 30, 50], [0, 0, 1, 2], [0.6, 0.3, 0.5, 0.2])
+    assert best_nodes(toks, pars, probs, 9) == (toks, pars, probs)

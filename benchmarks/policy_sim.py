@@ -1,0 +1,208 @@
+"""The cost model on a simulated machine: every method against plain decoding, with the clock
+advanced only by modelled costs, so the figures do not depend on how loaded this machine is and a
+machine you do not have (verification dear or cheap, a slow drafter) can be tried.
+
+The real model decodes the real prompts (so every guess and every acceptance is real, and every
+text is checked against plain decoding's), but `time.perf_counter` reads a simulated clock that
+only the target's forwards and the drafters' work advance, by a cost profile in plain-step units:
+
+- the target scoring A rows of T tokens costs `profile(A * T)` (a curve through measured points,
+  t(1) = 1 step of `--step-ms`);
+- the draft model's forward costs `--draft-ratio` of the target's at the same size;
+- an EAGLE proposal costs `--eagle` steps plus `--catch-up` per committed token it reads first;
+  a Medusa proposal `--medusa` steps.
+
+Everything the cost model measures (step times, drafting times, timing the sources alone) is read
+off that clock, so what it chooses is what it would choose on such a machine; the ratio of decode
+rates is exact for the profile (no repeats needed). Each call is a fresh engine, as in
+`method_grid.py`:
+
+    python benchmarks/policy_sim.py --profile xeon-vnni --methods ngram,suffix,draft,eagle,medusa,auto
+    python benchmarks/policy_sim.py --profile dear --batches 1,8 --samplings greedy,t0.8
+
+Profiles (t(T) / t(1) at T tokens scored; linear between points and past the last):
+  xeon-vnni  the default model on a 2-core Intel Xeon (Sapphire Rapids), benchmarks/forward_costs.py
+  zen2-avx2  the default model on a 2-core AMD EPYC Zen 2 (docs/benchmarks.md, "What a forward costs")
+  dear       verification far dearer than any measured CPU (0.3 step a token)
+  cheap      a GPU-like machine (0.01 step a token)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from bisect import bisect_right
+
+import torch
+from devset import DEV_SET
+from harness import emit, table
+
+PROFILES = {
+    "xeon-vnni": [(1, 1.0), (2, 1.35), (3, 1.25), (4, 1.28), (5, 1.33), (8, 2.08), (9, 2.2), (17, 3.6)],
+    "zen2-avx2": [(1, 1.0), (2, 1.19), (3, 1.40), (5, 2.14), (9, 3.68)],
+    "dear": [(1, 1.0), (2, 1.3)],
+    "cheap": [(1, 1.0), (2, 1.01)],
+}
+
+
+class SimClock:
+    """A clock that only `advance` moves (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def curve(points: list[tuple[int, float]]):
+    """t(T) in plain steps: linear between the measured points, extended along the last segment."""
+    xs = [x for x, _ in points]
+
+    def at(tokens: int) -> float:
+        if tokens <= xs[0]:
+            return points[0][1] * tokens / xs[0]
+        i = min(max(bisect_right(xs, tokens) - 1, 0), len(points) - 2)
+        (x0, y0), (x1, y1) = points[i], points[i + 1]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+    return at
+
+
+def charged(module, clock: SimClock, cost) -> None:
+    """Every forward of `module` (an nn.Module instance) advances the clock by cost(tokens), where
+    tokens = rows x new tokens of its input ids."""
+    forward = module.forward
+
+    def timed(ids, *args, **kwargs):
+        out = forward(ids, *args, **kwargs)
+        clock.advance(cost(int(ids.numel())))
+        return out
+    module.forward = timed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="xeon-vnni", choices=sorted(PROFILES))
+    ap.add_argument("--step-ms", type=float, default=15.0, help="one plain step, ms. Default: 15")
+    ap.add_argument("--draft-ratio", type=float, default=0.4, help="a draft-model forward / the target's. Default: 0.4")
+    ap.add_argument("--eagle", type=float, default=0.5, help="an EAGLE proposal, plain steps. Default: 0.5")
+    ap.add_argument("--catch-up", type=float, default=0.02, help="an EAGLE catch-up per token read, steps. Default: 0.02")
+    ap.add_argument("--medusa", type=float, default=0.05, help="a Medusa proposal, plain steps. Default: 0.05")
+    ap.add_argument("--data", default=str(DEV_SET), help="Spec-Bench JSONL. Default: the shared dev set")
+    ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--humaneval", type=int, default=2)
+    ap.add_argument("--methods", default="ngram,suffix,draft,eagle,medusa,auto")
+    ap.add_argument("--samplings", default="greedy", help="greedy and/or tT (temperature T, seeded)")
+    ap.add_argument("--batches", default="1", help="batch sizes. Default: 1")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0: all)")
+    ap.add_argument("--trace", action="store_true", help="print every step's choice and simulated time")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from specdec.bench.tasks import dev_and_humaneval
+    from specdec.config import SpecConfig, build_engine
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.drafters.eagle import EagleDrafter
+    from specdec.drafters.medusa import MedusaDrafter
+    from specdec.drafters.suffix import forget_shared
+    from specdec.metrics import summarize
+    from specdec.models.loader import load_model
+    from specdec.types import SamplingParams
+
+    clock = SimClock()
+    step = args.step_ms / 1e3
+    target_cost = curve(PROFILES[args.profile])
+    target = load_model(None, quiet=True)
+    prompts = [ids for _, ids in dev_and_humaneval(target.tokenizer, args.data, args.per_category, args.humaneval)]
+    prompts = prompts[:args.limit] if args.limit else prompts
+    if args.trace:
+        import logging
+
+        logging.basicConfig(format="%(message)s")
+        trace = logging.getLogger("policy_sim")
+        trace.setLevel(logging.DEBUG)
+    charged(target.model, clock, lambda tokens: step * target_cost(tokens))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() != "none"]
+
+    def engine(method: str):
+        """A fresh engine whose drafters advance the simulated clock."""
+        e = build_engine(SpecConfig(method=method), target)
+        if args.trace:
+            make = e._scheduler
+
+            def traced(*a, make=make):
+                scheduler = make(*a)
+                scheduler.log = trace
+                return scheduler
+            e._scheduler = traced
+        for d in e.sources:
+            if isinstance(d, DraftModelDrafter) and not getattr(d.model, "_sim", False):
+                charged(d.model, clock, lambda tokens: step * args.draft_ratio * target_cost(tokens))
+                d.model._sim = True
+            elif isinstance(d, EagleDrafter):
+                propose = d.propose
+
+                def eagle_propose(ctx, max_tokens, d=d, propose=propose):
+                    behind = sum(max(len(t) - 1 - n, 0) for t, n in zip(ctx.tokens, d.n))
+                    out = propose(ctx, max_tokens)
+                    if max_tokens > 0 and (ctx.want is None or any(ctx.want)):
+                        clock.advance(step * (args.eagle + args.catch_up * behind))
+                    return out
+                d.propose = eagle_propose
+            elif isinstance(d, MedusaDrafter):
+                propose = d.propose
+
+                def medusa_propose(ctx, max_tokens, propose=propose):
+                    out = propose(ctx, max_tokens)
+                    if max_tokens > 0:
+                        clock.advance(step * args.medusa)
+                    return out
+                d.propose = medusa_propose
+        return e
+
+    real = time.perf_counter
+    time.perf_counter = clock
+    rows, cells = [], []
+    try:
+        for sampling in [s.strip() for s in args.samplings.split(",") if s.strip()]:
+            params = SamplingParams(max_new_tokens=args.max_new_tokens) if sampling == "greedy" else \
+                SamplingParams(max_new_tokens=args.max_new_tokens, temperature=float(sampling[1:]), seed=7)
+            for batch in [int(b) for b in args.batches.split(",") if b.strip()]:
+                items = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+                results = {}
+                for method in ["none"] + methods:
+                    t0 = real()
+                    out = []
+                    for item in items:
+                        forget_shared()
+                        out.append(engine(method).generate(item, params))
+                    results[method] = out
+                    print(f"  {sampling}, batch {batch}, {method}: {real() - t0:.0f} s", flush=True)
+                plain = summarize([r for item in results["none"] for r in item])
+                for method in methods:
+                    got = summarize([r for item in results[method] for r in item])
+                    equal = all([r.tokens for r in a] == [r.tokens for r in b]
+                                for a, b in zip(results[method], results["none"]))
+                    cell = {"method": method, "sampling": sampling, "batch": batch,
+                            "ratio": round(got["tokens_per_s"] / plain["tokens_per_s"], 3), "equal": equal,
+                            "row_steps_without_guesses": got["plain_steps"],
+                            "sources": got["sources"]}
+                    cells.append(cell)
+                    rows.append({**cell, "declined": ", ".join(f"{k} {v}" for k, v in sorted(got["plain_steps"].items())),
+                                 "accepted": ", ".join(f"{k} {v['accepted']}/{v['proposed']}"
+                                                       for k, v in sorted(got["sources"].items()))})
+    finally:
+        time.perf_counter = real
+    print(table(rows, ["method", "sampling", "batch", "ratio", "equal", "declined", "accepted"]))
+    emit({"benchmark": "policy_sim", "profile": args.profile, "costs": vars(args), "prompts": len(prompts),
+          "cells": cells, "worst": min((c["ratio"] for c in cells), default=None)})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
