@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from specdec.threads import allowed_cpus, others_busy_cores, read_cpu_jiffies, read_cpu_waiting  # noqa: E402
+from specdec.threads import allowed_cpus, others_busy_cores, read_cpu_jiffies  # noqa: E402  (no torch)
 PROMPT = "Write a short story about a robot who learns to paint."
 
 # name -> (extra environment, extra generate flags)
@@ -117,6 +117,17 @@ def run_once(name: str, max_new: int, method: str, model: str | None) -> tuple[f
 
 
 run_once.children_cpu = 0.0  # (the CPU seconds of the runs waited for so far: RUSAGE_CHILDREN only grows)
+
+
+def read_cpu_waiting() -> float | None:
+    """Seconds so far in which some runnable task waited for a CPU (/proc/pressure/cpu's "some"
+    total, microseconds); None where the kernel does not report CPU pressure."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            some = next(line for line in f if line.startswith("some "))
+        return int(some.rsplit("total=", 1)[1]) / 1e6
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
 
 
 @functools.cache

@@ -10,17 +10,12 @@ One thread less than the busy cores avoids the barrier stalls entirely; the cost
 speed-up of the extra threads, which only pays while their cores are free.
 
 So unless the user fixed the count (`--threads`, or OMP_NUM_THREADS), `ThreadGovernor` sets
-torch's thread count from what other processes want of this process's allowed cores over the
-last interval: at start-up (the interval spent importing and loading) and again every `interval`
-seconds of decoding (`tick`, which the decode loop calls once per step; it costs a clock read
-between checks). What they want is read two ways, and the larger counts: the CPU time they used
-(/proc/stat minus this process's own time), and the share of the time some task waited for a
-core (/proc/pressure/cpu, where the kernel has it and this process may use every CPU). The
-second matters while our threads fill every core: another process then gets less time than it
-wants (our threads, spinning, crowd it out), so its use alone under-reports it, and a waiting
-task is exactly what stalls a barrier. A core counts as free only while others want it less than
-FREE_BELOW of the time. Thread count does not change results on specdec's kernels (each output
-row is summed by one thread), so switching between steps is safe.
+torch's thread count from the CPU time other processes used on this process's allowed cores
+(/proc/stat minus this process's own time) over the last interval: at start-up (the interval
+spent importing and loading) and again every `interval` seconds of decoding (`tick`, which the
+decode loop calls once per step; it costs a clock read between checks). A core counts as free
+only while others use less than FREE_BELOW of it. Thread count does not change results on
+specdec's kernels (each output row is summed by one thread), so switching between steps is safe.
 
 Knows nothing about models.
 """
@@ -31,8 +26,8 @@ import os
 import time
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-#: a core counts as free for a decoding thread while other processes want it less than this share
-#: of the time. Two threads beat one beside others' share c only while (1 - c) x the 2-thread
+#: a core counts as free for a decoding thread while other processes use less than this share of
+#: it. Two threads beat one beside others' share c only while (1 - c) x the 2-thread
 #: speed-up (1.6x on the default model) exceeds 1, c < ~0.38 even without the stalls above, which
 #: make a shared core cost far more than its lost time (was 0.5: a core half used by others was free)
 FREE_BELOW = 0.25
@@ -67,25 +62,6 @@ def read_cpu_jiffies(cpus: list[int], text: str | None = None) -> tuple[int, int
     return (busy, total) if total else None
 
 
-def read_cpu_waiting(text: str | None = None) -> float | None:
-    """Seconds so far in which some runnable task waited for a CPU (/proc/pressure/cpu's "some"
-    total); None where the kernel does not report CPU pressure."""
-    if text is None:
-        try:
-            with open("/proc/pressure/cpu") as f:
-                text = f.read()
-        except OSError:
-            return None
-    for line in text.splitlines():
-        if line.startswith("some "):
-            fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
-            try:
-                return int(fields["total"]) / 1e6
-            except (KeyError, ValueError):
-                return None
-    return None
-
-
 def own_cpu_seconds() -> float:
     """CPU seconds this process used so far (all its threads)."""
     t = os.times()
@@ -104,26 +80,21 @@ def others_busy_cores(before: tuple[int, int], after: tuple[int, int], own_s: fl
 
 
 def choose_threads(cores: int, others: float) -> int:
-    """Threads for `cores` allowed cores when other processes want `others` cores: the cores they
-    leave free, a core counting as free while they want less than FREE_BELOW of it; at least 1."""
+    """Threads for `cores` allowed cores when other processes keep `others` cores busy: the cores
+    they leave free, a core counting as free while they use less than FREE_BELOW of it; at least 1."""
     return max(1, min(cores, int(cores - others + FREE_BELOW)))
 
 
 class ThreadGovernor:
     """Keeps torch's thread count at the free cores (`choose_threads`), re-measured every `interval`
     seconds at most (see the module docstring). `set_threads` is torch.set_num_threads unless a test
-    passes its own; `sample` reads (busy, total) ticks, `own` this process's CPU seconds and `waiting`
-    the seconds some task waited for a CPU (None: not known; by default read only where this process
-    may use every CPU, as the kernel's figure covers them all)."""
+    passes its own; `sample` reads (busy, total) ticks and `own` this process's CPU seconds."""
 
     def __init__(self, interval: float = 0.5, set_threads=None, sample=None, own=own_cpu_seconds,
-                 cpus: list[int] | None = None, clock=time.monotonic, waiting=None) -> None:
+                 cpus: list[int] | None = None, clock=time.monotonic) -> None:
         self.cpus = cpus if cpus is not None else allowed_cpus()
         self.interval, self.clock, self.own = interval, clock, own
         self.sample = sample if sample is not None else (lambda: read_cpu_jiffies(self.cpus))
-        if waiting is None:
-            waiting = read_cpu_waiting if len(self.cpus) >= (os.cpu_count() or 0) else (lambda: None)
-        self.waiting = waiting
         if set_threads is None:
             import torch
 
@@ -134,29 +105,17 @@ class ThreadGovernor:
         self._mark()
 
     def _mark(self) -> None:
-        self._t, self._stat, self._own, self._waited = self.clock(), self.sample(), self.own(), self.waiting()
-
-    def others(self) -> float | None:
-        """What other processes wanted since the last mark, in cores (the module docstring): their
-        CPU use, or the share of the time some task waited for a CPU where that is larger. None if
-        too little time passed to tell."""
-        stat, own, waited = self.sample(), self.own(), self.waiting()
-        if stat is None or self._stat is None:
-            return None
-        used = others_busy_cores(self._stat, stat, own - self._own, len(self.cpus))
-        if used is None:
-            return None
-        elapsed = self.clock() - self._t
-        if waited is None or self._waited is None or elapsed <= 0:
-            return used
-        return max(used, min(1.0, (waited - self._waited) / elapsed))
+        self._t, self._stat, self._own = self.clock(), self.sample(), self.own()
 
     def adjust(self) -> int | None:
         """Measure the interval since the last mark, set the thread count, start a new interval.
         Returns the count set (None when nothing could be measured)."""
-        others = self.others()
+        stat, own = self.sample(), self.own()
+        if stat is None or self._stat is None:
+            return None
+        others = others_busy_cores(self._stat, stat, own - self._own, len(self.cpus))
         if others is None:
-            return None  # too short to tell (or nothing readable): keep measuring from the same mark
+            return None  # too short to tell: keep measuring from the same mark
         n = choose_threads(len(self.cpus), others)
         if n != self.threads:
             self.set_threads(n)

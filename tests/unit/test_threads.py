@@ -22,7 +22,7 @@ def test_read_cpu_jiffies_sums_allowed_cpus_only():
     assert threads.read_cpu_jiffies([5], text) is None
 
 
-def test_choose_threads_counts_a_core_free_only_while_others_want_little_of_it():
+def test_choose_threads_counts_a_core_free_only_while_others_use_little_of_it():
     assert threads.choose_threads(2, 0.0) == 2
     assert threads.choose_threads(2, 0.2) == 2  # light background work: its core still counts as free
     assert threads.choose_threads(2, 0.3) == 1  # a thread there would stall every barrier now and then
@@ -30,12 +30,6 @@ def test_choose_threads_counts_a_core_free_only_while_others_want_little_of_it()
     assert threads.choose_threads(2, 2.0) == 1  # never fewer than one
     assert threads.choose_threads(8, 3.0) == 5
     assert threads.choose_threads(8, 2.8) == 5
-
-
-def test_read_cpu_waiting_reads_the_some_total():
-    text = "some avg10=12.50 avg60=3.00 avg300=1.00 total=2500000\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
-    assert threads.read_cpu_waiting(text) == 2.5
-    assert threads.read_cpu_waiting("full avg10=0.00 total=7\n") is None
 
 
 def test_others_busy_subtracts_own_time():
@@ -47,27 +41,24 @@ def test_others_busy_subtracts_own_time():
 
 
 class FakeMachine:
-    """Ticks advance by hand: `run(seconds, others_cores, own_cores, waiting)` (waiting: the share
-    of those seconds some task waited for a CPU)."""
+    """Ticks advance by hand: `run(seconds, others_cores, own_cores)`."""
 
     def __init__(self):
         self.busy = self.total = 0
-        self.own = self.waited = 0.0
+        self.own = 0.0
         self.now = 0.0
 
-    def run(self, seconds, others, own, waiting=0.0):
+    def run(self, seconds, others, own):
         hz = threads.CLOCK_TICKS
         self.total += int(2 * seconds * hz)
         self.busy += int((others + own) * seconds * hz)
         self.own += own * seconds
-        self.waited += waiting * seconds
         self.now += seconds
 
 
-def make_governor(m, calls, pressure=True):
+def make_governor(m, calls):
     return threads.ThreadGovernor(interval=0.5, set_threads=calls.append, sample=lambda: (m.busy, m.total),
-                                  own=lambda: m.own, cpus=[0, 1], clock=lambda: m.now,
-                                  waiting=(lambda: m.waited) if pressure else (lambda: None))
+                                  own=lambda: m.own, cpus=[0, 1], clock=lambda: m.now)
 
 
 def test_governor_follows_load():
@@ -87,25 +78,9 @@ def test_governor_follows_load():
     m.run(0.6, others=0.0, own=1.0)  # they end
     g.tick()
     assert calls == [2, 1, 2] and g.changes == 2
-
-
-def test_a_crowded_out_process_counts_by_its_waiting():
-    """Two threads fill both cores; another process that wants 0.45 of a core gets 0.2 of one (our
-    spinning threads crowd it out), but some task waits 45% of the time: one thread, and one it
-    stays once the other process gets what it wants. Without the waiting figure its use alone
-    keeps two threads, which stall at the barriers."""
-    for pressure, want in ((True, [2, 1]), (False, [2])):
-        m, calls = FakeMachine(), []
-        g = make_governor(m, calls, pressure)
-        m.run(1.0, others=0.0, own=1.0)
-        assert g.adjust() == 2
-        m.run(0.6, others=0.2, own=1.8, waiting=0.45)
-        g.tick()
-        assert calls == want
-        if pressure:
-            m.run(0.6, others=0.45, own=1.0)  # (one thread: it gets what it wants, and nobody waits)
-            g.tick()
-            assert calls == [2, 1]
+    m.run(0.6, others=0.35, own=1.6)  # a process using a third of a core: its core is not free
+    g.tick()
+    assert calls == [2, 1, 2, 1]
 
 
 def test_start_respects_fixed_and_environment(monkeypatch):
