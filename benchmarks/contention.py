@@ -28,10 +28,10 @@ import functools
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,17 +95,16 @@ def run_once(name: str, max_new: int, method: str, model: str | None) -> tuple[f
         cmd = [sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--method", method, "--max-new-tokens",
                str(max_new), "--json", "--quiet", "--fresh", *(["--model", model] if model else []), *flags]
     before, waited, t0 = read_cpu_jiffies(allowed_cpus()), read_cpu_waiting(), time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = p.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        raise SystemExit(f"{' '.join(cmd[:3])} ... took over 900 s")
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with tempfile.TemporaryFile() as errors:  # (stderr to a file: reading two pipes in turn could block)
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errors, text=True)
+        out = p.stdout.read()
+        _, status, usage = os.wait4(p.pid, 0)  # (this run's own CPU time, not the busy loops' reaped earlier)
+        errors.seek(0)
+        err = errors.read().decode(errors="replace")
+    p.returncode = os.waitstatus_to_exitcode(status)
     after, waited_after, wall = read_cpu_jiffies(allowed_cpus()), read_cpu_waiting(), time.perf_counter() - t0
     waiting = None if waited is None or waited_after is None else (waited_after - waited) / wall
-    own = usage.ru_utime + usage.ru_stime - run_once.children_cpu
-    run_once.children_cpu = usage.ru_utime + usage.ru_stime
+    own = usage.ru_utime + usage.ru_stime
     others = others_busy_cores(before, after, own, len(allowed_cpus())) if before and after else None
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:3])} ... failed: {err.strip()[-500:]}")
@@ -114,9 +113,6 @@ def run_once(name: str, max_new: int, method: str, model: str | None) -> tuple[f
         return float(last), others, waiting
     stats = json.loads(last)["stats"]
     return stats["new_tokens"] / max(stats["decode_s"], 1e-9), others, waiting
-
-
-run_once.children_cpu = 0.0  # (the CPU seconds of the runs waited for so far: RUSAGE_CHILDREN only grows)
 
 
 def read_cpu_waiting() -> float | None:

@@ -142,13 +142,20 @@ def measure_load(cold: bool = False) -> dict:
     """Load the 1.5B in this (fresh) process: seconds, and peak RSS with a 4096-token KV cache;
     `cold`: a first load (cold_cache_root), whose tokenizer conversion runs in a child process
     (its peak is reported apart: the loading process never holds it)."""
+    path = fetch("target")
+    root = cold_cache_root() if cold else None
+    try:
+        return _measure_load(path, cold)
+    finally:
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _measure_load(path: Path, cold: bool) -> dict:
     import torch
 
     from specdec.models.loader import load_model
 
-    root = cold_cache_root() if cold else None
-
-    path = fetch("target")
     t0 = time.perf_counter()
     lm = load_model(str(path), quiet=True)
     load_s = time.perf_counter() - t0
@@ -163,8 +170,6 @@ def measure_load(cold: bool = False) -> dict:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     file_bytes = path.stat().st_size
-    if root is not None:
-        shutil.rmtree(root, ignore_errors=True)
     return {"cache": "cold" if cold else "warm", "load_s": round(load_s, 2),
             "peak_rss_after_load_GB": round(rss_load / 1e9, 3),
             "peak_rss_after_decoding_GB": round(rss / 1e9, 3), "file_GB": round(file_bytes / 1e9, 3),

@@ -27,9 +27,10 @@ import time
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 #: a core counts as free for a decoding thread while other processes use less than this share of
-#: it. Two threads beat one beside others' share c only while (1 - c) x the 2-thread
-#: speed-up (1.6x on the default model) exceeds 1, c < ~0.38 even without the stalls above, which
-#: make a shared core cost far more than its lost time (was 0.5: a core half used by others was free)
+#: it. Two threads beat one beside others' share c only while (1 - c) x the 2-thread speed-up
+#: (1.6x on the default model, Zen 4: benchmarks.md) exceeds 1, c < ~0.38 even without the stalls
+#: above, which make a shared core cost far more than its lost time (was 0.5: a core half used by
+#: others counted as free)
 FREE_BELOW = 0.25
 
 
