@@ -5,8 +5,12 @@ OMP_WAIT_POLICY take effect only before torch starts, so every run is a fresh pr
 repeat, every variant runs once idle and once beside --busy bounded busy loops
 (`timeout S sh -c 'yes > /dev/null'`), the variants interleaved so drift hits all alike; the
 decode rate comes from the run's --json stats (new tokens / decode seconds) and the medians
-over repeats are printed with the ratio busy / idle. The issue's goal: >= 0.35x (a fair share
-with 4 runnable threads on 2 cores is ~0.5x).
+over repeats are printed with the ratio busy / idle, and the median of each repeat's own ratio
+("paired": an idle run and the busy run right after it share what else the machine was doing).
+Beside each run, the cores other processes kept busy meanwhile (/proc/stat minus the run's own CPU
+time; the busy loops are among them in a busy run) and the share of the time some task waited for
+a core (/proc/pressure/cpu): on a shared machine "idle" is seldom idle. The
+issue's goal: >= 0.35x (a fair share with 4 runnable threads on 2 cores is ~0.5x).
 
 The `llamacpp` variants run llama.cpp (llama-cpp-python, `pip install -e ".[peers]"`) on the
 same GGUF file and prompt in a fresh process, greedy, with 2 or 1 threads; their rate is also
@@ -27,10 +31,13 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from specdec.threads import allowed_cpus, others_busy_cores, read_cpu_jiffies  # noqa: E402  (no torch)
 PROMPT = "Write a short story about a robot who learns to paint."
 
 # name -> (extra environment, extra generate flags)
@@ -69,8 +76,13 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def run_once(name: str, max_new: int, method: str, model: str | None) -> float:
-    """One run of a variant in a fresh process; its decode tokens/s (specdec: from the --json stats)."""
+def run_once(name: str, max_new: int, method: str, model: str | None) -> tuple[float, float | None, float | None]:
+    """One run of a variant in a fresh process: its decode tokens/s (specdec: from the --json stats),
+    the cores other processes (the busy loops included) kept busy meanwhile, on average
+    (/proc/stat's busy time minus the run's own CPU time, over its wall time), and the share of its
+    wall time some task waited for a core (/proc/pressure/cpu; None where not reported): what
+    "idle" was. (On a saturated machine the cores others used are 2 minus our share; the waiting
+    share then says that it was saturated.)"""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     if name in LLAMACPP_VARIANTS:
@@ -82,14 +94,36 @@ def run_once(name: str, max_new: int, method: str, model: str | None) -> float:
         env.update(env_extra)  # only the variant's own thread settings
         cmd = [sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--method", method, "--max-new-tokens",
                str(max_new), "--json", "--quiet", "--fresh", *(["--model", model] if model else []), *flags]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:3])} ... failed: {out.stderr.strip()[-500:]}")
-    last = out.stdout.strip().splitlines()[-1]
+    before, waited, t0 = read_cpu_jiffies(allowed_cpus()), read_cpu_waiting(), time.perf_counter()
+    with tempfile.TemporaryFile() as errors:  # (stderr to a file: reading two pipes in turn could block)
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errors, text=True)
+        out = p.stdout.read()
+        _, status, usage = os.wait4(p.pid, 0)  # (this run's own CPU time, not the busy loops' reaped earlier)
+        errors.seek(0)
+        err = errors.read().decode(errors="replace")
+    p.returncode = os.waitstatus_to_exitcode(status)
+    after, waited_after, wall = read_cpu_jiffies(allowed_cpus()), read_cpu_waiting(), time.perf_counter() - t0
+    waiting = None if waited is None or waited_after is None else (waited_after - waited) / wall
+    own = usage.ru_utime + usage.ru_stime
+    others = others_busy_cores(before, after, own, len(allowed_cpus())) if before and after else None
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed: {err.strip()[-500:]}")
+    last = out.strip().splitlines()[-1]
     if name in LLAMACPP_VARIANTS:
-        return float(last)
+        return float(last), others, waiting
     stats = json.loads(last)["stats"]
-    return stats["new_tokens"] / max(stats["decode_s"], 1e-9)
+    return stats["new_tokens"] / max(stats["decode_s"], 1e-9), others, waiting
+
+
+def read_cpu_waiting() -> float | None:
+    """Seconds so far in which some runnable task waited for a CPU (/proc/pressure/cpu's "some"
+    total, microseconds); None where the kernel does not report CPU pressure."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            some = next(line for line in f if line.startswith("some "))
+        return int(some.rsplit("total=", 1)[1]) / 1e6
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
 
 
 @functools.cache
@@ -105,6 +139,19 @@ def default_gguf() -> str:
     from specdec.models.loader import default_model_path
 
     return str(default_model_path())
+
+
+def _median(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _cores(x: float | None) -> str:
+    return "?" if x is None else f"{x:.2f}"
+
+
+def _share(x: float | None) -> str:
+    return "?" if x is None else f"{100 * x:.0f}%"
 
 
 def start_busy(n: int, seconds: int) -> list[subprocess.Popen]:
@@ -126,27 +173,45 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown variants {', '.join(unknown)}; choose from {', '.join([*VARIANTS, *LLAMACPP_VARIANTS])}")
     rates: dict[tuple[str, str], list[float]] = {(n, c): [] for n in names for c in ("idle", "busy")}
+    others: dict[tuple[str, str], list[float | None]] = {(n, c): [] for n in names for c in ("idle", "busy")}
+    waiting: dict[tuple[str, str], list[float | None]] = {(n, c): [] for n in names for c in ("idle", "busy")}
+
+    def run(name: str, cond: str) -> None:
+        rate, busy_cores, waited = run_once(name, args.max_new_tokens, args.method, args.model)
+        rates[(name, cond)].append(rate)
+        others[(name, cond)].append(busy_cores)
+        waiting[(name, cond)].append(waited)
+
     for r in range(args.repeats):
         for name in names:
-            rates[(name, "idle")].append(run_once(name, args.max_new_tokens, args.method, args.model))
+            run(name, "idle")
             busy = start_busy(args.busy, 900)
             time.sleep(0.5)
             try:
-                rates[(name, "busy")].append(run_once(name, args.max_new_tokens, args.method, args.model))
+                run(name, "busy")
             finally:
                 for p in busy:
                     p.terminate()
                     p.wait()
             print(f"repeat {r + 1} {name}: idle {rates[(name, 'idle')][-1]:.1f} busy {rates[(name, 'busy')][-1]:.1f} "
-                  "tok/s", file=sys.stderr)
+                  f"tok/s (ratio {rates[(name, 'busy')][-1] / rates[(name, 'idle')][-1]:.2f}); other processes kept "
+                  f"{_cores(others[(name, 'idle')][-1])} / {_cores(others[(name, 'busy')][-1])} cores busy, some task "
+                  f"waited for a core {_share(waiting[(name, 'idle')][-1])} / {_share(waiting[(name, 'busy')][-1])} of the "
+                  "time", file=sys.stderr)
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cpus; {args.busy} busy loops; method {args.method}; "
           f"model {args.model or 'default'}; {args.max_new_tokens} new tokens; medians of {args.repeats}")
-    print(f"{'variant':10s} {'idle tok/s':>10s} {'busy tok/s':>10s} {'busy/idle':>9s}")
+    print(f"{'variant':10s} {'idle tok/s':>10s} {'busy tok/s':>10s} {'busy/idle':>9s} {'paired':>7s}  "
+          "others' cores, idle / busy; waiting, idle / busy")
     doc = {}
     for name in names:
         idle, busy = statistics.median(rates[(name, 'idle')]), statistics.median(rates[(name, 'busy')])
-        print(f"{name:10s} {idle:10.1f} {busy:10.1f} {busy / idle:9.2f}")
-        doc[name] = {"idle": rates[(name, 'idle')], "busy": rates[(name, 'busy')]}
+        paired = statistics.median(b / i for i, b in zip(rates[(name, 'idle')], rates[(name, 'busy')]))
+        print(f"{name:10s} {idle:10.1f} {busy:10.1f} {busy / idle:9.2f} {paired:7.2f}  "
+              f"{_cores(_median(others[(name, 'idle')]))} / {_cores(_median(others[(name, 'busy')]))}; "
+              f"{_share(_median(waiting[(name, 'idle')]))} / {_share(_median(waiting[(name, 'busy')]))}")
+        doc[name] = {"idle": rates[(name, 'idle')], "busy": rates[(name, 'busy')],
+                     "others_idle": others[(name, 'idle')], "others_busy": others[(name, 'busy')],
+                     "waiting_idle": waiting[(name, 'idle')], "waiting_busy": waiting[(name, 'busy')]}
     print(json.dumps({"cpu": cpu_name(), "args": vars(args), "rates": doc}))
     return 0
 

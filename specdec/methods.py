@@ -90,9 +90,11 @@ def _eagle_head(cfg, target, path, tree: bool):
     nodes = cfg.tree_nodes or TABLE["eagle"].nodes
     if tree and nodes + 2 > target.model.max_context:
         raise SpecdecError(f"--tree-nodes {nodes} does not fit in the model's context ({target.model.max_context})")
+    from .models.loader import drafter_copies_dir
+
     head, meta = load_eagle(path, target)
     return EagleDrafter(head, target.model, meta.get("vocab_subset"), tree=tree, depth=cfg.tree_depth,
-                        width=cfg.tree_width, nodes=nodes)
+                        width=cfg.tree_width, nodes=nodes, saved=drafter_copies_dir(target, path))
 
 
 def _eagle(cfg, target, quiet):

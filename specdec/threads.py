@@ -3,17 +3,19 @@
 A decode step is a few hundred small parallel regions (one per matrix), each ending in a
 barrier. When another process wants a core, the OpenMP thread that waits at the barrier spins
 while the thread it waits for is descheduled, and a step that took 10 ms takes hundreds (on a
-2-core machine beside two busy loops, plain decoding fell from ~100 to under 1 token/s). One
-thread less than the busy cores avoids the barrier stalls entirely; the cost is the idle
+2-core machine beside two busy loops, plain decoding fell from ~100 to under 1 token/s). The
+spin is long: libgomp's 300000 PAUSE instructions take ~10 ms on a Sapphire Rapids Xeon, so a
+thread sharing its core even part of the time stalls the step far more than the time it loses.
+One thread less than the busy cores avoids the barrier stalls entirely; the cost is the idle
 speed-up of the extra threads, which only pays while their cores are free.
 
 So unless the user fixed the count (`--threads`, or OMP_NUM_THREADS), `ThreadGovernor` sets
 torch's thread count from the CPU time other processes used on this process's allowed cores
 (/proc/stat minus this process's own time) over the last interval: at start-up (the interval
 spent importing and loading) and again every `interval` seconds of decoding (`tick`, which the
-decode loop calls once per step; it costs a clock read between checks). Thread count does not
-change results on specdec's kernels (each output row is summed by one thread), so switching
-between steps is safe.
+decode loop calls once per step; it costs a clock read between checks). A core counts as free
+only while others use less than FREE_BELOW of it. Thread count does not change results on
+specdec's kernels (each output row is summed by one thread), so switching between steps is safe.
 
 Knows nothing about models.
 """
@@ -24,6 +26,12 @@ import os
 import time
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+#: a core counts as free for a decoding thread while other processes use less than this share of
+#: it. Two threads beat one beside others' share c only while (1 - c) x the 2-thread speed-up
+#: (1.6x on the default model, Zen 4: benchmarks.md) exceeds 1, c < ~0.38 even without the stalls
+#: above, which make a shared core cost far more than its lost time (was 0.5: a core half used by
+#: others counted as free)
+FREE_BELOW = 0.25
 
 
 def allowed_cpus() -> list[int]:
@@ -73,9 +81,9 @@ def others_busy_cores(before: tuple[int, int], after: tuple[int, int], own_s: fl
 
 
 def choose_threads(cores: int, others: float) -> int:
-    """Threads for `cores` allowed cores when other processes keep `others` cores busy: the free
-    cores, rounded (a core other work uses less than half the time counts as free), at least 1."""
-    return max(1, min(cores, int(cores - others + 0.5)))
+    """Threads for `cores` allowed cores when other processes keep `others` cores busy: the cores
+    they leave free, a core counting as free while they use less than FREE_BELOW of it; at least 1."""
+    return max(1, min(cores, int(cores - others + FREE_BELOW)))
 
 
 class ThreadGovernor:

@@ -64,10 +64,11 @@ def default_hf_folder(default_model, tmp_path_factory):
 
     from specdec.models.gguf_file import GGUFFile
     from specdec.models.loader import cache_root
+    from specdec.models.tokenizer import tokenizer_folder
 
     gguf = Path(default_model.gguf)
     folder = tmp_path_factory.mktemp("default-hf")
-    for f in (cache_root() / "tokenizers" / GGUFFile(gguf).tokenizer_digest()[:24]).iterdir():
+    for f in tokenizer_folder(GGUFFile(gguf), cache_root() / "tokenizers").iterdir():
         shutil.copy(f, folder / f.name)
     AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(folder))
     return folder

@@ -217,10 +217,10 @@ def direct_step_switch(model, fast: list | None = None):
     return switch
 
 
-def random_eagle(target, noise: float = 0.05):
+def random_eagle(target, noise: float = 0.05, saved=None, vocab_subset=None):
     """An EAGLE tree drafter (depth 3, width 2, 5 nodes) over `target` (a native model) with a
     head of seeded random weights near its initialisation: guesses of any quality, to check that
-    drafting stays exact on a model's kernels."""
+    drafting stays exact on a model's kernels (`saved`, `vocab_subset`: EagleDrafter's)."""
     from specdec.drafters.eagle import EagleDrafter, head_from_target
 
     torch.manual_seed(3)
@@ -228,7 +228,7 @@ def random_eagle(target, noise: float = 0.05):
     with torch.no_grad():
         for prm in head.parameters():
             prm.copy_(noise * torch.randn(prm.shape) + (1.0 if prm.dim() == 1 else 0.0))
-    return EagleDrafter(head.eval(), target, None, tree=True, depth=3, width=2, nodes=5)
+    return EagleDrafter(head.eval(), target, vocab_subset, tree=True, depth=3, width=2, nodes=5, saved=saved)
 
 
 def check_verification_equals_one_at_a_time(model) -> None:

@@ -202,7 +202,9 @@ class EagleDrafter(Drafter):
     partial_rows = True  # the tree's expansions run for the rows that take it only
 
     def __init__(self, head: EagleHead, target_model, vocab_subset=None, tree: bool = True, depth: int = 5,
-                 width: int = 4, nodes: int = 24, trim: bool = True) -> None:
+                 width: int = 4, nodes: int = 24, trim: bool = True, saved=None) -> None:
+        """saved: a folder where the Q8_0 copies of the head's weights are kept between runs
+        (loader.drafter_copies_dir; None: made at every start)."""
         if depth < 1 or width < 1 or nodes < 1:
             raise SpecdecError(f"EAGLE tree settings must be >= 1 (depth {depth}, width {width}, nodes {nodes})")
         self.head = head
@@ -216,7 +218,7 @@ class EagleDrafter(Drafter):
         h = head
         lins = (h.fc, h.wqkv, h.wo, h.w_gate_up, h.w_down)
         # the row-stable kernels, where the target's steps run on them
-        self.W_rs = rowstable_drafting(lins, self.W, target_model)
+        self.W_rs = rowstable_drafting(lins, self.W, target_model, saved)
         self.W_packed, self.pack_dtype = pack_drafting_head(self.W)  # the head's layer packs alike
         self.kops = kernel_steps(head, target_model)
         if self.W_packed is not None:

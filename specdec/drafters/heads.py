@@ -72,6 +72,9 @@ def load_head(path, target, meta_name: str, weights_name: str, build, hidden_of,
         raise SpecdecError(f"{path} is not {what} folder (no {meta_name}); train one with `{command} --out DIR`")
     meta = json.loads((path / meta_name).read_text())
     check_trained_for(meta, hidden_of(meta), target, path, what.split(" ", 1)[1], command)
-    module = build(meta)
+    from ..models.llama import without_init
+
+    with without_init():  # (every weight is loaded next: a random init would be thrown away)
+        module = build(meta)
     module.load_state_dict(load_file(str(path / weights_name)))
     return module.to(target.model.dtype).eval(), meta

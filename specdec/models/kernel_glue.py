@@ -35,17 +35,35 @@ def pack_drafting_head(W: torch.Tensor) -> tuple[torch.Tensor | None, torch.dtyp
     return torch.ops.mkldnn._reorder_linear_weight(W.to(dtype), PACK_BATCH_HINT), dtype
 
 
-def rowstable_head(ops, W: torch.Tensor, q8: bool) -> tuple:
+def rowstable_head(ops, W: torch.Tensor, q8: bool, saved=None) -> tuple:
     """(op, *args) computing h @ W^T (W [S, D], a drafter's output head) on the row-stable
     kernels `ops` as op(h, *args): over Q8_0 copies of W where `q8` (the target reads GGUF blocks)
-    and W's shape allows them, else over the fp32 W."""
-    from .gguf_blocks import quantize_q8_0
-
-    blocks = quantize_q8_0(W) if q8 else None
+    and W's shape allows them, else over the fp32 W. `saved`: where the copies are kept between
+    runs (q8_0_copy)."""
+    blocks = q8_0_copy(W, saved) if q8 else None
     return (ops.linear, W.contiguous()) if blocks is None else (ops.q8_0_linear, blocks[1], blocks[2])
 
 
-def rowstable_drafting(linears, W: torch.Tensor, target_model):
+def q8_0_copy(w: torch.Tensor, saved=None) -> tuple | None:
+    """gguf_blocks.quantize_q8_0(w), kept at `saved` (a .npy path; None: not kept): read back
+    memory-mapped when a file of the right size is there, written when not. The copies of a
+    drafter's weights take ~0.1 s of each start on the default model's EAGLE head; the caller's
+    path names what they were made from (drafter_copies_dir)."""
+    from .gguf_blocks import G, quantize_q8_0
+    from .gguf_model import _read_saved, _write_saved
+
+    N, K = w.shape
+    if K % 32 or N % G:
+        return None
+    blocks = _read_saved(saved)
+    if blocks is not None and blocks.dtype == torch.uint8 and blocks.numel() == N * K // 32 * 36:  # (float32 d, 32 int8)
+        return "Q8_0", blocks, N
+    copy = quantize_q8_0(w)
+    _write_saved(saved, copy[1])
+    return copy
+
+
+def rowstable_drafting(linears, W: torch.Tensor, target_model, saved=None):
     """Where the target's decoding steps run on the row-stable kernels (target_model.rowstable:
     a GGUF file's model, or models.llama.LlamaModel.use_rowstable), put a drafter's float32
     projections `linears` on those kernels, and return (op, *args) computing its output head
@@ -53,23 +71,26 @@ def rowstable_drafting(linears, W: torch.Tensor, target_model):
     on them), the drafter's weights become Q8_0 copies too where the shapes allow (a quarter of
     the bytes a drafting step reads); else they stay float32. None (nothing changed) where the
     target is not on these kernels. Only the drafter's own numbers move, so exactness does not depend on it. Call
-    it before the projections are packed."""
-    from .gguf_blocks import quantize_q8_0
-
+    it before the projections are packed. `saved`: a folder where the Q8_0 copies are kept between
+    runs (drafter_copies_dir; None: made at every start)."""
     ops = getattr(target_model, "rowstable", None)
     if ops is None or W.dtype != torch.float32:
         return None
     on_blocks = target_model.head_rs_blocks is not None or getattr(target_model, "gguf_native", False)
-    for lin in linears:
+
+    def kept(name: str):
+        return None if saved is None else saved / f"{name}.npy"
+
+    for i, lin in enumerate(linears):
         if lin.weight is None or lin.weight.dtype != torch.float32:
             continue
-        blocks = quantize_q8_0(lin.weight) if on_blocks else None
+        blocks = q8_0_copy(lin.weight, kept(f"linear{i}")) if on_blocks else None
         lin.rs = ops
         if blocks is not None:
             lin.rs_blocks = (ops.q8_0_linear, blocks[1], blocks[2])
         else:
             lin.weight.data = lin.weight.data.contiguous()
-    return rowstable_head(ops, W, on_blocks)
+    return rowstable_head(ops, W, on_blocks, kept("head"))
 
 
 def draft_on_rowstable(model, head: torch.Tensor | None, target_model):

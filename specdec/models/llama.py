@@ -40,6 +40,7 @@ This module knows nothing about files, tokenizers or sampling.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
@@ -272,6 +273,18 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 _no_init = threading.local()  # .on: build modules without random init (build_native loads weights next)
+
+
+@contextlib.contextmanager
+def without_init():
+    """Build modules inside without the random init of their Linear weights, where every weight is
+    loaded right after (not via the meta device: its first use in a process costs ~0.5 s of lazy
+    setup, a tenth of a CLI call's start-up)."""
+    _no_init.on = True
+    try:
+        yield
+    finally:
+        _no_init.on = False
 
 
 def mkldnn_packing_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -784,13 +797,8 @@ class LlamaModel(nn.Module):
 def build_native(hf_config, state_dict: dict[str, torch.Tensor], dtype=torch.float32, pack: bool = False) -> LlamaModel:
     """The native model with these weights; pack=True prepacks for fast CPU inference."""
     cfg = LlamaConfig.from_hf(hf_config)
-    # skip the random init, every parameter is overwritten below (not via the meta device: its
-    # first use in a process costs ~0.5 s of lazy setup, a tenth of a CLI call's start-up)
-    _no_init.on = True
-    try:
+    with without_init():  # (every parameter is overwritten below)
         model = LlamaModel(cfg)
-    finally:
-        _no_init.on = False
     model.load_hf_state_dict(state_dict)
     model = model.to(dtype).eval()
     return model.pack() if pack else model

@@ -344,6 +344,23 @@ def repacked_dir(path: Path) -> Path:
     return cache_root() / "repacked" / key.hexdigest()[:24]
 
 
+def drafter_copies_dir(target: LoadedModel, drafter_dir) -> Path | None:
+    """Where a drafter's Q8_0 copies of its weights (kernel_glue.rowstable_drafting) are kept for a
+    GGUF target: inside the target's decode-step layout folder (repacked_dir: made again when the
+    file or the packing code changes, swept with it), named by the drafter folder's files as they
+    are now (path, size, modification time). None where the target is not a GGUF file."""
+    import hashlib
+
+    if target.gguf is None or drafter_dir is None:
+        return None
+    ident = hashlib.sha256()
+    for f in sorted(Path(drafter_dir).resolve().iterdir()):
+        if f.is_file():
+            st = f.stat()
+            ident.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return repacked_dir(Path(target.gguf)) / f"drafter-{ident.hexdigest()[:16]}"
+
+
 @functools.lru_cache(maxsize=1)
 def _repacking_code() -> bytes:
     """The source of what packs the decode-step layout and of the kernels that read it."""

@@ -276,7 +276,25 @@ def convert_gguf_tokenizer(path: str, out: str) -> None:
     gf = GGUFFile(Path(path))
     tok = _gguf_tokenizer_class(gf, AutoTokenizer).from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
     tok.save_pretrained(out)
+    merges_as_strings(Path(out) / "tokenizer.json")
     _mark_plain_if_equal(Path(out), tok)
+
+
+def merges_as_strings(tokenizer_json: Path) -> bool:
+    """Rewrite a BPE tokenizer.json's merges from pairs (["a", "b"], what tokenizers writes now) to
+    the older strings ("a b") where no merge's part holds a space, so that both forms name the same
+    merges. The tokenizers library reads the strings faster at every load (Tokenizer.from_file,
+    medians of 5 on a busy Xeon: SmolLM2's 49k merges 0.135 -> 0.109 s, Qwen2.5's 151k 0.51 ->
+    0.46 s). Returns whether it rewrote the file."""
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    model = data.get("model") if isinstance(data, dict) else None
+    merges = model.get("merges") if isinstance(model, dict) and model.get("type") == "BPE" else None
+    if not merges or not all(isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) and " " not in p for p in m)
+                             for m in merges):
+        return False
+    model["merges"] = [f"{a} {b}" for a, b in merges]
+    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
+    return True
 
 
 def _convert_in_child(gf, tmp: Path) -> None:
@@ -307,17 +325,27 @@ def _convert_in_child(gf, tmp: Path) -> None:
                            f"({lines[-1] if lines else f'exit status {done.returncode}'})")
 
 
+#: the form convert_gguf_tokenizer saves a tokenizer in; a change to it converts every file again
+#: (2: merges as strings, merges_as_strings)
+TOKENIZER_FORMAT = 2
+
+
+def tokenizer_folder(gf, cache_dir: Path) -> Path:
+    """Where gguf_tokenizer keeps the tokenizer of `gf` (a GGUFFile) under `cache_dir`: keyed by the
+    hash of the file's tokenizer metadata (files of one family share it) and TOKENIZER_FORMAT."""
+    return Path(cache_dir) / f"{gf.tokenizer_digest()[:24]}-{TOKENIZER_FORMAT}"
+
+
 def gguf_tokenizer(gf, cache_dir: Path, quiet: bool = False):
     """The tokenizer a GGUF file's metadata describes (`gf`: models.gguf_file.GGUFFile), no hub
     access: converted once (convert_gguf_tokenizer, in a child process) and saved as a tokenizer
-    folder under `cache_dir`, keyed by the hash of the file's tokenizer metadata (files of one
-    family share it); later loads read that folder (a FastTokenizer where it is plain or checked
-    equal to transformers' on probe texts)."""
+    folder under `cache_dir` (tokenizer_folder); later loads read that folder (a FastTokenizer
+    where it is plain or checked equal to transformers' on probe texts)."""
     import os
     import shutil
     import sys
 
-    out = Path(cache_dir) / gf.tokenizer_digest()[:24]
+    out = tokenizer_folder(gf, cache_dir)
     if not (out / "tokenizer_config.json").is_file():
         if not quiet:
             print(f"[specdec] reading the tokenizer from {gf.path.name}'s metadata once (cached in {out}) ...",

@@ -172,6 +172,51 @@ def test_greedy_speculation_equals_plain_greedy(gguf_dir, arch, t):
                          "eagle_tree": eagle}, prompts)
 
 
+def test_an_eagle_heads_q8_copies_kept_between_starts_are_the_ones_made(gguf_dir, tmp_path):
+    """The Q8_0 copies of an EAGLE head's weights and subset head kept in a folder (written at the
+    first start, read back at the next) equal the copies made from the weights; a file cut short is
+    made again; a file of the right size is read back as it is (so the folder's name must follow
+    what the copies were made from: loader.drafter_copies_dir, which changes with the head's files)."""
+    from specdec.models.loader import drafter_copies_dir
+
+    lm = load(tiny(gguf_dir, "llama", Q8_0))
+    if lm.model.rowstable is None:
+        pytest.skip(kernels.rowstable_unavailable() or "no kernels")
+
+    def eagle(**kw):  # (a subset of 64 tokens: a head of whole 4-row groups, which Q8_0 copies take)
+        return random_eagle(lm.model, vocab_subset=range(64), **kw)
+
+    def copies(d):
+        h = d.head
+        return [lin.rs_blocks[1] for lin in (h.fc, h.wqkv, h.wo, h.w_gate_up, h.w_down) if lin.rs_blocks] + [d.W_rs[1]]
+
+    fresh = copies(eagle())
+    assert len(fresh) == 6 and fresh[-1].dtype == torch.uint8
+    kept = tmp_path / "copies"
+    first = copies(eagle(saved=kept))
+    assert sorted(f.name for f in kept.iterdir()) == ["head.npy"] + [f"linear{i}.npy" for i in range(5)]
+    again = copies(eagle(saved=kept))
+    for got in (first, again):
+        assert [torch.equal(a, b) for a, b in zip(got, fresh)] == [True] * 6
+    short = (kept / "head.npy").read_bytes()[:100]
+    (kept / "head.npy").unlink()  # (a new file: `again` still maps the old one, as a start would)
+    (kept / "head.npy").write_bytes(short)
+    assert torch.equal(copies(eagle(saved=kept))[-1], fresh[-1])
+    (kept / "linear0.npy").unlink()
+    np.save(kept / "linear0.npy", np.zeros(fresh[0].numel(), np.uint8))
+    assert not torch.equal(copies(eagle(saved=kept))[0], fresh[0])
+
+    head_dir = tmp_path / "head"
+    head_dir.mkdir()
+    (head_dir / "weights.safetensors").write_bytes(b"x")
+    before = drafter_copies_dir(lm, head_dir)
+    assert before is not None and before == drafter_copies_dir(lm, head_dir)
+    (head_dir / "weights.safetensors").write_bytes(b"yy")
+    assert drafter_copies_dir(lm, head_dir) != before
+    lm.gguf = None
+    assert drafter_copies_dir(lm, head_dir) is None
+
+
 def test_the_tokenizer_comes_from_the_files_metadata(gguf_dir):
     from transformers import AutoTokenizer
 

@@ -172,6 +172,39 @@ def test_unusual_tokenizer_folders_go_to_transformers(default_hf_folder, tmp_pat
     assert load_fast_tokenizer(d) is None
 
 
+def test_merges_as_strings_name_the_same_merges(default_hf_folder, tmp_path):
+    """The converted tokenizer's merges rewritten as "a b" strings (merges_as_strings) encode every
+    text as the ["a", "b"] pairs tokenizers writes do; the same merges in another order give other
+    ids, so the comparison can fail; a merge part holding a space leaves the file as it was."""
+    from tokenizers import Tokenizer
+
+    from specdec.models.tokenizer import merges_as_strings
+
+    data = json.loads((default_hf_folder / "tokenizer.json").read_text(encoding="utf-8"))
+    merges = data["model"]["merges"]
+    data["model"]["merges"] = [m.split(" ", 1) if isinstance(m, str) else m for m in merges]
+    pairs, strings, reordered = (tmp_path / f"{n}.json" for n in ("pairs", "strings", "reordered"))
+    for f in (pairs, strings):
+        f.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    assert merges_as_strings(strings)
+    assert all(isinstance(m, str) for m in json.loads(strings.read_text(encoding="utf-8"))["model"]["merges"])
+    rng = random.Random(0)
+    alphabet = "".join(TEXTS) + "abcdefghijklmnopqrstuvwxyz     \n"
+    texts = TEXTS + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80))) for _ in range(200)]
+    a, b = Tokenizer.from_file(str(pairs)), Tokenizer.from_file(str(strings))
+    assert [a.encode(t).ids for t in texts] == [b.encode(t).ids for t in texts]
+
+    data["model"]["merges"] = data["model"]["merges"][::-1]
+    reordered.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    c = Tokenizer.from_file(str(reordered))
+    assert [a.encode(t).ids for t in texts] != [c.encode(t).ids for t in texts]
+
+    data["model"]["merges"][0] = ["a b", "c"]
+    pairs.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    before = pairs.read_text(encoding="utf-8")
+    assert not merges_as_strings(pairs) and pairs.read_text(encoding="utf-8") == before
+
+
 def test_missing_tokenizer_files_go_to_transformers(default_hf_folder, tmp_path):
     d = _copy(default_hf_folder, tmp_path)
     (d / "tokenizer.json").unlink()

@@ -22,12 +22,14 @@ def test_read_cpu_jiffies_sums_allowed_cpus_only():
     assert threads.read_cpu_jiffies([5], text) is None
 
 
-def test_choose_threads_rounds_free_cores():
+def test_choose_threads_counts_a_core_free_only_while_others_use_little_of_it():
     assert threads.choose_threads(2, 0.0) == 2
-    assert threads.choose_threads(2, 0.4) == 2  # light background work: its core still counts as free
+    assert threads.choose_threads(2, 0.2) == 2  # light background work: its core still counts as free
+    assert threads.choose_threads(2, 0.3) == 1  # a thread there would stall every barrier now and then
     assert threads.choose_threads(2, 0.6) == 1
     assert threads.choose_threads(2, 2.0) == 1  # never fewer than one
     assert threads.choose_threads(8, 3.0) == 5
+    assert threads.choose_threads(8, 2.8) == 5
 
 
 def test_others_busy_subtracts_own_time():
@@ -76,6 +78,9 @@ def test_governor_follows_load():
     m.run(0.6, others=0.0, own=1.0)  # they end
     g.tick()
     assert calls == [2, 1, 2] and g.changes == 2
+    m.run(0.6, others=0.35, own=1.6)  # a process using a third of a core: its core is not free
+    g.tick()
+    assert calls == [2, 1, 2, 1]
 
 
 def test_start_respects_fixed_and_environment(monkeypatch):
