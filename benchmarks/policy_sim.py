@@ -182,7 +182,10 @@ def main() -> int:
                         forget_shared()
                         out.append(engine(method).generate(item, params))
                     results[method] = out
-                    print(f"  {sampling}, batch {batch}, {method}: {real() - t0:.0f} s", flush=True)
+                    if method != "none":
+                        got, plain = (summarize([r for item in results[m] for r in item]) for m in (method, "none"))
+                        print(f"  {sampling}, batch {batch}, {method}: {got['tokens_per_s'] / plain['tokens_per_s']:.3f}"
+                              f" of plain ({real() - t0:.0f} s)", flush=True)
                 plain = summarize([r for item in results["none"] for r in item])
                 for method in methods:
                     got = summarize([r for item in results[method] for r in item])

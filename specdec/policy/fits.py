@@ -19,6 +19,12 @@ import math
 FIT_DECAY = 0.98
 
 
+#: the step-time residuals per draft length keep this much of their sums a step of that length
+RESIDUAL_DECAY = 0.8
+#: a draft length's residual corrects the line once this many (decayed) steps of it were seen
+RESIDUAL_SEEN = 2.0
+
+
 def ema(old: float | None, new: float, keep: float) -> float:
     """An exponential moving average that keeps `keep` of the old value (the new value itself
     when there is none yet)."""
@@ -191,15 +197,30 @@ class StepModel:
         self.decay, self.forget = decay, forget
         self.all = _Fit(decay, forget)
         self.bands: dict[int, _Fit] = {}
+        # per (band, draft length): decayed [sum of (measured - the line's) seconds, count]
+        self.residuals: dict[tuple[int, int], list[float]] = {}
         self.version = 0  # counts changes, so a reader may keep what it priced until the next one
 
     def observe(self, rows: int, k: int, seconds: float) -> None:
+        line = self.line(rows, k)
+        if line is not None:
+            cell = self.residuals.setdefault((band(rows), k), [0.0, 0.0])
+            cell[0] = RESIDUAL_DECAY * cell[0] + (seconds - line)
+            cell[1] = RESIDUAL_DECAY * cell[1] + 1.0
         self.all.observe(rows, k, seconds)
         fit = self.bands.get(band(rows))
         if fit is None:
             fit = self.bands[band(rows)] = _Fit(self.decay, self.forget)
         fit.observe(rows, k, seconds)
         self.version += 1
+
+    def residual(self, rows: int, k: int) -> float:
+        """How far steps of `rows` rows with `k` guess slots measured above (or below) the line,
+        seconds; 0 until RESIDUAL_SEEN such steps. A kernel's cost is seldom a line in the tokens
+        it scores (a row-padded tile makes 2 tokens cost what 4 do; a 1-row path is cheaper than
+        any multi-row one), and a line through the lengths a source drafts misprices the others."""
+        cell = self.residuals.get((band(rows), k))
+        return cell[0] / cell[1] if cell is not None and cell[1] >= RESIDUAL_SEEN else 0.0
 
     def coefficients(self, rows: int | None = None) -> tuple[float, float, float] | None:
         fit = self.bands.get(band(rows)) if rows is not None else None
@@ -251,11 +272,17 @@ class StepModel:
         self.all, self.bands = fits
         self.version += 1
 
-    def predict(self, rows: int, k: int) -> float | None:
+    def line(self, rows: int, k: int) -> float | None:
+        """The fitted line's seconds for a step of `rows` rows with `k` guess slots (None until fitted)."""
         c = self.coefficients(rows)
         if c is None:
             return None
         a, r, b = c
         return a + r * rows + b * rows * k
+
+    def predict(self, rows: int, k: int) -> float | None:
+        """A step's seconds: the line, corrected by what steps of this length measured (`residual`)."""
+        line = self.line(rows, k)
+        return None if line is None else max(line + self.residual(rows, k), 1e-6)
 
 

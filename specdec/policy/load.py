@@ -253,7 +253,7 @@ class LoadPolicy:
         best = {None: (None, 0, [None] * A)}  # option -> (rate, k, per-row source)
         a, r, b = fit
         for k in range(top + 1):
-            t = a + r * A + b * A * k
+            t = a + r * A + b * A * k + (self.steps.residual(A, k) if has_fit else 0.0)
             base_val, base_src = self._best_known(values, k, A)
             self._keep(best, None, sum(base_val) / t, k, base_src)
             for i in on_demand:

@@ -663,3 +663,38 @@ def test_a_tree_whose_probe_a_short_answer_cannot_repay_is_not_probed(monkeypatc
     probe = first_probe(lag=0)
     assert probe is not None and probe.probe and probe.k == LoadPolicy.PROBE_NODES, probe
     assert (first_probe(lag=100) is None) == (rule == "priced")
+
+
+# a kernel whose cost is not a line in the tokens it scores: a 1-row path for plain steps, tiles
+# of 4 rows beyond (2 tokens cost what 5 do), as measured on a 2-core Xeon
+PADDED = {0: 1.0, 1: 1.35, 2: 1.33, 3: 1.32, 4: 1.33, 5: 1.6, 6: 1.85, 7: 2.08}
+
+
+def test_a_step_cost_that_is_no_line_is_learnt_per_draft_length():
+    """The line through steps of every length misprices the short ones; each length's measured
+    residual corrects it once seen twice, and a length never seen is priced by the line."""
+    m = StepModel()
+    for _ in range(12):
+        for k in (0, 1, 4, 7):
+            m.observe(1, k, PADDED[k])
+    assert m.predict(1, 1) == pytest.approx(PADDED[1], abs=0.03)
+    assert m.predict(1, 4) == pytest.approx(PADDED[4], abs=0.03)
+    assert abs(m.line(1, 1) - PADDED[1]) > 0.1  # what the line alone says
+    assert m.predict(1, 2) == m.line(1, 2)
+
+
+@pytest.mark.parametrize("rule", ["per length", "line only"])
+def test_a_short_lookup_is_not_verified_where_one_guess_costs_as_much_as_four(monkeypatch, rule):
+    """Prompt lookup offers one guess that holds 30% of the time: worth 1.3 tokens for a step of
+    1.35 plain steps on the padded kernel, less than plain decoding's token a step. The line through
+    all lengths prices that step at ~1.2 and verifies the guess; learnt per length, it is declined."""
+    if rule == "line only":
+        monkeypatch.setattr(StepModel, "residual", lambda self, rows, k: 0.0)
+    policy = LoadPolicy(7)
+    for _ in range(12):
+        for k in range(8):
+            policy.observe_step(1, k, PADDED[k])
+    look = policy.source("ngram", True, False, LOOKUP_PRIOR)
+    look.acceptance.acc[2][:2], look.acceptance.seen[2][:2] = [3.0, 0.0], [10.0, 10.0]
+    choice = policy.choose([Quote(look, [True], offers=[Offer([5], key=2)])], NOT_A_PROBE, [100])
+    assert (choice.k == 0) == (rule == "per length"), choice
