@@ -31,57 +31,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from bisect import bisect_right
 
 import torch
 from devset import DEV_SET
 from harness import emit, table
 
-PROFILES = {
-    "xeon-vnni": [(1, 1.0), (2, 1.35), (3, 1.25), (4, 1.28), (5, 1.33), (8, 2.08), (9, 2.2), (17, 3.6)],
-    "zen2-avx2": [(1, 1.0), (2, 1.19), (3, 1.40), (5, 2.14), (9, 3.68)],
-    "dear": [(1, 1.0), (2, 1.3)],
-    "cheap": [(1, 1.0), (2, 1.01)],
-}
-
-
-class SimClock:
-    """A clock that only `advance` moves (seconds)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def curve(points: list[tuple[int, float]]):
-    """t(T) in plain steps: linear between the measured points, extended along the last segment."""
-    xs = [x for x, _ in points]
-
-    def at(tokens: int) -> float:
-        if tokens <= xs[0]:
-            return points[0][1] * tokens / xs[0]
-        i = min(max(bisect_right(xs, tokens) - 1, 0), len(points) - 2)
-        (x0, y0), (x1, y1) = points[i], points[i + 1]
-        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
-    return at
-
-
-def charged(module, clock: SimClock, cost) -> None:
-    """Every forward of `module` (an nn.Module instance) advances the clock by cost(tokens), where
-    tokens = rows x new tokens of its input ids."""
-    forward = module.forward
-
-    def timed(ids, *args, **kwargs):
-        out = forward(ids, *args, **kwargs)
-        clock.advance(cost(int(ids.numel())))
-        return out
-    module.forward = timed
-
+from specdec.simclock import PROFILES, SimClock, charge, curve, simulated
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,7 +81,7 @@ def main() -> int:
         logging.basicConfig(format="%(message)s")
         trace = logging.getLogger("policy_sim")
         trace.setLevel(logging.DEBUG)
-    charged(target.model, clock, lambda tokens: step * target_cost(tokens))
+    charge(target.model, clock, lambda tokens: step * target_cost(tokens))
     methods = [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() != "none"]
 
     def engine(method: str):
@@ -142,7 +97,7 @@ def main() -> int:
             e._scheduler = traced
         for d in e.sources:
             if isinstance(d, DraftModelDrafter) and not getattr(d.model, "_sim", False):
-                charged(d.model, clock, lambda tokens: step * args.draft_ratio * target_cost(tokens))
+                charge(d.model, clock, lambda tokens: step * args.draft_ratio * target_cost(tokens))
                 d.model._sim = True
             elif isinstance(d, EagleDrafter):
                 propose = d.propose
@@ -166,9 +121,8 @@ def main() -> int:
         return e
 
     real = time.perf_counter
-    time.perf_counter = clock
     rows, cells = [], []
-    try:
+    with simulated(clock):
         for sampling in [s.strip() for s in args.samplings.split(",") if s.strip()]:
             params = SamplingParams(max_new_tokens=args.max_new_tokens) if sampling == "greedy" else \
                 SamplingParams(max_new_tokens=args.max_new_tokens, temperature=float(sampling[1:]), seed=7)
@@ -199,8 +153,6 @@ def main() -> int:
                     rows.append({**cell, "declined": ", ".join(f"{k} {v}" for k, v in sorted(got["plain_steps"].items())),
                                  "accepted": ", ".join(f"{k} {v['accepted']}/{v['proposed']}"
                                                        for k, v in sorted(got["sources"].items()))})
-    finally:
-        time.perf_counter = real
     print(table(rows, ["method", "sampling", "batch", "ratio", "equal", "declined", "accepted"]))
     emit({"benchmark": "policy_sim", "profile": args.profile, "costs": vars(args), "prompts": len(prompts),
           "cells": cells, "worst": min((c["ratio"] for c in cells), default=None)})

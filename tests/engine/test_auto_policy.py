@@ -14,7 +14,7 @@ import torch
 from helpers import V, auto, prompts, target
 from specdec.drafters import ngram
 from specdec.engine import Engine
-from specdec.policy import LoadPolicy, SourceStats
+from specdec.policy import LoadPolicy, ProbeSchedule, SourceStats
 from specdec.types import SamplingParams
 
 SEEDED = dict(temperature=0.8, seed=3)
@@ -57,7 +57,10 @@ def no_lookups(monkeypatch):
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_a_tree_never_accepted_ends_up_as_rare_probes(no_lookups, sampling):
+def test_a_tree_never_accepted_ends_up_as_rare_probes(monkeypatch, no_lookups, sampling):
+    """The probes' schedule (their budget aside: test_policy.py): after 16, 32, 64, 128 declined
+    steps, a handful in 300."""
+    monkeypatch.setattr(ProbeSchedule, "affordable", lambda self, cost, left: True)
     n = 300
     params = SamplingParams(max_new_tokens=n, **(SEEDED if sampling == "seeded" else {}))
     p = prompts()[1]
@@ -75,9 +78,13 @@ def test_a_tree_never_accepted_ends_up_as_rare_probes(no_lookups, sampling):
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_a_short_answer_pays_for_no_probe(no_lookups, sampling):
+def test_a_short_answer_pays_for_no_probe(monkeypatch, no_lookups, sampling):
     """A fresh drafter: nothing measured, 40 tokens to go, so probing (the head catching up on
-    the whole prompt) could not pay back; the head is never run."""
+    the whole prompt) could not pay back; the head is never run. (A steady clock: the same
+    prices on any machine.)"""
+    import helpers
+
+    helpers.steady_clock(monkeypatch)
     params = SamplingParams(max_new_tokens=40, **(SEEDED if sampling == "seeded" else {}))
     p = prompts()[1]
     d = drafter()
@@ -87,8 +94,13 @@ def test_a_short_answer_pays_for_no_probe(no_lookups, sampling):
     assert [res.tokens] == plain([p], params)
 
 
-def test_the_probes_wait_for_room_a_broken_rule_would_probe(no_lookups):
-    """The room rule can fail: without it the same short answer probes at step 16."""
+def test_the_probes_wait_for_room_a_broken_rule_would_probe(monkeypatch, no_lookups):
+    """The room rule and the probes' budget can fail: without them the same short answer probes
+    at step 16."""
+    import helpers
+
+    helpers.steady_clock(monkeypatch)
+    monkeypatch.setattr(ProbeSchedule, "affordable", lambda self, cost, left: True)
     d = drafter()
     trees = never_accepted(d, 0)
     engine = Engine(target().model, d, k=3)
@@ -145,3 +157,38 @@ def test_the_scheduler_times_a_fresh_draft_model_alone():
     stats = policy.sources["draft"]
     assert stats.timed and stats.draft_seconds(1) > 0 and stats.t_catch > 0
     assert policy.steps.all.weight == 0  # (no step ran)
+
+
+@pytest.mark.parametrize("rule", ["priced", "fixed k"])
+def test_on_a_machine_where_verification_is_dear_auto_keeps_plain_decodings_rate(rule):
+    """On a simulated machine where each scored token costs 0.3 of a step (specdec.simclock: the
+    clock moves only by the forwards' modelled costs, every run alike), a fresh auto engine (a
+    random head, random prompts) decodes one row and a batch of 6 at 0.97 of plain decoding's
+    rate or better, greedy, with the same text; drafting every step (a fixed k: a broken rule for
+    this) loses. (On the Xeon's profile the batch of 6 comes to 0.969: its probes of a guess more
+    break even, and the rows they help end early, leaving the last row in smaller batches.)"""
+    profile = "dear"
+    from specdec.simclock import PROFILES, SimClock, charge, curve, simulated
+
+    clock, cost = SimClock(), curve(PROFILES[profile])
+    tg = target()
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.randint(0, V, (n,), generator=g).tolist() for n in (12, 30, 7, 21, 16, 9)]
+    params = SamplingParams(max_new_tokens=48)
+    rates = {}
+    with simulated(clock):
+        charge(tg.model, clock, lambda tokens: 0.01 * cost(tokens))
+        try:
+            for name in ("none", "auto"):
+                for batch in (ps[:1], ps):
+                    engine = Engine(tg.model) if name == "none" else Engine(tg.model, auto(depth=3, width=2, nodes=6), k=4,
+                                                                            fixed_k=rule != "priced")
+                    results = engine.generate(batch, params)
+                    if name == "auto":
+                        assert [r.tokens for r in results] == plain(batch, params)
+                    rates[name, len(batch)] = sum(r.stats.new_tokens for r in results) / \
+                        max(r.stats.decode_s for r in results)
+        finally:
+            del tg.model.forward  # the instance's charged forward; the class's is back
+    ratios = [rates["auto", n] / rates["none", n] for n in (1, len(ps))]
+    assert all(r >= 0.97 for r in ratios) == (rule == "priced"), ratios
