@@ -73,7 +73,8 @@ GI8 = 16  # output rows per group of the 8-bit-activation layout
 
 def _f16_exact(a: np.ndarray) -> np.ndarray | None:
     """a (float32) as float16, or None where some value is not a float16 (Q4_0's m = -8 d overflowing)."""
-    h = a.astype(np.float16)
+    with np.errstate(over="ignore"):
+        h = a.astype(np.float16)
     return h if np.array_equal(h.astype(np.float32), a) else None
 
 
