@@ -31,7 +31,9 @@
 // for the 32-weight block types, bz_tile for the repacked Q4_1 / Q8_0 blocks): each weight block is
 // decoded once for up to 6-8 activation rows, and every lane runs the operations of the 256-bit code
 // on the same numbers, so those tiles too give each row its numbers alone (tests/unit/test_multirow.py);
-// everything else is the same source.
+// everything else is the same source. q4_1_linear_q8 / q8_0_linear_q8 (at the end of this file) take
+// the 32-weight block types repacked in groups of 16 outputs on 8-bit activations: lane n is output n
+// in both builds (16 a register on VNNI, 8 on AVX2), with the same integer and float operations.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

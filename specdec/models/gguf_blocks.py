@@ -1,4 +1,5 @@
-"""Q4_1 / Q8_0 blocks packed K-major for the row-stable kernels' q4_1_linear / q8_0_linear.
+"""Q4_1 / Q8_0 blocks packed K-major for the row-stable kernels' q4_1_linear / q8_0_linear (float
+path) and q4_1_linear_q8 / q8_0_linear_q8 (8-bit activations).
 
 A GGUF file's own model reads the file's bytes as they lie (models/gguf_model.py); what is packed
 here are a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices for its decoding steps (decoded from the file's
@@ -10,7 +11,9 @@ Q8_0 copies drafters make of their own float weights (`quantize_q8_0`: a draftin
 Layout (see rowstable.cpp's block_linear): K-major, output rows in groups of 4; per group and
 32-weight block, Q4_1: d[4], m[4] as float32 then 4 x 16 nibble bytes; Q8_0: d[4] as float32 then
 4 x 32 int8. Q4_0 (w = d (q - 8)) is stored as Q4_1 with m = -8 d, which rebuilds the same values
-exactly.
+exactly. The 8-bit activations' layout (`pack_q4_i8` / `pack_q8_i8`, see rowstable.cpp's
+block_linear_q8) groups 16 output rows and interleaves their quants 4 bytes at a time, so that one
+integer dot-product instruction takes the same 4 weights of all 16 outputs.
 
 This module knows nothing about tokenizers, sampling or the engine.
 """

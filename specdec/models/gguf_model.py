@@ -196,12 +196,15 @@ STEP_KINDS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # what the AVX2 kernels' repacke
 
 
 def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile, saved=None) -> bool:
-    """Decoding steps of a projection whose parts are all Q4_0 / Q4_1 or all Q8_0 run on the
-    row-stable kernels' q4_1_linear / q8_0_linear over the blocks repacked K-major
-    (models/gguf_blocks; llama's q/k rows reordered there instead of the outputs): ~30% faster a
-    step than gguf_linear on these types, and the same numbers (both equal the float product over
-    the dequantised weights bit for bit; its other calls then stay on gguf_linear, not on
-    gguf_linear_q8). The file's pages of the repacked tensors are given back (madvise), so the
+    """A projection whose parts are all Q4_0 / Q4_1 or all Q8_0 runs on its blocks repacked K-major
+    (models/gguf_blocks; llama's q/k rows reordered there instead of the outputs). On 8-bit
+    activations (kernels.gguf_act8, the default): q4_1_linear_q8 / q8_0_linear_q8 over groups of 16
+    outputs, for every call (prefills too: one set of numbers), the rounded activations' product
+    as gguf_linear_q8's but summed in another order, and a step of 8 tokens ~2x cheaper than on
+    the float path. On the float path: its decoding steps on q4_1_linear / q8_0_linear over groups
+    of 4, ~30% faster a step than gguf_linear on these types, and the same numbers (both equal the
+    float product over the dequantised weights bit for bit; its other calls stay on gguf_linear).
+    The file's pages of the repacked tensors are given back (madvise), so the
     model still holds about one copy of its bytes. `saved` (a .npy path) keeps the repacked blocks
     between runs: read back memory-mapped when it exists (a start then skips the repacking),
     written when it does not. Returns whether it did."""
