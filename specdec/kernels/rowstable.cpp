@@ -2341,9 +2341,10 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) { lib.impl("rope_attend_scaled", &rope_
 // ---------------------------------------------------------------------------------------------
 // q4_1_linear_q8 / q8_0_linear_q8: a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices on 8-bit activations,
 // over their blocks repacked for integer dot products of 16 output rows at once (models/gguf_blocks,
-// pack_q4_i8 / pack_q8_i8): a decoding step of several tokens then costs about what one token costs.
+// pack_q4_i8 / pack_q8_i8): the arithmetic of a row is then a small part of what reading the
+// weights costs, so a step of several tokens costs little more than one (docs/benchmarks.md).
 //
-// Layout: output rows in groups of 16, K-major; per group and 32-weight block (BLK bytes):
+// Layout: output rows in groups of 16, K-major; per group and 32-weight block:
 //   Q4 (Q4_1, and Q4_0 as Q4_1 with m = -8 d): d[16], m[16] as float16, then 4 vectors of 64 bytes,
 //     vector t holding in bytes 4n..4n+3 the quant bytes 4t..4t+3 of output n (low nibbles: weights
 //     4t..4t+3, high: 16 + 4t..16 + 4t + 3): 320 bytes, 0.625 a weight as in the file;
@@ -2356,12 +2357,13 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) { lib.impl("rope_attend_scaled", &rope_
 // blocks in order, and y = acc + cor (Q8: y = acc). Lane n of a register is output n throughout, so
 // no horizontal sum is left, and each 4-byte group of a row's activations is one broadcast for 16
 // outputs: per block and row 8 integer dot-product instructions (VNNI: _mm512_dpbusd_epi32 over all
-// 16 outputs; AVX2: _mm256_maddubs_epi16 + _mm256_madd_epi16 per 8) and three float operations, the
+// 16 outputs; AVX2: _mm256_maddubs_epi16 + _mm256_madd_epi16 per 8) and 3-4 float operations, the
 // weights decoded once for a tile of up to 8 rows. Every integer is exact (the AVX2 build's int16
 // pairs: Q4 at most 8 x 2 x 15 x 127 = 30480 summed, Q8 2 x 128 x 127 = 32512 each; the VNNI build's
 // Q8 takes q_x + 128 unsigned and starts from -128 sum q_w), and every float operation is the same
 // in both builds and for every row count and thread split: row-stable, and the two builds agree bit
 // for bit. The numbers are not gguf_linear_q8's (it adds a block's 8 partial sums in float lanes).
+//
 // Blocks ahead to prefetch, every line of the block (one thread, the default model's 30 layers, CPU ms
 // of a 1 / 8 / 16-token step's projections and head: 4 ahead 7.1-7.5 / 10.0-10.4 / 14.9-16.2, 8 ahead
 // 6.7-7.2 / 8.8-9.1 / 14.3-14.6, 16 ahead 6.5 / 8.4-8.6 / 14.2-14.6, 24 ahead no better; a 2-core

@@ -238,7 +238,7 @@ def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile, saved=None) -> bool:
             if kmajor is None:  # (a scale that is not a float16: Q4_0's -8 d out of range)
                 return False
         else:
-            kmajor = gb._pack_q8(*fused) if kind == "Q8_0" else gb._pack_q4(*fused)  # (K-major only: steps read no other)
+            kmajor = gb._pack_q8(*fused) if kind == "Q8_0" else gb._pack_q4(*fused)  # (K-major: steps read no other)
         _write_saved(saved, kmajor)
     if act8:
         op = kops.q8_0_linear_q8 if kind == "Q8_0" else kops.q4_1_linear_q8
