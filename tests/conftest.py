@@ -53,6 +53,23 @@ def default_model():
 
 
 @pytest.fixture(scope="session")
+def default_model_float_path():
+    """The default model on the float path (SPECDEC_GGUF_ACT8=0): its projections and head the
+    float32 products of the file's dequantised weights, as transformers computes them."""
+    from specdec.models.loader import load_model
+
+    before = os.environ.get("SPECDEC_GGUF_ACT8")
+    os.environ["SPECDEC_GGUF_ACT8"] = "0"
+    try:
+        return load_model(quiet=True)
+    finally:
+        if before is None:
+            del os.environ["SPECDEC_GGUF_ACT8"]
+        else:
+            os.environ["SPECDEC_GGUF_ACT8"] = before
+
+
+@pytest.fixture(scope="session")
 def default_hf_folder(default_model, tmp_path_factory):
     """The default model as a Hugging Face folder without weights: config.json as transformers
     reads it from the GGUF file, and the tokenizer folder specdec converted from the file's

@@ -31,7 +31,9 @@
 // for the 32-weight block types, bz_tile for the repacked Q4_1 / Q8_0 blocks): each weight block is
 // decoded once for up to 6-8 activation rows, and every lane runs the operations of the 256-bit code
 // on the same numbers, so those tiles too give each row its numbers alone (tests/unit/test_multirow.py);
-// everything else is the same source.
+// everything else is the same source. q4_1_linear_q8 / q8_0_linear_q8 (at the end of this file) take
+// the 32-weight block types repacked in groups of 16 outputs on 8-bit activations: lane n is output n
+// in both builds (16 a register on VNNI, 8 on AVX2), with the same integer and float operations.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -1816,6 +1818,22 @@ inline __m256 exp_nonpos(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
 }
 
+// hsum8 of 8 vectors at once, [hsum8(a[0]), ..., hsum8(a[7])]: the same additions in the same
+// pairs, ((0+4)+(2+6)) + ((1+5)+(3+7)) of each, so the same numbers, in 14 shuffles and 7 adds
+// instead of 8 x 6 operations.
+inline __m256 hsum8x8(const __m256 a[8]) {
+  __m256 u[4];  // u[k]: lanes 0-3 a[k][j] + a[k][j + 4], lanes 4-7 the same of a[k + 4]
+  for (int k = 0; k < 4; ++k)
+    u[k] = _mm256_add_ps(_mm256_permute2f128_ps(a[k], a[k + 4], 0x20), _mm256_permute2f128_ps(a[k], a[k + 4], 0x31));
+  // w01: (u0[0] + u0[2], u0[1] + u0[3], u1[0] + u1[2], u1[1] + u1[3]) in each half; w23 of u2, u3
+  const __m256 w01 = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 w23 = _mm256_add_ps(_mm256_shuffle_ps(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_shuffle_ps(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm256_shuffle_ps(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // One query (Dh = 8 * NV) over the first S slots of its K/V head; mrow: its additive mask row or null.
 template <int NV>
 void attend_one(const float* q, const float* mrow, float* dst, const float* K, const float* V, int64_t S, float scale,
@@ -1824,7 +1842,18 @@ void attend_one(const float* q, const float* mrow, float* dst, const float* K, c
   __m256 qv[NV];
   for (int d = 0; d < NV; ++d) qv[d] = _mm256_loadu_ps(q + 8 * d);
   const int64_t S8 = (S + 7) / 8 * 8;
-  for (int64_t s = 0; s < S; ++s) {
+  const __m256 scv = _mm256_set1_ps(scale);
+  int64_t s = 0;
+  for (; s + 8 <= S; s += 8) {  // 8 slots' chains, then their 8 horizontal sums at once (hsum8x8)
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(K + (s + j) * Dh));
+    for (int d = 1; d < NV; ++d)
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(K + (s + j) * Dh + 8 * d), acc[j]);
+    __m256 r = _mm256_mul_ps(hsum8x8(acc), scv);
+    if (mrow) r = _mm256_add_ps(r, _mm256_loadu_ps(mrow + s));
+    _mm256_storeu_ps(sc + s, r);
+  }
+  for (; s < S; ++s) {
     const float* k = K + s * Dh;
     __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
     for (int d = 1; d < NV; ++d) acc = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), acc);
@@ -1836,9 +1865,23 @@ void attend_one(const float* q, const float* mrow, float* dst, const float* K, c
   for (int64_t s = 0; s < S; ++s) mx = std::max(mx, sc[s]);
   const __m256 m = _mm256_set1_ps(mx);
   for (int64_t s = 0; s < S8; s += 8) _mm256_storeu_ps(sc + s, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc + s), m)));
+  float l = 0.0f;
+#if ROWSTABLE_VNNI
+  // (the VNNI build: 16 dims a register, each lane the same FMA chain as the 8-lane code's)
+  __m512 o[NV / 2];
+  for (int d = 0; d < NV / 2; ++d) o[d] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const float w = sc[s];
+    l += w;
+    const __m512 p = _mm512_set1_ps(w);
+    const float* v = V + s * Dh;
+    for (int d = 0; d < NV / 2; ++d) o[d] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * d), o[d]);
+  }
+  const __m512 iv = _mm512_set1_ps(1.0f / l);
+  for (int d = 0; d < NV / 2; ++d) _mm512_storeu_ps(dst + 16 * d, _mm512_mul_ps(o[d], iv));
+#else
   __m256 o[NV];
   for (int d = 0; d < NV; ++d) o[d] = _mm256_setzero_ps();
-  float l = 0.0f;
   for (int64_t s = 0; s < S; ++s) {
     const float w = sc[s];
     l += w;
@@ -1848,6 +1891,7 @@ void attend_one(const float* q, const float* mrow, float* dst, const float* K, c
   }
   const __m256 iv = _mm256_set1_ps(1.0f / l);
   for (int d = 0; d < NV; ++d) _mm256_storeu_ps(dst + 8 * d, _mm256_mul_ps(o[d], iv));
+#endif
 }
 
 // out[b, h, t] = softmax(q . k / sqrt(Dh) + mask) @ v over the first S cache slots (row b: its first
@@ -2293,3 +2337,218 @@ TORCH_LIBRARY_FRAGMENT(specdec_rs, lib) {
           "float scale, float softcap) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) { lib.impl("rope_attend_scaled", &rope_attend_scaled); }
+
+// ---------------------------------------------------------------------------------------------
+// q4_1_linear_q8 / q8_0_linear_q8: a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices on 8-bit activations,
+// over their blocks repacked for integer dot products of 16 output rows at once (models/gguf_blocks,
+// pack_q4_i8 / pack_q8_i8): the arithmetic of a row is then a small part of what reading the
+// weights costs, so a step of several tokens costs little more than one (docs/benchmarks.md).
+//
+// Layout: output rows in groups of 16, K-major; per group and 32-weight block:
+//   Q4 (Q4_1, and Q4_0 as Q4_1 with m = -8 d): d[16], m[16] as float16, then 4 vectors of 64 bytes,
+//     vector t holding in bytes 4n..4n+3 the quant bytes 4t..4t+3 of output n (low nibbles: weights
+//     4t..4t+3, high: 16 + 4t..16 + 4t + 3): 320 bytes, 0.625 a weight as in the file;
+//   Q8 (Q8_0): d[16] as float16, -sum q of each output's block as int16 [16], then 8 vectors of 64
+//     bytes, vector j holding in bytes 4n..4n+3 the quants 4j..4j+3 of output n: 576 bytes.
+// The activations are rounded as gguf_linear_q8 rounds them for these types (quantize_rows_q8, slices
+// of 32: dx, q_x, sx = dx sum q_x). Per activation row, output n and block b:
+//     isum = <q_w, q_x>  (exact int32)
+//     acc = fma(d_n * dx_b, float(isum), acc);   Q4 only: cor = fma(m_n, sx_b, cor)
+// blocks in order, and y = acc + cor (Q8: y = acc). Lane n of a register is output n throughout, so
+// no horizontal sum is left, and each 4-byte group of a row's activations is one broadcast for 16
+// outputs: per block and row 8 integer dot-product instructions (VNNI: _mm512_dpbusd_epi32 over all
+// 16 outputs; AVX2: _mm256_maddubs_epi16 + _mm256_madd_epi16 per 8) and 3-4 float operations, the
+// weights decoded once for a tile of up to 8 rows. Every integer is exact (the AVX2 build's int16
+// pairs: Q4 at most 8 x 2 x 15 x 127 = 30480 summed, Q8 2 x 128 x 127 = 32512 each; the VNNI build's
+// Q8 takes q_x + 128 unsigned and starts from -128 sum q_w), and every float operation is the same
+// in both builds and for every row count and thread split: row-stable, and the two builds agree bit
+// for bit. The numbers are not gguf_linear_q8's (it adds a block's 8 partial sums in float lanes).
+//
+// Blocks ahead to prefetch, every line of the block (one thread, the default model's 30 layers, CPU ms
+// of a 1 / 8 / 16-token step's projections and head: 4 ahead 7.1-7.5 / 10.0-10.4 / 14.9-16.2, 8 ahead
+// 6.7-7.2 / 8.8-9.1 / 14.3-14.6, 16 ahead 6.5 / 8.4-8.6 / 14.2-14.6, 24 ahead no better; a 2-core
+// Sapphire Rapids shared with other jobs). -DI8_PF_BLOCKS=N for comparisons.
+#ifndef I8_PF_BLOCKS
+#define I8_PF_BLOCKS 16
+#endif
+namespace {
+
+constexpr int64_t I8_G = 16;  // output rows per group
+constexpr int64_t I8_MR = 8;  // activation rows a tile takes at most
+constexpr int64_t I8_PF = I8_PF_BLOCKS;  // blocks ahead to prefetch
+
+template <bool Q4>
+constexpr int64_t i8_block_bytes() { return Q4 ? 320 : 576; }
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if ROWSTABLE_VNNI
+// MR activation rows (quants xq, row stride K; Q8: flipped to q + 128) x one group's 16 outputs.
+template <int MR, bool Q4>
+void i8_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* g, int64_t nb, float* y,
+             int64_t ldy) {
+  constexpr int64_t BB = i8_block_bytes<Q4>();
+  const int64_t nbx = K / 32;
+  __m512 acc[MR], cor[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = cor[i] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = g + b * BB;
+    for (int64_t c = 0; c < BB; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p + I8_PF * BB + c), _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    __m512i isum[MR];
+    if (Q4) {
+      for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(p + 64 + 64 * t);
+        const __m512i lo = _mm512_and_si512(v, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* xb = xq + i * K + 32 * b;
+          isum[i] = _mm512_dpbusd_epi32(isum[i], lo, _mm512_set1_epi32(load_i32(xb + 4 * t)));
+          isum[i] = _mm512_dpbusd_epi32(isum[i], hi, _mm512_set1_epi32(load_i32(xb + 16 + 4 * t)));
+        }
+      }
+    } else {  // (q_x + 128) q_w summed, from -128 sum q_w
+      const __m512i start = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))), 7);
+      for (int i = 0; i < MR; ++i) isum[i] = start;
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = _mm512_loadu_si512(p + 64 + 64 * j);
+        for (int i = 0; i < MR; ++i)
+          isum[i] = _mm512_dpbusd_epi32(isum[i], _mm512_set1_epi32(load_i32(xq + i * K + 32 * b + 4 * j)), w);
+      }
+    }
+    const __m512 m = Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))) : d;
+    for (int i = 0; i < MR; ++i) {
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[i * nbx + b])), _mm512_cvtepi32_ps(isum[i]), acc[i]);
+      if (Q4) cor[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * nbx + b]), cor[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + i * ldy, Q4 ? _mm512_add_ps(acc[i], cor[i]) : acc[i]);
+}
+#else
+// The AVX2 build: the same operations on the group's 8 outputs from h (0 or 8) at a time.
+template <int MR, bool Q4>
+void i8_tile_half(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* g, int64_t nb, int h,
+                  float* y, int64_t ldy) {
+  constexpr int64_t BB = i8_block_bytes<Q4>();
+  const int64_t nbx = K / 32;
+  __m256 acc[MR], cor[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = cor[i] = _mm256_setzero_ps();
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = g + b * BB;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * h)));
+    __m256i isum[MR];
+    if (Q4) {  // a row's 8 pair sums add up in int16 (at most 30480), then one madd
+      __m256i s16[MR];
+      for (int i = 0; i < MR; ++i) s16[i] = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 + 64 * t + 4 * h));
+        const __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* xb = xq + i * K + 32 * b;
+          s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xb + 4 * t))));
+          s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xb + 16 + 4 * t))));
+        }
+      }
+      for (int i = 0; i < MR; ++i) isum[i] = _mm256_madd_epi16(s16[i], ones);
+    } else {  // |q_w| by q_x with q_w's sign
+      for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 + 64 * j + 4 * h));
+        const __m256i wa = _mm256_sign_epi8(w, w);
+        for (int i = 0; i < MR; ++i) {
+          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq + i * K + 32 * b + 4 * j)), w);
+          isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones));
+        }
+      }
+    }
+    const __m256 m = Q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 2 * h))) : d;
+    for (int i = 0; i < MR; ++i) {
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[i * nbx + b])), _mm256_cvtepi32_ps(isum[i]), acc[i]);
+      if (Q4) cor[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[i * nbx + b]), cor[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + i * ldy + h, Q4 ? _mm256_add_ps(acc[i], cor[i]) : acc[i]);
+}
+template <int MR, bool Q4>
+void i8_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* g, int64_t nb, float* y,
+             int64_t ldy) {
+  i8_tile_half<MR, Q4>(xq, dx, sx, K, g, nb, 0, y, ldy);
+  i8_tile_half<MR, Q4>(xq, dx, sx, K, g, nb, 8, y, ldy);
+}
+#endif
+
+template <bool Q4>
+void i8_tiles(int64_t mr, const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* g, int64_t nb,
+              float* y, int64_t ldy) {
+  switch (mr) {
+    case 1: i8_tile<1, Q4>(xq, dx, sx, K, g, nb, y, ldy); break;
+    case 2: i8_tile<2, Q4>(xq, dx, sx, K, g, nb, y, ldy); break;
+    case 3: i8_tile<3, Q4>(xq, dx, sx, K, g, nb, y, ldy); break;
+    case 4: i8_tile<4, Q4>(xq, dx, sx, K, g, nb, y, ldy); break;
+    case 5: i8_tile<5, Q4>(xq, dx, sx, K, g, nb, y, ldy); break;
+    case 6: i8_tile<6, Q4>(xq, dx, sx, K, g, nb, y, ldy); break;
+    case 7: i8_tile<7, Q4>(xq, dx, sx, K, g, nb, y, ldy); break;
+    default: i8_tile<8, Q4>(xq, dx, sx, K, g, nb, y, ldy); break;
+  }
+}
+
+template <bool Q4>
+at::Tensor block_linear_q8(const at::Tensor& x_, const at::Tensor& packed, int64_t N) {
+  const char* op = Q4 ? "q4_1_linear_q8" : "q8_0_linear_q8";
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.dim() >= 1, op, ": x must be float32 [..., K]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), op, ": the packed blocks must be contiguous uint8");
+  const at::Tensor x = x_.contiguous();
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, nb = K / 32, groups = N / I8_G;
+  constexpr int64_t BB = i8_block_bytes<Q4>();
+  TORCH_CHECK(K > 0 && K % 32 == 0 && N >= 0 && N % I8_G == 0 && packed.numel() == groups * nb * BB, op,
+              ": [", N, ", ", K, "] blocks take ", groups * nb * BB, " bytes (N a multiple of 16, K of 32); got ", packed.numel());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0 || N == 0) return y;
+  Q8Rows xr;
+  quantize_rows_q8(x.data_ptr<float>(), M, K, 32, xr);
+  const int8_t* xq = xr.q.data();
+#if ROWSTABLE_VNNI
+  vec64<int8_t> flipped;
+  if (!Q4) {  // (_mm512_dpbusd_epi32 takes one operand unsigned: q_x + 128)
+    flipped.resize(M * K);
+    for (int64_t k = 0; k < M * K; ++k) flipped[k] = static_cast<int8_t>(xr.q[k] ^ 0x80);
+    xq = flipped.data();
+  }
+#endif
+  const uint8_t* bp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  // row tiles of at most I8_MR, as even as M allows; tasks of 4 groups (64 outputs)
+  const int64_t tiles = (M + I8_MR - 1) / I8_MR;
+  constexpr int64_t TASK = 4;
+  shared_tasks((groups + TASK - 1) / TASK, [&](int64_t t, std::vector<float>&) {
+    for (int64_t gi = t * TASK, g1 = std::min(groups, gi + TASK); gi < g1; ++gi)
+      for (int64_t r = 0; r < tiles; ++r) {
+        const int64_t a = r * M / tiles, e = (r + 1) * M / tiles;
+        i8_tiles<Q4>(e - a, xq + a * K, xr.d.data() + a * nb, xr.sx.data() + a * nb, K, bp + gi * nb * BB, nb,
+                     yp + a * N + I8_G * gi, N);
+      }
+  });
+  return y;
+}
+
+at::Tensor q4_1_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return block_linear_q8<true>(x, packed, n); }
+at::Tensor q8_0_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return block_linear_q8<false>(x, packed, n); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec_rs, lib) {
+  lib.def("q4_1_linear_q8(Tensor x, Tensor packed, int n) -> Tensor");
+  lib.def("q8_0_linear_q8(Tensor x, Tensor packed, int n) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
+  lib.impl("q4_1_linear_q8", &q4_1_linear_q8);
+  lib.impl("q8_0_linear_q8", &q8_0_linear_q8);
+}

@@ -1,4 +1,5 @@
-"""Q4_1 / Q8_0 blocks packed K-major for the row-stable kernels' q4_1_linear / q8_0_linear.
+"""Q4_1 / Q8_0 blocks packed K-major for the row-stable kernels' q4_1_linear / q8_0_linear (float
+path) and q4_1_linear_q8 / q8_0_linear_q8 (8-bit activations).
 
 A GGUF file's own model reads the file's bytes as they lie (models/gguf_model.py); what is packed
 here are a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices for its decoding steps (decoded from the file's
@@ -10,7 +11,9 @@ Q8_0 copies drafters make of their own float weights (`quantize_q8_0`: a draftin
 Layout (see rowstable.cpp's block_linear): K-major, output rows in groups of 4; per group and
 32-weight block, Q4_1: d[4], m[4] as float32 then 4 x 16 nibble bytes; Q8_0: d[4] as float32 then
 4 x 32 int8. Q4_0 (w = d (q - 8)) is stored as Q4_1 with m = -8 d, which rebuilds the same values
-exactly.
+exactly. The 8-bit activations' layout (`pack_q4_i8` / `pack_q8_i8`, see rowstable.cpp's
+block_linear_q8) groups 16 output rows and interleaves their quants 4 bytes at a time, so that one
+integer dot-product instruction takes the same 4 weights of all 16 outputs.
 
 This module knows nothing about tokenizers, sampling or the engine.
 """
@@ -66,6 +69,48 @@ def _pack_q8(q, d) -> torch.Tensor:
     dd = np.ascontiguousarray(d.reshape(N // G, G, nb).transpose(0, 2, 1)).view(np.uint8)
     qq = np.ascontiguousarray(q.reshape(N // G, G, nb, 32).transpose(0, 2, 1, 3)).view(np.uint8)
     return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, qq.reshape(N // G, nb, G * 32)], axis=2)).reshape(-1))
+
+
+GI8 = 16  # output rows per group of the 8-bit-activation layout
+
+
+def _f16_exact(a: np.ndarray) -> np.ndarray | None:
+    """a (float32) as float16, or None where some value is not a float16 (Q4_0's m = -8 d overflowing)."""
+    with np.errstate(over="ignore"):
+        h = a.astype(np.float16)
+    return h if np.array_equal(h.astype(np.float32), a) else None
+
+
+def pack_q4_i8(q, d, m) -> torch.Tensor | None:
+    """Q4_1 blocks (q [N, nb, 16] nibble bytes, d, m [N, nb]; Q4_0 as Q4_1 with m = -8 d) in
+    rowstable.cpp's q4_1_linear_q8 layout: output rows in groups of 16, K-major; per group and
+    block d[16], m[16] as float16, then 4 x 64 bytes, vector t holding bytes 4t..4t+3 of each
+    output's 16 in turn. None where a d or m is not a float16 (or N not a multiple of 16)."""
+    N, nb = d.shape
+    dh, mh = _f16_exact(d), _f16_exact(m)
+    if dh is None or mh is None or N % GI8:
+        return None
+    n = N // GI8
+    dd = np.ascontiguousarray(dh.reshape(n, GI8, nb).transpose(0, 2, 1)).view(np.uint8)  # [n, nb, 32]
+    mm = np.ascontiguousarray(mh.reshape(n, GI8, nb).transpose(0, 2, 1)).view(np.uint8)
+    qq = q.reshape(n, GI8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(n, nb, 256)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, mm, qq], axis=2)).reshape(-1))
+
+
+def pack_q8_i8(q, d) -> torch.Tensor | None:
+    """Q8_0 blocks (q [N, nb, 32] int8, d [N, nb]) in q8_0_linear_q8's layout: groups of 16 output
+    rows, K-major; per group and block d[16] as float16, -(sum of each output's 32 quants) as
+    int16 [16], then 8 x 64 bytes, vector j holding quants 4j..4j+3 of each output in turn."""
+    N, nb = d.shape
+    dh = _f16_exact(d)
+    if dh is None or N % GI8:
+        return None
+    n = N // GI8
+    dd = np.ascontiguousarray(dh.reshape(n, GI8, nb).transpose(0, 2, 1)).view(np.uint8)
+    neg = (-q.astype(np.int32).sum(axis=2)).astype(np.int16)  # [N, nb], |sum| <= 4096
+    ss = np.ascontiguousarray(neg.reshape(n, GI8, nb).transpose(0, 2, 1)).view(np.uint8)
+    qq = np.ascontiguousarray(q.reshape(n, GI8, nb, 8, 4).transpose(0, 2, 3, 1, 4)).view(np.uint8).reshape(n, nb, 512)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, ss, qq], axis=2)).reshape(-1))
 
 
 def quantize_q8_0(w: torch.Tensor) -> tuple | None:

@@ -106,6 +106,7 @@ class GGUFLinear(nn.Module):
     Has the attributes models.llama's code asks a projection for (no packed or fp32 weights)."""
 
     rs = rs_blocks = packed = packed_bias = pack_dtype = None
+    rs_every_call = False  # rs_blocks takes every call, not only decoding steps (repack_for_steps)
     weight = None
 
     def __init__(self, parts: list[tuple], op, bias: torch.Tensor | None = None,
@@ -124,7 +125,7 @@ class GGUFLinear(nn.Module):
             self.cat_args = ([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rs_blocks is not None and step_call(x):  # (see repack_for_steps)
+        if self.rs_blocks is not None and (self.rs_every_call or step_call(x)):  # (see repack_for_steps)
             y = self.rs_blocks[0](x, *self.rs_blocks[1:])
             return y if self.bias is None else y + self.bias
         # the kernels with gguf_linear_cat take x [..., K] as it is and return [..., N]: no reshape and
@@ -195,15 +196,21 @@ STEP_KINDS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # what the AVX2 kernels' repacke
 
 
 def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile, saved=None) -> bool:
-    """Decoding steps of a projection whose parts are all Q4_0 / Q4_1 or all Q8_0 run on the
-    row-stable kernels' q4_1_linear / q8_0_linear over the blocks repacked K-major
-    (models/gguf_blocks; llama's q/k rows reordered there instead of the outputs): ~30% faster a
-    step than gguf_linear on these types, and the same numbers (both equal the float product over
-    the dequantised weights bit for bit; its other calls then stay on gguf_linear, not on
-    gguf_linear_q8). The file's pages of the repacked tensors are given back (madvise), so the
+    """A projection whose parts are all Q4_0 / Q4_1 or all Q8_0 runs on its blocks repacked K-major
+    (models/gguf_blocks; llama's q/k rows reordered there instead of the outputs). On 8-bit
+    activations (kernels.gguf_act8, the default): q4_1_linear_q8 / q8_0_linear_q8 over groups of 16
+    outputs, for every call (prefills too: one set of numbers), the rounded activations' product
+    as gguf_linear_q8's but summed in another order, and a step of 8 tokens ~2x cheaper than on
+    the float path. On the float path: its decoding steps on q4_1_linear / q8_0_linear over groups
+    of 4, ~30% faster a step than gguf_linear on these types, and the same numbers (both equal the
+    float product over the dequantised weights bit for bit; its other calls stay on gguf_linear).
+    The file's pages of the repacked tensors are given back (madvise), so the
     model still holds about one copy of its bytes. `saved` (a .npy path) keeps the repacked blocks
     between runs: read back memory-mapped when it exists (a start then skips the repacking),
     written when it does not. Returns whether it did."""
+    import zlib
+
+    from .. import kernels
     from . import gguf_blocks as gb
 
     kinds = {STEP_KINDS.get(p[1]) for p in lin.parts}
@@ -211,10 +218,12 @@ def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile, saved=None) -> bool:
             or lin.out_features % gb.G:
         return False
     kind = "Q8_0" if "Q8_0" in kinds else "Q4_1"
-    if saved is not None and lin.out_order is not None:  # (the row order is part of what was packed)
-        import zlib
-
-        saved = saved.with_name(f"{saved.stem}.{zlib.crc32(lin.out_order.numpy().tobytes()):08x}.npy")
+    # 8-bit activations (the default, kernels.gguf_act8): groups of 16 rows for q4_1_linear_q8 /
+    # q8_0_linear_q8, which then take every call (prefills too); else the float path's groups of 4
+    act8 = kernels.gguf_act8() and hasattr(kops, "q4_1_linear_q8") and lin.out_features % gb.GI8 == 0
+    if saved is not None:
+        tag = "" if lin.out_order is None else f".{zlib.crc32(lin.out_order.numpy().tobytes()):08x}"
+        saved = saved.with_name(f"{saved.stem}{tag}{'.i8' if act8 else ''}.npy")  # (the row order and layout packed)
     kmajor = _read_saved(saved)
     if kmajor is None:
         decoded = []
@@ -224,13 +233,22 @@ def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile, saved=None) -> bool:
         fused = tuple(np.concatenate([d[i] for d in decoded], axis=0) for i in range(len(decoded[0])))
         if lin.out_order is not None:
             fused = tuple(a[lin.out_order.numpy()] for a in fused)
-        kmajor = gb._pack_q8(*fused) if kind == "Q8_0" else gb._pack_q4(*fused)  # (K-major only: steps read no other)
+        if act8:
+            kmajor = gb.pack_q8_i8(*fused) if kind == "Q8_0" else gb.pack_q4_i8(*fused)
+            if kmajor is None:  # (a scale that is not a float16: Q4_0's -8 d out of range)
+                return False
+        else:
+            kmajor = gb._pack_q8(*fused) if kind == "Q8_0" else gb._pack_q4(*fused)  # (K-major: steps read no other)
         _write_saved(saved, kmajor)
-    op = kops.q8_0_linear if kind == "Q8_0" else kops.q4_1_linear
-    lin.rs, lin.rs_blocks = kops, (op, kmajor, lin.out_features)
-    # long prefills on the float path too (not gguf_linear_q8's 8-bit activations): one set of numbers
-    lin.op, lin.op_cat = kops.gguf_linear, kops.gguf_linear_cat
-    for raw, *_ in lin.parts:  # (prefills still read them: the pages come back from the file then)
+    if act8:
+        op = kops.q8_0_linear_q8 if kind == "Q8_0" else kops.q4_1_linear_q8
+        lin.rs, lin.rs_blocks, lin.rs_every_call = kops, (op, kmajor, lin.out_features), True
+    else:
+        op = kops.q8_0_linear if kind == "Q8_0" else kops.q4_1_linear
+        lin.rs, lin.rs_blocks = kops, (op, kmajor, lin.out_features)
+        # long prefills on the float path too (not gguf_linear_q8's 8-bit activations): one set of numbers
+        lin.op, lin.op_cat = kops.gguf_linear, kops.gguf_linear_cat
+    for raw, *_ in lin.parts:  # (long prefills on the float path still read them: the pages come back then)
         gf.release(raw)
     return True
 

@@ -57,30 +57,37 @@ def test_the_decoders_rebuild_gguf_dequantize_of_the_same_bytes(kind):
 
 # -- the default model ------------------------------------------------------------------------
 @pytest.mark.default_model
-def test_default_model_computes_with_its_blocks(default_model):
+def test_default_model_computes_with_its_blocks(default_model, default_model_float_path):
     """The shipped GGUF computes from its own blocks (Q4_1 projections, Q8_0 embedding and tied
-    head), no fp32 copy; next-token logits equal transformers' GGUF loading of the same file
-    within float32 summation noise, with the same argmax."""
+    head), no fp32 copy: on the float path, next-token logits equal transformers' GGUF loading of
+    the same file within float32 summation noise, with the same argmax; on 8-bit activations (the
+    default: the repacked blocks' q4_1_linear_q8 / q8_0_linear_q8) within the activations' rounding
+    of them (model_helpers.assert_act8_close)."""
     from transformers import AutoModelForCausalLM
 
+    from model_helpers import assert_act8_close
     from specdec.models.loader import default_model_path
 
-    lm = default_model
-    assert lm.weights == "gguf blocks (F32, Q4_1, Q8_0)" and getattr(lm.model, "gguf_native", False)
-    assert all(lin.weight is None for blk in lm.model.layers for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))
-    ids = lm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    ids = default_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
     toks = torch.tensor([ids])
-    m = lm.model
-    cache = m.new_cache(1, len(ids) + 8)
-    m(toks[:, :-6], torch.arange(len(ids) - 6)[None], cache)
-    got = m(toks[:, -6:], torch.arange(len(ids) - 6, len(ids))[None], cache)[0]
     p = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
     with torch.no_grad():
         want = hf(toks).logits[:, -6:]
-    assert (got - want).abs().max().item() < 2e-3
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
-    assert m.weight_bytes_per_token() < m.num_parameters()  # under a byte a weight (fp32: 4)
+    for lm in (default_model, default_model_float_path):
+        assert lm.weights == "gguf blocks (F32, Q4_1, Q8_0)" and getattr(lm.model, "gguf_native", False)
+        m = lm.model
+        assert all(lin.weight is None for blk in m.layers for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))
+        cache = m.new_cache(1, len(ids) + 8)
+        m(toks[:, :-6], torch.arange(len(ids) - 6)[None], cache)
+        got = m(toks[:, -6:], torch.arange(len(ids) - 6, len(ids))[None], cache)[0]
+        if lm is default_model_float_path:
+            assert (got - want).abs().max().item() < 2e-3
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+        else:
+            assert m.head.rs_blocks[0] is m.rowstable.q8_0_linear_q8
+            assert_act8_close(got[0], want[0])
+        assert m.weight_bytes_per_token() < m.num_parameters()  # under a byte a weight (fp32: 4)
 
 
 def test_weights_option_errors(tmp_path):

@@ -79,3 +79,66 @@ def test_repacked_blocks_multirow_products_are_the_dequantised_copys(kind):
     assert torch.equal(alone, ops.linear(x_all, w))
     for m in (1, *ROWS):
         assert torch.equal(op(x_all[:m], packed, n), alone[:m]), (kind, m)
+
+
+def i8_packed(t: int, raw: np.ndarray):
+    """(q4_1_linear_q8 or q8_0_linear_q8, the blocks of raw [n, row bytes] in its layout)."""
+    from specdec.models import gguf_blocks as gb
+
+    ops = need_kernels()
+    if t == Q8_0:
+        return ops.q8_0_linear_q8, gb.pack_q8_i8(*gb._q8(raw))
+    return ops.q4_1_linear_q8, gb.pack_q4_i8(*gb._q4(raw, NAMES[t]))
+
+
+@pytest.mark.parametrize("t", (Q4_0, Q4_1, Q8_0), ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["random", "extreme"])
+def test_repacked_blocks_on_8bit_activations_give_each_row_its_own_product(t, kind):
+    """q4_1_linear_q8 / q8_0_linear_q8 (the default model's projections and head on 8-bit
+    activations, over its blocks repacked in groups of 16 outputs): every row count (1-33, one
+    row tile and several) and one thread or two give each row its numbers alone, bit for bit; they
+    are the float64 product of the activations as gguf_linear_q8 rounds them (kernels.act8_slices)
+    by gguf.quants.dequantize's weights within float32 rounding, and the unrounded product within
+    kernels.act8_error_bound. "extreme": every quant at its largest magnitude (15; Q8_0 -128) by
+    rows of +-1 (q_x = +-127 throughout), the AVX2 build's int16 sums at their limits."""
+    from oracle import one_thread
+
+    bb = kernels.GGUF_TYPES[NAMES[t]].block_bytes
+    n, k = 48, 320
+    raw = random_blocks(t, n, k, np.random.default_rng(t))
+    if kind == "extreme":
+        blocks = raw.reshape(-1, bb)
+        blocks[:, bb - (32 if t == Q8_0 else 16):] = 0x80 if t == Q8_0 else 0xFF
+    w = np.asarray(dequantize(raw, GGMLQuantizationType(t)), dtype=np.float64).reshape(n, k)
+    op, packed = i8_packed(t, raw)
+    g = torch.Generator().manual_seed(t)
+    x_all = activations(max(ROWS), k, g)
+    if kind == "extreme":
+        x_all[1::2] = torch.sign(x_all[1::2]) + (x_all[1::2] == 0)
+    alone = torch.cat([op(x_all[i:i + 1], packed, n) for i in range(max(ROWS))])
+    for m in (1, *ROWS):
+        assert torch.equal(op(x_all[:m], packed, n), alone[:m]), (NAMES[t], m)
+    with one_thread():
+        assert torch.equal(op(x_all, packed, n), alone)
+    yd, xn = alone.double().numpy(), x_all.numpy()
+    xq, _ = kernels.act8_slices(xn, 32)
+    assert (np.abs(yd - xq @ w.T) <= 1e-5 * (np.abs(xq) @ np.abs(w).T) + 1e-30).all()
+    assert (np.abs(yd - xn.astype(np.float64) @ w.T) <= kernels.act8_error_bound(xn, w, t)).all()
+
+
+def test_repacked_8bit_layouts_refuse_what_they_cannot_hold():
+    """pack_q4_i8 / pack_q8_i8 take groups of 16 outputs and float16 scales (Q4_0's m = -8 d can
+    overflow one): otherwise None, and the projection stays on the float path's layout; the kernels
+    refuse blocks of the wrong size with one clear error."""
+    from specdec.models import gguf_blocks as gb
+
+    ops = need_kernels()
+    raw = random_blocks(Q4_0, 16, 64, np.random.default_rng(1))
+    q, d, m = gb._q4(raw, "Q4_0")
+    assert gb.pack_q4_i8(q[:8], d[:8], m[:8]) is None  # 8 outputs: not a group of 16
+    big = d.copy()
+    big[0, 0] = 9000.0  # a float16 scale whose -8 d is past float16's range
+    assert gb.pack_q4_i8(q, big, (-8.0 * big).astype(np.float32)) is None
+    packed = gb.pack_q4_i8(q, d, m)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.q4_1_linear_q8(torch.zeros(1, 64), packed[:-1], 16)

@@ -359,14 +359,22 @@ def test_use_rowstable_refuses_what_it_cannot_compute():
 
 
 @pytest.mark.default_model
-def test_default_model_verifies_bit_for_bit_on_the_row_stable_kernels(default_model):
-    """The default model's decoding steps are on the row-stable kernels: a 6-token verification
-    gives each token the logits of decoding it alone, bit for bit, within float rounding of a
-    long prefill's numbers."""
-    model = default_model.model
+@pytest.mark.parametrize("path", ["act8", "float"])
+def test_default_model_verifies_bit_for_bit_on_the_row_stable_kernels(path, default_model, default_model_float_path):
+    """The default model's decoding steps are on the row-stable kernels, on 8-bit activations (the
+    default) and on the float path: a 6-token verification gives each token the logits of decoding
+    it alone, bit for bit; a long prefill over the same tokens (float32 norms and attention, then
+    the same products) gives them within float rounding (the float path) or within what the
+    activations' rounding makes of that rounding (act8: model_helpers.assert_act8_close)."""
+    from model_helpers import assert_act8_close
+
+    lm = default_model if path == "act8" else default_model_float_path
+    model = lm.model
     need_rs()
     assert model.rowstable is not None
-    ids = default_model.tokenizer.encode("Tell me about the sea. " * 12 + "The three primary colors are")
+    op = model.layers[0].w_gate_up.rs_blocks[0]
+    assert op is (model.rowstable.q4_1_linear_q8 if path == "act8" else model.rowstable.q4_1_linear)
+    ids = lm.tokenizer.encode("Tell me about the sea. " * 12 + "The three primary colors are")
     L = len(ids)
     assert L > 64  # a prefill long enough for oneDNN (step_call)
     with torch.inference_mode():
@@ -381,16 +389,19 @@ def test_default_model_verifies_bit_for_bit_on_the_row_stable_kernels(default_mo
         step = model(torch.tensor([toks[:6]]), (L + torch.arange(6))[None], chain)[0][0]
         for j in range(6):
             assert torch.equal(step[j], singles[j]), j
-        # the oneDNN path (the packed copies: a long prefill) over the same tokens
+        # a long prefill over the same tokens
         ref = model(torch.tensor([ids + toks[:6]]), torch.arange(L + 6)[None], model.new_cache(1, L + 8))[0]
-    assert torch.allclose(step, ref[0, L:], atol=2e-3), float((step - ref[0, L:]).abs().max())
+    if path == "float":
+        assert torch.allclose(step, ref[0, L:], atol=2e-3), float((step - ref[0, L:]).abs().max())
+    else:
+        assert_act8_close(step, ref[0, L:])
 
 
 @pytest.mark.default_model
-def test_default_model_on_gguf_blocks_computes_the_fp32_copys_numbers(default_model):
-    """The default model's decoding steps read its GGUF file's bytes through gguf_linear /
-    gguf_rows; the same model built from the file's dequantised weights (gguf.quants.dequantize)
-    on the row-stable float32 kernels computes the same steps (one token, and a 5-token
+def test_default_model_on_gguf_blocks_computes_the_fp32_copys_numbers(default_model_float_path):
+    """The default model on the float path (SPECDEC_GGUF_ACT8=0) reads its GGUF file's bytes
+    through its repacked blocks and gguf_rows; the same model built from the file's dequantised
+    weights (gguf.quants.dequantize) on the row-stable float32 kernels computes the same steps (one token, and a 5-token
     verification) to the same logits bit for bit: the blocks change the bytes read, not the
     numbers."""
     from pathlib import Path
@@ -398,17 +409,18 @@ def test_default_model_on_gguf_blocks_computes_the_fp32_copys_numbers(default_mo
     from specdec.models.llama import build_native
     from tiny_gguf import dequantized_state_dict
 
+    lm = default_model_float_path
     ops = need_rs()
-    if not getattr(default_model.model, "gguf_native", False) or default_model.model.rowstable is None:
+    if not getattr(lm.model, "gguf_native", False) or lm.model.rowstable is None:
         pytest.skip("the default model is not on the GGUF kernels here")
-    fp32 = build_native(default_model.hf_config, dequantized_state_dict(Path(default_model.gguf)))
+    fp32 = build_native(lm.hf_config, dequantized_state_dict(Path(lm.gguf)))
     fp32.use_rowstable(ops)
     fp32.pack()
-    ids = default_model.tokenizer.encode("Name a planet and one fact about it.")
+    ids = lm.tokenizer.encode("Name a planet and one fact about it.")
     L = len(ids)
     outs = []
     with torch.inference_mode():
-        for m in (default_model.model, fp32):
+        for m in (lm.model, fp32):
             cache = m.new_cache(1, L + 8)
             m(torch.tensor([ids]), torch.arange(L)[None], cache)
             one = m(torch.tensor([[ids[-1]]]), torch.tensor([[L]]), cache)[0]

@@ -7,7 +7,8 @@ and each build's int32 lanes hold the same integers, so every output must be equ
 build itself (SPECDEC_ROWSTABLE=avx2), run in a subprocess on the same inputs: random blocks of every
 type, blocks whose quants are all at their largest magnitude (the AVX2 build's int16 sums at their
 limits) by activations that round to +-127, every tile size of the integer paths (1-9, 16, 17, 33
-rows). The float path and attention, compiled under the wider flags too, are compared as well.
+rows), gguf_linear_q8 and the repacked blocks' q4_1_linear_q8 / q8_0_linear_q8. The float path and
+attention, compiled under the wider flags too, are compared as well.
 Skipped on CPUs without VNNI (only the AVX2 build runs there; the other tests cover it).
 """
 
@@ -82,6 +83,17 @@ def cases() -> dict:
                     out[f"q8 {NAMES[t]} {kind} {n}x{k} M={m}"] = ("gguf_linear_q8", (x, raw, t, n, k))
                     if m in (1, 4, 9):
                         out[f"float {NAMES[t]} {kind} {n}x{k} M={m}"] = ("gguf_linear", (x, raw, t, n, k))
+    # the 32-weight block types repacked in groups of 16 outputs (q4_1_linear_q8, q8_0_linear_q8)
+    from specdec.models import gguf_blocks as gb
+
+    for t in (Q4_0, Q4_1, Q8_0):
+        for kind in ("random", "extreme"):
+            n, k = 32, 96
+            raw = (random_blocks(t, n, k, rng) if kind == "random" else extreme_blocks(t, n, k, rng)).reshape(n, -1)
+            op, packed = ("q8_0_linear_q8", gb.pack_q8_i8(*gb._q8(raw))) if t == Q8_0 else \
+                ("q4_1_linear_q8", gb.pack_q4_i8(*gb._q4(raw, NAMES[t])))
+            for m in ROWS:
+                out[f"i8 {NAMES[t]} {kind} M={m}"] = (op, (inputs(m, k, g), packed, n))
     # several types side by side in one call (the K-quant and the 32-weight slices together)
     k = 512
     parts = [(Q4_K, 24), (Q6_K, 8), (Q8_0, 8), (Q5_0, 5), (F16, 3)]
