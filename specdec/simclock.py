@@ -17,8 +17,9 @@ from contextlib import contextmanager
 #: t(T) / t(1) at T tokens scored in one forward (rows x new tokens), measured or made up; linear
 #: between points and along the last segment beyond them
 PROFILES = {
-    # the default model on a 2-core Intel Xeon (Sapphire Rapids), benchmarks/forward_costs.py
-    "xeon-vnni": [(1, 1.0), (2, 1.35), (3, 1.25), (4, 1.28), (5, 1.33), (8, 2.08), (9, 2.2), (17, 3.6)],
+    # the default model on 8-bit activations on an Intel Xeon (Sapphire Rapids), one thread
+    # (`benchmarks/forward_costs.py --threads 1 --prefill 10 --context 100`, shared machine)
+    "xeon-vnni": [(1, 1.0), (2, 1.24), (3, 1.26), (4, 1.12), (5, 1.16), (8, 1.8), (9, 2.22), (17, 3.28)],
     # the default model on a 2-core AMD EPYC Zen 2 (docs/benchmarks.md, "What a forward costs")
     "zen2-avx2": [(1, 1.0), (2, 1.19), (3, 1.40), (5, 2.14), (9, 3.68)],
     # verification dearer than on any CPU measured: 0.3 of a step a token
