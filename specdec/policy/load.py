@@ -27,6 +27,10 @@ from .probing import PROBE_EVERY, PROBE_ROOM, ProbeSchedule
 
 #: the keys and draft positions a source's acceptance is learnt over (a lookup's match lengths)
 KEYS, POSITIONS = 8, 16
+#: observations' worth of a known tree's own scores before its nodes' odds are learnt (a suffix
+#: cache read from one prompt scores a continuation seen once at 1.0; on chat such nodes hold ~30%
+#: of the time, and a prior worth two observations kept a fresh request verifying them ~10 steps)
+KNOWN_TREE_PRIOR = 0.5
 #: a tree drafted on demand is expected to gain this many tokens a step until one is seen: a tree
 #: pays at once only where verifying its nodes is cheap (a CPU rarely), and learns fast (0.9 a step)
 TREE_PRIOR = 0.5
@@ -42,7 +46,7 @@ class SourceStats:
     def __init__(self, name: str, known: bool, tree: bool, prior: float, k_max: int) -> None:
         self.name, self.known, self.tree = name, known, tree
         self.acceptance = Acceptance(KEYS, max(POSITIONS, k_max), prior)
-        self.odds = NodeOdds()
+        self.odds = NodeOdds(prior=KNOWN_TREE_PRIOR)
         self.gain = TREE_PRIOR  # on-demand trees: accepted tokens per row-step that drafted one
         self.nodes: float | None = None  # and the nodes such a tree held
         self.time = DecayedLine(FIT_DECAY)

@@ -698,3 +698,22 @@ def test_a_short_lookup_is_not_verified_where_one_guess_costs_as_much_as_four(mo
     look.acceptance.acc[2][:2], look.acceptance.seen[2][:2] = [3.0, 0.0], [10.0, 10.0]
     choice = policy.choose([Quote(look, [True], offers=[Offer([5], key=2)])], NOT_A_PROBE, [100])
     assert (choice.k == 0) == (rule == "per length"), choice
+
+
+@pytest.mark.parametrize("prior", ["known-tree prior", "two observations"])
+def test_a_known_trees_scores_are_trusted_for_half_an_observation(prior):
+    """A suffix cache read from one prompt scores a continuation seen once at 1.0: after three
+    offers of two such nodes that did not hold, a 2-node offer is worth less than the 1.26 plain
+    steps a 3-token step costs on the Xeon, so it is declined; trusted for two observations (a
+    broken prior) it would still be verified."""
+    from specdec.policy import load
+
+    policy = LoadPolicy(4)
+    stats = policy.source("suffix", True, True, LOOKUP_PRIOR) if prior == "known-tree prior" else None
+    if stats is None:
+        stats = load.SourceStats("suffix", True, True, LOOKUP_PRIOR, 4)
+        stats.odds = NodeOdds(prior=2.0)
+    for _ in range(3):
+        stats.odds.observe(1.0, False)
+        stats.odds.observe(1.0, False)
+    assert (stats.odds.expected([1.0, 1.0])[2] < 1.26) == (prior == "known-tree prior")
