@@ -717,3 +717,24 @@ def test_a_known_trees_scores_are_trusted_for_half_an_observation(prior):
         stats.odds.observe(1.0, False)
         stats.odds.observe(1.0, False)
     assert (stats.odds.expected([1.0, 1.0])[2] < 1.26) == (prior == "known-tree prior")
+
+
+@pytest.mark.parametrize("prior", ["batch-aware", "one row's"])
+def test_before_the_fit_a_batchs_guesses_are_priced_as_a_cpu_pays_for_them(monkeypatch, prior):
+    """Before the step-time fit, 8 rows that each have a 6-guess lookup (each guess holding half
+    the time) are not drafted: a row's guess slot is priced up to a row's share of the step (8 rows of 7
+    tokens cost ~4.7 steps of 8 rows on a 2-core CPU). Priced at R_PRIOR of a step as at one row
+    (a broken prior), all 48 guesses look nearly free and are verified."""
+    if prior == "one row's":
+        def one_rows(self, A):
+            mean = self.steps.mean(A) or 1.0
+            return mean, 0.0, self.R_PRIOR * mean / A
+        monkeypatch.setattr(LoadPolicy, "_fit", one_rows)
+    policy = LoadPolicy(6)
+    for _ in range(3):
+        policy.observe_step(8, 0, 0.027)
+    look = policy.source("ngram", True, False, LOOKUP_PRIOR)
+    look.acceptance.acc[3][:6], look.acceptance.seen[3][:6] = [5.0] * 6, [10.0] * 6  # each guess: 1 in 2
+    offers = [Offer([1, 2, 3, 4, 5, 6], key=3)] * 8
+    choice = policy.choose([Quote(look, [True] * 8, offers=offers)], NOT_A_PROBE, [100] * 8)
+    assert (choice.k == 0) == (prior == "batch-aware"), choice
