@@ -20,11 +20,8 @@ rates is exact for the profile (no repeats needed). Each call is a fresh engine,
     python benchmarks/policy_sim.py --profile xeon-vnni --methods ngram,suffix,draft,eagle,medusa,auto
     python benchmarks/policy_sim.py --profile dear --batches 1,8 --samplings greedy,t0.8
 
-Profiles (t(T) / t(1) at T tokens scored; linear between points and past the last):
-  xeon-vnni  the default model on a 2-core Intel Xeon (Sapphire Rapids), benchmarks/forward_costs.py
-  zen2-avx2  the default model on a 2-core AMD EPYC Zen 2 (docs/benchmarks.md, "What a forward costs")
-  dear       verification far dearer than any measured CPU (0.3 step a token)
-  cheap      a GPU-like machine (0.01 step a token)
+Profiles (xeon-vnni, zen2-avx2, dear, cheap): t(T) / t(1) at T tokens scored, where each was
+measured, in specdec/simclock.py (PROFILES).
 """
 
 from __future__ import annotations
@@ -37,6 +34,7 @@ from devset import DEV_SET
 from harness import emit, table
 
 from specdec.simclock import PROFILES, SimClock, charge, curve, simulated
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,7 +101,7 @@ def main() -> int:
                 propose = d.propose
 
                 def eagle_propose(ctx, max_tokens, d=d, propose=propose):
-                    behind = sum(max(len(t) - 1 - n, 0) for t, n in zip(ctx.tokens, d.n))
+                    behind = sum(d.lags(ctx.tokens))
                     out = propose(ctx, max_tokens)
                     if max_tokens > 0 and (ctx.want is None or any(ctx.want)):
                         clock.advance(step * (args.eagle + args.catch_up * behind))

@@ -185,10 +185,8 @@ class Sources:
             plan.guesses[b] = list(offer.tokens[:min(cap, room)])
             return
         toks, pars = list(offer.tokens), list(offer.parents)
-        if cap < len(toks):
-            scores = offer.scores or [1.0 / (j + 1) for j in range(len(toks))]
-            order = sorted(range(len(toks)), key=lambda j: (-scores[j], j))[:cap]
-            toks, pars = tree_mod.prune(toks, pars, [j + 1 for j in order])
+        scores = offer.scores or [1.0 / (j + 1) for j in range(len(toks))]
+        toks, pars, _ = tree_mod.best_nodes(toks, pars, scores, cap)
         plan.guesses[b], plan.parents[b] = toks, pars
 
     def _draft(self, plan: Plan, i: int, rows, want: list[bool], caps: list[int], quotes) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..tree import depths, prune
+from ..tree import best_nodes, depths, prune
 from ..types import SpecdecError
 from .base import Draft, DraftContext, Drafter, Offer
 
@@ -469,7 +469,5 @@ def _best(draft: SuffixDraft, n: int) -> SuffixDraft:
     """The draft cut to its `n` best nodes by score (a node never outscores its parent: kept too)."""
     if len(draft.tokens) <= n:
         return draft
-    order = sorted(range(len(draft.tokens)), key=lambda j: (-draft.scores[j], j))[:n]
-    keep = sorted(j + 1 for j in order)
-    tokens, parents = prune(draft.tokens, draft.parents, keep)
-    return SuffixDraft(tokens, parents, [draft.scores[i - 1] for i in keep], draft.match_len, draft.occurrences)
+    tokens, parents, scores = best_nodes(draft.tokens, draft.parents, draft.scores, n)
+    return SuffixDraft(tokens, parents, scores, draft.match_len, draft.occurrences)

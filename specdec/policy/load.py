@@ -124,10 +124,12 @@ class LoadPolicy:
     guess more, so what a guess costs at this batch size stays measured (while the fit cannot yet
     tell it and every step drafts the most, that step is plain instead); an on-demand source that
     no row took is tried on rows with room for PROBE_ROOM more tokens, in batches of up to
-    PROBE_MAX_ROWS rows, on its `ProbeSchedule`, while some acceptance could make it pay and its
-    catch-up is cheap next to the probes' gap. Before the step-time fit rests on data, a step is
-    priced at the mean step seen (a unit step before any) and a row's guess slot at R_PRIOR of a
-    step at one row, up to a row's whole share of it in a batch; a source nothing has timed is priced as free until its first proposal times it.
+    PROBE_MAX_ROWS rows, on its `ProbeSchedule`, while some acceptance could make it pay and the
+    probe fits the probes' budget (`ProbeSchedule.affordable`); a tree's probe verifies its best
+    PROBE_NODES nodes. Before the step-time fit rests on data, a step is priced at the mean step
+    seen (a unit step before any) and a row's guess slot at R_PRIOR of a step at one row, up to a
+    row's whole share of it in a batch; a source nothing has timed is priced as free until its
+    first proposal times it.
     `eager` (a warm-up that must run every source and measure both ends): every other step drafts
     as at a fixed k, the others are plain."""
 
