@@ -402,7 +402,7 @@ class LoadPolicy:
             if not f:
                 out.append(ok)
             else:
-                out.append(ok and left >= self.probe_room and gain > 1.0
+                out.append(left >= self.probe_room and gain > 1.0  # (a far row is an ok one)
                            and left * plain * (1.0 - 1.0 / gain) >= q.stats.catch_up(late))
         return out
 
