@@ -46,7 +46,7 @@ class SourceStats:
     def __init__(self, name: str, known: bool, tree: bool, prior: float, k_max: int) -> None:
         self.name, self.known, self.tree = name, known, tree
         self.acceptance = Acceptance(KEYS, max(POSITIONS, k_max), prior)
-        self.odds = NodeOdds(prior=KNOWN_TREE_PRIOR)
+        self.odds = NodeOdds(prior=KNOWN_TREE_PRIOR, calibrated=True)
         self.gain = TREE_PRIOR  # on-demand trees: accepted tokens per row-step that drafted one
         self.nodes: float | None = None  # and the nodes such a tree held
         self.time = DecayedLine(FIT_DECAY)
@@ -344,7 +344,7 @@ class LoadPolicy:
             if not ok or offer is None or not offer.tokens:
                 out.append(None)
             elif offer.parents is not None and offer.scores is not None:
-                out.append(q.stats.odds.expected(offer.scores))
+                out.append(q.stats.odds.tree_expected(offer.scores, offer.parents))
             else:
                 out.append(q.stats.acceptance.expected(offer.key, len(offer.tokens), offer.certain))
         return out
