@@ -262,9 +262,10 @@ class LoadPolicy:
         may = {i: self._repaid(quotes[i], fit, A, room) for i in on_demand}
         best = {None: (None, 0, [None] * A)}  # option -> (rate, k, per-row source)
         a, r, b = fit
+        per_unit: dict[tuple[int, int], float] = {}  # (source, rows drafted for) -> seconds per unit
         for k in range(top + 1):
             t = a + r * A + b * A * k + (self.steps.residual(A, k) if has_fit else 0.0)
-            base_val, base_src = self._best_known(values, k, A)
+            base_val, base_src = self._best_known(values, k, A) if offered else ([1.0] * A, [None] * A)
             self._keep(best, None, sum(base_val) / t, k, base_src)
             for i in on_demand:
                 stats = quotes[i].stats
@@ -275,7 +276,9 @@ class LoadPolicy:
                 n = sum(use)
                 if not n:
                     continue
-                cost = self._drafting(quotes[i], n, A, k)
+                if (i, n) not in per_unit:
+                    per_unit[i, n] = self._drafting(quotes[i], n, A, 1)
+                cost = per_unit[i, n] if stats.tree else k * per_unit[i, n]
                 tokens = sum(v if u else bv for u, bv in zip(use, base_val))
                 self._keep(best, i, tokens / (t + cost), k,
                            [i if u else s for u, s in zip(use, base_src)])
