@@ -160,6 +160,8 @@ def use_kernels(model, ns) -> None:
 
     for lin in model.modules():
         if isinstance(lin, GGUFLinear):
+            if lin.rs_blocks is not None and getattr(lin.rs_blocks[0], "__name__", "") == "kq_linear_q8":
+                lin.rs_blocks, lin.rs_every_call = None, False  # (K-quants repacked: back on the file's blocks)
             lin.op = ns.gguf_linear_q8
             if lin.op_cat is not None:
                 lin.op_cat = ns.gguf_linear_cat_q8

@@ -7,7 +7,7 @@ and each build's int32 lanes hold the same integers, so every output must be equ
 build itself (SPECDEC_ROWSTABLE=avx2), run in a subprocess on the same inputs: random blocks of every
 type, blocks whose quants are all at their largest magnitude (the AVX2 build's int16 sums at their
 limits) by activations that round to +-127, every tile size of the integer paths (1-9, 16, 17, 33
-rows), gguf_linear_q8 and the repacked blocks' q4_1_linear_q8 / q8_0_linear_q8. The float path and
+rows), gguf_linear_q8 and the repacked blocks' q4_1_linear_q8 / q8_0_linear_q8 / kq_linear_q8. The float path and
 attention, compiled under the wider flags too, are compared as well.
 Skipped on CPUs without VNNI (only the AVX2 build runs there; the other tests cover it).
 """
@@ -94,6 +94,16 @@ def cases() -> dict:
                 ("q4_1_linear_q8", gb.pack_q4_i8(*gb._q4(raw, NAMES[t])))
             for m in ROWS:
                 out[f"i8 {NAMES[t]} {kind} M={m}"] = (op, (inputs(m, k, g), packed, n))
+    # the K-quants repacked in groups of 16 outputs (kq_linear_q8), mixed parts in one call too
+    for t in (Q4_K, Q6_K):
+        for kind in ("random", "extreme"):
+            n, k = 32, 512
+            raw = (random_blocks(t, n, k, rng) if kind == "random" else extreme_blocks(t, n, k, rng)).reshape(n, -1)
+            packed = gb.pack_k_i8(raw, t)
+            for m in ROWS:
+                out[f"kq {NAMES[t]} {kind} M={m}"] = ("kq_linear_q8", (inputs(m, k, g), [packed], [t], [n], k))
+    kq_parts = [gb.pack_k_i8(random_blocks(t, 16, 256, rng).reshape(16, -1), t) for t in (Q4_K, Q6_K)]
+    out["kq parts"] = ("kq_linear_q8", (inputs(9, 256, g), kq_parts, [Q4_K, Q6_K], [16, 16], 256))
     # several types side by side in one call (the K-quant and the 32-weight slices together)
     k = 512
     parts = [(Q4_K, 24), (Q6_K, 8), (Q8_0, 8), (Q5_0, 5), (F16, 3)]
