@@ -2633,7 +2633,7 @@ struct KqLanes {
   }
   static kq_i set8(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
   static kq_i and_(kq_i a, kq_i b) { return _mm512_and_si512(a, b); }
-  static kq_i or_(kq_i a, kq_i b) { return _mm512_or_si512(a, b); }
+  static kq_i or_and(kq_i a, kq_i b, kq_i c) { return _mm512_ternarylogic_epi32(a, b, c, 0xF8); }  // a | (b & c)
   static kq_i shl(kq_i a, int n) { return _mm512_slli_epi16(a, n); }
   static kq_i shr(kq_i a, int n) { return _mm512_srli_epi16(a, n); }
   static kq_i zero() { return _mm512_setzero_si512(); }
@@ -2657,7 +2657,7 @@ struct KqLanes {
   }
   static kq_i set8(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
   static kq_i and_(kq_i a, kq_i b) { return _mm256_and_si256(a, b); }
-  static kq_i or_(kq_i a, kq_i b) { return _mm256_or_si256(a, b); }
+  static kq_i or_and(kq_i a, kq_i b, kq_i c) { return _mm256_or_si256(a, _mm256_and_si256(b, c)); }
   static kq_i shl(kq_i a, int n) { return _mm256_slli_epi16(a, n); }
   static kq_i shr(kq_i a, int n) { return _mm256_srli_epi16(a, n); }
   static kq_i zero() { return _mm256_setzero_si256(); }
@@ -2674,39 +2674,44 @@ struct KqLanes {
 #endif
 };
 
-// Q4_K sub-block s's 8 quad vectors (w) and its dsc (scaled to match w: the VNNI build's odd
-// sub-blocks are 16 q against dsc / 16)
-inline kq_f kq_sub(KqQ4K, const KqLanes& L, const uint8_t* p, kq_f d, int s, kq_i w[8]) {
-  const uint8_t* qv = p + 320 + 512 * (s >> 1);
-  const kq_i lo4 = KqLanes::set8(0x0F);
-  kq_f dsc = KqLanes::mul(KqLanes::cvt(L.u8_32(p + 64 + 16 * s)), d);
-  if (s & 1) {
+// The weights of sub-blocks 2j and 2j + 1 are taken together (two dot-product chains a row): quad
+// vector k (< QPS) of each as w0, w1, and each one's dsc (scaled to match: the VNNI build's Q4_K odd
+// sub-blocks are 16 q against dsc / 16).
+// Q4_K: one load of vector 8j + k holds both (low and high nibbles)
+inline void kq_quads(KqQ4K, const KqLanes& L, const uint8_t* p, int j, int k, kq_i& w0, kq_i& w1) {
+  const kq_i v = L.bytes(p + 320 + 512 * j + 64 * k);
+  w0 = KqLanes::and_(v, KqLanes::set8(0x0F));
 #if ROWSTABLE_VNNI
-    const kq_i hi4 = KqLanes::set8(static_cast<char>(0xF0));
-    for (int t = 0; t < 8; ++t) w[t] = KqLanes::and_(L.bytes(qv + 64 * t), hi4);
-    dsc = KqLanes::mul(dsc, KqLanes::set1(0.0625f));
+  w1 = KqLanes::and_(v, KqLanes::set8(0xF0));
 #else
-    for (int t = 0; t < 8; ++t) w[t] = KqLanes::and_(KqLanes::shr(L.bytes(qv + 64 * t), 4), lo4);
+  w1 = KqLanes::and_(KqLanes::shr(v, 4), KqLanes::set8(0x0F));
 #endif
-  } else {
-    for (int t = 0; t < 8; ++t) w[t] = KqLanes::and_(L.bytes(qv + 64 * t), lo4);
-  }
-  return dsc;
+}
+inline void kq_dsc(KqQ4K, const KqLanes& L, const uint8_t* p, kq_f d, int j, kq_f& dsc0, kq_f& dsc1) {
+  dsc0 = KqLanes::mul(KqLanes::cvt(L.u8_32(p + 64 + 32 * j)), d);
+  dsc1 = KqLanes::mul(KqLanes::cvt(L.u8_32(p + 80 + 32 * j)), d);
+#if ROWSTABLE_VNNI
+  dsc1 = KqLanes::mul(dsc1, KqLanes::set1(0.0625f));
+#endif
 }
 
-// Q6_K sub-block l's 4 quad vectors u = 4l..4l + 3 (quarter c = u / 16) and its dsc
-inline kq_f kq_sub(KqQ6K, const KqLanes& L, const uint8_t* p, kq_f d, int l, kq_i w[4]) {
-  const int c = l >> 2;
-  const kq_i lo4 = KqLanes::set8(0x0F), hi2 = KqLanes::set8(0x30);
-  for (int k = 0; k < 4; ++k) {
-    const int u = 4 * l + k;
-    const kq_i ql = L.bytes(p + 288 + 64 * (u & 31));
-    const kq_i qh = L.bytes(p + 288 + 2048 + 64 * (u & 15));
-    const kq_i lo = KqLanes::and_(c < 2 ? ql : KqLanes::shr(ql, 4), lo4);
-    const kq_i hb = c == 0 ? KqLanes::shl(qh, 4) : c == 1 ? KqLanes::shl(qh, 2) : c == 2 ? qh : KqLanes::shr(qh, 2);
-    w[k] = KqLanes::or_(lo, KqLanes::and_(hb, hi2));
-  }
-  return KqLanes::mul(KqLanes::cvt(L.i8_32(p + 32 + 16 * l)), d);
+// Q6_K quad u (quarter c = u / 16): low 4 bits from vector u % 32 (low nibbles for u < 32), high 2
+// from vector 32 + u % 16, bits 2c, 2c + 1
+inline kq_i kq_q6_quad(const KqLanes& L, const uint8_t* p, int u) {
+  const int c = u >> 4;
+  const kq_i ql = L.bytes(p + 288 + 64 * (u & 31));
+  const kq_i qh = L.bytes(p + 288 + 2048 + 64 * (u & 15));
+  const kq_i lo = KqLanes::and_(c < 2 ? ql : KqLanes::shr(ql, 4), KqLanes::set8(0x0F));
+  const kq_i hb = c == 0 ? KqLanes::shl(qh, 4) : c == 1 ? KqLanes::shl(qh, 2) : c == 2 ? qh : KqLanes::shr(qh, 2);
+  return KqLanes::or_and(lo, hb, KqLanes::set8(0x30));
+}
+inline void kq_quads(KqQ6K, const KqLanes& L, const uint8_t* p, int j, int k, kq_i& w0, kq_i& w1) {
+  w0 = kq_q6_quad(L, p, 8 * j + k);
+  w1 = kq_q6_quad(L, p, 8 * j + 4 + k);
+}
+inline void kq_dsc(KqQ6K, const KqLanes& L, const uint8_t* p, kq_f d, int j, kq_f& dsc0, kq_f& dsc1) {
+  dsc0 = KqLanes::mul(KqLanes::cvt(L.i8_32(p + 32 + 32 * j)), d);
+  dsc1 = KqLanes::mul(KqLanes::cvt(L.i8_32(p + 48 + 32 * j)), d);
 }
 
 // the correction's factor pair j (sub-blocks 2j, 2j + 1) of a group's 16 outputs
@@ -2726,19 +2731,31 @@ void kq_tile(const KqLanes& L, const int8_t* xq, const float* dx, const int16_t*
   for (int i = 0; i < MR; ++i) acc[i] = KqLanes::fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * T::BB;
-    for (int64_t c = 0; c < T::BB; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p + KQ_PF_BLOCKS * T::BB + c), _MM_HINT_T0);
     const kq_f d = L.f16(p);
     kq_f t[MR];
-    for (int s = 0; s < T::NS; ++s) {
-      kq_i w[T::QPS];
-      const kq_f dsc = kq_sub(T{}, L, p, d, s, w);
-      kq_i S[MR];
-      for (int i = 0; i < MR; ++i) S[i] = KqLanes::zero();
+    for (int j = 0; j < T::NS / 2; ++j) {
+      // the block KQ_PF_BLOCKS ahead, a share of its lines with each pair of sub-blocks (a burst of
+      // 37-53 prefetches at the start of a block filled the line buffers and stalled)
+      constexpr int64_t lines = (T::BB + 63) / 64, pairs = T::NS / 2;
+      for (int64_t c = j * lines / pairs; c < (j + 1) * lines / pairs; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(p + KQ_PF_BLOCKS * T::BB + 64 * c), _MM_HINT_T0);
+      kq_i S0[MR], S1[MR];
+      for (int i = 0; i < MR; ++i) S0[i] = S1[i] = KqLanes::zero();
       for (int k = 0; k < T::QPS; ++k) {
-        const int64_t off = 256 * b + 4 * (T::QPS * s + k);
-        for (int i = 0; i < MR; ++i) S[i] = KqLanes::dot4(S[i], w[k], load_i32(xq + i * K + off));
+        kq_i w0, w1;
+        kq_quads(T{}, L, p, j, k, w0, w1);
+        const int64_t off0 = 256 * b + 4 * (T::QPS * 2 * j + k), off1 = off0 + 4 * T::QPS;
+        for (int i = 0; i < MR; ++i) {
+          S0[i] = KqLanes::dot4(S0[i], w0, load_i32(xq + i * K + off0));
+          S1[i] = KqLanes::dot4(S1[i], w1, load_i32(xq + i * K + off1));
+        }
       }
-      for (int i = 0; i < MR; ++i) t[i] = s == 0 ? KqLanes::mul(KqLanes::cvt(S[i]), dsc) : KqLanes::fma(KqLanes::cvt(S[i]), dsc, t[i]);
+      kq_f dsc0, dsc1;
+      kq_dsc(T{}, L, p, d, j, dsc0, dsc1);
+      for (int i = 0; i < MR; ++i) {
+        t[i] = j == 0 ? KqLanes::mul(KqLanes::cvt(S0[i]), dsc0) : KqLanes::fma(KqLanes::cvt(S0[i]), dsc0, t[i]);
+        t[i] = KqLanes::fma(KqLanes::cvt(S1[i]), dsc1, t[i]);
+      }
     }
     const kq_f e = kq_e(T{}, L, p, d);
     kq_i C[MR];
