@@ -33,7 +33,9 @@
 // on the same numbers, so those tiles too give each row its numbers alone (tests/unit/test_multirow.py);
 // everything else is the same source. q4_1_linear_q8 / q8_0_linear_q8 (at the end of this file) take
 // the 32-weight block types repacked in groups of 16 outputs on 8-bit activations: lane n is output n
-// in both builds (16 a register on VNNI, 8 on AVX2), with the same integer and float operations.
+// in both builds (16 a register on VNNI, 8 on AVX2), with the same integer and float operations;
+// kq_linear_q8 (after them) takes Q4_K / Q6_K blocks repacked the same way, a sub-block's scale one
+// float operation for 16 outputs.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,5 +1,5 @@
 """Q4_1 / Q8_0 blocks packed K-major for the row-stable kernels' q4_1_linear / q8_0_linear (float
-path) and q4_1_linear_q8 / q8_0_linear_q8 (8-bit activations).
+path) and q4_1_linear_q8 / q8_0_linear_q8 (8-bit activations); Q4_K / Q6_K blocks for kq_linear_q8.
 
 A GGUF file's own model reads the file's bytes as they lie (models/gguf_model.py); what is packed
 here are a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices for its decoding steps (decoded from the file's
@@ -13,7 +13,9 @@ Layout (see rowstable.cpp's block_linear): K-major, output rows in groups of 4; 
 4 x 32 int8. Q4_0 (w = d (q - 8)) is stored as Q4_1 with m = -8 d, which rebuilds the same values
 exactly. The 8-bit activations' layout (`pack_q4_i8` / `pack_q8_i8`, see rowstable.cpp's
 block_linear_q8) groups 16 output rows and interleaves their quants 4 bytes at a time, so that one
-integer dot-product instruction takes the same 4 weights of all 16 outputs.
+integer dot-product instruction takes the same 4 weights of all 16 outputs; `pack_q4_k_i8` /
+`pack_q6_k_i8` do the same for a file's Q4_K / Q6_K matrices (rowstable.cpp's kq_linear_q8), read
+straight from the file's bytes.
 
 This module knows nothing about tokenizers, sampling or the engine.
 """
