@@ -2600,12 +2600,12 @@ constexpr int64_t kq_block_bytes(int64_t type) { return type == 12 ? 2368 : type
 // What the tile needs of a block, the same in both builds: NS sub-blocks of QPS quads, NP pairs of the
 // correction's factors.
 struct KqQ4K {
-  static constexpr int NS = 8, QPS = 8, NP = 4;
+  static constexpr int NS = 8, QPS = 8, NP = 4, GROUP16 = 8;  // GROUP16: the AVX2 build's int16 sums (kq_tile)
   static constexpr int64_t BB = 2368;
   static constexpr bool B32 = true;  // the correction's sums over 32 q_x (else 16)
 };
 struct KqQ6K {
-  static constexpr int NS = 16, QPS = 4, NP = 8;
+  static constexpr int NS = 16, QPS = 4, NP = 8, GROUP16 = 2;
   static constexpr int64_t BB = 3360;
   static constexpr bool B32 = false;
 };
@@ -2747,6 +2747,7 @@ void kq_tile(const KqLanes& L, const int8_t* xq, const float* dx, const int16_t*
       for (int i = 0; i < MR; ++i) S0[i] = S1[i] = KqLanes::zero();
       // (unrolled in full: with the loop over k kept, GCC copied each accumulator to another register
       // and to the stack around every vpdpbusd)
+#if ROWSTABLE_VNNI
 #pragma GCC unroll 8
       for (int k = 0; k < T::QPS; ++k) {
         kq_i w0, w1;
@@ -2758,6 +2759,30 @@ void kq_tile(const KqLanes& L, const int8_t* xq, const float* dx, const int16_t*
           S1[i] = KqLanes::dot4(S1[i], w1, load_i32(xq + i * K + off1));
         }
       }
+#else
+      // AVX2: the _mm256_maddubs_epi16 products of GROUP quads summed in int16 (Q4_K 8: at most
+      // 8 x 2 x 15 x 127 = 30480; Q6_K 2: 2 x 2 x 63 x 127 = 32004), then one _mm256_madd_epi16 by ones
+      const __m256i ones = _mm256_set1_epi16(1);
+      for (int k0 = 0; k0 < T::QPS; k0 += T::GROUP16) {
+        __m256i P0[MR], P1[MR];
+#pragma GCC unroll 8
+        for (int k = k0; k < k0 + T::GROUP16; ++k) {
+          kq_i w0, w1;
+          kq_quads(T{}, L, p, j, k, w0, w1);
+          const int64_t off0 = 256 * b + 4 * (T::QPS * 2 * j + k), off1 = off0 + 4 * T::QPS;
+          for (int i = 0; i < MR; ++i) {
+            const __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_set1_epi32(load_i32(xq + i * K + off0)));
+            const __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_set1_epi32(load_i32(xq + i * K + off1)));
+            P0[i] = k == k0 ? p0 : _mm256_add_epi16(P0[i], p0);
+            P1[i] = k == k0 ? p1 : _mm256_add_epi16(P1[i], p1);
+          }
+        }
+        for (int i = 0; i < MR; ++i) {
+          S0[i] = _mm256_add_epi32(S0[i], _mm256_madd_epi16(P0[i], ones));
+          S1[i] = _mm256_add_epi32(S1[i], _mm256_madd_epi16(P1[i], ones));
+        }
+      }
+#endif
       kq_f dsc0, dsc1;
       kq_dsc(T{}, L, p, d, j, dsc0, dsc1);
       for (int i = 0; i < MR; ++i) {
