@@ -1719,6 +1719,13 @@ void gguf_linear_parts(const float* xp, int64_t M, int64_t K, const std::vector<
   shared_tasks(tasks, run);
 }
 
+// an uninitialised float32 [..., n] for the rows of x [..., K]
+at::Tensor empty_outputs(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return at::empty(shape, x.options());
+}
+
 // x [..., K] @ the concatenation of the weights' rows^T -> [..., sum of N]; each weight's bytes checked.
 at::Tensor gguf_linear_cat_impl(const at::Tensor& x_, at::TensorList raws, at::IntArrayRef types, at::IntArrayRef Ns,
                                 int64_t K, bool act8) {
@@ -1737,9 +1744,7 @@ at::Tensor gguf_linear_cat_impl(const at::Tensor& x_, at::TensorList raws, at::I
   }
   const at::Tensor x = x_.contiguous();
   const int64_t M = x.numel() / K;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = cols;
-  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor y = empty_outputs(x, cols);
   if (M > 0 && cols > 0) gguf_linear_parts(x.data_ptr<float>(), M, K, parts, y.data_ptr<float>(), cols, act8);
   return y;
 }
@@ -2857,9 +2862,7 @@ at::Tensor kq_linear_q8(const at::Tensor& x_, at::TensorList packed, at::IntArra
   }
   const at::Tensor x = x_.contiguous();
   const int64_t M = x.numel() / K;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = cols;
-  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor y = empty_outputs(x, cols);
   if (M == 0 || cols == 0) return y;
   Q8Rows xr;
   quantize_rows_q8(x.data_ptr<float>(), M, K, 256, xr, false);

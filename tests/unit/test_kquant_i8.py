@@ -18,7 +18,7 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from model_helpers import need_kernels
-from gguf_random import NAMES, Q4_K, Q6_K, random_blocks
+from gguf_random import NAMES, Q4_K, Q6_K, act8_rows, random_blocks
 from specdec import kernels
 from specdec.models import gguf_blocks as gb
 
@@ -38,16 +38,6 @@ def case(t: int, n: int, k: int, seed: int, saturated: bool = False):
     return raw, w
 
 
-def inputs(m: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """Activations with outliers, an all-zero slice in row 0, and rows of +-1 (q = +-127 everywhere)."""
-    x = torch.randn(m, k, generator=g) * (0.05 + 8 * torch.rand(m, k, generator=g) ** 6)
-    x[0, :256] = 0.0
-    x[m // 2] = 1.0
-    if m > 2:
-        x[m - 1] = -1.0
-    return x
-
-
 def close_to_oracle(y: torch.Tensor, x: torch.Tensor, w: np.ndarray) -> bool:
     """y within float32 rounding (1e-5 of sum |x8 w|) of the rounded activations' float64 product."""
     xq, _ = kernels.act8_slices(x.numpy(), 256)
@@ -64,12 +54,12 @@ def test_products_are_the_rounded_activations_products_at_every_row_count(t, sat
         packed = gb.pack_k_i8(raw, t)
         assert packed.numel() == n // 16 * k // 256 * gb.KQ_BLOCK_BYTES[t]
         for m in ROWS:
-            x = inputs(m, k, g)
+            x = act8_rows(m, k, g)
             y = ops.kq_linear_q8(x, [packed], [t], [n], k)
             assert close_to_oracle(y, x, w), (NAMES[t], n, k, m)
             for i in range(m):
                 assert torch.equal(y[i], ops.kq_linear_q8(x[i:i + 1], [packed], [t], [n], k)[0]), (n, k, m, i)
-        x3 = inputs(6, k, g).view(2, 3, k)
+        x3 = act8_rows(6, k, g).view(2, 3, k)
         assert torch.equal(ops.kq_linear_q8(x3, [packed], [t], [n], k),
                            ops.kq_linear_q8(x3.reshape(6, k), [packed], [t], [n], k).view(2, 3, n))
 
@@ -85,7 +75,7 @@ def test_parts_side_by_side_and_threads():
     types, ns = [c[0] for c in cases], [c[1] for c in cases]
     threads = torch.get_num_threads()
     for m in (1, 4, 11):
-        x = inputs(m, k, g)
+        x = act8_rows(m, k, g)
         y = ops.kq_linear_q8(x, packed, types, ns, k)
         alone = [ops.kq_linear_q8(x, [p], [t], [n], k) for p, t, n in zip(packed, types, ns)]
         assert torch.equal(y, torch.cat(alone, dim=1)), m
@@ -104,7 +94,7 @@ def test_a_broken_layout_fails_the_oracle(t):
     ops = need_kernels()
     k, n = 256, 16
     raw, w = case(t, n, k, seed=9)
-    x = inputs(4, k, torch.Generator().manual_seed(1))
+    x = act8_rows(4, k, torch.Generator().manual_seed(1))
     good = gb.pack_k_i8(raw, t)
     assert close_to_oracle(ops.kq_linear_q8(x, [good], [t], [n], k), x, w)
     scales = 64 if t == Q4_K else 32  # where the sub-block scales start
