@@ -5,12 +5,19 @@ The traces are benchmarks/data/agentic/<trace>.jsonl (`agentic_traces.py write`)
 requests whose answers repeat each other. Each method decodes a whole trace as one block, its
 requests in order (so later requests draft from earlier answers, as a server's would), starting
 from an empty suffix cache; blocks alternate in order over the repeats (none, suffix, auto, then
-auto, suffix, none, ...) and each method's median over repeats is reported. Greedy; every
-method's answers must equal plain decoding's (checked). Through the Python API, whose scheduler
-is the one `specdec serve` runs.
+auto, suffix, none, ...) and each method's median over repeats is reported. Greedy, but for the
+`samples` trace (best-of-n: one prompt sampled 8 times at temperature 0.8, seeds 0..7, one after
+another, so later samples draft from earlier ones); every method's answers must equal plain
+decoding's (checked: seeded sampling with deterministic guesses commits plain sampling's text).
+Through the Python API, whose scheduler is the one `specdec serve` runs.
 
     python benchmarks/suffix_traces.py --traces sql,extract,report,tools --requests 20 --repeats 2 --threads 1
     python benchmarks/suffix_traces.py --sim xeon-vnni --traces sql,report,tools --requests 12
+
+`--serve` sends each trace through HTTP instead: one `specdec serve` process per method and
+block (a fresh one, so every block starts from an empty suffix cache), one client sending the
+requests in order to /v1/chat/completions, each awaited before the next; tokens/s over the whole
+trace as the client sees it (completion tokens from `usage` / wall seconds, HTTP included).
 
 `--sim PROFILE` runs on a simulated clock (specdec/simclock.py: only the target's forwards advance
 it, by the profile's cost curve), so the ratios do not depend on the machine's load and one repeat
@@ -35,9 +42,17 @@ sys.path.insert(0, str(HERE.parent))
 from harness import emit, machine, table  # noqa: E402
 
 
+SAMPLES, SAMPLE_TEMPERATURE = 8, 0.8  # the `samples` trace: best-of-n (agentic_traces.py's SAMPLES)
+
+
 def trace(name: str, limit: int) -> list[dict]:
+    """The first `limit` requests of a trace, each with its sampling settings: greedy, but for
+    `samples`, whose one prompt is sampled SAMPLES times (seeds 0, 1, ...) at temperature 0.8."""
     lines = (HERE / "data" / "agentic" / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line][:limit]
+    rows = [json.loads(line) for line in lines if line]
+    if name == "samples":
+        return [{**rows[0], "sampling": {"temperature": SAMPLE_TEMPERATURE, "seed": s}} for s in range(SAMPLES)][:limit]
+    return [{**r, "sampling": {"temperature": 0.0}} for r in rows[:limit]]
 
 
 def run_block(spec, requests: list[dict], max_tokens: int) -> tuple[float, int, list[list[int]], dict]:
@@ -54,7 +69,7 @@ def run_block(spec, requests: list[dict], max_tokens: int) -> tuple[float, int, 
     try:
         for r in requests:
             t0 = time.perf_counter()
-            out = spec.generate(r["messages"], max_new_tokens=max_tokens, temperature=0.0)
+            out = spec.generate(r["messages"], max_new_tokens=max_tokens, **r["sampling"])
             seconds += time.perf_counter() - t0
             tokens += len(out.token_ids)
             answers.append(list(out.token_ids))
@@ -69,6 +84,40 @@ def run_block(spec, requests: list[dict], max_tokens: int) -> tuple[float, int, 
     return seconds, tokens, answers, steps
 
 
+#: method -> serve_load.py's setting (a server process with that --method, load-aware)
+SERVE_SETTINGS = {"none": "off", "suffix": "adaptive-suffix", "auto": "adaptive"}
+
+
+def serve_block(method: str, requests: list[dict], max_tokens: int, args) -> tuple[float, int, list[str], dict]:
+    """(seconds, tokens, each answer's text, {}) of one method over a whole trace sent over HTTP to
+    a fresh `specdec serve` (an empty suffix cache), one request at a time."""
+    import urllib.request
+
+    from serve_load import start
+    from specdec.methods import TABLE
+
+    setting = SERVE_SETTINGS[method]
+    opts = argparse.Namespace(k=TABLE[method].k or 1, max_batch=1, threads=args.threads, step_log=None,
+                              model=args.model)
+    proc, url = start(setting, opts)
+    seconds, tokens, answers = 0.0, 0, []
+    try:
+        for r in requests:
+            body = json.dumps({"model": "m", "messages": r["messages"], "max_tokens": max_tokens,
+                               **r["sampling"]}).encode()
+            req = urllib.request.Request(url + "/chat/completions", body, {"Content-Type": "application/json"})
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                out = json.loads(resp.read())
+            seconds += time.perf_counter() - t0
+            tokens += out["usage"]["completion_tokens"]
+            answers.append(out["choices"][0]["message"]["content"])
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return seconds, tokens, answers, {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--traces", default="sql,extract,report,tools")
@@ -81,6 +130,7 @@ def main() -> None:
     ap.add_argument("--sim", default=None, metavar="PROFILE",
                     help="a simulated clock with this cost profile (specdec/simclock.py PROFILES)")
     ap.add_argument("--step-ms", type=float, default=15.0, help="with --sim: one plain step, ms. Default: 15")
+    ap.add_argument("--serve", action="store_true", help="through `specdec serve` processes over HTTP")
     args = ap.parse_args()
     import contextlib
 
@@ -88,6 +138,11 @@ def main() -> None:
     from specdec.simclock import PROFILES, SimClock, charge, curve, simulated
 
     methods = ["none"] + [m for m in args.methods.split(",") if m and m != "none"]
+    if args.serve:
+        if args.sim:
+            raise SystemExit("--serve and --sim do not go together (a server's clock is its own)")
+        run(args, methods, None)
+        return
     specs = {m: specdec.load(args.model, method=m, threads=args.threads) for m in methods}
     clock = contextlib.nullcontext()
     if args.sim:
@@ -102,7 +157,7 @@ def main() -> None:
 
 
 def run(args, methods, specs) -> None:
-    rows, report = [], {"machine": machine(args.threads), "simulated": args.sim, "traces": {}}
+    rows, report = [], {"machine": machine(args.threads), "simulated": args.sim, "http": args.serve, "traces": {}}
     for name in [t for t in args.traces.split(",") if t]:
         requests = trace(name, args.requests)
         rates = {m: [] for m in methods}
@@ -110,7 +165,10 @@ def run(args, methods, specs) -> None:
         plain_answers, counts = None, {}
         for rep in range(args.repeats):
             for m in (methods if rep % 2 == 0 else methods[::-1]):
-                seconds, tokens, answers, counts[m] = run_block(specs[m], requests, args.max_tokens)
+                if specs is None:
+                    seconds, tokens, answers, counts[m] = serve_block(m, requests, args.max_tokens, args)
+                else:
+                    seconds, tokens, answers, counts[m] = run_block(specs[m], requests, args.max_tokens)
                 rates[m].append(tokens / seconds)
                 if m == "none":
                     plain_answers = answers if plain_answers is None else plain_answers
@@ -124,7 +182,7 @@ def run(args, methods, specs) -> None:
         report["traces"][name] = {"tokens_per_s": med, "ratio": {m: med[m] / med["none"] for m in methods[1:]},
                                   "exact": exact, "requests": len(requests), "steps": counts}
         print(f"{name}: " + ", ".join(f"{m} {med[m]:.1f} tok/s" for m in methods), flush=True)
-        for m in methods[1:]:
+        for m in methods[1:] if specs is not None else []:
             c = counts[m]
             n = max(c["steps"], 1)
             print(f"  {m}: {(c['accepted'] + c['steps']) / n:.2f} tokens per step, {c['nodes'] / n:.2f} guesses "
