@@ -9,7 +9,9 @@ auto, suffix, none, ...) and each method's median over repeats is reported. Gree
 `samples` trace (best-of-n: one prompt sampled 8 times at temperature 0.8, seeds 0..7, one after
 another, so later samples draft from earlier ones); every method's answers must equal plain
 decoding's (checked: seeded sampling with deterministic guesses commits plain sampling's text).
-Through the Python API, whose scheduler is the one `specdec serve` runs.
+Through the Python API, whose scheduler is the one `specdec serve` runs. Besides tokens/s over the
+whole trace (prefills included: the goal's figure), "decoding" is the ratio of decoding alone
+(tokens after each request's first / its seconds after the prefill): what speculation changes.
 
     python benchmarks/suffix_traces.py --traces sql,extract,report,tools --requests 20 --repeats 2 --threads 1
     python benchmarks/suffix_traces.py --sim xeon-vnni --traces sql,report,tools --requests 12
@@ -62,7 +64,7 @@ def run_block(spec, requests: list[dict], max_tokens: int) -> tuple[float, int, 
 
     forget_shared()
     seconds, tokens, answers = 0.0, 0, []
-    steps = {"steps": 0, "nodes": 0, "accepted": 0, "plain": 0}
+    steps = {"steps": 0, "nodes": 0, "accepted": 0, "plain": 0, "decode_s": 0.0, "decoded": 0}
     schedulers = []
     make = spec.engine._scheduler
     spec.engine._scheduler = lambda *a: schedulers.append(make(*a)) or schedulers[-1]
@@ -73,6 +75,8 @@ def run_block(spec, requests: list[dict], max_tokens: int) -> tuple[float, int, 
             seconds += time.perf_counter() - t0
             tokens += len(out.token_ids)
             answers.append(list(out.token_ids))
+            steps["decode_s"] += out.stats.decode_s
+            steps["decoded"] += max(len(out.token_ids) - 1, 0)  # (the first token comes with the prefill)
     finally:
         spec.engine._scheduler = make
     for s in schedulers:
@@ -161,6 +165,7 @@ def run(args, methods, specs) -> None:
     for name in [t for t in args.traces.split(",") if t]:
         requests = trace(name, args.requests)
         rates = {m: [] for m in methods}
+        decode_rates = {m: [] for m in methods}
         exact = {m: True for m in methods}
         plain_answers, counts = None, {}
         for rep in range(args.repeats):
@@ -170,24 +175,33 @@ def run(args, methods, specs) -> None:
                 else:
                     seconds, tokens, answers, counts[m] = run_block(specs[m], requests, args.max_tokens)
                 rates[m].append(tokens / seconds)
+                if counts[m].get("decode_s"):
+                    decode_rates[m].append(counts[m]["decoded"] / counts[m]["decode_s"])
                 if m == "none":
                     plain_answers = answers if plain_answers is None else plain_answers
                 else:
                     exact[m] = exact[m] and (plain_answers is None or answers == plain_answers)
         med = {m: statistics.median(v) for m, v in rates.items()}
         row = {"trace": name, "plain tok/s": med["none"]}
+        decode = {m: statistics.median(v) for m, v in decode_rates.items() if v}
         for m in methods[1:]:
             row[f"{m} / plain"] = f"{med[m] / med['none']:.2f}x" + ("" if exact[m] else " (differs!)")
+            if m in decode and "none" in decode:
+                row[f"{m}, decoding"] = f"{decode[m] / decode['none']:.2f}x"
         rows.append(row)
         report["traces"][name] = {"tokens_per_s": med, "ratio": {m: med[m] / med["none"] for m in methods[1:]},
-                                  "exact": exact, "requests": len(requests), "steps": counts}
+                                  "exact": exact, "requests": len(requests), "steps": counts,
+                                  "decode_tokens_per_s": decode}
         print(f"{name}: " + ", ".join(f"{m} {med[m]:.1f} tok/s" for m in methods), flush=True)
         for m in methods[1:] if specs is not None else []:
             c = counts[m]
             n = max(c["steps"], 1)
             print(f"  {m}: {(c['accepted'] + c['steps']) / n:.2f} tokens per step, {c['nodes'] / n:.2f} guesses "
                   f"verified per step, {c['plain'] / n:.0%} of steps plain", flush=True)
-    print(table(rows, ["trace", "plain tok/s"] + [f"{m} / plain" for m in methods[1:]]))
+    columns = [f"{m} / plain" for m in methods[1:]]
+    if specs is not None:
+        columns += [f"{m}, decoding" for m in methods[1:]]
+    print(table(rows, ["trace", "plain tok/s"] + columns))
     emit(report)
 
 
