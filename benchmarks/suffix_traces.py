@@ -25,8 +25,9 @@ trace as the client sees it (completion tokens from `usage` / wall seconds, HTTP
 
 `--sim PROFILE` runs on a simulated clock (specdec/simclock.py: only the target's forwards advance
 it, by the profile's cost curve), so the ratios do not depend on the machine's load and one repeat
-is exact; what the wall clock adds beyond it is the per-step work in Python. Per method it also
-prints the tokens per target forward and the guesses verified per step.
+is exact; what the wall clock adds beyond it is the per-step work in Python. Through the API, each
+method's tokens per step, guesses verified per step and share of plain steps (its last block) are
+printed too.
 
 Prints a table and, as the last line, one JSON document.
 """
@@ -157,13 +158,14 @@ def main() -> None:
     args = ap.parse_args()
     import contextlib
 
-    import specdec
     from specdec.simclock import PROFILES, SimClock, charge, curve, simulated
 
     methods = ["none"] + [m for m in args.methods.split(",") if m and m != "none"]
     if args.serve:
         if args.sim:
             raise SystemExit("--serve and --sim do not go together (a server's clock is its own)")
+        if set(methods) - set(SERVE_SETTINGS):
+            raise SystemExit(f"--serve runs the methods {', '.join(SERVE_SETTINGS)}; got {args.methods}")
         run(args, methods, None)
         return
     specs = {m: load_variant(args.model, m, args.threads) for m in methods}
