@@ -2,8 +2,9 @@
 drafts equal a brute-force statement of the rule (suffix_reference.py) on random and repetitive
 token streams; eviction keeps the bound and forgets; appending step by step equals building at
 once; save/load round-trips and refuses another tokenizer; offers are well-formed trees; greedy
-speculation with them equals plain decoding; and on the recorded agent traces they accept at
-least as much as Arctic Inference's SuffixDecodingCache (where that is installed)."""
+speculation with them equals plain decoding; seeded best-of-n samples drafting from each other
+commit plain sampling's text; and on the recorded agent traces they accept at least as much as
+Arctic Inference's SuffixDecodingCache (where that is installed)."""
 
 from __future__ import annotations
 
