@@ -1,11 +1,15 @@
 """Agent-like traces for suffix decoding: related requests sent one after another, whose answers
 repeat each other more than they repeat their own prompt.
 
-`write` makes five prompt files under benchmarks/data/agentic/ (40 requests each, from templates
+`write` makes seven prompt files under benchmarks/data/agentic/ (40 requests each, from templates
 and word lists written here, a fixed seed): `sql` (SQLite queries over one schema), `extract`
 (the same JSON fields from similar messages), `report` (a status template filled per project),
-`tools` (one JSON tool call against a fixed tool list), and `samples` (one word problem, answered
-SAMPLES times at temperature 0.8: best-of-n, where later samples draft from earlier ones).
+`tools` (one JSON tool call against a fixed tool list), `sql-shots` and `tools-shots` (the same
+tasks sent as agent frameworks send them: the format shown in example turns before the question,
+which is what makes a small model answer in it, so that answers share their structure as a
+capable model's do; without them the default model ignores the format and rambles), and
+`samples` (one word problem, answered SAMPLES times at temperature 0.8: best-of-n, where later
+samples draft from earlier ones).
 `record` decodes them with the default model (plain decoding, in order; greedy but for
 `samples`) and keeps the token ids of each prompt and answer in `<trace>.recorded.jsonl`, which
 `suffix_replay.py` replays without a model.
@@ -23,7 +27,7 @@ import sys
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data" / "agentic"
-TRACES = ("sql", "extract", "report", "tools", "samples")
+TRACES = ("sql", "extract", "report", "tools", "sql-shots", "tools-shots", "samples")
 PER_TRACE = 40
 SAMPLES = 8  # the `samples` trace: best-of-n samples of one prompt
 
@@ -99,6 +103,30 @@ TOOL_REQUESTS = [
     "Put a {duration}-minute meeting called '{project} review' in my calendar on 2025-0{month}-{day} at {hour}:00.",
 ]
 
+#: example turns before the question (few-shot prompting, as text-to-SQL and tool-calling
+#: frameworks send the answer format): canonical answers, none of them a trace's answer
+SQL_SHOTS = [
+    ("List the names of all customers in Oslo.", "```sql\nSELECT name FROM customers WHERE city = 'Oslo';\n```"),
+    ("How many orders were placed in 2023?",
+     "```sql\nSELECT COUNT(*) FROM orders WHERE strftime('%Y', order_date) = '2023';\n```"),
+    ("Show the total quantity sold per product name.",
+     "```sql\nSELECT p.name, SUM(oi.quantity) AS units\nFROM order_items oi\nJOIN products p ON p.id = oi.product_id\n"
+     "GROUP BY p.name;\n```"),
+]
+TOOLS_SHOTS = [
+    ("What will the weather be like in Oslo on 2025-04-12?",
+     '{"tool": "get_weather", "arguments": {"city": "Oslo", "date": "2025-04-12"}}'),
+    ("Book a hotel in Lyon from 2025-06-03 for 2 nights, 1 guests.",
+     '{"tool": "book_hotel", "arguments": {"city": "Lyon", "check_in": "2025-06-03", "nights": 2, "guests": 1}}'),
+    ("Email grace.lee@example.com that the meeting about the office move moves to Monday.",
+     '{"tool": "send_email", "arguments": {"to": "grace.lee@example.com", "subject": "office move meeting", '
+     '"body": "The meeting about the office move moves to Monday."}}'),
+]
+
+
+def _shots(examples) -> list[dict]:
+    return [m for q, a in examples for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+
 
 SAMPLES_PROMPT = ("A shop sells pens at 3 dollars each and notebooks at 5 dollars each. Mia buys 4 pens and "
                   "some notebooks and pays 32 dollars. How many notebooks did she buy? Think step by step, then "
@@ -124,9 +152,10 @@ def make_trace(trace: str, count: int = PER_TRACE, seed: int = 0) -> list[dict]:
     rng = random.Random(f"{trace}:{seed}")
     rows = []
     for i in range(count):
-        if trace == "sql":
+        if trace in ("sql", "sql-shots"):
             q = _fill(rng, SQL_QUESTIONS[i % len(SQL_QUESTIONS)])
-            messages = [{"role": "system", "content": SQL_SYSTEM}, {"role": "user", "content": q}]
+            shots = _shots(SQL_SHOTS) if trace == "sql-shots" else []
+            messages = [{"role": "system", "content": SQL_SYSTEM}, *shots, {"role": "user", "content": q}]
         elif trace == "extract":
             msg = _fill(rng, EXTRACT_MESSAGES[i % len(EXTRACT_MESSAGES)])
             messages = [{"role": "user", "content": EXTRACT_TASK + msg}]
@@ -135,8 +164,9 @@ def make_trace(trace: str, count: int = PER_TRACE, seed: int = 0) -> list[dict]:
             data = REPORT_DATA.format(project=rng.choice(PROJECTS), name=rng.choice(NAMES), total=total,
                                       done=rng.randint(0, total), weeks=rng.randint(1, 8), blocker=rng.choice(BLOCKERS))
             messages = [{"role": "user", "content": REPORT_TASK + data}]
-        elif trace == "tools":
-            messages = [{"role": "system", "content": TOOLS_SYSTEM},
+        elif trace in ("tools", "tools-shots"):
+            shots = _shots(TOOLS_SHOTS) if trace == "tools-shots" else []
+            messages = [{"role": "system", "content": TOOLS_SYSTEM}, *shots,
                         {"role": "user", "content": _fill(rng, TOOL_REQUESTS[i % len(TOOL_REQUESTS)])}]
         elif trace == "samples":
             messages = [{"role": "user", "content": SAMPLES_PROMPT}]

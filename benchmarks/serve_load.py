@@ -64,6 +64,7 @@ SETTINGS = {"off": ("none", False), "fixed": ("auto", False), "adaptive": ("auto
             "adaptive-draft": ("draft", True), "fixed-draft": ("draft", False),
             "adaptive-lookup-draft": ("auto", True, "draft"), "fixed-lookup-draft": ("auto", False, "draft"),
             "adaptive-eagle": ("eagle", True), "fixed-eagle": ("eagle", False),
+            "adaptive-suffix": ("suffix", True),
             "adaptive-medusa": ("medusa", True), "fixed-medusa": ("medusa", False)}
 
 

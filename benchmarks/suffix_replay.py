@@ -97,7 +97,7 @@ class Suffix:
         from specdec.drafters.base import DraftContext
         from specdec.types import SamplingParams
 
-        offer = self.drafter.offer(DraftContext([context], SamplingParams(), None))[0]
+        offer = self.drafter.offer(DraftContext([context], SamplingParams(), None), self.drafter.params.max_nodes)[0]
         return ([], None) if offer is None else (offer.tokens, offer.parents)
 
     def stop(self, prompt, output):

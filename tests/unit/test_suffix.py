@@ -2,8 +2,9 @@
 drafts equal a brute-force statement of the rule (suffix_reference.py) on random and repetitive
 token streams; eviction keeps the bound and forgets; appending step by step equals building at
 once; save/load round-trips and refuses another tokenizer; offers are well-formed trees; greedy
-speculation with them equals plain decoding; and on the recorded agent traces they accept at
-least as much as Arctic Inference's SuffixDecodingCache (where that is installed)."""
+speculation with them equals plain decoding; seeded best-of-n samples drafting from each other
+commit plain sampling's text; and on the recorded agent traces they accept at least as much as
+Arctic Inference's SuffixDecodingCache (where that is installed)."""
 
 from __future__ import annotations
 
@@ -360,3 +361,52 @@ def test_suffix_drafts_accept_at_least_what_arctics_do(trace):
     mean = lambda xs: sum(xs) / len(xs)
     assert mean(mine) >= mean(arctic), (mean(mine), mean(arctic))
     assert mean(mine) > mean(lookup)
+
+
+def _best_of_n(cache: SuffixCache, prompt: list[int], seeds) -> list:
+    """Seeded samples (temperature 0.8, one per seed) of one prompt, one after another through the
+    scheduler with a suffix drafter over `cache` (so later samples draft from earlier ones)."""
+    from helpers import target
+    from specdec.engine import Engine
+
+    out = []
+    for seed in seeds:
+        d = SuffixDrafter(cache, SuffixParams(max_nodes=8, alpha=4.0, min_prob=0.0))
+        sp = SamplingParams(max_new_tokens=24, temperature=0.8, seed=seed)
+        out.append(Engine(target().model, d, k=8, fixed_k=True).generate([prompt], sp)[0])
+    return out
+
+
+def test_best_of_n_samples_draft_from_earlier_ones_and_commit_plain_samplings_text(monkeypatch):
+    """Best-of-n: 8 seeded samples of one prompt at temperature 0.8, one after another; from the
+    second on, each drafts from the samples before it in the cache, and guesses hold and fail.
+    Deterministic guesses verified by sample and compare commit exactly the text plain sampling
+    draws with the same seed (verify.py), so each sample equals plain decoding's. A verification
+    that samples a position with another position's uniform breaks that, and the check sees it."""
+    import specdec.verify
+    from helpers import prompts, target
+    from oracle import one_thread
+    from specdec.engine import Engine
+
+    with one_thread():
+        prompt = prompts()[0]
+        plain = [Engine(target().model).generate([prompt], SamplingParams(max_new_tokens=24, temperature=0.8,
+                                                                         seed=seed))[0].tokens for seed in range(8)]
+        assert len({tuple(t) for t in plain}) > 4  # the seeds draw different samples
+        cache = SuffixCache()
+        got = _best_of_n(cache, prompt, range(8))
+        assert [r.tokens for r in got] == plain
+        assert cache.requests == 8  # every sample joined the cache
+        later = got[1:]
+        accepted, proposed = sum(r.stats.accepted for r in later), sum(r.stats.proposed for r in later)
+        assert 0 < accepted < proposed  # later samples took guesses, and some failed
+        # ... from the earlier samples: each alone (an empty cache) accepts fewer
+        alone = [_best_of_n(SuffixCache(), prompt, [seed])[0] for seed in range(1, 8)]
+        assert [r.tokens for r in alone] == plain[1:]
+        assert sum(r.stats.accepted for r in alone) < 0.75 * accepted  # (14 against 28 when written)
+
+        real = specdec.verify.position_uniforms
+        monkeypatch.setattr(specdec.verify, "position_uniforms",
+                            lambda gen, rows, positions: real(gen, rows, [p + 1 for p in positions]))
+        broken = _best_of_n(SuffixCache(), prompt, range(8))
+        assert [r.tokens for r in broken] != plain
