@@ -132,7 +132,7 @@ class Sources:
             ok = [room_b > 0 and r.spec_k != 0 and (r.sources is None or d.label in r.sources)
                   for r, room_b in zip(rows, room)]
             if d.known:
-                offers = d.offer(ctx, self.k_max)
+                offers = d.offer(ctx, self.policy.long_max if d.long_chains else self.k_max)
                 self._remember(i, tokens, offers)
                 quotes.append(Quote(self.stats[i], ok, offers=offers))
             else:
@@ -142,9 +142,13 @@ class Sources:
             choice = Choice(0, [None] * A, reason="guard")
         plan.k, plan.probe, plan.reason = choice.k, choice.probe, choice.reason
         # a row's node budget, within the cache slots it has left (`space`, default: its room); a
-        # chain is cut to its room too, a tree's paths to it at verification
-        caps = [max(0, min(choice.k, r.spec_k if r.spec_k is not None else self.k_max, free)) if left > 0 else 0
-                for r, left, free in zip(rows, room, space or room)]
+        # chain is cut to its room too, a tree's paths to it at verification; k_max, or a long
+        # known chain's cap (Drafter.long_chains) beyond the slots every row keeps free, within
+        # every row's space (the step pads each row's forward to its longest)
+        space = space or room
+        batch_space = max(self.slots, min(space, default=0))
+        caps = [max(0, min(choice.k, r.spec_k if r.spec_k is not None else self._most(s), free, batch_space))
+                if left > 0 else 0 for r, s, left, free in zip(rows, choice.source, room, space)]
         plan.source = [s if c > 0 else None for s, c in zip(choice.source, caps)]
         plan.guesses, plan.parents, plan.probs = [[] for _ in range(A)], [None] * A, [None] * A
         for b, s in enumerate(plan.source):
@@ -159,6 +163,10 @@ class Sources:
         if not any(plan.guesses):
             return self._plain(plan, plan.reason or "cost")
         return plan
+
+    def _most(self, source: int | None) -> int:
+        """The most guesses a row verifying `source` may take in one step."""
+        return self.policy.long_max if source is not None and self.drafters[source].long_chains else self.k_max
 
     def _plain(self, plan: Plan, reason: str) -> Plan:
         plan.k, plan.reason = 0, reason
