@@ -27,6 +27,7 @@ class Grammar:
 
     def __init__(self, vocab: int = V) -> None:
         self.vocab, self.seen = vocab, []
+        self.masked = self.checked = 0  # positions given a whole mask / one token checked
 
     def _allowed(self, history: list[int]) -> torch.Tensor:
         mask = torch.ones(self.vocab, dtype=torch.bool)
@@ -41,7 +42,12 @@ class Grammar:
         return mask
 
     def allowed(self, paths: list[list[int]]) -> torch.Tensor:
+        self.masked += len(paths)
         return torch.stack([self._allowed(self.seen + list(p)) for p in paths])
+
+    def allows(self, paths: list[list[int]], tokens: list[int]) -> list[bool]:
+        self.checked += len(paths)
+        return [bool(self._allowed(self.seen + list(p))[t]) for p, t in zip(paths, tokens)]
 
     def advance(self, ids: list[int]) -> None:
         self.seen += list(ids)
@@ -103,6 +109,28 @@ def test_greedy_constrained_output_equals_the_masked_oracle(sources):
         assert proposed > 0 and held == proposed, (proposed, held)
 
 
+@pytest.mark.parametrize("rule", ["checked", "unchecked"])
+def test_greedy_rows_are_masked_only_where_their_argmax_is_forbidden(rule):
+    """A greedy row's logits are read only for their argmax: each position's argmax is checked
+    against the grammar and only the positions whose argmax it forbids get a whole mask (fewer
+    masks than checks), with the masked oracle's output. A check that lets every token through
+    (the broken rule) writes tokens the grammar forbids."""
+    model = hf()
+    ps = steering(prompts())
+    n = 24
+    want = [constrained_greedy(model, p, n) for p in ps]
+    grammars = [Grammar() for _ in ps]
+    if rule == "unchecked":
+        for g in grammars:
+            g.allows = lambda paths, tokens: [True] * len(tokens)
+    engine = Engine(target().model, [], k=4)
+    res = engine.generate(ps, SamplingParams(max_new_tokens=n), constraints=grammars)
+    assert ([r.tokens for r in res] == want) == (rule == "checked")
+    if rule == "checked":
+        masked, checked = sum(g.masked for g in grammars), sum(g.checked for g in grammars)
+        assert 0 < masked < checked, (masked, checked)
+
+
 CTX = [3, 1, 4, 1, 5]
 
 
@@ -128,7 +156,7 @@ def test_sampled_constrained_output_follows_the_constrained_distribution(monkeyp
     import specdec.core.step as step_mod
 
     if broken:
-        monkeypatch.setattr(step_mod, "constrained", lambda logits, constraints, paths: logits)
+        monkeypatch.setattr(step_mod, "constrained", lambda logits, *rest: logits)
     model = hf()
     ctx = CTX[:-1] + [9]
     params = dict(temperature=0.9)
