@@ -45,6 +45,12 @@ class Grammar:
         self.masked += len(paths)
         return torch.stack([self._allowed(self.seen + list(p)) for p in paths])
 
+    def accepts(self, ids: list[int]) -> int:
+        n = 0
+        while n < len(ids) and bool(self._allowed(self.seen + list(ids[:n]))[ids[n]]):
+            n += 1
+        return n
+
     def allows(self, paths: list[list[int]], tokens: list[int]) -> list[bool]:
         self.checked += len(paths)
         return [bool(self._allowed(self.seen + list(p))[t]) for p, t in zip(paths, tokens)]
@@ -170,3 +176,25 @@ def test_sampled_constrained_output_follows_the_constrained_distribution(monkeyp
     probs = exact_constrained(model, ctx, 3, params["temperature"])
     result = chi2_test(histogram(torch.tensor(got), (V, V, V)), probs, alpha=1e-3)
     assert result.rejected == broken, result
+
+
+def test_known_offers_lose_the_guesses_the_grammar_forbids():
+    """A lookup's chain is cut before its first forbidden token (0 is never allowed; after a 9
+    only even tokens), a suffix tree loses the nodes under one (parents renumbered, scores kept),
+    an offer with nothing legal is dropped, and rows without a grammar keep theirs."""
+    from types import SimpleNamespace
+
+    from specdec.core.proposal import Sources
+    from specdec.drafters.base import Offer
+
+    grammar = Grammar()
+    grammar.advance([9])  # the next token must be even
+    rows = [SimpleNamespace(constraint=grammar)] * 4 + [SimpleNamespace(constraint=None)]
+    tree = Offer([2, 3, 4, 0, 6], parents=[0, 1, 1, 3, 0], key=1, scores=[0.9, 0.5, 0.4, 0.3, 0.2])
+    offers = [Offer([2, 3, 0, 4], key=3), tree, Offer([3, 4], key=1), None, Offer([0, 1])]
+    chain, pruned, odd, none, free = Sources._legal(rows, offers)
+    assert chain.tokens == [2, 3] and chain.key == 3
+    # node 2 (3 after 2) is legal: only the first token after the 9 must be even; node 4 (a 0) is not
+    assert pruned.tokens == [2, 3, 4, 6] and pruned.parents == [0, 1, 1, 0]
+    assert pruned.scores == [0.9, 0.5, 0.4, 0.2]
+    assert odd is None and none is None and free is offers[4]
