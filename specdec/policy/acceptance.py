@@ -49,17 +49,20 @@ def best_prefix(values: list[float], c: float, r: float) -> int:
 
 class Acceptance:
     """P(guess i holds | the guesses before it held) per key and draft position i, from
-    exponentially decayed counts. Before any observation the first position is `prior`, worth two
-    observations, and a later position holds as often as the one before it: it starts from two
-    observations at that rate when it is first seen. So a source whose guesses have held at the
-    first positions is trusted as far as it offers (a prediction's 32-token chain), rather than
+    exponentially decayed counts; before any observation a cell is `prior`, worth two
+    observations. With `inherit` (known sources: copies, whose guesses hold on as they held)
+    only the first position starts at the prior, and a later position holds as often as the one
+    before it: it starts from two observations at that rate when it is first seen. So a
+    prediction whose first guesses held is trusted as far as it offers (32 tokens), rather than
     every position it has not reached yet falling back to the prior. A key beyond the last is
     counted as the last (a lookup's longest match)."""
 
-    def __init__(self, keys: int, positions: int, prior: float, decay: float = FIT_DECAY) -> None:
+    def __init__(self, keys: int, positions: int, prior: float, decay: float = FIT_DECAY,
+                 inherit: bool = False) -> None:
         self.decay = decay
-        self.acc = [[2.0 * prior] + [0.0] * (positions - 1) for _ in range(keys)]
-        self.seen = [[2.0] + [0.0] * (positions - 1) for _ in range(keys)]
+        later = 0.0 if inherit else 1.0  # a later position's prior weight (0: not seen yet)
+        self.acc = [[2.0 * prior] + [2.0 * prior * later] * (positions - 1) for _ in range(keys)]
+        self.seen = [[2.0] + [2.0 * later] * (positions - 1) for _ in range(keys)]
 
     def _key(self, key: int) -> int:
         return min(max(key, 0), len(self.acc) - 1)

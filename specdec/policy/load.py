@@ -49,7 +49,7 @@ class SourceStats:
 
     def __init__(self, name: str, known: bool, tree: bool, prior: float, k_max: int) -> None:
         self.name, self.known, self.tree = name, known, tree
-        self.acceptance = Acceptance(KEYS, max(POSITIONS, k_max), prior)
+        self.acceptance = Acceptance(KEYS, max(POSITIONS, k_max), prior, inherit=known)
         self.odds = NodeOdds(prior=KNOWN_TREE_PRIOR)
         self.gain = TREE_PRIOR  # on-demand trees: accepted tokens per row-step that drafted one
         self.nodes: float | None = None  # and the nodes such a tree held
