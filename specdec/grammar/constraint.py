@@ -174,14 +174,11 @@ class Constraint:
         writes straight into the array; llguidance.torch would cost a torch.compile at import)."""
         matcher.unsafe_compute_mask_ptr(words[row].ctypes.data, 4 * self._words)
 
-    def allowed(self, paths: list[list[int]]) -> torch.Tensor:
-        """[len(paths), V] bool: the tokens allowed after the committed text followed by each
-        path (paths[0] == [] is the pending position). A path that leaves the grammar (or runs
-        past its end) is never reached by verification, since its first illegal token is
-        refused by its parent's row; its row is all True, so the masked logits stay finite."""
+    def _walk(self, paths: list[list[int]]):
+        """Yield (row, live) with the matcher after the committed text followed by paths[row]
+        (live: the path stays within the grammar and holds no end-of-sequence token), rolling
+        back only what the next path does not share; the committed state is restored at the end."""
         m = self._m
-        words = self._rows(len(paths))
-        dead = []
         on: list[int] = []  # the tokens consumed beyond the committed text right now
         try:
             for row, path in enumerate(paths):
@@ -194,13 +191,23 @@ class Constraint:
                 rest = list(path[common:])
                 took = m.try_consume_tokens(rest) if rest else 0
                 on.extend(rest[:took])
-                if took < len(rest) or any(t in self.vocab.eos for t in path):
-                    dead.append(row)
-                    continue
-                self._fill(m, words, row)
+                yield row, took == len(rest) and not any(t in self.vocab.eos for t in path)
         finally:
             if on:
                 m.rollback(len(on))
+
+    def allowed(self, paths: list[list[int]]) -> torch.Tensor:
+        """[len(paths), V] bool: the tokens allowed after the committed text followed by each
+        path (paths[0] == [] is the pending position). A path that leaves the grammar (or runs
+        past its end) is never reached by verification, since its first illegal token is
+        refused by its parent's row; its row is all True, so the masked logits stay finite."""
+        words = self._rows(len(paths))
+        dead = []
+        for row, live in self._walk(paths):
+            if live:
+                self._fill(self._m, words, row)
+            else:
+                dead.append(row)
         mask = unpack(words, self.size)
         mask[dead] = True
         mask[~mask.any(axis=1)] = True
@@ -214,27 +221,14 @@ class Constraint:
         where the text is complete."""
         m = self._m
         out = []
-        on: list[int] = []
-        try:
-            for path, token in zip(paths, tokens):
-                common = 0
-                while common < len(on) and common < len(path) and on[common] == path[common]:
-                    common += 1
-                if len(on) > common:
-                    m.rollback(len(on) - common)
-                    del on[common:]
-                rest = list(path[common:])
-                took = m.try_consume_tokens(rest) if rest else 0
-                on.extend(rest[:took])
-                if took < len(rest) or any(t in self.vocab.eos for t in path):
-                    out.append(True)  # (a dead path: all True in `allowed`)
-                elif token in self.vocab.eos:
-                    out.append(m.is_accepting())
-                else:
-                    out.append(token < self.size and m.validate_tokens([token]) == 1)
-        finally:
-            if on:
-                m.rollback(len(on))
+        for row, live in self._walk(paths):
+            token = tokens[row]
+            if not live:
+                out.append(True)
+            elif token in self.vocab.eos:
+                out.append(m.is_accepting())
+            else:
+                out.append(token < self.size and m.validate_tokens([token]) == 1)
         return out
 
     def advance(self, ids: list[int]) -> None:
