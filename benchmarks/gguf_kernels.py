@@ -145,8 +145,8 @@ def base_ops(rev: str, isa: str = "avx2"):
 
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:specdec/kernels/rowstable.cpp"], check=True,
                          capture_output=True, text=True).stdout
-    src = src.replace("TORCH_LIBRARY(specdec_rs,", "TORCH_LIBRARY(specdec_rs_base,")
-    src = src.replace("TORCH_LIBRARY_IMPL(specdec_rs,", "TORCH_LIBRARY_IMPL(specdec_rs_base,")
+    for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
+        src = src.replace(f"{macro}(specdec_rs,", f"{macro}(specdec_rs_base,")
     path = Path(tempfile.mkdtemp()) / "rowstable_base.cpp"
     path.write_text(src)
     torch.ops.load_library(str(kernels._build(cache_root() / "kernels", True, path, kernels.ROWSTABLE_ISA[isa])))
@@ -160,6 +160,8 @@ def use_kernels(model, ns) -> None:
 
     for lin in model.modules():
         if isinstance(lin, GGUFLinear):
+            if lin.rs_blocks is not None and getattr(lin.rs_blocks[0], "__name__", "") == "kq_linear_q8":
+                lin.rs_blocks, lin.rs_every_call = None, False  # (K-quants repacked: back on the file's blocks)
             lin.op = ns.gguf_linear_q8
             if lin.op_cat is not None:
                 lin.op_cat = ns.gguf_linear_cat_q8

@@ -9,6 +9,7 @@ quants, every value finite (checked against `gguf.quants.dequantize`). `TYPES` l
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
 TYPES = (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16)
@@ -71,3 +72,14 @@ def random_blocks(ggml_type: int, n_rows: int, k: int, rng: np.random.Generator)
         return w.view(np.uint8).reshape(n_rows, 4 * k)
     nb = n_rows * (k // bs)
     return np.ascontiguousarray(_blocks(ggml_type, nb, rng).reshape(n_rows, (k // bs) * bb))
+
+
+def act8_rows(m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Activations for the 8-bit path's tests: outliers (the per-slice scales matter), an all-zero
+    256-slice in row 0, and rows of +-1 (q = +-127 in every slice)."""
+    x = torch.randn(m, k, generator=g) * (0.05 + 8 * torch.rand(m, k, generator=g) ** 6)
+    x[0, :256] = 0.0
+    x[m // 2] = 1.0
+    if m > 2:
+        x[m - 1] = -1.0
+    return x

@@ -153,7 +153,7 @@ class Sources:
         plan.guesses, plan.parents, plan.probs = [[] for _ in range(A)], [None] * A, [None] * A
         for b, s in enumerate(plan.source):
             if s is not None and self.drafters[s].known:
-                self._take_offer(plan, b, quotes[s].offers[b], caps[b], room[b])
+                self._take_offer(plan, b, quotes[s].offers[b], caps[b], room[b], quotes[s].stats.odds)
         for i in self.on_demand:
             want = [s == i for s in plan.source]
             if any(want):
@@ -218,17 +218,18 @@ class Sources:
                 rows[b].add(len(text), offer.key, list(offer.tokens), offer.parents, offer.scores)
 
     @staticmethod
-    def _take_offer(plan: Plan, b: int, offer, cap: int, room: int) -> None:
+    def _take_offer(plan: Plan, b: int, offer, cap: int, room: int, odds) -> None:
         """Row b verifies a known offer, cut to its cap (a chain to its room too, a tree to its
-        best `cap` nodes by score)."""
+        best `cap` nodes: by the chance that their paths hold under the source's learnt `odds`,
+        the policy's own valuation, where the tree is scored)."""
         if offer is None:
             return
         if offer.parents is None:
             plan.guesses[b] = list(offer.tokens[:min(cap, room)])
             return
         toks, pars = list(offer.tokens), list(offer.parents)
-        scores = offer.scores or [1.0 / (j + 1) for j in range(len(toks))]
-        toks, pars, _ = tree_mod.best_nodes(toks, pars, scores, cap)
+        values = odds.tree_values(offer.scores, pars) if offer.scores else [1.0 / (j + 1) for j in range(len(toks))]
+        toks, pars, _ = tree_mod.best_nodes(toks, pars, values, cap)
         plan.guesses[b], plan.parents[b] = toks, pars
 
     def _draft(self, plan: Plan, i: int, rows, want: list[bool], caps: list[int], quotes) -> None:

@@ -426,9 +426,11 @@ class ContinuousBatcher:
             self.guard.observe(A, plan.k > 0, sum(accepted) + A, dt, steady=plan.steady)
         self._last_k = K
         if self.log is not None:
-            self.log.debug("step: batch %d, draft cap %d, guesses %d, accepted %d, %.1f ms%s", A, plan.k,
+            used = sorted({self.sources.drafters[s].label for s, g in zip(plan.source, plan.guesses) if s is not None and g})
+            self.log.debug("step: batch %d, draft cap %d, guesses %d, accepted %d, %.1f ms%s%s", A, plan.k,
                            int(draft.counts.sum()), sum(accepted), dt * 1e3,
-                           f" (plain: {plan.reason})" if plan.reason else "")
+                           f" (plain: {plan.reason})" if plan.reason else "",
+                           f" [{', '.join(used)}{', probe' if plan.probe else ''}]" if used else "")
         with self.lock:
             t = self.totals
             t.steps += 1

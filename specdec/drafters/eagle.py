@@ -436,7 +436,7 @@ class EagleDrafter(Drafter):
         it the head need not expand."""
         floor = r / (1.0 + cost)
         lows = (0.0,) + self.odds.EDGES
-        worth = [lo for i, lo in enumerate(lows) if self.odds.acc[i] / self.odds.seen[i] > floor]
+        worth = [lo for i, lo in enumerate(lows) if self.odds.odds_of_bin(i) > floor]
         if not worth:
             return math.inf  # not even a certain guess pays for its verification
         return math.log(worth[0]) if worth[0] > 0 else None

@@ -33,7 +33,9 @@
 // on the same numbers, so those tiles too give each row its numbers alone (tests/unit/test_multirow.py);
 // everything else is the same source. q4_1_linear_q8 / q8_0_linear_q8 (at the end of this file) take
 // the 32-weight block types repacked in groups of 16 outputs on 8-bit activations: lane n is output n
-// in both builds (16 a register on VNNI, 8 on AVX2), with the same integer and float operations.
+// in both builds (16 a register on VNNI, 8 on AVX2), with the same integer and float operations;
+// kq_linear_q8 (after them) takes Q4_K / Q6_K blocks repacked the same way, a sub-block's scale one
+// float operation for 16 outputs.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -783,16 +785,18 @@ struct Q8Rows {
   vec64<int32_t> bsum2;
 };
 
-void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r) {
+// layouts: S = 256 only: also qi, bsum2 and the pair layout (gguf_linear_q8's kernels; kq_linear_q8
+// reads q, d and bsum alone)
+void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r, bool layouts = true) {
   const int64_t nb = M * K / S;  // slices of all rows (rows are contiguous)
   r.S = S;
   r.q.resize(M * K);
-  r.qi.resize(S == 256 ? M * K : 0);
+  r.qi.resize(S == 256 && layouts ? M * K : 0);
   r.d.resize(nb);
   r.sx.resize(S == 32 ? nb : 0);
   r.bsum.resize(M * K / 16);
-  r.bsum2.resize(S == 256 ? M * K / 32 : 0);
-  const bool pairs = ROWSTABLE_VNNI && S == 256 && M >= 2;  // (kz_pass's layouts)
+  r.bsum2.resize(S == 256 && layouts ? M * K / 32 : 0);
+  const bool pairs = ROWSTABLE_VNNI && S == 256 && M >= 2 && layouts;  // (kz_pass's layouts)
   r.qz.resize(pairs ? M * K : 0);
   r.bsz.resize(pairs ? M * K / 8 : 0);
   // (a decoding step's few thousand values take ~1-2 us on one thread, less than waking the others)
@@ -821,11 +825,11 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
         int sum = 0;
         for (int k = 0; k < 16; ++k) sum += q[16 * l + k];
         r.bsum[b * (S / 16) + l] = static_cast<int16_t>(sum);
-        if (S == 256 && (l & 1)) r.bsum2[b * 8 + l / 2] = r.bsum[b * 16 + l - 1] + sum;
+        if (S == 256 && layouts && (l & 1)) r.bsum2[b * 8 + l / 2] = r.bsum[b * 16 + l - 1] + sum;
         total += sum;
       }
       if (S == 32) r.sx[b] = d * static_cast<float>(total);
-      if (S == 256) {
+      if (S == 256 && layouts) {
         __m256i v[8];
         for (int s = 0; s < 8; ++s) v[s] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
         interleave_quants(v);
@@ -1715,6 +1719,13 @@ void gguf_linear_parts(const float* xp, int64_t M, int64_t K, const std::vector<
   shared_tasks(tasks, run);
 }
 
+// an uninitialised float32 [..., n] for the rows of x [..., K]
+at::Tensor empty_outputs(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return at::empty(shape, x.options());
+}
+
 // x [..., K] @ the concatenation of the weights' rows^T -> [..., sum of N]; each weight's bytes checked.
 at::Tensor gguf_linear_cat_impl(const at::Tensor& x_, at::TensorList raws, at::IntArrayRef types, at::IntArrayRef Ns,
                                 int64_t K, bool act8) {
@@ -1733,9 +1744,7 @@ at::Tensor gguf_linear_cat_impl(const at::Tensor& x_, at::TensorList raws, at::I
   }
   const at::Tensor x = x_.contiguous();
   const int64_t M = x.numel() / K;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = cols;
-  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor y = empty_outputs(x, cols);
   if (M > 0 && cols > 0) gguf_linear_parts(x.data_ptr<float>(), M, K, parts, y.data_ptr<float>(), cols, act8);
   return y;
 }
@@ -2552,3 +2561,334 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
   lib.impl("q4_1_linear_q8", &q4_1_linear_q8);
   lib.impl("q8_0_linear_q8", &q8_0_linear_q8);
 }
+
+// ---------------------------------------------------------------------------------------------
+// kq_linear_q8: a GGUF file's Q4_K / Q6_K matrices on 8-bit activations, over their blocks repacked
+// in groups of 16 output rows (models/gguf_blocks, pack_q4_k_i8 / pack_q6_k_i8), so that one integer
+// dot-product instruction takes the same 4 weights of all 16 outputs, and each sub-block's scale is
+// one float operation for 16 outputs: a step of several tokens then costs little more than one.
+//
+// Layout: output rows in groups of 16, K-major; per group and 256-weight block, a quad u (0-63) being
+// the weights 4u..4u+3 and a 64-byte vector holding in bytes 4n..4n+3 a quad of output n:
+//   Q4_K: d[16], dmin[16] as float16; sc[8][16], m[8][16], the sub-blocks' scales and mins as bytes;
+//     then 32 vectors, vector 8p + t with quad 16p + t in
+//     the low nibbles and quad 16p + 8 + t in the high ones (the file's nibble pairing): 2368 bytes,
+//     64 more than the file's 16 blocks (2.8%);
+//   Q6_K: d[16] as float16; sc[16][16], the sub-blocks' int8 scales; 32
+//     vectors of the quants' low 4 bits (vector v: quad v low, quad v + 32 high); 16 vectors of their
+//     high 2 bits (vector w: bits 2c, 2c + 1 of a byte those of quad w + 16c): 3360 bytes, as the file.
+// The activations are rounded as gguf_linear_q8 rounds them for the K-quants (quantize_rows_q8,
+// slices of 256: dx, q_x, and the sums B of each 32 (Q4_K) or 16 (Q6_K) q_x). Per activation row,
+// output n and block b, sub-blocks s (Q4_K: 8 of 32 weights; Q6_K: 16 of 16), quants q >= 0:
+//     S_s = <q_s, q_x,s>,  C = sum_s c_s B_s            (exact int32; Q4_K c = m, Q6_K c = sc)
+//     dsc_s = d * sc_s                                   (float)
+//     t = dsc_0 S_0;  t = fma(S_s, dsc_s, t) for s = 1, 2, ...;  t = fma(C, e, t)   (Q4_K e = -dmin, Q6_K -32 d)
+//     acc = fma(t, dx_b, acc)
+// blocks in order, y = acc (S, C converted to float32; w = d sc q - dmin m for Q4_K, d sc (q - 32)
+// for Q6_K). Lane n of a register is output n throughout. Every integer is exact in both builds
+// (VNNI: _mm512_dpbusd_epi32 / _mm512_dpwssd_epi32 on 16 outputs; AVX2: _mm256_maddubs_epi16 (a pair
+// at most 2 x 63 x 127) + _mm256_madd_epi16 on 8), and the float operations are the same in both
+// and for every row count: row-stable, the two builds equal bit for bit. The VNNI build takes Q4_K's
+// high nibbles unshifted (16 q) against dsc / 16: the same real products, so the same numbers. The
+// numbers are not gguf_linear_q8's (which adds a block's parts in 8 float lanes a row), nor the
+// float path's.
+namespace {
+
+constexpr int64_t KQ_G = 16;    // output rows per group
+constexpr int64_t KQ_TILE = 8;  // activation rows a tile takes at most
+#ifndef KQ_PF_BLOCKS
+#define KQ_PF_BLOCKS 4
+#endif
+
+constexpr int64_t kq_block_bytes(int64_t type) { return type == 12 ? 2368 : type == 14 ? 3360 : 0; }
+
+// What the tile needs of a block, the same in both builds: NS sub-blocks of QPS quads, NP pairs of the
+// correction's factors.
+struct KqQ4K {
+  static constexpr int NS = 8, QPS = 8, NP = 4, GROUP16 = 8;  // GROUP16: the AVX2 build's int16 sums (kq_tile)
+  static constexpr int64_t BB = 2368;
+  static constexpr bool B32 = true;  // the correction's sums over 32 q_x (else 16)
+};
+struct KqQ6K {
+  static constexpr int NS = 16, QPS = 4, NP = 8, GROUP16 = 2;
+  static constexpr int64_t BB = 3360;
+  static constexpr bool B32 = false;
+};
+
+#if ROWSTABLE_VNNI
+using kq_f = __m512;
+using kq_i = __m512i;
+#else
+using kq_f = __m256;
+using kq_i = __m256i;
+#endif
+
+// One build's view of a group: VNNI all 16 outputs, AVX2 the 8 from h (0 or 8). Loads of 16 or 8
+// lanes from an array laid out [16].
+struct KqLanes {
+  int h;
+#if ROWSTABLE_VNNI
+  kq_i bytes(const uint8_t* p) const { return _mm512_loadu_si512(p); }  // a vector of 64 quant bytes
+  kq_f f16(const uint8_t* p) const { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  kq_i u8_32(const uint8_t* p) const { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  kq_i i8_32(const uint8_t* p) const { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  // the bytes a[n], b[n] of each output n as an int16 pair (signed: int8 bytes, else uint8)
+  kq_i pairs(const uint8_t* a, const uint8_t* b, bool is_signed) const {
+    const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a)), vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    const __m256i ab = _mm256_set_m128i(_mm_unpackhi_epi8(va, vb), _mm_unpacklo_epi8(va, vb));
+    return is_signed ? _mm512_cvtepi8_epi16(ab) : _mm512_cvtepu8_epi16(ab);
+  }
+  static kq_i set8(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+  static kq_i and_(kq_i a, kq_i b) { return _mm512_and_si512(a, b); }
+  static kq_i or_and(kq_i a, kq_i b, kq_i c) { return _mm512_ternarylogic_epi32(a, b, c, 0xF8); }  // a | (b & c)
+  static kq_i shl(kq_i a, int n) { return _mm512_slli_epi16(a, n); }
+  static kq_i shr(kq_i a, int n) { return _mm512_srli_epi16(a, n); }
+  static kq_i zero() { return _mm512_setzero_si512(); }
+  static kq_i dot4(kq_i acc, kq_i w, int32_t x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x)); }
+  static kq_i dot2(kq_i acc, kq_i c, int32_t b) { return _mm512_dpwssd_epi32(acc, c, _mm512_set1_epi32(b)); }
+  static kq_f cvt(kq_i a) { return _mm512_cvtepi32_ps(a); }
+  static kq_f mul(kq_f a, kq_f b) { return _mm512_mul_ps(a, b); }
+  static kq_f fma(kq_f a, kq_f b, kq_f c) { return _mm512_fmadd_ps(a, b, c); }
+  static kq_f set1(float v) { return _mm512_set1_ps(v); }
+  static kq_f fzero() { return _mm512_setzero_ps(); }
+  void store(float* y, kq_f v) const { _mm512_storeu_ps(y, v); }
+#else
+  kq_i bytes(const uint8_t* p) const { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 4 * h)); }
+  kq_f f16(const uint8_t* p) const { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * h))); }
+  kq_i u8_32(const uint8_t* p) const { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + h))); }
+  kq_i i8_32(const uint8_t* p) const { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + h))); }
+  kq_i pairs(const uint8_t* a, const uint8_t* b, bool is_signed) const {
+    const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a)), vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    const __m128i ab = h ? _mm_unpackhi_epi8(va, vb) : _mm_unpacklo_epi8(va, vb);
+    return is_signed ? _mm256_cvtepi8_epi16(ab) : _mm256_cvtepu8_epi16(ab);
+  }
+  static kq_i set8(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+  static kq_i and_(kq_i a, kq_i b) { return _mm256_and_si256(a, b); }
+  static kq_i or_and(kq_i a, kq_i b, kq_i c) { return _mm256_or_si256(a, _mm256_and_si256(b, c)); }
+  static kq_i shl(kq_i a, int n) { return _mm256_slli_epi16(a, n); }
+  static kq_i shr(kq_i a, int n) { return _mm256_srli_epi16(a, n); }
+  static kq_i zero() { return _mm256_setzero_si256(); }
+  static kq_i dot4(kq_i acc, kq_i w, int32_t x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x)), _mm256_set1_epi16(1)));
+  }
+  static kq_i dot2(kq_i acc, kq_i c, int32_t b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(c, _mm256_set1_epi32(b))); }
+  static kq_f cvt(kq_i a) { return _mm256_cvtepi32_ps(a); }
+  static kq_f mul(kq_f a, kq_f b) { return _mm256_mul_ps(a, b); }
+  static kq_f fma(kq_f a, kq_f b, kq_f c) { return _mm256_fmadd_ps(a, b, c); }
+  static kq_f set1(float v) { return _mm256_set1_ps(v); }
+  static kq_f fzero() { return _mm256_setzero_ps(); }
+  void store(float* y, kq_f v) const { _mm256_storeu_ps(y + h, v); }
+#endif
+};
+
+// The weights of sub-blocks 2j and 2j + 1 are taken together (two dot-product chains a row): quad
+// vector k (< QPS) of each as w0, w1, and each one's dsc (scaled to match: the VNNI build's Q4_K odd
+// sub-blocks are 16 q against dsc / 16).
+// Q4_K: one load of vector 8j + k holds both (low and high nibbles)
+inline void kq_quads(KqQ4K, const KqLanes& L, const uint8_t* p, int j, int k, kq_i& w0, kq_i& w1) {
+  const kq_i v = L.bytes(p + 320 + 512 * j + 64 * k);
+  w0 = KqLanes::and_(v, KqLanes::set8(0x0F));
+#if ROWSTABLE_VNNI
+  w1 = KqLanes::and_(v, KqLanes::set8(0xF0));
+#else
+  w1 = KqLanes::and_(KqLanes::shr(v, 4), KqLanes::set8(0x0F));
+#endif
+}
+inline void kq_dsc(KqQ4K, const KqLanes& L, const uint8_t* p, kq_f d, int j, kq_f& dsc0, kq_f& dsc1) {
+  dsc0 = KqLanes::mul(KqLanes::cvt(L.u8_32(p + 64 + 32 * j)), d);
+  dsc1 = KqLanes::mul(KqLanes::cvt(L.u8_32(p + 80 + 32 * j)), d);
+#if ROWSTABLE_VNNI
+  dsc1 = KqLanes::mul(dsc1, KqLanes::set1(0.0625f));
+#endif
+}
+
+// Q6_K quad u (quarter c = u / 16): low 4 bits from vector u % 32 (low nibbles for u < 32), high 2
+// from vector 32 + u % 16, bits 2c, 2c + 1
+inline kq_i kq_q6_quad(const KqLanes& L, const uint8_t* p, int u) {
+  const int c = u >> 4;
+  const kq_i ql = L.bytes(p + 288 + 64 * (u & 31));
+  const kq_i qh = L.bytes(p + 288 + 2048 + 64 * (u & 15));
+  // (a branch on the quarter: shifts by a count in a register instead ran Q6_K ~1.2x slower; the
+  // loop over sub-block pairs unrolled, so that the quarter is a constant, ~1.2x slower too)
+  const kq_i lo = KqLanes::and_(c < 2 ? ql : KqLanes::shr(ql, 4), KqLanes::set8(0x0F));
+  const kq_i hb = c == 0 ? KqLanes::shl(qh, 4) : c == 1 ? KqLanes::shl(qh, 2) : c == 2 ? qh : KqLanes::shr(qh, 2);
+  return KqLanes::or_and(lo, hb, KqLanes::set8(0x30));
+}
+inline void kq_quads(KqQ6K, const KqLanes& L, const uint8_t* p, int j, int k, kq_i& w0, kq_i& w1) {
+  w0 = kq_q6_quad(L, p, 8 * j + k);
+  w1 = kq_q6_quad(L, p, 8 * j + 4 + k);
+}
+inline void kq_dsc(KqQ6K, const KqLanes& L, const uint8_t* p, kq_f d, int j, kq_f& dsc0, kq_f& dsc1) {
+  dsc0 = KqLanes::mul(KqLanes::cvt(L.i8_32(p + 32 + 32 * j)), d);
+  dsc1 = KqLanes::mul(KqLanes::cvt(L.i8_32(p + 48 + 32 * j)), d);
+}
+
+// the correction's factor pair j (sub-blocks 2j, 2j + 1) of a group's 16 outputs
+inline kq_i kq_pair(KqQ4K, const KqLanes& L, const uint8_t* p, int j) { return L.pairs(p + 192 + 32 * j, p + 208 + 32 * j, false); }
+inline kq_i kq_pair(KqQ6K, const KqLanes& L, const uint8_t* p, int j) { return L.pairs(p + 32 + 32 * j, p + 48 + 32 * j, true); }
+// the correction's float factor e: Q4_K -dmin, Q6_K -32 d
+inline kq_f kq_e(KqQ4K, const KqLanes& L, const uint8_t* p, kq_f) { return KqLanes::mul(L.f16(p + 32), KqLanes::set1(-1.0f)); }
+inline kq_f kq_e(KqQ6K, const KqLanes&, const uint8_t*, kq_f d) { return KqLanes::mul(d, KqLanes::set1(-32.0f)); }
+
+// MR activation rows (quants xq, row stride K; scales dx, row stride K / 256; the correction's int16
+// sums bs, row stride K / 32 (Q4_K) or K / 16 (Q6_K)) x a group's outputs (L) over nb blocks.
+template <int MR, class T>
+void kq_tile(const KqLanes& L, const int8_t* xq, const float* dx, const int16_t* bs, int64_t K, const uint8_t* g, int64_t nb,
+             float* y, int64_t ldy) {
+  const int64_t nbx = K / 256, nbs = T::B32 ? K / 32 : K / 16, per_block = T::B32 ? 8 : 16;
+  kq_f acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = KqLanes::fzero();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = g + b * T::BB;
+    const kq_f d = L.f16(p);
+    kq_f t[MR];
+    for (int j = 0; j < T::NS / 2; ++j) {
+      // the block KQ_PF_BLOCKS ahead, a share of its lines with each pair of sub-blocks (a burst of
+      // 37-53 prefetches at the start of a block filled the line buffers and stalled)
+      constexpr int64_t lines = (T::BB + 63) / 64, pairs = T::NS / 2;
+      for (int64_t c = j * lines / pairs; c < (j + 1) * lines / pairs; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(p + KQ_PF_BLOCKS * T::BB + 64 * c), _MM_HINT_T0);
+      kq_i S0[MR], S1[MR];
+      for (int i = 0; i < MR; ++i) S0[i] = S1[i] = KqLanes::zero();
+      // (unrolled in full: with the loop over k kept, GCC copied each accumulator to another register
+      // and to the stack around every vpdpbusd)
+#if ROWSTABLE_VNNI
+#pragma GCC unroll 8
+      for (int k = 0; k < T::QPS; ++k) {
+        kq_i w0, w1;
+        kq_quads(T{}, L, p, j, k, w0, w1);
+        const int64_t off0 = 256 * b + 4 * (T::QPS * 2 * j + k), off1 = off0 + 4 * T::QPS;
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          S0[i] = KqLanes::dot4(S0[i], w0, load_i32(xq + i * K + off0));
+          S1[i] = KqLanes::dot4(S1[i], w1, load_i32(xq + i * K + off1));
+        }
+      }
+#else
+      // AVX2: the _mm256_maddubs_epi16 products of GROUP quads summed in int16 (Q4_K 8: at most
+      // 8 x 2 x 15 x 127 = 30480; Q6_K 2: 2 x 2 x 63 x 127 = 32004), then one _mm256_madd_epi16 by ones
+      const __m256i ones = _mm256_set1_epi16(1);
+      for (int k0 = 0; k0 < T::QPS; k0 += T::GROUP16) {
+        __m256i P0[MR], P1[MR];
+#pragma GCC unroll 8
+        for (int k = k0; k < k0 + T::GROUP16; ++k) {
+          kq_i w0, w1;
+          kq_quads(T{}, L, p, j, k, w0, w1);
+          const int64_t off0 = 256 * b + 4 * (T::QPS * 2 * j + k), off1 = off0 + 4 * T::QPS;
+          for (int i = 0; i < MR; ++i) {
+            const __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_set1_epi32(load_i32(xq + i * K + off0)));
+            const __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_set1_epi32(load_i32(xq + i * K + off1)));
+            P0[i] = k == k0 ? p0 : _mm256_add_epi16(P0[i], p0);
+            P1[i] = k == k0 ? p1 : _mm256_add_epi16(P1[i], p1);
+          }
+        }
+        for (int i = 0; i < MR; ++i) {
+          S0[i] = _mm256_add_epi32(S0[i], _mm256_madd_epi16(P0[i], ones));
+          S1[i] = _mm256_add_epi32(S1[i], _mm256_madd_epi16(P1[i], ones));
+        }
+      }
+#endif
+      kq_f dsc0, dsc1;
+      kq_dsc(T{}, L, p, d, j, dsc0, dsc1);
+      for (int i = 0; i < MR; ++i) {
+        t[i] = j == 0 ? KqLanes::mul(KqLanes::cvt(S0[i]), dsc0) : KqLanes::fma(KqLanes::cvt(S0[i]), dsc0, t[i]);
+        t[i] = KqLanes::fma(KqLanes::cvt(S1[i]), dsc1, t[i]);
+      }
+    }
+    const kq_f e = kq_e(T{}, L, p, d);
+    kq_i C[MR];
+    for (int i = 0; i < MR; ++i) C[i] = KqLanes::zero();
+    for (int j = 0; j < T::NP; ++j) {
+      const kq_i cp = kq_pair(T{}, L, p, j);
+      for (int i = 0; i < MR; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, bs + i * nbs + per_block * b + 2 * j, 4);
+        C[i] = KqLanes::dot2(C[i], cp, pair);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      acc[i] = KqLanes::fma(KqLanes::fma(KqLanes::cvt(C[i]), e, t[i]), KqLanes::set1(dx[i * nbx + b]), acc[i]);
+  }
+  for (int i = 0; i < MR; ++i) L.store(y + i * ldy, acc[i]);
+}
+
+template <class T>
+void kq_tiles(int64_t mr, const int8_t* xq, const float* dx, const int16_t* bs, int64_t K, const uint8_t* g, int64_t nb,
+              float* y, int64_t ldy) {
+#if ROWSTABLE_VNNI
+  for (int h = 0; h < 1; ++h) {
+#else
+  for (int h = 0; h < 16; h += 8) {
+#endif
+    const KqLanes L{h};
+    switch (mr) {
+      case 1: kq_tile<1, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 2: kq_tile<2, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 3: kq_tile<3, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 4: kq_tile<4, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 5: kq_tile<5, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 6: kq_tile<6, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 7: kq_tile<7, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      default: kq_tile<8, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+    }
+  }
+}
+
+// x [..., K] @ the concatenation of the parts' rows^T -> [..., sum of Ns]; each part's packed blocks
+// (type 12: Q4_K, 14: Q6_K) checked for size.
+at::Tensor kq_linear_q8(const at::Tensor& x_, at::TensorList packed, at::IntArrayRef types, at::IntArrayRef Ns, int64_t K) {
+  const char* op = "kq_linear_q8";
+  TORCH_CHECK(packed.size() >= 1 && packed.size() == types.size() && packed.size() == Ns.size(), op,
+              ": give one type and one row count for each packed tensor");
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.dim() >= 1 && x_.size(-1) == K, op, ": x must be float32 [..., K] with K=", K);
+  TORCH_CHECK(K > 0 && K % 256 == 0, op, ": K=", K, " is not a multiple of 256");
+  const int64_t nb = K / 256;
+  struct Part { const uint8_t* w; int64_t type, groups, col; };
+  std::vector<Part> parts;
+  std::vector<int64_t> first{0};
+  constexpr int64_t TASK = 4;  // groups a task (64 outputs)
+  int64_t cols = 0;
+  for (size_t p = 0; p < packed.size(); ++p) {
+    const int64_t bb = kq_block_bytes(types[p]);
+    TORCH_CHECK(bb > 0, op, ": ggml type ", types[p], " is not Q4_K (12) or Q6_K (14)");
+    TORCH_CHECK(packed[p].scalar_type() == at::kByte && packed[p].is_contiguous(), op, ": the packed blocks must be contiguous uint8");
+    TORCH_CHECK(Ns[p] >= 0 && Ns[p] % KQ_G == 0 && packed[p].numel() == Ns[p] / KQ_G * nb * bb, op, ": [", Ns[p], ", ", K,
+                "] takes ", Ns[p] / KQ_G * nb * bb, " bytes (N a multiple of 16); got ", packed[p].numel());
+    if (Ns[p] > 0) {
+      parts.push_back({packed[p].data_ptr<uint8_t>(), types[p], Ns[p] / KQ_G, cols});
+      first.push_back(first.back() + (Ns[p] / KQ_G + TASK - 1) / TASK);
+    }
+    cols += Ns[p];
+  }
+  const at::Tensor x = x_.contiguous();
+  const int64_t M = x.numel() / K;
+  at::Tensor y = empty_outputs(x, cols);
+  if (M == 0 || cols == 0) return y;
+  Q8Rows xr;
+  quantize_rows_q8(x.data_ptr<float>(), M, K, 256, xr, false);
+  vec64<int16_t> b32(M * K / 32);  // the sums of each 32 q_x (Q4_K's mins), from those of each 16
+  for (int64_t k = 0; k < M * K / 32; ++k) b32[k] = static_cast<int16_t>(xr.bsum[2 * k] + xr.bsum[2 * k + 1]);
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (M + KQ_TILE - 1) / KQ_TILE;
+  shared_tasks(first.back(), [&](int64_t t, std::vector<float>&) {
+    const size_t pi = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+    const Part& pt = parts[pi];
+    const int64_t bb = kq_block_bytes(pt.type);
+    for (int64_t gi = (t - first[pi]) * TASK, g1 = std::min(pt.groups, gi + TASK); gi < g1; ++gi)
+      for (int64_t r = 0; r < tiles; ++r) {
+        const int64_t a = r * M / tiles, e = (r + 1) * M / tiles;
+        const uint8_t* g = pt.w + gi * nb * bb;
+        float* yt = yp + a * cols + pt.col + KQ_G * gi;
+        if (pt.type == 12)
+          kq_tiles<KqQ4K>(e - a, xr.q.data() + a * K, xr.d.data() + a * nb, b32.data() + a * (K / 32), K, g, nb, yt, cols);
+        else
+          kq_tiles<KqQ6K>(e - a, xr.q.data() + a * K, xr.d.data() + a * nb, xr.bsum.data() + a * (K / 16), K, g, nb, yt, cols);
+      }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec_rs, lib) { lib.def("kq_linear_q8(Tensor x, Tensor[] packed, int[] ggml_types, int[] Ns, int K) -> Tensor"); }
+TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) { lib.impl("kq_linear_q8", &kq_linear_q8); }

@@ -1,5 +1,5 @@
 """Q4_1 / Q8_0 blocks packed K-major for the row-stable kernels' q4_1_linear / q8_0_linear (float
-path) and q4_1_linear_q8 / q8_0_linear_q8 (8-bit activations).
+path) and q4_1_linear_q8 / q8_0_linear_q8 (8-bit activations); Q4_K / Q6_K blocks for kq_linear_q8.
 
 A GGUF file's own model reads the file's bytes as they lie (models/gguf_model.py); what is packed
 here are a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices for its decoding steps (decoded from the file's
@@ -13,7 +13,9 @@ Layout (see rowstable.cpp's block_linear): K-major, output rows in groups of 4; 
 4 x 32 int8. Q4_0 (w = d (q - 8)) is stored as Q4_1 with m = -8 d, which rebuilds the same values
 exactly. The 8-bit activations' layout (`pack_q4_i8` / `pack_q8_i8`, see rowstable.cpp's
 block_linear_q8) groups 16 output rows and interleaves their quants 4 bytes at a time, so that one
-integer dot-product instruction takes the same 4 weights of all 16 outputs.
+integer dot-product instruction takes the same 4 weights of all 16 outputs; `pack_q4_k_i8` /
+`pack_q6_k_i8` do the same for a file's Q4_K / Q6_K matrices (rowstable.cpp's kq_linear_q8), read
+straight from the file's bytes.
 
 This module knows nothing about tokenizers, sampling or the engine.
 """
@@ -126,3 +128,76 @@ def quantize_q8_0(w: torch.Tensor) -> tuple | None:
     safe = np.where(d > 0, d, 1.0)
     q = np.clip(np.rint(b / safe[..., None]), -127, 127).astype(np.int8)
     return "Q8_0", _pack_q8(q, d), N
+
+
+# -- K-quants on 8-bit activations (rowstable.cpp's kq_linear_q8) -------------------------------
+KQ_TYPES = {12: "Q4_K", 14: "Q6_K"}  # ggml type -> name, of the types kq_linear_q8 reads
+KQ_BLOCK_BYTES = {12: 2368, 14: 3360}  # a group of 16 outputs' 256-weight block, repacked
+
+
+def _group_k(a: np.ndarray, n: int, nb: int) -> np.ndarray:
+    """a [N, nb, ...] per output and block -> [N / 16, nb, 16, ...] (groups of 16 outputs, K-major)."""
+    return a.reshape(n, GI8, nb, *a.shape[2:]).swapaxes(1, 2)
+
+
+def _quad_vectors(q: np.ndarray) -> np.ndarray:
+    """q [n, nb, 16, 256] (a group's outputs' weights, one byte each) -> [n, nb, 64, 64]: vector u
+    holding in bytes 4j..4j+3 the weights 4u..4u+3 of output j."""
+    n, nb = q.shape[:2]
+    return q.reshape(n, nb, GI8, 64, 4).swapaxes(2, 3).reshape(n, nb, 64, 64)
+
+
+def pack_q4_k_i8(raw: np.ndarray) -> torch.Tensor | None:
+    """Q4_K rows (raw [N, nb * 144], the file's bytes) in rowstable.cpp's kq_linear_q8 layout: groups
+    of 16 outputs, K-major; per group and block d[16], dmin[16] (float16), sc[8][16], m[8][16]
+    (bytes), then 32 vectors of 64 bytes, vector 8p + t holding each output's quant bytes
+    32p + 4t..32p + 4t + 3 in turn (low nibbles: weights 64p + 4t.., high: 64p + 32 + 4t..). 2368
+    bytes a group's block (the file's 16 blocks: 2304). None where N is not a multiple of 16."""
+    from gguf.quants import Q4_K
+
+    N = raw.shape[0]
+    if N % GI8 or raw.shape[1] % 144:
+        return None
+    nb, n = raw.shape[1] // 144, N // GI8
+    b = raw.reshape(N, nb, 144)
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(b[:, :, 4:16]).reshape(-1, 12))
+    dd = _group_k(b[:, :, 0:2], n, nb).reshape(n, nb, 32)
+    dm = _group_k(b[:, :, 2:4], n, nb).reshape(n, nb, 32)
+    scs = _group_k(sc.reshape(N, nb, 8), n, nb).swapaxes(2, 3).reshape(n, nb, 128)  # [s][output]
+    ms = _group_k(m.reshape(N, nb, 8), n, nb).swapaxes(2, 3).reshape(n, nb, 128)
+    qs = _group_k(b[:, :, 16:144], n, nb)  # [n, nb, 16, 128]: bytes 32p + 4t + e
+    qv = qs.reshape(n, nb, GI8, 32, 4).swapaxes(2, 3).reshape(n, nb, 2048)
+    out = np.concatenate([dd, dm, scs.astype(np.uint8), ms.astype(np.uint8), qv], axis=2)
+    return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))
+
+
+def pack_q6_k_i8(raw: np.ndarray) -> torch.Tensor | None:
+    """Q6_K rows (raw [N, nb * 210]) in kq_linear_q8's layout: groups of 16 outputs, K-major; per
+    group and block d[16] (float16), sc[16][16] (int8), then 32 vectors of the quants' low 4 bits
+    (vector v: quad v in the low nibbles, quad v + 32 in the high ones; quad u = weights 4u..4u+3
+    of each output in turn) and 16 of their high 2 bits (vector w: quad w + 16c in bits 2c, 2c + 1).
+    3360 bytes a group's block, as the file's 16 blocks. None where N is not a multiple of 16."""
+    N = raw.shape[0]
+    if N % GI8 or raw.shape[1] % 210:
+        return None
+    nb, n = raw.shape[1] // 210, N // GI8
+    b = raw.reshape(N, nb, 210)
+    # the quants q (0-63) in weight order, as gguf.quants.Q6_K reads them
+    ql = b[:, :, 0:128].reshape(N, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    ql = (ql & 0x0F).reshape(N, nb, 2, 128)
+    qh = b[:, :, 128:192].reshape(N, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    qh = (qh & 0x03).reshape(N, nb, 2, 128)
+    q = (ql | (qh << 4)).reshape(N, nb, 256)
+    quads = _quad_vectors(_group_k(q, n, nb))  # [n, nb, 64, 64]
+    lo = (quads[:, :, :32] & 0x0F) | ((quads[:, :, 32:] & 0x0F) << 4)
+    hi = quads >> 4
+    hv = hi[:, :, 0:16] | (hi[:, :, 16:32] << 2) | (hi[:, :, 32:48] << 4) | (hi[:, :, 48:64] << 6)
+    dd = _group_k(b[:, :, 208:210], n, nb).reshape(n, nb, 32)
+    scs = _group_k(b[:, :, 192:208], n, nb).swapaxes(2, 3).reshape(n, nb, 256)  # [sub-block][output]
+    out = np.concatenate([dd, scs, lo.reshape(n, nb, 2048), hv.reshape(n, nb, 1024)], axis=2)
+    return torch.from_numpy(np.ascontiguousarray(out.astype(np.uint8, copy=False)).reshape(-1))
+
+
+def pack_k_i8(raw: np.ndarray, ggml_type: int) -> torch.Tensor | None:
+    """A Q4_K / Q6_K matrix's file bytes in kq_linear_q8's layout (pack_q4_k_i8 / pack_q6_k_i8)."""
+    return pack_q4_k_i8(raw) if ggml_type == 12 else pack_q6_k_i8(raw) if ggml_type == 14 else None

@@ -196,7 +196,8 @@ STEP_KINDS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # what the AVX2 kernels' repacke
 
 
 def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile, saved=None) -> bool:
-    """A projection whose parts are all Q4_0 / Q4_1 or all Q8_0 runs on its blocks repacked K-major
+    """A projection whose parts are all Q4_K / Q6_K: see _repack_k_for_steps. One whose parts are
+    all Q4_0 / Q4_1 or all Q8_0 runs on its blocks repacked K-major
     (models/gguf_blocks; llama's q/k rows reordered there instead of the outputs). On 8-bit
     activations (kernels.gguf_act8, the default): q4_1_linear_q8 / q8_0_linear_q8 over groups of 16
     outputs, for every call (prefills too: one set of numbers), the rounded activations' product
@@ -213,6 +214,8 @@ def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile, saved=None) -> bool:
     from .. import kernels
     from . import gguf_blocks as gb
 
+    if kops is not None and all(p[1] in gb.KQ_TYPES for p in lin.parts):
+        return _repack_k_for_steps(lin, kops, gf, saved)
     kinds = {STEP_KINDS.get(p[1]) for p in lin.parts}
     if kops is None or None in kinds or len({"Q8_0" in k for k in kinds}) != 1 or lin.in_features % 32 \
             or lin.out_features % gb.G:
@@ -249,6 +252,52 @@ def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile, saved=None) -> bool:
         # long prefills on the float path too (not gguf_linear_q8's 8-bit activations): one set of numbers
         lin.op, lin.op_cat = kops.gguf_linear, kops.gguf_linear_cat
     for raw, *_ in lin.parts:  # (long prefills on the float path still read them: the pages come back then)
+        gf.release(raw)
+    return True
+
+
+def _repack_k_for_steps(lin: GGUFLinear, kops, gf: GGUFFile, saved=None) -> bool:
+    """repack_for_steps for a projection of Q4_K / Q6_K parts (q, k, v may mix them): on 8-bit
+    activations (kernels.gguf_act8, the default), every call on kq_linear_q8 over each part's blocks
+    repacked in groups of 16 outputs (gguf_blocks.pack_k_i8: Q6_K the file's size, Q4_K 2.8% more);
+    a step of several tokens then reads each weight block once and costs little more than one
+    token (docs/benchmarks.md). The numbers are the rounded activations' product as
+    gguf_linear_q8's, summed in another order. Not where a part's rows are not a multiple of 16,
+    K of 256, or the output order (llama's q/k) moves rows between parts; nor on the float path,
+    nor on the AVX2 build (one token dearer there).
+    The file's pages of the repacked tensors are given back, as in repack_for_steps."""
+    import zlib
+
+    from .. import kernels
+    from . import gguf_blocks as gb
+
+    K = lin.in_features
+    # AVX-512 VNNI builds only: the AVX2 build of kq_linear_q8 made a one-token step 1.2x dearer than
+    # the file's own blocks (gguf_linear_q8) and an 8-token one only ~10% cheaper, so AVX2 machines
+    # keep the file's blocks (and their numbers; speculative still equals plain on each machine)
+    if not kernels.gguf_act8() or not hasattr(kops, "kq_linear_q8") or kernels.rowstable_isa() != "avx512vnni" \
+            or K % 256 or any(p[2] % gb.GI8 for p in lin.parts):
+        return False
+    bounds = np.cumsum([0] + [p[2] for p in lin.parts])
+    order = None if lin.out_order is None else lin.out_order.numpy()
+    if order is not None and any(not np.all((order[a:e] >= a) & (order[a:e] < e)) for a, e in zip(bounds, bounds[1:])):
+        return False
+    if saved is not None:
+        tag = "" if order is None else f".{zlib.crc32(order.tobytes()):08x}"
+        saved = saved.with_name(f"{saved.stem}{tag}.k16.npy")  # (the row order and layout packed)
+    sizes = [p[2] // gb.GI8 * (K // 256) * gb.KQ_BLOCK_BYTES[p[1]] for p in lin.parts]
+    whole = _read_saved(saved)
+    if whole is None or whole.numel() != sum(sizes):
+        chunks = []
+        for (raw, t, _, _), a, e in zip(lin.parts, bounds, bounds[1:]):
+            rows = raw.numpy() if order is None else raw.numpy()[order[a:e] - a]
+            chunks.append(gb.pack_k_i8(rows, t))
+        whole = torch.cat(chunks)
+        _write_saved(saved, whole)
+    packed = list(torch.split(whole, sizes))
+    lin.rs, lin.rs_every_call = kops, True
+    lin.rs_blocks = (kops.kq_linear_q8, packed, [p[1] for p in lin.parts], [p[2] for p in lin.parts], K)
+    for raw, *_ in lin.parts:
         gf.release(raw)
     return True
 

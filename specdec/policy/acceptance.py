@@ -142,27 +142,47 @@ class Acceptance:
 class NodeOdds:
     """How often a tree node is accepted, by the source's probability of its path p (the product
     of its probabilities from the root to the node), in bins of p with exponentially decayed
-    counts; before any observation a bin's odds are its middle p (a source taken at its word)."""
+    counts. A bin starts from `prior` observations' worth (decayed with its own) of its middle p
+    (a source taken at its word) or, with `calibrated`, of that p times what the source's word
+    has been worth over every bin so far (nodes held / the sum of their p, at most 1, starting at
+    one node's worth of 1): a source whose scores are overconfident (a suffix tree read from one prompt
+    scores a continuation seen once at 1.0; on chat such nodes hold ~30% of the time) is marked
+    down in every bin after a few nodes, not bin by bin."""
 
     EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9)  # bin i holds EDGES[i-1] <= p < EDGES[i]
 
-    def __init__(self, decay: float = 0.995, prior: float = 2.0) -> None:
-        self.decay = decay
+    def __init__(self, decay: float = 0.995, prior: float = 2.0, calibrated: bool = False) -> None:
+        self.decay, self.prior, self.calibrated = decay, prior, calibrated
         lows, highs = (0.0,) + self.EDGES, self.EDGES + (1.0,)
-        self.seen = [prior] * len(lows)
-        self.acc = [prior * (lo + hi) / 2 for lo, hi in zip(lows, highs)]
+        self.mids = [(lo + hi) / 2 for lo, hi in zip(lows, highs)]
+        self.seen = [0.0] * len(lows)  # the bins' own decayed counts (the prior apart)
+        self.acc = [0.0] * len(lows)
+        self.weight = [prior] * len(lows)  # the prior's weight in each bin, decayed with its counts
+        self.held, self.promised = 1.0, 1.0  # nodes held and the sum of their p, over all bins
 
     def bin(self, p: float) -> int:
         return bisect.bisect_right(self.EDGES, p)
 
+    def word(self) -> float:
+        """What the source's p has been worth: held nodes per unit of p, at most 1 (1 when not
+        calibrated): it only marks an overconfident source down (a run of held nodes in its likely
+        bins must not lift bins of unlikely nodes that have not been tried)."""
+        return min(1.0, self.held / self.promised) if self.calibrated else 1.0
+
+    def odds_of_bin(self, i: int) -> float:
+        guess = self.mids[i] * self.word()
+        return (self.acc[i] + self.weight[i] * guess) / (self.seen[i] + self.weight[i])
+
     def __call__(self, p: float) -> float:
-        i = self.bin(p)
-        return self.acc[i] / self.seen[i]
+        return self.odds_of_bin(self.bin(p))
 
     def observe(self, p: float, accepted: bool) -> None:
-        i = self.bin(p)
-        self.acc[i] = self.decay * self.acc[i] + (1.0 if accepted else 0.0)
-        self.seen[i] = self.decay * self.seen[i] + 1.0
+        i, d = self.bin(p), self.decay
+        self.acc[i] = d * self.acc[i] + (1.0 if accepted else 0.0)
+        self.seen[i] = d * self.seen[i] + 1.0
+        self.weight[i] *= d
+        self.held = d * self.held + (1.0 if accepted else 0.0)
+        self.promised = d * self.promised + p
 
     def expected(self, scores: list[float]) -> list[float]:
         """[E(0), .., E(n)]: expected committed tokens when the j nodes of highest `scores` are
@@ -172,10 +192,39 @@ class NodeOdds:
             out.append(out[-1] + self(p))
         return out
 
+    def tree_values(self, scores: list[float], parents: list[int]) -> list[float]:
+        """Per node of a tree whose odds are learnt given the parent (`observe_tree`): the chance
+        that its whole path holds, the product of its ancestors' and its own odds, each looked up
+        by its score relative to its parent's (a suffix chain read from one occurrence scores 1.0
+        at every depth; its deep nodes still hold only if every node before them did)."""
+        out: list[float] = []
+        for j, (p, parent) in enumerate(zip(scores, parents), start=1):
+            above = out[parent - 1] if parent else 1.0
+            out.append(above * self(relative(scores, parents, j)))
+        return out
+
+    def tree_expected(self, scores: list[float], parents: list[int]) -> list[float]:
+        """[E(0), .., E(n)]: expected committed tokens when the j likeliest nodes are verified
+        (`tree_values`, best first: a node is never likelier than its parent)."""
+        out = [1.0]
+        for v in sorted(self.tree_values(scores, parents), reverse=True):
+            out.append(out[-1] + v)
+        return out
+
+    def observe_tree(self, scores: list[float], parents: list[int], held: set[int]) -> None:
+        """A tree was settled and the nodes `held` (1-based) lay on the committed path: each node
+        whose parent held (or that hangs from the root) teaches the odds of its relative score."""
+        for j, parent in enumerate(parents, start=1):
+            if parent == 0 or parent in held:
+                self.observe(relative(scores, parents, j), j in held)
+
     def learned(self) -> dict:
-        """The counts per bin, capped (`carried`), for a later run (learned.py)."""
-        acc, seen = zip(*(carried(a, s) for a, s in zip(self.acc, self.seen)))
-        return {"acc": list(acc), "seen": list(seen)}
+        """The counts per bin with their priors, and the source's word, capped (`carried`), for a
+        later run (learned.py), which starts from them as its counts."""
+        acc, seen = zip(*(carried(self.acc[i] + w * self.mids[i] * self.word(), self.seen[i] + w)
+                          for i, w in enumerate(self.weight)))
+        held, promised = carried(self.held, self.promised)
+        return {"acc": list(acc), "seen": list(seen), "held": held, "promised": promised}
 
     def relearn(self, state: dict) -> None:
         acc, seen = [float(v) for v in state["acc"]], [float(v) for v in state["seen"]]
@@ -183,7 +232,18 @@ class NodeOdds:
             raise ValueError("learned node odds of another shape")
         if not all(counts_ok(a, s) for a, s in zip(acc, seen)):
             raise ValueError("learned node odds out of range")
-        self.acc, self.seen = acc, seen
+        held, promised = float(state.get("held", 1.0)), float(state.get("promised", 1.0))
+        if not (0.0 <= held < math.inf and 0.0 < promised < math.inf):
+            raise ValueError("learned node odds' calibration out of range")
+        self.acc, self.seen, self.held, self.promised = acc, seen, held, promised
+        self.weight = [0.0] * len(acc)
+
+
+def relative(scores: list[float], parents: list[int], j: int) -> float:
+    """Node j's (1-based) path score over its parent's: its own odds given that the parent held."""
+    parent = parents[j - 1]
+    above = scores[parent - 1] if parent else 1.0
+    return min(1.0, scores[j - 1] / above) if above > 0 else 0.0
 
 
 class Hindsight:
@@ -226,9 +286,7 @@ class Hindsight:
                 if path is None:
                     waiting.append(offer)
                 elif scores is not None:
-                    on = set(path)
-                    for j, p in enumerate(scores, start=1):
-                        odds.observe(p, j in on)
+                    odds.observe_tree(scores, parents, set(path))
         self.open = waiting
 
 

@@ -43,7 +43,8 @@ class DecayedLine:
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
-        self.s = [0.0] * 5  # decayed sums: w, x, y, xx, xy
+        self.s = [0.0] * 5  # decayed sums: w, x, y, xx, xy (replaced, never changed in place)
+        self._slope: tuple[list[float], float | None] | None = None  # (the sums it was solved from, b)
 
     def observe(self, x: float, y: float) -> None:
         d = self.decay
@@ -55,12 +56,15 @@ class DecayedLine:
         return self.s[0]
 
     def slope(self) -> float | None:
-        """b, or None while the x values do not vary enough to tell it."""
+        """b, or None while the x values do not vary enough to tell it (solved once per sums: the
+        chooser asks for it at every cap it prices)."""
+        if self._slope is not None and self._slope[0] is self.s:
+            return self._slope[1]
         w, sx, sy, sxx, sxy = self.s
         var = w * sxx - sx * sx
-        if var <= 1e-9 * max(w * w, 1.0):
-            return None
-        return (w * sxy - sx * sy) / var
+        b = None if var <= 1e-9 * max(w * w, 1.0) else (w * sxy - sx * sy) / var
+        self._slope = (self.s, b)
+        return b
 
     def intercept(self, slope: float) -> float:
         w, sx, sy, _, _ = self.s

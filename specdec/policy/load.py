@@ -50,7 +50,7 @@ class SourceStats:
     def __init__(self, name: str, known: bool, tree: bool, prior: float, k_max: int) -> None:
         self.name, self.known, self.tree = name, known, tree
         self.acceptance = Acceptance(KEYS, max(POSITIONS, k_max), prior, inherit=known)
-        self.odds = NodeOdds(prior=KNOWN_TREE_PRIOR)
+        self.odds = NodeOdds(prior=KNOWN_TREE_PRIOR, calibrated=True)
         self.gain = TREE_PRIOR  # on-demand trees: accepted tokens per row-step that drafted one
         self.nodes: float | None = None  # and the nodes such a tree held
         self.time = DecayedLine(FIT_DECAY)
@@ -269,9 +269,10 @@ class LoadPolicy:
         may = {i: self._repaid(quotes[i], fit, A, room) for i in on_demand}
         best = {None: (None, 0, [None] * A)}  # option -> (rate, k, per-row source)
         a, r, b = fit
+        per_unit: dict[tuple[int, int], float] = {}  # (source, rows drafted for) -> seconds per unit
         for k in self._caps(top):
             t = a + r * A + b * A * k + (self.steps.residual(A, k) if has_fit else 0.0)
-            base_val, base_src = self._best_known(values, k, A)
+            base_val, base_src = self._best_known(values, k, A) if offered else ([1.0] * A, [None] * A)
             self._keep(best, None, sum(base_val) / t, k, base_src)
             for i in on_demand:
                 stats = quotes[i].stats
@@ -282,7 +283,9 @@ class LoadPolicy:
                 n = sum(use)
                 if not n:
                     continue
-                cost = self._drafting(quotes[i], n, A, k)
+                if (i, n) not in per_unit:
+                    per_unit[i, n] = self._drafting(quotes[i], n, A, 1)
+                cost = per_unit[i, n] if stats.tree else k * per_unit[i, n]
                 tokens = sum(v if u else bv for u, bv in zip(use, base_val))
                 self._keep(best, i, tokens / (t + cost), k,
                            [i if u else s for u, s in zip(use, base_src)])
@@ -359,7 +362,7 @@ class LoadPolicy:
             if not ok or offer is None or not offer.tokens:
                 out.append(None)
             elif offer.parents is not None and offer.scores is not None:
-                out.append(q.stats.odds.expected(offer.scores))
+                out.append(q.stats.odds.tree_expected(offer.scores, offer.parents))
             else:
                 out.append(q.stats.acceptance.expected(offer.key, len(offer.tokens), offer.certain))
         return out

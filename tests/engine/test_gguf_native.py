@@ -387,3 +387,34 @@ def test_a_direct_decoding_step_gives_the_general_paths_numbers(gguf_dir, arch, 
             no_bias = [((op, args, None, order), *rest) for (op, args, _, order), *rest in fast]
             with pytest.raises(AssertionError):
                 steps_both_ways(m, 11, ((1, None),), direct_step_switch(m, no_bias))
+
+
+@pytest.mark.parametrize("t", [Q4_K, Q6_K])
+def test_k_quant_projections_run_on_their_repacked_blocks(gguf_dir, t):
+    """On 8-bit activations a Q4_K / Q6_K model's projections run on kq_linear_q8 over repacked
+    blocks (llama's q/k rows reordered inside q and inside k), so the tests above (transformers'
+    logits, a verified token's logits alone, speculation equal to plain) cover that path; each
+    gives the rounded activations' product by gguf's dequantised rows, in its output order."""
+    from gguf.quants import dequantize
+
+    m = load(tiny(gguf_dir, "llama", t)).model
+    if not on_kernels(m) or not kernels.gguf_act8():
+        pytest.skip("the GGUF kernels' 8-bit path does not run here")
+    blk = m.layers[0]
+    if kernels.rowstable_isa() != "avx512vnni":  # the AVX2 build keeps the file's blocks
+        assert all(getattr(lin.rs_blocks[0] if lin.rs_blocks else None, "__name__", "") != "kq_linear_q8"
+                   for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))
+        pytest.skip("kq_linear_q8 runs on AVX-512 VNNI builds only")
+    g = torch.Generator().manual_seed(0)
+    for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down):
+        op, *args = lin.rs_blocks
+        assert getattr(op, "__name__", "") == "kq_linear_q8"
+        w = np.concatenate([dequantize(raw.numpy(), typ).reshape(n, k) for raw, typ, n, k in lin.parts])
+        if lin.out_order is not None:
+            w = w[lin.out_order.numpy()]
+        x = torch.randn(3, lin.in_features, generator=g)
+        xq, _ = kernels.act8_slices(x.numpy(), 256)
+        y = op(x, *args)
+        w = w.astype(np.float64)
+        assert (np.abs(y.double().numpy() - xq @ w.T) <= 1e-5 * (np.abs(xq) @ np.abs(w).T) + 1e-30).all()
+        assert torch.equal(lin(x), y if lin.bias is None else y + lin.bias)

@@ -6,6 +6,7 @@ rule makes it fail."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -101,6 +102,49 @@ def test_node_odds_start_at_the_sources_word_and_learn():
     assert odds.expected([0.5, 0.95]) == pytest.approx([1.0, 1.0 + odds(0.95), 1.0 + odds(0.95) + odds(0.5)])
 
 
+@pytest.mark.parametrize("rule", ["calibrated", "bin by bin"])
+def test_an_overconfident_sources_word_is_marked_down_in_every_bin(rule):
+    """A suffix tree read from one prompt scores what it saw once at 1.0. After four such nodes
+    failed, a known tree's untried bins are marked down too: a two-node offer scored 0.5 is then
+    worth less than the 1.26 plain steps a 3-token step costs on the Xeon. Learnt bin by bin (a
+    broken rule) the untried bin still takes the source at its word and the offer is verified."""
+    odds = NodeOdds(prior=0.5, calibrated=rule == "calibrated")
+    for _ in range(4):
+        odds.observe(1.0, False)
+    assert odds(0.95) < 0.11
+    chain = odds.tree_expected([0.5, 0.5], [0, 1])  # node 2 holds whenever node 1 did
+    assert (chain[2] < 1.26) == (rule == "calibrated"), chain
+    # held nodes never lift the source above its word: untried bins keep their middle p
+    sure = NodeOdds(prior=0.5, calibrated=True)
+    for _ in range(20):
+        sure.observe(0.95, True)
+    assert sure(0.5) == pytest.approx(0.525)
+    again = NodeOdds(prior=0.5, calibrated=odds.calibrated)  # a later run starts where this one ended
+    again.relearn(json.loads(json.dumps(odds.learned())))
+    assert again.word() == pytest.approx(odds.word()) and again(0.5) == pytest.approx(odds(0.5))
+
+
+@pytest.mark.parametrize("rule", ["path product", "nodes apart"])
+def test_a_known_trees_deep_nodes_are_worth_their_whole_path(rule):
+    """A chain scored 1.0 at every depth (one earlier occurrence) whose nodes hold 40% of the time
+    given their parent: node j holds with 0.4^j, so 12 nodes are worth ~0.67 tokens, and the
+    offer is cut where a guess stops paying; valued node by node (a broken rule) the 12 nodes
+    would look worth 4.8 tokens."""
+    odds = NodeOdds(prior=0.5, calibrated=True)
+    for i in range(60):
+        odds.observe_tree([1.0], [0], {1} if i % 5 < 2 else set())  # holds 40% of the time
+    p = odds(1.0)
+    assert 0.35 < p < 0.45
+    scores, parents = [1.0] * 12, list(range(12))
+    values = odds.tree_values(scores, parents)
+    assert values == pytest.approx([p ** j for j in range(1, 13)])
+    worth = odds.tree_expected(scores, parents) if rule == "path product" else odds.expected(scores)
+    assert (worth[12] < 1.0 + p / (1 - p)) == (rule == "path product"), worth
+    # priced at 0.13 plain steps a guess, the best cap verifies a few nodes, not all twelve
+    best = max(range(13), key=lambda k: worth[k] / (1.0 + 0.13 * k))
+    assert (best <= 3) == (rule == "path product"), best
+
+
 def test_best_prefix_maximises_tokens_per_step_time():
     assert best_prefix([0.9, 0.9, 0.1], c=0.0, r=0.2) == 2
     assert best_prefix([0.9, 0.9, 0.1], c=0.0, r=0.95) == 0
@@ -143,12 +187,14 @@ def test_hindsight_scores_chains_and_trees_against_the_text_that_followed():
     second = (0.98 * 2 * first + 1) / 2.96
     assert h.open == [] and acc.acc[2][:3] == pytest.approx([1.98, 0.98 * 2 * first + 1, 0.98 * 2 * second])
     assert acc.seen[2][:3] == pytest.approx([2.96] * 3) and acc.seen[2][3] == 0.0
-    # a tree: 1 under the root, 2 and 3 under node 1, 4 under the root
-    h.add(2, 0, [7, 8, 9, 6], [0, 1, 1, 0], [0.9, 0.5, 0.3, 0.05])
+    # a tree: 1 under the root, 2 and 3 under node 1, 4 under the root, 5 under node 2; each node
+    # whose parent held teaches the odds of its score relative to its parent's (0.5 / 0.9, ...)
+    h.add(2, 0, [7, 8, 9, 6, 5], [0, 1, 1, 0, 2], [0.9, 0.5, 0.27, 0.05, 0.1])
     h.score([1, 2, 7, 9, 4], acc, odds)
     assert h.open == []
-    held = {p: odds.acc[odds.bin(p)] for p in (0.9, 0.5, 0.3, 0.05)}
-    assert held == {0.9: 1.0, 0.5: 0.0, 0.3: 1.0, 0.05: 0.0}, held
+    held = {p: (odds.acc[odds.bin(p)], odds.seen[odds.bin(p)]) for p in (0.9, 0.5 / 0.9, 0.3, 0.05)}
+    assert held == {0.9: (1.0, 1.0), 0.5 / 0.9: (0.0, 1.0), 0.3: (1.0, 1.0), 0.05: (0.0, 1.0)}, held
+    assert odds.seen[odds.bin(0.1 / 0.5)] == 0.0  # node 5: its parent failed, it teaches nothing
     h.add(2, 0, [7, 8], [0, 1], [0.9, 0.5])
     h.score([1, 2, 7], acc, odds)  # node 1 held, node 2 not decided yet
     assert len(h.open) == 1

@@ -7,7 +7,7 @@ and each build's int32 lanes hold the same integers, so every output must be equ
 build itself (SPECDEC_ROWSTABLE=avx2), run in a subprocess on the same inputs: random blocks of every
 type, blocks whose quants are all at their largest magnitude (the AVX2 build's int16 sums at their
 limits) by activations that round to +-127, every tile size of the integer paths (1-9, 16, 17, 33
-rows), gguf_linear_q8 and the repacked blocks' q4_1_linear_q8 / q8_0_linear_q8. The float path and
+rows), gguf_linear_q8 and the repacked blocks' q4_1_linear_q8 / q8_0_linear_q8 / kq_linear_q8. The float path and
 attention, compiled under the wider flags too, are compared as well.
 Skipped on CPUs without VNNI (only the AVX2 build runs there; the other tests cover it).
 """
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from model_helpers import need_kernels
-from gguf_random import F16, NAMES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, random_blocks
+from gguf_random import F16, NAMES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, act8_rows, random_blocks
 from specdec import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,16 +58,6 @@ def extreme_blocks(t: int, n: int, k: int, rng: np.random.Generator) -> np.ndarr
     return raw.reshape(-1)
 
 
-def inputs(m: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """Activations with outliers, an all-zero slice, and rows of +-1 (q = +-127 in every slice)."""
-    x = torch.randn(m, k, generator=g) * (0.05 + 8 * torch.rand(m, k, generator=g) ** 6)
-    x[0, :32] = 0.0
-    x[m // 2] = 1.0
-    if m > 2:
-        x[m - 1] = -1.0
-    return x
-
-
 def cases() -> dict:
     """name -> (op, args): the calls both builds make."""
     g = torch.Generator().manual_seed(5)
@@ -79,7 +69,7 @@ def cases() -> dict:
                 blocks = random_blocks(t, n, k, rng).reshape(-1) if kind == "random" else extreme_blocks(t, n, k, rng)
                 raw = torch.from_numpy(blocks)
                 for m in ROWS:
-                    x = inputs(m, k, g)
+                    x = act8_rows(m, k, g)
                     out[f"q8 {NAMES[t]} {kind} {n}x{k} M={m}"] = ("gguf_linear_q8", (x, raw, t, n, k))
                     if m in (1, 4, 9):
                         out[f"float {NAMES[t]} {kind} {n}x{k} M={m}"] = ("gguf_linear", (x, raw, t, n, k))
@@ -93,13 +83,23 @@ def cases() -> dict:
             op, packed = ("q8_0_linear_q8", gb.pack_q8_i8(*gb._q8(raw))) if t == Q8_0 else \
                 ("q4_1_linear_q8", gb.pack_q4_i8(*gb._q4(raw, NAMES[t])))
             for m in ROWS:
-                out[f"i8 {NAMES[t]} {kind} M={m}"] = (op, (inputs(m, k, g), packed, n))
+                out[f"i8 {NAMES[t]} {kind} M={m}"] = (op, (act8_rows(m, k, g), packed, n))
+    # the K-quants repacked in groups of 16 outputs (kq_linear_q8), mixed parts in one call too
+    for t in (Q4_K, Q6_K):
+        for kind in ("random", "extreme"):
+            n, k = 32, 512
+            raw = (random_blocks(t, n, k, rng) if kind == "random" else extreme_blocks(t, n, k, rng)).reshape(n, -1)
+            packed = gb.pack_k_i8(raw, t)
+            for m in ROWS:
+                out[f"kq {NAMES[t]} {kind} M={m}"] = ("kq_linear_q8", (act8_rows(m, k, g), [packed], [t], [n], k))
+    kq_parts = [gb.pack_k_i8(random_blocks(t, 16, 256, rng).reshape(16, -1), t) for t in (Q4_K, Q6_K)]
+    out["kq parts"] = ("kq_linear_q8", (act8_rows(9, 256, g), kq_parts, [Q4_K, Q6_K], [16, 16], 256))
     # several types side by side in one call (the K-quant and the 32-weight slices together)
     k = 512
     parts = [(Q4_K, 24), (Q6_K, 8), (Q8_0, 8), (Q5_0, 5), (F16, 3)]
     raws = [torch.from_numpy(random_blocks(t, n, k, rng).reshape(-1)) for t, n in parts]
     for m in (1, 2, 8, 17):
-        out[f"cat M={m}"] = ("gguf_linear_cat_q8", (inputs(m, k, g), raws, [t for t, _ in parts], [n for _, n in parts], k))
+        out[f"cat M={m}"] = ("gguf_linear_cat_q8", (act8_rows(m, k, g), raws, [t for t, _ in parts], [n for _, n in parts], k))
     # attention (its exp polynomial) and RMS norm, compiled under the wider flags too
     q, kc, vc = torch.randn(1, 4, 3, 64, generator=g), torch.randn(1, 2, 40, 64, generator=g), torch.randn(1, 2, 40, 64, generator=g)
     out["attend"] = ("attend", (q, kc, vc, 37, None, None))
