@@ -48,6 +48,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-k", "--num-draft-tokens", dest="k", type=guesses, default=None,
                    help=f"most tokens drafted per step (0: none, i.e. plain decoding; at most {MAX_GUESSES}). "
                         "Every method drafts fewer, or none, where its guesses do not pay by the measured costs; "
+                        "a --prediction or prompt lookup that keeps holding may verify up to 32 (not with --fixed-k); "
                         "the eagle tree's depth is --tree-depth "
                         f"instead. Default: {', '.join(f'{m} {k}' for m, k in DEFAULT_K.items())}")
     g.add_argument("--fixed-k", action="store_true",

@@ -15,7 +15,7 @@ or not. Nothing here asks which class a source is.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -132,7 +132,7 @@ class Sources:
             ok = [room_b > 0 and r.spec_k != 0 and (r.sources is None or d.label in r.sources)
                   for r, room_b in zip(rows, room)]
             if d.known:
-                offers = d.offer(ctx, self.k_max)
+                offers = self._legal(rows, d.offer(ctx, self.policy.long_max if d.long_chains else self.k_max))
                 self._remember(i, tokens, offers)
                 quotes.append(Quote(self.stats[i], ok, offers=offers))
             else:
@@ -142,9 +142,13 @@ class Sources:
             choice = Choice(0, [None] * A, reason="guard")
         plan.k, plan.probe, plan.reason = choice.k, choice.probe, choice.reason
         # a row's node budget, within the cache slots it has left (`space`, default: its room); a
-        # chain is cut to its room too, a tree's paths to it at verification
-        caps = [max(0, min(choice.k, r.spec_k if r.spec_k is not None else self.k_max, free)) if left > 0 else 0
-                for r, left, free in zip(rows, room, space or room)]
+        # chain is cut to its room too, a tree's paths to it at verification; k_max, or a long
+        # known chain's cap (Drafter.long_chains) beyond the slots every row keeps free, within
+        # every row's space (the step pads each row's forward to its longest)
+        space = space or room
+        batch_space = max(self.slots, min(space, default=0))
+        caps = [max(0, min(choice.k, r.spec_k if r.spec_k is not None else self._most(s), free, batch_space))
+                if left > 0 else 0 for r, s, left, free in zip(rows, choice.source, room, space)]
         plan.source = [s if c > 0 else None for s, c in zip(choice.source, caps)]
         plan.guesses, plan.parents, plan.probs = [[] for _ in range(A)], [None] * A, [None] * A
         for b, s in enumerate(plan.source):
@@ -159,6 +163,44 @@ class Sources:
         if not any(plan.guesses):
             return self._plain(plan, plan.reason or "cost")
         return plan
+
+    @staticmethod
+    def _legal(rows, offers: list) -> list:
+        """Known offers without the guesses their row's grammar forbids: a chain cut before its
+        first such token, a tree without the nodes whose path holds one (verification would refuse
+        them and everything under them), so offers are priced and verified as far as they can
+        hold; a lookup that copies the schema from the prompt offers nothing."""
+        out = []
+        for r, offer in zip(rows, offers):
+            constraint = getattr(r, "constraint", None)
+            if offer is None or constraint is None or not offer.tokens:
+                out.append(offer)
+                continue
+            if offer.parents is None:
+                n = constraint.accepts(offer.tokens)
+                out.append(offer if n == len(offer.tokens) else replace(offer, tokens=list(offer.tokens[:n])) if n else None)
+                continue
+            paths: dict[int, list[int]] = {0: []}  # kept node (1-based, 0: the root) -> its path
+            new_index, toks, pars, scores = {0: 0}, [], [], []
+            for j, (token, parent) in enumerate(zip(offer.tokens, offer.parents), start=1):
+                if parent not in paths:
+                    continue
+                path = paths[parent] + [token]
+                if constraint.accepts(path) < len(path):
+                    continue
+                paths[j], new_index[j] = path, len(toks) + 1
+                toks.append(token)
+                pars.append(new_index[parent])
+                if offer.scores is not None:
+                    scores.append(offer.scores[j - 1])
+            out.append(offer if len(toks) == len(offer.tokens) else
+                       replace(offer, tokens=toks, parents=pars, scores=scores if offer.scores is not None else None)
+                       if toks else None)
+        return out
+
+    def _most(self, source: int | None) -> int:
+        """The most guesses a row verifying `source` may take in one step."""
+        return self.policy.long_max if source is not None and self.drafters[source].long_chains else self.k_max
 
     def _plain(self, plan: Plan, reason: str) -> Plan:
         plan.k, plan.reason = 0, reason

@@ -377,7 +377,8 @@ class ContinuousBatcher:
         generators = self.rows[0].generator if shared else [r.generator for r in self.rows]
         res = run_step(self.model, cache, [r.context[-1] for r in self.rows], draft, params, generators, room,
                        [p is not None for p in plan.parents], row_keys=[r.key for r in self.rows],
-                       constraints=[r.constraint for r in self.rows])
+                       constraints=[r.constraint for r in self.rows],
+                       argmax_only=[r.params.greedy and r.logprobs is None for r in self.rows])
         if cache is not self.cache:
             cache.sync()
         counts_l, failed = draft.counts.tolist(), res.failed

@@ -65,7 +65,8 @@ class StepResult:
 
 def run_step(model, cache, pending: list[int], draft: Draft, params: SamplingParams | list[SamplingParams],
              generators, room: list[int], tree_rows: list[bool] | None = None,
-             row_keys: list[int] | None = None, constraints: list | None = None) -> StepResult:
+             row_keys: list[int] | None = None, constraints: list | None = None,
+             argmax_only: list[bool] | None = None) -> StepResult:
     """Score, verify and commit one step of A rows (`cache` holds exactly these rows).
 
     pending: each row's pending token; draft: the guesses (`Draft`; `parents` None = chains);
@@ -75,7 +76,8 @@ def run_step(model, cache, pending: list[int], draft: Draft, params: SamplingPar
     tree rule (others hold chains, node j under node j - 1; default: all); row_keys: each row's
     key for the uniforms its sampled tokens take at their text positions
     (sampling.position_uniforms; default 0 for every row, for rows with generators of their own);
-    constraints: per row its grammar or None (`constrained`)."""
+    constraints: per row its grammar or None; argmax_only: per row, whether only the argmax of its
+    logits is read (`constrained`)."""
     A, K = draft.tokens.shape
     is_tree = draft.parents is not None and K > 0
     inp = torch.empty(A, K + 1, dtype=torch.long)
@@ -89,7 +91,7 @@ def run_step(model, cache, pending: list[int], draft: Draft, params: SamplingPar
     else:
         logits, hidden = model(inp, base[:, None] + torch.arange(K + 1)[None, :], cache)
     if constraints is not None and any(c is not None for c in constraints):
-        logits = constrained(logits, constraints, [_paths(draft, b, parents) for b in range(A)])
+        logits = constrained(logits, constraints, [_paths(draft, b, parents) for b in range(A)], argmax_only)
     # the text position of each row's first new token (the pending token sits at `base`)
     draws = ((base + 1).tolist(), list(row_keys) if row_keys is not None else [0] * A)
     if isinstance(params, SamplingParams):
@@ -177,19 +179,33 @@ def _paths(draft: Draft, row: int, parents) -> list[list[int]]:
     return out
 
 
-def constrained(logits: torch.Tensor, constraints: list, paths: list[list[list[int]]]) -> torch.Tensor:
+def constrained(logits: torch.Tensor, constraints: list, paths: list[list[list[int]]],
+                argmax_only: list[bool] | None = None) -> torch.Tensor:
     """logits [B, P, V] with the tokens each row's grammar forbids at each position set to -inf:
     position p of row b follows the committed text and then paths[b][p] (rows without a constraint
-    as they are). A position where the grammar allows no token is the request's own error."""
+    as they are). A position where the grammar allows no token is the request's own error.
+
+    argmax_only: rows whose logits are read only for their argmax (greedy, no logprobs): where
+    a position's argmax is allowed it is the masked argmax too (masking only removes tokens, and
+    a tie goes to the lower id either way), so only the positions whose argmax the grammar
+    forbids are masked: one token checked per position instead of a whole mask."""
     out = None
+    P = logits.shape[1]
     for b, constraint in enumerate(constraints):
         if constraint is None:
             continue
-        allowed = constraint.allowed(paths[b][: logits.shape[1]])
-        allowed = allowed[:, : logits.shape[-1]]
+        where = list(range(min(P, len(paths[b]))))
+        if argmax_only is not None and argmax_only[b]:
+            top = logits[b, : len(where)].argmax(-1).tolist()
+            ok = constraint.allows([paths[b][p] for p in where], top)
+            where = [p for p in where if not ok[p]]
+            if not where:
+                continue
+        allowed = constraint.allowed([paths[b][p] for p in where])[:, : logits.shape[-1]]
         if not bool(allowed.any(dim=-1).all()):
             raise SpecdecError("the request's grammar allows no token here (the schema cannot be completed)")
         if out is None:
             out = logits.clone()
-        out[b, : allowed.shape[0]] = out[b, : allowed.shape[0]].masked_fill(~allowed.to(out.device), float("-inf"))
+        index = torch.tensor(where, dtype=torch.long)
+        out[b, index] = out[b, index].masked_fill(~allowed.to(out.device), float("-inf"))
     return logits if out is None else out

@@ -95,6 +95,10 @@ class Drafter(ABC):
     known: bool = False
     #: acceptance of a guess before any is seen (the cost model learns the rest)
     prior: float = 0.6
+    #: a known source whose chains may run past the step's cap k_max, up to the cost model's
+    #: `LoadPolicy.long_max`, where they have been holding (a prediction, a copy of the prompt):
+    #: verifying 17-33 tokens costs ~3.3-5 plain steps on a CPU, 9 tokens ~2.5
+    long_chains: bool = False
     #: propose reads `DraftContext.hidden`: the target's final hidden states of the committed
     #: positions not yet handed over (EAGLE, Medusa)
     needs_hidden: bool = False

@@ -82,6 +82,7 @@ class NgramDrafter(Drafter):
 
     name = "ngram"
     known = True
+    long_chains = True
     prior = LOOKUP_PRIOR
 
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:

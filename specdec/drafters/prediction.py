@@ -67,6 +67,7 @@ class PredictionDrafter(Drafter):
 
     name = "prediction"
     known = True
+    long_chains = True
     prior = 0.5
 
     def __init__(self) -> None:

@@ -49,27 +49,43 @@ def best_prefix(values: list[float], c: float, r: float) -> int:
 
 class Acceptance:
     """P(guess i holds | the guesses before it held) per key and draft position i, from
-    exponentially decayed counts; before any observation every cell is `prior`, worth two
-    observations. A key beyond the last is counted as the last (a lookup's longest match)."""
+    exponentially decayed counts; before any observation a cell is `prior`, worth two
+    observations. With `inherit` (known sources: copies, whose guesses hold on as they held)
+    only the first position starts at the prior, and a later position holds as often as the one
+    before it: it starts from two observations at that rate when it is first seen. So a
+    prediction whose first guesses held is trusted as far as it offers (32 tokens), rather than
+    every position it has not reached yet falling back to the prior. A key beyond the last is
+    counted as the last (a lookup's longest match)."""
 
-    def __init__(self, keys: int, positions: int, prior: float, decay: float = FIT_DECAY) -> None:
+    def __init__(self, keys: int, positions: int, prior: float, decay: float = FIT_DECAY,
+                 inherit: bool = False) -> None:
         self.decay = decay
-        self.acc = [[2.0 * prior] * positions for _ in range(keys)]
-        self.seen = [[2.0] * positions for _ in range(keys)]
+        later = 0.0 if inherit else 1.0  # a later position's prior weight (0: not seen yet)
+        self.acc = [[2.0 * prior] + [2.0 * prior * later] * (positions - 1) for _ in range(keys)]
+        self.seen = [[2.0] + [2.0 * later] * (positions - 1) for _ in range(keys)]
 
     def _key(self, key: int) -> int:
         return min(max(key, 0), len(self.acc) - 1)
+
+    @staticmethod
+    def _rates(acc: list[float], seen: list[float], n: int) -> list[float]:
+        """One key's P(guess i holds | the ones before held), i < n: a position not seen yet at
+        the rate of the one before it."""
+        out, rate = [], 0.0
+        for i in range(min(n, len(acc))):
+            rate = acc[i] / seen[i] if seen[i] > 0 else rate
+            out.append(rate)
+        return out
 
     def held(self, key: int, k: int, certain: int = 0) -> list[float]:
         """P(the first j guesses all hold), j = 1 .. min(k, positions tracked): the expected
         accepted tokens each guess adds. The first `certain` guesses hold for sure (a grammar
         forces them)."""
         row = self._key(key)
-        acc, seen = self.acc[row], self.seen[row]
         out, p = [], 1.0
-        for i in range(min(k, len(acc))):
+        for i, rate in enumerate(self._rates(self.acc[row], self.seen[row], k)):
             if i >= certain:
-                p *= acc[i] / seen[i]
+                p *= rate
             out.append(p)
         return out
 
@@ -95,6 +111,8 @@ class Acceptance:
                 if i < min(proposed, accepted + 1):  # the positions whose predecessors all held
                     tried += 1
                     held += i < accepted
+            if seen[i] == 0:  # first seen: two observations at the rate of the position before
+                acc[i], seen[i] = 2.0 * acc[i - 1] / seen[i - 1], 2.0
             acc[i] = d * acc[i] + held
             seen[i] = d * seen[i] + tried
 
@@ -115,7 +133,8 @@ class Acceptance:
         seen = [[float(v) for v in r] for r in state["seen"]]
         if [len(r) for r in acc] != shape or [len(r) for r in seen] != shape:
             raise ValueError("learned acceptance tables of another shape")
-        if not all(counts_ok(a, s) for ar, sr in zip(acc, seen) for a, s in zip(ar, sr)):
+        if not all(counts_ok(a, s) or (i > 0 and a == s == 0)  # (a later position not seen yet)
+                   for ar, sr in zip(acc, seen) for i, (a, s) in enumerate(zip(ar, sr))):
             raise ValueError("learned acceptance counts out of range")
         self.acc, self.seen = acc, seen
 

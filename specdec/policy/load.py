@@ -27,6 +27,10 @@ from .probing import PROBE_EVERY, PROBE_ROOM, ProbeSchedule
 
 #: the keys and draft positions a source's acceptance is learnt over (a lookup's match lengths)
 KEYS, POSITIONS = 8, 16
+#: the longest chain a known source with `Drafter.long_chains` may verify in one step (a
+#: prediction or a prompt copy that has been holding), beyond k_max: on a CPU a step of 17 tokens
+#: costs ~3.3 plain steps and one of 9 ~2.5, so a chain that holds pays more the longer it runs
+LONG_MAX = 32
 #: observations' worth of a known tree's own scores before its nodes' odds are learnt (a suffix
 #: cache read from one prompt scores a continuation seen once at 1.0; on chat such nodes hold ~30%
 #: of the time, and a prior worth two observations kept a fresh request verifying them ~10 steps)
@@ -45,7 +49,7 @@ class SourceStats:
 
     def __init__(self, name: str, known: bool, tree: bool, prior: float, k_max: int) -> None:
         self.name, self.known, self.tree = name, known, tree
-        self.acceptance = Acceptance(KEYS, max(POSITIONS, k_max), prior)
+        self.acceptance = Acceptance(KEYS, max(POSITIONS, k_max), prior, inherit=known)
         self.odds = NodeOdds(prior=KNOWN_TREE_PRIOR, calibrated=True)
         self.gain = TREE_PRIOR  # on-demand trees: accepted tokens per row-step that drafted one
         self.nodes: float | None = None  # and the nodes such a tree held
@@ -143,6 +147,8 @@ class LoadPolicy:
 
     def __init__(self, k_max: int, adaptive: bool = True) -> None:
         self.k_max, self.adaptive = k_max, adaptive
+        # a long known chain's cap (LONG_MAX); at a fixed k every step drafts k_max
+        self.long_max = max(k_max, LONG_MAX) if adaptive and k_max else k_max
         self.steps = StepModel()
         self.sources: dict[str, SourceStats] = {}
         self.eager = False
@@ -154,12 +160,12 @@ class LoadPolicy:
         learned state) on first use."""
         stats = self.sources.get(name)
         if stats is None:
-            stats = self.sources[name] = SourceStats(name, known, tree, prior, self.k_max)
+            stats = self.sources[name] = SourceStats(name, known, tree, prior, self.long_max)
             if name in self._saved:
                 try:
                     stats.relearn(self._saved.pop(name))
                 except (ValueError, KeyError, TypeError):
-                    stats = self.sources[name] = SourceStats(name, known, tree, prior, self.k_max)
+                    stats = self.sources[name] = SourceStats(name, known, tree, prior, self.long_max)
             if tree and stats.nodes is None and nodes:
                 stats.nodes = float(nodes)
         return stats
@@ -254,22 +260,23 @@ class LoadPolicy:
         if not has_fit and self.steps.mean(A) is None and not offered:
             return Choice(0, [None] * A, reason="warming")  # the first step: nothing to price it by
         known_top = max((len(v) - 1 for vs in values if vs for v in vs if v), default=0)
-        top = self.k_max if on_demand and not all(quotes[i].stats.tree for i in on_demand) else known_top
+        top = self.k_max if on_demand and not all(quotes[i].stats.tree for i in on_demand) else 0
         for i in on_demand:
             if quotes[i].stats.tree:
                 top = max(top, round(quotes[i].stats.nodes or self.k_max) + 1)
-        top = min(top, self.k_max)
+        # on-demand sources draft up to k_max; a known offer may be longer (Drafter.long_chains)
+        top = max(min(top, self.k_max), min(known_top, self.long_max))
         may = {i: self._repaid(quotes[i], fit, A, room) for i in on_demand}
         best = {None: (None, 0, [None] * A)}  # option -> (rate, k, per-row source)
         a, r, b = fit
         per_unit: dict[tuple[int, int], float] = {}  # (source, rows drafted for) -> seconds per unit
-        for k in range(top + 1):
+        for k in self._caps(top):
             t = a + r * A + b * A * k + (self.steps.residual(A, k) if has_fit else 0.0)
             base_val, base_src = self._best_known(values, k, A) if offered else ([1.0] * A, [None] * A)
             self._keep(best, None, sum(base_val) / t, k, base_src)
             for i in on_demand:
                 stats = quotes[i].stats
-                if k == 0:
+                if k == 0 or k > self.k_max:
                     continue
                 v = stats.value(k, self.k_max)
                 use = [m and v > bv for m, bv in zip(may[i], base_val)]
@@ -287,6 +294,14 @@ class LoadPolicy:
             if i in best and best[i][0] > rate0 * (self.TREE_MARGIN if quotes[i].stats.tree else 1.0):
                 rate0, best_k, best_src = best[i]
         return self._probe(quotes, values, step, room, best_k, best_src, has_fit, on_demand)
+
+    def _caps(self, top: int) -> list[int]:
+        """The caps a step is priced at: every one up to k_max, then half as many again each
+        (12, 18, 27, then `top`, for k_max 8): a long chain's worth changes little per guess."""
+        caps = list(range(min(top, self.k_max) + 1))
+        while caps[-1] < top:
+            caps.append(min(top, caps[-1] + max(caps[-1] // 2, 1)))
+        return caps
 
     def _probe(self, quotes, values, step, room, best_k, best_src, has_fit, on_demand) -> Choice:
         """The chosen plan, or a probe instead (class docstring)."""
@@ -308,7 +323,7 @@ class LoadPolicy:
                 continue
             plain = self.steps.plain_or_mean(A) or 0.0
             could = self._could_pay(q, A)
-            k = max(best_k, min(self.k_max, self.PROBE_NODES, round(q.stats.nodes or self.k_max))
+            k = max(min(best_k, self.k_max), min(self.k_max, self.PROBE_NODES, round(q.stats.nodes or self.k_max))
                     if q.stats.tree else 1)
             costs = [self._probe_cost(q, lag, k, A) / plain if plain else 0.0 for lag in q.lags or [0] * A]
             rows = [ok and left >= self.probe_room and could and q.stats.probes.affordable(cost, left)

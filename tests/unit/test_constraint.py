@@ -27,6 +27,7 @@ class Grammar:
 
     def __init__(self, vocab: int = V) -> None:
         self.vocab, self.seen = vocab, []
+        self.masked = self.checked = 0  # positions given a whole mask / one token checked
 
     def _allowed(self, history: list[int]) -> torch.Tensor:
         mask = torch.ones(self.vocab, dtype=torch.bool)
@@ -41,7 +42,18 @@ class Grammar:
         return mask
 
     def allowed(self, paths: list[list[int]]) -> torch.Tensor:
+        self.masked += len(paths)
         return torch.stack([self._allowed(self.seen + list(p)) for p in paths])
+
+    def accepts(self, ids: list[int]) -> int:
+        n = 0
+        while n < len(ids) and bool(self._allowed(self.seen + list(ids[:n]))[ids[n]]):
+            n += 1
+        return n
+
+    def allows(self, paths: list[list[int]], tokens: list[int]) -> list[bool]:
+        self.checked += len(paths)
+        return [bool(self._allowed(self.seen + list(p))[t]) for p, t in zip(paths, tokens)]
 
     def advance(self, ids: list[int]) -> None:
         self.seen += list(ids)
@@ -103,6 +115,28 @@ def test_greedy_constrained_output_equals_the_masked_oracle(sources):
         assert proposed > 0 and held == proposed, (proposed, held)
 
 
+@pytest.mark.parametrize("rule", ["checked", "unchecked"])
+def test_greedy_rows_are_masked_only_where_their_argmax_is_forbidden(rule):
+    """A greedy row's logits are read only for their argmax: each position's argmax is checked
+    against the grammar and only the positions whose argmax it forbids get a whole mask (fewer
+    masks than checks), with the masked oracle's output. A check that lets every token through
+    (the broken rule) writes tokens the grammar forbids."""
+    model = hf()
+    ps = steering(prompts())
+    n = 24
+    want = [constrained_greedy(model, p, n) for p in ps]
+    grammars = [Grammar() for _ in ps]
+    if rule == "unchecked":
+        for g in grammars:
+            g.allows = lambda paths, tokens: [True] * len(tokens)
+    engine = Engine(target().model, [], k=4)
+    res = engine.generate(ps, SamplingParams(max_new_tokens=n), constraints=grammars)
+    assert ([r.tokens for r in res] == want) == (rule == "checked")
+    if rule == "checked":
+        masked, checked = sum(g.masked for g in grammars), sum(g.checked for g in grammars)
+        assert 0 < masked < checked, (masked, checked)
+
+
 CTX = [3, 1, 4, 1, 5]
 
 
@@ -128,7 +162,7 @@ def test_sampled_constrained_output_follows_the_constrained_distribution(monkeyp
     import specdec.core.step as step_mod
 
     if broken:
-        monkeypatch.setattr(step_mod, "constrained", lambda logits, constraints, paths: logits)
+        monkeypatch.setattr(step_mod, "constrained", lambda logits, *rest: logits)
     model = hf()
     ctx = CTX[:-1] + [9]
     params = dict(temperature=0.9)
@@ -142,3 +176,25 @@ def test_sampled_constrained_output_follows_the_constrained_distribution(monkeyp
     probs = exact_constrained(model, ctx, 3, params["temperature"])
     result = chi2_test(histogram(torch.tensor(got), (V, V, V)), probs, alpha=1e-3)
     assert result.rejected == broken, result
+
+
+def test_known_offers_lose_the_guesses_the_grammar_forbids():
+    """A lookup's chain is cut before its first forbidden token (0 is never allowed; after a 9
+    only even tokens), a suffix tree loses the nodes under one (parents renumbered, scores kept),
+    an offer with nothing legal is dropped, and rows without a grammar keep theirs."""
+    from types import SimpleNamespace
+
+    from specdec.core.proposal import Sources
+    from specdec.drafters.base import Offer
+
+    grammar = Grammar()
+    grammar.advance([9])  # the next token must be even
+    rows = [SimpleNamespace(constraint=grammar)] * 4 + [SimpleNamespace(constraint=None)]
+    tree = Offer([2, 3, 4, 0, 6], parents=[0, 1, 1, 3, 0], key=1, scores=[0.9, 0.5, 0.4, 0.3, 0.2])
+    offers = [Offer([2, 3, 0, 4], key=3), tree, Offer([3, 4], key=1), None, Offer([0, 1])]
+    chain, pruned, odd, none, free = Sources._legal(rows, offers)
+    assert chain.tokens == [2, 3] and chain.key == 3
+    # node 2 (3 after 2) is legal: only the first token after the 9 must be even; node 4 (a 0) is not
+    assert pruned.tokens == [2, 3, 4, 6] and pruned.parents == [0, 1, 1, 0]
+    assert pruned.scores == [0.9, 0.5, 0.4, 0.2]
+    assert odd is None and none is None and free is offers[4]

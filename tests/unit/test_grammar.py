@@ -177,6 +177,69 @@ def test_forced_tokens_are_exactly_those_with_one_legal_choice(tok):
     assert c.forced(3) == [tok.eos_token_id]
 
 
+def brute_forced(grammar, prefix: list[int], limit: int) -> list[int]:
+    """The forced chain by brute force: a fresh constraint's whole mask, one legal choice each."""
+    probe = grammar.constraint()
+    probe.advance(prefix)
+    out: list[int] = []
+    while len(out) < limit:
+        choices = legal(probe)
+        if len(choices) != 1:
+            break
+        out += choices
+        if choices[0] == probe.vocab.eos[0]:
+            break
+        probe.advance(choices)
+    return out
+
+
+@pytest.mark.parametrize("row", [json.loads(line) for line in DEV.read_text().splitlines()[:4]], ids=lambda r: r["id"])
+def test_forced_equals_brute_force_along_a_dev_answer_and_random_walks(tok, row):
+    """`forced` skips the mask where the next byte has a choice and reads the mask's words
+    without unpacking them: along a dev-set answer and random legal walks it gives exactly the
+    brute-force chain of one-choice masks."""
+    grammar = compile_(tok, json_schema(row["schema"]))
+    answer = tok.encode(json.dumps(row["answer"], ensure_ascii=False), add_special_tokens=False)
+    rng = random.Random(2)
+    walks = [answer] + [walk(tok, grammar.constraint(), rng, 60, short=True) or [] for _ in range(2)]
+    checked = forced = 0
+    for ids in walks:
+        c = grammar.constraint()
+        for i in range(len(ids) + 1):
+            got = c.forced(6)
+            assert got == brute_forced(grammar, ids[:i], 6), (row["id"], i)
+            checked += 1
+            forced += bool(got)
+            if i < len(ids):
+                c.advance(ids[i : i + 1])
+    assert forced >= 3 and checked > forced
+
+
+def test_allows_equals_the_mask_at_each_path(tok):
+    """`allows` (one token checked per path) says what `allowed`'s row says of that token: on
+    the grammar's own tokens, forbidden ones, the end-of-sequence token mid-text and at the end,
+    and paths that leave the grammar."""
+    grammar = compile_(tok, json_schema(BOUNDED))
+    ids = tok.encode('{"name": "ab", "kind": "bb", "n": 7}', add_special_tokens=False)
+    c = grammar.constraint()
+    c.advance(ids[:1])
+    rest, eos = ids[1:], tok.eos_token_id
+    off = tok.encode("zzz", add_special_tokens=False)
+    rng = random.Random(3)
+    paths = [rest[:j] for j in range(len(rest) + 1)] + [rest[:2] + off, rest[:1] + [eos]]
+    tokens = [rest[j] if j < len(rest) else eos for j in range(len(rest) + 1)] + [rest[2], rest[1]]
+    paths += [rest[: rng.randrange(len(rest))] for _ in range(12)]
+    tokens += [rng.randrange(len(tok)) for _ in range(12)]
+    paths += [[], rest[:3]]
+    tokens += [eos, eos]
+    got = c.allows(paths, tokens)
+    mask = c.allowed(paths)
+    want = [bool(mask[i, t]) for i, t in enumerate(tokens)]
+    assert got == want
+    assert got[: len(rest) + 1] == [True] * (len(rest) + 1) and not got[-1] and not got[-2]
+    assert not all(got) and torch.equal(c.allowed([[]]), mask[:1])  # rolled back
+
+
 @pytest.mark.parametrize("schema,needle", [
     ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "'not'"),
     ({"type": "array", "uniqueItems": True}, "'uniqueItems'"),
