@@ -71,7 +71,8 @@ class Sources:
     def __init__(self, drafters: list[Drafter], policy: LoadPolicy, k_max: int, shared: SamplingParams | None,
                  slots: int) -> None:
         self.drafters, self.policy, self.k_max, self.shared, self.slots = drafters, policy, k_max, shared, slots
-        self.stats = [policy.source(d.label, d.known, d.max_nodes > 0, d.prior, d.max_nodes) for d in drafters]
+        self.stats = [policy.source(d.label, d.known, d.max_nodes > 0, d.prior, d.max_nodes, d.holds_on)
+                      for d in drafters]
         self.known = [i for i, d in enumerate(drafters) if d.known]
         self.on_demand = [i for i, d in enumerate(drafters) if not d.known]
         self.hidden = [i for i, d in enumerate(drafters) if d.needs_hidden]

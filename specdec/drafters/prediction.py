@@ -68,6 +68,7 @@ class PredictionDrafter(Drafter):
     name = "prediction"
     known = True
     long_chains = True
+    holds_on = True
     prior = 0.5
 
     def __init__(self) -> None:

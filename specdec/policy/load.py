@@ -47,9 +47,10 @@ class SourceStats:
     for a chain, per proposal for a tree) as a line in the rows it drafts for, and its time per
     token read on a catch-up."""
 
-    def __init__(self, name: str, known: bool, tree: bool, prior: float, k_max: int) -> None:
+    def __init__(self, name: str, known: bool, tree: bool, prior: float, k_max: int, holds_on: bool = False) -> None:
+        """holds_on: unseen draft positions take the rate of the one before (`Drafter.holds_on`)."""
         self.name, self.known, self.tree = name, known, tree
-        self.acceptance = Acceptance(KEYS, max(POSITIONS, k_max), prior, inherit=known)
+        self.acceptance = Acceptance(KEYS, max(POSITIONS, k_max), prior, inherit=holds_on)
         self.odds = NodeOdds(prior=KNOWN_TREE_PRIOR, calibrated=True)
         self.gain = TREE_PRIOR  # on-demand trees: accepted tokens per row-step that drafted one
         self.nodes: float | None = None  # and the nodes such a tree held
@@ -155,17 +156,18 @@ class LoadPolicy:
         self.probe_room = PROBE_ROOM
         self._saved: dict = {}  # learned state of sources not yet registered (relearn before `source`)
 
-    def source(self, name: str, known: bool, tree: bool, prior: float, nodes: int = 0) -> SourceStats:
-        """The stats of source `name` (a tree of up to `nodes` nodes), made (and restored from
-        learned state) on first use."""
+    def source(self, name: str, known: bool, tree: bool, prior: float, nodes: int = 0,
+               holds_on: bool = False) -> SourceStats:
+        """The stats of source `name` (a tree of up to `nodes` nodes; `holds_on`: see
+        `Drafter.holds_on`), made (and restored from learned state) on first use."""
         stats = self.sources.get(name)
         if stats is None:
-            stats = self.sources[name] = SourceStats(name, known, tree, prior, self.long_max)
+            stats = self.sources[name] = SourceStats(name, known, tree, prior, self.long_max, holds_on)
             if name in self._saved:
                 try:
                     stats.relearn(self._saved.pop(name))
                 except (ValueError, KeyError, TypeError):
-                    stats = self.sources[name] = SourceStats(name, known, tree, prior, self.long_max)
+                    stats = self.sources[name] = SourceStats(name, known, tree, prior, self.long_max, holds_on)
             if tree and stats.nodes is None and nodes:
                 stats.nodes = float(nodes)
         return stats
