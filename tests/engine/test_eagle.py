@@ -343,17 +343,26 @@ def test_a_tree_that_does_not_pay_is_only_probed_and_greedy_stays_exact(monkeypa
     assert [x.tokens for x in res] == want
     steps = sum(x.stats.target_forwards for x in res)
     assert used(res).get("eagle", 0) <= 5 * (steps // 16 + len(ps)), used(res)  # probes only
-    noise = random.Random(0)
-    monkeypatch.setattr(SourceStats, "draft_seconds", lambda self, rows: noise.choice([0.0, 10.0]) * rows)
-    engine = Engine(target().model, drafter("lookup", depth=3, width=2, nodes=5), k=3)
-    # timed steps with cheap verification first, so a tree drafted at no cost pays whatever this
-    # machine's real step times are (a fresh batch prices a guess slot at a row's whole share)
-    from helpers import fitted
+    # a random choice each step (plain, the lookup or the tree, per row): whatever is verified,
+    # the text stays plain decoding's
+    from specdec.policy import Choice
 
-    fitted(engine.policy, rows=len(ps), per_guess=0.01)
+    noise = random.Random(0)
+    engine = Engine(target().model, drafter("lookup", depth=3, width=2, nodes=5), k=3)
+
+    def choose(quotes, step, room, fixed=False):
+        names = [q.stats.name for q in quotes]
+        src = []
+        for b in range(len(room)):
+            pick = noise.choice([None, "eagle", "ngram"])
+            src.append(names.index(pick) if pick in names and quotes[names.index(pick)].ok[b] else None)
+        drafted = any(i is not None for i in src)
+        return Choice(engine.policy.k_max if drafted else 0, src, reason="" if drafted else "cost")
+
+    monkeypatch.setattr(engine.policy, "choose", choose)
     res = engine.generate(ps, SamplingParams(max_new_tokens=40))
     assert [x.tokens for x in res] == [w[:40] for w in want]
-    assert used(res).get("eagle", 0) > 0
+    assert used(res).get("eagle", 0) > 0 and used(res).get("ngram", 0) > 0, used(res)
 
 
 def test_a_fresh_auto_scheduler_times_the_head_alone_and_prices_its_trees(monkeypatch):
