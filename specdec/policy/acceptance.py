@@ -50,7 +50,7 @@ def best_prefix(values: list[float], c: float, r: float) -> int:
 class Acceptance:
     """P(guess i holds | the guesses before it held) per key and draft position i, from
     exponentially decayed counts; before any observation a cell is `prior`, worth two
-    observations. With `inherit` (known sources: copies, whose guesses hold on as they held)
+    observations. With `inherit` (a source that `Drafter.holds_on`: a request's prediction)
     only the first position starts at the prior, and a later position holds as often as the one
     before it: it starts from two observations at that rate when it is first seen. So a
     prediction whose first guesses held is trusted as far as it offers (32 tokens), rather than
@@ -152,7 +152,7 @@ class NodeOdds:
     EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9)  # bin i holds EDGES[i-1] <= p < EDGES[i]
 
     def __init__(self, decay: float = 0.995, prior: float = 2.0, calibrated: bool = False) -> None:
-        self.decay, self.prior, self.calibrated = decay, prior, calibrated
+        self.decay, self.calibrated = decay, calibrated
         lows, highs = (0.0,) + self.EDGES, self.EDGES + (1.0,)
         self.mids = [(lo + hi) / 2 for lo, hi in zip(lows, highs)]
         self.seen = [0.0] * len(lows)  # the bins' own decayed counts (the prior apart)
@@ -198,7 +198,7 @@ class NodeOdds:
         by its score relative to its parent's (a suffix chain read from one occurrence scores 1.0
         at every depth; its deep nodes still hold only if every node before them did)."""
         out: list[float] = []
-        for j, (p, parent) in enumerate(zip(scores, parents), start=1):
+        for j, parent in enumerate(parents, start=1):
             above = out[parent - 1] if parent else 1.0
             out.append(above * self(relative(scores, parents, j)))
         return out

@@ -286,8 +286,8 @@ class LoadPolicy:
                 if not n:
                     continue
                 if (i, n) not in per_unit:
-                    per_unit[i, n] = self._drafting(quotes[i], n, A, 1)
-                cost = per_unit[i, n] if stats.tree else k * per_unit[i, n]
+                    per_unit[i, n] = self._per_unit(quotes[i], n, A)
+                cost = self._drafting(quotes[i], n, A, k, per_unit[i, n])
                 tokens = sum(v if u else bv for u, bv in zip(use, base_val))
                 self._keep(best, i, tokens / (t + cost), k,
                            [i if u else s for u, s in zip(use, base_src)])
@@ -383,9 +383,15 @@ class LoadPolicy:
                         val[b], src[b] = x, i
         return val, src
 
-    def _drafting(self, q: Quote, n: int, A: int, k: int) -> float:
-        """Seconds an on-demand source takes to draft under cap k for n of A rows."""
-        per_unit = q.stats.draft_seconds(A if q.every_row else n)
+    @staticmethod
+    def _per_unit(q: Quote, n: int, A: int) -> float:
+        """Seconds an on-demand source takes per unit (a chain's guess, a tree) for n of A rows."""
+        return q.stats.draft_seconds(A if q.every_row else n)
+
+    def _drafting(self, q: Quote, n: int, A: int, k: int, per_unit: float | None = None) -> float:
+        """Seconds an on-demand source takes to draft under cap k for n of A rows (`per_unit`:
+        `_per_unit`'s answer where the caller has it)."""
+        per_unit = self._per_unit(q, n, A) if per_unit is None else per_unit
         return per_unit if q.stats.tree else k * per_unit
 
     def _probe_cost(self, q: Quote, lag: int, k: int, A: int) -> float:
