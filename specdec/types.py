@@ -64,6 +64,7 @@ class RequestStats:
     """
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed (prefix_cache.py)
     new_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
