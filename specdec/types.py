@@ -107,6 +107,7 @@ class RequestStats:
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "new_tokens": self.new_tokens,
             "prefill_s": round(self.prefill_s, 6),
             "decode_s": round(self.decode_s, 6),
