@@ -9,7 +9,7 @@ verification step computes a chain of guesses: on the row-stable kernels (models
 every number depends only on the token's own row and the keys before it, never on how many tokens
 share the call. So a prompt prefilled whole, from a cached prefix, or one token at a time gives the
 same bits (tests/engine/test_prefix_cache.py checks all three). A model without the kernels
-(a bfloat16 model, the transformers adapter, no compiler) prefills as before and caches nothing
+(a bfloat16 model, the transformers adapter, no compiler) prefills in one call and caches nothing
 (`chunks_exact`).
 
 The cache holds blocks of BLOCK tokens from slot 0, each keyed by its parent block and its own
@@ -30,8 +30,8 @@ from .types import SpecdecError
 
 BLOCK = 16  # tokens a cached block holds: a hit reuses a prompt's shared prefix rounded down to this
 # prompt tokens from slot 0 that are prefilled in chunks (and cached); the rest of a longer prompt runs in
-# one call as before (always from this slot, so its numbers do not depend on the cache either): the
-# kernels' attention costs more than torch's for long contexts (docs/benchmarks.md)
+# one call on torch's attention (always from this slot, so its numbers do not depend on the cache
+# either): the kernels' attention costs more than torch's for long contexts (docs/benchmarks.md)
 CHUNKED_MAX = 2048
 
 
