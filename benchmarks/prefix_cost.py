@@ -1,11 +1,11 @@
 """What a prefill costs with and without the prefix cache (specdec/prefix_cache.py), per prompt length:
-the one-call prefill (what `--prefix-cache-mb 0` runs), the chunked prefill a cold prompt gets with the
-cache on (chunks of 64 tokens on the row-stable kernels: the price of exactness where nothing is
-cached), and a prompt whose first `--shared` fraction comes from the cache. Variants interleaved over
+the one-call prefill (what specdec ran before the cache, and still runs for models without the row-stable
+kernels), the chunked prefill every prompt gets on those kernels (chunks of 64 tokens: the price of
+exactness where nothing is cached), and a prompt whose first `--shared` fraction comes from the cache. Variants interleaved over
 the lengths and repeats, medians (benchmarks/harness.py); the prompts are an agentic trace's first
 prompt repeated to length.
 
-    python benchmarks/prefix_cost.py --lengths 128,330,700,1000,1500,2000 --repeats 5 --threads 1
+    python benchmarks/prefix_cost.py --lengths 128,330,700,1000,1500,2000 --repeats 3 --threads 1 --chunked-max 2048
 
 Prints a table and, as the last line, one JSON document.
 """
@@ -31,13 +31,20 @@ def main() -> None:
     ap.add_argument("--shared", type=float, default=0.8, help="the cached fraction of the warm prompt. Default: 0.8")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--chunked-max", type=int, default=None,
+                    help="prompt tokens prefilled in chunks (and cached), the rest in one call. Default: "
+                         "prefix_cache.CHUNKED_MAX")
     args = ap.parse_args()
 
     import torch
 
     from specdec.models.loader import load_model
+    from specdec import prefix_cache
     from specdec.prefix_cache import BLOCK, PrefixCache, chunks_exact, prefill
     from specdec.text import encode_prompt
+
+    if args.chunked_max is not None:
+        prefix_cache.CHUNKED_MAX = args.chunked_max
 
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, quiet=True)
@@ -79,7 +86,8 @@ def main() -> None:
         for v in variants.values():
             v(p)
     out = interleaved(variants, prompts, args.repeats)
-    rows, report = [], {"machine": machine(args.threads), "model": lm.name, "lengths": {}}
+    rows, report = [], {"machine": machine(args.threads), "model": lm.name, "chunked_max": prefix_cache.CHUNKED_MAX,
+                        "lengths": {}}
     for i, n in enumerate(lengths):
         med = {name: median(out[name][i]) for name in variants}
         row = {"tokens": n, "one call, ms": med["one call"] * 1e3}

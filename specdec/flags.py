@@ -30,7 +30,7 @@ def add_prefix_cache_arg(p, earlier: str) -> None:
                    help=f"memory for the prefix cache: a prompt that starts as {earlier} did (a system prompt, "
                         "few-shot examples, a tool list) takes those tokens' keys and values from it instead of "
                         "computing them again, with the same numbers (prompts are prefilled in chunks on the "
-                        "row-stable kernels, exact whatever was cached). 0: off (prompts prefilled in one call). "
+                        "row-stable kernels, exact whatever was cached). 0: off (the same answers, nothing reused). "
                         "Models without the row-stable kernels (bfloat16, transformers) cache nothing. "
                         f"Default: {DEFAULT_PREFIX_CACHE_MB}")
 

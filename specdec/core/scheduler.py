@@ -58,8 +58,9 @@ class ContinuousBatcher:
         cost model prices every step (False: k_max every step, `--fixed-k`). policy: the
         `LoadPolicy`, when its owner keeps what it learns (`Engine`); None: a new one. prefix_cache: a
         `prefix_cache.PrefixCache` that prompts take their computed prefixes from and leave theirs in
-        (its owner keeps it between batches); ignored, and prompts prefilled in one call, where the
-        model cannot prefill in exact chunks (`prefix_cache.chunks_exact`); None: no cache."""
+        (its owner keeps it between batches); None: none. Prompts prefill in exact chunks where the
+        model allows it (`prefix_cache.chunks_exact`), cache or not; elsewhere in one call, and the
+        cache is ignored."""
         for d in sources:  # (the protocol is all the scheduler reads: anything else is refused here)
             if not isinstance(d, Drafter):
                 raise SpecdecError(f"a draft source must subclass specdec.drafters.Drafter (got {type(d).__name__})")
@@ -78,7 +79,10 @@ class ContinuousBatcher:
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
         self.rows: list[Request] = []
         self.cache = model.new_cache(max_batch, self.max_context)
-        self.prefix = prefix_cache if prefix_cache is not None and chunks_exact(model) else None
+        # prompts prefill in exact chunks where the model allows (prefix_cache.py: the same numbers
+        # whether a prefix is cached or not, so the cache never changes an answer)
+        self.chunked = chunks_exact(model)
+        self.prefix = prefix_cache if self.chunked else None
         self.slots = self.k_max  # guess slots a row may take in one step
         adaptive = adaptive and all(d.may_skip for d in sources)  # (a source that may not sit out drafts every step)
         self.policy = policy if policy is not None else LoadPolicy(self.k_max, adaptive)
@@ -268,7 +272,7 @@ class ContinuousBatcher:
         req.stats.prompt_tokens = L
         # a one-row batch prefills into its cache (the transformers adapter has no other)
         one = self.cache if self.max_batch == 1 else self.model.new_cache(1, L + 1)
-        if self.prefix is not None:  # in exact chunks, from the prompt's cached prefix if any (prefix_cache.py)
+        if self.chunked:  # in exact chunks, from the prompt's cached prefix if any (prefix_cache.py)
             logits, hidden, req.stats.cached_tokens = prefill(
                 self.model, req.prompt, one, self.prefix, all_logits=req.prompt_logprobs is not None,
                 need_hidden=self.sources.needs_hidden)

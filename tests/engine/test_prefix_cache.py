@@ -228,14 +228,15 @@ def test_engine_hits_give_the_tokens_of_cold_prefills(model, method, sampling):
     def run(batch, store):
         return Engine(model, sources_for(method), k=4, prefix_cache=store).generate(batch, params)
 
-    cold = [run([p], PrefixCache(0))[0].tokens for p in prompts]  # (a cache of 0 MiB keeps nothing)
+    cold = [run([p], None)[0].tokens for p in prompts]  # (no cache: the same chunks, nothing reused)
+    assert cold == [run([p], PrefixCache(0))[0].tokens for p in prompts[:2]] + cold[2:]  # (0 MiB keeps nothing)
     engine = Engine(model, sources_for(method), k=4, prefix_cache=PrefixCache(64))
     results = [engine.generate([p], params)[0] for p in prompts]
     assert [r.tokens for r in results] == cold
     assert [r.stats.cached_tokens for r in results] == [0, 64, 64, 64, 0]
     # a batch of hits and misses (rows sample keyed by their place in the batch: against the same batch)
     batch = [prompts[4], prompts[0], prompts[2], prompts[1]]
-    want = [r.tokens for r in run(batch, PrefixCache(0))]
+    want = [r.tokens for r in run(batch, None)]
     store = PrefixCache(64)
     run([prompts[3]], store)
     got = run(batch, store)
@@ -253,7 +254,8 @@ def pc_bytes(model, blocks: int) -> int:
 
 
 def test_a_model_without_the_kernels_prefills_in_one_call(monkeypatch):
-    """A model that cannot prefill in exact chunks caches nothing: the batcher ignores the cache."""
+    """A model that cannot prefill in exact chunks prefills in one call and caches nothing: the
+    batcher ignores the cache (one that can prefills in chunks, cache or not)."""
     from specdec.core.scheduler import ContinuousBatcher
 
     model = native_target()
@@ -261,7 +263,9 @@ def test_a_model_without_the_kernels_prefills_in_one_call(monkeypatch):
     assert not chunks_exact(model)
     batcher = ContinuousBatcher(model, (), [], max_batch=1, max_context=64, thread=False,
                                 prefix_cache=PrefixCache(8))
-    assert batcher.prefix is None
+    assert batcher.prefix is None and not batcher.chunked
+    monkeypatch.undo()
+    assert ContinuousBatcher(model, (), [], max_batch=1, max_context=64, thread=False).chunked
 
 
 def test_default_model_agent_trace(default_model):
@@ -278,8 +282,7 @@ def test_default_model_agent_trace(default_model):
     prompts = [encode_prompt(default_model.tokenizer, r["messages"], None, None) for r in rows]
     model, params = default_model.model, SamplingParams(max_new_tokens=8)
     eos = default_model.eos_ids
-    cold = [Engine(model, None, eos_ids=eos, prefix_cache=PrefixCache(0)).generate([p], params)[0].tokens
-            for p in prompts]
+    cold = [Engine(model, None, eos_ids=eos).generate([p], params)[0].tokens for p in prompts]
     for method in ("none", "suffix"):
         engine = Engine(model, sources_for(method), k=8, eos_ids=eos, prefix_cache=PrefixCache(64))
         results = [engine.generate([p], params)[0] for p in prompts]

@@ -1,13 +1,13 @@
 """The prefix cache behind `specdec serve` (specdec/prefix_cache.py): requests that share a long
 prompt prefix report the tokens they took from it as OpenAI does (usage.prompt_tokens_details.
-cached_tokens, each prompt once whatever n), and answer what a cold prefill gives; the default
-method's EAGLE head reads the cached prefix's hidden states."""
+cached_tokens, each prompt once whatever n), and answer what plain decoding without a cache
+gives; the default method's EAGLE head reads the cached prefix's hidden states."""
 
 from __future__ import annotations
 
 import pytest
 
-from server_helpers import serving
+from server_helpers import plain_greedy, serving
 
 pytestmark = [pytest.mark.default_model, pytest.mark.usefixtures("one_thread_per_module")]
 
@@ -35,17 +35,6 @@ def server(default_model):
     batcher.close()
 
 
-def cold_greedy(lm, messages, n: int) -> str:
-    """Plain greedy text with nothing cached (prompts prefilled in the same exact chunks)."""
-    from specdec.engine import Engine
-    from specdec.prefix_cache import PrefixCache
-    from specdec.text import encode_prompt
-    from specdec.types import SamplingParams
-
-    ids = encode_prompt(lm.tokenizer, messages, True)
-    [r] = Engine(lm.model, None, eos_ids=lm.eos_ids, prefix_cache=PrefixCache(0)).generate(
-        [ids], SamplingParams(max_new_tokens=n))
-    return lm.tokenizer.decode(r.tokens, skip_special_tokens=True)
 
 
 def test_shared_prefixes_are_reused_and_reported(server, default_model):
@@ -62,8 +51,8 @@ def test_shared_prefixes_are_reused_and_reported(server, default_model):
         assert 0 <= cached[-1] < r.usage.prompt_tokens
     assert cached[0] == 0 and all(c >= 64 and c % 16 == 0 for c in cached[1:]), cached
     for q, text in zip(QUESTIONS, texts):
-        assert text == cold_greedy(default_model, [{"role": "system", "content": SYSTEM},
-                                                   {"role": "user", "content": q}], 12)
+        assert text == plain_greedy(default_model, [{"role": "system", "content": SYSTEM},
+                                                    {"role": "user", "content": q}], True, 12)
     # n = 2 of one prompt: the prompt counts once, and its second choice hits what the first left
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "List every city."}]
     r = client.chat.completions.create(model="smol", messages=messages, max_tokens=4, temperature=0, n=2)
