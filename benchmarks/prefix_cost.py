@@ -1,9 +1,9 @@
-"""What a prefill costs with and without the prefix cache (specdec/prefix_cache.py), per prompt length:
-the one-call prefill (what specdec ran before the cache, and still runs for models without the row-stable
-kernels), the chunked prefill every prompt gets on those kernels (chunks of 64 tokens: the price of
-exactness where nothing is cached), and a prompt whose first `--shared` fraction comes from the cache. Variants interleaved over
-the lengths and repeats, medians (benchmarks/harness.py); the prompts are an agentic trace's first
-prompt repeated to length.
+"""What a prefill costs with and without the prefix cache (specdec/prefix_cache.py), per prompt
+length: the one-call prefill (what specdec ran before the cache, and still runs for models without
+the row-stable kernels), the chunked prefill every prompt gets on those kernels (chunks of 64
+tokens: the price of exactness where nothing is cached), and a prompt whose first `--shared`
+fraction comes from the cache. Variants interleaved over the lengths and repeats, medians
+(benchmarks/harness.py); the prompts are an agentic trace's first prompt repeated to length.
 
     python benchmarks/prefix_cost.py --lengths 128,330,700,1000,1500,2000 --repeats 3 --threads 1 --chunked-max 2048
 
@@ -67,7 +67,8 @@ def main() -> None:
         return run
 
     def one_call(prompt, cache, _):
-        model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache, logits_at=torch.tensor([[len(prompt) - 1]]))
+        last = torch.tensor([[len(prompt) - 1]])
+        model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache, logits_at=last)
 
     def other_prompt_cached(prompt):
         """A cache holding another prompt that shares the first `--shared` of this one."""

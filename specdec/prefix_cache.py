@@ -49,11 +49,11 @@ def chunks_exact(model) -> bool:
 
 
 @dataclass(eq=False)
-class Block:
+class PrefixBlock:
     """One cached block: the KV entries of BLOCK prompt tokens after its parent's."""
 
     id: int
-    parent: "Block | None"
+    parent: "PrefixBlock | None"
     tokens: tuple
     k: torch.Tensor  # [layers, H_kv, BLOCK, Dh]
     v: torch.Tensor
@@ -81,7 +81,7 @@ class PrefixCache:
         if budget_mb < 0:
             raise SpecdecError(f"the prefix cache's budget must be >= 0 MiB (0: off), got {budget_mb}")
         self.budget = int(budget_mb * 2**20)
-        self.blocks: OrderedDict[tuple, Block] = OrderedDict()  # (parent id, tokens) -> block, least recent first
+        self.blocks: OrderedDict[tuple, PrefixBlock] = OrderedDict()  # (parent id, tokens) -> block, least recent first
         self.bytes = 0
         self.stats = PrefixStats()
         self._ids = 0
@@ -89,7 +89,7 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def lookup(self, prompt: list[int], need_hidden: bool = False) -> list[Block]:
+    def lookup(self, prompt: list[int], need_hidden: bool = False) -> list[PrefixBlock]:
         """The cached blocks that begin `prompt`, in order, at most up to its last token but one's
         block (the last token is always computed: its logits choose the first answer token);
         need_hidden: only blocks that hold hidden states. Marks them recently used."""
@@ -109,18 +109,19 @@ class PrefixCache:
         self.stats.prompt_tokens += len(prompt)
         return chain
 
-    def insert(self, prompt: list[int], cache, row: int, chain: list[Block], hidden: torch.Tensor | None = None) -> None:
+    def insert(self, prompt: list[int], cache, row: int, chain: list[PrefixBlock],
+               hidden: torch.Tensor | None = None) -> None:
         """Keep the full blocks of `prompt` that `chain` (its lookup) did not hold, read from row `row`
         of `cache` (a KVCache holding the prompt's entries from slot 0); hidden [L, D]: the prompt's
         hidden states (or None), stored with new blocks and given to cached ones that lack them."""
         if self.budget <= 0:
             return
         parent = chain[-1] if chain else None
+        keep = set(id(b) for b in chain)  # (never evicted for this prompt's own blocks)
         if hidden is not None:
             for i, block in enumerate(chain):
                 if block.hidden is None:
-                    self._charge(block, hidden[i * BLOCK:(i + 1) * BLOCK].clone())
-        keep = set(id(b) for b in chain)
+                    self._charge(block, hidden[i * BLOCK:(i + 1) * BLOCK].clone(), keep)
         for i in range(len(chain), len(prompt) // BLOCK):
             a = i * BLOCK
             key = (0 if parent is None else parent.id, tuple(prompt[a:a + BLOCK]))
@@ -133,7 +134,7 @@ class PrefixCache:
                 if not self._make_room(size, keep):
                     return
                 self._ids += 1
-                block = Block(self._ids, parent, key[1], k, v, h)
+                block = PrefixBlock(self._ids, parent, key[1], k, v, h)
                 self.blocks[key] = block
                 self.bytes += size
                 if parent is not None:
@@ -143,7 +144,7 @@ class PrefixCache:
             keep.add(id(block))
             parent = block
 
-    def restore(self, chain: list[Block], cache, row: int) -> torch.Tensor | None:
+    def restore(self, chain: list[PrefixBlock], cache, row: int) -> torch.Tensor | None:
         """Write `chain`'s entries into row `row` of `cache` from slot 0 and set its length; returns
         their hidden states [len(chain) * BLOCK, D] where every block holds them, else None."""
         for i, block in enumerate(chain):
@@ -160,9 +161,9 @@ class PrefixCache:
         self.blocks.clear()
         self.bytes = 0
 
-    def _charge(self, block: Block, hidden: torch.Tensor) -> None:
-        """Give a cached block the hidden states it lacked, if the budget allows."""
-        if self._make_room(hidden.nbytes, {id(block)}):
+    def _charge(self, block: PrefixBlock, hidden: torch.Tensor, keep: set) -> None:
+        """Give a cached block the hidden states it lacked, if the budget allows (evicting none of `keep`)."""
+        if self._make_room(hidden.nbytes, keep):
             block.hidden = hidden
             self.bytes += hidden.nbytes
 
@@ -200,8 +201,8 @@ def prefill(model, prompt: list[int], cache, store: PrefixCache | None = None, a
     tokens = torch.tensor([prompt])
     none = torch.empty(1, 0, dtype=torch.long)
     logits, hiddens = [], [] if cached_hidden is None else [cached_hidden[None]]
-    bounds = list(range(start - start % ATTEND_MAX_T + ATTEND_MAX_T, min(L, CHUNKED_MAX), ATTEND_MAX_T))
-    bounds = [start] + [b for b in bounds if b > start] + [L]
+    # chunk ends at multiples of ATTEND_MAX_T (any cut gives the same numbers: these keep chunks whole)
+    bounds = [start, *range(start - start % ATTEND_MAX_T + ATTEND_MAX_T, min(L, CHUNKED_MAX), ATTEND_MAX_T), L]
     if CHUNKED_MAX < L and bounds[-2] < CHUNKED_MAX:
         bounds.insert(-1, CHUNKED_MAX)
     for a, e in zip(bounds, bounds[1:]):
