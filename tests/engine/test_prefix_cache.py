@@ -198,6 +198,24 @@ def test_eviction_takes_least_recently_used_leaves_within_the_budget():
     assert len(under_a_block) == 0 and under_a_block.bytes == 0
 
 
+def test_hidden_states_added_later_never_evict_the_prompts_own_blocks():
+    """A prompt cached without hidden states, met again by a source that reads them: its blocks get
+    them where the budget allows, and a full budget evicts none of that prompt's own blocks."""
+    block_bytes = 2 * 2 * 1 * BLOCK * 2 * 4
+    a = list(range(48))
+    store = PrefixCache(3 * block_bytes / 2**20)  # room for a's blocks, none for their hidden states
+    store.insert(a, FakeKV(48), 0, store.lookup(a))
+    chain = store.lookup(a + [0])
+    store.insert(a + [0], FakeKV(49), 0, chain, hidden=torch.ones(49, 4))
+    assert len(store) == 3 and all(b.hidden is None for b in chain) and store.stats.evicted == 0
+    roomy = PrefixCache(1)
+    roomy.insert(a, FakeKV(48), 0, roomy.lookup(a))
+    chain = roomy.lookup(a + [0])
+    roomy.insert(a + [0], FakeKV(49), 0, chain, hidden=torch.arange(49.0)[:, None].expand(49, 4))
+    assert len(roomy.lookup(a + [0], need_hidden=True)) == 3
+    assert torch.equal(roomy.restore(chain, FakeKV(49), 0)[:, 0], torch.arange(48.0))
+
+
 # -- through the engine -------------------------------------------------------------------------
 
 
