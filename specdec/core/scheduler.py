@@ -279,6 +279,9 @@ class ContinuousBatcher:
         else:
             at = torch.arange(L)[None] if req.prompt_logprobs is not None else torch.tensor([[L - 1]])
             logits, hidden = self.model(torch.tensor([req.prompt]), torch.arange(L)[None], one, logits_at=at)
+        with self.lock:
+            self.totals.prompt_tokens += L
+            self.totals.cached_tokens += req.stats.cached_tokens
         if req.prompt_logprobs is not None:
             req.prompt_lps = [None] + logprobs(logits[0, :-1], req.prompt[1:], req.prompt_logprobs)
         if req.score_only:
@@ -296,7 +299,8 @@ class ContinuousBatcher:
         req.first_token_s = time.perf_counter() - req.submitted
         self.rows.append(req)
         if self.log is not None:
-            self.log.debug("prefill: %d tokens, row %d, %.1f ms", L, slot, (time.perf_counter() - t0) * 1e3)
+            self.log.debug("prefill: %d tokens (%d cached), row %d, %.1f ms", L, req.stats.cached_tokens, slot,
+                           (time.perf_counter() - t0) * 1e3)
         with self.lock:
             self.totals.first_tokens += 1
         self._emit(req, [first], logprobs(logits[0, -1:], [first], req.logprobs))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from server_helpers import plain_greedy, serving
+from server_helpers import http, plain_greedy, serving
 
 pytestmark = [pytest.mark.default_model, pytest.mark.usefixtures("one_thread_per_module")]
 
@@ -58,6 +58,11 @@ def test_shared_prefixes_are_reused_and_reported(server, default_model):
     r = client.chat.completions.create(model="smol", messages=messages, max_tokens=4, temperature=0, n=2)
     assert r.usage.prompt_tokens_details.cached_tokens == cached[1]
     assert batcher.prefix.stats.hits >= 3
+    # /metrics counts every choice's cached tokens (the n = 2 request's two choices each at least its figure)
+    code, text = http(url + "/metrics", key=None)
+    counted = [float(line.split()[1]) for line in text.splitlines()
+               if line.startswith("specdec_prompt_tokens_cached_total ")]
+    assert code == 200 and counted[0] >= sum(cached) + 2 * r.usage.prompt_tokens_details.cached_tokens
 
 
 def test_the_config_builds_the_cache():
