@@ -268,6 +268,10 @@ def cmd_validate(args) -> int:
 
 
 def _one(engine, ids, params):
+    """One bench run of one prompt, timed as a newcomer's: no prefix cached from its earlier repeats
+    (as bench forgets the suffix cache's earlier answers)."""
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
     [res] = engine.generate([ids], params)
     return res.tokens, res
 
