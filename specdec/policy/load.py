@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from ..learned import nonneg
 from .acceptance import Acceptance, NodeOdds
 from .fits import FIT_DECAY, DecayedLine, StepModel, ema
-from .probing import PROBE_EVERY, PROBE_ROOM, ProbeSchedule
+from .probing import PROBE_EVERY, PROBE_ROOM, PROBE_SHARE, ProbeSchedule
 
 #: the keys and draft positions a source's acceptance is learnt over (a lookup's match lengths)
 KEYS, POSITIONS = 8, 16
@@ -62,6 +62,11 @@ class SourceStats:
     @property
     def timed(self) -> bool:
         return self.time.weight > 1e-9
+
+    @property
+    def tried(self) -> bool:
+        """Whether any of its guesses was verified yet (in this process or a learnt earlier run)."""
+        return self.nodes is not None if self.tree else self.acceptance.observed(0)
 
     def draft_seconds(self, rows: int) -> float:
         """Predicted drafting seconds per unit (a guess of a chain, a tree) for `rows` rows: the
@@ -429,7 +434,11 @@ class LoadPolicy:
         """The rows that may take on-demand source q: those it has nearly caught up on, and those
         whose catch-up what may still come repays, room * (1 - 1/v) plain steps' time saved (v its
         best rate over plain decoding; before the step-time fit, a step priced at the mean step
-        seen), with room for PROBE_ROOM more tokens."""
+        seen), with room for PROBE_ROOM more tokens. A source none of whose guesses was verified
+        yet has only its prior for v: on that word alone it catches up on a far row for at most
+        PROBE_SHARE of the row's coming steps, else only as a probe (a fresh `--method draft`
+        engine had read each 55-token prompt into the draft at its second step, ~3.5 plain steps
+        of a 64-token answer, and kept 0.93 of plain decoding's rate)."""
         lags = q.lags or [0] * A
         far = [ok and late > self.k_max + 2 for ok, late in zip(q.ok, lags)]
         if not any(far):
@@ -443,8 +452,10 @@ class LoadPolicy:
             if not f:
                 out.append(ok)
             else:
+                catch_up = q.stats.catch_up(late)
                 out.append(left >= self.probe_room and gain > 1.0  # (a far row is an ok one)
-                           and left * plain * (1.0 - 1.0 / gain) >= q.stats.catch_up(late))
+                           and left * plain * (1.0 - 1.0 / gain) >= catch_up
+                           and (q.stats.tried or catch_up <= PROBE_SHARE * left * plain))
         return out
 
     # -- what a later run starts from ----------------------------------------------------
