@@ -2566,7 +2566,8 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
 // kq_linear_q8: a GGUF file's Q4_K / Q6_K matrices on 8-bit activations, over their blocks repacked
 // in groups of 16 output rows (models/gguf_blocks, pack_q4_k_i8 / pack_q6_k_i8), so that one integer
 // dot-product instruction takes the same 4 weights of all 16 outputs, and each sub-block's scale is
-// one float operation for 16 outputs: a step of several tokens then costs little more than one.
+// one float operation for 16 outputs: a step of several tokens then costs little more than one. A
+// block is decoded once for a tile of up to 16 activation rows (VNNI; 8 on AVX2).
 //
 // Layout: output rows in groups of 16, K-major; per group and 256-weight block, a quad u (0-63) being
 // the weights 4u..4u+3 and a 64-byte vector holding in bytes 4n..4n+3 a quad of output n:
@@ -2595,7 +2596,7 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
 namespace {
 
 constexpr int64_t KQ_G = 16;    // output rows per group
-constexpr int64_t KQ_TILE = 8;  // activation rows a tile takes at most
+constexpr int64_t KQ_TILE = ROWSTABLE_VNNI ? 16 : 8;  // activation rows a tile takes at most (kq_tile)
 #ifndef KQ_PF_BLOCKS
 #define KQ_PF_BLOCKS 4
 #endif
@@ -2730,18 +2731,23 @@ inline kq_i kq_pair(KqQ6K, const KqLanes& L, const uint8_t* p, int j) { return L
 inline kq_f kq_e(KqQ4K, const KqLanes& L, const uint8_t* p, kq_f) { return KqLanes::mul(L.f16(p + 32), KqLanes::set1(-1.0f)); }
 inline kq_f kq_e(KqQ6K, const KqLanes&, const uint8_t*, kq_f d) { return KqLanes::mul(d, KqLanes::set1(-32.0f)); }
 
-// MR activation rows (quants xq, row stride K; scales dx, row stride K / 256; the correction's int16
-// sums bs, row stride K / 32 (Q4_K) or K / 16 (Q6_K)) x a group's outputs (L) over nb blocks.
-template <int MR, class T>
+// MR + MR2 activation rows (quants xq, row stride K; scales dx, row stride K / 256; the correction's
+// int16 sums bs, row stride K / 32 (Q4_K) or K / 16 (Q6_K)) x a group's outputs (L) over nb blocks.
+// The VNNI build's second MR2 rows (up to 8 more; the accumulators of 16 rows do not fit the 32
+// registers) take each pair's quads as the first MR decoded them (kept on the stack): a block is
+// decoded once for up to 16 rows. Each row's operations are the same whatever MR and MR2.
+template <int MR, int MR2, class T>
 void kq_tile(const KqLanes& L, const int8_t* xq, const float* dx, const int16_t* bs, int64_t K, const uint8_t* g, int64_t nb,
              float* y, int64_t ldy) {
+  static_assert(ROWSTABLE_VNNI || MR2 == 0, "the AVX2 build's tiles take 8 rows at most");
+  constexpr int R = MR + MR2;
   const int64_t nbx = K / 256, nbs = T::B32 ? K / 32 : K / 16, per_block = T::B32 ? 8 : 16;
-  kq_f acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = KqLanes::fzero();
+  kq_f acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = KqLanes::fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * T::BB;
     const kq_f d = L.f16(p);
-    kq_f t[MR];
+    kq_f t[R];
     for (int j = 0; j < T::NS / 2; ++j) {
       // the block KQ_PF_BLOCKS ahead, a share of its lines with each pair of sub-blocks (a burst of
       // 37-53 prefetches at the start of a block filled the line buffers and stalled)
@@ -2753,10 +2759,12 @@ void kq_tile(const KqLanes& L, const int8_t* xq, const float* dx, const int16_t*
       // (unrolled in full: with the loop over k kept, GCC copied each accumulator to another register
       // and to the stack around every vpdpbusd)
 #if ROWSTABLE_VNNI
+      kq_i kept[MR2 ? 2 * T::QPS : 1];  // (the pair's quads for rows MR..R - 1)
 #pragma GCC unroll 8
       for (int k = 0; k < T::QPS; ++k) {
         kq_i w0, w1;
         kq_quads(T{}, L, p, j, k, w0, w1);
+        if (MR2) kept[2 * k] = w0, kept[2 * k + 1] = w1;
         const int64_t off0 = 256 * b + 4 * (T::QPS * 2 * j + k), off1 = off0 + 4 * T::QPS;
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
@@ -2794,22 +2802,42 @@ void kq_tile(const KqLanes& L, const int8_t* xq, const float* dx, const int16_t*
         t[i] = j == 0 ? KqLanes::mul(KqLanes::cvt(S0[i]), dsc0) : KqLanes::fma(KqLanes::cvt(S0[i]), dsc0, t[i]);
         t[i] = KqLanes::fma(KqLanes::cvt(S1[i]), dsc1, t[i]);
       }
+#if ROWSTABLE_VNNI
+      if constexpr (MR2 > 0) {
+        kq_i U0[MR2 ? MR2 : 1], U1[MR2 ? MR2 : 1];
+        for (int i = 0; i < MR2; ++i) U0[i] = U1[i] = KqLanes::zero();
+#pragma GCC unroll 8
+        for (int k = 0; k < T::QPS; ++k) {
+          const int64_t off0 = 256 * b + 4 * (T::QPS * 2 * j + k), off1 = off0 + 4 * T::QPS;
+#pragma GCC unroll 8
+          for (int i = 0; i < MR2; ++i) {
+            U0[i] = KqLanes::dot4(U0[i], kept[2 * k], load_i32(xq + (MR + i) * K + off0));
+            U1[i] = KqLanes::dot4(U1[i], kept[2 * k + 1], load_i32(xq + (MR + i) * K + off1));
+          }
+        }
+        for (int i = 0; i < MR2; ++i) {
+          kq_f& u = t[MR + i];
+          u = j == 0 ? KqLanes::mul(KqLanes::cvt(U0[i]), dsc0) : KqLanes::fma(KqLanes::cvt(U0[i]), dsc0, u);
+          u = KqLanes::fma(KqLanes::cvt(U1[i]), dsc1, u);
+        }
+      }
+#endif
     }
     const kq_f e = kq_e(T{}, L, p, d);
-    kq_i C[MR];
-    for (int i = 0; i < MR; ++i) C[i] = KqLanes::zero();
+    kq_i C[R];
+    for (int i = 0; i < R; ++i) C[i] = KqLanes::zero();
     for (int j = 0; j < T::NP; ++j) {
       const kq_i cp = kq_pair(T{}, L, p, j);
-      for (int i = 0; i < MR; ++i) {
+      for (int i = 0; i < R; ++i) {
         int32_t pair;
         std::memcpy(&pair, bs + i * nbs + per_block * b + 2 * j, 4);
         C[i] = KqLanes::dot2(C[i], cp, pair);
       }
     }
-    for (int i = 0; i < MR; ++i)
+    for (int i = 0; i < R; ++i)
       acc[i] = KqLanes::fma(KqLanes::fma(KqLanes::cvt(C[i]), e, t[i]), KqLanes::set1(dx[i * nbx + b]), acc[i]);
   }
-  for (int i = 0; i < MR; ++i) L.store(y + i * ldy, acc[i]);
+  for (int i = 0; i < R; ++i) L.store(y + i * ldy, acc[i]);
 }
 
 template <class T>
@@ -2822,14 +2850,25 @@ void kq_tiles(int64_t mr, const int8_t* xq, const float* dx, const int16_t* bs, 
 #endif
     const KqLanes L{h};
     switch (mr) {
-      case 1: kq_tile<1, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      case 2: kq_tile<2, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      case 3: kq_tile<3, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      case 4: kq_tile<4, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      case 5: kq_tile<5, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      case 6: kq_tile<6, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      case 7: kq_tile<7, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      default: kq_tile<8, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 1: kq_tile<1, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 2: kq_tile<2, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 3: kq_tile<3, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 4: kq_tile<4, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 5: kq_tile<5, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 6: kq_tile<6, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 7: kq_tile<7, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 8: kq_tile<8, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+#if ROWSTABLE_VNNI
+      case 9: kq_tile<8, 1, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 10: kq_tile<8, 2, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 11: kq_tile<8, 3, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 12: kq_tile<8, 4, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 13: kq_tile<8, 5, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 14: kq_tile<8, 6, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 15: kq_tile<8, 7, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 16: kq_tile<8, 8, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+#endif
+      default: TORCH_CHECK(false, "kq_tiles: ", mr, " rows in a tile");
     }
   }
 }

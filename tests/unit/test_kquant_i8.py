@@ -23,7 +23,7 @@ from specdec import kernels
 from specdec.models import gguf_blocks as gb
 
 KQ = (Q4_K, Q6_K)
-ROWS = (*range(1, 10), 16, 17, 33)
+ROWS = (*range(1, 10), 14, 16, 17, 33)
 
 
 def case(t: int, n: int, k: int, seed: int, saturated: bool = False):

@@ -29,7 +29,7 @@ from specdec import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 INT_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
-ROWS = (*range(1, 10), 16, 17, 33)
+ROWS = (*range(1, 10), 14, 16, 17, 33)
 
 # the bytes of a block's quants, and the byte that puts each at its largest magnitude (Q8_0: -128)
 EXTREME = {Q4_0: ([(2, 18)], 0xFF), Q4_1: ([(4, 20)], 0xFF), Q5_0: ([(2, 22)], 0xFF), Q5_1: ([(4, 24)], 0xFF),
