@@ -153,14 +153,19 @@ def base_ops(rev: str, isa: str = "avx2"):
     return torch.ops.specdec_rs_base
 
 
-def use_kernels(model, ns) -> None:
+def use_kernels(model, ns, file_blocks: bool = False) -> None:
     """Point every GGUF projection of `model` at gguf_linear_q8 / gguf_linear_cat_q8 of op namespace
-    `ns` (this tree's torch.ops.specdec_rs or base_ops()); the rest of a step stays this tree's."""
+    `ns` (this tree's torch.ops.specdec_rs or base_ops()); the rest of a step stays this tree's.
+    K-quants repacked for kq_linear_q8 stay repacked (this tree's layout) on `ns`'s kq_linear_q8
+    where it has one, unless file_blocks; else they go back to the file's blocks."""
     from specdec.models.gguf_model import GGUFLinear
 
     for lin in model.modules():
         if isinstance(lin, GGUFLinear):
             if lin.rs_blocks is not None and getattr(lin.rs_blocks[0], "__name__", "") == "kq_linear_q8":
+                if hasattr(ns, "kq_linear_q8") and not file_blocks:
+                    lin.rs_blocks = (ns.kq_linear_q8, *lin.rs_blocks[1:])
+                    continue
                 lin.rs_blocks, lin.rs_every_call = None, False  # (K-quants repacked: back on the file's blocks)
             lin.op = ns.gguf_linear_q8
             if lin.op_cat is not None:
