@@ -1843,16 +1843,33 @@ inline __m256 hsum8x8(const __m256 a[8]) {
                        _mm256_shuffle_ps(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// One query (Dh = 8 * NV) over the first S slots of its K/V head; mrow: its additive mask row or null.
+// The largest score of sc[0, S8) (the slots past S already -inf). A maximum is exact, so the same
+// value as a pass in slot order (whose chain of S dependent scalar maxima held up a query's softmax).
+inline float max_scores(const float* sc, int64_t S8) {
+  __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+  int64_t s = 0;
+  for (; s + 16 <= S8; s += 16) {
+    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(sc + s));
+    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(sc + s + 8));
+  }
+  if (s < S8) m0 = _mm256_max_ps(m0, _mm256_loadu_ps(sc + s));
+  m0 = _mm256_max_ps(m0, m1);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m0), _mm256_extractf128_ps(m0, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+// One query's (Dh = 8 * NV) weights over the first S slots of its K/V head, exp(score - max), into
+// sc[0, S8) (0 past S); mrow: its additive mask row or null. from (a multiple of 8): the slots whose
+// scores sc already holds (attend_two's).
 template <int NV>
-void attend_one(const float* q, const float* mrow, float* dst, const float* K, const float* V, int64_t S, float scale,
-                float* sc) {
+void attend_weights(const float* q, const float* mrow, const float* K, int64_t S, float scale, float* sc, int64_t from = 0) {
   constexpr int64_t Dh = 8 * NV;
   __m256 qv[NV];
   for (int d = 0; d < NV; ++d) qv[d] = _mm256_loadu_ps(q + 8 * d);
   const int64_t S8 = (S + 7) / 8 * 8;
   const __m256 scv = _mm256_set1_ps(scale);
-  int64_t s = 0;
+  int64_t s = from;
   for (; s + 8 <= S; s += 8) {  // 8 slots' chains, then their 8 horizontal sums at once (hsum8x8)
     __m256 acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(K + (s + j) * Dh));
@@ -1870,10 +1887,16 @@ void attend_one(const float* q, const float* mrow, float* dst, const float* K, c
     sc[s] = mrow ? r + mrow[s] : r;
   }
   for (int64_t s = S; s < S8; ++s) sc[s] = -INFINITY;
-  float mx = -INFINITY;
-  for (int64_t s = 0; s < S; ++s) mx = std::max(mx, sc[s]);
-  const __m256 m = _mm256_set1_ps(mx);
+  const __m256 m = _mm256_set1_ps(max_scores(sc, S8));
   for (int64_t s = 0; s < S8; s += 8) _mm256_storeu_ps(sc + s, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc + s), m)));
+}
+
+// One query (Dh = 8 * NV) over the first S slots of its K/V head; mrow: its additive mask row or null.
+template <int NV>
+void attend_one(const float* q, const float* mrow, float* dst, const float* K, const float* V, int64_t S, float scale,
+                float* sc) {
+  constexpr int64_t Dh = 8 * NV;
+  attend_weights<NV>(q, mrow, K, S, scale, sc);
   float l = 0.0f;
 #if ROWSTABLE_VNNI
   // (the VNNI build: 16 dims a register, each lane the same FMA chain as the 8-lane code's)
@@ -1903,6 +1926,68 @@ void attend_one(const float* q, const float* mrow, float* dst, const float* K, c
 #endif
 }
 
+#if ROWSTABLE_VNNI
+// Two queries of one K/V head (each with its mask row), attend_one's operations for each, lane for
+// lane: their scores in one pass over the keys (the two 8-lane chains in one 512-bit register) and
+// their weighted sums of values in one pass over the slots, whose two sets of FMA chains (each a
+// dependent chain over the slots) then run side by side. (The AVX2 build's 16 registers do not hold
+// both sets.)
+template <int NV>
+void attend_two(const float* qa, const float* qb, const float* ma, const float* mb, float* da, float* db, const float* K,
+                const float* V, int64_t S, float scale, float* sa, float* sb) {
+  constexpr int64_t Dh = 8 * NV;
+  // the scores of whole groups of 8 slots: query a's 8-lane chains in the low half of a 512-bit
+  // register, b's in the high half, each slot's 8 keys broadcast to both (half the FMAs)
+  __m512 qv[NV];
+  for (int d = 0; d < NV; ++d)
+    qv[d] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(qa + 8 * d))),
+                                                _mm256_castps_pd(_mm256_loadu_ps(qb + 8 * d)), 1));
+  const __m256 scv = _mm256_set1_ps(scale);
+  auto keys = [&](int64_t slot, int d) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(K + slot * Dh + 8 * d))));
+  };
+  int64_t s = 0;
+  for (; s + 8 <= S; s += 8) {
+    __m512 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_mul_ps(qv[0], keys(s + j, 0));
+    for (int d = 1; d < NV; ++d)
+      for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qv[d], keys(s + j, d), acc[j]);
+    __m256 lo[8], hi[8];
+    for (int j = 0; j < 8; ++j) {
+      lo[j] = _mm512_castps512_ps256(acc[j]);
+      hi[j] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1));
+    }
+    __m256 ra = _mm256_mul_ps(hsum8x8(lo), scv), rb = _mm256_mul_ps(hsum8x8(hi), scv);
+    if (ma) ra = _mm256_add_ps(ra, _mm256_loadu_ps(ma + s));
+    if (mb) rb = _mm256_add_ps(rb, _mm256_loadu_ps(mb + s));
+    _mm256_storeu_ps(sa + s, ra);
+    _mm256_storeu_ps(sb + s, rb);
+  }
+  attend_weights<NV>(qa, ma, K, S, scale, sa, s);
+  attend_weights<NV>(qb, mb, K, S, scale, sb, s);
+  float la = 0.0f, lb = 0.0f;
+  __m512 oa[NV / 2], ob[NV / 2];
+  for (int d = 0; d < NV / 2; ++d) oa[d] = ob[d] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const float wa = sa[s], wb = sb[s];
+    la += wa;
+    lb += wb;
+    const __m512 pa = _mm512_set1_ps(wa), pb = _mm512_set1_ps(wb);
+    const float* v = V + s * Dh;
+    for (int d = 0; d < NV / 2; ++d) {
+      const __m512 vv = _mm512_loadu_ps(v + 16 * d);
+      oa[d] = _mm512_fmadd_ps(pa, vv, oa[d]);
+      ob[d] = _mm512_fmadd_ps(pb, vv, ob[d]);
+    }
+  }
+  const __m512 ia = _mm512_set1_ps(1.0f / la), ib = _mm512_set1_ps(1.0f / lb);
+  for (int d = 0; d < NV / 2; ++d) {
+    _mm512_storeu_ps(da + 16 * d, _mm512_mul_ps(oa[d], ia));
+    _mm512_storeu_ps(db + 16 * d, _mm512_mul_ps(ob[d], ib));
+  }
+}
+#endif
+
 // out[b, h, t] = softmax(q . k / sqrt(Dh) + mask) @ v over the first S cache slots (row b: its first
 // rk[b] where rk is given), grouped-query heads (query head h reads K/V head h / G). mask: null or
 // additive [B, 1, G * T, S] (row g * T + t: token t of query head g of a K/V head; -inf = hidden), the
@@ -1918,7 +2003,7 @@ void attention_core(const float* qp, int64_t B, int64_t H, int64_t T, int64_t Dh
   // step): waking the others costs as much, and far more on a busy machine. (Numbers are per query.)
   const int64_t items = B * H * T, grain = items * S * Dh < (int64_t{1} << 18) ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t w0, int64_t w1) {
-    std::vector<float> sc(S8);
+    std::vector<float> sc(2 * S8);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t t = w % T, h = (w / T) % H, b = w / (T * H);
       const int64_t hk = h / G, g = h % G;
@@ -1928,6 +2013,20 @@ void attention_core(const float* qp, int64_t B, int64_t H, int64_t T, int64_t Dh
       float* dst = op + (b * so_b + t * so_t + h * so_h) * Dh;
       const float* K = kp + (b * Hkv + hk) * Smax * Dh;
       const float* V = vp + (b * Hkv + hk) * Smax * Dh;
+#if ROWSTABLE_VNNI
+      // the next item too where it reads the same K/V head (the next token, or the next query head
+      // of the group): attend_two
+      const int64_t w2 = w + 1, t2 = w2 % T, h2 = (w2 / T) % H;
+      if (w2 < w1 && w2 / (T * H) == b && h2 / G == hk && (Dh == 64 || Dh == 128)) {
+        const float* q2 = qp + ((b * H + h2) * T + t2) * Dh;
+        const float* m2 = mp ? mp + (b * G * T + (h2 % G) * T + t2) * S : nullptr;
+        float* d2 = op + (b * so_b + t2 * so_t + h2 * so_h) * Dh;
+        if (Dh == 64) attend_two<8>(q, q2, mrow, m2, dst, d2, K, V, Sb, scale, sc.data(), sc.data() + S8);
+        else attend_two<16>(q, q2, mrow, m2, dst, d2, K, V, Sb, scale, sc.data(), sc.data() + S8);
+        ++w;
+        continue;
+      }
+#endif
       if (Dh == 64) attend_one<8>(q, mrow, dst, K, V, Sb, scale, sc.data());
       else if (Dh == 128) attend_one<16>(q, mrow, dst, K, V, Sb, scale, sc.data());
       else if (Dh == 32) attend_one<4>(q, mrow, dst, K, V, Sb, scale, sc.data());
@@ -2129,9 +2228,7 @@ void attend_one_scaled(const float* q, const float* mrow, float* dst, const floa
   if (mrow)
     for (int64_t s = 0; s < S; ++s) sc[s] += mrow[s];
   for (int64_t s = S; s < S8; ++s) sc[s] = -INFINITY;
-  float mx = -INFINITY;
-  for (int64_t s = 0; s < S; ++s) mx = std::max(mx, sc[s]);
-  const __m256 m = _mm256_set1_ps(mx);
+  const __m256 m = _mm256_set1_ps(max_scores(sc, S8));
   for (int64_t s = 0; s < S8; s += 8) _mm256_storeu_ps(sc + s, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc + s), m)));
   for (int64_t d = 0; d < nv; ++d) o[d] = _mm256_setzero_ps();
   float l = 0.0f;
