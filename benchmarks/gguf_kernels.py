@@ -9,7 +9,8 @@ printing medians:
 - `repack`: gguf_linear on the file's own Q4_1 / Q8_0 bytes against q4_1_linear / q8_0_linear on
   the repacked K-major copy (models/gguf_blocks.py), on the default model's shapes (SmolLM2-135M:
   576x576, 960x576 fused qkv, 3072x576 fused gate/up, 576x1536, 49152x576 head), M = 1..6;
-- `ab`: gguf_linear_q8 of this tree's kernels against those of git revision `--base` (its
+- `ab`: gguf_linear_q8 (`--op kq_linear_q8`: kq_linear_q8 over this tree's repacking, the two
+  checked equal bit for bit) of this tree's kernels against those of git revision `--base` (its
   rowstable.cpp built beside them under another op namespace, in the same process), interleaved,
   on weights read cold from memory (copies rotated past the caches' size; `--hot`: one copy, from
   the caches; on one thread CPU time, as `verify`); checks the two agree;
@@ -25,6 +26,8 @@ printing medians:
     python3 benchmarks/gguf_kernels.py bandwidth raw --threads 1 --types Q4_K,Q8_0 --m 1 --shapes 151936x1536,16384x8960
     python3 benchmarks/gguf_kernels.py ab --base main --threads 1 --types Q4_K,Q6_K --m 1,2,4
     python3 benchmarks/gguf_kernels.py ab --base main --base-isa avx512vnni --threads 1 --types Q4_K,Q6_K --m 1 --hot
+    python3 benchmarks/gguf_kernels.py ab --op kq_linear_q8 --base main --base-isa avx512vnni --threads 1 \
+        --types Q4_K,Q6_K --m 1,8,12,16 --shapes 17920x1536,1536x8960 --hot
     python3 benchmarks/gguf_kernels.py verify --base main --threads 1 --reps 9
 
 (the last: matrices far larger than the caches, read from memory, against the bandwidth figures)
@@ -176,7 +179,7 @@ def use_kernels(model, ns, file_blocks: bool = False) -> None:
 
 
 def ab_table(ops, base, rev: str, types: list[str], shapes: list[tuple[int, int]], ms: list[int], reps: int,
-             hot: bool = False) -> None:
+             hot: bool = False, op: str = "gguf_linear_q8") -> None:
     rng = np.random.default_rng(2)
     print(f"| type | N x K | M | {rev} ms (GB/s) | this tree ms (GB/s) | {rev} / this, median | best |")
     print("|---|---|---|---|---|---|---|")
@@ -184,16 +187,28 @@ def ab_table(ops, base, rev: str, types: list[str], shapes: list[tuple[int, int]
         for name in types:
             t = kernels.GGUF_TYPES[name].id
             one = random_blocks(t, n, k, rng).reshape(-1)
+            if op == "kq_linear_q8":  # this tree's repacking (models/gguf_blocks.pack_k_i8) for both kernels
+                from specdec.models import gguf_blocks
+
+                one = gguf_blocks.pack_k_i8(one.reshape(n, -1), t).numpy()
             copies = 1 if hot else max(1, int(96e6 // one.size) + 1)  # hot: one copy, in cache; else > L3
             raws = [torch.from_numpy(one.copy()) for _ in range(copies)]
+
+            def product(ns, x, raw):
+                if op == "kq_linear_q8":
+                    return ns.kq_linear_q8(x, [raw], [t], [n], k)
+                return ns.gguf_linear_q8(x, raw, t, n, k)
+
             for m in ms:
                 x = torch.randn(m, k)
-                a, b = ops.gguf_linear_q8(x, raws[0], t, n, k), base.gguf_linear_q8(x, raws[0], t, n, k)
+                a, b = product(ops, x, raws[0]), product(base, x, raws[0])
+                if op == "kq_linear_q8":  # (one set of numbers: a change to its tiles keeps them)
+                    assert torch.equal(a, b), (name, m)
                 assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max())), (name, m)
                 turn = iter(range(10**9))
 
-                def call(op):
-                    return lambda: op.gguf_linear_q8(x, raws[next(turn) % len(raws)], t, n, k)
+                def call(ns):
+                    return lambda: product(ns, x, raws[next(turn) % len(raws)])
 
                 res = interleaved({"base": call(base), "this": call(ops)}, reps, 30, one_thread_clock())
                 (bm, bb), (tm, tb) = res["base"], res["this"]
@@ -252,8 +267,9 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,F16")
     ap.add_argument("--shapes", default=None, help=f"NxK,... (raw: {QWEN_SHAPES}; repack: {SMOL_SHAPES})")
     ap.add_argument("--m", default=None, help="row counts (raw: 1,4,64,256; repack: 1,2,3,4,5,6)")
-    ap.add_argument("--op", default="gguf_linear_q8", choices=["gguf_linear_q8", "gguf_linear"],
-                    help="raw: the 8-bit-activation path (the default) or the float path")
+    ap.add_argument("--op", default="gguf_linear_q8", choices=["gguf_linear_q8", "gguf_linear", "kq_linear_q8"],
+                    help="raw: the 8-bit-activation path (the default) or the float path; ab: gguf_linear_q8 "
+                         "over the file's blocks or kq_linear_q8 over this tree's repacking (Q4_K, Q6_K)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -271,7 +287,7 @@ def main() -> None:
             bandwidth(a.reps)
         elif part == "ab":
             ab_table(ops, base_ops(a.base, a.base_isa), a.base, a.types.split(","), parse_shapes(QWEN_SHAPES),
-                     [int(v) for v in (a.m or "1,2,4,8").split(",")], a.reps, a.hot)
+                     [int(v) for v in (a.m or "1,2,4,8").split(",")], a.reps, a.hot, a.op)
         elif part == "verify":
             verify_table(ops, base_ops(a.base, a.base_isa), a.base, a.reps)
         elif part == "raw":
