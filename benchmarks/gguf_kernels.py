@@ -16,8 +16,8 @@ printing medians:
   the caches; on one thread CPU time, as `verify`); checks the two agree;
 - `verify`: one forward of the real 1.5B target (benchmarks/qwen_pair.py's Q4_K_M file, 8-bit
   activations) over T = 1, 2, 4, 8, 16 new tokens after a 100-token context (a verification step),
-  its GGUF projections switched between this tree's gguf_linear_q8 / gguf_linear_cat_q8 and those
-  of `--base` (as in `ab`; the rest of the step is this tree's) in the same loaded model,
+  its GGUF projections and other row-stable kernels (norms, attention) switched between this
+  tree's and those of `--base` (as in `ab`; the Python is this tree's) in the same loaded model,
   interleaved: ms and each T's cost over T = 1, medians (and the ratio of the best times); on one
   thread the CPU time of the step, which another process's preemption does not stretch.
 
@@ -158,7 +158,8 @@ def base_ops(rev: str, isa: str = "avx2"):
 
 def use_kernels(model, ns, file_blocks: bool = False) -> None:
     """Point every GGUF projection of `model` at gguf_linear_q8 / gguf_linear_cat_q8 of op namespace
-    `ns` (this tree's torch.ops.specdec_rs or base_ops()); the rest of a step stays this tree's.
+    `ns` (this tree's torch.ops.specdec_rs or base_ops()), and the step's other row-stable kernels
+    (norms, attention, SiLU: each layer's kops) at ns's too; the Python stays this tree's.
     K-quants repacked for kq_linear_q8 stay repacked (this tree's layout) on `ns`'s kq_linear_q8
     where it has one, unless file_blocks; else they go back to the file's blocks."""
     from specdec.models.gguf_model import GGUFLinear
@@ -174,6 +175,8 @@ def use_kernels(model, ns, file_blocks: bool = False) -> None:
             if lin.op_cat is not None:
                 lin.op_cat = ns.gguf_linear_cat_q8
     for blk in getattr(model, "layers", []):  # the direct decoding-step calls hold the kernels too
+        if blk.kops is not None:
+            blk.kops = ns
         if blk.fast is not None:
             blk.fast = blk.fast_step_args()
 

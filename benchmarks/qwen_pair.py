@@ -23,8 +23,8 @@ benchmarks, checks each file's size and sha256 prefix, and stores them under
         # the verify-cost curve: one forward over T = 1, 2, 4, 8, 16 tokens after 200 of context (a
         # verification step, logits for every token) beside llama.cpp's batched decode of the same
         # file, interleaved, and t(T) / t(1); SPECDEC_ROWSTABLE=avx2 in front: the kernels' AVX2 build
-    (peers, verify --base REV: also specdec with its GGUF projections on git revision REV's
-    kernels, AVX2 build (benchmarks/gguf_kernels.py's base_ops), interleaved with the others:
+    (peers, verify --base REV: also specdec with its GGUF projections, norms and attention on git
+    revision REV's kernels, AVX2 build (benchmarks/gguf_kernels.py's base_ops), interleaved with the others:
     `--base main` compares a change to the kernels, `--base HEAD` the AVX-512 VNNI build with the AVX2 one;
     K-quants repacked for kq_linear_q8 run on REV's kq_linear_q8 over this tree's repacking, or with
     --base-file-blocks on REV's gguf_linear_q8 over the file's own blocks)
