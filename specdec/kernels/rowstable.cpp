@@ -34,7 +34,7 @@
 // everything else is the same source. q4_1_linear_q8 / q8_0_linear_q8 (at the end of this file) take
 // the 32-weight block types repacked in groups of 16 outputs on 8-bit activations: lane n is output n
 // in both builds (16 a register on VNNI, 8 on AVX2), with the same integer and float operations;
-// kq_linear_q8 (after them) takes Q4_K / Q6_K blocks repacked the same way, a sub-block's scale one
+// kq_linear_q8 (after them) takes Q4_K / Q5_K / Q6_K blocks repacked the same way, a sub-block's scale one
 // float operation for 16 outputs.
 
 #include <ATen/ATen.h>
@@ -2660,8 +2660,8 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// kq_linear_q8: a GGUF file's Q4_K / Q6_K matrices on 8-bit activations, over their blocks repacked
-// in groups of 16 output rows (models/gguf_blocks, pack_q4_k_i8 / pack_q6_k_i8), so that one integer
+// kq_linear_q8: a GGUF file's Q4_K / Q5_K / Q6_K matrices on 8-bit activations, over their blocks repacked
+// in groups of 16 output rows (models/gguf_blocks, pack_q4_k_i8 / pack_q5_k_i8 / pack_q6_k_i8), so that one integer
 // dot-product instruction takes the same 4 weights of all 16 outputs, and each sub-block's scale is
 // one float operation for 16 outputs: a step of several tokens then costs little more than one. A
 // block is decoded once for a tile of up to 16 activation rows (VNNI; 8 on AVX2).
@@ -2672,18 +2672,20 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
 //     then 32 vectors, vector 8p + t with quad 16p + t in
 //     the low nibbles and quad 16p + 8 + t in the high ones (the file's nibble pairing): 2368 bytes,
 //     64 more than the file's 16 blocks (2.8%);
+//   Q5_K: Q4_K's (q's low 4 bits in the nibbles), then 8 vectors of the fifth bits (vector t: bits 2p,
+//     2p + 1 of a byte those of quads 16p + t, 16p + 8 + t): 2880 bytes, 64 more than the file's (2.3%);
 //   Q6_K: d[16] as float16; sc[16][16], the sub-blocks' int8 scales; 32
 //     vectors of the quants' low 4 bits (vector v: quad v low, quad v + 32 high); 16 vectors of their
 //     high 2 bits (vector w: bits 2c, 2c + 1 of a byte those of quad w + 16c): 3360 bytes, as the file.
 // The activations are rounded as gguf_linear_q8 rounds them for the K-quants (quantize_rows_q8,
-// slices of 256: dx, q_x, and the sums B of each 32 (Q4_K) or 16 (Q6_K) q_x). Per activation row,
-// output n and block b, sub-blocks s (Q4_K: 8 of 32 weights; Q6_K: 16 of 16), quants q >= 0:
-//     S_s = <q_s, q_x,s>,  C = sum_s c_s B_s            (exact int32; Q4_K c = m, Q6_K c = sc)
+// slices of 256: dx, q_x, and the sums B of each 32 (Q4_K, Q5_K) or 16 (Q6_K) q_x). Per activation
+// row, output n and block b, sub-blocks s (Q4_K, Q5_K: 8 of 32 weights; Q6_K: 16 of 16), quants q >= 0:
+//     S_s = <q_s, q_x,s>,  C = sum_s c_s B_s            (exact int32; Q4_K, Q5_K c = m, Q6_K c = sc)
 //     dsc_s = d * sc_s                                   (float)
-//     t = dsc_0 S_0;  t = fma(S_s, dsc_s, t) for s = 1, 2, ...;  t = fma(C, e, t)   (Q4_K e = -dmin, Q6_K -32 d)
+//     t = dsc_0 S_0;  t = fma(S_s, dsc_s, t) for s = 1, 2, ...;  t = fma(C, e, t)   (Q4/5_K e = -dmin, Q6_K -32 d)
 //     acc = fma(t, dx_b, acc)
-// blocks in order, y = acc (S, C converted to float32; w = d sc q - dmin m for Q4_K, d sc (q - 32)
-// for Q6_K). Lane n of a register is output n throughout. Every integer is exact in both builds
+// blocks in order, y = acc (S, C converted to float32; w = d sc q - dmin m for Q4_K and Q5_K,
+// d sc (q - 32) for Q6_K). Lane n of a register is output n throughout. Every integer is exact in both builds
 // (VNNI: _mm512_dpbusd_epi32 / _mm512_dpwssd_epi32 on 16 outputs; AVX2: _mm256_maddubs_epi16 (a pair
 // at most 2 x 63 x 127) + _mm256_madd_epi16 on 8), and the float operations are the same in both
 // and for every row count: row-stable, the two builds equal bit for bit. The VNNI build takes Q4_K's
@@ -2698,7 +2700,7 @@ constexpr int64_t KQ_TILE = ROWSTABLE_VNNI ? 16 : 8;  // activation rows a tile 
 #define KQ_PF_BLOCKS 4
 #endif
 
-constexpr int64_t kq_block_bytes(int64_t type) { return type == 12 ? 2368 : type == 14 ? 3360 : 0; }
+constexpr int64_t kq_block_bytes(int64_t type) { return type == 12 ? 2368 : type == 13 ? 2880 : type == 14 ? 3360 : 0; }
 
 // What the tile needs of a block, the same in both builds: NS sub-blocks of QPS quads, NP pairs of the
 // correction's factors.
@@ -2706,6 +2708,11 @@ struct KqQ4K {
   static constexpr int NS = 8, QPS = 8, NP = 4, GROUP16 = 8;  // GROUP16: the AVX2 build's int16 sums (kq_tile)
   static constexpr int64_t BB = 2368;
   static constexpr bool B32 = true;  // the correction's sums over 32 q_x (else 16)
+};
+struct KqQ5K {  // (AVX2 int16 sums of 4 quads: at most 4 x 2 x 31 x 127 = 31496)
+  static constexpr int NS = 8, QPS = 8, NP = 4, GROUP16 = 4;
+  static constexpr int64_t BB = 2880;
+  static constexpr bool B32 = true;
 };
 struct KqQ6K {
   static constexpr int NS = 16, QPS = 4, NP = 8, GROUP16 = 2;
@@ -2800,6 +2807,21 @@ inline void kq_dsc(KqQ4K, const KqLanes& L, const uint8_t* p, kq_f d, int j, kq_
 #endif
 }
 
+// Q5_K: Q4_K's nibbles (both shifted down) with the fifth bits of vector 2048 / 64 + k, bits 2j and
+// 2j + 1 (a branch on j, as kq_q6_quad's on the quarter)
+inline void kq_quads(KqQ5K, const KqLanes& L, const uint8_t* p, int j, int k, kq_i& w0, kq_i& w1) {
+  const kq_i v = L.bytes(p + 320 + 512 * j + 64 * k);
+  const kq_i h = L.bytes(p + 2368 + 64 * k);
+  const kq_i h0 = j == 0 ? KqLanes::shl(h, 4) : j == 1 ? KqLanes::shl(h, 2) : j == 2 ? h : KqLanes::shr(h, 2);
+  const kq_i h1 = j == 0 ? KqLanes::shl(h, 3) : j == 1 ? KqLanes::shl(h, 1) : j == 2 ? KqLanes::shr(h, 1) : KqLanes::shr(h, 3);
+  w0 = KqLanes::or_and(KqLanes::and_(v, KqLanes::set8(0x0F)), h0, KqLanes::set8(0x10));
+  w1 = KqLanes::or_and(KqLanes::and_(KqLanes::shr(v, 4), KqLanes::set8(0x0F)), h1, KqLanes::set8(0x10));
+}
+inline void kq_dsc(KqQ5K, const KqLanes& L, const uint8_t* p, kq_f d, int j, kq_f& dsc0, kq_f& dsc1) {
+  dsc0 = KqLanes::mul(KqLanes::cvt(L.u8_32(p + 64 + 32 * j)), d);
+  dsc1 = KqLanes::mul(KqLanes::cvt(L.u8_32(p + 80 + 32 * j)), d);
+}
+
 // Q6_K quad u (quarter c = u / 16): low 4 bits from vector u % 32 (low nibbles for u < 32), high 2
 // from vector 32 + u % 16, bits 2c, 2c + 1
 inline kq_i kq_q6_quad(const KqLanes& L, const uint8_t* p, int u) {
@@ -2823,9 +2845,11 @@ inline void kq_dsc(KqQ6K, const KqLanes& L, const uint8_t* p, kq_f d, int j, kq_
 
 // the correction's factor pair j (sub-blocks 2j, 2j + 1) of a group's 16 outputs
 inline kq_i kq_pair(KqQ4K, const KqLanes& L, const uint8_t* p, int j) { return L.pairs(p + 192 + 32 * j, p + 208 + 32 * j, false); }
+inline kq_i kq_pair(KqQ5K, const KqLanes& L, const uint8_t* p, int j) { return L.pairs(p + 192 + 32 * j, p + 208 + 32 * j, false); }
 inline kq_i kq_pair(KqQ6K, const KqLanes& L, const uint8_t* p, int j) { return L.pairs(p + 32 + 32 * j, p + 48 + 32 * j, true); }
 // the correction's float factor e: Q4_K -dmin, Q6_K -32 d
 inline kq_f kq_e(KqQ4K, const KqLanes& L, const uint8_t* p, kq_f) { return KqLanes::mul(L.f16(p + 32), KqLanes::set1(-1.0f)); }
+inline kq_f kq_e(KqQ5K, const KqLanes& L, const uint8_t* p, kq_f) { return KqLanes::mul(L.f16(p + 32), KqLanes::set1(-1.0f)); }
 inline kq_f kq_e(KqQ6K, const KqLanes&, const uint8_t*, kq_f d) { return KqLanes::mul(d, KqLanes::set1(-32.0f)); }
 
 // MR + MR2 activation rows (quants xq, row stride K; scales dx, row stride K / 256; the correction's
@@ -2976,7 +3000,7 @@ void kq_tiles(int64_t mr, const int8_t* xq, const float* dx, const int16_t* bs, 
 }
 
 // x [..., K] @ the concatenation of the parts' rows^T -> [..., sum of Ns]; each part's packed blocks
-// (type 12: Q4_K, 14: Q6_K) checked for size.
+// (type 12: Q4_K, 13: Q5_K, 14: Q6_K) checked for size.
 at::Tensor kq_linear_q8(const at::Tensor& x_, at::TensorList packed, at::IntArrayRef types, at::IntArrayRef Ns, int64_t K) {
   const char* op = "kq_linear_q8";
   TORCH_CHECK(packed.size() >= 1 && packed.size() == types.size() && packed.size() == Ns.size(), op,
@@ -2991,7 +3015,7 @@ at::Tensor kq_linear_q8(const at::Tensor& x_, at::TensorList packed, at::IntArra
   int64_t cols = 0;
   for (size_t p = 0; p < packed.size(); ++p) {
     const int64_t bb = kq_block_bytes(types[p]);
-    TORCH_CHECK(bb > 0, op, ": ggml type ", types[p], " is not Q4_K (12) or Q6_K (14)");
+    TORCH_CHECK(bb > 0, op, ": ggml type ", types[p], " is not Q4_K (12), Q5_K (13) or Q6_K (14)");
     TORCH_CHECK(packed[p].scalar_type() == at::kByte && packed[p].is_contiguous(), op, ": the packed blocks must be contiguous uint8");
     TORCH_CHECK(Ns[p] >= 0 && Ns[p] % KQ_G == 0 && packed[p].numel() == Ns[p] / KQ_G * nb * bb, op, ": [", Ns[p], ", ", K,
                 "] takes ", Ns[p] / KQ_G * nb * bb, " bytes (N a multiple of 16); got ", packed[p].numel());
@@ -3022,6 +3046,8 @@ at::Tensor kq_linear_q8(const at::Tensor& x_, at::TensorList packed, at::IntArra
         float* yt = yp + a * cols + pt.col + KQ_G * gi;
         if (pt.type == 12)
           kq_tiles<KqQ4K>(e - a, xr.q.data() + a * K, xr.d.data() + a * nb, b32.data() + a * (K / 32), K, g, nb, yt, cols);
+        else if (pt.type == 13)
+          kq_tiles<KqQ5K>(e - a, xr.q.data() + a * K, xr.d.data() + a * nb, b32.data() + a * (K / 32), K, g, nb, yt, cols);
         else
           kq_tiles<KqQ6K>(e - a, xr.q.data() + a * K, xr.d.data() + a * nb, xr.bsum.data() + a * (K / 16), K, g, nb, yt, cols);
       }
