@@ -28,6 +28,8 @@ printing medians:
     python3 benchmarks/gguf_kernels.py ab --base main --base-isa avx512vnni --threads 1 --types Q4_K,Q6_K --m 1 --hot
     python3 benchmarks/gguf_kernels.py ab --op kq_linear_q8 --base main --base-isa avx512vnni --threads 1 \
         --types Q4_K,Q6_K --m 1,8,12,16 --shapes 17920x1536,1536x8960 --hot
+    python3 benchmarks/gguf_kernels.py ab --op kq_linear_q8 --base file-blocks --threads 1 --types Q4_K,Q5_K,Q6_K \
+        --m 1,8,16 --shapes 17920x1536,1536x8960
     python3 benchmarks/gguf_kernels.py verify --base main --threads 1 --reps 9
 
 (the last: matrices far larger than the caches, read from memory, against the bandwidth figures)
@@ -183,39 +185,46 @@ def use_kernels(model, ns, file_blocks: bool = False) -> None:
 
 def ab_table(ops, base, rev: str, types: list[str], shapes: list[tuple[int, int]], ms: list[int], reps: int,
              hot: bool = False, op: str = "gguf_linear_q8") -> None:
+    """base None (op kq_linear_q8 only): against this tree's gguf_linear_q8 on the file's own blocks
+    (what a projection of that type runs on where it is not repacked), the numbers close, not equal."""
     rng = np.random.default_rng(2)
     print(f"| type | N x K | M | {rev} ms (GB/s) | this tree ms (GB/s) | {rev} / this, median | best |")
     print("|---|---|---|---|---|---|---|")
     for n, k in shapes:
         for name in types:
             t = kernels.GGUF_TYPES[name].id
-            one = random_blocks(t, n, k, rng).reshape(-1)
+            file_bytes = random_blocks(t, n, k, rng).reshape(-1)
+            one = file_bytes
             if op == "kq_linear_q8":  # this tree's repacking (models/gguf_blocks.pack_k_i8) for both kernels
                 from specdec.models import gguf_blocks
 
-                one = gguf_blocks.pack_k_i8(one.reshape(n, -1), t).numpy()
+                one = gguf_blocks.pack_k_i8(file_bytes.reshape(n, -1), t).numpy()
             copies = 1 if hot else max(1, int(96e6 // one.size) + 1)  # hot: one copy, in cache; else > L3
             raws = [torch.from_numpy(one.copy()) for _ in range(copies)]
+            files = [torch.from_numpy(file_bytes.copy()) for _ in range(copies)] if base is None else raws
 
-            def product(ns, x, raw):
+            def product(ns, x, i):
+                if ns is None:  # (the file's blocks)
+                    return ops.gguf_linear_q8(x, files[i], t, n, k)
                 if op == "kq_linear_q8":
-                    return ns.kq_linear_q8(x, [raw], [t], [n], k)
-                return ns.gguf_linear_q8(x, raw, t, n, k)
+                    return ns.kq_linear_q8(x, [raws[i]], [t], [n], k)
+                return ns.gguf_linear_q8(x, raws[i], t, n, k)
 
             for m in ms:
                 x = torch.randn(m, k)
-                a, b = product(ops, x, raws[0]), product(base, x, raws[0])
-                if op == "kq_linear_q8":  # (one set of numbers: a change to its tiles keeps them)
+                a, b = product(ops, x, 0), product(base, x, 0)
+                if op == "kq_linear_q8" and base is not None:  # (one set of numbers: a change to its tiles keeps them)
                     assert torch.equal(a, b), (name, m)
                 assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max())), (name, m)
                 turn = iter(range(10**9))
 
                 def call(ns):
-                    return lambda: product(ns, x, raws[next(turn) % len(raws)])
+                    return lambda: product(ns, x, next(turn) % len(raws))
 
                 res = interleaved({"base": call(base), "this": call(ops)}, reps, 30, one_thread_clock())
                 (bm, bb), (tm, tb) = res["base"], res["this"]
-                print(f"| {name} | {n}x{k} | {m} | {bm * 1e3:.3f} ({one.size / bm / 1e9:.1f}) | {tm * 1e3:.3f} "
+                base_bytes = file_bytes.size if base is None else one.size
+                print(f"| {name} | {n}x{k} | {m} | {bm * 1e3:.3f} ({base_bytes / bm / 1e9:.1f}) | {tm * 1e3:.3f} "
                       f"({one.size / tm / 1e9:.1f}) | {bm / tm:.2f} | {bb / tb:.2f} |", flush=True)
 
 
@@ -261,7 +270,8 @@ def verify_table(ops, base, rev: str, reps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack", "ab", "verify"])
-    ap.add_argument("--base", default="main", help="ab, verify: the git revision to compare against")
+    ap.add_argument("--base", default="main", help="ab, verify: the git revision to compare against (ab --op "
+                    "kq_linear_q8 --base file-blocks: this tree's gguf_linear_q8 on the file's own blocks)")
     ap.add_argument("--base-isa", default="avx2", choices=sorted(kernels.ROWSTABLE_ISA),
                     help="ab, verify: the build of --base's kernels (avx512vnni: the same build as this tree's on a VNNI CPU)")
     ap.add_argument("--threads", type=int, default=None)
@@ -289,8 +299,9 @@ def main() -> None:
         if part == "bandwidth":
             bandwidth(a.reps)
         elif part == "ab":
-            ab_table(ops, base_ops(a.base, a.base_isa), a.base, a.types.split(","), parse_shapes(QWEN_SHAPES),
-                     [int(v) for v in (a.m or "1,2,4,8").split(",")], a.reps, a.hot, a.op)
+            file_blocks = a.op == "kq_linear_q8" and a.base == "file-blocks"
+            ab_table(ops, None if file_blocks else base_ops(a.base, a.base_isa), a.base, a.types.split(","),
+                     parse_shapes(QWEN_SHAPES), [int(v) for v in (a.m or "1,2,4,8").split(",")], a.reps, a.hot, a.op)
         elif part == "verify":
             verify_table(ops, base_ops(a.base, a.base_isa), a.base, a.reps)
         elif part == "raw":
