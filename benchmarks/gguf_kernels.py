@@ -163,7 +163,8 @@ def use_kernels(model, ns, file_blocks: bool = False) -> None:
     `ns` (this tree's torch.ops.specdec_rs or base_ops()), and the step's other row-stable kernels
     (norms, attention, SiLU: each layer's kops) at ns's too; the Python stays this tree's.
     K-quants repacked for kq_linear_q8 stay repacked (this tree's layout) on `ns`'s kq_linear_q8
-    where it has one, unless file_blocks; else they go back to the file's blocks."""
+    where it has one, unless file_blocks; else they go back to the file's blocks. (A revision whose
+    kq_linear_q8 lacks a type this tree repacks, Q5_K before it was added, refuses it: file_blocks.)"""
     from specdec.models.gguf_model import GGUFLinear
 
     for lin in model.modules():
@@ -282,7 +283,7 @@ def main() -> None:
     ap.add_argument("--m", default=None, help="row counts (raw: 1,4,64,256; repack: 1,2,3,4,5,6)")
     ap.add_argument("--op", default="gguf_linear_q8", choices=["gguf_linear_q8", "gguf_linear", "kq_linear_q8"],
                     help="raw: the 8-bit-activation path (the default) or the float path; ab: gguf_linear_q8 "
-                         "over the file's blocks or kq_linear_q8 over this tree's repacking (Q4_K, Q6_K)")
+                         "over the file's blocks or kq_linear_q8 over this tree's repacking (Q4_K, Q5_K, Q6_K)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
