@@ -148,28 +148,43 @@ def _quad_vectors(q: np.ndarray) -> np.ndarray:
     return q.reshape(n, nb, GI8, 64, 4).swapaxes(2, 3).reshape(n, nb, 64, 64)
 
 
+def _k_groups(raw: np.ndarray, block_bytes: int):
+    """A K-quant matrix's rows raw [N, nb * block_bytes] as (blocks [N, nb, block_bytes], N, groups of
+    16 outputs, nb); None where N is not a multiple of 16 (or a row not whole blocks)."""
+    N = raw.shape[0]
+    if N % GI8 or raw.shape[1] % block_bytes:
+        return None
+    nb = raw.shape[1] // block_bytes
+    return raw.reshape(N, nb, block_bytes), N, N // GI8, nb
+
+
 def pack_q4_k_i8(raw: np.ndarray) -> torch.Tensor | None:
     """Q4_K rows (raw [N, nb * 144], the file's bytes) in rowstable.cpp's kq_linear_q8 layout: groups
     of 16 outputs, K-major; per group and block d[16], dmin[16] (float16), sc[8][16], m[8][16]
     (bytes), then 32 vectors of 64 bytes, vector 8p + t holding each output's quant bytes
     32p + 4t..32p + 4t + 3 in turn (low nibbles: weights 64p + 4t.., high: 64p + 32 + 4t..). 2368
     bytes a group's block (the file's 16 blocks: 2304). None where N is not a multiple of 16."""
+    if (grouped := _k_groups(raw, 144)) is None:
+        return None
+    b, _, n, nb = grouped
+    qs = _group_k(b[:, :, 16:144], n, nb)  # [n, nb, 16, 128]: bytes 32p + 4t + e
+    qv = qs.reshape(n, nb, GI8, 32, 4).swapaxes(2, 3).reshape(n, nb, 2048)
+    out = np.concatenate([_k_scales(b, n, nb), qv], axis=2)
+    return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))
+
+
+def _k_scales(b: np.ndarray, n: int, nb: int) -> np.ndarray:
+    """Q4_K / Q5_K blocks b [N, nb, block bytes] -> their groups' d[16], dmin[16] (float16 bytes),
+    sc[8][16], m[8][16] (the 6-bit scales and mins unpacked to bytes): uint8 [n, nb, 320]."""
     from gguf.quants import Q4_K
 
-    N = raw.shape[0]
-    if N % GI8 or raw.shape[1] % 144:
-        return None
-    nb, n = raw.shape[1] // 144, N // GI8
-    b = raw.reshape(N, nb, 144)
+    N = b.shape[0]
     sc, m = Q4_K.get_scale_min(np.ascontiguousarray(b[:, :, 4:16]).reshape(-1, 12))
     dd = _group_k(b[:, :, 0:2], n, nb).reshape(n, nb, 32)
     dm = _group_k(b[:, :, 2:4], n, nb).reshape(n, nb, 32)
     scs = _group_k(sc.reshape(N, nb, 8), n, nb).swapaxes(2, 3).reshape(n, nb, 128)  # [s][output]
     ms = _group_k(m.reshape(N, nb, 8), n, nb).swapaxes(2, 3).reshape(n, nb, 128)
-    qs = _group_k(b[:, :, 16:144], n, nb)  # [n, nb, 16, 128]: bytes 32p + 4t + e
-    qv = qs.reshape(n, nb, GI8, 32, 4).swapaxes(2, 3).reshape(n, nb, 2048)
-    out = np.concatenate([dd, dm, scs.astype(np.uint8), ms.astype(np.uint8), qv], axis=2)
-    return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))
+    return np.concatenate([dd, dm, scs.astype(np.uint8), ms.astype(np.uint8)], axis=2)
 
 
 def pack_q5_k_i8(raw: np.ndarray) -> torch.Tensor | None:
@@ -178,18 +193,9 @@ def pack_q5_k_i8(raw: np.ndarray) -> torch.Tensor | None:
     2j of each output's byte that of quad 16j + k, in bit 2j + 1 that of quad 16j + 8 + k (the low
     and high nibbles of vector 8j + k). 2880 bytes a group's block (the file's 16 blocks: 2816).
     None where N is not a multiple of 16."""
-    from gguf.quants import Q4_K
-
-    N = raw.shape[0]
-    if N % GI8 or raw.shape[1] % 176:
+    if (grouped := _k_groups(raw, 176)) is None:
         return None
-    nb, n = raw.shape[1] // 176, N // GI8
-    b = raw.reshape(N, nb, 176)
-    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(b[:, :, 4:16]).reshape(-1, 12))
-    dd = _group_k(b[:, :, 0:2], n, nb).reshape(n, nb, 32)
-    dm = _group_k(b[:, :, 2:4], n, nb).reshape(n, nb, 32)
-    scs = _group_k(sc.reshape(N, nb, 8), n, nb).swapaxes(2, 3).reshape(n, nb, 128)
-    ms = _group_k(m.reshape(N, nb, 8), n, nb).swapaxes(2, 3).reshape(n, nb, 128)
+    b, N, n, nb = grouped
     # the quants q (0-31) in weight order, as gguf.quants.Q5_K reads them
     ql = b[:, :, 48:176].reshape(N, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     qh = b[:, :, 16:48].reshape(N, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
@@ -200,8 +206,7 @@ def pack_q5_k_i8(raw: np.ndarray) -> torch.Tensor | None:
     hv = np.zeros((n, nb, 8, 64), dtype=np.uint8)
     for j in range(4):
         hv |= (hi[:, :, j, 0] << (2 * j)) | (hi[:, :, j, 1] << (2 * j + 1))
-    out = np.concatenate([dd, dm, scs.astype(np.uint8), ms.astype(np.uint8), lo.reshape(n, nb, 2048),
-                          hv.reshape(n, nb, 512)], axis=2)
+    out = np.concatenate([_k_scales(b, n, nb), lo.reshape(n, nb, 2048), hv.reshape(n, nb, 512)], axis=2)
     return torch.from_numpy(np.ascontiguousarray(out.astype(np.uint8, copy=False)).reshape(-1))
 
 
@@ -211,11 +216,9 @@ def pack_q6_k_i8(raw: np.ndarray) -> torch.Tensor | None:
     (vector v: quad v in the low nibbles, quad v + 32 in the high ones; quad u = weights 4u..4u+3
     of each output in turn) and 16 of their high 2 bits (vector w: quad w + 16c in bits 2c, 2c + 1).
     3360 bytes a group's block, as the file's 16 blocks. None where N is not a multiple of 16."""
-    N = raw.shape[0]
-    if N % GI8 or raw.shape[1] % 210:
+    if (grouped := _k_groups(raw, 210)) is None:
         return None
-    nb, n = raw.shape[1] // 210, N // GI8
-    b = raw.reshape(N, nb, 210)
+    b, N, n, nb = grouped
     # the quants q (0-63) in weight order, as gguf.quants.Q6_K reads them
     ql = b[:, :, 0:128].reshape(N, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     ql = (ql & 0x0F).reshape(N, nb, 2, 128)
