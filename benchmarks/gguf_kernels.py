@@ -14,6 +14,8 @@ printing medians:
   rowstable.cpp built beside them under another op namespace, in the same process), interleaved,
   on weights read cold from memory (copies rotated past the caches' size; `--hot`: one copy, from
   the caches; on one thread CPU time, as `verify`); checks the two agree;
+- `attend`: the row-stable attention of this tree against `--base`'s on the 1.5B's shapes (T =
+  `--m` new tokens after 200 slots, 28 layers a timing), interleaved, checked equal bit for bit;
 - `verify`: one forward of the real 1.5B target (benchmarks/qwen_pair.py's Q4_K_M file, 8-bit
   activations) over T = 1, 2, 4, 8, 16 new tokens after a 100-token context (a verification step),
   its GGUF projections and other row-stable kernels (norms, attention) switched between this
@@ -30,6 +32,7 @@ printing medians:
         --types Q4_K,Q6_K --m 1,8,12,16 --shapes 17920x1536,1536x8960 --hot
     python3 benchmarks/gguf_kernels.py ab --op kq_linear_q8 --base file-blocks --threads 1 --types Q4_K,Q5_K,Q6_K \
         --m 1,8,16 --shapes 17920x1536,1536x8960
+    python3 benchmarks/gguf_kernels.py attend --base main --base-isa avx512vnni --threads 1 --m 1,4,8,16 --reps 41
     python3 benchmarks/gguf_kernels.py verify --base main --threads 1 --reps 9
 
 (the last: matrices far larger than the caches, read from memory, against the bandwidth figures)
@@ -229,6 +232,27 @@ def ab_table(ops, base, rev: str, types: list[str], shapes: list[tuple[int, int]
                       f"({one.size / tm / 1e9:.1f}) | {bm / tm:.2f} | {bb / tb:.2f} |", flush=True)
 
 
+def attend_table(ops, base, rev: str, Ts: list[int], reps: int) -> None:
+    """The row-stable attention (`attend`) of this tree against revision rev's on the Qwen2.5 1.5B's
+    shapes (12 query heads on 2 K/V heads of 128, T new tokens after 200 slots, no mask), 28 calls
+    (its layers) a timing, interleaved; checks the two equal bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    print(f"| T | {rev} ms (28 layers) | this tree ms | {rev} / this, median | best |")
+    print("|---|---|---|---|---|")
+    for T in Ts:
+        S = 200 + T
+        q = torch.randn(1, 12, T, 128, generator=g)
+        kc, vc = torch.randn(1, 2, S + 64, 128, generator=g), torch.randn(1, 2, S + 64, 128, generator=g)
+        assert torch.equal(ops.attend(q, kc, vc, S, None), base.attend(q, kc, vc, S, None)), T
+
+        def call(ns):
+            return lambda: [ns.attend(q, kc, vc, S, None) for _ in range(28)]
+
+        res = interleaved({"base": call(base), "this": call(ops)}, reps, 30, one_thread_clock())
+        (bm, bb), (tm, tb) = res["base"], res["this"]
+        print(f"| {T} | {bm * 1e3:.2f} | {tm * 1e3:.2f} | {bm / tm:.2f} | {bb / tb:.2f} |", flush=True)
+
+
 def verify_table(ops, base, rev: str, reps: int) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from qwen_pair import fetch, load_target
@@ -270,7 +294,7 @@ def verify_table(ops, base, rev: str, reps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack", "ab", "verify"])
+    ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack", "ab", "attend", "verify"])
     ap.add_argument("--base", default="main", help="ab, verify: the git revision to compare against (ab --op "
                     "kq_linear_q8 --base file-blocks: this tree's gguf_linear_q8 on the file's own blocks)")
     ap.add_argument("--base-isa", default="avx2", choices=sorted(kernels.ROWSTABLE_ISA),
@@ -303,6 +327,8 @@ def main() -> None:
             file_blocks = a.op == "kq_linear_q8" and a.base == "file-blocks"
             ab_table(ops, None if file_blocks else base_ops(a.base, a.base_isa), a.base, a.types.split(","),
                      parse_shapes(QWEN_SHAPES), [int(v) for v in (a.m or "1,2,4,8").split(",")], a.reps, a.hot, a.op)
+        elif part == "attend":
+            attend_table(ops, base_ops(a.base, a.base_isa), a.base, [int(v) for v in (a.m or "1,4,8,16").split(",")], a.reps)
         elif part == "verify":
             verify_table(ops, base_ops(a.base, a.base_isa), a.base, a.reps)
         elif part == "raw":
