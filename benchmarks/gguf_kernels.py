@@ -9,14 +9,17 @@ printing medians:
 - `repack`: gguf_linear on the file's own Q4_1 / Q8_0 bytes against q4_1_linear / q8_0_linear on
   the repacked K-major copy (models/gguf_blocks.py), on the default model's shapes (SmolLM2-135M:
   576x576, 960x576 fused qkv, 3072x576 fused gate/up, 576x1536, 49152x576 head), M = 1..6;
-- `ab`: gguf_linear_q8 of this tree's kernels against those of git revision `--base` (its
+- `ab`: gguf_linear_q8 (`--op kq_linear_q8`: kq_linear_q8 over this tree's repacking, the two
+  checked equal bit for bit) of this tree's kernels against those of git revision `--base` (its
   rowstable.cpp built beside them under another op namespace, in the same process), interleaved,
   on weights read cold from memory (copies rotated past the caches' size; `--hot`: one copy, from
   the caches; on one thread CPU time, as `verify`); checks the two agree;
+- `attend`: the row-stable attention of this tree against `--base`'s on the 1.5B's shapes (T =
+  `--m` new tokens after 200 slots, 28 layers a timing), interleaved, checked equal bit for bit;
 - `verify`: one forward of the real 1.5B target (benchmarks/qwen_pair.py's Q4_K_M file, 8-bit
   activations) over T = 1, 2, 4, 8, 16 new tokens after a 100-token context (a verification step),
-  its GGUF projections switched between this tree's gguf_linear_q8 / gguf_linear_cat_q8 and those
-  of `--base` (as in `ab`; the rest of the step is this tree's) in the same loaded model,
+  its GGUF projections and other row-stable kernels (norms, attention) switched between this
+  tree's and those of `--base` (as in `ab`; the Python is this tree's) in the same loaded model,
   interleaved: ms and each T's cost over T = 1, medians (and the ratio of the best times); on one
   thread the CPU time of the step, which another process's preemption does not stretch.
 
@@ -25,6 +28,11 @@ printing medians:
     python3 benchmarks/gguf_kernels.py bandwidth raw --threads 1 --types Q4_K,Q8_0 --m 1 --shapes 151936x1536,16384x8960
     python3 benchmarks/gguf_kernels.py ab --base main --threads 1 --types Q4_K,Q6_K --m 1,2,4
     python3 benchmarks/gguf_kernels.py ab --base main --base-isa avx512vnni --threads 1 --types Q4_K,Q6_K --m 1 --hot
+    python3 benchmarks/gguf_kernels.py ab --op kq_linear_q8 --base main --base-isa avx512vnni --threads 1 \
+        --types Q4_K,Q6_K --m 1,8,12,16 --shapes 17920x1536,1536x8960 --hot
+    python3 benchmarks/gguf_kernels.py ab --op kq_linear_q8 --base file-blocks --threads 1 --types Q4_K,Q5_K,Q6_K \
+        --m 1,8,16 --shapes 17920x1536,1536x8960
+    python3 benchmarks/gguf_kernels.py attend --base main --base-isa avx512vnni --threads 1 --m 1,4,8,16 --reps 41
     python3 benchmarks/gguf_kernels.py verify --base main --threads 1 --reps 9
 
 (the last: matrices far larger than the caches, read from memory, against the bandwidth figures)
@@ -153,47 +161,96 @@ def base_ops(rev: str, isa: str = "avx2"):
     return torch.ops.specdec_rs_base
 
 
-def use_kernels(model, ns) -> None:
+def use_kernels(model, ns, file_blocks: bool = False) -> None:
     """Point every GGUF projection of `model` at gguf_linear_q8 / gguf_linear_cat_q8 of op namespace
-    `ns` (this tree's torch.ops.specdec_rs or base_ops()); the rest of a step stays this tree's."""
+    `ns` (this tree's torch.ops.specdec_rs or base_ops()), and the step's other row-stable kernels
+    (norms, attention, SiLU: each layer's kops) at ns's too; the Python stays this tree's.
+    K-quants repacked for kq_linear_q8 stay repacked (this tree's layout) on `ns`'s kq_linear_q8
+    where it has one, unless file_blocks; else they go back to the file's blocks. (A revision whose
+    kq_linear_q8 lacks a type this tree repacks, Q5_K before it was added, refuses it: file_blocks.)"""
     from specdec.models.gguf_model import GGUFLinear
 
     for lin in model.modules():
         if isinstance(lin, GGUFLinear):
             if lin.rs_blocks is not None and getattr(lin.rs_blocks[0], "__name__", "") == "kq_linear_q8":
+                if hasattr(ns, "kq_linear_q8") and not file_blocks:
+                    lin.rs_blocks = (ns.kq_linear_q8, *lin.rs_blocks[1:])
+                    continue
                 lin.rs_blocks, lin.rs_every_call = None, False  # (K-quants repacked: back on the file's blocks)
             lin.op = ns.gguf_linear_q8
             if lin.op_cat is not None:
                 lin.op_cat = ns.gguf_linear_cat_q8
     for blk in getattr(model, "layers", []):  # the direct decoding-step calls hold the kernels too
+        if blk.kops is not None:
+            blk.kops = ns
         if blk.fast is not None:
             blk.fast = blk.fast_step_args()
 
 
 def ab_table(ops, base, rev: str, types: list[str], shapes: list[tuple[int, int]], ms: list[int], reps: int,
-             hot: bool = False) -> None:
+             hot: bool = False, op: str = "gguf_linear_q8") -> None:
+    """base None (op kq_linear_q8 only): against this tree's gguf_linear_q8 on the file's own blocks
+    (what a projection of that type runs on where it is not repacked), the numbers close, not equal."""
     rng = np.random.default_rng(2)
     print(f"| type | N x K | M | {rev} ms (GB/s) | this tree ms (GB/s) | {rev} / this, median | best |")
     print("|---|---|---|---|---|---|---|")
     for n, k in shapes:
         for name in types:
             t = kernels.GGUF_TYPES[name].id
-            one = random_blocks(t, n, k, rng).reshape(-1)
+            file_bytes = random_blocks(t, n, k, rng).reshape(-1)
+            one = file_bytes
+            if op == "kq_linear_q8":  # this tree's repacking (models/gguf_blocks.pack_k_i8) for both kernels
+                from specdec.models import gguf_blocks
+
+                one = gguf_blocks.pack_k_i8(file_bytes.reshape(n, -1), t).numpy()
             copies = 1 if hot else max(1, int(96e6 // one.size) + 1)  # hot: one copy, in cache; else > L3
             raws = [torch.from_numpy(one.copy()) for _ in range(copies)]
+            files = [torch.from_numpy(file_bytes.copy()) for _ in range(copies)] if base is None else raws
+
+            def product(ns, x, i):
+                if ns is None:  # (the file's blocks)
+                    return ops.gguf_linear_q8(x, files[i], t, n, k)
+                if op == "kq_linear_q8":
+                    return ns.kq_linear_q8(x, [raws[i]], [t], [n], k)
+                return ns.gguf_linear_q8(x, raws[i], t, n, k)
+
             for m in ms:
                 x = torch.randn(m, k)
-                a, b = ops.gguf_linear_q8(x, raws[0], t, n, k), base.gguf_linear_q8(x, raws[0], t, n, k)
+                a, b = product(ops, x, 0), product(base, x, 0)
+                if op == "kq_linear_q8" and base is not None:  # (one set of numbers: a change to its tiles keeps them)
+                    assert torch.equal(a, b), (name, m)
                 assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max())), (name, m)
                 turn = iter(range(10**9))
 
-                def call(op):
-                    return lambda: op.gguf_linear_q8(x, raws[next(turn) % len(raws)], t, n, k)
+                def call(ns):
+                    return lambda: product(ns, x, next(turn) % len(raws))
 
                 res = interleaved({"base": call(base), "this": call(ops)}, reps, 30, one_thread_clock())
                 (bm, bb), (tm, tb) = res["base"], res["this"]
-                print(f"| {name} | {n}x{k} | {m} | {bm * 1e3:.3f} ({one.size / bm / 1e9:.1f}) | {tm * 1e3:.3f} "
+                base_bytes = file_bytes.size if base is None else one.size
+                print(f"| {name} | {n}x{k} | {m} | {bm * 1e3:.3f} ({base_bytes / bm / 1e9:.1f}) | {tm * 1e3:.3f} "
                       f"({one.size / tm / 1e9:.1f}) | {bm / tm:.2f} | {bb / tb:.2f} |", flush=True)
+
+
+def attend_table(ops, base, rev: str, Ts: list[int], reps: int) -> None:
+    """The row-stable attention (`attend`) of this tree against revision rev's on the Qwen2.5 1.5B's
+    shapes (12 query heads on 2 K/V heads of 128, T new tokens after 200 slots, no mask), 28 calls
+    (its layers) a timing, interleaved; checks the two equal bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    print(f"| T | {rev} ms (28 layers) | this tree ms | {rev} / this, median | best |")
+    print("|---|---|---|---|---|")
+    for T in Ts:
+        S = 200 + T
+        q = torch.randn(1, 12, T, 128, generator=g)
+        kc, vc = torch.randn(1, 2, S + 64, 128, generator=g), torch.randn(1, 2, S + 64, 128, generator=g)
+        assert torch.equal(ops.attend(q, kc, vc, S, None), base.attend(q, kc, vc, S, None)), T
+
+        def call(ns):
+            return lambda: [ns.attend(q, kc, vc, S, None) for _ in range(28)]
+
+        res = interleaved({"base": call(base), "this": call(ops)}, reps, 30, one_thread_clock())
+        (bm, bb), (tm, tb) = res["base"], res["this"]
+        print(f"| {T} | {bm * 1e3:.2f} | {tm * 1e3:.2f} | {bm / tm:.2f} | {bb / tb:.2f} |", flush=True)
 
 
 def verify_table(ops, base, rev: str, reps: int) -> None:
@@ -237,8 +294,9 @@ def verify_table(ops, base, rev: str, reps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack", "ab", "verify"])
-    ap.add_argument("--base", default="main", help="ab, verify: the git revision to compare against")
+    ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack", "ab", "attend", "verify"])
+    ap.add_argument("--base", default="main", help="ab, verify: the git revision to compare against (ab --op "
+                    "kq_linear_q8 --base file-blocks: this tree's gguf_linear_q8 on the file's own blocks)")
     ap.add_argument("--base-isa", default="avx2", choices=sorted(kernels.ROWSTABLE_ISA),
                     help="ab, verify: the build of --base's kernels (avx512vnni: the same build as this tree's on a VNNI CPU)")
     ap.add_argument("--threads", type=int, default=None)
@@ -247,8 +305,9 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,F16")
     ap.add_argument("--shapes", default=None, help=f"NxK,... (raw: {QWEN_SHAPES}; repack: {SMOL_SHAPES})")
     ap.add_argument("--m", default=None, help="row counts (raw: 1,4,64,256; repack: 1,2,3,4,5,6)")
-    ap.add_argument("--op", default="gguf_linear_q8", choices=["gguf_linear_q8", "gguf_linear"],
-                    help="raw: the 8-bit-activation path (the default) or the float path")
+    ap.add_argument("--op", default="gguf_linear_q8", choices=["gguf_linear_q8", "gguf_linear", "kq_linear_q8"],
+                    help="raw: the 8-bit-activation path (the default) or the float path; ab: gguf_linear_q8 "
+                         "over the file's blocks or kq_linear_q8 over this tree's repacking (Q4_K, Q5_K, Q6_K)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -265,8 +324,11 @@ def main() -> None:
         if part == "bandwidth":
             bandwidth(a.reps)
         elif part == "ab":
-            ab_table(ops, base_ops(a.base, a.base_isa), a.base, a.types.split(","), parse_shapes(QWEN_SHAPES),
-                     [int(v) for v in (a.m or "1,2,4,8").split(",")], a.reps, a.hot)
+            file_blocks = a.op == "kq_linear_q8" and a.base == "file-blocks"
+            ab_table(ops, None if file_blocks else base_ops(a.base, a.base_isa), a.base, a.types.split(","),
+                     parse_shapes(QWEN_SHAPES), [int(v) for v in (a.m or "1,2,4,8").split(",")], a.reps, a.hot, a.op)
+        elif part == "attend":
+            attend_table(ops, base_ops(a.base, a.base_isa), a.base, [int(v) for v in (a.m or "1,4,8,16").split(",")], a.reps)
         elif part == "verify":
             verify_table(ops, base_ops(a.base, a.base_isa), a.base, a.reps)
         elif part == "raw":

@@ -27,13 +27,120 @@ measured, in specdec/simclock.py (PROFILES).
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 from devset import DEV_SET
 from harness import emit, table
 
 from specdec.simclock import PROFILES, SimClock, charge, curve, simulated
+
+
+def charge_sources(sources, clock: SimClock, step: float, args, target_cost) -> None:
+    """Make each draft source's work advance the simulated clock (module docstring's costs)."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.drafters.eagle import EagleDrafter
+    from specdec.drafters.medusa import MedusaDrafter
+
+    for d in sources:
+        if isinstance(d, DraftModelDrafter) and not getattr(d.model, "_sim", False):
+            charge(d.model, clock, lambda tokens: step * args.draft_ratio * target_cost(tokens))
+            d.model._sim = True
+        elif isinstance(d, EagleDrafter) and not getattr(d, "_sim", False):
+            propose = d.propose
+
+            def eagle_propose(ctx, max_tokens, d=d, propose=propose):
+                behind = sum(d.lags(ctx.tokens))
+                out = propose(ctx, max_tokens)
+                if max_tokens > 0 and (ctx.want is None or any(ctx.want)):
+                    clock.advance(step * (args.eagle + args.catch_up * behind))
+                return out
+            d.propose, d._sim = eagle_propose, True
+        elif isinstance(d, MedusaDrafter) and not getattr(d, "_sim", False):
+            propose = d.propose
+
+            def medusa_propose(ctx, max_tokens, propose=propose):
+                out = propose(ctx, max_tokens)
+                if max_tokens > 0:
+                    clock.advance(step * args.medusa)
+                return out
+            d.propose, d._sim = medusa_propose, True
+
+
+def serve_levels(args, target, clock: SimClock, step: float, target_cost, methods: list[str], trace) -> int:
+    """--serve: the server's scheduler (a ContinuousBatcher per method, as `specdec serve` builds it:
+    requests with their own sampling settings, one long-lived cost model) answering levels of C
+    requests sent at once, each level's prompts new to both; tokens per simulated second against
+    `none`'s, and each answer checked against none's."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from serve_load import short_code_prompts
+
+    from specdec.config import SpecConfig
+    from specdec.core.request import Request
+    from specdec.core.scheduler import ContinuousBatcher
+    from specdec.methods import sources_for
+    from specdec.drafters.suffix import forget_shared
+    from specdec.text import render_chat
+    from specdec.types import SamplingParams
+
+    tok = target.tokenizer
+    if args.serve_data == "code":
+        texts = short_code_prompts()
+    else:
+        texts = [json.loads(line)["turns"][0] for line in open(args.data)]
+        texts = [render_chat(tok, [{"role": "user", "content": t}]) for t in texts]
+    enc = [ids for ids in (tok.encode(t) for t in texts) if len(ids) < 700]
+    levels = [int(c) for c in args.serve.split(",")]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens) if args.samplings == "greedy" else \
+        SamplingParams(max_new_tokens=args.max_new_tokens, temperature=float(args.samplings[1:]), seed=7)
+    warm, fresh = enc[-8:], enc[:-8]
+
+    def level(batcher, prompts) -> tuple[float, list[list[int]]]:
+        done: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            batcher.submit(Request(list(p), params, lambda ids: None,
+                                   lambda reason, stats, i=i: done.setdefault(i, []), id=str(i)))
+        reqs = list(batcher.waiting.queue)
+        t0 = clock()
+        batcher.run(until=lambda: len(done) == len(prompts))
+        return clock() - t0, [r.tokens for r in reqs]
+
+    results: dict[str, dict[int, tuple[float, list]]] = {}
+    for method in ["none"] + methods:
+        forget_shared()
+        cfg = SpecConfig(method=method, max_batch=max(32, max(levels)))
+        sources, k = sources_for(cfg, target, True)  # as config.build_batcher, on the charged target
+        batcher = ContinuousBatcher(target.model, target.eos_ids, sources, method=method, k_max=k or cfg.method_k(),
+                                    max_batch=cfg.max_batch, max_context=cfg.max_context, thread=False)
+        charge_sources(batcher.sources.drafters, clock, step, args, target_cost)
+        batcher.log = trace
+        batcher.warm_up()
+        for p in warm[:4]:  # as serve_load warms a server: one at a time, then four at once
+            level(batcher, [p])
+        level(batcher, warm[4:])
+        results[method], at = {}, 0
+        for c in levels:  # (at least 8 requests a level: below 8 clients, rounds of c)
+            took, out = 0.0, []
+            for _ in range(-(-8 // c)):
+                seconds, tokens = level(batcher, fresh[at:at + c])
+                took, out, at = took + seconds, out + tokens, at + c
+            results[method][c] = (took, out)
+    rows = []
+    for method in methods:
+        for c in levels:
+            (t_none, out_none), (t_m, out_m) = results["none"][c], results[method][c]
+            tokens = sum(len(t) for t in out_m)
+            rows.append({"method": method, "clients": c, "ratio": round(t_none / t_m, 3),
+                         "equal": out_m == out_none, "tokens": tokens})
+            print(f"  {method}, {c} clients: {t_none / t_m:.3f} of plain", flush=True)
+    print(table(rows, ["method", "clients", "ratio", "equal", "tokens"]))
+    emit({"benchmark": "policy_sim", "mode": "serve", "profile": args.profile, "data": args.serve_data,
+          "costs": vars(args), "cells": rows, "worst": min((r["ratio"] for r in rows), default=None)})
+    return 0
 
 
 def main() -> int:
@@ -54,14 +161,17 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0: all)")
     ap.add_argument("--trace", action="store_true", help="print every step's choice and simulated time")
+    ap.add_argument("--serve", default=None, metavar="LEVELS",
+                    help="the server's scheduler instead of generate: levels of C requests sent at once, e.g. "
+                         "1,8,16,32 (one --samplings setting)")
+    ap.add_argument("--serve-data", default="code", choices=("code", "chat"),
+                    help="with --serve: 'code' (short raw code completions, as serve_load.py --data code) or "
+                         "'chat' (the --data file's first turns). Default: code")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     from specdec.bench.tasks import dev_and_humaneval
     from specdec.config import SpecConfig, build_engine
-    from specdec.drafters.draft_model import DraftModelDrafter
-    from specdec.drafters.eagle import EagleDrafter
-    from specdec.drafters.medusa import MedusaDrafter
     from specdec.drafters.suffix import forget_shared
     from specdec.metrics import summarize
     from specdec.models.loader import load_model
@@ -93,31 +203,12 @@ def main() -> int:
                 scheduler.log = trace
                 return scheduler
             e._scheduler = traced
-        for d in e.sources:
-            if isinstance(d, DraftModelDrafter) and not getattr(d.model, "_sim", False):
-                charge(d.model, clock, lambda tokens: step * args.draft_ratio * target_cost(tokens))
-                d.model._sim = True
-            elif isinstance(d, EagleDrafter):
-                propose = d.propose
-
-                def eagle_propose(ctx, max_tokens, d=d, propose=propose):
-                    behind = sum(d.lags(ctx.tokens))
-                    out = propose(ctx, max_tokens)
-                    if max_tokens > 0 and (ctx.want is None or any(ctx.want)):
-                        clock.advance(step * (args.eagle + args.catch_up * behind))
-                    return out
-                d.propose = eagle_propose
-            elif isinstance(d, MedusaDrafter):
-                propose = d.propose
-
-                def medusa_propose(ctx, max_tokens, propose=propose):
-                    out = propose(ctx, max_tokens)
-                    if max_tokens > 0:
-                        clock.advance(step * args.medusa)
-                    return out
-                d.propose = medusa_propose
+        charge_sources(e.sources, clock, step, args, target_cost)
         return e
 
+    if args.serve:
+        with simulated(clock):
+            return serve_levels(args, target, clock, step, target_cost, methods, trace if args.trace else None)
     real = time.perf_counter
     rows, cells = [], []
     with simulated(clock):

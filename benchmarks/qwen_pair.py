@@ -23,9 +23,11 @@ benchmarks, checks each file's size and sha256 prefix, and stores them under
         # the verify-cost curve: one forward over T = 1, 2, 4, 8, 16 tokens after 200 of context (a
         # verification step, logits for every token) beside llama.cpp's batched decode of the same
         # file, interleaved, and t(T) / t(1); SPECDEC_ROWSTABLE=avx2 in front: the kernels' AVX2 build
-    (peers, verify --base REV: also specdec with its GGUF projections on git revision REV's
-    kernels, AVX2 build (benchmarks/gguf_kernels.py's base_ops), interleaved with the others:
-    `--base main` compares a change to the kernels, `--base HEAD` the AVX-512 VNNI build with the AVX2 one)
+    (peers, verify --base REV: also specdec with its GGUF projections, norms and attention on git
+    revision REV's kernels, AVX2 build (benchmarks/gguf_kernels.py's base_ops), interleaved with the others:
+    `--base main` compares a change to the kernels, `--base HEAD` the AVX-512 VNNI build with the AVX2 one;
+    K-quants repacked for kq_linear_q8 run on REV's kq_linear_q8 over this tree's repacking, or with
+    --base-file-blocks on REV's gguf_linear_q8 over the file's own blocks)
     python benchmarks/qwen_pair.py profile --threads 2 --reps 20 --T 1,4,8,16 [--model default]
         # where a step of T tokens spends its time: each kernel call of the step timed in place
         # (weights as cold as in decoding), per projection with its GB/s, and the Python between them
@@ -319,10 +321,11 @@ def measure_peers(threads: int, max_new: int, n_prompts: int, repeats: int, base
     return out
 
 
-def verify_models(which: str, base: str | None, base_isa: str, float_path: bool) -> dict:
+def verify_models(which: str, base: str | None, base_isa: str, float_path: bool, base_file_blocks: bool = False) -> dict:
     """name -> the model a verify or profile run times: `which` is "target" (the 1.5B, 8-bit
     activations: the default), "default" (the default model) or a GGUF path; with float_path the
-    1.5B's float path too, with base its GGUF projections on revision base's kernels (build base_isa)."""
+    1.5B's float path too, with base its GGUF projections on revision base's kernels (build base_isa;
+    base_file_blocks: on the file's own blocks, not on base's kq_linear_q8 over this tree's repacking)."""
     from specdec.models.loader import load_model
 
     def load():
@@ -335,7 +338,7 @@ def verify_models(which: str, base: str | None, base_isa: str, float_path: bool)
         from gguf_kernels import base_ops, use_kernels
 
         models[f"specdec-{base}-{base_isa}"] = load()
-        use_kernels(models[f"specdec-{base}-{base_isa}"], base_ops(base, base_isa))
+        use_kernels(models[f"specdec-{base}-{base_isa}"], base_ops(base, base_isa), base_file_blocks)
     return models
 
 
@@ -366,7 +369,7 @@ def llamacpp_verify(path: Path, threads: int, ctx: list[int], P: int):
 
 def measure_verify(threads: int, reps: int, base: str | None = None, which: str = "target", context: int = 200,
                    Ts: tuple = (1, 2, 4, 8, 16), float_path: bool = False, llamacpp: bool = True,
-                   base_isa: str = "avx2") -> dict:
+                   base_isa: str = "avx2", base_file_blocks: bool = False) -> dict:
     """Seconds of one forward over T new tokens (a chain, the LM head on every token) after a
     `context`-token context (a verification step of T - 1 guesses; T = 1 is a plain decoding step):
     specdec (and its float path, revision base's kernels) beside llama.cpp's batched decode of the
@@ -383,7 +386,7 @@ def measure_verify(threads: int, reps: int, base: str | None = None, which: str 
     P = context
     ctx = torch.randint(1000, 20000, (1, P + max(Ts)), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        for name, m in verify_models(which, base, base_isa, float_path).items():
+        for name, m in verify_models(which, base, base_isa, float_path, base_file_blocks).items():
             cache = m.new_cache(1, P + 64)
             m(ctx[:, :P], torch.arange(P)[None], cache)
 
@@ -587,6 +590,9 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--base", default=None, help="peers, verify: also time git revision BASE's kernels (AVX2 build)")
     ap.add_argument("--base-isa", default="avx2", help="verify: the build of --base's kernels (avx2, avx512vnni)")
+    ap.add_argument("--base-file-blocks", action="store_true",
+                    help="verify: --base's K-quant projections on the file's own blocks (gguf_linear_q8), "
+                         "not on its kq_linear_q8 over this tree's repacking")
     ap.add_argument("--model", default="target",
                     help="verify, profile: target (the 1.5B), default (the default model) or a GGUF path")
     ap.add_argument("--T", default="1,2,4,8,16", help="verify, profile: the step sizes (tokens)")
@@ -607,7 +613,7 @@ def main() -> None:
         res = measure_peers(a.threads, a.max_new_tokens, a.prompts, a.repeats, a.base)
     elif a.what == "verify":
         res = measure_verify(a.threads, a.reps, a.base, a.model, a.context, tuple(int(t) for t in a.T.split(",")),
-                             a.float_path, not a.no_llamacpp, a.base_isa)
+                             a.float_path, not a.no_llamacpp, a.base_isa, a.base_file_blocks)
     elif a.what == "profile":
         res = measure_profile(a.threads, a.reps, tuple(int(t) for t in a.T.split(",")), a.model, a.context)
     else:

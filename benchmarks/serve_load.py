@@ -115,7 +115,7 @@ def start(setting: str, args) -> tuple:
         time.sleep(0.5)
 
 
-STEP_LINE = re.compile(r"step: batch (\d+), draft cap \d+, tree rows \d+, guesses (\d+), accepted \d+, ([\d.]+) ms")
+STEP_LINE = re.compile(r"step: batch (\d+), draft cap \d+, guesses (\d+), accepted \d+, ([\d.]+) ms")
 
 
 PREFILL_LINE = re.compile(r"prefill: \d+ tokens, row \d+, ([\d.]+) ms")
@@ -267,7 +267,9 @@ def main() -> int:
 
         texts = [t.prompt for t in load_humaneval()]
     fits = [t for t in texts if len(lm.tokenizer.encode(t)) < 1024 - args.max_tokens - 64]
-    prompts = fits[:: max(1, len(fits) // 32)][:32]  # spread over the file (categories), each fits the 1024-token rows
+    # chat: 32 spread over the file (its categories); code: every task, so that levels and repeats
+    # send distinct prompts (a repeated prompt drafts its own earlier answer from the suffix cache)
+    prompts = fits if args.data == "code" else fits[:: max(1, len(fits) // 32)][:32]
     settings = {}
     for name in args.settings.split(","):
         if name not in SETTINGS:

@@ -42,7 +42,7 @@ def cmd_serve(args) -> int:
     threads.start(cfg.threads)
     lm, batcher = build_batcher(cfg)
     threads.settle()  # the free cores, measured while loading (the batcher may call threads.tick per step)
-    if args.log_level == "debug":  # one line per step: batch size, draft cap, tree rows, guesses, accepted, time
+    if args.log_level == "debug":  # one line per step: batch size, draft cap, guesses, accepted, time, sources
         log = logging.getLogger("specdec.batcher")
         log.setLevel(logging.DEBUG)
         if not log.handlers:  # nothing configures the root logger: without a handler the lines went nowhere

@@ -39,9 +39,10 @@ def _ngram(cfg, target, quiet):
     return [NgramDrafter()]
 
 
-def _draft_model(cfg, target, quiet, required: bool = True, lazy: bool = False):
-    """The draft model (cfg.draft, else the one shipped for the target) as a source; None where
-    there is none and none is required."""
+def _draft_model(cfg, target, quiet, required: bool = True):
+    """The draft model (cfg.draft, else the one shipped for the target) as a source that reads a
+    joining prompt when it first drafts for the row (`draft_source`); None where there is none
+    and none is required."""
     from .models.loader import default_draft_for, load_model
 
     path = cfg.draft or default_draft_for(target)
@@ -51,13 +52,15 @@ def _draft_model(cfg, target, quiet, required: bool = True, lazy: bool = False):
                                "only the default model ships with a draft")
         return None
     draft = load_model(str(path), dtype=target.model.dtype, quiet=quiet, pack=False)
-    return draft_source(target, draft, cfg.draft_confidence, lazy)
+    return draft_source(target, draft, cfg.draft_confidence)
 
 
-def draft_source(target, draft, confidence: float | None = None, lazy: bool = False):
+def draft_source(target, draft, confidence: float | None = None, lazy: bool = True):
     """A loaded draft model (`load_model(path, pack=False)`) as a source for the loaded target,
-    refused when its vocabulary differs; lazy: it reads a joining prompt when it first drafts
-    for the row (beside prompt lookup)."""
+    refused when its vocabulary differs. lazy: it reads a joining prompt when it first drafts for
+    the row (a catch-up the cost model prices), so a request it never drafts for pays nothing: a
+    server answering short prompts with `--method draft` had paid 0.4 of every prompt's prefill
+    again in the draft (0.89-0.93 of plain at 4-32 clients, policy_sim.py --serve); False: at once."""
     from .drafters.draft_model import DEFAULT_CONFIDENCE, DraftModelDrafter, check_same_vocabulary
 
     check_same_vocabulary(getattr(target, "tokenizer", None), draft.tokenizer)
@@ -136,7 +139,7 @@ def _auto(cfg, target, quiet):
     known = _ngram(cfg, target, quiet) + _suffix(cfg, target, quiet)
     if is_eagle_dir(path):
         return known + [_eagle_head(cfg, target, path, tree=True)]
-    draft = _draft_model(cfg, target, quiet, required=False, lazy=True)
+    draft = _draft_model(cfg, target, quiet, required=False)
     if draft is None and not quiet:
         print("[specdec] no EAGLE head or draft model for this model: auto drafts with prompt lookup and the suffix "
               "cache alone; pass --draft with a head from `specdec train eagle` or a draft model", file=sys.stderr)

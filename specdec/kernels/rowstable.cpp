@@ -34,7 +34,7 @@
 // everything else is the same source. q4_1_linear_q8 / q8_0_linear_q8 (at the end of this file) take
 // the 32-weight block types repacked in groups of 16 outputs on 8-bit activations: lane n is output n
 // in both builds (16 a register on VNNI, 8 on AVX2), with the same integer and float operations;
-// kq_linear_q8 (after them) takes Q4_K / Q6_K blocks repacked the same way, a sub-block's scale one
+// kq_linear_q8 (after them) takes Q4_K / Q5_K / Q6_K blocks repacked the same way, a sub-block's scale one
 // float operation for 16 outputs.
 
 #include <ATen/ATen.h>
@@ -1843,16 +1843,33 @@ inline __m256 hsum8x8(const __m256 a[8]) {
                        _mm256_shuffle_ps(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// One query (Dh = 8 * NV) over the first S slots of its K/V head; mrow: its additive mask row or null.
+// The largest score of sc[0, S8) (the slots past S already -inf). A maximum is exact, so the same
+// value as a pass in slot order (whose chain of S dependent scalar maxima held up a query's softmax).
+inline float max_scores(const float* sc, int64_t S8) {
+  __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+  int64_t s = 0;
+  for (; s + 16 <= S8; s += 16) {
+    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(sc + s));
+    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(sc + s + 8));
+  }
+  if (s < S8) m0 = _mm256_max_ps(m0, _mm256_loadu_ps(sc + s));
+  m0 = _mm256_max_ps(m0, m1);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m0), _mm256_extractf128_ps(m0, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+// One query's (Dh = 8 * NV) weights over the first S slots of its K/V head, exp(score - max), into
+// sc[0, S8) (0 past S); mrow: its additive mask row or null. from (a multiple of 8): the slots whose
+// scores sc already holds (attend_two's).
 template <int NV>
-void attend_one(const float* q, const float* mrow, float* dst, const float* K, const float* V, int64_t S, float scale,
-                float* sc) {
+void attend_weights(const float* q, const float* mrow, const float* K, int64_t S, float scale, float* sc, int64_t from = 0) {
   constexpr int64_t Dh = 8 * NV;
   __m256 qv[NV];
   for (int d = 0; d < NV; ++d) qv[d] = _mm256_loadu_ps(q + 8 * d);
   const int64_t S8 = (S + 7) / 8 * 8;
   const __m256 scv = _mm256_set1_ps(scale);
-  int64_t s = 0;
+  int64_t s = from;
   for (; s + 8 <= S; s += 8) {  // 8 slots' chains, then their 8 horizontal sums at once (hsum8x8)
     __m256 acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(K + (s + j) * Dh));
@@ -1870,10 +1887,16 @@ void attend_one(const float* q, const float* mrow, float* dst, const float* K, c
     sc[s] = mrow ? r + mrow[s] : r;
   }
   for (int64_t s = S; s < S8; ++s) sc[s] = -INFINITY;
-  float mx = -INFINITY;
-  for (int64_t s = 0; s < S; ++s) mx = std::max(mx, sc[s]);
-  const __m256 m = _mm256_set1_ps(mx);
+  const __m256 m = _mm256_set1_ps(max_scores(sc, S8));
   for (int64_t s = 0; s < S8; s += 8) _mm256_storeu_ps(sc + s, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc + s), m)));
+}
+
+// One query (Dh = 8 * NV) over the first S slots of its K/V head; mrow: its additive mask row or null.
+template <int NV>
+void attend_one(const float* q, const float* mrow, float* dst, const float* K, const float* V, int64_t S, float scale,
+                float* sc) {
+  constexpr int64_t Dh = 8 * NV;
+  attend_weights<NV>(q, mrow, K, S, scale, sc);
   float l = 0.0f;
 #if ROWSTABLE_VNNI
   // (the VNNI build: 16 dims a register, each lane the same FMA chain as the 8-lane code's)
@@ -1903,6 +1926,68 @@ void attend_one(const float* q, const float* mrow, float* dst, const float* K, c
 #endif
 }
 
+#if ROWSTABLE_VNNI
+// Two queries of one K/V head (each with its mask row), attend_one's operations for each, lane for
+// lane: their scores in one pass over the keys (the two 8-lane chains in one 512-bit register) and
+// their weighted sums of values in one pass over the slots, whose two sets of FMA chains (each a
+// dependent chain over the slots) then run side by side. (The AVX2 build's 16 registers do not hold
+// both sets.)
+template <int NV>
+void attend_two(const float* qa, const float* qb, const float* ma, const float* mb, float* da, float* db, const float* K,
+                const float* V, int64_t S, float scale, float* sa, float* sb) {
+  constexpr int64_t Dh = 8 * NV;
+  // the scores of whole groups of 8 slots: query a's 8-lane chains in the low half of a 512-bit
+  // register, b's in the high half, each slot's 8 keys broadcast to both (half the FMAs)
+  __m512 qv[NV];
+  for (int d = 0; d < NV; ++d)
+    qv[d] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(qa + 8 * d))),
+                                                _mm256_castps_pd(_mm256_loadu_ps(qb + 8 * d)), 1));
+  const __m256 scv = _mm256_set1_ps(scale);
+  auto keys = [&](int64_t slot, int d) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(K + slot * Dh + 8 * d))));
+  };
+  int64_t s = 0;
+  for (; s + 8 <= S; s += 8) {
+    __m512 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_mul_ps(qv[0], keys(s + j, 0));
+    for (int d = 1; d < NV; ++d)
+      for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qv[d], keys(s + j, d), acc[j]);
+    __m256 lo[8], hi[8];
+    for (int j = 0; j < 8; ++j) {
+      lo[j] = _mm512_castps512_ps256(acc[j]);
+      hi[j] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1));
+    }
+    __m256 ra = _mm256_mul_ps(hsum8x8(lo), scv), rb = _mm256_mul_ps(hsum8x8(hi), scv);
+    if (ma) ra = _mm256_add_ps(ra, _mm256_loadu_ps(ma + s));
+    if (mb) rb = _mm256_add_ps(rb, _mm256_loadu_ps(mb + s));
+    _mm256_storeu_ps(sa + s, ra);
+    _mm256_storeu_ps(sb + s, rb);
+  }
+  attend_weights<NV>(qa, ma, K, S, scale, sa, s);
+  attend_weights<NV>(qb, mb, K, S, scale, sb, s);
+  float la = 0.0f, lb = 0.0f;
+  __m512 oa[NV / 2], ob[NV / 2];
+  for (int d = 0; d < NV / 2; ++d) oa[d] = ob[d] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const float wa = sa[s], wb = sb[s];
+    la += wa;
+    lb += wb;
+    const __m512 pa = _mm512_set1_ps(wa), pb = _mm512_set1_ps(wb);
+    const float* v = V + s * Dh;
+    for (int d = 0; d < NV / 2; ++d) {
+      const __m512 vv = _mm512_loadu_ps(v + 16 * d);
+      oa[d] = _mm512_fmadd_ps(pa, vv, oa[d]);
+      ob[d] = _mm512_fmadd_ps(pb, vv, ob[d]);
+    }
+  }
+  const __m512 ia = _mm512_set1_ps(1.0f / la), ib = _mm512_set1_ps(1.0f / lb);
+  for (int d = 0; d < NV / 2; ++d) {
+    _mm512_storeu_ps(da + 16 * d, _mm512_mul_ps(oa[d], ia));
+    _mm512_storeu_ps(db + 16 * d, _mm512_mul_ps(ob[d], ib));
+  }
+}
+#endif
+
 // out[b, h, t] = softmax(q . k / sqrt(Dh) + mask) @ v over the first S cache slots (row b: its first
 // rk[b] where rk is given), grouped-query heads (query head h reads K/V head h / G). mask: null or
 // additive [B, 1, G * T, S] (row g * T + t: token t of query head g of a K/V head; -inf = hidden), the
@@ -1918,7 +2003,7 @@ void attention_core(const float* qp, int64_t B, int64_t H, int64_t T, int64_t Dh
   // step): waking the others costs as much, and far more on a busy machine. (Numbers are per query.)
   const int64_t items = B * H * T, grain = items * S * Dh < (int64_t{1} << 18) ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t w0, int64_t w1) {
-    std::vector<float> sc(S8);
+    std::vector<float> sc(2 * S8);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t t = w % T, h = (w / T) % H, b = w / (T * H);
       const int64_t hk = h / G, g = h % G;
@@ -1928,6 +2013,20 @@ void attention_core(const float* qp, int64_t B, int64_t H, int64_t T, int64_t Dh
       float* dst = op + (b * so_b + t * so_t + h * so_h) * Dh;
       const float* K = kp + (b * Hkv + hk) * Smax * Dh;
       const float* V = vp + (b * Hkv + hk) * Smax * Dh;
+#if ROWSTABLE_VNNI
+      // the next item too where it reads the same K/V head (the next token, or the next query head
+      // of the group): attend_two
+      const int64_t w2 = w + 1, t2 = w2 % T, h2 = (w2 / T) % H;
+      if (w2 < w1 && w2 / (T * H) == b && h2 / G == hk && (Dh == 64 || Dh == 128)) {
+        const float* q2 = qp + ((b * H + h2) * T + t2) * Dh;
+        const float* m2 = mp ? mp + (b * G * T + (h2 % G) * T + t2) * S : nullptr;
+        float* d2 = op + (b * so_b + t2 * so_t + h2 * so_h) * Dh;
+        if (Dh == 64) attend_two<8>(q, q2, mrow, m2, dst, d2, K, V, Sb, scale, sc.data(), sc.data() + S8);
+        else attend_two<16>(q, q2, mrow, m2, dst, d2, K, V, Sb, scale, sc.data(), sc.data() + S8);
+        ++w;
+        continue;
+      }
+#endif
       if (Dh == 64) attend_one<8>(q, mrow, dst, K, V, Sb, scale, sc.data());
       else if (Dh == 128) attend_one<16>(q, mrow, dst, K, V, Sb, scale, sc.data());
       else if (Dh == 32) attend_one<4>(q, mrow, dst, K, V, Sb, scale, sc.data());
@@ -2129,9 +2228,7 @@ void attend_one_scaled(const float* q, const float* mrow, float* dst, const floa
   if (mrow)
     for (int64_t s = 0; s < S; ++s) sc[s] += mrow[s];
   for (int64_t s = S; s < S8; ++s) sc[s] = -INFINITY;
-  float mx = -INFINITY;
-  for (int64_t s = 0; s < S; ++s) mx = std::max(mx, sc[s]);
-  const __m256 m = _mm256_set1_ps(mx);
+  const __m256 m = _mm256_set1_ps(max_scores(sc, S8));
   for (int64_t s = 0; s < S8; s += 8) _mm256_storeu_ps(sc + s, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc + s), m)));
   for (int64_t d = 0; d < nv; ++d) o[d] = _mm256_setzero_ps();
   float l = 0.0f;
@@ -2563,10 +2660,11 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// kq_linear_q8: a GGUF file's Q4_K / Q6_K matrices on 8-bit activations, over their blocks repacked
-// in groups of 16 output rows (models/gguf_blocks, pack_q4_k_i8 / pack_q6_k_i8), so that one integer
+// kq_linear_q8: a GGUF file's Q4_K / Q5_K / Q6_K matrices on 8-bit activations, over their blocks repacked
+// in groups of 16 output rows (models/gguf_blocks, pack_q4_k_i8 / pack_q5_k_i8 / pack_q6_k_i8), so that one integer
 // dot-product instruction takes the same 4 weights of all 16 outputs, and each sub-block's scale is
-// one float operation for 16 outputs: a step of several tokens then costs little more than one.
+// one float operation for 16 outputs: a step of several tokens then costs little more than one. A
+// block is decoded once for a tile of up to 16 activation rows (VNNI; 8 on AVX2).
 //
 // Layout: output rows in groups of 16, K-major; per group and 256-weight block, a quad u (0-63) being
 // the weights 4u..4u+3 and a 64-byte vector holding in bytes 4n..4n+3 a quad of output n:
@@ -2574,18 +2672,20 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
 //     then 32 vectors, vector 8p + t with quad 16p + t in
 //     the low nibbles and quad 16p + 8 + t in the high ones (the file's nibble pairing): 2368 bytes,
 //     64 more than the file's 16 blocks (2.8%);
+//   Q5_K: Q4_K's (q's low 4 bits in the nibbles), then 8 vectors of the fifth bits (vector t: bits 2p,
+//     2p + 1 of a byte those of quads 16p + t, 16p + 8 + t): 2880 bytes, 64 more than the file's (2.3%);
 //   Q6_K: d[16] as float16; sc[16][16], the sub-blocks' int8 scales; 32
 //     vectors of the quants' low 4 bits (vector v: quad v low, quad v + 32 high); 16 vectors of their
 //     high 2 bits (vector w: bits 2c, 2c + 1 of a byte those of quad w + 16c): 3360 bytes, as the file.
 // The activations are rounded as gguf_linear_q8 rounds them for the K-quants (quantize_rows_q8,
-// slices of 256: dx, q_x, and the sums B of each 32 (Q4_K) or 16 (Q6_K) q_x). Per activation row,
-// output n and block b, sub-blocks s (Q4_K: 8 of 32 weights; Q6_K: 16 of 16), quants q >= 0:
-//     S_s = <q_s, q_x,s>,  C = sum_s c_s B_s            (exact int32; Q4_K c = m, Q6_K c = sc)
+// slices of 256: dx, q_x, and the sums B of each 32 (Q4_K, Q5_K) or 16 (Q6_K) q_x). Per activation
+// row, output n and block b, sub-blocks s (Q4_K, Q5_K: 8 of 32 weights; Q6_K: 16 of 16), quants q >= 0:
+//     S_s = <q_s, q_x,s>,  C = sum_s c_s B_s            (exact int32; Q4_K, Q5_K c = m, Q6_K c = sc)
 //     dsc_s = d * sc_s                                   (float)
-//     t = dsc_0 S_0;  t = fma(S_s, dsc_s, t) for s = 1, 2, ...;  t = fma(C, e, t)   (Q4_K e = -dmin, Q6_K -32 d)
+//     t = dsc_0 S_0;  t = fma(S_s, dsc_s, t) for s = 1, 2, ...;  t = fma(C, e, t)   (Q4/5_K e = -dmin, Q6_K -32 d)
 //     acc = fma(t, dx_b, acc)
-// blocks in order, y = acc (S, C converted to float32; w = d sc q - dmin m for Q4_K, d sc (q - 32)
-// for Q6_K). Lane n of a register is output n throughout. Every integer is exact in both builds
+// blocks in order, y = acc (S, C converted to float32; w = d sc q - dmin m for Q4_K and Q5_K,
+// d sc (q - 32) for Q6_K). Lane n of a register is output n throughout. Every integer is exact in both builds
 // (VNNI: _mm512_dpbusd_epi32 / _mm512_dpwssd_epi32 on 16 outputs; AVX2: _mm256_maddubs_epi16 (a pair
 // at most 2 x 63 x 127) + _mm256_madd_epi16 on 8), and the float operations are the same in both
 // and for every row count: row-stable, the two builds equal bit for bit. The VNNI build takes Q4_K's
@@ -2595,12 +2695,12 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
 namespace {
 
 constexpr int64_t KQ_G = 16;    // output rows per group
-constexpr int64_t KQ_TILE = 8;  // activation rows a tile takes at most
+constexpr int64_t KQ_TILE = ROWSTABLE_VNNI ? 16 : 8;  // activation rows a tile takes at most (kq_tile)
 #ifndef KQ_PF_BLOCKS
 #define KQ_PF_BLOCKS 4
 #endif
 
-constexpr int64_t kq_block_bytes(int64_t type) { return type == 12 ? 2368 : type == 14 ? 3360 : 0; }
+constexpr int64_t kq_block_bytes(int64_t type) { return type == 12 ? 2368 : type == 13 ? 2880 : type == 14 ? 3360 : 0; }
 
 // What the tile needs of a block, the same in both builds: NS sub-blocks of QPS quads, NP pairs of the
 // correction's factors.
@@ -2608,6 +2708,11 @@ struct KqQ4K {
   static constexpr int NS = 8, QPS = 8, NP = 4, GROUP16 = 8;  // GROUP16: the AVX2 build's int16 sums (kq_tile)
   static constexpr int64_t BB = 2368;
   static constexpr bool B32 = true;  // the correction's sums over 32 q_x (else 16)
+};
+struct KqQ5K {  // (AVX2 int16 sums of 4 quads: at most 4 x 2 x 31 x 127 = 31496)
+  static constexpr int NS = 8, QPS = 8, NP = 4, GROUP16 = 4;
+  static constexpr int64_t BB = 2880;
+  static constexpr bool B32 = true;
 };
 struct KqQ6K {
   static constexpr int NS = 16, QPS = 4, NP = 8, GROUP16 = 2;
@@ -2702,6 +2807,21 @@ inline void kq_dsc(KqQ4K, const KqLanes& L, const uint8_t* p, kq_f d, int j, kq_
 #endif
 }
 
+// Q5_K: Q4_K's nibbles (both shifted down) with the fifth bits of vector 2048 / 64 + k, bits 2j and
+// 2j + 1 (a branch on j, as kq_q6_quad's on the quarter)
+inline void kq_quads(KqQ5K, const KqLanes& L, const uint8_t* p, int j, int k, kq_i& w0, kq_i& w1) {
+  const kq_i v = L.bytes(p + 320 + 512 * j + 64 * k);
+  const kq_i h = L.bytes(p + 2368 + 64 * k);
+  const kq_i h0 = j == 0 ? KqLanes::shl(h, 4) : j == 1 ? KqLanes::shl(h, 2) : j == 2 ? h : KqLanes::shr(h, 2);
+  const kq_i h1 = j == 0 ? KqLanes::shl(h, 3) : j == 1 ? KqLanes::shl(h, 1) : j == 2 ? KqLanes::shr(h, 1) : KqLanes::shr(h, 3);
+  w0 = KqLanes::or_and(KqLanes::and_(v, KqLanes::set8(0x0F)), h0, KqLanes::set8(0x10));
+  w1 = KqLanes::or_and(KqLanes::and_(KqLanes::shr(v, 4), KqLanes::set8(0x0F)), h1, KqLanes::set8(0x10));
+}
+inline void kq_dsc(KqQ5K, const KqLanes& L, const uint8_t* p, kq_f d, int j, kq_f& dsc0, kq_f& dsc1) {
+  dsc0 = KqLanes::mul(KqLanes::cvt(L.u8_32(p + 64 + 32 * j)), d);
+  dsc1 = KqLanes::mul(KqLanes::cvt(L.u8_32(p + 80 + 32 * j)), d);
+}
+
 // Q6_K quad u (quarter c = u / 16): low 4 bits from vector u % 32 (low nibbles for u < 32), high 2
 // from vector 32 + u % 16, bits 2c, 2c + 1
 inline kq_i kq_q6_quad(const KqLanes& L, const uint8_t* p, int u) {
@@ -2725,38 +2845,52 @@ inline void kq_dsc(KqQ6K, const KqLanes& L, const uint8_t* p, kq_f d, int j, kq_
 
 // the correction's factor pair j (sub-blocks 2j, 2j + 1) of a group's 16 outputs
 inline kq_i kq_pair(KqQ4K, const KqLanes& L, const uint8_t* p, int j) { return L.pairs(p + 192 + 32 * j, p + 208 + 32 * j, false); }
+inline kq_i kq_pair(KqQ5K, const KqLanes& L, const uint8_t* p, int j) { return L.pairs(p + 192 + 32 * j, p + 208 + 32 * j, false); }
 inline kq_i kq_pair(KqQ6K, const KqLanes& L, const uint8_t* p, int j) { return L.pairs(p + 32 + 32 * j, p + 48 + 32 * j, true); }
 // the correction's float factor e: Q4_K -dmin, Q6_K -32 d
 inline kq_f kq_e(KqQ4K, const KqLanes& L, const uint8_t* p, kq_f) { return KqLanes::mul(L.f16(p + 32), KqLanes::set1(-1.0f)); }
+inline kq_f kq_e(KqQ5K, const KqLanes& L, const uint8_t* p, kq_f) { return KqLanes::mul(L.f16(p + 32), KqLanes::set1(-1.0f)); }
 inline kq_f kq_e(KqQ6K, const KqLanes&, const uint8_t*, kq_f d) { return KqLanes::mul(d, KqLanes::set1(-32.0f)); }
 
-// MR activation rows (quants xq, row stride K; scales dx, row stride K / 256; the correction's int16
-// sums bs, row stride K / 32 (Q4_K) or K / 16 (Q6_K)) x a group's outputs (L) over nb blocks.
-template <int MR, class T>
+// MR + MR2 activation rows (quants xq, row stride K; scales dx, row stride K / 256; the correction's
+// int16 sums bs, row stride K / 32 (Q4_K) or K / 16 (Q6_K)) x a group's outputs (L) over nb blocks.
+// The VNNI build's second MR2 rows (up to 8 more; the accumulators of 16 rows do not fit the 32
+// registers) take each pair's quads as the first MR decoded them (kept on the stack): a block is
+// decoded once for up to 16 rows. Each row's operations are the same whatever MR and MR2.
+template <int MR, int MR2, class T>
 void kq_tile(const KqLanes& L, const int8_t* xq, const float* dx, const int16_t* bs, int64_t K, const uint8_t* g, int64_t nb,
              float* y, int64_t ldy) {
+  static_assert(ROWSTABLE_VNNI || MR2 == 0, "the AVX2 build's tiles take 8 rows at most");
+  constexpr int R = MR + MR2;
   const int64_t nbx = K / 256, nbs = T::B32 ? K / 32 : K / 16, per_block = T::B32 ? 8 : 16;
-  kq_f acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = KqLanes::fzero();
+  kq_f acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = KqLanes::fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = g + b * T::BB;
     const kq_f d = L.f16(p);
-    kq_f t[MR];
+    kq_f t[R];
     for (int j = 0; j < T::NS / 2; ++j) {
       // the block KQ_PF_BLOCKS ahead, a share of its lines with each pair of sub-blocks (a burst of
-      // 37-53 prefetches at the start of a block filled the line buffers and stalled)
+      // 37-53 prefetches at the start of a block filled the line buffers and stalled); into L2 where
+      // the tile is 1-2 rows (its loads outrun the arithmetic, and prefetches into L1 held the line
+      // buffers its loads need: ~5% faster cold), into L1 from 3 (~2% faster at 8)
       constexpr int64_t lines = (T::BB + 63) / 64, pairs = T::NS / 2;
-      for (int64_t c = j * lines / pairs; c < (j + 1) * lines / pairs; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(p + KQ_PF_BLOCKS * T::BB + 64 * c), _MM_HINT_T0);
+      for (int64_t c = j * lines / pairs; c < (j + 1) * lines / pairs; ++c) {
+        const char* ahead = reinterpret_cast<const char*>(p + KQ_PF_BLOCKS * T::BB + 64 * c);
+        if constexpr (R <= 2) _mm_prefetch(ahead, _MM_HINT_T1);
+        else _mm_prefetch(ahead, _MM_HINT_T0);
+      }
       kq_i S0[MR], S1[MR];
       for (int i = 0; i < MR; ++i) S0[i] = S1[i] = KqLanes::zero();
       // (unrolled in full: with the loop over k kept, GCC copied each accumulator to another register
       // and to the stack around every vpdpbusd)
 #if ROWSTABLE_VNNI
+      kq_i kept[MR2 ? 2 * T::QPS : 1];  // (the pair's quads for rows MR..R - 1)
 #pragma GCC unroll 8
       for (int k = 0; k < T::QPS; ++k) {
         kq_i w0, w1;
         kq_quads(T{}, L, p, j, k, w0, w1);
+        if (MR2) kept[2 * k] = w0, kept[2 * k + 1] = w1;
         const int64_t off0 = 256 * b + 4 * (T::QPS * 2 * j + k), off1 = off0 + 4 * T::QPS;
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
@@ -2794,22 +2928,42 @@ void kq_tile(const KqLanes& L, const int8_t* xq, const float* dx, const int16_t*
         t[i] = j == 0 ? KqLanes::mul(KqLanes::cvt(S0[i]), dsc0) : KqLanes::fma(KqLanes::cvt(S0[i]), dsc0, t[i]);
         t[i] = KqLanes::fma(KqLanes::cvt(S1[i]), dsc1, t[i]);
       }
+#if ROWSTABLE_VNNI
+      if constexpr (MR2 > 0) {
+        kq_i U0[MR2 ? MR2 : 1], U1[MR2 ? MR2 : 1];
+        for (int i = 0; i < MR2; ++i) U0[i] = U1[i] = KqLanes::zero();
+#pragma GCC unroll 8
+        for (int k = 0; k < T::QPS; ++k) {
+          const int64_t off0 = 256 * b + 4 * (T::QPS * 2 * j + k), off1 = off0 + 4 * T::QPS;
+#pragma GCC unroll 8
+          for (int i = 0; i < MR2; ++i) {
+            U0[i] = KqLanes::dot4(U0[i], kept[2 * k], load_i32(xq + (MR + i) * K + off0));
+            U1[i] = KqLanes::dot4(U1[i], kept[2 * k + 1], load_i32(xq + (MR + i) * K + off1));
+          }
+        }
+        for (int i = 0; i < MR2; ++i) {
+          kq_f& u = t[MR + i];
+          u = j == 0 ? KqLanes::mul(KqLanes::cvt(U0[i]), dsc0) : KqLanes::fma(KqLanes::cvt(U0[i]), dsc0, u);
+          u = KqLanes::fma(KqLanes::cvt(U1[i]), dsc1, u);
+        }
+      }
+#endif
     }
     const kq_f e = kq_e(T{}, L, p, d);
-    kq_i C[MR];
-    for (int i = 0; i < MR; ++i) C[i] = KqLanes::zero();
+    kq_i C[R];
+    for (int i = 0; i < R; ++i) C[i] = KqLanes::zero();
     for (int j = 0; j < T::NP; ++j) {
       const kq_i cp = kq_pair(T{}, L, p, j);
-      for (int i = 0; i < MR; ++i) {
+      for (int i = 0; i < R; ++i) {
         int32_t pair;
         std::memcpy(&pair, bs + i * nbs + per_block * b + 2 * j, 4);
         C[i] = KqLanes::dot2(C[i], cp, pair);
       }
     }
-    for (int i = 0; i < MR; ++i)
+    for (int i = 0; i < R; ++i)
       acc[i] = KqLanes::fma(KqLanes::fma(KqLanes::cvt(C[i]), e, t[i]), KqLanes::set1(dx[i * nbx + b]), acc[i]);
   }
-  for (int i = 0; i < MR; ++i) L.store(y + i * ldy, acc[i]);
+  for (int i = 0; i < R; ++i) L.store(y + i * ldy, acc[i]);
 }
 
 template <class T>
@@ -2822,20 +2976,31 @@ void kq_tiles(int64_t mr, const int8_t* xq, const float* dx, const int16_t* bs, 
 #endif
     const KqLanes L{h};
     switch (mr) {
-      case 1: kq_tile<1, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      case 2: kq_tile<2, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      case 3: kq_tile<3, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      case 4: kq_tile<4, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      case 5: kq_tile<5, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      case 6: kq_tile<6, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      case 7: kq_tile<7, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
-      default: kq_tile<8, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 1: kq_tile<1, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 2: kq_tile<2, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 3: kq_tile<3, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 4: kq_tile<4, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 5: kq_tile<5, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 6: kq_tile<6, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 7: kq_tile<7, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 8: kq_tile<8, 0, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+#if ROWSTABLE_VNNI
+      case 9: kq_tile<8, 1, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 10: kq_tile<8, 2, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 11: kq_tile<8, 3, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 12: kq_tile<8, 4, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 13: kq_tile<8, 5, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 14: kq_tile<8, 6, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 15: kq_tile<8, 7, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+      case 16: kq_tile<8, 8, T>(L, xq, dx, bs, K, g, nb, y, ldy); break;
+#endif
+      default: TORCH_CHECK(false, "kq_tiles: ", mr, " rows in a tile");
     }
   }
 }
 
 // x [..., K] @ the concatenation of the parts' rows^T -> [..., sum of Ns]; each part's packed blocks
-// (type 12: Q4_K, 14: Q6_K) checked for size.
+// (type 12: Q4_K, 13: Q5_K, 14: Q6_K) checked for size.
 at::Tensor kq_linear_q8(const at::Tensor& x_, at::TensorList packed, at::IntArrayRef types, at::IntArrayRef Ns, int64_t K) {
   const char* op = "kq_linear_q8";
   TORCH_CHECK(packed.size() >= 1 && packed.size() == types.size() && packed.size() == Ns.size(), op,
@@ -2850,7 +3015,7 @@ at::Tensor kq_linear_q8(const at::Tensor& x_, at::TensorList packed, at::IntArra
   int64_t cols = 0;
   for (size_t p = 0; p < packed.size(); ++p) {
     const int64_t bb = kq_block_bytes(types[p]);
-    TORCH_CHECK(bb > 0, op, ": ggml type ", types[p], " is not Q4_K (12) or Q6_K (14)");
+    TORCH_CHECK(bb > 0, op, ": ggml type ", types[p], " is not Q4_K (12), Q5_K (13) or Q6_K (14)");
     TORCH_CHECK(packed[p].scalar_type() == at::kByte && packed[p].is_contiguous(), op, ": the packed blocks must be contiguous uint8");
     TORCH_CHECK(Ns[p] >= 0 && Ns[p] % KQ_G == 0 && packed[p].numel() == Ns[p] / KQ_G * nb * bb, op, ": [", Ns[p], ", ", K,
                 "] takes ", Ns[p] / KQ_G * nb * bb, " bytes (N a multiple of 16); got ", packed[p].numel());
@@ -2881,6 +3046,8 @@ at::Tensor kq_linear_q8(const at::Tensor& x_, at::TensorList packed, at::IntArra
         float* yt = yp + a * cols + pt.col + KQ_G * gi;
         if (pt.type == 12)
           kq_tiles<KqQ4K>(e - a, xr.q.data() + a * K, xr.d.data() + a * nb, b32.data() + a * (K / 32), K, g, nb, yt, cols);
+        else if (pt.type == 13)
+          kq_tiles<KqQ5K>(e - a, xr.q.data() + a * K, xr.d.data() + a * nb, b32.data() + a * (K / 32), K, g, nb, yt, cols);
         else
           kq_tiles<KqQ6K>(e - a, xr.q.data() + a * K, xr.d.data() + a * nb, xr.bsum.data() + a * (K / 16), K, g, nb, yt, cols);
       }

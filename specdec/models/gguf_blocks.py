@@ -1,5 +1,5 @@
 """Q4_1 / Q8_0 blocks packed K-major for the row-stable kernels' q4_1_linear / q8_0_linear (float
-path) and q4_1_linear_q8 / q8_0_linear_q8 (8-bit activations); Q4_K / Q6_K blocks for kq_linear_q8.
+path) and q4_1_linear_q8 / q8_0_linear_q8 (8-bit activations); Q4_K / Q5_K / Q6_K blocks for kq_linear_q8.
 
 A GGUF file's own model reads the file's bytes as they lie (models/gguf_model.py); what is packed
 here are a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices for its decoding steps (decoded from the file's
@@ -14,7 +14,8 @@ Layout (see rowstable.cpp's block_linear): K-major, output rows in groups of 4; 
 exactly. The 8-bit activations' layout (`pack_q4_i8` / `pack_q8_i8`, see rowstable.cpp's
 block_linear_q8) groups 16 output rows and interleaves their quants 4 bytes at a time, so that one
 integer dot-product instruction takes the same 4 weights of all 16 outputs; `pack_q4_k_i8` /
-`pack_q6_k_i8` do the same for a file's Q4_K / Q6_K matrices (rowstable.cpp's kq_linear_q8), read
+`pack_q5_k_i8` / `pack_q6_k_i8` do the same for a file's Q4_K / Q5_K / Q6_K matrices (rowstable.cpp's
+kq_linear_q8), read
 straight from the file's bytes.
 
 This module knows nothing about tokenizers, sampling or the engine.
@@ -131,8 +132,8 @@ def quantize_q8_0(w: torch.Tensor) -> tuple | None:
 
 
 # -- K-quants on 8-bit activations (rowstable.cpp's kq_linear_q8) -------------------------------
-KQ_TYPES = {12: "Q4_K", 14: "Q6_K"}  # ggml type -> name, of the types kq_linear_q8 reads
-KQ_BLOCK_BYTES = {12: 2368, 14: 3360}  # a group of 16 outputs' 256-weight block, repacked
+KQ_TYPES = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}  # ggml type -> name, of the types kq_linear_q8 reads
+KQ_BLOCK_BYTES = {12: 2368, 13: 2880, 14: 3360}  # a group of 16 outputs' 256-weight block, repacked
 
 
 def _group_k(a: np.ndarray, n: int, nb: int) -> np.ndarray:
@@ -147,28 +148,66 @@ def _quad_vectors(q: np.ndarray) -> np.ndarray:
     return q.reshape(n, nb, GI8, 64, 4).swapaxes(2, 3).reshape(n, nb, 64, 64)
 
 
+def _k_groups(raw: np.ndarray, block_bytes: int):
+    """A K-quant matrix's rows raw [N, nb * block_bytes] as (blocks [N, nb, block_bytes], N, groups of
+    16 outputs, nb); None where N is not a multiple of 16 (or a row not whole blocks)."""
+    N = raw.shape[0]
+    if N % GI8 or raw.shape[1] % block_bytes:
+        return None
+    nb = raw.shape[1] // block_bytes
+    return raw.reshape(N, nb, block_bytes), N, N // GI8, nb
+
+
 def pack_q4_k_i8(raw: np.ndarray) -> torch.Tensor | None:
     """Q4_K rows (raw [N, nb * 144], the file's bytes) in rowstable.cpp's kq_linear_q8 layout: groups
     of 16 outputs, K-major; per group and block d[16], dmin[16] (float16), sc[8][16], m[8][16]
     (bytes), then 32 vectors of 64 bytes, vector 8p + t holding each output's quant bytes
     32p + 4t..32p + 4t + 3 in turn (low nibbles: weights 64p + 4t.., high: 64p + 32 + 4t..). 2368
     bytes a group's block (the file's 16 blocks: 2304). None where N is not a multiple of 16."""
+    if (grouped := _k_groups(raw, 144)) is None:
+        return None
+    b, _, n, nb = grouped
+    qs = _group_k(b[:, :, 16:144], n, nb)  # [n, nb, 16, 128]: bytes 32p + 4t + e
+    qv = qs.reshape(n, nb, GI8, 32, 4).swapaxes(2, 3).reshape(n, nb, 2048)
+    out = np.concatenate([_k_scales(b, n, nb), qv], axis=2)
+    return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))
+
+
+def _k_scales(b: np.ndarray, n: int, nb: int) -> np.ndarray:
+    """Q4_K / Q5_K blocks b [N, nb, block bytes] -> their groups' d[16], dmin[16] (float16 bytes),
+    sc[8][16], m[8][16] (the 6-bit scales and mins unpacked to bytes): uint8 [n, nb, 320]."""
     from gguf.quants import Q4_K
 
-    N = raw.shape[0]
-    if N % GI8 or raw.shape[1] % 144:
-        return None
-    nb, n = raw.shape[1] // 144, N // GI8
-    b = raw.reshape(N, nb, 144)
+    N = b.shape[0]
     sc, m = Q4_K.get_scale_min(np.ascontiguousarray(b[:, :, 4:16]).reshape(-1, 12))
     dd = _group_k(b[:, :, 0:2], n, nb).reshape(n, nb, 32)
     dm = _group_k(b[:, :, 2:4], n, nb).reshape(n, nb, 32)
     scs = _group_k(sc.reshape(N, nb, 8), n, nb).swapaxes(2, 3).reshape(n, nb, 128)  # [s][output]
     ms = _group_k(m.reshape(N, nb, 8), n, nb).swapaxes(2, 3).reshape(n, nb, 128)
-    qs = _group_k(b[:, :, 16:144], n, nb)  # [n, nb, 16, 128]: bytes 32p + 4t + e
-    qv = qs.reshape(n, nb, GI8, 32, 4).swapaxes(2, 3).reshape(n, nb, 2048)
-    out = np.concatenate([dd, dm, scs.astype(np.uint8), ms.astype(np.uint8), qv], axis=2)
-    return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))
+    return np.concatenate([dd, dm, scs.astype(np.uint8), ms.astype(np.uint8)], axis=2)
+
+
+def pack_q5_k_i8(raw: np.ndarray) -> torch.Tensor | None:
+    """Q5_K rows (raw [N, nb * 176]) in kq_linear_q8's layout: pack_q4_k_i8's (d, dmin, sc, m, then 32
+    vectors of the quants' low 4 bits), then 8 vectors of their fifth bits: vector k holding in bit
+    2j of each output's byte that of quad 16j + k, in bit 2j + 1 that of quad 16j + 8 + k (the low
+    and high nibbles of vector 8j + k). 2880 bytes a group's block (the file's 16 blocks: 2816).
+    None where N is not a multiple of 16."""
+    if (grouped := _k_groups(raw, 176)) is None:
+        return None
+    b, N, n, nb = grouped
+    # the quants q (0-31) in weight order, as gguf.quants.Q5_K reads them
+    ql = b[:, :, 48:176].reshape(N, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    qh = b[:, :, 16:48].reshape(N, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    q = ((ql & 0x0F).reshape(N, nb, 8, 32) | ((qh & 0x01) << 4)).reshape(N, nb, 256)
+    quads = _quad_vectors(_group_k(q, n, nb)).reshape(n, nb, 4, 2, 8, 64)  # [j][half][k]: quad 16j + 8 half + k
+    lo = (quads[:, :, :, 0] & 0x0F) | ((quads[:, :, :, 1] & 0x0F) << 4)  # vector 8j + k
+    hi = (quads >> 4).astype(np.uint8)  # the fifth bits
+    hv = np.zeros((n, nb, 8, 64), dtype=np.uint8)
+    for j in range(4):
+        hv |= (hi[:, :, j, 0] << (2 * j)) | (hi[:, :, j, 1] << (2 * j + 1))
+    out = np.concatenate([_k_scales(b, n, nb), lo.reshape(n, nb, 2048), hv.reshape(n, nb, 512)], axis=2)
+    return torch.from_numpy(np.ascontiguousarray(out.astype(np.uint8, copy=False)).reshape(-1))
 
 
 def pack_q6_k_i8(raw: np.ndarray) -> torch.Tensor | None:
@@ -177,11 +216,9 @@ def pack_q6_k_i8(raw: np.ndarray) -> torch.Tensor | None:
     (vector v: quad v in the low nibbles, quad v + 32 in the high ones; quad u = weights 4u..4u+3
     of each output in turn) and 16 of their high 2 bits (vector w: quad w + 16c in bits 2c, 2c + 1).
     3360 bytes a group's block, as the file's 16 blocks. None where N is not a multiple of 16."""
-    N = raw.shape[0]
-    if N % GI8 or raw.shape[1] % 210:
+    if (grouped := _k_groups(raw, 210)) is None:
         return None
-    nb, n = raw.shape[1] // 210, N // GI8
-    b = raw.reshape(N, nb, 210)
+    b, N, n, nb = grouped
     # the quants q (0-63) in weight order, as gguf.quants.Q6_K reads them
     ql = b[:, :, 0:128].reshape(N, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     ql = (ql & 0x0F).reshape(N, nb, 2, 128)
@@ -199,5 +236,7 @@ def pack_q6_k_i8(raw: np.ndarray) -> torch.Tensor | None:
 
 
 def pack_k_i8(raw: np.ndarray, ggml_type: int) -> torch.Tensor | None:
-    """A Q4_K / Q6_K matrix's file bytes in kq_linear_q8's layout (pack_q4_k_i8 / pack_q6_k_i8)."""
-    return pack_q4_k_i8(raw) if ggml_type == 12 else pack_q6_k_i8(raw) if ggml_type == 14 else None
+    """A Q4_K / Q5_K / Q6_K matrix's file bytes in kq_linear_q8's layout (pack_q4_k_i8 /
+    pack_q5_k_i8 / pack_q6_k_i8)."""
+    packers = {12: pack_q4_k_i8, 13: pack_q5_k_i8, 14: pack_q6_k_i8}
+    return packers[ggml_type](raw) if ggml_type in packers else None

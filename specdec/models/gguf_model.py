@@ -196,7 +196,7 @@ STEP_KINDS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # what the AVX2 kernels' repacke
 
 
 def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile, saved=None) -> bool:
-    """A projection whose parts are all Q4_K / Q6_K: see _repack_k_for_steps. One whose parts are
+    """A projection whose parts are all Q4_K / Q5_K / Q6_K: see _repack_k_for_steps. One whose parts are
     all Q4_0 / Q4_1 or all Q8_0 runs on its blocks repacked K-major
     (models/gguf_blocks; llama's q/k rows reordered there instead of the outputs). On 8-bit
     activations (kernels.gguf_act8, the default): q4_1_linear_q8 / q8_0_linear_q8 over groups of 16
@@ -257,9 +257,10 @@ def repack_for_steps(lin: GGUFLinear, kops, gf: GGUFFile, saved=None) -> bool:
 
 
 def _repack_k_for_steps(lin: GGUFLinear, kops, gf: GGUFFile, saved=None) -> bool:
-    """repack_for_steps for a projection of Q4_K / Q6_K parts (q, k, v may mix them): on 8-bit
+    """repack_for_steps for a projection of Q4_K / Q5_K / Q6_K parts (q, k, v may mix them): on 8-bit
     activations (kernels.gguf_act8, the default), every call on kq_linear_q8 over each part's blocks
-    repacked in groups of 16 outputs (gguf_blocks.pack_k_i8: Q6_K the file's size, Q4_K 2.8% more);
+    repacked in groups of 16 outputs (gguf_blocks.pack_k_i8: Q6_K the file's size, Q4_K 2.8% more,
+    Q5_K 2.3%);
     a step of several tokens then reads each weight block once and costs little more than one
     token (docs/benchmarks.md). The numbers are the rounded activations' product as
     gguf_linear_q8's, summed in another order. Not where a part's rows are not a multiple of 16,

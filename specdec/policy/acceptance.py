@@ -100,6 +100,11 @@ class Acceptance:
     def observe(self, key: int, proposed: int, accepted: int) -> None:
         self.observe_rows(key, [(proposed, accepted)])
 
+    def observed(self, key: int = 0) -> bool:
+        """Whether a guess under `key` was ever verified (its first position counts more than the
+        prior's two observations)."""
+        return self.seen[self._key(key)][0] > 2.0
+
     def observe_rows(self, key: int, rows: list[tuple[int, int]]) -> None:
         """One step's (proposed, accepted) of each row that guessed under `key`: the counts decay
         once a step, not once a row, so a batch of many rows does not forget faster."""

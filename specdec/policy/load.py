@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from ..learned import nonneg
 from .acceptance import Acceptance, NodeOdds
 from .fits import FIT_DECAY, DecayedLine, StepModel, ema
-from .probing import PROBE_EVERY, PROBE_ROOM, ProbeSchedule
+from .probing import PROBE_EVERY, PROBE_ROOM, PROBE_SHARE, ProbeSchedule
 
 #: the keys and draft positions a source's acceptance is learnt over (a lookup's match lengths)
 KEYS, POSITIONS = 8, 16
@@ -62,6 +62,11 @@ class SourceStats:
     @property
     def timed(self) -> bool:
         return self.time.weight > 1e-9
+
+    @property
+    def tried(self) -> bool:
+        """Whether any of its guesses was verified yet (in this process or a learnt earlier run)."""
+        return self.nodes is not None if self.tree else self.acceptance.observed(0)
 
     def draft_seconds(self, rows: int) -> float:
         """Predicted drafting seconds per unit (a guess of a chain, a tree) for `rows` rows: the
@@ -327,12 +332,10 @@ class LoadPolicy:
             could = self._could_pay(q, A)
             k = max(min(best_k, self.k_max), min(self.k_max, self.PROBE_NODES, round(q.stats.nodes or self.k_max))
                     if q.stats.tree else 1)
-            costs = [self._probe_cost(q, lag, k, A) / plain if plain else 0.0 for lag in q.lags or [0] * A]
-            rows = [ok and left >= self.probe_room and could and q.stats.probes.affordable(cost, left)
-                    for ok, left, cost in zip(q.ok, room, costs)]
+            rows, cost = self._probe_rows(q, k, best_k, A, room, plain) if could else ([False] * A, 0.0)
             if q.stats.probes.due(any(rows), share=1.0 / A):
                 q.stats.probing = True
-                q.stats.probes.paid(sum(cost for cost, use in zip(costs, rows) if use) / A)
+                q.stats.probes.paid(cost)
                 return Choice(k, [i if use else s for use, s in zip(rows, best_src)], True, values=values)
         if best_k == 0 or all(s is None for s in best_src):
             offered = on_demand or any(v for vs in values if vs for v in vs)
@@ -394,11 +397,28 @@ class LoadPolicy:
         per_unit = self._per_unit(q, n, A) if per_unit is None else per_unit
         return per_unit if q.stats.tree else k * per_unit
 
-    def _probe_cost(self, q: Quote, lag: int, k: int, A: int) -> float:
-        """Seconds a probe of on-demand source q under cap k costs a row beyond a plain step: its
-        catch-up on `lag` unread tokens, its drafting, and verifying k more guesses."""
+    def _probe_rows(self, q: Quote, k: int, best_k: int, A: int, room: list[int], plain: float
+                    ) -> tuple[list[bool], float]:
+        """The rows a probe of on-demand source q under cap k drafts for, cheapest first while the
+        probes' budget holds (`ProbeSchedule.affordable`), and what it costs in plain steps of A
+        rows: every row's slots padded from best_k to k (the step verifies A rows of k guesses,
+        whichever rows draft them), and each probing row's catch-up on its unread tokens and
+        drafting. (Counting a row's own k guesses alone had priced a probe in a batch of 3 at a
+        third of its cost: on a machine where verification is dear such probes lost 5% of a
+        short level.)"""
+        if not plain:
+            return [False] * A, 0.0
         a, r, b = self._fit(A)
-        return q.stats.catch_up(lag) + self._drafting(q, 1, A, k) + b * k
+        cost = b * A * max(0, k - best_k) / plain
+        lags = q.lags or [0] * A
+        own = sorted((q.stats.catch_up(lag) + self._drafting(q, 1, A, k), i)
+                     for i, (ok, left, lag) in enumerate(zip(q.ok, room, lags)) if ok and left >= self.probe_room)
+        rows = [False] * A
+        for seconds, i in own:
+            if not q.stats.probes.affordable(cost + seconds / plain, room[i]):
+                break
+            rows[i], cost = True, cost + seconds / plain
+        return rows, cost
 
     def _could_pay(self, q: Quote, A: int) -> bool:
         """Whether any acceptance could make an on-demand source pay at A rows: its guesses (a
@@ -414,7 +434,11 @@ class LoadPolicy:
         """The rows that may take on-demand source q: those it has nearly caught up on, and those
         whose catch-up what may still come repays, room * (1 - 1/v) plain steps' time saved (v its
         best rate over plain decoding; before the step-time fit, a step priced at the mean step
-        seen), with room for PROBE_ROOM more tokens."""
+        seen), with room for PROBE_ROOM more tokens. A source none of whose guesses was verified
+        yet has only its prior for v: on that word alone it catches up on a far row for at most
+        PROBE_SHARE of the row's coming steps, else only as a probe (a fresh `--method draft`
+        engine had read each 55-token prompt into the draft at its second step, ~3.5 plain steps
+        of a 64-token answer, and kept 0.93 of plain decoding's rate)."""
         lags = q.lags or [0] * A
         far = [ok and late > self.k_max + 2 for ok, late in zip(q.ok, lags)]
         if not any(far):
@@ -428,8 +452,10 @@ class LoadPolicy:
             if not f:
                 out.append(ok)
             else:
+                catch_up = q.stats.catch_up(late)
                 out.append(left >= self.probe_room and gain > 1.0  # (a far row is an ok one)
-                           and left * plain * (1.0 - 1.0 / gain) >= q.stats.catch_up(late))
+                           and left * plain * (1.0 - 1.0 / gain) >= catch_up
+                           and (q.stats.tried or catch_up <= PROBE_SHARE * left * plain))
         return out
 
     # -- what a later run starts from ----------------------------------------------------

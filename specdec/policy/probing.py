@@ -38,7 +38,7 @@ class ProbeSchedule:
         self.gap = every  # declined steps before the next probe
         self.last_gap = every  # the gap before the last probe lengthened it
         self.skipped = 0  # declined steps since the last probe
-        self.declined = 0.0  # declined steps in all (each counted as `due`'s share)
+        self.declined = 0  # declined steps in all (the probes' budget: what their cost is measured in)
         self.spent = 0.0  # what the probes cost, in plain steps (`paid`)
 
     def affordable(self, cost: float, left: int) -> bool:
@@ -59,7 +59,7 @@ class ProbeSchedule:
         share: what this step counts towards the gap (a probe of A rows costs A rows' drafting, so
         the server counts a step of A rows as 1/A)."""
         self.skipped += share
-        self.declined += share
+        self.declined += 1
         if self.skipped < self.gap or not room:
             return False
         self.skipped = 0

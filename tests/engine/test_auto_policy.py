@@ -192,3 +192,44 @@ def test_on_a_machine_where_verification_is_dear_auto_keeps_plain_decodings_rate
             del tg.model.forward  # the instance's charged forward; the class's is back
     ratios = [rates["auto", n] / rates["none", n] for n in (1, len(ps))]
     assert all(r >= 0.97 for r in ratios) == (rule == "priced"), ratios
+
+
+@pytest.mark.parametrize("rule", ["priced", "fixed k"])
+def test_the_servers_scheduler_keeps_plain_decodings_rate_where_verification_is_dear(rule):
+    """The server's path (a long-lived ContinuousBatcher, each request its own sampling settings,
+    requests arriving together) on the simulated machine where a scored token costs 0.3 of a step:
+    levels of 1, 3 and 6 concurrent requests each finish at 0.97 of plain decoding's rate or
+    better with plain's text; drafting every step (a fixed k) loses at some level."""
+    from specdec.core.request import Request
+    from specdec.core.scheduler import ContinuousBatcher
+    from specdec.simclock import PROFILES, SimClock, charge, curve, simulated
+
+    clock, cost = SimClock(), curve(PROFILES["dear"])
+    tg = target()
+    g = torch.Generator().manual_seed(11)
+    levels = [[torch.randint(0, V, (n,), generator=g).tolist() for n in sizes]
+              for sizes in ((14,), (9, 25, 12), (12, 30, 7, 21, 16, 9))]
+    params = SamplingParams(max_new_tokens=40)
+    took: dict[str, list[float]] = {}
+    with simulated(clock):
+        charge(tg.model, clock, lambda tokens: 0.01 * cost(tokens))
+        try:
+            for name in ("none", "auto"):
+                sources = auto(depth=3, width=2, nodes=6) if name == "auto" else []
+                batcher = ContinuousBatcher(tg.model, (), sources, method=name, k_max=4 if sources else 0,
+                                            max_batch=8, thread=False, adaptive=rule == "priced")
+                for ps in levels:
+                    done = []
+                    reqs = [Request(list(p), params, lambda ids: None, lambda reason, stats: done.append(1))
+                            for p in ps]
+                    for req in reqs:
+                        batcher.submit(req)
+                    t0 = clock()
+                    batcher.run(until=lambda: len(done) == len(ps))
+                    took.setdefault(name, []).append(clock() - t0)
+                    if name == "auto":
+                        assert [r.tokens for r in reqs] == plain(ps, params)
+        finally:
+            del tg.model.forward  # the instance's charged forward; the class's is back
+    ratios = [none / spec for none, spec in zip(took["none"], took["auto"])]
+    assert all(r >= 0.97 for r in ratios) == (rule == "priced"), ratios

@@ -389,9 +389,9 @@ def test_a_direct_decoding_step_gives_the_general_paths_numbers(gguf_dir, arch, 
                 steps_both_ways(m, 11, ((1, None),), direct_step_switch(m, no_bias))
 
 
-@pytest.mark.parametrize("t", [Q4_K, Q6_K])
+@pytest.mark.parametrize("t", [Q4_K, Q5_K, Q6_K])
 def test_k_quant_projections_run_on_their_repacked_blocks(gguf_dir, t):
-    """On 8-bit activations a Q4_K / Q6_K model's projections run on kq_linear_q8 over repacked
+    """On 8-bit activations a Q4_K / Q5_K / Q6_K model's projections run on kq_linear_q8 over repacked
     blocks (llama's q/k rows reordered inside q and inside k), so the tests above (transformers'
     logits, a verified token's logits alone, speculation equal to plain) cover that path; each
     gives the rounded activations' product by gguf's dequantised rows, in its output order."""

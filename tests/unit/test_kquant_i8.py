@@ -1,5 +1,6 @@
-"""kq_linear_q8 (specdec/kernels/rowstable.cpp): Q4_K / Q6_K matrices on 8-bit activations over their
-blocks repacked in groups of 16 outputs (models/gguf_blocks.pack_q4_k_i8 / pack_q6_k_i8).
+"""kq_linear_q8 (specdec/kernels/rowstable.cpp): Q4_K / Q5_K / Q6_K matrices on 8-bit activations over
+their blocks repacked in groups of 16 outputs (models/gguf_blocks.pack_q4_k_i8 / pack_q5_k_i8 /
+pack_q6_k_i8).
 
 Oracles: `gguf.quants.dequantize` of the same bytes (the gguf package's own dequantiser) by the
 activations rounded as kernels.act8_slices states, in float64 (closeness within float32 rounding;
@@ -18,20 +19,20 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from model_helpers import need_kernels
-from gguf_random import NAMES, Q4_K, Q6_K, act8_rows, random_blocks
+from gguf_random import NAMES, Q4_K, Q5_K, Q6_K, act8_rows, random_blocks
 from specdec import kernels
 from specdec.models import gguf_blocks as gb
 
-KQ = (Q4_K, Q6_K)
-ROWS = (*range(1, 10), 16, 17, 33)
+KQ = (Q4_K, Q5_K, Q6_K)
+ROWS = (*range(1, 10), 14, 16, 17, 33)
 
 
 def case(t: int, n: int, k: int, seed: int, saturated: bool = False):
     """(raw [n, row bytes] uint8, gguf's dequantised float64 [n, k]); saturated: every quant at its
-    largest (Q4_K 15, Q6_K 63), the integer sums at their largest magnitude."""
+    largest (Q4_K 15, Q5_K 31, Q6_K 63), the integer sums at their largest magnitude."""
     raw = random_blocks(t, n, k, np.random.default_rng(seed)).reshape(n * k // 256, -1).copy()
     if saturated:
-        a, b = {Q4_K: (16, 144), Q6_K: (0, 192)}[t]
+        a, b = {Q4_K: (16, 144), Q5_K: (16, 176), Q6_K: (0, 192)}[t]
         raw[:, a:b] = 0xFF
     raw = raw.reshape(n, -1)
     w = np.asarray(dequantize(raw, GGMLQuantizationType(t)), dtype=np.float64).reshape(n, k)
@@ -97,8 +98,8 @@ def test_a_broken_layout_fails_the_oracle(t):
     x = act8_rows(4, k, torch.Generator().manual_seed(1))
     good = gb.pack_k_i8(raw, t)
     assert close_to_oracle(ops.kq_linear_q8(x, [good], [t], [n], k), x, w)
-    scales = 64 if t == Q4_K else 32  # where the sub-block scales start
-    quants = 320 if t == Q4_K else 288
+    scales = 32 if t == Q6_K else 64  # where the sub-block scales start
+    quants = 288 if t == Q6_K else 320
     for a, b in [(scales, scales + 16), (quants, quants + 64)]:
         bad = good.clone()
         bad[a:a + 16], bad[b:b + 16] = good[b:b + 16], good[a:a + 16]
@@ -113,7 +114,7 @@ def test_bad_inputs_give_one_clear_error():
     with pytest.raises(RuntimeError, match="takes 2368 bytes"):
         ops.kq_linear_q8(x, [packed[:-1]], [Q4_K], [16], 256)
     with pytest.raises(RuntimeError, match="not Q4_K"):
-        ops.kq_linear_q8(x, [packed], [13], [16], 256)
+        ops.kq_linear_q8(x, [packed], [2], [16], 256)
     with pytest.raises(RuntimeError, match="multiple of 256"):
         ops.kq_linear_q8(torch.randn(2, 128), [packed], [Q4_K], [16], 128)
     assert gb.pack_k_i8(raw[:15], Q4_K) is None  # (N not a multiple of 16: not repacked)

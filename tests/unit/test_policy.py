@@ -14,7 +14,7 @@ import pytest
 from specdec.drafters.base import Offer
 from specdec.drafters.ngram import LOOKUP_PRIOR
 from specdec.policy import (PROBE_EVERY, PROBE_ROOM, Acceptance, Hindsight, LoadPolicy, NodeOdds, ProbeSchedule,
-                            Quote, StepModel, best_prefix)
+                            Quote, SourceStats, StepModel, best_prefix)
 
 from helpers import fitted
 
@@ -829,3 +829,17 @@ def test_before_the_fit_a_batchs_guesses_are_priced_as_a_cpu_pays_for_them(monke
     offers = [Offer([1, 2, 3, 4, 5, 6], key=3)] * 8
     choice = policy.choose([Quote(look, [True] * 8, offers=offers)], NOT_A_PROBE, [100] * 8)
     assert (choice.k == 0) == (prior == "batch-aware"), choice
+
+
+@pytest.mark.parametrize("rule", ["priced", "trusting its prior"])
+def test_a_fresh_draft_does_not_gamble_a_short_answer_on_its_prior(monkeypatch, rule):
+    """A draft model none of whose guesses was verified yet, 40 prompt tokens behind (10 plain
+    steps to catch up), and a 64-token answer: on its prior's word alone it may spend at most
+    PROBE_SHARE of the answer catching up, so it never starts and the row decodes at plain
+    decoding's rate. Trusting the prior (as if it had been tried) starts it, and a draft whose
+    guesses hold 10% of the time then loses."""
+    if rule != "priced":
+        monkeypatch.setattr(SourceStats, "tried", property(lambda self: True))
+    at, _, rate = priced_run(c=0.1, r=0.05, holds=[0.1], room=64, rule="priced")
+    ok = not at and rate > 0.99
+    assert ok == (rule == "priced"), (at, rate)

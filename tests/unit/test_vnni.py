@@ -29,7 +29,7 @@ from specdec import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 INT_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
-ROWS = (*range(1, 10), 16, 17, 33)
+ROWS = (*range(1, 10), 14, 16, 17, 33)
 
 # the bytes of a block's quants, and the byte that puts each at its largest magnitude (Q8_0: -128)
 EXTREME = {Q4_0: ([(2, 18)], 0xFF), Q4_1: ([(4, 20)], 0xFF), Q5_0: ([(2, 22)], 0xFF), Q5_1: ([(4, 24)], 0xFF),
@@ -85,15 +85,15 @@ def cases() -> dict:
             for m in ROWS:
                 out[f"i8 {NAMES[t]} {kind} M={m}"] = (op, (act8_rows(m, k, g), packed, n))
     # the K-quants repacked in groups of 16 outputs (kq_linear_q8), mixed parts in one call too
-    for t in (Q4_K, Q6_K):
+    for t in (Q4_K, Q5_K, Q6_K):
         for kind in ("random", "extreme"):
             n, k = 32, 512
             raw = (random_blocks(t, n, k, rng) if kind == "random" else extreme_blocks(t, n, k, rng)).reshape(n, -1)
             packed = gb.pack_k_i8(raw, t)
             for m in ROWS:
                 out[f"kq {NAMES[t]} {kind} M={m}"] = ("kq_linear_q8", (act8_rows(m, k, g), [packed], [t], [n], k))
-    kq_parts = [gb.pack_k_i8(random_blocks(t, 16, 256, rng).reshape(16, -1), t) for t in (Q4_K, Q6_K)]
-    out["kq parts"] = ("kq_linear_q8", (act8_rows(9, 256, g), kq_parts, [Q4_K, Q6_K], [16, 16], 256))
+    kq_parts = [gb.pack_k_i8(random_blocks(t, 16, 256, rng).reshape(16, -1), t) for t in (Q4_K, Q5_K, Q6_K)]
+    out["kq parts"] = ("kq_linear_q8", (act8_rows(9, 256, g), kq_parts, [Q4_K, Q5_K, Q6_K], [16, 16, 16], 256))
     # several types side by side in one call (the K-quant and the 32-weight slices together)
     k = 512
     parts = [(Q4_K, 24), (Q6_K, 8), (Q8_0, 8), (Q5_0, 5), (F16, 3)]
