@@ -32,7 +32,7 @@ BLOCK = 16  # tokens a cached block holds: a hit reuses a prompt's shared prefix
 # prompt tokens from slot 0 that are prefilled in chunks (and cached); the rest of a longer prompt runs in
 # one call on torch's attention (always from this slot, so its numbers do not depend on the cache
 # either): the kernels' attention costs more than torch's for long contexts (docs/benchmarks.md)
-CHUNKED_MAX = 1024
+CHUNKED_MAX = 2048
 
 
 def chunks_exact(model) -> bool:
