@@ -73,8 +73,11 @@ def run_block(spec, requests: list[dict], max_tokens: int) -> tuple[float, int, 
     from specdec.drafters.suffix import forget_shared
 
     forget_shared()
+    if spec.engine.prefix_cache is not None:  # (every block starts from an empty prefix cache too)
+        spec.engine.prefix_cache.clear()
     seconds, tokens, answers = 0.0, 0, []
-    steps = {"steps": 0, "nodes": 0, "accepted": 0, "plain": 0, "decode_s": 0.0, "decoded": 0}
+    steps = {"steps": 0, "nodes": 0, "accepted": 0, "plain": 0, "decode_s": 0.0, "decoded": 0, "prefill_s": 0.0,
+             "prompt_tokens": 0, "cached_tokens": 0}
     schedulers = []
     make = spec.engine._scheduler
     spec.engine._scheduler = lambda *a: schedulers.append(make(*a)) or schedulers[-1]
@@ -87,6 +90,9 @@ def run_block(spec, requests: list[dict], max_tokens: int) -> tuple[float, int, 
             answers.append(list(out.token_ids))
             steps["decode_s"] += out.stats.decode_s
             steps["decoded"] += max(len(out.token_ids) - 1, 0)  # (the first token comes with the prefill)
+            steps["prefill_s"] += out.stats.prefill_s
+            steps["prompt_tokens"] += out.stats.prompt_tokens
+            steps["cached_tokens"] += out.stats.cached_tokens
     finally:
         spec.engine._scheduler = make
     for s in schedulers:
@@ -132,13 +138,14 @@ def serve_block(method: str, requests: list[dict], max_tokens: int, args) -> tup
     return seconds, tokens, answers, {}
 
 
-def load_variant(model, text: str, threads: int):
-    """A Speculator for a method or a variant such as `auto:k=16` (methods.variant_config's options)."""
+def load_variant(model, text: str, threads: int, prefix_cache_mb: float):
+    """A Speculator for a method or a variant such as `auto:k=16` or `suffix:prefix_cache_mb=0`
+    (methods.variant_config's options: SpecConfig fields)."""
     import specdec
     from specdec.config import SpecConfig
     from specdec.methods import variant_config
 
-    config = variant_config(SpecConfig(model=model, threads=threads), text, {})
+    config = variant_config(SpecConfig(model=model, threads=threads, prefix_cache_mb=prefix_cache_mb), text, {})
     return specdec.load(config=config)
 
 
@@ -155,6 +162,9 @@ def main() -> None:
                     help="a simulated clock with this cost profile (specdec/simclock.py PROFILES)")
     ap.add_argument("--step-ms", type=float, default=15.0, help="with --sim: one plain step, ms. Default: 15")
     ap.add_argument("--serve", action="store_true", help="through `specdec serve` processes over HTTP")
+    ap.add_argument("--prefix-cache-mb", type=float, default=256,
+                    help="the prefix cache of every method (plain's too) unless a variant sets its own "
+                         "(suffix:prefix_cache_mb=0); 0: none. Default: 256 (the CLI's)")
     args = ap.parse_args()
     import contextlib
 
@@ -164,11 +174,12 @@ def main() -> None:
     if args.serve:
         if args.sim:
             raise SystemExit("--serve and --sim do not go together (a server's clock is its own)")
-        if set(methods) - set(SERVE_SETTINGS):
-            raise SystemExit(f"--serve runs the methods {', '.join(SERVE_SETTINGS)}; got {args.methods}")
+        if set(methods) - set(SERVE_SETTINGS) or args.prefix_cache_mb != 256:
+            raise SystemExit(f"--serve runs the methods {', '.join(SERVE_SETTINGS)} (with the servers' default prefix "
+                             f"cache); got {args.methods}")
         run(args, methods, None)
         return
-    specs = {m: load_variant(args.model, m, args.threads) for m in methods}
+    specs = {m: load_variant(args.model, m, args.threads, args.prefix_cache_mb) for m in methods}
     clock = contextlib.nullcontext()
     if args.sim:
         sim, cost = SimClock(), curve(PROFILES[args.sim])
@@ -214,11 +225,12 @@ def run(args, methods, specs) -> None:
                                   "exact": exact, "requests": len(requests), "steps": counts,
                                   "decode_tokens_per_s": decode}
         print(f"{name}: " + ", ".join(f"{m} {med[m]:.1f} tok/s" for m in methods), flush=True)
-        for m in methods[1:] if specs is not None else []:
+        for m in methods if specs is not None else []:
             c = counts[m]
             n = max(c["steps"], 1)
             print(f"  {m}: {(c['accepted'] + c['steps']) / n:.2f} tokens per step, {c['nodes'] / n:.2f} guesses "
-                  f"verified per step, {c['plain'] / n:.0%} of steps plain", flush=True)
+                  f"verified per step, {c['plain'] / n:.0%} of steps plain; prefills {c['prefill_s']:.1f} s "
+                  f"({c['cached_tokens'] / max(c['prompt_tokens'], 1):.0%} of prompt tokens cached)", flush=True)
     columns = [f"{m} / plain" for m in methods[1:]]
     if specs is not None:
         columns += [f"{m}, decoding" for m in methods[1:]]

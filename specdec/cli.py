@@ -206,7 +206,9 @@ def cmd_validate(args) -> int:
     levels = [] if conc_text.strip() == "none" else _csv_ints(conc_text, "--concurrency")
     read_samples(args.data)  # a malformed file fails before the model loads
     out = writable_dir(args.out)
-    cfg = SpecConfig.from_args(args)
+    # no prefix cache: validate sends its samples again and again, and times their prefills as a newcomer's
+    # (the prompts' numbers are the same with it or without: prefix_cache.py)
+    cfg = SpecConfig.from_args(args).replace(prefix_cache_mb=0)
     threads.start(cfg.threads)  # (as generate and serve: the cores other processes leave free, re-checked)
     target = load_target(cfg, args.quiet)
     if target.tokenizer is None:
@@ -268,6 +270,10 @@ def cmd_validate(args) -> int:
 
 
 def _one(engine, ids, params):
+    """One bench run of one prompt, timed as a newcomer's: no prefix cached from its earlier repeats
+    (as bench forgets the suffix cache's earlier answers)."""
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
     [res] = engine.generate([ids], params)
     return res.tokens, res
 

@@ -22,6 +22,8 @@ from .methods import DEFAULT_K, check_method, sources_for
 from .types import SamplingParams, SpecdecError
 
 DTYPES = ("float32", "bfloat16")
+# the prefix cache's memory by default, MiB (prefix_cache.py; the default model: ~46 KB a token, ~5.7k tokens)
+DEFAULT_PREFIX_CACHE_MB = 256
 
 
 @dataclass
@@ -33,7 +35,8 @@ class SpecConfig:
     default model). k: most tokens drafted a step (None: the method's DEFAULT_K; 0: none).
     sampling: the default SamplingParams of a generate call. max_batch, max_queue,
     max_context: the server's batcher (serve only); fixed_k: draft -k guesses every step (no
-    priced choice), in the server and the engine."""
+    priced choice), in the server and the engine. prefix_cache_mb: the memory of the cache of
+    prompt prefixes computed before (prefix_cache.py), in the engine and the server; 0: none."""
 
     model: str | None = None
     draft: str | None = None
@@ -53,6 +56,7 @@ class SpecConfig:
     max_context: int = 2048
     fixed_k: bool = False
     suffix_cache: str | None = None  # the suffix cache's file: loaded at start, saved at the end
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # the prefix cache's memory, MiB (prefix_cache.py); 0: off
 
     def __post_init__(self) -> None:
         check_method(self.method)
@@ -64,6 +68,15 @@ class SpecConfig:
             self.draft = str(self.draft)
         if self.model is not None:
             self.model = str(self.model)
+        if not isinstance(self.prefix_cache_mb, (int, float)) or self.prefix_cache_mb < 0:
+            raise SpecdecError(f"prefix_cache_mb must be a number of MiB >= 0 (0: no prefix cache), "
+                               f"got {self.prefix_cache_mb!r}")
+
+    def prefix_cache(self):
+        """A new PrefixCache of prefix_cache_mb MiB, or None when it is 0."""
+        from .prefix_cache import PrefixCache
+
+        return PrefixCache(self.prefix_cache_mb) if self.prefix_cache_mb else None
 
     @classmethod
     def from_args(cls, args) -> "SpecConfig":
@@ -166,7 +179,8 @@ def build_engine(cfg: SpecConfig, target, quiet: bool = True):
     from .engine import Engine
 
     sources, k = sources_for(cfg, target, quiet)
-    return Engine(target.model, sources, k=k, eos_ids=target.eos_ids, fixed_k=cfg.fixed_k, method=cfg.method)
+    return Engine(target.model, sources, k=k, eos_ids=target.eos_ids, fixed_k=cfg.fixed_k, method=cfg.method,
+                  prefix_cache=cfg.prefix_cache())
 
 
 def build_batcher(cfg: SpecConfig, quiet: bool = False, thread: bool = False):
@@ -187,5 +201,5 @@ def build_batcher(cfg: SpecConfig, quiet: bool = False, thread: bool = False):
     sources, k = sources_for(cfg, lm, quiet)
     batcher = ContinuousBatcher(lm.model, lm.eos_ids, sources, method=cfg.method, k_max=k or cfg.method_k(),
                                 max_batch=cfg.max_batch, max_queue=cfg.max_queue, max_context=cfg.max_context,
-                                adaptive=not cfg.fixed_k, thread=thread)
+                                adaptive=not cfg.fixed_k, thread=thread, prefix_cache=cfg.prefix_cache())
     return lm, batcher

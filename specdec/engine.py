@@ -32,11 +32,13 @@ StopFn = Callable[[int, list[int]], bool]  # (row, all generated ids) -> stop no
 
 class Engine:
     def __init__(self, model, drafter: Drafter | list[Drafter] | None = None, k: int = 4, eos_ids=(),
-                 fixed_k: bool = False, method: str = "") -> None:
+                 fixed_k: bool = False, method: str = "", prefix_cache=None) -> None:
         """model: follows the forward contract (native or adapter); drafter: a draft source, a
         list of them, or None; k: the most guesses a step drafts; fixed_k: every step drafts k
         guesses (as `serve --fixed-k`), instead of as the cost model prices them; method: the
-        name shown in stats (default: the sources' names)."""
+        name shown in stats (default: the sources' names); prefix_cache: a `prefix_cache.PrefixCache`
+        kept across generate calls, from which prompts take the prefixes computed before (None: none;
+        `config.build_engine` makes one of `--prefix-cache-mb`)."""
         if not 0 <= k <= MAX_GUESSES:
             raise SpecdecError(f"-k must be between 0 and {MAX_GUESSES} (longer steps are not verified bit for bit "
                                f"as plain decoding computes them), got {k}")
@@ -50,6 +52,7 @@ class Engine:
         self.k = max([k] + [d.max_nodes for d in sources]) if sources and k else 0
         self.eos_ids = set(int(e) for e in eos_ids)
         self.method = method or ("none" if not sources else "+".join(d.label for d in sources))
+        self.prefix_cache = prefix_cache
         self._batches = 0
         # the cost model that prices every source per step and row, as the server's does; the
         # engine keeps it so that what it learns carries between calls
@@ -137,7 +140,7 @@ class Engine:
         scheduler = ContinuousBatcher(
             self.model, self.eos_ids, self.sources, method=self.method, k_max=self.k, policy=self.policy,
             max_batch=len(prompts) if native else 1, max_queue=len(prompts), max_context=max_len,
-            thread=False, shared=params, fill_context=True, raise_errors=True)
+            thread=False, shared=params, fill_context=True, raise_errors=True, prefix_cache=self.prefix_cache)
         if scheduler.guard is not None:  # (None: no source, or a fixed k)
             scheduler.guard = self.guard  # (None: the caller turned the engine's guard off)
             if self.guard is not None:

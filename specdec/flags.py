@@ -11,7 +11,7 @@ import argparse
 
 from .argtypes import (guesses, int_at_least, nonneg_int, one_to_max_guesses, positive_float, positive_int,
                        unit_interval)
-from .config import DTYPES
+from .config import DEFAULT_PREFIX_CACHE_MB, DTYPES
 from .methods import DEFAULT_K, DEFAULT_TREE_NODES, METHODS
 from .distributed import add_generate_ray_args, add_serve_ray_args, add_train_ray_args
 from .types import MAX_GUESSES
@@ -23,6 +23,16 @@ def add_weights_arg(p) -> None:
     p.add_argument("--weights", choices=WEIGHTS, default="auto",
                    help=WEIGHTS_HELP + ". The kernels (Q4_0/Q4_1/Q8_0 blocks, read ~5x fewer bytes a decode step "
                         "than the fp32 copy) are built once with the system's C++ compiler. Default: auto")
+
+
+def add_prefix_cache_arg(p, earlier: str) -> None:
+    p.add_argument("--prefix-cache-mb", type=nonneg_int, default=DEFAULT_PREFIX_CACHE_MB, metavar="MB",
+                   help=f"memory for the prefix cache: a prompt that starts as {earlier} did (a system prompt, "
+                        "few-shot examples, a tool list) takes those tokens' keys and values from it instead of "
+                        "computing them again, with the same numbers (prompts are prefilled in chunks on the "
+                        "row-stable kernels, exact whatever was cached). 0: off (the same answers, nothing reused). "
+                        "Models without the row-stable kernels (bfloat16, transformers) cache nothing. "
+                        f"Default: {DEFAULT_PREFIX_CACHE_MB}")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -57,6 +67,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--suffix-cache", metavar="FILE", default=None,
                    help="keep the suffix cache (earlier answers, which suffix and auto draft from) in FILE: loaded "
                         "at start (if it exists), saved at the end, so that a later run drafts from this one's answers")
+    add_prefix_cache_arg(g, "earlier prompts of this run (--prompts-file)")
     g.add_argument("--draft-confidence", type=unit_interval, default=None, metavar="P",
                    help="draft model (draft, and auto without an EAGLE head): a row stops guessing after a token "
                         "the draft itself gives less than probability P (0 = always -k tokens). Exact at any value: "
@@ -193,6 +204,7 @@ def add_serve_parser(sub) -> None:
                    help="keep the suffix cache (the answers suffix and auto draft from) in FILE: loaded at start, "
                         "saved when the server stops (after a drain), so that a restarted server drafts from what it "
                         "answered before. Refused in one line when FILE was saved for another tokenizer")
+    add_prefix_cache_arg(v, "earlier requests")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on. Default: 127.0.0.1")
     v.add_argument("--port", type=int_at_least(1, 65535), default=8000, help="port (1-65535). Default: 8000")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request")

@@ -64,6 +64,7 @@ class RequestStats:
     """
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed (prefix_cache.py)
     new_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -106,6 +107,7 @@ class RequestStats:
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "new_tokens": self.new_tokens,
             "prefill_s": round(self.prefill_s, 6),
             "decode_s": round(self.decode_s, 6),

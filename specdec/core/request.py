@@ -55,6 +55,8 @@ class BatcherStats:
     failed: int = 0
     tokens: int = 0  # tokens generated
     first_tokens: int = 0  # of which the prefills' first tokens
+    prompt_tokens: int = 0  # prompt tokens prefilled
+    cached_tokens: int = 0  # of which taken from the prefix cache
     proposed: int = 0  # guesses verified
     accepted: int = 0  # guesses that held
     forwards: int = 0  # row-steps (one target forward of one row each)

@@ -35,6 +35,7 @@ from ..drafters.base import Drafter, RowInfo
 from ..policy import BatchGuard, LoadPolicy
 from ..sampling import choose, make_generator
 from ..types import MAX_GUESSES, SamplingParams, SpecdecError
+from ..prefix_cache import chunks_exact, prefill
 from .proposal import Sources
 from .request import FAILED, BatcherStats, Request, logprobs
 from .step import constrained, run_step
@@ -45,7 +46,7 @@ class ContinuousBatcher:
     def __init__(self, model, eos_ids=(), sources: list[Drafter] | tuple = (), method: str = "", k_max: int = 8,
                  max_batch: int = 16, max_queue: int = 256, max_context: int | None = None, adaptive: bool = True,
                  thread: bool = True, shared: SamplingParams | None = None, fill_context: bool = False,
-                 raise_errors: bool = False, policy: LoadPolicy | None = None) -> None:
+                 raise_errors: bool = False, policy: LoadPolicy | None = None, prefix_cache=None) -> None:
         """sources: the draft sources steps may take guesses from (specdec.methods' table builds
         them for `method`, the name stats show); none: plain decoding. thread: decode in a worker
         started here (False: the caller runs `run()`, best in the main thread). shared: the
@@ -55,7 +56,11 @@ class ContinuousBatcher:
         fill_context: a request longer than the context decodes until it is full instead of being
         refused. raise_errors: failures are raised to `run()`'s caller (generate). adaptive: the
         cost model prices every step (False: k_max every step, `--fixed-k`). policy: the
-        `LoadPolicy`, when its owner keeps what it learns (`Engine`); None: a new one."""
+        `LoadPolicy`, when its owner keeps what it learns (`Engine`); None: a new one. prefix_cache: a
+        `prefix_cache.PrefixCache` that prompts take their computed prefixes from and leave theirs in
+        (its owner keeps it between batches); None: none. Prompts prefill in exact chunks where the
+        model allows it (`prefix_cache.chunks_exact`), cache or not; elsewhere in one call, and the
+        cache is ignored."""
         for d in sources:  # (the protocol is all the scheduler reads: anything else is refused here)
             if not isinstance(d, Drafter):
                 raise SpecdecError(f"a draft source must subclass specdec.drafters.Drafter (got {type(d).__name__})")
@@ -74,6 +79,10 @@ class ContinuousBatcher:
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
         self.rows: list[Request] = []
         self.cache = model.new_cache(max_batch, self.max_context)
+        # prompts prefill in exact chunks where the model allows (prefix_cache.py: the same numbers
+        # whether a prefix is cached or not, so the cache never changes an answer)
+        self.chunked = chunks_exact(model)
+        self.prefix = prefix_cache if self.chunked else None
         self.slots = self.k_max  # guess slots a row may take in one step
         adaptive = adaptive and all(d.may_skip for d in sources)  # (a source that may not sit out drafts every step)
         self.policy = policy if policy is not None else LoadPolicy(self.k_max, adaptive)
@@ -263,8 +272,16 @@ class ContinuousBatcher:
         req.stats.prompt_tokens = L
         # a one-row batch prefills into its cache (the transformers adapter has no other)
         one = self.cache if self.max_batch == 1 else self.model.new_cache(1, L + 1)
-        at = torch.arange(L)[None] if req.prompt_logprobs is not None else torch.tensor([[L - 1]])
-        logits, hidden = self.model(torch.tensor([req.prompt]), torch.arange(L)[None], one, logits_at=at)
+        if self.chunked:  # in exact chunks, from the prompt's cached prefix if any (prefix_cache.py)
+            logits, hidden, req.stats.cached_tokens = prefill(
+                self.model, req.prompt, one, self.prefix, all_logits=req.prompt_logprobs is not None,
+                need_hidden=self.sources.needs_hidden)
+        else:
+            at = torch.arange(L)[None] if req.prompt_logprobs is not None else torch.tensor([[L - 1]])
+            logits, hidden = self.model(torch.tensor([req.prompt]), torch.arange(L)[None], one, logits_at=at)
+        with self.lock:
+            self.totals.prompt_tokens += L
+            self.totals.cached_tokens += req.stats.cached_tokens
         if req.prompt_logprobs is not None:
             req.prompt_lps = [None] + logprobs(logits[0, :-1], req.prompt[1:], req.prompt_logprobs)
         if req.score_only:
@@ -282,7 +299,8 @@ class ContinuousBatcher:
         req.first_token_s = time.perf_counter() - req.submitted
         self.rows.append(req)
         if self.log is not None:
-            self.log.debug("prefill: %d tokens, row %d, %.1f ms", L, slot, (time.perf_counter() - t0) * 1e3)
+            self.log.debug("prefill: %d tokens (%d cached), row %d, %.1f ms", L, req.stats.cached_tokens, slot,
+                           (time.perf_counter() - t0) * 1e3)
         with self.lock:
             self.totals.first_tokens += 1
         self._emit(req, [first], logprobs(logits[0, -1:], [first], req.logprobs))
@@ -336,7 +354,8 @@ class ContinuousBatcher:
         try:
             req.on_done(reason, dict(prompt_tokens=len(req.prompt), completion_tokens=len(req.tokens),
                                      proposed=st.proposed, accepted=st.accepted, forwards=st.target_forwards,
-                                     first_token_s=req.first_token_s, sources=dict(st.sources)))
+                                     first_token_s=req.first_token_s, sources=dict(st.sources),
+                                     cached_tokens=st.cached_tokens))
         except Exception:  # noqa: BLE001 - the owner's problem, not the batch's
             errors.exception("request %s: its on_done callback failed", req.id or "(no id)")
 

@@ -102,6 +102,7 @@ class Shaper:
         prediction = self.job.shaping.prediction if self.job.shaping is not None else None
         answers = [c.decoder.text for c in self.job.choices] if prediction is not None else []
         return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp,
+                "prompt_tokens_details": {"cached_tokens": self.job.cached_tokens()},
                 **structured.usage_details(self.state, prediction, answers)}
 
     def metrics(self) -> dict:

@@ -54,6 +54,7 @@ class Job:
     t0: float
     timeout: float
     prompt_tokens: int = 0  # each prompt once, whatever n
+    n: int = 1  # choices per prompt (choice p * n + j: prompt p's j-th)
     disconnected: bool = False
     shaping: object = None  # structured.Shaping: grammar, prediction, tool syntax (None: none)
 
@@ -61,6 +62,13 @@ class Job:
         for c in self.choices:
             if c.reason is None:
                 c.request.cancel()
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens taken from the prefix cache, each prompt once as prompt_tokens counts them
+        (the least of its choices: a prompt's later choices find what its first one left)."""
+        n = max(self.n, 1)
+        return sum(min(c.stats.get("cached_tokens", 0) for c in self.choices[p:p + n])
+                   for p in range(0, len(self.choices), n))
 
     def remaining(self) -> float:
         return self.timeout - (time.perf_counter() - self.t0)
@@ -80,7 +88,7 @@ def submit(state, prompts: list[tuple[list[int], str | None]], params: SamplingP
                        param="n")
     loop = asyncio.get_running_loop()
     job = Job(rid, [], asyncio.Queue(), stops, time.perf_counter(), state.request_timeout,
-              prompt_tokens=sum(len(ids) for ids, _ in prompts), shaping=shaping)
+              prompt_tokens=sum(len(ids) for ids, _ in prompts), n=n, shaping=shaping)
 
     for ids, echo in prompts:
         for j in range(n):

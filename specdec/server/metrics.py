@@ -26,6 +26,8 @@ COUNTERS = (
     ("specdec_requests_cancelled", "cancelled", "requests cancelled (client gone, timed out) before they ended"),
     ("specdec_requests_failed", "failed", "requests that failed alone (an error in their own row) or at shutdown"),
     ("specdec_generated_tokens", "tokens", "tokens generated"),
+    ("specdec_prompt_tokens", "prompt_tokens", "prompt tokens prefilled"),
+    ("specdec_prompt_tokens_cached", "cached_tokens", "prompt tokens taken from the prefix cache instead of computed"),
     ("specdec_draft_tokens_proposed", "proposed", "guessed tokens verified by the target"),
     ("specdec_draft_tokens_accepted", "accepted", "guessed tokens the target accepted"),
     ("specdec_steps", "steps", "decoding steps"),

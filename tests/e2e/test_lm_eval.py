@@ -94,15 +94,16 @@ metric_list:
 
 
 def _score(lm, ctx: list[int], cont: list[int], shift: int = 0) -> tuple[float, bool, float]:
-    """Direct log P(cont | ctx) from one plain forward of the target, whether every continuation
-    token is the argmax, and the smallest top-1/top-2 gap among them (ties make the flag moot).
-    shift != 0 scores the wrong tokens (a broken server's answer) for the self-check."""
+    """Direct log P(cont | ctx) from the target decoding the tokens one per forward (plain decoding's
+    numbers, which the server's prefill in exact chunks shares: specdec/prefix_cache.py), whether
+    every continuation token is the argmax, and the smallest top-1/top-2 gap among them (ties make
+    the flag moot). shift != 0 scores the wrong tokens (a broken server's answer) for the self-check."""
     ids = ctx + cont
     cache = lm.model.new_cache(1, len(ids) + 1)
     with torch.inference_mode():
-        logits, _ = lm.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache,
-                             logits_at=torch.arange(len(ids))[None])
-    lp = torch.log_softmax(logits[0].double(), -1)
+        logits = torch.cat([lm.model(torch.tensor([[tok]]), torch.tensor([[t]]), cache)[0][0]
+                            for t, tok in enumerate(ids)])
+    lp = torch.log_softmax(logits.double(), -1)
     pos = torch.arange(len(ctx) - 1, len(ids) - 1) + shift
     pos = pos.clamp(0, len(ids) - 1)
     rows = lp[pos]

@@ -192,12 +192,13 @@ def test_batched_and_token_id_prompts_equal_single_prompts(client, default_model
 
 
 def _prompt_logprobs(lm, ids: list[int]) -> torch.Tensor:
-    """log P(ids[i] | ids[:i]) for i >= 1 from one plain forward with logits at every position."""
+    """log P(ids[i] | ids[:i]) for i >= 1, decoding one token per forward (plain decoding's numbers,
+    which the server's prefill in exact chunks shares: specdec/prefix_cache.py)."""
     cache = lm.model.new_cache(1, len(ids) + 1)
     with torch.inference_mode():
-        logits, _ = lm.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache,
-                             logits_at=torch.arange(len(ids))[None])
-    lp = torch.log_softmax(logits[0, :-1].double(), -1)
+        logits = torch.cat([lm.model(torch.tensor([[tok]]), torch.tensor([[t]]), cache)[0][0]
+                            for t, tok in enumerate(ids)])
+    lp = torch.log_softmax(logits[:-1].double(), -1)
     return lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
 
 
