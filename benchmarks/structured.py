@@ -174,7 +174,9 @@ def main() -> None:
     args = ap.parse_args()
     import specdec
 
-    settings = {"threads": args.threads} if args.threads else {}
+    # no prefix cache: the variants send the same prompt one after the other, and a later one would
+    # find it cached (each variant's prefill timed cold, as forget_shared empties the suffix cache)
+    settings = {"prefix_cache_mb": 0} | ({"threads": args.threads} if args.threads else {})
     spec = specdec.load(args.model, method=args.method, **settings)
     report = {"what": args.what, "model": spec.target.name, "method": args.method, "cpu": _cpu(),
               "load_before": os.getloadavg()[0]}
