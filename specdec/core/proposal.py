@@ -1,9 +1,10 @@
 """The one proposal path: a step's guesses from the scheduler's draft sources (docs/design.md,
 "The speculative step").
 
-Each step, every known source offers what it has (`Drafter.offer`), the cost model
+Each step in a batch the batch guard may turn the step plain before anything is offered; else
+every known source offers what it has (`Drafter.offer`), the cost model
 (policy.LoadPolicy.choose) prices every offer and every on-demand source against plain decoding
-and chooses the cap K and each row's source, the batch guard may turn the step plain, the chosen
+and chooses the cap K and each row's source, the chosen
 on-demand sources draft for their rows, and the rows' guesses are packed as one proposal: chains
 side by side, or a tree step where any row verifies a tree (a chain is a tree whose node j hangs
 under node j - 1), a row's known chain grafted onto its drafted tree where the step has slots for
@@ -21,7 +22,7 @@ import torch
 
 from .. import tree as tree_mod
 from ..drafters.base import Draft, DraftContext, Drafter, timing_free
-from ..policy import BatchGuard, Choice, Hindsight, LoadPolicy, Quote
+from ..policy import BatchGuard, Hindsight, LoadPolicy, Quote
 from ..types import SamplingParams
 
 _GREEDY = SamplingParams()  # deterministic guesses: one-hot q, exact for sampled rows too
@@ -126,6 +127,14 @@ class Sources:
         plan = Plan(A, room, source=[None] * A)
         if self.k_max == 0 or not self.drafters:
             return self._plain(plan, "nothing")
+        if guard is not None and not self.fixed and not guard.speculate(A):
+            # the batch guard measures plain decoding faster at this batch size: no offers, no
+            # pricing (at 16 rows the offers, their hindsight and the chooser cost ~1.5 ms of a
+            # 16 ms step, all of it single-threaded Python)
+            for i in self.on_demand:
+                if self.drafters[i].may_skip:
+                    self.drafters[i].skip()
+            return self._plain(plan, "guard")
         tokens = [r.context for r in rows]
         ctx = DraftContext(tokens, _GREEDY, None, room=room)
         quotes = []
@@ -139,8 +148,6 @@ class Sources:
             else:
                 quotes.append(Quote(self.stats[i], ok, lags=d.lags(tokens), every_row=not d.partial_rows))
         choice = self.policy.choose(quotes, step, room, fixed=self.fixed)
-        if choice.k > 0 and guard is not None and not self.fixed and not guard.speculate(A):
-            choice = Choice(0, [None] * A, reason="guard")
         plan.k, plan.probe, plan.reason = choice.k, choice.probe, choice.reason
         # a row's node budget, within the cache slots it has left (`space`, default: its room); a
         # chain is cut to its room too, a tree's paths to it at verification; k_max, or a long
