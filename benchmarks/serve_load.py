@@ -118,7 +118,7 @@ def start(setting: str, args) -> tuple:
 STEP_LINE = re.compile(r"step: batch (\d+), draft cap \d+, guesses (\d+), accepted \d+, ([\d.]+) ms")
 
 
-PREFILL_LINE = re.compile(r"prefill: \d+ tokens, row \d+, ([\d.]+) ms")
+PREFILL_LINE = re.compile(r"prefill: \d+ tokens(?: \(\d+ cached\))?, row \d+, ([\d.]+) ms")
 
 
 def step_seconds(path: Path, skip: int) -> tuple[int, dict]:
