@@ -130,7 +130,9 @@ class Sources:
         if guard is not None and not self.fixed and not guard.speculate(A):
             # the batch guard measures plain decoding faster at this batch size: no offers, no
             # pricing (at 16 rows the offers, their hindsight and the chooser cost ~1.5 ms of a
-            # 16 ms step, all of it single-threaded Python)
+            # 16 ms step, all of it single-threaded Python). A step the guard lets through as its
+            # probe may still be declined by the cost model below: the probe is then spent
+            # unmeasured and its gap doubles, rather than pricing every step until one speculates
             for i in self.on_demand:
                 if self.drafters[i].may_skip:
                     self.drafters[i].skip()

@@ -33,9 +33,9 @@ import torch
 from .. import threads
 from ..drafters.base import Drafter, RowInfo
 from ..policy import BatchGuard, LoadPolicy
+from ..prefix_cache import chunks_exact, prefill
 from ..sampling import choose, make_generator
 from ..types import MAX_GUESSES, SamplingParams, SpecdecError
-from ..prefix_cache import chunks_exact, prefill
 from .proposal import Sources
 from .request import FAILED, BatcherStats, Request, logprobs
 from .step import constrained, run_step
