@@ -18,6 +18,7 @@ or HTTP. Stop strings are the caller's business (`stop_fn`).
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from .core.scheduler import ContinuousBatcher, Request
@@ -25,6 +26,10 @@ from .drafters.base import Drafter
 from .policy import BatchGuard, LoadPolicy
 from .sampling import make_generator
 from .types import MAX_GUESSES, GenerationResult, SamplingParams, SpecdecError
+
+#: batch numbers (RequestStats.batch), unique in the process: results of several engines summarized
+#: together (metrics.summarize) must not share a number, or their times would be taken as one batch's
+_BATCH_NUMBERS = itertools.count(1)
 
 OnTokens = Callable[[int, list[int]], None]  # (row, newly committed ids)
 StopFn = Callable[[int, list[int]], bool]  # (row, all generated ids) -> stop now?
@@ -53,7 +58,6 @@ class Engine:
         self.eos_ids = set(int(e) for e in eos_ids)
         self.method = method or ("none" if not sources else "+".join(d.label for d in sources))
         self.prefix_cache = prefix_cache
-        self._batches = 0
         # the cost model that prices every source per step and row, as the server's does; the
         # engine keeps it so that what it learns carries between calls
         adaptive = not fixed_k and all(d.may_skip for d in sources)
@@ -114,8 +118,9 @@ class Engine:
         native = getattr(self.model, "native", False)
         results, done, requests = [GenerationResult() for _ in prompts], [], []
         generator = make_generator(params.seed)  # one for the batch: each row draws with its index as its key
+        shared = next(_BATCH_NUMBERS)
         for i, prompt in enumerate(prompts):
-            results[i].stats.batch = self._batches + (1 if native else i + 1)
+            results[i].stats.batch = shared if native or i == 0 else next(_BATCH_NUMBERS)
             requests.append(Request(
                 list(prompt), params,
                 on_tokens=(lambda ids, i=i: on_tokens(i, ids)) if on_tokens is not None else (lambda ids: None),
@@ -124,7 +129,6 @@ class Engine:
                 prediction=predictions[i] if predictions else None, constraint=constraints[i] if constraints else None,
                 key=i, stats=results[i].stats, generator=generator))
             scheduler.submit(requests[-1])
-        self._batches += 1 if native else len(prompts)
         scheduler.run(until=lambda: len(done) == len(prompts))
         for result, req in zip(results, requests):
             result.tokens = req.tokens
