@@ -442,7 +442,8 @@ class ContinuousBatcher:
         if self.guard is not None:
             # (a step in which a source caught up on a prompt that just joined, or on steps it sat
             # out, is a one-off, not the steady cost of speculating: the guard does not count it)
-            self.guard.observe(A, plan.k > 0, sum(accepted) + A, dt, steady=plan.steady)
+            self.guard.observe(A, plan.k > 0, sum(accepted) + A, dt, steady=plan.steady,
+                               declined=plan.k == 0 and plan.reason == "cost")
         self._last_k = K
         if self.log is not None:
             used = sorted({self.sources.drafters[s].label for s, g in zip(plan.source, plan.guesses) if s is not None and g})

@@ -30,7 +30,21 @@ class BatchGuard:
     out. A probe step that only caught the drafter up (not steady) measures nothing: the next
     step probes again. Never used where drafting must not depend on timing (a fixed k: a
     seeded sampled request with guesses drawn from a q). Knows nothing about models.
+
+    A step the guard lets through may still be declined by the cost model: it decodes plainly,
+    so the guard never measures speculation there, yet it paid for every source's offers and
+    the pricing (~10% of a 32-row step of the default model: the offers, their hindsight and the
+    chooser run per row, single-threaded). So after the cost model declined a band's step, the
+    band's next steps stay plain unpriced on a `ProbeSchedule` of their own (every
+    `COST_EVERY` steps, the gap doubling up to `COST_MOST` while the cost model keeps
+    declining), until a priced step speculates again.
     """
+
+    #: after the cost model declined a band's step, it is asked again this many steps later ...
+    COST_EVERY = 2
+    #: ... the gap doubling each time it declines again, up to this many times COST_EVERY (8
+    #: steps: an offer that would pay waits at most that long)
+    COST_MOST = 4
 
     def __init__(self, min_rows: int = 2, probe_every: int = PROBE_EVERY, decay: float = 0.8) -> None:
         self.min_rows, self.probe_every, self.decay = min_rows, probe_every, decay
@@ -38,12 +52,16 @@ class BatchGuard:
         self.steps: dict[int, int] = {}  # steps seen per band
         self.decisions = {True: 0, False: 0}  # guarded steps that speculated / decoded plainly
         self.probes: dict[int, ProbeSchedule] = {}  # per band: when speculation is probed while plain wins
+        # per band whose last priced step the cost model declined: when it is priced again
+        self.declined: dict[int, ProbeSchedule] = {}
         self._probed: int | None = None  # the band whose last step was such a probe
         self._warm: set[tuple[int, bool]] = set()
 
     def begin(self) -> None:
-        """New prompts arrive (a batch starts): its first speculative step per band is a warm-up again."""
+        """New prompts arrive (a batch starts): its first speculative step per band is a warm-up again,
+        and the cost model is asked afresh."""
         self._warm.clear()
+        self.declined.clear()
 
     def speculate(self, rows: int) -> bool:
         """Whether this step (of `rows` active rows) should draft."""
@@ -65,6 +83,8 @@ class BatchGuard:
             choice = self._schedule(b).due()  # speculation probed ever more rarely while it keeps losing
             if choice:
                 self._probed = b
+        if choice and self._probed != b and b in self.declined:
+            choice = self.declined[b].due()  # the cost model declined here lately: ask it now and then
         self.decisions[choice] += 1
         return choice
 
@@ -85,14 +105,21 @@ class BatchGuard:
             rate[(b, s)] = float(r)
         self.rate = rate
 
-    def observe(self, rows: int, speculated: bool, tokens: int, seconds: float, steady: bool = True) -> None:
+    def observe(self, rows: int, speculated: bool, tokens: int, seconds: float, steady: bool = True,
+                declined: bool = False) -> None:
         """One step of `rows` rows committed `tokens` tokens in `seconds` (drafting included).
         steady False: the drafter first caught up on tokens it sat out (a one-off per request or
         per stretch of plain steps, not what speculating costs): not counted, and a probe that
-        did only that is repeated on the next step."""
+        did only that is repeated on the next step. declined: the guard let the step through and
+        the cost model declined every guess (it counts as a plain step)."""
         if rows < self.min_rows or seconds <= 0:
             return
-        key = (band(rows), speculated)
+        b = band(rows)
+        if declined:
+            self.declined.setdefault(b, ProbeSchedule(self.COST_EVERY, self.COST_MOST))
+        elif speculated:
+            self.declined.pop(b, None)
+        key = (b, speculated)
         if not steady:
             if speculated and self._probed == key[0]:
                 self._schedule(key[0]).again(measured=False)

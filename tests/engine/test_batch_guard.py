@@ -103,6 +103,53 @@ def test_bands_are_measured_apart():
     assert sum(two[8:]) >= 28
 
 
+def run_with_cost_model(g: BatchGuard, rows: int, declines, steps: int) -> list[bool]:
+    """Steps where the guard asks, and on a step it lets through the cost model declines every
+    guess while `declines(step)` holds (the step then decodes plainly, priced for nothing).
+    Returns per step whether the cost model was asked."""
+    asked = []
+    for i in range(steps):
+        s = g.speculate(rows)
+        spec = s and not declines(i)
+        g.observe(rows, spec, 120 if spec else 100, 1.0, declined=s and not spec)
+        asked.append(s)
+    return asked
+
+
+class AlwaysAsk(BatchGuard):
+    """The guard as it was: a step it lets through is priced whatever the cost model did on the
+    band's last steps (the broken rule of the test below)."""
+
+    def observe(self, rows, speculated, tokens, seconds, steady=True, declined=False):
+        super().observe(rows, speculated, tokens, seconds, steady)
+
+
+@pytest.mark.parametrize("rule", ["back off", "always ask"])
+def test_where_the_cost_model_keeps_declining_the_guard_asks_it_ever_more_rarely(rule):
+    """A band whose priced steps the cost model declines (a 32-row batch where no guess pays:
+    each such step still paid for the offers and the pricing, ~10% of it) is priced again after
+    2, 4, then every 8 steps, not on every step; once a priced step speculates, every step is
+    priced again. The band never measured a speculative step, so the rates alone would let
+    every step through."""
+    g = BatchGuard() if rule == "back off" else AlwaysAsk()
+    asked = run_with_cost_model(g, 32, lambda i: True, 200)
+    if rule == "always ask":
+        assert sum(asked) > 150
+        return
+    assert 20 <= sum(asked) <= 35, sum(asked)  # ~1 in 8 once the gap is at its longest
+    gaps = [b - a for a, b in zip(*[[i for i, s in enumerate(asked) if s][j:] for j in (0, 1)])]
+    assert max(gaps) <= 9 and gaps[-1] == 8, gaps  # an offer that would pay waits 8 steps at most
+    # the text turns: the cost model takes the next priced step, and the guard asks every step again
+    # (but the plain step every 16 that keeps plain decoding measured)
+    later = run_with_cost_model(g, 32, lambda i: False, 40)
+    first = later.index(True)
+    assert first <= 8 and sum(later[first:]) >= len(later[first:]) - 2, later
+    # another band is not held back by this one's declines
+    g2 = BatchGuard()
+    run_with_cost_model(g2, 32, lambda i: True, 50)
+    assert all(run_with_cost_model(g2, 4, lambda i: False, 10)[2:])
+
+
 class Alternate(BatchGuard):
     """Speculate on every other step (a stand-in for the measured choice)."""
 
