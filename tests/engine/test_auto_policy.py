@@ -72,7 +72,8 @@ def test_a_tree_never_accepted_ends_up_as_rare_probes(monkeypatch, no_lookups, s
     steps = res.stats.target_forwards
     late = [c for c in trees if c - len(p) > n // 2]  # tree calls in the second half
     # probes after 16, 32, 64, 128 declined steps once a tree has failed: a handful in 300 steps
-    assert 1 <= len(trees) <= 12 and len(late) <= 3, (len(trees), steps)
+    # (3 here, after 18, 52 and 120 steps; a probe every 16 steps makes 11, 3 of them late)
+    assert 1 <= len(trees) <= 8 and len(late) <= 2, (len(trees), steps)
     # and verified little beyond the pending token: at most the probes' nodes
     assert res.stats.proposed <= 5 * len(trees) * 4
 
