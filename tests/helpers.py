@@ -224,6 +224,26 @@ def pinned_costs(monkeypatch, draft: float, guess: float) -> None:
     monkeypatch.setattr(LoadPolicy, "guess_steps", lambda self, rows: guess)
 
 
+def pinned_timing(monkeypatch, step: float = 0.01, per_guess: float = 0.001, draft: float = 0.003) -> None:
+    """Every cost model learns these times instead of the measured ones: a step of A rows with k
+    guess slots `step` * (1 + per_guess / step * A * k) seconds, a proposal `draft` seconds a unit
+    (a guess, a tree), a catch-up `draft` / 10 a token read, and a source timed alone the same. Its
+    choices then depend on what held, not on how loaded the machine is."""
+    from specdec.drafters.base import Drafter
+    from specdec.policy import LoadPolicy
+
+    observe_step, observe_drafting = LoadPolicy.observe_step, LoadPolicy.observe_drafting
+    monkeypatch.setattr(LoadPolicy, "observe_step",
+                        lambda self, rows, k, seconds: observe_step(self, rows, k, step + per_guess * rows * k))
+    monkeypatch.setattr(LoadPolicy, "observe_drafting",
+                        lambda self, stats, rows, seconds, units, steady, behind=0: observe_drafting(
+                            self, stats, rows, draft * max(units, 1) + (draft / 10 * behind if not steady else 0.0),
+                            units, steady, behind))
+    for cls in [Drafter, *Drafter.__subclasses__()]:
+        if "time_alone" in vars(cls):
+            monkeypatch.setattr(cls, "time_alone", lambda self: (draft, draft / 10))
+
+
 def always_drafting(monkeypatch, policy) -> None:
     """`policy` drafts every step as at a fixed k (every row its best source), while still pricing
     nothing else differently: what a test of exactness under other choices (a guard, say) needs."""

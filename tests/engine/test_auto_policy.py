@@ -60,6 +60,9 @@ def no_lookups(monkeypatch):
 def test_a_tree_never_accepted_ends_up_as_rare_probes(monkeypatch, no_lookups, sampling):
     """The probes' schedule (their budget aside: test_policy.py): after 16, 32, 64, 128 declined
     steps, a handful in 300."""
+    import helpers
+
+    helpers.pinned_timing(monkeypatch)  # (measured prices on a loaded machine let the cost model take trees outright)
     monkeypatch.setattr(ProbeSchedule, "affordable", lambda self, cost, left: True)
     n = 300
     params = SamplingParams(max_new_tokens=n, **(SEEDED if sampling == "seeded" else {}))
@@ -72,8 +75,8 @@ def test_a_tree_never_accepted_ends_up_as_rare_probes(monkeypatch, no_lookups, s
     steps = res.stats.target_forwards
     late = [c for c in trees if c - len(p) > n // 2]  # tree calls in the second half
     # probes after 16, 32, 64, 128 declined steps once a tree has failed: a handful in 300 steps
-    # (3 here, after 18, 52 and 120 steps; a probe every 16 steps makes 11, 3 of them late)
-    assert 1 <= len(trees) <= 8 and len(late) <= 2, (len(trees), steps)
+    # (3 here, after 18, 52 and 120 steps; a probe every 16 steps makes 12, from 18 to 205)
+    assert 1 <= len(trees) <= 4 and len(late) <= 1, (len(trees), steps)
     # and verified little beyond the pending token: at most the probes' nodes
     assert res.stats.proposed <= 5 * len(trees) * 4
 
