@@ -239,7 +239,12 @@ def pinned_timing(monkeypatch, step: float = 0.01, per_guess: float = 0.001, dra
                         lambda self, stats, rows, seconds, units, steady, behind=0: observe_drafting(
                             self, stats, rows, draft * max(units, 1) + (draft / 10 * behind if not steady else 0.0),
                             units, steady, behind))
-    for cls in [Drafter, *Drafter.__subclasses__()]:
+    classes, todo = [], [Drafter]
+    while todo:  # every drafter class, subclasses of subclasses too
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    for cls in classes:
         if "time_alone" in vars(cls):
             monkeypatch.setattr(cls, "time_alone", lambda self: (draft, draft / 10))
 
