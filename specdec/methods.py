@@ -124,7 +124,9 @@ def _medusa(cfg, target, quiet):
     tree = None
     if cfg.tree:
         tree = choose_tree(meta["accuracy"], cfg.tree_nodes) if cfg.tree_nodes else [tuple(x) for x in meta["tree"]]
-    return [MedusaDrafter(heads, target.model, meta.get("vocab_subset"), tree)]
+    from .models.loader import drafter_copies_dir
+
+    return [MedusaDrafter(heads, target.model, meta.get("vocab_subset"), tree, saved=drafter_copies_dir(target, path))]
 
 
 def _auto(cfg, target, quiet):

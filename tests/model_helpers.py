@@ -182,6 +182,14 @@ def need_kernels():
     return ops
 
 
+def drafting_q8_op(ops):
+    """The kernel a drafter's Q8_0 copies of 16-row multiples run on: q8_0_linear_q8 on 8-bit
+    activations (kernel_glue.drafting_act8, the default), else the float path's q8_0_linear."""
+    from specdec.models.kernel_glue import drafting_act8
+
+    return ops.q8_0_linear_q8 if drafting_act8(ops) else ops.q8_0_linear
+
+
 def prefill_ragged(native, rows: list[list[int]], max_len: int = 128):
     """Right-padded prefill of several rows, then truncate to each row's length."""
     B = len(rows)

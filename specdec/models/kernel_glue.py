@@ -35,30 +35,51 @@ def pack_drafting_head(W: torch.Tensor) -> tuple[torch.Tensor | None, torch.dtyp
     return torch.ops.mkldnn._reorder_linear_weight(W.to(dtype), PACK_BATCH_HINT), dtype
 
 
+def drafting_act8(ops) -> bool:
+    """Whether a drafter's Q8_0 copies take 8-bit activations (q8_0_linear_q8): where the target's
+    GGUF products do (kernels.gguf_act8, the default) and the kernels have the op. A drafting step
+    of the default model's EAGLE head or draft then costs 2-4x less than on the float path
+    (docs/benchmarks.md); only the drafter's numbers move."""
+    from .. import kernels
+
+    return kernels.gguf_act8() and hasattr(ops, "q8_0_linear_q8")
+
+
+def blocks_op(ops, kind: str):
+    """The kernel that multiplies by blocks of `kind` (gguf_blocks.quantize_q8_0's, or a GGUF
+    file's Q4_1 / Q8_0 repacked K-major); None for a kind the row-stable kernels do not read."""
+    return {"Q4_1": ops.q4_1_linear, "Q8_0": ops.q8_0_linear,
+            "Q8_0i8": getattr(ops, "q8_0_linear_q8", None)}.get(kind)
+
+
 def rowstable_head(ops, W: torch.Tensor, q8: bool, saved=None) -> tuple:
     """(op, *args) computing h @ W^T (W [S, D], a drafter's output head) on the row-stable
     kernels `ops` as op(h, *args): over Q8_0 copies of W where `q8` (the target reads GGUF blocks)
-    and W's shape allows them, else over the fp32 W. `saved`: where the copies are kept between
-    runs (q8_0_copy)."""
-    blocks = q8_0_copy(W, saved) if q8 else None
-    return (ops.linear, W.contiguous()) if blocks is None else (ops.q8_0_linear, blocks[1], blocks[2])
+    and W's shape allows them (on 8-bit activations where `drafting_act8`), else over the fp32 W.
+    `saved`: where the copies are kept between runs (q8_0_copy)."""
+    blocks = q8_0_copy(W, saved, drafting_act8(ops)) if q8 else None
+    return (ops.linear, W.contiguous()) if blocks is None else (blocks_op(ops, blocks[0]), blocks[1], blocks[2])
 
 
-def q8_0_copy(w: torch.Tensor, saved=None) -> tuple | None:
-    """gguf_blocks.quantize_q8_0(w), kept at `saved` (a .npy path; None: not kept): read back
-    memory-mapped when a file of the right size is there, written when not. The copies of a
-    drafter's weights take ~0.1 s of each start on the default model's EAGLE head; the caller's
-    path names what they were made from (drafter_copies_dir)."""
-    from .gguf_blocks import G, quantize_q8_0
+def q8_0_copy(w: torch.Tensor, saved=None, act8: bool = False) -> tuple | None:
+    """gguf_blocks.quantize_q8_0(w, act8), kept at `saved` (a .npy path; None: not kept; the
+    8-bit-activation layout under its own name): read back memory-mapped when a file of the right
+    size is there, written when not. The copies of a drafter's weights take ~0.1 s of each start
+    on the default model's EAGLE head; the caller's path names what they were made from
+    (drafter_copies_dir)."""
+    from .gguf_blocks import G, GI8, quantize_q8_0
     from .gguf_model import _read_saved, _write_saved
 
     N, K = w.shape
     if K % 32 or N % G:
         return None
+    kind = "Q8_0i8" if act8 and N % GI8 == 0 else "Q8_0"
+    if saved is not None and kind == "Q8_0i8":
+        saved = saved.with_name(f"{saved.stem}.i8{saved.suffix}")  # (both layouts take 36 bytes a block and row)
     blocks = _read_saved(saved)
-    if blocks is not None and blocks.dtype == torch.uint8 and blocks.numel() == N * K // 32 * 36:  # (float32 d, 32 int8)
-        return "Q8_0", blocks, N
-    copy = quantize_q8_0(w)
+    if blocks is not None and blocks.dtype == torch.uint8 and blocks.numel() == N * K // 32 * 36:  # (float16 d and a sum or float32 d; 32 int8)
+        return kind, blocks, N
+    copy = quantize_q8_0(w, act8)
     _write_saved(saved, copy[1])
     return copy
 
@@ -81,13 +102,14 @@ def rowstable_drafting(linears, W: torch.Tensor, target_model, saved=None):
     def kept(name: str):
         return None if saved is None else saved / f"{name}.npy"
 
+    act8 = drafting_act8(ops)
     for i, lin in enumerate(linears):
         if lin.weight is None or lin.weight.dtype != torch.float32:
             continue
-        blocks = q8_0_copy(lin.weight, kept(f"linear{i}")) if on_blocks else None
+        blocks = q8_0_copy(lin.weight, kept(f"linear{i}"), act8) if on_blocks else None
         lin.rs = ops
         if blocks is not None:
-            lin.rs_blocks = (ops.q8_0_linear, blocks[1], blocks[2])
+            lin.rs_blocks = (blocks_op(ops, blocks[0]), blocks[1], blocks[2])
         else:
             lin.weight.data = lin.weight.data.contiguous()
     return rowstable_head(ops, W, on_blocks, kept("head"))
@@ -112,14 +134,14 @@ def draft_on_rowstable(model, head: torch.Tensor | None, target_model):
     elif model.rowstable is None:
         if model.packed:
             return None
-        blocks = {}
+        blocks, act8 = {}, drafting_act8(ops)
         if on_blocks:
             for i, blk in enumerate(model.layers):
                 for attr in ("wqkv", "wo", "w_gate_up", "w_down"):
-                    b = quantize_q8_0(getattr(blk, attr).weight)
+                    b = quantize_q8_0(getattr(blk, attr).weight, act8)
                     if b is not None:
                         blocks[f"layers.{i}.{attr}"] = b
-            if head is None and (b := quantize_q8_0(model.lm_head_weight())) is not None:
+            if head is None and (b := quantize_q8_0(model.lm_head_weight(), act8)) is not None:
                 blocks["head"] = b
         model.use_rowstable(ops, blocks)
     elif model.rowstable is not ops:

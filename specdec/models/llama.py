@@ -682,9 +682,11 @@ class LlamaModel(nn.Module):
                 lin.weight.data = lin.weight.data.contiguous()
             blk.kops = ops
             blk.fast = None
+        from .kernel_glue import blocks_op
+
         n = 0
         for name, (kind, first, rows) in (blocks or {}).items():
-            op = ops.q4_1_linear if kind == "Q4_1" else ops.q8_0_linear if kind == "Q8_0" else None
+            op = blocks_op(ops, kind)
             if op is None:
                 raise SpecdecError(f"GGUF blocks of kind {kind!r}: the row-stable kernels read Q4_1 and Q8_0")
             if name == "head":

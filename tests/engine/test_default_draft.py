@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 import helpers
+from model_helpers import drafting_q8_op
 
 from specdec.config import SpecConfig, build_engine
 from specdec.drafters.eagle import DEFAULT_EAGLE_DIR, default_eagle_for
@@ -147,7 +148,7 @@ def test_draft_model_runs_on_the_targets_row_stable_kernels(default_model):
     V = default_model.model.vocab_size
     ref = DraftModelDrafter(plain.model, V, subset)  # float32, unpacked
     q8 = DraftModelDrafter(load_model(path, quiet=True, pack=False).model, V, subset, target_model=default_model.model)
-    assert ref.head_rs is None and q8.head_rs is not None and q8.head_rs[0] == ops.q8_0_linear
+    assert ref.head_rs is None and q8.head_rs is not None and q8.head_rs[0] == drafting_q8_op(ops)
     assert all(blk.fast is not None and blk.kops is ops for blk in q8.model.layers)
     assert all(lin.weight is None for blk in q8.model.layers for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down))
     ctx = default_model.tokenizer.encode("def is_prime(n):\n    \"\"\"Whether n is a prime number.\"\"\"\n    if n < 2:\n")

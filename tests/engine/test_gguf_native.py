@@ -177,6 +177,7 @@ def test_an_eagle_heads_q8_copies_kept_between_starts_are_the_ones_made(gguf_dir
     first start, read back at the next) equal the copies made from the weights; a file cut short is
     made again; a file of the right size is read back as it is (so the folder's name must follow
     what the copies were made from: loader.drafter_copies_dir, which changes with the head's files)."""
+    from specdec.models.kernel_glue import drafting_act8
     from specdec.models.loader import drafter_copies_dir
 
     lm = load(tiny(gguf_dir, "llama", Q8_0))
@@ -194,16 +195,19 @@ def test_an_eagle_heads_q8_copies_kept_between_starts_are_the_ones_made(gguf_dir
     assert len(fresh) == 6 and fresh[-1].dtype == torch.uint8
     kept = tmp_path / "copies"
     first = copies(eagle(saved=kept))
-    assert sorted(f.name for f in kept.iterdir()) == ["head.npy"] + [f"linear{i}.npy" for i in range(5)]
+    # (every matrix here has a multiple of 16 rows: on 8-bit activations each copy is in that layout, under its own name)
+    tag = ".i8" if drafting_act8(lm.model.rowstable) else ""
+    assert sorted(f.name for f in kept.iterdir()) == [f"head{tag}.npy"] + [f"linear{i}{tag}.npy" for i in range(5)]
     again = copies(eagle(saved=kept))
     for got in (first, again):
         assert [torch.equal(a, b) for a, b in zip(got, fresh)] == [True] * 6
-    short = (kept / "head.npy").read_bytes()[:100]
-    (kept / "head.npy").unlink()  # (a new file: `again` still maps the old one, as a start would)
-    (kept / "head.npy").write_bytes(short)
+    head, linear0 = kept / f"head{tag}.npy", kept / f"linear0{tag}.npy"
+    short = head.read_bytes()[:100]
+    head.unlink()  # (a new file: `again` still maps the old one, as a start would)
+    head.write_bytes(short)
     assert torch.equal(copies(eagle(saved=kept))[-1], fresh[-1])
-    (kept / "linear0.npy").unlink()
-    np.save(kept / "linear0.npy", np.zeros(fresh[0].numel(), np.uint8))
+    linear0.unlink()
+    np.save(linear0, np.zeros(fresh[0].numel(), np.uint8))
     assert not torch.equal(copies(eagle(saved=kept))[0], fresh[0])
 
     head_dir = tmp_path / "head"

@@ -14,7 +14,7 @@ import torch
 
 from specdec.models import gguf_blocks as gb
 
-from model_helpers import need_kernels
+from model_helpers import drafting_q8_op, need_kernels
 from oracle import tiny_hf_llama
 
 
@@ -130,6 +130,42 @@ def test_quantize_q8_0_error_is_within_half_a_step_and_q8_values_survive():
     assert gb.quantize_q8_0(torch.randn(16, 40)) is None  # K not a multiple of 32
 
 
+def test_a_drafters_copy_on_8bit_activations_holds_the_same_weights():
+    """quantize_q8_0(w, act8=True): the same Q8_0 values in q8_0_linear_q8's layout, so its
+    product is the float path's product over the same copy up to the activations' 8-bit rounding
+    (and far from it where the copy held other weights); 16-row multiples only."""
+    ops = need_kernels()
+    if not hasattr(ops, "q8_0_linear_q8"):
+        pytest.skip("no 8-bit-activation kernels in this build")
+    g = torch.Generator().manual_seed(9)
+    w, x = torch.randn(48, 96, generator=g), torch.randn(5, 96, generator=g)
+    kind, i8, rows = gb.quantize_q8_0(w, act8=True)
+    assert kind == "Q8_0i8" and rows == 48 and i8.numel() == 48 * 3 * 36
+    _, kmajor, _ = gb.quantize_q8_0(w)
+    on_float, on_act8 = ops.q8_0_linear(x, kmajor, 48), ops.q8_0_linear_q8(x, i8, 48)
+    scale = on_float.abs().max()
+    assert (on_act8 - on_float).abs().max() < 0.02 * scale  # (8-bit activations: ~0.4% a block)
+    _, other, _ = gb.quantize_q8_0(torch.randn(48, 96, generator=g), act8=True)
+    assert (ops.q8_0_linear_q8(x, other, 48) - on_float).abs().max() > 0.2 * scale
+    assert gb.quantize_q8_0(torch.randn(20, 96), act8=True)[0] == "Q8_0"  # (20 rows: the K-major layout)
+
+
+@pytest.mark.default_model
+def test_medusa_heads_score_their_subset_on_the_kernels(default_model):
+    """Medusa's subset head runs on the target's kernels (a Q8_0 copy, 8-bit activations by
+    default): its scores stay close to the float32 product and its top guesses are the same."""
+    from specdec.drafters.medusa import DEFAULT_MEDUSA_DIR, MedusaDrafter, load_medusa
+
+    ops = need_kernels()
+    heads, meta = load_medusa(DEFAULT_MEDUSA_DIR, default_model)
+    d = MedusaDrafter(heads, default_model.model, meta.get("vocab_subset"))
+    assert d.W_rs is not None and d.W_rs[0] == drafting_q8_op(ops)
+    h = torch.randn(4, d.W.shape[1], generator=torch.Generator().manual_seed(3)) * 4
+    on_kernels, exact = d.W_rs[0](h, *d.W_rs[1:]), h @ d.W.T
+    assert (on_kernels - exact).abs().max() < 0.05 * exact.abs().max()
+    assert torch.equal(on_kernels.argmax(-1), exact.argmax(-1))
+
+
 @pytest.mark.default_model
 def test_eagle_head_drafts_on_the_kernels_and_stays_exact(default_model):
     """The EAGLE head drafts on the row-stable kernels its GGUF target runs on (Q8_0 copies of its
@@ -142,7 +178,7 @@ def test_eagle_head_drafts_on_the_kernels_and_stays_exact(default_model):
     ops = need_kernels()
     d = sources_for(SpecConfig(), default_model)[0]  # auto: prompt lookup and the shipped EAGLE head
     head = next(s for s in d if s.label == "eagle")
-    assert head.W_rs is not None and head.W_rs[0] == ops.q8_0_linear
+    assert head.W_rs is not None and head.W_rs[0] == drafting_q8_op(ops)
     assert head.head.wqkv.rs is ops and head.head.wqkv.rs_blocks is not None
     ids = default_model.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n")
     sp = SamplingParams(max_new_tokens=40)

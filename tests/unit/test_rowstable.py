@@ -13,7 +13,8 @@ import functools
 import pytest
 import torch
 
-from model_helpers import ancestor_mask, built_kernels, need_kernels, prefill_ragged, random_eagle, steps_both_ways
+from model_helpers import (ancestor_mask, built_kernels, drafting_q8_op, need_kernels, prefill_ragged, random_eagle,
+                           steps_both_ways)
 from oracle import hf_greedy, one_thread, tiny_hf_llama
 
 
@@ -279,7 +280,7 @@ def test_eagle_head_drafts_on_the_rowstable_kernels_and_greedy_stays_exact(on_bl
         return random_eagle(native, noise=0.3)
 
     d, ref = make(), make()
-    assert d.kops is ops and d.W_rs[0] == (ops.q8_0_linear if on_blocks else ops.linear)
+    assert d.kops is ops and d.W_rs[0] == (drafting_q8_op(ops) if on_blocks else ops.linear)
     assert all(lin.rs is ops and (lin.rs_blocks is not None) == on_blocks
                for lin in (d.head.fc, d.head.wqkv, d.head.wo, d.head.w_gate_up, d.head.w_down))
     ref.kops = None  # the same head's numbers through torch's norms, rotation and SDPA
@@ -335,7 +336,7 @@ def test_draft_model_drafts_on_the_rowstable_kernels_and_greedy_stays_exact(on_b
     if subset is None:
         assert d.head_rs is None and (d.model.head_rs_blocks is not None) == on_blocks
     else:
-        assert d.head_rs[0] == (ops.q8_0_linear if on_blocks else ops.linear) and d.head_packed is None
+        assert d.head_rs[0] == (drafting_q8_op(ops) if on_blocks else ops.linear) and d.head_packed is None
     g = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (7, 10, 5)]
     prompts[1] = prompts[1][:5] * 2
