@@ -149,6 +149,16 @@ class Sources:
                 quotes.append(Quote(self.stats[i], ok, offers=offers))
             else:
                 quotes.append(Quote(self.stats[i], ok, lags=d.lags(tokens), every_row=not d.partial_rows))
+        if guard is not None and not self.fixed and A < guard.min_rows and self.on_demand \
+                and not any(o is not None and o.tokens for q in quotes if q.offers for o in q.offers) \
+                and not guard.priced(A) and all([self.stats[i].probes.wait(1.0 / A) for i in self.on_demand]):
+            # nothing known on offer and the cost model declined the on-demand sources lately:
+            # unpriced, as a batch's band would be (BatchGuard.priced), unless one of them is due
+            # for a probe (ProbeSchedule.wait: the step is then priced, and the probe made)
+            for i in self.on_demand:
+                if self.drafters[i].may_skip:
+                    self.drafters[i].skip()
+            return self._plain(plan, "cost")
         choice = self.policy.choose(quotes, step, room, fixed=self.fixed)
         plan.k, plan.probe, plan.reason = choice.k, choice.probe, choice.reason
         # a row's node budget, within the cache slots it has left (`space`, default: its room); a

@@ -37,7 +37,12 @@ class BatchGuard:
     chooser run per row, single-threaded). So after the cost model declined a band's step, the
     band's next steps stay plain unpriced on a `ProbeSchedule` of their own (every
     `COST_EVERY` steps, the gap doubling up to `COST_MOST` while the cost model keeps
-    declining), until a priced step speculates again.
+    declining), until a priced step speculates again. A step of fewer than `min_rows` rows, which
+    the guard lets through unmeasured, keeps the same back-off for its on-demand sources (a draft
+    model, an EAGLE or Medusa head) where no known source offers anything (`priced`): their worth
+    changes only with what their own drafting measures, and pricing them cost ~0.1-0.15 ms of a
+    ~4 ms one-row step of the default model (~2-3.5%) that `--method eagle` or `medusa` paid on
+    every step they declined.
     """
 
     #: after the cost model declined a band's step, it is asked again this many steps later ...
@@ -88,6 +93,13 @@ class BatchGuard:
         self.decisions[choice] += 1
         return choice
 
+    def priced(self, rows: int) -> bool:
+        """For a step of fewer than `min_rows` rows in which no known source offers anything:
+        whether the cost model prices the on-demand sources now, or the step stays plain unpriced
+        because the cost model declined them lately (the band's back-off above)."""
+        schedule = self.declined.get(band(rows))
+        return schedule is None or schedule.due()
+
     def _schedule(self, b: int) -> ProbeSchedule:
         if b not in self.probes:
             self.probes[b] = ProbeSchedule(self.probe_every)
@@ -112,13 +124,13 @@ class BatchGuard:
         per stretch of plain steps, not what speculating costs): not counted, and a probe that
         did only that is repeated on the next step. declined: the guard let the step through and
         the cost model declined every guess (it counts as a plain step)."""
-        if rows < self.min_rows or seconds <= 0:
-            return
         b = band(rows)
         if declined:
             self.declined.setdefault(b, ProbeSchedule(self.COST_EVERY, self.COST_MOST))
         elif speculated:
             self.declined.pop(b, None)
+        if rows < self.min_rows or seconds <= 0:
+            return  # (a single row's rates are not the guard's to measure: the cost model's alone)
         key = (b, speculated)
         if not steady:
             if speculated and self._probed == key[0]:

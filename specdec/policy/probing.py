@@ -66,6 +66,16 @@ class ProbeSchedule:
         self.last_gap, self.gap = self.gap, min(2 * self.gap, self.most * self.every)
         return True
 
+    def wait(self, share: float = 1.0) -> bool:
+        """A declined step its gate would rather not price: True, and counted as `due` counts a
+        declined step, unless this step is the one `due` would probe on (False: price it, and let
+        `due` decide), so skipping the pricing delays no probe."""
+        if self.skipped + share >= self.gap:
+            return False
+        self.skipped += share
+        self.declined += 1
+        return True
+
     def taken(self) -> None:
         """The gate took the choice: the next probe comes `every` declined steps after it stops."""
         self.gap, self.skipped = self.every, 0

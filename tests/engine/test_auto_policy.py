@@ -81,6 +81,36 @@ def test_a_tree_never_accepted_ends_up_as_rare_probes(monkeypatch, no_lookups, s
     assert res.stats.proposed <= 5 * len(trees) * 4
 
 
+@pytest.mark.parametrize("rule", ["back off", "price every step"])
+def test_one_row_whose_head_keeps_losing_is_priced_ever_more_rarely(monkeypatch, no_lookups, rule):
+    """One row, nothing known on offer, a head the cost model keeps declining: its steps are priced
+    after 2, 4, then every 8 declined steps (BatchGuard.priced), not on every step (pricing cost
+    ~0.1-0.15 ms of a ~4 ms step of the default model), while the head's probes still come on
+    their own schedule; the text is plain decoding's. The broken rule prices every step."""
+    import helpers
+    from specdec.policy import BatchGuard
+
+    helpers.pinned_timing(monkeypatch)
+    monkeypatch.setattr(ProbeSchedule, "affordable", lambda self, cost, left: True)
+    if rule == "price every step":
+        monkeypatch.setattr(BatchGuard, "priced", lambda self, rows: True)
+    priced, choose = [], LoadPolicy.choose
+    monkeypatch.setattr(LoadPolicy, "choose", lambda self, *a, **k: priced.append(1) or choose(self, *a, **k))
+    params = SamplingParams(max_new_tokens=300)
+    p = prompts()[1]
+    want = plain([p], params)
+    d = drafter()
+    trees = never_accepted(d, unused_token(want))
+    [res] = Engine(target().model, d, k=3).generate([p], params)
+    assert [res.tokens] == want
+    steps = res.stats.target_forwards
+    if rule == "price every step":
+        assert len(priced) >= steps - 1, (len(priced), steps)
+        return
+    assert len(priced) <= steps // 5, (len(priced), steps)  # ~1 in 8 once the gap is at its longest
+    assert 1 <= len(trees) <= 4, trees  # the probes: as test_a_tree_never_accepted_ends_up_as_rare_probes
+
+
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_a_short_answer_pays_for_no_probe(monkeypatch, no_lookups, sampling):
     """A fresh drafter: nothing measured, 40 tokens to go, so probing (the head catching up on

@@ -150,6 +150,25 @@ def test_where_the_cost_model_keeps_declining_the_guard_asks_it_ever_more_rarely
     assert all(run_with_cost_model(g2, 4, lambda i: False, 10)[2:])
 
 
+@pytest.mark.parametrize("rule", ["back off", "always ask"])
+def test_a_single_row_the_cost_model_keeps_declining_is_priced_ever_more_rarely(rule):
+    """A single row (which the guard lets through unmeasured) whose steps the cost model declines
+    is priced after 2, 4, then every 8 steps (`priced`), until a priced step speculates."""
+    g = BatchGuard() if rule == "back off" else AlwaysAsk()
+    asked = []
+    for _ in range(200):
+        assert g.speculate(1)
+        ask = g.priced(1)
+        g.observe(1, False, 100, 1.0, declined=True)  # declined, priced or not
+        asked.append(ask)
+    if rule == "always ask":
+        assert all(asked)
+        return
+    assert 20 <= sum(asked) <= 35, sum(asked)
+    g.observe(1, True, 130, 1.0)  # a priced step speculated: every step is priced again
+    assert all(g.priced(1) for _ in range(10))
+
+
 class Alternate(BatchGuard):
     """Speculate on every other step (a stand-in for the measured choice)."""
 
