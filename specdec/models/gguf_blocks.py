@@ -116,6 +116,13 @@ def pack_q8_i8(q, d) -> torch.Tensor | None:
     return torch.from_numpy(np.ascontiguousarray(np.concatenate([dd, ss, qq], axis=2)).reshape(-1))
 
 
+def blocks_op(ops, kind: str):
+    """The row-stable kernel (of `ops`) that multiplies by blocks of `kind`: quantize_q8_0's, or a
+    GGUF file's Q4_1 / Q8_0 repacked K-major; None for a kind those kernels do not read."""
+    return {"Q4_1": ops.q4_1_linear, "Q8_0": ops.q8_0_linear,
+            "Q8_0i8": getattr(ops, "q8_0_linear_q8", None)}.get(kind)
+
+
 def quantize_q8_0(w: torch.Tensor, act8: bool = False) -> tuple | None:
     """A drafter's own weight [N, K] as Q8_0 blocks (d = max |w| / 127 per 32 weights, rounded to
     float16 as GGUF stores it): (kind, blocks, rows), or None when K is not a multiple of 32 or N

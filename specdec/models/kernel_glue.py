@@ -45,18 +45,13 @@ def drafting_act8(ops) -> bool:
     return kernels.gguf_act8() and hasattr(ops, "q8_0_linear_q8")
 
 
-def blocks_op(ops, kind: str):
-    """The kernel that multiplies by blocks of `kind` (gguf_blocks.quantize_q8_0's, or a GGUF
-    file's Q4_1 / Q8_0 repacked K-major); None for a kind the row-stable kernels do not read."""
-    return {"Q4_1": ops.q4_1_linear, "Q8_0": ops.q8_0_linear,
-            "Q8_0i8": getattr(ops, "q8_0_linear_q8", None)}.get(kind)
-
-
 def rowstable_head(ops, W: torch.Tensor, q8: bool, saved=None) -> tuple:
     """(op, *args) computing h @ W^T (W [S, D], a drafter's output head) on the row-stable
     kernels `ops` as op(h, *args): over Q8_0 copies of W where `q8` (the target reads GGUF blocks)
     and W's shape allows them (on 8-bit activations where `drafting_act8`), else over the fp32 W.
     `saved`: where the copies are kept between runs (q8_0_copy)."""
+    from .gguf_blocks import blocks_op
+
     blocks = q8_0_copy(W, saved, drafting_act8(ops)) if q8 else None
     return (ops.linear, W.contiguous()) if blocks is None else (blocks_op(ops, blocks[0]), blocks[1], blocks[2])
 
@@ -97,6 +92,8 @@ def rowstable_drafting(linears, W: torch.Tensor, target_model, saved=None):
     ops = getattr(target_model, "rowstable", None)
     if ops is None or W.dtype != torch.float32:
         return None
+    from .gguf_blocks import blocks_op
+
     on_blocks = target_model.head_rs_blocks is not None or getattr(target_model, "gguf_native", False)
 
     def kept(name: str):

@@ -682,7 +682,7 @@ class LlamaModel(nn.Module):
                 lin.weight.data = lin.weight.data.contiguous()
             blk.kops = ops
             blk.fast = None
-        from .kernel_glue import blocks_op
+        from .gguf_blocks import blocks_op
 
         n = 0
         for name, (kind, first, rows) in (blocks or {}).items():
