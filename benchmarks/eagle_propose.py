@@ -7,13 +7,17 @@ guard, which would decode some steps plainly, is off); the variants alternate pe
 machine drift hits them alike. Reports the median proposal time, the mean verification time
 per step and τ for each, and one JSON document as the last line. Variants:
   kernels  the default: where the target's steps run on the row-stable kernels, the head's short
-           steps take the kernels' norms and fused attention (EagleDrafter._kernel_step)
+           steps take the kernels' norms and fused attention (EagleDrafter._kernel_step), its
+           Q8_0 copies on 8-bit activations where the target's GGUF products are
+  float    the kernels, with the head's Q8_0 copies on the float path (q8_0_linear, as before
+           kernel_glue.drafting_act8)
   torch    the same projections, but torch's norms, rotation and SDPA for the head's attention
   onednn   the head packed for oneDNN (bf16 where the CPU has bf16 units, else fp32) with torch's
            norms and attention: what runs where the target's steps are not on the row-stable
            kernels (a CPU without AVX2)
 
     python benchmarks/eagle_propose.py --prompts 4 --max-new-tokens 128 --repeats 3 --variants kernels,torch
+    python benchmarks/eagle_propose.py --prompts 4 --max-new-tokens 64 --repeats 5 --variants kernels,float
 """
 
 from __future__ import annotations
@@ -40,11 +44,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", default="kernels,torch",
-                    help="comma-separated: kernels, torch, onednn (see above). Default: kernels,torch")
+                    help="comma-separated: kernels, float, torch, onednn (see above). Default: kernels,torch")
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if not variants or set(variants) - {"kernels", "torch", "onednn"}:
-        ap.error(f"--variants: choose from kernels, torch, onednn (got {args.variants!r})")
+    if not variants or set(variants) - {"kernels", "float", "torch", "onednn"}:
+        ap.error(f"--variants: choose from kernels, float, torch, onednn (got {args.variants!r})")
     torch.set_num_threads(args.threads)
 
     from specdec.drafters.eagle import EagleDrafter, default_eagle_for, load_eagle
@@ -65,8 +69,12 @@ def main() -> int:
         if len(rows) >= args.prompts:
             break
 
+    from specdec.models import kernel_glue
+
     def make(variant: str):
-        rowstable = target.model.rowstable
+        rowstable, act8 = target.model.rowstable, kernel_glue.drafting_act8
+        if variant == "float":
+            kernel_glue.drafting_act8 = lambda ops: False  # (while the drafter is built: its copies on the float path)
         if variant == "onednn":
             if rowstable is None:
                 raise SystemExit("--variants onednn: the target's steps are not on the row-stable AVX2 kernels here")
@@ -75,8 +83,8 @@ def main() -> int:
             h, meta = load_eagle(head, target)
             d = EagleDrafter(h, target.model, meta.get("vocab_subset"), depth=4, width=2, nodes=5, trim=False)
         finally:
-            target.model.rowstable = rowstable
-        if variant == "kernels" and d.kops is None:
+            target.model.rowstable, kernel_glue.drafting_act8 = rowstable, act8
+        if variant in ("kernels", "float") and d.kops is None:
             raise SystemExit("the head's steps are not on the kernels here (the row-stable kernels cannot run?)")
         if variant == "torch":
             d.kops = None

@@ -1,6 +1,6 @@
 """Speed of the row-stable GGUF kernels (torch.ops.specdec_rs.gguf_linear) on random blocks.
 
-Five parts, each timing its variants interleaved (one call of each in turn, repeated) and
+Six parts, each timing its variants interleaved (one call of each in turn, repeated) and
 printing medians:
 - `bandwidth`: the machine's memory bandwidth, as a large torch copy (bytes read + written) and a
   large sum (bytes read), to compare the kernels' GB/s with;
@@ -9,6 +9,10 @@ printing medians:
 - `repack`: gguf_linear on the file's own Q4_1 / Q8_0 bytes against q4_1_linear / q8_0_linear on
   the repacked K-major copy (models/gguf_blocks.py), on the default model's shapes (SmolLM2-135M:
   576x576, 960x576 fused qkv, 3072x576 fused gate/up, 576x1536, 49152x576 head), M = 1..6;
+- `drafter`: a drafter's Q8_0 copies of its float weights (gguf_blocks.quantize_q8_0) on the float
+  path (q8_0_linear) against the 8-bit-activation path (q8_0_linear_q8, kernel_glue.drafting_act8),
+  on the default model's EAGLE head shapes (the 8192-row subset head, fc 576x1152, fused qkv, o,
+  gate/up, down), M = 1, 4, 8;
 - `ab`: gguf_linear_q8 (`--op kq_linear_q8`: kq_linear_q8 over this tree's repacking, the two
   checked equal bit for bit) of this tree's kernels against those of git revision `--base` (its
   rowstable.cpp built beside them under another op namespace, in the same process), interleaved,
@@ -24,6 +28,7 @@ printing medians:
   thread the CPU time of the step, which another process's preemption does not stretch.
 
     python3 benchmarks/gguf_kernels.py bandwidth raw repack --threads 2
+    python3 benchmarks/gguf_kernels.py drafter --threads 1
     python3 benchmarks/gguf_kernels.py raw --types Q4_K,Q6_K --m 1,4 --shapes 1536x1536,8960x1536
     python3 benchmarks/gguf_kernels.py bandwidth raw --threads 1 --types Q4_K,Q8_0 --m 1 --shapes 151936x1536,16384x8960
     python3 benchmarks/gguf_kernels.py ab --base main --threads 1 --types Q4_K,Q6_K --m 1,2,4
@@ -142,6 +147,26 @@ def repack_table(ops, shapes: list[tuple[int, int]], ms: list[int], reps: int) -
                 (r, r_best), (p, p_best) = med["raw"], med["packed"]
                 print(f"| {name} | {n}x{k} | {m} | {r * 1e3:.3f} | {p * 1e3:.3f} | {r / p:.2f} | {r_best / p_best:.2f} |",
                       flush=True)
+
+
+DRAFTER_SHAPES = "8192x576,576x1152,960x576,576x576,3072x576,576x1536"  # the default model's EAGLE head
+
+
+def drafter_table(ops, shapes: list[tuple[int, int]], ms: list[int], reps: int) -> None:
+    from specdec.models import gguf_blocks as gb
+
+    print("| N x K | M | float path ms | 8-bit activations ms | float / 8-bit | best: float / 8-bit |")
+    print("|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(1)
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=g) * 0.05
+        (_, kmajor, _), (_, i8, _) = gb.quantize_q8_0(w), gb.quantize_q8_0(w, act8=True)
+        for m in ms:
+            x = torch.randn(m, k, generator=g)
+            med = interleaved({"float": lambda: ops.q8_0_linear(x, kmajor, n),
+                               "act8": lambda: ops.q8_0_linear_q8(x, i8, n)}, reps, 20, one_thread_clock())
+            (f, f_best), (q, q_best) = med["float"], med["act8"]
+            print(f"| {n}x{k} | {m} | {f * 1e3:.3f} | {q * 1e3:.3f} | {f / q:.2f} | {f_best / q_best:.2f} |", flush=True)
 
 
 def base_ops(rev: str, isa: str = "avx2"):
@@ -294,7 +319,7 @@ def verify_table(ops, base, rev: str, reps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack", "ab", "attend", "verify"])
+    ap.add_argument("parts", nargs="+", choices=["bandwidth", "raw", "repack", "drafter", "ab", "attend", "verify"])
     ap.add_argument("--base", default="main", help="ab, verify: the git revision to compare against (ab --op "
                     "kq_linear_q8 --base file-blocks: this tree's gguf_linear_q8 on the file's own blocks)")
     ap.add_argument("--base-isa", default="avx2", choices=sorted(kernels.ROWSTABLE_ISA),
@@ -331,6 +356,8 @@ def main() -> None:
             attend_table(ops, base_ops(a.base, a.base_isa), a.base, [int(v) for v in (a.m or "1,4,8,16").split(",")], a.reps)
         elif part == "verify":
             verify_table(ops, base_ops(a.base, a.base_isa), a.base, a.reps)
+        elif part == "drafter":
+            drafter_table(ops, parse_shapes(DRAFTER_SHAPES), [int(v) for v in (a.m or "1,4,8").split(",")], a.reps)
         elif part == "raw":
             raw_table(ops, a.types.split(","), parse_shapes(QWEN_SHAPES),
                       [int(v) for v in (a.m or "1,4,64,256").split(",")], a.reps, a.op)

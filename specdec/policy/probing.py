@@ -68,9 +68,11 @@ class ProbeSchedule:
 
     def wait(self, share: float = 1.0) -> bool:
         """A declined step its gate would rather not price: True, and counted as `due` counts a
-        declined step, unless this step is the one `due` would probe on (False: price it, and let
-        `due` decide), so skipping the pricing delays no probe."""
-        if self.skipped + share >= self.gap:
+        declined step, unless this step is the one `due` would first probe on (False: price it, and
+        let `due` decide), so skipping the pricing delays no probe. A probe `due` then held back
+        (no room, over budget) does not make every later step priced: those wait, and the gate's
+        own occasional priced steps ask `due` again."""
+        if self.skipped < self.gap <= self.skipped + share:
             return False
         self.skipped += share
         self.declined += 1

@@ -247,6 +247,25 @@ def test_taking_the_choice_restarts_the_gap_and_room_defers_a_probe():
     assert [schedule.due(room=step >= 5) for step in range(7)] == [False, False, False, False, False, True, False]
 
 
+def test_steps_that_wait_unpriced_delay_no_probe_and_a_held_back_probe_keeps_them_waiting():
+    """ProbeSchedule.wait (a gate skipping the pricing of declined steps): the skipped steps count
+    towards the gap, the step a probe falls due on is priced (wait is False there only), and where
+    `due` then holds the probe back (no room) the later steps still wait, until a priced step asks
+    `due` again."""
+    waited, schedule = [], ProbeSchedule(every=4)
+    for step in range(12):
+        if schedule.wait():
+            waited.append(step)
+        elif schedule.due():  # priced: the probe
+            waited.append(f"probe {step}")
+    assert waited == [0, 1, 2, "probe 3", 4, 5, 6, 7, 8, 9, 10, "probe 11"]
+    held = ProbeSchedule(every=4)
+    assert [held.wait() for _ in range(3)] == [True] * 3
+    assert not held.wait() and not held.due(room=False)  # due, priced, but no room
+    assert all(held.wait() for _ in range(20))  # the next steps are not priced for it
+    assert held.due(room=True)  # a priced step (the gate's own schedule) makes the probe
+
+
 # -- the chooser: known offers (prompt lookup) --------------------------------------------
 def lookup_choice(policy, rows: list[tuple[int, int]], step: int = NOT_A_PROBE, room: int = 1000):
     """policy.choose for rows whose lookups have (match length, guesses)."""
