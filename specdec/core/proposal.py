@@ -133,10 +133,7 @@ class Sources:
             # 16 ms step, all of it single-threaded Python). A step the guard lets through as its
             # probe may still be declined by the cost model below: the probe is then spent
             # unmeasured and its gap doubles, rather than pricing every step until one speculates
-            for i in self.on_demand:
-                if self.drafters[i].may_skip:
-                    self.drafters[i].skip()
-            return self._plain(plan, "guard")
+            return self._sit_out(plan, "guard")
         tokens = [r.context for r in rows]
         ctx = DraftContext(tokens, _GREEDY, None, room=room)
         quotes = []
@@ -155,10 +152,7 @@ class Sources:
             # nothing known on offer and the cost model declined the on-demand sources lately:
             # unpriced, as a batch's band would be (BatchGuard.priced), unless one of them is due
             # for a probe (ProbeSchedule.wait: the step is then priced, and the probe made)
-            for i in self.on_demand:
-                if self.drafters[i].may_skip:
-                    self.drafters[i].skip()
-            return self._plain(plan, "cost")
+            return self._sit_out(plan, "cost")
         choice = self.policy.choose(quotes, step, room, fixed=self.fixed)
         plan.k, plan.probe, plan.reason = choice.k, choice.probe, choice.reason
         # a row's node budget, within the cache slots it has left (`space`, default: its room); a
@@ -221,6 +215,13 @@ class Sources:
     def _most(self, source: int | None) -> int:
         """The most guesses a row verifying `source` may take in one step."""
         return self.policy.long_max if source is not None and self.drafters[source].long_chains else self.k_max
+
+    def _sit_out(self, plan: Plan, reason: str) -> Plan:
+        """A plain step decided before any source was priced: the on-demand sources skip it."""
+        for i in self.on_demand:
+            if self.drafters[i].may_skip:
+                self.drafters[i].skip()
+        return self._plain(plan, reason)
 
     def _plain(self, plan: Plan, reason: str) -> Plan:
         plan.k, plan.reason = 0, reason

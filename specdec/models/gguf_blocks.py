@@ -123,6 +123,12 @@ def blocks_op(ops, kind: str):
             "Q8_0i8": getattr(ops, "q8_0_linear_q8", None)}.get(kind)
 
 
+def q8_0_kind(rows: int, act8: bool) -> str:
+    """The layout quantize_q8_0 packs `rows` output rows in: "Q8_0i8" (q8_0_linear_q8) on 8-bit
+    activations where the rows are a multiple of 16, else "Q8_0" (K-major, q8_0_linear)."""
+    return "Q8_0i8" if act8 and rows % GI8 == 0 else "Q8_0"
+
+
 def quantize_q8_0(w: torch.Tensor, act8: bool = False) -> tuple | None:
     """A drafter's own weight [N, K] as Q8_0 blocks (d = max |w| / 127 per 32 weights, rounded to
     float16 as GGUF stores it): (kind, blocks, rows), or None when K is not a multiple of 32 or N
@@ -138,7 +144,7 @@ def quantize_q8_0(w: torch.Tensor, act8: bool = False) -> tuple | None:
     d = (np.abs(b).max(axis=2) / 127.0).astype(np.float16).astype(np.float32)  # [N, nb]
     safe = np.where(d > 0, d, 1.0)
     q = np.clip(np.rint(b / safe[..., None]), -127, 127).astype(np.int8)
-    if act8 and N % GI8 == 0:
+    if q8_0_kind(N, act8) == "Q8_0i8":
         return "Q8_0i8", pack_q8_i8(q, d), N  # (d is a float16 already, so pack_q8_i8 takes it)
     return "Q8_0", _pack_q8(q, d), N
 

@@ -62,13 +62,13 @@ def q8_0_copy(w: torch.Tensor, saved=None, act8: bool = False) -> tuple | None:
     size is there, written when not. The copies of a drafter's weights take ~0.1 s of each start
     on the default model's EAGLE head; the caller's path names what they were made from
     (drafter_copies_dir)."""
-    from .gguf_blocks import G, GI8, quantize_q8_0
+    from .gguf_blocks import G, q8_0_kind, quantize_q8_0
     from .gguf_model import _read_saved, _write_saved
 
     N, K = w.shape
     if K % 32 or N % G:
         return None
-    kind = "Q8_0i8" if act8 and N % GI8 == 0 else "Q8_0"
+    kind = q8_0_kind(N, act8)
     if saved is not None and kind == "Q8_0i8":
         saved = saved.with_name(f"{saved.stem}.i8{saved.suffix}")  # (both layouts take 36 bytes a block and row)
     blocks = _read_saved(saved)

@@ -88,15 +88,16 @@ class BatchGuard:
             choice = self._schedule(b).due()  # speculation probed ever more rarely while it keeps losing
             if choice:
                 self._probed = b
-        if choice and self._probed != b and b in self.declined:
-            choice = self.declined[b].due()  # the cost model declined here lately: ask it now and then
+        if choice and self._probed != b:
+            choice = self.priced(rows)  # the cost model declined here lately: ask it now and then
         self.decisions[choice] += 1
         return choice
 
     def priced(self, rows: int) -> bool:
-        """For a step of fewer than `min_rows` rows in which no known source offers anything:
-        whether the cost model prices the on-demand sources now, or the step stays plain unpriced
-        because the cost model declined them lately (the band's back-off above)."""
+        """Whether the cost model prices a step of `rows` rows now, or the step stays plain unpriced
+        because the cost model declined the band lately (the back-off above): asked by `speculate`
+        for a batch it lets through, and by the proposal path for a step of fewer than `min_rows`
+        rows in which no known source offers anything."""
         schedule = self.declined.get(band(rows))
         return schedule is None or schedule.due()
 
