@@ -143,10 +143,10 @@ def main() -> int:
             for c in runs:
                 for why, n in c["row_steps_without_guesses"].items():
                     declined[why] = declined.get(why, 0) + n
-            cell.update(ratio=round(median(c["ratio"] for c in runs), 3),
-                        best_of=round(median(c["best_of"] for c in runs), 3),
+            figures = ("ratio", "resolution", "best_of", "best_of_resolution")  # (each a median over the runs)
+            cell.update(**{k: round(median(c[k] for c in runs), 3) for k in figures},
                         run_spread=round(spread([c["best_of"] for c in runs]), 3),
-                        runs=[{k: c[k] for k in ("ratio", "resolution", "best_of", "best_of_resolution")} for c in runs],
+                        runs=[{k: c[k] for k in figures} for c in runs],
                         equal=all(c["equal"] for c in runs), row_steps_without_guesses=declined)
         cells.append(cell)
         rows.append({**cell, "declined": ", ".join(f"{k} {v}" for k, v in sorted(cell["row_steps_without_guesses"].items()))})
