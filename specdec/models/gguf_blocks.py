@@ -133,8 +133,8 @@ def quantize_q8_0(w: torch.Tensor, act8: bool = False) -> tuple | None:
     """A drafter's own weight [N, K] as Q8_0 blocks (d = max |w| / 127 per 32 weights, rounded to
     float16 as GGUF stores it): (kind, blocks, rows), or None when K is not a multiple of 32 or N
     of 4. kind "Q8_0": K-major for q8_0_linear (float activations); with `act8` and N a multiple
-    of 16, "Q8_0i8": pack_q8_i8's layout for q8_0_linear_q8 (8-bit activations, 2-4x faster on a
-    drafter's shapes). Lossy (~0.4% of a block's largest weight at most, and the activations' own
+    of 16, "Q8_0i8": pack_q8_i8's layout for q8_0_linear_q8 (8-bit activations: a drafter's
+    products several times faster, docs/benchmarks.md). Lossy (~0.4% of a block's largest weight at most, and the activations' own
     rounding on the 8-bit path), which is fine for a drafter: exactness never depends on the
     drafter's numbers."""
     N, K = w.shape

@@ -37,9 +37,9 @@ def pack_drafting_head(W: torch.Tensor) -> tuple[torch.Tensor | None, torch.dtyp
 
 def drafting_act8(ops) -> bool:
     """Whether a drafter's Q8_0 copies take 8-bit activations (q8_0_linear_q8): where the target's
-    GGUF products do (kernels.gguf_act8, the default) and the kernels have the op. A drafting step
-    of the default model's EAGLE head or draft then costs 2-4x less than on the float path
-    (docs/benchmarks.md); only the drafter's numbers move."""
+    GGUF products do (kernels.gguf_act8, the default) and the kernels have the op: a drafter's
+    products run several times faster than on the float path (docs/benchmarks.md, "Drafters on
+    8-bit activations"); only the drafter's numbers move."""
     from .. import kernels
 
     return kernels.gguf_act8() and hasattr(ops, "q8_0_linear_q8")
