@@ -22,7 +22,7 @@ import torch
 
 from .. import tree as tree_mod
 from ..drafters.base import Draft, DraftContext, Drafter, timing_free
-from ..policy import BatchGuard, Hindsight, LoadPolicy, Quote
+from ..policy import BatchGuard, Hindsight, LoadPolicy, ProbeSchedule, Quote
 from ..types import SamplingParams
 
 _GREEDY = SamplingParams()  # deterministic guesses: one-hot q, exact for sampled rows too
@@ -148,10 +148,11 @@ class Sources:
                 quotes.append(Quote(self.stats[i], ok, lags=d.lags(tokens), every_row=not d.partial_rows))
         if guard is not None and not self.fixed and A < guard.min_rows and self.on_demand \
                 and not any(o is not None and o.tokens for q in quotes if q.offers for o in q.offers) \
-                and not guard.priced(A) and all([self.stats[i].probes.wait(1.0 / A) for i in self.on_demand]):
+                and not guard.priced(A) \
+                and ProbeSchedule.wait_all([self.stats[i].probes for i in self.on_demand], 1.0 / A):
             # nothing known on offer and the cost model declined the on-demand sources lately:
             # unpriced, as a batch's band would be (BatchGuard.priced), unless one of them is due
-            # for a probe (ProbeSchedule.wait: the step is then priced, and the probe made)
+            # for a probe (ProbeSchedule.wait_all: the step is then priced, and the probe made)
             return self._sit_out(plan, "cost")
         choice = self.policy.choose(quotes, step, room, fixed=self.fixed)
         plan.k, plan.probe, plan.reason = choice.k, choice.probe, choice.reason

@@ -66,16 +66,32 @@ class ProbeSchedule:
         self.last_gap, self.gap = self.gap, min(2 * self.gap, self.most * self.every)
         return True
 
+    def falls_due(self, share: float = 1.0) -> bool:
+        """Whether a declined step counting `share` is the one `due` would first probe on. Pure."""
+        return self.skipped < self.gap <= self.skipped + share
+
     def wait(self, share: float = 1.0) -> bool:
         """A declined step its gate would rather not price: True, and counted as `due` counts a
         declined step, unless this step is the one `due` would first probe on (False: price it, and
         let `due` decide), so skipping the pricing delays no probe. A probe `due` then held back
         (no room, over budget) does not make every later step priced: those wait, and the gate's
         own occasional priced steps ask `due` again."""
-        if self.skipped < self.gap <= self.skipped + share:
+        if self.falls_due(share):
             return False
         self.skipped += share
         self.declined += 1
+        return True
+
+    @staticmethod
+    def wait_all(schedules: list["ProbeSchedule"], share: float = 1.0) -> bool:
+        """`wait` for the schedules of several choices one step declines (each on-demand source's):
+        True, and the step counted by each, only where none of them falls due on it; else False and
+        counted by none, since the step is then priced and each one's `due` counts it (asking each
+        `wait` in turn had counted the step twice in the schedules asked before the one due)."""
+        if any(s.falls_due(share) for s in schedules):
+            return False
+        for s in schedules:
+            s.wait(share)
         return True
 
     def taken(self) -> None:

@@ -266,6 +266,33 @@ def test_steps_that_wait_unpriced_delay_no_probe_and_a_held_back_probe_keeps_the
     assert held.due(room=True)  # a priced step (the gate's own schedule) makes the probe
 
 
+
+def shared_probe_steps(schedules: list[ProbeSchedule], steps: int, wait_all) -> list[list[int]]:
+    """Each schedule's probe steps when one gate's declined steps wait unpriced while `wait_all`
+    says so, and are priced (every schedule's `due` asked) otherwise."""
+    probes = [[] for _ in schedules]
+    for step in range(steps):
+        if wait_all(schedules):
+            continue
+        for i, s in enumerate(schedules):
+            if s.due():
+                probes[i].append(step)
+    return probes
+
+
+def test_several_sources_waiting_on_one_step_each_probe_on_their_own_schedule():
+    """Two on-demand sources' schedules (auto --draft: an EAGLE head and a draft model) share the
+    unpriced steps of one row (ProbeSchedule.wait_all): each probes exactly where it would alone.
+    Asking each `wait` in turn counted the step the other's probe fell due on twice."""
+    alone = [shared_probe_steps([ProbeSchedule(every=e)], 400, ProbeSchedule.wait_all)[0] for e in (4, 6)]
+    assert alone[0][:3] == [3, 11, 27] and alone[1][:3] == [5, 17, 41]
+    assert shared_probe_steps([ProbeSchedule(every=4), ProbeSchedule(every=6)], 400, ProbeSchedule.wait_all) == alone
+    both = [ProbeSchedule(every=4), ProbeSchedule(every=6)]
+    assert not any(s.falls_due() for s in both) and both[0].skipped == 0  # (falls_due counts nothing)
+    in_turn = shared_probe_steps([ProbeSchedule(every=4), ProbeSchedule(every=6)], 400,
+                                 lambda ss: all([s.wait() for s in ss]))
+    assert in_turn != alone and in_turn[1][0] < alone[1][0]  # the broken rule: the second probes early
+
 # -- the chooser: known offers (prompt lookup) --------------------------------------------
 def lookup_choice(policy, rows: list[tuple[int, int]], step: int = NOT_A_PROBE, room: int = 1000):
     """policy.choose for rows whose lookups have (match length, guesses)."""
