@@ -48,6 +48,9 @@ VARIANTS = {
     "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, []),
     "active": ({"OMP_WAIT_POLICY": "ACTIVE"}, []),
     "spin0": ({"GOMP_SPINCOUNT": "0"}, []),
+    # the kernels on OpenMP regions instead of their own pool (rowstable.cpp, KernelPool)
+    "omp": ({"SPECDEC_KERNEL_POOL": "0"}, []),
+    "omp-threads2": ({"SPECDEC_KERNEL_POOL": "0"}, ["--threads", "2"]),
 }
 LLAMACPP_VARIANTS = {"llamacpp": 2, "llamacpp1": 1}  # name -> llama.cpp's n_threads
 
@@ -83,7 +86,8 @@ def run_once(name: str, max_new: int, method: str, model: str | None) -> tuple[f
     wall time some task waited for a core (/proc/pressure/cpu; None where not reported): what
     "idle" was. (On a saturated machine the cores others used are 2 minus our share; the waiting
     share then says that it was saturated.)"""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "SPECDEC_KERNEL_POOL")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     if name in LLAMACPP_VARIANTS:
         path = model or default_gguf()

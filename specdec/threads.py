@@ -17,6 +17,12 @@ decode loop calls once per step; it costs a clock read between checks). A core c
 only while others use less than FREE_BELOW of it. Thread count does not change results on
 specdec's kernels (each output row is summed by one thread), so switching between steps is safe.
 
+The row-stable kernels run on their own pool instead (rowstable.cpp, KernelPool), whose caller
+never waits for a thread the OS has not run: beside busy processes every thread works when it
+runs, so while the governor runs they take every allowed core (`use_kernel_pool`; 2 cores beside
+two busy loops, plain decoding of the default model: 91 tokens/s on two such threads, 73 on one,
+35 on two OpenMP threads), and the governor's count is torch's own OpenMP work's.
+
 Knows nothing about models.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 #: a core counts as free for a decoding thread while other processes use less than this share of
@@ -132,6 +139,22 @@ class ThreadGovernor:
 
 
 _governor: ThreadGovernor | None = None
+#: sets the threads of the kernels' own pool (0: torch's count); registered when they load
+_kernel_threads: Callable[[int], None] | None = None
+
+
+def _pool_threads() -> None:
+    """The kernels' pool takes every allowed core while the governor runs, else torch's count
+    (--threads or OMP_NUM_THREADS: the user's)."""
+    if _kernel_threads is not None:
+        _kernel_threads(len(_governor.cpus) if _governor is not None else 0)
+
+
+def use_kernel_pool(set_threads: Callable[[int], None]) -> None:
+    """The kernels loaded with their own pool: `set_threads(n)` sets how many threads its calls take."""
+    global _kernel_threads
+    _kernel_threads = set_threads
+    _pool_threads()
 
 
 def start(fixed: int | None) -> ThreadGovernor | None:
@@ -148,6 +171,7 @@ def start(fixed: int | None) -> ThreadGovernor | None:
         _governor = None  # the user's choice; torch read it already
     else:
         _governor = ThreadGovernor()
+    _pool_threads()
     return _governor
 
 

@@ -173,12 +173,15 @@ def built_kernels():
 
 
 def need_kernels():
-    """built_kernels(), or skip the test (saying why) where the kernels cannot run here."""
+    """built_kernels(), or skip the test (saying why) where the kernels cannot run here. Their
+    parallel calls take torch's thread count (the thread governor of an earlier test may have given
+    their pool every core), so a test that sets torch's count sets theirs."""
     ops = built_kernels()
     if ops is None:
         from specdec import kernels
 
         pytest.skip(f"rowstable kernels unavailable here: {kernels.rowstable_unavailable()}")
+    ops.set_kernel_pool(-1, -1, 0)
     return ops
 
 

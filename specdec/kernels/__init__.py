@@ -11,7 +11,9 @@ the numbers of decoding it alone. `rowstable_ops()` compiles it once per machine
 C++ compiler against the installed torch (OpenMP threads: the library links libgomp.so.1 by name,
 which resolves to the copy torch has already loaded, so both share one thread pool), caches the
 build under a folder the caller names (the loader uses ~/.cache/specdec/kernels) and loads it as
-`torch.ops.specdec_rs`; it returns None, and `rowstable_unavailable()` says why, where the kernels
+`torch.ops.specdec_rs` (its parallel calls on the kernels' own thread pool, sized by
+specdec.threads; SPECDEC_KERNEL_POOL=0 takes OpenMP regions instead); it returns None, and
+`rowstable_unavailable()` says why, where the kernels
 cannot run (no AVX2 / FMA / F16C, no compiler, a failed build, SPECDEC_ROWSTABLE=0). Where the CPU
 has AVX-512 VNNI, VL and BW it is built with those too, and its 8-bit-activation integer dot
 products run on VNNI, and its products of several rows (verification steps) on 512-bit registers
@@ -40,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from specdec import threads
 from specdec.types import SpecdecError
 
 _lock = threading.Lock()
@@ -139,11 +142,15 @@ def rowstable_ops(cache_dir: Path, quiet: bool = True):
     (AVX-512 CPUs included; the build rowstable_isa() names); None where these cannot run
     (`rowstable_unavailable()` says why: no AVX2/FMA/F16C, no compiler, a failed build,
     SPECDEC_ROWSTABLE=0). Built once into cache_dir (each build under its own key)."""
-    return _load_once(_rs_state, "SPECDEC_ROWSTABLE", ROWSTABLE_FLAGS,
-                      "this CPU lacks AVX2, FMA and F16C (the row-stable kernels need all three)",
-                      lambda: _build(Path(cache_dir), quiet, ROWSTABLE_SOURCE, ROWSTABLE_ISA[rowstable_isa()],
-                                     "the row-stable float32 kernels"),
-                      "specdec_rs", "the row-stable kernels")
+    ops = _load_once(_rs_state, "SPECDEC_ROWSTABLE", ROWSTABLE_FLAGS,
+                     "this CPU lacks AVX2, FMA and F16C (the row-stable kernels need all three)",
+                     lambda: _build(Path(cache_dir), quiet, ROWSTABLE_SOURCE, ROWSTABLE_ISA[rowstable_isa()],
+                                    "the row-stable float32 kernels"),
+                     "specdec_rs", "the row-stable kernels")
+    if ops is not None and not _rs_state.get("pool"):
+        _rs_state["pool"] = True  # their own thread pool: threads.py sets its size
+        threads.use_kernel_pool(lambda n: ops.set_kernel_pool(-1, -1, n))
+    return ops
 
 
 def rowstable_unavailable() -> str | None:

@@ -42,13 +42,23 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -59,6 +69,218 @@
 #endif
 
 namespace {
+
+// ---------------------------------------------------------------------------------------------
+// The kernels' threads: a pool whose caller never waits for a thread that has not started.
+//
+// An OpenMP region (at::parallel_for) ends when every thread of its team has arrived, so a thread
+// that the OS has not run yet (its core busy with another process) stalls the call until it runs,
+// even where the caller has already done all the work. A decode step is a few hundred such calls.
+// Here the calling thread is participant 0 of every call; the pool's workers join a call while it
+// is open and take tasks as the call's own rules give them (shared_tasks: each its share, then the
+// others'). When the caller runs out of tasks it closes the call: a worker that had not joined by
+// then never does, and the caller waits only for those that joined (each finishing its current
+// task). Beside busy processes both threads then work whenever the OS runs them, where OpenMP's
+// team ran at the pace of its slowest thread (benchmarks.md, "Threads beside other work").
+//
+// Workers spin a short while after a call (the next one of a step comes within microseconds), then
+// sleep on a condition variable. One call at a time: a call made while another runs (another
+// Python thread, or a task's own nested call) runs on its caller alone. SPECDEC_KERNEL_POOL=0
+// gives the OpenMP regions back (for comparisons). Which thread computes a task changes none of
+// its numbers: every output is computed by one task alone.
+class KernelPool {
+ public:
+  using Fn = void (*)(void*, int64_t);
+
+  // The process's pool, made on first use; null while the pool is switched off (SPECDEC_KERNEL_POOL=0,
+  // or set_kernel_pool).
+  static KernelPool* get() {
+    if (!settings().enabled.load(std::memory_order_relaxed)) return nullptr;
+    KernelPool* pool = instance().load(std::memory_order_acquire);
+    if (pool) return pool;
+    KernelPool* made = new KernelPool();
+    if (instance().compare_exchange_strong(pool, made)) return made;
+    delete made;  // another thread's won (no worker started yet)
+    return pool;
+  }
+
+  // Whether calls take the pool (else OpenMP regions), how long a worker spins for the next call
+  // before it sleeps, and how many threads a call takes (0: torch's count): SPECDEC_KERNEL_POOL (0:
+  // off) and SPECDEC_KERNEL_POOL_SPIN_US at start, set_kernel_pool later. A spin of ~20 us keeps the
+  // idle speed of OpenMP's spinning team (the next call of a step comes within microseconds); beside
+  // busy processes a longer spin takes CPU time from the caller (Xeon, 2 cores, two busy loops,
+  // plain decoding of the default model: 0 / 20 / 100 / 1000 us gave 83 / 91 / 66 / 57 tokens/s; idle
+  // 161 / 204 / 205 / 208, OpenMP 201).
+  struct Settings {
+    std::atomic<bool> enabled;
+    std::atomic<int64_t> spin_us;
+    std::atomic<int64_t> threads;
+  };
+  static Settings& settings() {
+    static Settings s = [] {
+      pthread_atfork(nullptr, nullptr, [] { instance().store(nullptr); });  // a child has none of the threads
+      const char* on = std::getenv("SPECDEC_KERNEL_POOL");
+      const char* spin = std::getenv("SPECDEC_KERNEL_POOL_SPIN_US");
+      return Settings{!(on && std::string(on) == "0"), spin ? std::max<int64_t>(0, std::atoll(spin)) : 20, 0};
+    }();
+    return s;
+  }
+
+  // fn(ctx, 0) on the calling thread and fn(ctx, p), p = 1..n - 1, on each worker that joins in
+  // time; returns once every participant has returned. Rethrows the first exception a participant
+  // raised. The caller must hold `calls`.
+  void run(int64_t n, Fn fn, void* ctx) {
+    add_workers(n - 1);
+    finished_.store(0, std::memory_order_relaxed);
+    fn_.store(fn, std::memory_order_relaxed);
+    ctx_.store(ctx, std::memory_order_relaxed);
+    error_ = nullptr;
+    const uint64_t gen = (word_.load(std::memory_order_relaxed) >> 32) + 1;
+    word_.store(gen << 32 | static_cast<uint64_t>(n - 1) << 16);  // open (sequentially consistent: see worker)
+    if (sleepers_.load() > 0) {
+      { std::lock_guard<std::mutex> hold(sleep_); }
+      wake_.notify_all();
+    }
+    in_call() = true;
+    std::exception_ptr own;
+    try {
+      fn(ctx, 0);
+    } catch (...) {
+      own = std::current_exception();
+    }
+    in_call() = false;
+    const int64_t joined = static_cast<int64_t>(word_.fetch_or(CLOSED, std::memory_order_acq_rel) & 0xFFFF);
+    for (int spins = 0; finished_.load(std::memory_order_acquire) < joined; ++spins) {
+      if (spins < 4096) _mm_pause();
+      else sched_yield();  // a joined worker the OS has descheduled mid-task
+    }
+    if (own) std::rethrow_exception(own);
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  // true on the pool's workers, and on a caller while it runs its own part of a call
+  static bool& in_call() {
+    static thread_local bool inside = false;
+    return inside;
+  }
+
+  std::mutex calls;
+
+ private:
+  static constexpr uint64_t CLOSED = uint64_t{1} << 31;
+
+  static std::atomic<KernelPool*>& instance() {
+    static std::atomic<KernelPool*> pool{nullptr};
+    return pool;
+  }
+
+  void add_workers(int64_t n) {
+    try {
+      for (; workers_ < n; ++workers_) std::thread([this] { work(); }).detach();
+    } catch (const std::system_error&) {
+      // no more threads to be had: the calls run on those there are (the caller takes what no worker does)
+    }
+  }
+
+  void work() {
+    in_call() = true;
+    uint32_t seen = static_cast<uint32_t>(word_.load() >> 32);
+    for (;;) {
+      // wait for the next call: spin, then sleep
+      auto since = std::chrono::steady_clock::now();
+      for (int i = 1; static_cast<uint32_t>(word_.load(std::memory_order_acquire) >> 32) == seen; ++i) {
+        _mm_pause();
+        if (i % 64 == 0 && std::chrono::steady_clock::now() - since >
+                               std::chrono::microseconds(settings().spin_us.load(std::memory_order_relaxed))) {
+          std::unique_lock<std::mutex> hold(sleep_);
+          sleepers_.fetch_add(1);
+          wake_.wait(hold, [&] { return static_cast<uint32_t>(word_.load() >> 32) != seen; });
+          sleepers_.fetch_sub(1);
+          since = std::chrono::steady_clock::now();
+        }
+      }
+      // join it while it is open and wants more threads
+      uint64_t w = word_.load(std::memory_order_acquire);
+      seen = static_cast<uint32_t>(w >> 32);
+      while (!(w & CLOSED) && (w & 0xFFFF) < ((w >> 16) & 0x7FFF)) {
+        if (word_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+          try {
+            fn_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), static_cast<int64_t>(w & 0xFFFF) + 1);
+          } catch (...) {
+            std::lock_guard<std::mutex> hold(sleep_);
+            if (!error_) error_ = std::current_exception();
+          }
+          finished_.fetch_add(1, std::memory_order_release);
+          break;
+        }
+        seen = static_cast<uint32_t>(w >> 32);  // (a newer call: try that one)
+      }
+    }
+  }
+
+  // the call: generation (high 32 bits) | CLOSED | workers wanted (bits 16-30) | workers joined (0-15)
+  std::atomic<uint64_t> word_{0};
+  std::atomic<int64_t> finished_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<Fn> fn_{nullptr};
+  std::atomic<void*> ctx_{nullptr};
+  std::exception_ptr error_;
+  std::mutex sleep_;
+  std::condition_variable wake_;
+  int64_t workers_ = 0;
+};
+
+// Threads a parallel call of the kernels takes: the pool's own count where one is set (the thread
+// governor sets every allowed core: a thread the OS does not run stalls no call), else torch's.
+inline int64_t kernel_threads() {
+  const KernelPool::Settings& s = KernelPool::settings();
+  const int64_t own = s.threads.load(std::memory_order_relaxed);
+  return own > 0 && s.enabled.load(std::memory_order_relaxed) ? own : at::get_num_threads();
+}
+
+// Runs fn(i) for the participants i = 0..n - 1 of one parallel call (fn(0) on the calling thread),
+// on the kernel pool; participants that no thread took in time are skipped, so fn must leave no
+// work to a participant: each takes tasks from a shared supply until none is left (shared_tasks).
+template <class F>
+void run_participants(int64_t n, F&& fn) {
+  if (n <= 1 || KernelPool::in_call() || at::in_parallel_region()) {
+    fn(0);
+    return;
+  }
+  KernelPool* pool = KernelPool::get();
+  if (!pool) {  // SPECDEC_KERNEL_POOL=0: an OpenMP region, a participant a thread
+    at::parallel_for(0, n, 1, [&](int64_t i0, int64_t /*i1*/) { fn(i0); });
+    return;
+  }
+  std::unique_lock<std::mutex> hold(pool->calls, std::try_to_lock);
+  if (!hold.owns_lock()) {
+    fn(0);  // another thread's call is running: this caller alone
+    return;
+  }
+  using Fn = std::remove_reference_t<F>;
+  pool->run(n, [](void* ctx, int64_t i) { (*static_cast<Fn*>(ctx))(i); }, &fn);
+}
+
+// f(b0, b1) over [begin, end) in chunks of at least `grain` (at::parallel_for's contract), on the
+// kernel pool: up to 4 chunks a thread, taken in turn from one counter, so a thread the OS runs
+// late leaves its chunks to the others.
+template <class F>
+void pool_for(int64_t begin, int64_t end, int64_t grain, F&& f) {
+  const int64_t range = end - begin;
+  if (range <= 0) return;
+  const int64_t threads = kernel_threads();
+  if (range <= grain || threads <= 1) {
+    f(begin, end);
+    return;
+  }
+  const int64_t size = std::max<int64_t>(grain, (range + 4 * threads - 1) / (4 * threads));
+  const int64_t chunks = (range + size - 1) / size;
+  std::atomic<int64_t> next{0};
+  run_participants(std::min(threads, chunks), [&](int64_t /*participant*/) {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;)
+      f(begin + c * size, std::min(end, begin + (c + 1) * size));
+  });
+}
 
 // a fixed horizontal sum: ((0+4)+(2+6)) + ((1+5)+(3+7))
 inline float hsum8(__m256 v) {
@@ -122,7 +344,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& w) {
   float* yp = y.data_ptr<float>();
   constexpr int64_t MR = 4, NR = 3, GROUP = 8 * NR;  // a group of columns: its weights stay in L2 across the rows
   const int64_t groups = (N + GROUP - 1) / GROUP;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  pool_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * GROUP, n1 = std::min(N, n0 + GROUP);
       for (int64_t m = 0; m < M; m += MR) {
@@ -271,7 +493,7 @@ at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t 
   // blocks with its sums in registers: tiles of up to 3 rows take the group's 4 outputs at once,
   // larger ones 2 at a time (12 sums either way)
   constexpr int64_t GROUPS = 6, MR = 6;
-  at::parallel_for(0, (groups + GROUPS - 1) / GROUPS, 1, [&](int64_t t0, int64_t t1) {
+  pool_for(0, (groups + GROUPS - 1) / GROUPS, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t g = t0 * GROUPS, g1 = std::min(groups, t1 * GROUPS); g < g1; ++g) {
       const uint8_t* gp = bp + g * nb * GB;
       for (int64_t m = 0; m < M; m += MR) {
@@ -800,7 +1022,7 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int64_t S, Q8Rows& r
   r.qz.resize(pairs ? M * K : 0);
   r.bsz.resize(pairs ? M * K / 8 : 0);
   // (a decoding step's few thousand values take ~1-2 us on one thread, less than waking the others)
-  at::parallel_for(0, nb, std::max<int64_t>(16, 32768 / S), [&](int64_t b0, int64_t b1) {
+  pool_for(0, nb, std::max<int64_t>(16, 32768 / S), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* xb = x + b * S;
       __m256 mx = _mm256_setzero_ps();
@@ -1659,13 +1881,13 @@ void with_decoder(int64_t t, F&& f) {
 // streams its own stretch of the weights); a thread done with its share then takes the tasks left in
 // the others'. Threads that run at different speeds (one slowed by another process on its core, or
 // shares of unequal cost: q, k, v of different types) then finish together, where the static split
-// left the faster one idle at the barrier. (A thread the OS has not run at all still stalls the call:
-// OpenMP's region ends when every thread of the team has arrived.) Which thread computes a task
-// changes none of its numbers: every output is computed by one task alone.
+// left the faster one idle at the barrier; a thread the OS has not run in time takes none (the kernel
+// pool, run_participants). Which thread computes a task changes none of its numbers: every output
+// is computed by one task alone.
 template <class F>
 void shared_tasks(int64_t tasks, F&& f) {
   if (tasks <= 0) return;
-  const int64_t n = std::min<int64_t>(at::get_num_threads(), tasks);
+  const int64_t n = std::min<int64_t>(kernel_threads(), tasks);
   struct alignas(64) Share {
     std::atomic<int64_t> next;
     int64_t end;
@@ -1675,10 +1897,10 @@ void shared_tasks(int64_t tasks, F&& f) {
     share[i].next.store(i * tasks / n, std::memory_order_relaxed);
     share[i].end = (i + 1) * tasks / n;
   }
-  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t /*i1*/) {
+  run_participants(n, [&](int64_t i) {
     std::vector<float> buf;
-    for (int64_t k = 0; k < n; ++k) {  // its own shares i0..i1 - 1 first, then the others' in turn
-      Share& s = share[(i0 + k) % n];
+    for (int64_t k = 0; k < n; ++k) {  // its own share first, then the others' in turn
+      Share& s = share[(i + k) % n];
       for (int64_t t; (t = s.next.fetch_add(1, std::memory_order_relaxed)) < s.end;) f(t, buf);
     }
   });
@@ -1774,7 +1996,7 @@ at::Tensor gguf_rows(const at::Tensor& raw, int64_t t, const at::Tensor& ids_, i
   const uint8_t* wp = raw.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   with_decoder(t, [&](auto d) {
-    at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    pool_for(0, n, 16, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) dequant_row<decltype(d)>(wp + ip[i] * rb, K, op + i * K);
     });
   });
@@ -2002,7 +2224,7 @@ void attention_core(const float* qp, int64_t B, int64_t H, int64_t T, int64_t Dh
   // one thread where the whole attention is a few microseconds of work (a short context's decoding
   // step): waking the others costs as much, and far more on a busy machine. (Numbers are per query.)
   const int64_t items = B * H * T, grain = items * S * Dh < (int64_t{1} << 18) ? items : 1;
-  at::parallel_for(0, items, grain, [&](int64_t w0, int64_t w1) {
+  pool_for(0, items, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> sc(2 * S8);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t t = w % T, h = (w / T) % H, b = w / (T * H);
@@ -2283,7 +2505,7 @@ at::Tensor attend_scaled(const at::Tensor& q_, const at::Tensor& kc, const at::T
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const int64_t items = B * T * H, S8 = (S + 7) / 8 * 8, grain = items * S * Dh < (int64_t{1} << 18) ? items : 1;
-  at::parallel_for(0, items, grain, [&](int64_t w0, int64_t w1) {
+  pool_for(0, items, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> scores(S8);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t h = w % H, t = (w / H) % T, b = w / (H * T);
@@ -2310,7 +2532,7 @@ at::Tensor gelu_tanh_mul(const at::Tensor& gu_) {
   float* yp = out.data_ptr<float>();
   const __m256 beta = _mm256_set1_ps(0.7978845608028654f), kappa = _mm256_set1_ps(0.044715f);
   const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+  pool_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* g = xp + r * 2 * I;
       float* y = yp + r * I;
@@ -2335,7 +2557,7 @@ at::Tensor softcap(const at::Tensor& x_, double cap_) {
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const __m256 cap = _mm256_set1_ps(static_cast<float>(cap_));
-  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+  pool_for(0, M, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) map8(xp + r * D, yp + r * D, D, [&](__m256 v) { return softcap8(v, cap); });
   });
   return y;
@@ -3059,3 +3281,18 @@ at::Tensor kq_linear_q8(const at::Tensor& x_, at::TensorList packed, at::IntArra
 
 TORCH_LIBRARY_FRAGMENT(specdec_rs, lib) { lib.def("kq_linear_q8(Tensor x, Tensor[] packed, int[] ggml_types, int[] Ns, int K) -> Tensor"); }
 TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) { lib.impl("kq_linear_q8", &kq_linear_q8); }
+
+namespace {
+// Switches the kernels between their own pool (enabled 1) and OpenMP regions (0), sets how long the
+// pool's workers spin for the next call (microseconds) and how many threads a call takes (0: torch's
+// count); a negative value leaves its setting as it is. The same numbers either way.
+void set_kernel_pool(int64_t enabled, int64_t spin_us, int64_t threads) {
+  if (enabled >= 0) KernelPool::settings().enabled.store(enabled > 0);
+  if (spin_us >= 0) KernelPool::settings().spin_us.store(spin_us);
+  if (threads >= 0) KernelPool::settings().threads.store(threads);
+}
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec_rs, lib) {
+  lib.def("set_kernel_pool(int enabled, int spin_us, int threads) -> ()", &set_kernel_pool);  // (no tensor: every backend)
+}
