@@ -17,11 +17,14 @@ decode loop calls once per step; it costs a clock read between checks). A core c
 only while others use less than FREE_BELOW of it. Thread count does not change results on
 specdec's kernels (each output row is summed by one thread), so switching between steps is safe.
 
-The row-stable kernels run on their own pool instead (rowstable.cpp, KernelPool), whose caller
-never waits for a thread the OS has not run: beside busy processes every thread works when it
-runs, so while the governor runs they take every allowed core (`use_kernel_pool`; 2 cores beside
-two busy loops, plain decoding of the default model: 91 tokens/s on two such threads, 73 on one,
-35 on two OpenMP threads), and the governor's count is torch's own OpenMP work's.
+Where other processes hold cores, the row-stable kernels' parallel calls move to their own pool
+(rowstable.cpp, KernelPool), whose caller never waits for a thread the OS has not run, on every
+allowed core (or the fixed count): beside busy processes every such thread works when it runs.
+Idle, they stay on OpenMP's team, whose spinning threads join each call a little sooner (the pool
+took 2-5% more per step there). `use_kernel_pool` registers the switch when the kernels load; the
+governor also runs with a fixed count, then only to switch the pool (a server pinned to
+`--threads 2` beside busy processes otherwise stalls as above). SPECDEC_KERNEL_POOL=1 / 0 keeps the
+pool on / off whatever the load.
 
 Knows nothing about models.
 """
@@ -95,20 +98,24 @@ def choose_threads(cores: int, others: float) -> int:
 
 class ThreadGovernor:
     """Keeps torch's thread count at the free cores (`choose_threads`), re-measured every `interval`
-    seconds at most (see the module docstring). `set_threads` is torch.set_num_threads unless a test
-    passes its own; `sample` reads (busy, total) ticks and `own` this process's CPU seconds."""
+    seconds at most (see the module docstring), unless `fixed` gives the count; either way the
+    kernels' pool (`set_pool(on, threads)`, where given) is on while some core is shared.
+    `set_threads` is torch.set_num_threads unless a test passes its own; `sample` reads (busy,
+    total) ticks and `own` this process's CPU seconds."""
 
     def __init__(self, interval: float = 0.5, set_threads=None, sample=None, own=own_cpu_seconds,
-                 cpus: list[int] | None = None, clock=time.monotonic) -> None:
+                 cpus: list[int] | None = None, clock=time.monotonic, fixed: int | None = None,
+                 set_pool: Callable[[bool, int], None] | None = None) -> None:
         self.cpus = cpus if cpus is not None else allowed_cpus()
-        self.interval, self.clock, self.own = interval, clock, own
+        self.interval, self.clock, self.own, self.fixed = interval, clock, own, fixed
         self.sample = sample if sample is not None else (lambda: read_cpu_jiffies(self.cpus))
         if set_threads is None:
             import torch
 
             set_threads = torch.set_num_threads
-        self.set_threads = set_threads
+        self.set_threads, self.set_pool = set_threads, set_pool
         self.threads: int | None = None  # last count set
+        self.pool: bool | None = None  # whether the kernels' pool was last switched on
         self.changes = 0
         self._mark()
 
@@ -116,8 +123,8 @@ class ThreadGovernor:
         self._t, self._stat, self._own = self.clock(), self.sample(), self.own()
 
     def adjust(self) -> int | None:
-        """Measure the interval since the last mark, set the thread count, start a new interval.
-        Returns the count set (None when nothing could be measured)."""
+        """Measure the interval since the last mark, set the thread count (and the pool), start a
+        new interval. Returns the count chosen (None when nothing could be measured)."""
         stat, own = self.sample(), self.own()
         if stat is None or self._stat is None:
             return None
@@ -125,12 +132,19 @@ class ThreadGovernor:
         if others is None:
             return None  # too short to tell: keep measuring from the same mark
         n = choose_threads(len(self.cpus), others)
-        if n != self.threads:
+        if self.fixed is None and n != self.threads:
             self.set_threads(n)
             self.changes += self.threads is not None
             self.threads = n
+        self.switch_pool(n < len(self.cpus))
         self._mark()
         return n
+
+    def switch_pool(self, shared: bool) -> None:
+        """The kernels' pool on while a core is shared, on every allowed core (or the fixed count)."""
+        if self.set_pool is not None and shared != self.pool:
+            self.set_pool(shared, self.fixed or len(self.cpus))
+            self.pool = shared
 
     def tick(self) -> None:
         """Once per decode step: re-measure when `interval` seconds have passed."""
@@ -139,39 +153,33 @@ class ThreadGovernor:
 
 
 _governor: ThreadGovernor | None = None
-#: sets the threads of the kernels' own pool (0: torch's count); registered when they load
-_kernel_threads: Callable[[int], None] | None = None
+#: switches the kernels' own pool (on, threads); registered when they load (`use_kernel_pool`)
+_kernel_pool: Callable[[bool, int], None] | None = None
 
 
-def _pool_threads() -> None:
-    """The kernels' pool takes every allowed core while the governor runs, else torch's count
-    (--threads or OMP_NUM_THREADS: the user's)."""
-    if _kernel_threads is not None:
-        _kernel_threads(len(_governor.cpus) if _governor is not None else 0)
+def use_kernel_pool(set_pool: Callable[[bool, int], None]) -> None:
+    """The kernels loaded: `set_pool(on, threads)` switches their calls between OpenMP's team and
+    their own pool. Left alone where SPECDEC_KERNEL_POOL fixes it."""
+    global _kernel_pool
+    if os.environ.get("SPECDEC_KERNEL_POOL") in ("0", "1"):
+        return
+    _kernel_pool = set_pool
+    if _governor is not None:
+        _governor.set_pool, _governor.pool = set_pool, None  # (switched at the next settle or tick)
 
 
-def use_kernel_pool(set_threads: Callable[[int], None]) -> None:
-    """The kernels loaded with their own pool: `set_threads(n)` sets how many threads its calls take."""
-    global _kernel_threads
-    _kernel_threads = set_threads
-    _pool_threads()
-
-
-def start(fixed: int | None) -> ThreadGovernor | None:
+def start(fixed: int | None) -> ThreadGovernor:
     """At start-up, before the work that should be measured (imports, loading): with `fixed`
-    (--threads) or OMP_NUM_THREADS in the environment, use that count and nothing adapts;
-    otherwise install the governor that `settle` and `tick` drive."""
+    (--threads) or OMP_NUM_THREADS in the environment, that count, and the governor only switches
+    the kernels' pool; otherwise the governor also sets the count. `settle` and `tick` drive it."""
     global _governor
     import torch
 
     if fixed:
         torch.set_num_threads(fixed)
-        _governor = None
     elif os.environ.get("OMP_NUM_THREADS"):
-        _governor = None  # the user's choice; torch read it already
-    else:
-        _governor = ThreadGovernor()
-    _pool_threads()
+        fixed = torch.get_num_threads()  # the user's choice; torch read it already
+    _governor = ThreadGovernor(fixed=fixed, set_pool=_kernel_pool)
     return _governor
 
 

@@ -11,8 +11,8 @@ the numbers of decoding it alone. `rowstable_ops()` compiles it once per machine
 C++ compiler against the installed torch (OpenMP threads: the library links libgomp.so.1 by name,
 which resolves to the copy torch has already loaded, so both share one thread pool), caches the
 build under a folder the caller names (the loader uses ~/.cache/specdec/kernels) and loads it as
-`torch.ops.specdec_rs` (its parallel calls on the kernels' own thread pool, sized by
-specdec.threads; SPECDEC_KERNEL_POOL=0 takes OpenMP regions instead); it returns None, and
+`torch.ops.specdec_rs` (its parallel calls on OpenMP's team, or on the kernels' own thread pool
+while specdec.threads finds cores shared with other processes); it returns None, and
 `rowstable_unavailable()` says why, where the kernels
 cannot run (no AVX2 / FMA / F16C, no compiler, a failed build, SPECDEC_ROWSTABLE=0). Where the CPU
 has AVX-512 VNNI, VL and BW it is built with those too, and its 8-bit-activation integer dot
@@ -148,8 +148,9 @@ def rowstable_ops(cache_dir: Path, quiet: bool = True):
                                     "the row-stable float32 kernels"),
                      "specdec_rs", "the row-stable kernels")
     if ops is not None and not _rs_state.get("pool"):
-        _rs_state["pool"] = True  # their own thread pool: threads.py sets its size
-        threads.use_kernel_pool(lambda n: ops.set_kernel_pool(-1, -1, n))
+        _rs_state["pool"] = True  # their own thread pool: the thread governor switches it
+        # (switched on where cores are shared: its workers spin 20 us, the best beside busy processes)
+        threads.use_kernel_pool(lambda on, n: ops.set_kernel_pool(int(on), 20 if on else -2, n))
     return ops
 
 

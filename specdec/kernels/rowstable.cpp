@@ -39,11 +39,14 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <c10/util/ParallelGuard.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
 #include <pthread.h>
 #include <sched.h>
+#include <time.h>
 
 #include <algorithm>
 #include <atomic>
@@ -83,11 +86,13 @@ namespace {
 // task). Beside busy processes both threads then work whenever the OS runs them, where OpenMP's
 // team ran at the pace of its slowest thread (benchmarks.md, "Threads beside other work").
 //
-// Workers spin a short while after a call (the next one of a step comes within microseconds), then
+// Workers spin a while after a call (work(): the next one of a step comes within microseconds), then
 // sleep on a condition variable. One call at a time: a call made while another runs (another
-// Python thread, or a task's own nested call) runs on its caller alone. SPECDEC_KERNEL_POOL=0
-// gives the OpenMP regions back (for comparisons). Which thread computes a task changes none of
-// its numbers: every output is computed by one task alone.
+// Python thread, or a task's own nested call) runs on its caller alone. Idle, OpenMP's team is a
+// little faster (its threads spin ~10 ms and torch's own parallel ops share them; the pool took 2-5%
+// more per step of the Qwen 1.5B), so the pool is off by default and the thread governor switches
+// it on while other processes hold cores. Which thread computes a task changes none of its
+// numbers: every output is computed by one task alone.
 class KernelPool {
  public:
   using Fn = void (*)(void*, int64_t);
@@ -105,12 +110,10 @@ class KernelPool {
   }
 
   // Whether calls take the pool (else OpenMP regions), how long a worker spins for the next call
-  // before it sleeps, and how many threads a call takes (0: torch's count): SPECDEC_KERNEL_POOL (0:
-  // off) and SPECDEC_KERNEL_POOL_SPIN_US at start, set_kernel_pool later. A spin of ~20 us keeps the
-  // idle speed of OpenMP's spinning team (the next call of a step comes within microseconds); beside
-  // busy processes a longer spin takes CPU time from the caller (Xeon, 2 cores, two busy loops,
-  // plain decoding of the default model: 0 / 20 / 100 / 1000 us gave 83 / 91 / 66 / 57 tokens/s; idle
-  // 161 / 204 / 205 / 208, OpenMP 201).
+  // before it sleeps (microseconds; negative: SHORT_SPIN_US or LONG_SPIN_US as the worker finds its
+  // core shared or not), and how many threads a call takes (0: torch's count): off unless
+  // SPECDEC_KERNEL_POOL=1 at start; set_kernel_pool later (the thread governor switches it on while
+  // other processes hold cores: specdec/threads.py).
   struct Settings {
     std::atomic<bool> enabled;
     std::atomic<int64_t> spin_us;
@@ -121,7 +124,7 @@ class KernelPool {
       pthread_atfork(nullptr, nullptr, [] { instance().store(nullptr); });  // a child has none of the threads
       const char* on = std::getenv("SPECDEC_KERNEL_POOL");
       const char* spin = std::getenv("SPECDEC_KERNEL_POOL_SPIN_US");
-      return Settings{!(on && std::string(on) == "0"), spin ? std::max<int64_t>(0, std::atoll(spin)) : 20, 0};
+      return Settings{on && std::string(on) == "1", spin ? std::max<int64_t>(0, std::atoll(spin)) : -1, 0};
     }();
     return s;
   }
@@ -144,6 +147,7 @@ class KernelPool {
     in_call() = true;
     std::exception_ptr own;
     try {
+      const c10::ParallelGuard serial(true);  // torch's ops inside a task: on its thread
       fn(ctx, 0);
     } catch (...) {
       own = std::current_exception();
@@ -182,21 +186,54 @@ class KernelPool {
     }
   }
 
+  // How long a worker spins for the next call before it sleeps. A step's calls come microseconds
+  // apart on a small model and up to a few hundred on the Qwen 1.5B, and a sleeping worker joins the
+  // next call only after the OS has woken it (tens of microseconds): on a core of its own it spins
+  // LONG_SPIN_US (the speed of OpenMP's team, whose threads spin ~10 ms). Where the worker's core is
+  // shared (it ran under CROWDED of the wall time while it spun or worked: other processes), every
+  // microsecond it spins is taken from the caller, and it spins SHORT_SPIN_US. Xeon, 2 cores:
+  // plain decoding of the default model beside two busy loops at a fixed spin of 0 / 20 / 100 /
+  // 1000 us: 83 / 91 / 66 / 57 tokens/s (idle 161 / 204 / 205 / 208); a verification of 8 tokens of
+  // the Qwen 1.5B at 20 / 200 / 2000 us: 83 / 75 / 62 ms.
+  static constexpr int64_t SHORT_SPIN_US = 20, LONG_SPIN_US = 2000;
+  static constexpr double CROWDED = 0.9;
+
+  static int64_t thread_cpu_ns() {
+    timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return int64_t{t.tv_sec} * 1000000000 + t.tv_nsec;
+  }
+
   void work() {
     in_call() = true;
     uint32_t seen = static_cast<uint32_t>(word_.load() >> 32);
+    bool crowded = false;
+    int64_t wall_ns = 0, cpu_ns = 0;  // while spinning or running tasks, since the last judgement
+    auto now = [] { return std::chrono::steady_clock::now(); };
+    auto count = [&](std::chrono::steady_clock::time_point t0, int64_t c0) {
+      cpu_ns += thread_cpu_ns() - c0;
+      wall_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(now() - t0).count();
+      if (wall_ns >= 2000000) {  // judged every 2 ms of wanting the core
+        crowded = cpu_ns < CROWDED * wall_ns;
+        wall_ns = cpu_ns = 0;
+      }
+    };
     for (;;) {
       // wait for the next call: spin, then sleep
-      auto since = std::chrono::steady_clock::now();
+      const int64_t fixed = settings().spin_us.load(std::memory_order_relaxed);
+      const auto spin = std::chrono::microseconds(fixed >= 0 ? fixed : crowded ? SHORT_SPIN_US : LONG_SPIN_US);
+      auto since = now();
+      int64_t c0 = thread_cpu_ns();
       for (int i = 1; static_cast<uint32_t>(word_.load(std::memory_order_acquire) >> 32) == seen; ++i) {
         _mm_pause();
-        if (i % 64 == 0 && std::chrono::steady_clock::now() - since >
-                               std::chrono::microseconds(settings().spin_us.load(std::memory_order_relaxed))) {
+        if (i % 64 == 0 && now() - since > spin) {
+          count(since, c0);
           std::unique_lock<std::mutex> hold(sleep_);
           sleepers_.fetch_add(1);
           wake_.wait(hold, [&] { return static_cast<uint32_t>(word_.load() >> 32) != seen; });
           sleepers_.fetch_sub(1);
-          since = std::chrono::steady_clock::now();
+          since = now();
+          c0 = thread_cpu_ns();
         }
       }
       // join it while it is open and wants more threads
@@ -205,6 +242,7 @@ class KernelPool {
       while (!(w & CLOSED) && (w & 0xFFFF) < ((w >> 16) & 0x7FFF)) {
         if (word_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
           try {
+            const c10::ParallelGuard serial(true);
             fn_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), static_cast<int64_t>(w & 0xFFFF) + 1);
           } catch (...) {
             std::lock_guard<std::mutex> hold(sleep_);
@@ -215,6 +253,7 @@ class KernelPool {
         }
         seen = static_cast<uint32_t>(w >> 32);  // (a newer call: try that one)
       }
+      count(since, c0);  // (the spin since waking and the call's tasks)
     }
   }
 
@@ -2345,9 +2384,30 @@ at::Tensor rope_attend(const at::Tensor& qkv_, const at::Tensor& cos_, const at:
   return out;
 }
 
-at::Tensor silu_mul(const at::Tensor& gu) {
-  const int64_t I = gu.size(-1) / 2;
-  return at::silu(gu.narrow(-1, 0, I)).mul_(gu.narrow(-1, I, I));
+// silu(gate) * up of gu = [..., gate | up]: torch's silu and product (the numbers of the Python path,
+// F.silu(gate) * up). On the kernel pool, row by row: torch's own threads would wake for the 4+ rows
+// of a verification step and spin after it beside the pool's.
+at::Tensor silu_mul(const at::Tensor& gu_) {
+  const int64_t I = gu_.size(-1) / 2;
+  const int64_t M = I ? gu_.numel() / (2 * I) : 0;
+  if (!KernelPool::settings().enabled.load(std::memory_order_relaxed) || M * I < 32768 || KernelPool::in_call() ||
+      at::in_parallel_region())
+    return at::silu(gu_.narrow(-1, 0, I)).mul_(gu_.narrow(-1, I, I));  // (torch's threads, or one thread)
+  const at::Tensor gu = gu_.contiguous();
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = I;
+  at::Tensor out = at::empty(shape, gu.options());
+  const at::Tensor rows = gu.reshape({M, 2 * I}), out_rows = out.view({M, I});
+  const at::ThreadLocalState caller;  // (inference mode and the like, on every thread)
+  pool_for(0, M, std::max<int64_t>(1, 32768 / I), [&](int64_t r0, int64_t r1) {
+    const at::ThreadLocalStateGuard same_state(caller);
+    const c10::ParallelGuard serial(true);  // (torch's ops inside: on this thread)
+    const at::Tensor part = rows.narrow(0, r0, r1 - r0);
+    at::Tensor dst = out_rows.narrow(0, r0, r1 - r0);
+    at::silu_out(dst, part.narrow(-1, 0, I));
+    dst.mul_(part.narrow(-1, I, I));
+  });
+  return out;
 }
 
 // which integer dot products this build's 8-bit-activation path runs on
@@ -3284,11 +3344,12 @@ TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) { lib.impl("kq_linear_q8", &kq_linear_q
 
 namespace {
 // Switches the kernels between their own pool (enabled 1) and OpenMP regions (0), sets how long the
-// pool's workers spin for the next call (microseconds) and how many threads a call takes (0: torch's
-// count); a negative value leaves its setting as it is. The same numbers either way.
+// pool's workers spin for the next call (microseconds; -2: as they find their cores shared or not) and
+// how many threads a call takes (0: torch's count); -1 leaves a setting as it is. The same numbers
+// either way.
 void set_kernel_pool(int64_t enabled, int64_t spin_us, int64_t threads) {
   if (enabled >= 0) KernelPool::settings().enabled.store(enabled > 0);
-  if (spin_us >= 0) KernelPool::settings().spin_us.store(spin_us);
+  if (spin_us >= 0 || spin_us == -2) KernelPool::settings().spin_us.store(spin_us);
   if (threads >= 0) KernelPool::settings().threads.store(threads);
 }
 }  // namespace

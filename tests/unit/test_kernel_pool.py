@@ -2,7 +2,7 @@
 the OS has not run. Oracle: the same products and attention on OpenMP regions (the pool off) and
 on one thread, bit for bit; every output is computed by one task alone, so which thread takes a
 task must change nothing. Also: calls from two Python threads at once, a forked child (none of
-the parent's threads exist there), and the thread governor's pool size."""
+the parent's threads exist there), and the thread governor's switch."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from specdec.models import gguf_blocks as gb
 
 def products(ops):
     """A K-quant product of 1 and 9 rows on the 8-bit-activation path (kq_linear_q8, several parts),
-    a block-by-block one (gguf_linear_q8) and the attention of a 5-token step: each a fixed input."""
+    a block-by-block one (gguf_linear_q8), the attention of a 5-token step and silu_mul beside
+    torch's silu and product: each a fixed input."""
     rng = np.random.default_rng(5)
     k = 512
     parts = [(Q4_K, 320, random_blocks(Q4_K, 320, k, rng)), (Q6_K, 96, random_blocks(Q6_K, 96, k, rng))]
@@ -32,8 +33,25 @@ def products(ops):
     raw = torch.from_numpy(parts[0][2].reshape(-1))
     q = torch.randn(2, 6, 5, 64, generator=g)
     kc, vc = torch.randn(2, 2, 300, 64, generator=g), torch.randn(2, 2, 300, 64, generator=g)
+    gu = torch.randn(9, 8192, generator=g)  # (9 x 4096 gated values: silu_mul's rows on the pool)
     return [ops.kq_linear_q8(x, packed, types, ns, k), ops.kq_linear_q8(x[4:5], packed, types, ns, k),
-            ops.gguf_linear_q8(x, raw, Q4_K, 320, k), ops.attend(q, kc, vc, 290, None)]
+            ops.gguf_linear_q8(x, raw, Q4_K, 320, k), ops.attend(q, kc, vc, 290, None), ops.silu_mul(gu),
+            torch.nn.functional.silu(gu[:, :4096]) * gu[:, 4096:]]
+
+
+def test_silu_mul_on_the_pool_is_torchs_silu_and_product():
+    """The Python path's numbers (F.silu(gate) * up), in inference mode too (the pool's threads
+    take the caller's thread-local state)."""
+    ops = need_kernels()
+    before = torch.get_num_threads()
+    try:
+        ops.set_kernel_pool(1, -2, 3)
+        with torch.inference_mode():
+            got = products(ops)
+        assert torch.equal(got[4], got[5])
+    finally:
+        ops.set_kernel_pool(0, -2, 0)
+        torch.set_num_threads(before)
 
 
 def same(a, b):
@@ -48,7 +66,7 @@ def test_pool_openmp_and_one_thread_give_the_same_numbers():
     try:
         torch.set_num_threads(1)
         one = products(ops)
-        for pool, spin in ((0, 20), (1, 20), (1, 0), (1, 1000)):
+        for pool, spin in ((0, 20), (1, 20), (1, 0), (1, 1000), (1, -2)):  # (-2: spin as the core is shared or not)
             ops.set_kernel_pool(pool, spin, 0)
             for nt in (2, 3, 7):
                 torch.set_num_threads(nt)
@@ -58,7 +76,7 @@ def test_pool_openmp_and_one_thread_give_the_same_numbers():
             torch.set_num_threads(1)
             assert same(products(ops), one), (pool, spin, "own count")
     finally:
-        ops.set_kernel_pool(1, 20, 0)
+        ops.set_kernel_pool(0, -2, 0)
         torch.set_num_threads(before)
 
 
@@ -67,6 +85,7 @@ def test_two_python_threads_calling_at_once_each_get_their_numbers():
     ops = need_kernels()
     before = torch.get_num_threads()
     torch.set_num_threads(2)
+    ops.set_kernel_pool(1, -2, 0)
     try:
         want = products(ops)
         wrong = []
@@ -84,21 +103,25 @@ def test_two_python_threads_calling_at_once_each_get_their_numbers():
         assert not any(w.is_alive() for w in workers), "a call never returned"
         assert not wrong
     finally:
+        ops.set_kernel_pool(0, -2, 0)
         torch.set_num_threads(before)
 
 
 def _child(queue, want):
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # (an OpenMP region in a child forked after the parent's ran hangs: libgomp)
     ops = need_kernels()
+    ops.set_kernel_pool(1, -2, 2)  # the pool's 2 threads
     queue.put(same(products(ops), want))
 
 
 def test_a_forked_child_makes_its_own_pool():
     """A child forked after the parent's pool ran has none of its threads: its calls must neither
-    wait for them nor fail."""
+    wait for them nor fail (the pool is made anew there; a caller never waits for a worker that has
+    not joined, so even the parent's pool would not hang it)."""
     ops = need_kernels()
     before = torch.get_num_threads()
     torch.set_num_threads(2)
+    ops.set_kernel_pool(1, -2, 0)
     try:
         want = products(ops)  # the parent's pool is up
         ctx = multiprocessing.get_context("fork")
@@ -111,21 +134,25 @@ def test_a_forked_child_makes_its_own_pool():
             pytest.fail("the forked child's kernel call hung")
         assert child.exitcode == 0 and queue.get(timeout=5) is True
     finally:
+        ops.set_kernel_pool(0, -2, 0)
         torch.set_num_threads(before)
 
 
-def test_the_governor_gives_the_kernels_pool_every_core_and_a_fixed_count_gives_it_torchs():
-    seen = []
-    saved, torch_threads = threads._kernel_threads, torch.get_num_threads()
+def test_the_kernels_register_their_pool_with_the_thread_governor(monkeypatch):
+    """What threads.use_kernel_pool receives switches the pool: on / off and its thread count, seen
+    in which thread count a product takes (the same numbers either way)."""
+    monkeypatch.delenv("SPECDEC_KERNEL_POOL", raising=False)
+    ops = need_kernels()
+    switch = threads._kernel_pool
+    assert switch is not None, "the kernels loaded without registering their pool"
+    before = torch.get_num_threads()
     try:
-        threads.use_kernel_pool(seen.append)
-        threads.start(None)  # governed: every allowed core
-        assert seen[-1] == len(threads.allowed_cpus())
-        threads.start(1)  # the user's count: torch's
-        assert seen[-1] == 0
+        torch.set_num_threads(1)
+        want = products(ops)
+        switch(True, 3)  # the pool on 3 threads while torch's count is 1
+        assert same(products(ops), want)
+        switch(False, 3)
+        assert same(products(ops), want)
     finally:
-        threads.stop()
-        threads._kernel_threads = saved
-        if saved is not None:
-            saved(0)
-        torch.set_num_threads(torch_threads)
+        ops.set_kernel_pool(0, -2, 0)
+        torch.set_num_threads(before)

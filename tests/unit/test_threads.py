@@ -88,11 +88,46 @@ def test_start_respects_fixed_and_environment(monkeypatch):
 
     before = torch.get_num_threads()
     try:
-        assert threads.start(1) is None and torch.get_num_threads() == 1
+        g = threads.start(1)
+        assert g.fixed == 1 and torch.get_num_threads() == 1
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        assert threads.start(None) is None
+        assert threads.start(None).fixed == torch.get_num_threads()
         monkeypatch.delenv("OMP_NUM_THREADS")
-        assert isinstance(threads.start(None), threads.ThreadGovernor)
+        assert threads.start(None).fixed is None
     finally:
         threads.stop()
         torch.set_num_threads(before)
+
+
+def test_the_kernels_pool_is_on_while_a_core_is_shared_also_at_a_fixed_count():
+    """Idle: OpenMP's team (no switch); beside busy processes: the pool, on every allowed core or
+    on the fixed count; back off when they end. A fixed count is never changed."""
+    for fixed, pool_threads in ((None, 2), (2, 2)):
+        m, calls, pool = FakeMachine(), [], []
+        g = threads.ThreadGovernor(interval=0.5, set_threads=calls.append, sample=lambda: (m.busy, m.total),
+                                   own=lambda: m.own, cpus=[0, 1], clock=lambda: m.now, fixed=fixed,
+                                   set_pool=lambda on, n: pool.append((on, n)))
+        m.run(1.0, others=0.05, own=1.0)
+        g.adjust()
+        assert pool == [(False, pool_threads)]
+        m.run(0.6, others=1.3, own=0.7)  # two busy loops
+        g.tick()
+        assert pool == [(False, pool_threads), (True, pool_threads)]
+        m.run(0.6, others=1.4, own=0.6)  # still there: no new switch
+        g.tick()
+        assert len(pool) == 2
+        m.run(0.6, others=0.0, own=1.0)
+        g.tick()
+        assert pool[-1] == (False, pool_threads)
+        assert calls == ([2, 1, 2] if fixed is None else [])
+
+
+def test_a_forced_pool_is_not_switched(monkeypatch):
+    saved = threads._kernel_pool
+    try:
+        monkeypatch.setenv("SPECDEC_KERNEL_POOL", "1")
+        threads._kernel_pool = None
+        threads.use_kernel_pool(lambda on, n: None)
+        assert threads._kernel_pool is None
+    finally:
+        threads._kernel_pool = saved
