@@ -10,7 +10,9 @@ over repeats are printed with the ratio busy / idle, and the median of each repe
 Beside each run, the cores other processes kept busy meanwhile (/proc/stat minus the run's own CPU
 time; the busy loops are among them in a busy run) and the share of the time some task waited for
 a core (/proc/pressure/cpu): on a shared machine "idle" is seldom idle. The
-issue's goal: >= 0.35x (a fair share with 4 runnable threads on 2 cores is ~0.5x).
+issue's goal: >= 0.35x (a fair share with 4 runnable threads on 2 cores is ~0.5x). The `omp`
+variants keep the kernels on OpenMP's team (SPECDEC_KERNEL_POOL=0) where the governor would switch
+them to their own pool beside busy processes.
 
 The `llamacpp` variants run llama.cpp (llama-cpp-python, `pip install -e ".[peers]"`) on the
 same GGUF file and prompt in a fresh process, greedy, with 2 or 1 threads; their rate is also
@@ -18,6 +20,7 @@ decode only (the first token, which carries the prefill, is left out).
 
     python benchmarks/contention.py --repeats 3 --max-new-tokens 64
     python benchmarks/contention.py --variants default,threads1,passive
+    python benchmarks/contention.py --variants default,threads2,omp-threads2
     python benchmarks/contention.py --variants default,llamacpp --model qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 """
 
