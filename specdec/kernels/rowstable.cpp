@@ -39,7 +39,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
 #include <c10/util/ParallelGuard.h>
 #include <torch/library.h>
 #include <immintrin.h>
@@ -59,6 +58,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -2391,16 +2391,19 @@ at::Tensor silu_mul(const at::Tensor& gu_) {
   const int64_t I = gu_.size(-1) / 2;
   const int64_t M = I ? gu_.numel() / (2 * I) : 0;
   if (!KernelPool::settings().enabled.load(std::memory_order_relaxed) || M * I < 32768 || KernelPool::in_call() ||
-      at::in_parallel_region())
+      at::in_parallel_region() || gu_.requires_grad())
     return at::silu(gu_.narrow(-1, 0, I)).mul_(gu_.narrow(-1, I, I));  // (torch's threads, or one thread)
   const at::Tensor gu = gu_.contiguous();
   std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
   shape.back() = I;
   at::Tensor out = at::empty(shape, gu.options());
   const at::Tensor rows = gu.reshape({M, 2 * I}), out_rows = out.view({M, I});
-  const at::ThreadLocalState caller;  // (inference mode and the like, on every thread)
+  // the caller's inference mode on every thread (an in-place product on an inference tensor needs
+  // it; the whole thread-local state would also copy Python objects that a worker may not release)
+  const bool inference = c10::InferenceMode::is_enabled();
   pool_for(0, M, std::max<int64_t>(1, 32768 / I), [&](int64_t r0, int64_t r1) {
-    const at::ThreadLocalStateGuard same_state(caller);
+    std::optional<c10::InferenceMode> same_mode;
+    if (inference) same_mode.emplace();
     const c10::ParallelGuard serial(true);  // (torch's ops inside: on this thread)
     const at::Tensor part = rows.narrow(0, r0, r1 - r0);
     at::Tensor dst = out_rows.narrow(0, r0, r1 - r0);
