@@ -7,6 +7,7 @@ the parent's threads exist there), and the thread governor's switch."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 
 import numpy as np
@@ -138,10 +139,11 @@ def test_a_forked_child_makes_its_own_pool():
         torch.set_num_threads(before)
 
 
-def test_the_kernels_register_their_pool_with_the_thread_governor(monkeypatch):
+def test_the_kernels_register_their_pool_with_the_thread_governor():
     """What threads.use_kernel_pool receives switches the pool: on / off and its thread count, seen
     in which thread count a product takes (the same numbers either way)."""
-    monkeypatch.delenv("SPECDEC_KERNEL_POOL", raising=False)
+    if os.environ.get("SPECDEC_KERNEL_POOL") in ("0", "1"):
+        pytest.skip("SPECDEC_KERNEL_POOL fixes the pool: the kernels register no switch")
     ops = need_kernels()
     switch = threads._kernel_pool
     assert switch is not None, "the kernels loaded without registering their pool"
