@@ -39,7 +39,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/ParallelGuard.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
@@ -147,7 +146,6 @@ class KernelPool {
     in_call() = true;
     std::exception_ptr own;
     try {
-      const c10::ParallelGuard serial(true);  // torch's ops inside a task: on its thread
       fn(ctx, 0);
     } catch (...) {
       own = std::current_exception();
@@ -242,7 +240,6 @@ class KernelPool {
       while (!(w & CLOSED) && (w & 0xFFFF) < ((w >> 16) & 0x7FFF)) {
         if (word_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
           try {
-            const c10::ParallelGuard serial(true);
             fn_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), static_cast<int64_t>(w & 0xFFFF) + 1);
           } catch (...) {
             std::lock_guard<std::mutex> hold(sleep_);
@@ -2385,30 +2382,36 @@ at::Tensor rope_attend(const at::Tensor& qkv_, const at::Tensor& cos_, const at:
 }
 
 // silu(gate) * up of gu = [..., gate | up]: torch's silu and product (the numbers of the Python path,
-// F.silu(gate) * up). On the kernel pool, row by row: torch's own threads would wake for the 4+ rows
-// of a verification step and spin after it beside the pool's.
+// F.silu(gate) * up). On the kernel pool, in blocks of rows: torch's own threads would wake for the
+// 4+ rows of a verification step and spin after it beside the pool's. A block holds at most 32768
+// values, torch's grain, so that torch's ops run on the thread that calls them (at::parallel_for
+// would start an OpenMP team of its own from a pool worker).
 at::Tensor silu_mul(const at::Tensor& gu_) {
+  constexpr int64_t TORCH_GRAIN = 32768;
   const int64_t I = gu_.size(-1) / 2;
   const int64_t M = I ? gu_.numel() / (2 * I) : 0;
-  if (!KernelPool::settings().enabled.load(std::memory_order_relaxed) || M * I < 32768 || KernelPool::in_call() ||
-      at::in_parallel_region() || gu_.requires_grad())
+  if (!KernelPool::settings().enabled.load(std::memory_order_relaxed) || M * I <= TORCH_GRAIN || I > TORCH_GRAIN ||
+      gu_.requires_grad())
     return at::silu(gu_.narrow(-1, 0, I)).mul_(gu_.narrow(-1, I, I));  // (torch's threads, or one thread)
   const at::Tensor gu = gu_.contiguous();
   std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
   shape.back() = I;
   at::Tensor out = at::empty(shape, gu.options());
   const at::Tensor rows = gu.reshape({M, 2 * I}), out_rows = out.view({M, I});
+  const int64_t per_block = TORCH_GRAIN / I, blocks = (M + per_block - 1) / per_block;
   // the caller's inference mode on every thread (an in-place product on an inference tensor needs
   // it; the whole thread-local state would also copy Python objects that a worker may not release)
   const bool inference = c10::InferenceMode::is_enabled();
-  pool_for(0, M, std::max<int64_t>(1, 32768 / I), [&](int64_t r0, int64_t r1) {
+  pool_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::optional<c10::InferenceMode> same_mode;
     if (inference) same_mode.emplace();
-    const c10::ParallelGuard serial(true);  // (torch's ops inside: on this thread)
-    const at::Tensor part = rows.narrow(0, r0, r1 - r0);
-    at::Tensor dst = out_rows.narrow(0, r0, r1 - r0);
-    at::silu_out(dst, part.narrow(-1, 0, I));
-    dst.mul_(part.narrow(-1, I, I));
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * per_block, n = std::min(per_block, M - r0);
+      const at::Tensor part = rows.narrow(0, r0, n);
+      at::Tensor dst = out_rows.narrow(0, r0, n);
+      at::silu_out(dst, part.narrow(-1, 0, I));
+      dst.mul_(part.narrow(-1, I, I));
+    }
   });
   return out;
 }
