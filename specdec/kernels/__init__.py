@@ -148,9 +148,10 @@ def rowstable_ops(cache_dir: Path, quiet: bool = True):
                                     "the row-stable float32 kernels"),
                      "specdec_rs", "the row-stable kernels")
     if ops is not None and not _rs_state.get("pool"):
-        _rs_state["pool"] = True  # their own thread pool: the thread governor switches it
-        # (switched on where cores are shared: its workers spin 20 us, the best beside busy processes)
-        threads.use_kernel_pool(lambda on, n: ops.set_kernel_pool(int(on), 20 if on else -2, n))
+        # their own thread pool, which the thread governor switches on where cores are shared: its
+        # workers then spin 20 us, the best spin beside busy processes
+        _rs_state["pool"] = True
+        threads.use_kernel_pool(lambda on, n: ops.set_kernel_pool(int(on), 20, n))
     return ops
 
 

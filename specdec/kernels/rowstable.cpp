@@ -96,8 +96,7 @@ class KernelPool {
  public:
   using Fn = void (*)(void*, int64_t);
 
-  // The process's pool, made on first use; null while the pool is switched off (SPECDEC_KERNEL_POOL=0,
-  // or set_kernel_pool).
+  // The process's pool, made on first use; null while the pool is off (the default: see Settings).
   static KernelPool* get() {
     if (!settings().enabled.load(std::memory_order_relaxed)) return nullptr;
     KernelPool* pool = instance().load(std::memory_order_acquire);
@@ -284,7 +283,7 @@ void run_participants(int64_t n, F&& fn) {
     return;
   }
   KernelPool* pool = KernelPool::get();
-  if (!pool) {  // SPECDEC_KERNEL_POOL=0: an OpenMP region, a participant a thread
+  if (!pool) {  // the pool off: an OpenMP region, a participant a thread
     at::parallel_for(0, n, 1, [&](int64_t i0, int64_t /*i1*/) { fn(i0); });
     return;
   }
