@@ -22,12 +22,19 @@ from .types import SpecdecError
 
 def with_room(stores: list[torch.Tensor], rows: int, more: int) -> list[torch.Tensor]:
     """Row stores ([capacity, ...] each) whose first `rows` rows are kept, with room for `more`
-    rows after them: the same tensors if they have it, else copies with twice the rows needed
-    (the extra rows zero), so that rows joining one at a time copy the batch only now and then."""
+    rows after them: the same tensors if they have it, else copies with twice the rows needed,
+    so that rows joining one at a time copy the batch only now and then. The extra rows are not
+    initialised (a joining row is written or zeroed whole before it is read): only the kept rows'
+    pages are written, not the whole new store's."""
     if rows + more <= stores[0].shape[0]:
         return stores
     cap = max(4, 2 * (rows + more))
-    return [torch.cat([t[:rows], t.new_zeros(cap - rows, *t.shape[1:])]) for t in stores]
+    grown = []
+    for t in stores:
+        g = t.new_empty(cap, *t.shape[1:])
+        g[:rows] = t[:rows]
+        grown.append(g)
+    return grown
 
 
 def keep_in_place(stores: list[torch.Tensor], order: list[int], lengths: list[int] | None = None) -> bool:

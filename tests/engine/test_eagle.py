@@ -171,6 +171,18 @@ def test_rows_joining_and_leaving_keep_each_rows_head_cache():
         assert d.n == [n[r] for r in rows] and d.feat == [feat[r] for r in rows]
     d.add_row(40)  # a row joins after leaves: empty, the kept row untouched
     assert d.k.shape[0] == 2 and not d.k[1].any() and not d.v[1].any() and d.n[1] == 0
+    # the stores keep their room through a permutation (a gather) and into the next batch, whose
+    # rows start empty: a server's next burst of rows joins without copying the stores again
+    stores, room = d._ks, d._ks.shape[0]
+    assert room >= 5
+    d.k.copy_(torch.randn(d.k.shape, generator=g))
+    d.begin([], None, 40)
+    for _ in range(5):
+        d.add_row(40)
+    assert d._ks is stores and d._ks.shape[0] == room
+    assert not d.k.any() and not d.v.any() and d.n == [0] * 5
+    d.begin([], None, 48)  # another context: stores of another shape
+    assert d._ks is not stores and d.k.shape[0] == 0
 
 
 def test_head_for_another_target_is_refused():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model_helpers import TOL, ancestor_mask, get_pair, maxdiff, path_to, prefill_ragged, random_tokens
-from specdec.kv_cache import KVCache
+from specdec.kv_cache import KVCache, with_room
 from specdec.types import SpecdecError
 
 
@@ -243,3 +243,14 @@ def test_rows_joining_and_leaving_keep_their_entries():
     assert same([t[:2] for t in cache.k + cache.v], want_k + want_v, want_len)
     assert all(torch.equal(t[2], o[0]) for t, o in zip(cache.k + cache.v, last.k + last.v))
     assert cache.lengths.tolist() == want_len + [7] and cache.k[0].shape[0] == 3
+
+
+def test_with_room_keeps_the_rows_and_grows_only_when_full():
+    """Rows joining one at a time: the same stores while they have room, else new ones with twice
+    the rows needed that hold the kept rows unchanged."""
+    a, b = torch.randn(3, 2, 5), torch.randn(3, 2, 5)
+    assert with_room([a, b], 2, 1) == [a, b]  # room for one more: nothing copied
+    grown = with_room([a, b], 3, 1)
+    assert [t.shape[0] for t in grown] == [8, 8]
+    assert torch.equal(grown[0][:3], a) and torch.equal(grown[1][:3], b)
+    assert with_room(grown, 4, 4) == grown
