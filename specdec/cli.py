@@ -251,7 +251,7 @@ def cmd_validate(args) -> int:
     ngram_ks = [c.k for c in configs if c.method == "ngram"]
     opts = pipeline.Options(
         max_new_tokens=max_new, repeats=pick(args.repeats, 2, 1), concurrency=tuple(levels),
-        load_k=max(ngram_ks) if ngram_ks else DEFAULT_K["ngram"], min_requests=pick(args.min_requests, 8, 4),
+        load_k=max(ngram_ks) if ngram_ks else DEFAULT_K["ngram"], min_requests=args.min_requests or 8,
         dist_samples=pick(args.dist_samples, 2, 1), dist_draws=pick(args.dist_draws, 800, 200),
         dist_tokens=args.dist_tokens, dist_temperature=args.dist_temperature, seed=args.seed, quiet=args.quiet,
         load_settings=("off", "adaptive") if q else measure.LOAD_SETTINGS)

@@ -326,7 +326,8 @@ def add_validate_parser(sub) -> None:
     v.add_argument("--repeats", type=positive_int, default=None,
                    help="timed runs per measurement; medians reported. Default: 2 (--quick: 1)")
     v.add_argument("--min-requests", type=positive_int, default=None,
-                   help="requests per concurrency level at least. Default: 8 (--quick: 4)")
+                   help="requests per concurrency level at least (each setting first answers one unmeasured "
+                        "burst of each level's size). Default: 8")
     v.add_argument("--dist-samples", type=nonneg_int, default=None,
                    help="samples with a distribution check, per method (from the shorter half, those where the "
                         "method guessed most); 0 skips it. Default: 2 (--quick: 1)")

@@ -174,6 +174,7 @@ def drive(batcher, prompts: list[list[int]], conc: int, per_client: int, params:
 
 
 LOAD_SETTINGS = ("off", "fixed", "adaptive")
+WARM_TOKENS = 24  # the answers' length in a level's unmeasured first burst (`load`)
 
 
 def load_settings(settings) -> list[str]:
@@ -185,11 +186,19 @@ def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, level
          min_requests: int, repeats: int, reference: list[list[int]] | None = None, bar=None,
          make_sources=None, method: str | None = None, settings: tuple[str, ...] = LOAD_SETTINGS) -> dict:
     """Off / fixed-k / load-aware speculation through the server's batcher (`settings`, of
-    LOAD_SETTINGS; "off" always), each concurrency level run for every setting in turn (off,
-    fixed, adaptive, off, ...), `repeats` rounds; medians per (setting, level). Each level sends at
-    least `min_requests` requests. The drafting is the server's: `make_sources()` (new draft
-    sources per call) under `method` (the server's `auto` by default), or prompt lookup alone
-    without it, as `specdec serve --method` runs them."""
+    LOAD_SETTINGS; "off" always), each concurrency level run for every setting in turn, `repeats`
+    rounds; medians per (setting, level). Each level sends at least `min_requests` requests. The
+    drafting is the server's: `make_sources()` (new draft sources per call) under `method` (the
+    server's `auto` by default), or prompt lookup alone without it, as `specdec serve --method`
+    runs them.
+
+    Measured warm, as a running server is: before its first measured burst of a level, each
+    setting answers one unmeasured burst of that size (short answers), so the batch guard has
+    met the batch size and the cost model its step times; a single cold burst of 4 requests,
+    ~1 s, charged the adaptive setting its first probes of a new batch size (0.86-0.94 of off
+    on a 2-core Xeon where warm bursts gave 0.99-1.04). The settings' order alternates from one
+    (round, level) to the next (off first, then last): a burst that runs right after another
+    setting's ran up to ~5% slower on a shared machine, which a fixed order charged to one side."""
     from ..core.scheduler import ContinuousBatcher
     from ..drafters.ngram import NgramDrafter
 
@@ -204,11 +213,19 @@ def load(model, eos_ids, encoded: list[list[int]], params: SamplingParams, level
                 for name, (m, ad) in spec.items()}
     raw = {name: {c: [] for c in levels} for name in spec}
     chosen_k = {name: {c: [] for c in levels} for name in spec}
+    warm = replace(params, max_new_tokens=min(params.max_new_tokens, WARM_TOKENS))
     try:
-        for _ in range(repeats):
-            for c in levels:
+        for rnd in range(repeats):
+            for i, c in enumerate(levels):
                 per_client = max(1, -(-min_requests // c))
-                for name, b in batchers.items():
+                order = list(batchers.items())
+                if (rnd + i) % 2:
+                    order.reverse()
+                for name, b in order:
+                    if rnd == 0:  # this batch size's first burst, unmeasured (prompts from the end)
+                        drive(b, encoded[::-1], c, 1, warm)
+                        if bar is not None:
+                            bar.update(1)
                     forget_shared()  # no suffix drafts from the answers an earlier level or setting gave
                     before = b.stats()
                     res = drive(b, encoded, c, per_client, params, reference)

@@ -72,16 +72,22 @@ def plan_run(encoded: list[list[int]], n_configs: int, opts: "Options", n_checks
     the progress bar's ETA corrects it by the pace measured so far."""
     new = opts.max_new_tokens
 
-    def run(length: int, rows: int = 1) -> float:
-        return rows * length * prefill_s_per_token + new * step_s * (1 + (rows - 1) / 2)
+    def run(length: int, rows: int = 1, tokens: int = new) -> float:
+        return rows * length * prefill_s_per_token + tokens * step_s * (1 + (rows - 1) / 2)
 
     mean_len = sum(len(e) for e in encoded) / max(1, len(encoded))
     plan = {"acceptance": [run(len(ids)) for _ in range(opts.repeats) for ids in encoded
                            for _ in range(1 + n_configs)]}
     levels = sorted(set(opts.concurrency))
     per_level = {c: c * max(1, -(-opts.min_requests // c)) for c in levels}  # requests at level c
-    plan["under load"] = [per_level[c] / c * run(int(mean_len), c) for _ in range(opts.repeats) for c in levels
-                          for _ in measure.load_settings(opts.load_settings)]
+    settings = measure.load_settings(opts.load_settings)
+    plan["under load"] = []
+    for rnd in range(opts.repeats):
+        for c in levels:
+            for _ in settings:  # (the first round's unmeasured warm-up burst first: measure.load)
+                if rnd == 0:
+                    plan["under load"].append(run(int(mean_len), c, min(new, measure.WARM_TOKENS)))
+                plan["under load"].append(per_level[c] / c * run(int(mean_len), c))
     # a check: one prefill of the prompt, the draws' batched steps, then per depth a prefill of the
     # prompt and the distinct prefixes (at most one a draw) forwarded past a copy of its cache
     shortest = sorted(len(e) for e in encoded)[0] if encoded else 0

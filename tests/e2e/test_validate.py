@@ -184,6 +184,30 @@ def test_load_through_the_batcher_is_exact(tiny):
     assert load["table"]["off"][1]["mean_guesses"] == 0 and load["table"]["fixed"][1]["mean_guesses"] > 0
 
 
+
+def test_the_load_test_measures_warm_batchers_taking_turns(tiny, monkeypatch):
+    """Each setting answers one unmeasured burst of a level's size (short answers) before its first
+    measured one, as a running server has met batches of that size; the settings' order alternates
+    from one (round, level) to the next, so that running second is not always one setting's lot."""
+    _, model = tiny
+    calls = []
+    real = measure.drive
+
+    def recording(batcher, prompts, conc, per_client, params, reference=None, **kw):
+        calls.append(("off" if batcher.method == "none" else "adaptive", conc, per_client, params.max_new_tokens))
+        return real(batcher, prompts, conc, per_client, params, reference, **kw)
+
+    monkeypatch.setattr(measure, "drive", recording)
+    load = measure.load(model, [], [PROMPT, [1, 2, 3, 4]], SamplingParams(max_new_tokens=30), levels=[1, 2], k=4,
+                        min_requests=2, repeats=2, settings=("off", "adaptive"))
+    warm = min(30, measure.WARM_TOKENS)
+    assert warm < 30
+    assert calls == [("off", 1, 1, warm), ("off", 1, 2, 30), ("adaptive", 1, 1, warm), ("adaptive", 1, 2, 30),
+                     ("adaptive", 2, 1, warm), ("adaptive", 2, 1, 30), ("off", 2, 1, warm), ("off", 2, 1, 30),
+                     ("adaptive", 1, 2, 30), ("off", 1, 2, 30), ("off", 2, 1, 30), ("adaptive", 2, 1, 30)]
+    assert all(load["table"][name][c]["requests"] == 4 for name in ("off", "adaptive") for c in (1, 2))
+
+
 # ------------------------------------------------------------------------------ arithmetic
 def _entry(F, k, alpha_pos, draft_s, verify_s, decode_s, new):
     """One sample that drafted k tokens at each of F steps."""
