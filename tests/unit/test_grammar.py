@@ -254,6 +254,21 @@ def test_an_invalid_or_unsupported_schema_is_one_clear_error(tok, schema, needle
     assert needle in message and "\n" not in message and message.startswith("response_format.json_schema")
 
 
+def test_a_bad_schema_inside_a_tool_grammar_is_one_line_without_the_grammar(tok):
+    """A tool's parameters with an invalid type: the error names it, in one line, without the Lark
+    grammar specdec wraps the calls in (the engine lists that grammar and a position in it)."""
+    from specdec.grammar import lark
+    from specdec.tools import HERMES, ToolSyntax, call_grammar
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]
+    grammar = call_grammar(tools, None, True, ToolSyntax(HERMES, native=False), tok)
+    with pytest.raises(SpecdecError) as e:
+        compile_(tok, lark(grammar, what="tools"))
+    message = str(e.value)
+    assert message.startswith("tools: ") and "objekt" in message and "\n" not in message
+    assert "%json" not in message and "start:" not in message and "at 3(" not in message
+
+
 def test_a_schema_is_compiled_once(tok):
     a = compile_(tok, json_schema(BOUNDED))
     b = compile_(tok, json_schema(json.loads(json.dumps(BOUNDED))))
