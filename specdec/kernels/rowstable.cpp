@@ -3348,6 +3348,46 @@ TORCH_LIBRARY_FRAGMENT(specdec_rs, lib) { lib.def("kq_linear_q8(Tensor x, Tensor
 TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) { lib.impl("kq_linear_q8", &kq_linear_q8); }
 
 namespace {
+// One decoding step's layer of a Llama-family model whose four projections are on the kernels'
+// repacked blocks (kinds: 0 q4_1_linear_q8, 1 q8_0_linear_q8, 2 kq_linear_q8): the calls the Python
+// fused step makes (models/llama.py, Block.forward), in the same order on the same functions, so the
+// same numbers, without 8 calls through the dispatcher and the Python between them (~15 us a layer:
+// ~10% of the default model's one-token step). Per projection p, counts[p] tensors of `packed` (and
+// their types and Ns: kinds 0 and 1 take one, with its N) and Ks[p] (kind 2's K).
+at::Tensor layer_projection(int64_t kind, const at::Tensor& x, at::TensorList packed, at::IntArrayRef types,
+                            at::IntArrayRef Ns, int64_t K) {
+  if (kind == 0) return q4_1_linear_q8(x, packed[0], Ns[0]);
+  if (kind == 1) return q8_0_linear_q8(x, packed[0], Ns[0]);
+  return kq_linear_q8(x, packed, types, Ns, K);
+}
+
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kc, at::Tensor vc,
+                        const at::Tensor& start, int64_t heads, int64_t n_keys, const c10::optional<at::Tensor>& mask,
+                        const c10::optional<at::Tensor>& row_keys, const at::Tensor& attn_norm, const at::Tensor& mlp_norm,
+                        double eps, at::IntArrayRef kinds, at::TensorList packed, at::IntArrayRef counts,
+                        at::IntArrayRef types, at::IntArrayRef Ns, at::IntArrayRef Ks) {
+  TORCH_CHECK(kinds.size() == 4 && counts.size() == 4 && Ks.size() == 4, "decode_layer: four projections");
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  TORCH_CHECK(static_cast<int64_t>(packed.size()) == total &&
+                  static_cast<int64_t>(types.size()) == total && static_cast<int64_t>(Ns.size()) == total,
+              "decode_layer: one type and one row count for each packed tensor");
+  int64_t first[5] = {0, 0, 0, 0, 0};
+  for (int p = 0; p < 4; ++p) {
+    TORCH_CHECK(kinds[p] >= 0 && kinds[p] <= 2 && counts[p] >= 1 && (kinds[p] == 2 || counts[p] == 1),
+                "decode_layer: projection ", p, " has kind ", kinds[p], " and ", counts[p], " tensors");
+    first[p + 1] = first[p] + counts[p];
+  }
+  auto proj = [&](int p, const at::Tensor& in) {
+    const int64_t a = first[p], n = counts[p];
+    return layer_projection(kinds[p], in, packed.slice(a, n), types.slice(a, n), Ns.slice(a, n), Ks[p]);
+  };
+  const at::Tensor qkv = proj(0, rms_norm(x, attn_norm, eps));
+  const at::Tensor o = rope_attend(qkv, cos, sin, kc, vc, start, heads, n_keys, mask, row_keys);
+  const at::Tensor h = x + proj(1, o);
+  return h + proj(3, silu_mul(proj(2, rms_norm(h, mlp_norm, eps))));
+}
+
 // Switches the kernels between their own pool (enabled 1) and OpenMP regions (0), sets how long the
 // pool's workers spin for the next call (microseconds; -2: as they find their cores shared or not) and
 // how many threads a call takes (0: torch's count); -1 leaves a setting as it is. The same numbers
@@ -3361,4 +3401,8 @@ void set_kernel_pool(int64_t enabled, int64_t spin_us, int64_t threads) {
 
 TORCH_LIBRARY_FRAGMENT(specdec_rs, lib) {
   lib.def("set_kernel_pool(int enabled, int spin_us, int threads) -> ()", &set_kernel_pool);  // (no tensor: every backend)
+  lib.def("decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, int heads, "
+          "int n_keys, Tensor? mask, Tensor? row_keys, Tensor attn_norm, Tensor mlp_norm, float eps, int[] kinds, "
+          "Tensor[] packed, int[] counts, int[] ggml_types, int[] Ns, int[] Ks) -> Tensor");
 }
+TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) { lib.impl("decode_layer", &decode_layer); }

@@ -220,6 +220,45 @@ PREFILL_CHUNK = 512
 # write and attention as one kernel call per layer (Block.forward); False takes the torch-op path
 # with the kernels' attention instead (the same numbers; tests compare the two).
 FUSED_DECODING_STEP = True
+# Where a layer's four projections are all on the kernels' repacked blocks on 8-bit activations,
+# that step is one `decode_layer` call (the same kernel calls, made from C++: the same numbers,
+# ~10% less time a one-token step of the default model); False keeps the calls in Python.
+DECODE_LAYER_OP = True
+
+# the kernels decode_layer makes a projection's call with (its `kinds`), by op name
+_DECODE_LAYER_KINDS = {"q4_1_linear_q8": 0, "q8_0_linear_q8": 1, "kq_linear_q8": 2}
+
+
+def decode_layer_args(fast: tuple | None, kops) -> tuple | None:
+    """The arguments after the step's own (x, rotation, cache, start, heads, n_keys, mask,
+    row_keys) of kops.decode_layer for a layer whose Block.fast is `fast`: its norms and eps, then
+    per projection its kind and blocks (flattened: each projection's tensors with their types and
+    row counts, how many it has, its K); None where a projection has a bias, takes its outputs in
+    another order or runs on another kernel (the Python calls then)."""
+    if fast is None or kops is None or not hasattr(kops, "decode_layer"):
+        return None
+    kinds, packed, counts, types, Ns, Ks = [], [], [], [], [], []
+    for op, args, bias, order in fast[:4]:
+        name = getattr(op, "__name__", "")
+        if bias is not None or order is not None or name not in _DECODE_LAYER_KINDS or op is not getattr(kops, name):
+            return None  # (a benchmark's other build of a kernel, too)
+        kinds.append(_DECODE_LAYER_KINDS[name])
+        if name == "kq_linear_q8":
+            parts, part_types, part_ns, K = args
+            packed += parts
+            types += part_types
+            Ns += part_ns
+            counts.append(len(parts))
+            Ks.append(K)
+        else:
+            blocks, n = args
+            packed.append(blocks)
+            types.append(0)
+            Ns.append(n)
+            counts.append(1)
+            Ks.append(0)
+    attn_norm, mlp_norm, eps = fast[4:]
+    return attn_norm, mlp_norm, eps, kinds, packed, counts, types, Ns, Ks
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, kops=None) -> torch.Tensor:
@@ -382,6 +421,8 @@ class Block(nn.Module):
     # calls without the Python of Linear.forward and nn.Module attribute lookups in between (the
     # same calls, so the same numbers; see fast_step_args)
     fast = None
+    # (Block.fast it was made for, decode_layer_args of it): made at the first step after `fast` changes
+    _decode_layer = None
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -410,6 +451,13 @@ class Block(nn.Module):
             # the fused decoding step below, its calls made straight (Block.fast); for any number of
             # rows, since the kernels take every row count with a row's numbers unchanged
             kops = self.kops
+            if DECODE_LAYER_OP:
+                made = self._decode_layer
+                if made is None or made[0] is not f:
+                    made = self._decode_layer = (f, decode_layer_args(f, kops))
+                if made[1] is not None:
+                    return kops.decode_layer(x, cos, sin, cache.k[layer], cache.v[layer], start, self.n_heads, n_keys,
+                                             mask, row_keys, *made[1])
             (qkv_op, qkv_args, qkv_bias, qkv_order), (o_op, o_args, o_bias, _), (gu_op, gu_args, gu_bias, _), \
                 (d_op, d_args, d_bias, _), an, mn, eps = f
             qkv = qkv_op(kops.rms_norm(x, an, eps), *qkv_args)

@@ -393,6 +393,38 @@ def test_a_direct_decoding_step_gives_the_general_paths_numbers(gguf_dir, arch, 
                 steps_both_ways(m, 11, ((1, None),), direct_step_switch(m, no_bias))
 
 
+@pytest.mark.parametrize("arch,t", [("llama", Q4_1), ("llama", Q8_0), ("llama", Q4_K), ("qwen2", Q6_K)])
+def test_a_decoding_step_in_one_call_a_layer_gives_the_python_calls_numbers(gguf_dir, arch, t, monkeypatch):
+    """Where a layer's projections are all on repacked blocks on 8-bit activations (Q4_1 / Q8_0 on
+    both builds, the K-quants on VNNI), its decoding step is one decode_layer call, the same kernel
+    calls made from C++: the same logits bit for bit as the calls made from Python, for chains, a
+    tree and a ragged batch. With the norms swapped in the call (a broken rule) they differ."""
+    from model_helpers import ancestor_mask, steps_both_ways
+    from specdec.models import llama
+
+    m = load(tiny(gguf_dir, arch, t)).model
+    if not on_kernels(m) or not kernels.gguf_act8():
+        pytest.skip("the GGUF kernels' 8-bit path does not run here")
+    args = [llama.decode_layer_args(blk.fast, blk.kops) for blk in m.layers]
+    kquant = t in (Q4_K, Q6_K)
+    if arch == "qwen2" or (kquant and kernels.rowstable_isa() != "avx512vnni"):
+        # Qwen2's q/k/v bias, or the AVX2 build's K-quants on the file's blocks: the Python calls
+        assert all(a is None for a in args)
+        return
+    assert all(a is not None for a in args)
+    assert {k for a in args for k in a[3]} == ({2} if kquant else {1} if t == Q8_0 else {0})
+    tree = ancestor_mask([-1, 0, 0, 1])
+    cells = ((1, None), (5, None), (4, tree))
+    with one_thread():
+        steps_both_ways(m, 13, cells, lambda on: monkeypatch.setattr(llama, "DECODE_LAYER_OP", on))
+        swapped = llama.decode_layer_args
+        monkeypatch.setattr(llama, "decode_layer_args", lambda f, k: (lambda a: (a[1], a[0], *a[2:]))(swapped(f, k)))
+        for blk in m.layers:
+            blk._decode_layer = None
+        with pytest.raises(AssertionError):
+            steps_both_ways(m, 13, cells[:1], lambda on: monkeypatch.setattr(llama, "DECODE_LAYER_OP", on))
+
+
 @pytest.mark.parametrize("t", [Q4_K, Q5_K, Q6_K])
 def test_k_quant_projections_run_on_their_repacked_blocks(gguf_dir, t):
     """On 8-bit activations a Q4_K / Q5_K / Q6_K model's projections run on kq_linear_q8 over repacked
