@@ -116,13 +116,26 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None, uniforms: tor
     return idx.reshape(probs.shape[:-1])
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) (the first index of each row's maximum, or of its first NaN): on the kernels'
+    argmax_last where a model loaded them and x is a float32 CPU tensor without autograd (torch's
+    reduction took ~62 us a 49152-wide row, once per verified position of every step), else torch's."""
+    from .kernels import loaded_rowstable_ops
+
+    ops = loaded_rowstable_ops()
+    if ops is not None and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad \
+            and x.dim() >= 1 and x.shape[-1] > 0 and hasattr(ops, "argmax_last"):
+        return ops.argmax_last(x)
+    return x.argmax(-1)
+
+
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
            rows: list[int] | None = None, positions: list[int] | None = None) -> torch.Tensor:
     """The next token per row from logits [B, V] -> [B]: argmax if greedy, else a sample; with
     `positions` (each row's text position of the token chosen) and `rows` (each row's key), with
     the uniforms `position_uniforms` gives those."""
     if params.greedy:
-        return logits.argmax(-1)
+        return argmax(logits)
     uniforms = None if positions is None else position_uniforms(generator, rows, positions)
     return sample(warp(logits, params), generator, uniforms)
 
@@ -140,7 +153,7 @@ def draw(scores: torch.Tensor, params, generator, subset: torch.Tensor | None, v
     """One draft step from scores [B, S] (over `subset` ids if given): (token ids [B], q [B, V]
     padded to the target's vocabulary, or None for greedy argmax guesses)."""
     if params.greedy:
-        idx, q = scores.argmax(-1), None
+        idx, q = argmax(scores), None
     else:
         q_head = warp(scores, params)  # scores over the subset warp like the full vocabulary with -inf outside it
         idx = sample(q_head, generator)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import position_uniforms, sample
+from .sampling import argmax, position_uniforms, sample
 
 
 def _accepted_prefix(ok: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ def _accepted_prefix(ok: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, counts: torch.Tensor):
     """target_logits [B, K+1, V], draft_tokens [B, K], counts [B] -> (num_accepted [B], next_token [B])."""
-    best = target_logits.argmax(-1)  # [B, K+1]
+    best = argmax(target_logits)  # [B, K+1]
     K = draft_tokens.shape[1]
     n_acc = _accepted_prefix(draft_tokens == best[:, :K], counts)
     next_token = best.gather(1, n_acc[:, None]).squeeze(1)
@@ -161,7 +161,7 @@ def verify_tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, parent
     """target_logits [B, N+1, V] (root first), tokens/parents [B, N], counts [B] ->
     (paths: per row the accepted draft nodes root excluded, next_token [B]).
     max_depth [B] (optional): accept at most this many nodes per row."""
-    best = target_logits.argmax(-1).tolist()  # [B, N+1]
+    best = argmax(target_logits).tolist()  # [B, N+1]
     toks, pars, cnt = tokens.tolist(), parents.tolist(), counts.tolist()
     paths, nxt = [], []
     for b in range(len(toks)):

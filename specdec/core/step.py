@@ -29,7 +29,7 @@ import torch
 
 from .. import tree as tree_mod
 from ..drafters.base import Draft
-from ..sampling import warp
+from ..sampling import argmax, warp
 from ..types import SamplingParams, SpecdecError
 from ..verify import verify_greedy, verify_stochastic, verify_tree_greedy, verify_tree_stochastic
 
@@ -196,7 +196,7 @@ def constrained(logits: torch.Tensor, constraints: list, paths: list[list[list[i
             continue
         where = list(range(min(P, len(paths[b]))))
         if argmax_only is not None and argmax_only[b]:
-            top = logits[b, : len(where)].argmax(-1).tolist()
+            top = argmax(logits[b, : len(where)]).tolist()
             ok = constraint.allows([paths[b][p] for p in where], top)
             where = [p for p in where if not ok[p]]
             if not where:

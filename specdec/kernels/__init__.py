@@ -155,6 +155,12 @@ def rowstable_ops(cache_dir: Path, quiet: bool = True):
     return ops
 
 
+def loaded_rowstable_ops():
+    """torch.ops.specdec_rs where rowstable_ops() has loaded it in this process, else None (never
+    builds: for helpers such as argmax that take the kernels only where a model already did)."""
+    return _rs_state.get("ops")
+
+
 def rowstable_unavailable() -> str | None:
     """Why rowstable_ops() returned None (None if not called or loaded)."""
     return _rs_state.get("why")
