@@ -37,6 +37,9 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     rates = {(m, on): [] for m in methods for on in (True, False)}
     texts = {}
+    for engine in engines.values():  # (unmeasured: a fresh engine's first calls time its drafters, learn)
+        for x in ids:
+            engine.generate([x], params)
     for rep in range(args.repeats):
         for m, engine in engines.items():
             for on in ((True, False) if rep % 2 == 0 else (False, True)):
