@@ -423,6 +423,9 @@ class Block(nn.Module):
     fast = None
     # (Block.fast it was made for, decode_layer_args of it): made at the first step after `fast` changes
     _decode_layer = None
+    # a sliding-window layer (families.FamilyBlock sets it per layer); here so that the model's forward
+    # reads it without nn.Module's __getattr__ raising and catching an AttributeError in every layer
+    sliding = False
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
