@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from .kernels import loaded_rowstable_ops
 from .types import SamplingParams
 
 
@@ -120,8 +121,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) (the first index of each row's maximum, or of its first NaN): on the kernels'
     argmax_last where a model loaded them and x is a float32 CPU tensor without autograd (torch's
     reduction took ~62 us a 49152-wide row, once per verified position of every step), else torch's."""
-    from .kernels import loaded_rowstable_ops
-
     ops = loaded_rowstable_ops()
     if ops is not None and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad \
             and x.dim() >= 1 and x.shape[-1] > 0 and hasattr(ops, "argmax_last"):

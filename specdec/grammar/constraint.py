@@ -78,10 +78,9 @@ def _engine_error(spec: GrammarSpec, message: str) -> SpecdecError:
         names = ", ".join(f"'{k}'" for k in json.loads(f"[{keys.group(1)}]"))
         return SpecdecError(f"{spec.what}: the JSON schema uses {names}, which structured output does not support; "
                             "leave it out of the schema")
-    # (the engine's first line; what follows is the Lark grammar specdec wrote around the schema, with
-    # a caret, and its position "at L(C): ", neither of which the request's author wrote)
-    first = message.strip().split("\n<state>")[0].split("\n")[0]
-    first = " ".join(re.sub(r"^at \d+\(\d+\): ", "", first).split())
+    # (the engine's first line, without its position "at L(C): ": what follows it is its state or the
+    # Lark grammar specdec wrote around the schema, with a caret, none of which the request's author wrote)
+    first = " ".join(re.sub(r"^at \d+\(\d+\): ", "", message.strip().split("\n")[0]).split())
     return SpecdecError(f"{spec.what}: the grammar cannot be compiled: {first[:300]}")
 
 

@@ -41,7 +41,7 @@ def test_sampling_argmax_takes_the_kernel_where_a_model_loaded_it(monkeypatch):
     """sampling.argmax runs argmax_last on float32 CPU tensors once the kernels are loaded, torch's
     argmax otherwise; the tie rule is what a wrong kernel breaks (the last maximum instead of the
     first: the ties case then differs)."""
-    from specdec import kernels, sampling
+    from specdec import sampling
 
     ops = need_kernels()
     x = torch.tensor([[0.5, 2.0, 2.0, 1.0], [3.0, -1.0, 3.0, 3.0]])
@@ -56,7 +56,7 @@ def test_sampling_argmax_takes_the_kernel_where_a_model_loaded_it(monkeypatch):
             calls.append(t.shape)
             return real(t)
 
-    monkeypatch.setattr(kernels, "loaded_rowstable_ops", lambda: Spy())
+    monkeypatch.setattr(sampling, "loaded_rowstable_ops", lambda: Spy())
     assert sampling.argmax(x).tolist() == [1, 0] and calls == [x.shape]
     assert sampling.argmax(x.double()).tolist() == [1, 0] and len(calls) == 1  # float64: torch's
 
@@ -68,5 +68,5 @@ def test_sampling_argmax_takes_the_kernel_where_a_model_loaded_it(monkeypatch):
         def argmax_last(self, t):
             return last_maximum(t)
 
-    monkeypatch.setattr(kernels, "loaded_rowstable_ops", lambda: Wrong())
+    monkeypatch.setattr(sampling, "loaded_rowstable_ops", lambda: Wrong())
     assert not torch.equal(sampling.argmax(x), x.argmax(-1))
