@@ -3351,9 +3351,10 @@ namespace {
 // One decoding step's layer of a Llama-family model whose four projections are on the kernels'
 // repacked blocks (kinds: 0 q4_1_linear_q8, 1 q8_0_linear_q8, 2 kq_linear_q8): the calls the Python
 // fused step makes (models/llama.py, Block.forward), in the same order on the same functions, so the
-// same numbers, without 8 calls through the dispatcher and the Python between them (~15 us a layer:
-// ~10% of the default model's one-token step). Per projection p, counts[p] tensors of `packed` (and
-// their types and Ns: kinds 0 and 1 take one, with its N) and Ks[p] (kind 2's K).
+// same numbers, without 8 calls through the dispatcher and the Python between them (the default
+// model's plain decoding 1.035-1.048x faster on a 2-core Xeon, benchmarks/decode_layer_ab.py). Per
+// projection p, counts[p] tensors of `packed` (and their types and Ns: kinds 0 and 1 take one, with
+// its N) and Ks[p] (kind 2's K).
 at::Tensor layer_projection(int64_t kind, const at::Tensor& x, at::TensorList packed, at::IntArrayRef types,
                             at::IntArrayRef Ns, int64_t K) {
   if (kind == 0) return q4_1_linear_q8(x, packed[0], Ns[0]);
