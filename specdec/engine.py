@@ -62,10 +62,13 @@ class Engine:
         # engine keeps it so that what it learns carries between calls
         adaptive = not fixed_k and all(d.may_skip for d in sources)
         self.policy = LoadPolicy(self.k, adaptive=adaptive) if sources else None
+        if self.policy is not None:
+            self.policy.closed = True  # a generate call's rows start together; none joins later
         # speculate in batches of 2+ rows only while it beats plain decoding, measured
-        # (policy.BatchGuard), as the server guards them; kept here so that what it measured
-        # carries from one generate call to the next
-        self.guard = BatchGuard(min_rows=2) if self.policy is not None and adaptive else None
+        # (policy.BatchGuard), as the server guards them, but by when the batch ends (closed: a
+        # generate call's rows all start together and none joins later); kept here so that what
+        # it measured carries from one generate call to the next
+        self.guard = BatchGuard(min_rows=2, closed=True) if self.policy is not None and adaptive else None
 
     def learned(self) -> dict:
         """What the sources, the guard and the cost model learned while decoding, for a later run

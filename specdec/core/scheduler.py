@@ -442,7 +442,7 @@ class ContinuousBatcher:
         if self.guard is not None:
             # (a step in which a source caught up on a prompt that just joined, or on steps it sat
             # out, is a one-off, not the steady cost of speculating: the guard does not count it)
-            self.guard.observe(A, plan.k > 0, sum(accepted) + A, dt, steady=plan.steady,
+            self.guard.observe(A, plan.k > 0, self.guard.progress(plan.room, accepted), dt, steady=plan.steady,
                                declined=plan.k == 0 and plan.reason == "cost")
         self._last_k = K
         if self.log is not None:

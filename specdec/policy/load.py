@@ -141,7 +141,10 @@ class LoadPolicy:
     row's whole share of it in a batch; a source nothing has timed is priced as free until its
     first proposal times it.
     `eager` (a warm-up that must run every source and measure both ends): every other step drafts
-    as at a fixed k, the others are plain."""
+    as at a fixed k, the others are plain.
+    `closed` (a batch no row joins once it started: `Engine.generate`): a step is worth what it
+    brings the batch's end closer, the rows times the fewest tokens expected of a row with the most
+    room (`BatchGuard.progress`, the guard's count of the same batches), not every row's tokens."""
 
     PROBE_MAX_ROWS = 4  # forced probes of a declined source only in batches this small
     #: a forced probe of a declined tree source verifies at most its best this-many nodes: where a
@@ -158,6 +161,7 @@ class LoadPolicy:
         self.steps = StepModel()
         self.sources: dict[str, SourceStats] = {}
         self.eager = False
+        self.closed = False
         self.probe_room = PROBE_ROOM
         self._saved: dict = {}  # learned state of sources not yet registered (relearn before `source`)
 
@@ -280,7 +284,7 @@ class LoadPolicy:
         for k in self._caps(top):
             t = a + r * A + b * A * k + (self.steps.residual(A, k) if has_fit else 0.0)
             base_val, base_src = self._best_known(values, k, A) if offered else ([1.0] * A, [None] * A)
-            self._keep(best, None, sum(base_val) / t, k, base_src)
+            self._keep(best, None, self._worth(base_val, room) / t, k, base_src)
             for i in on_demand:
                 stats = quotes[i].stats
                 if k == 0 or k > self.k_max:
@@ -293,7 +297,7 @@ class LoadPolicy:
                 if (i, n) not in per_unit:
                     per_unit[i, n] = self._per_unit(quotes[i], n, A)
                 cost = self._drafting(quotes[i], n, A, k, per_unit[i, n])
-                tokens = sum(v if u else bv for u, bv in zip(use, base_val))
+                tokens = self._worth([v if u else bv for u, bv in zip(use, base_val)], room)
                 self._keep(best, i, tokens / (t + cost), k,
                            [i if u else s for u, s in zip(use, base_src)])
         rate0, best_k, best_src = best[None]
@@ -301,6 +305,14 @@ class LoadPolicy:
             if i in best and best[i][0] > rate0 * (self.TREE_MARGIN if quotes[i].stats.tree else 1.0):
                 rate0, best_k, best_src = best[i]
         return self._probe(quotes, values, step, room, best_k, best_src, has_fit, on_demand)
+
+    def _worth(self, tokens: list[float], room: list[int]) -> float:
+        """What a step whose rows expect `tokens` each is worth: their sum; in a closed batch of 2+
+        rows, the rows times the fewest expected of a row with the most room (class docstring)."""
+        if not self.closed or len(tokens) < 2:
+            return sum(tokens)
+        most = max(room)
+        return len(tokens) * min(v for v, left in zip(tokens, room) if left == most)
 
     def _caps(self, top: int) -> list[int]:
         """The caps a step is priced at: every one up to k_max, then half as many again each

@@ -294,6 +294,33 @@ def test_sampling_with_steps_alternating_plain_and_speculative_follows_the_targe
     assert bool(rejected) == broken, (broken, results)
 
 
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_closed_batch_speculates_only_where_it_moves_the_rows_it_waits_for(closed):
+    """A closed batch (Engine.generate: no row joins later) ends with its row that has the most
+    left to write. Four rows of 40 tokens: speculating costs 1.3 plain steps and row 0 alone
+    accepts 3 guesses a step (the others none). Counted by every row's tokens (the server's rule,
+    where a finished row's slot goes to the next request) speculation wins, 7 tokens a step
+    against 4, while row 0 lasts, yet the batch still takes 40 steps, each speculative one
+    dearer; counted by the rows the batch waits for, it loses, and the guard falls back to plain
+    steps (the batch's time within its probes of plain decoding's 40)."""
+    g = BatchGuard(probe_every=16, closed=closed)
+    left, spec_steps, steps, seconds = {0: 40, 1: 40, 2: 40, 3: 40}, 0, 0, 0.0  # row -> its room
+    while left:
+        s = g.speculate(len(left))
+        accepted = {r: min(3, n - 1) if s and r == 0 else 0 for r, n in left.items()}
+        g.observe(len(left), s, g.progress(list(left.values()), list(accepted.values())), 1.3 if s else 1.0)
+        spec_steps, steps, seconds = spec_steps + s, steps + 1, seconds + (1.3 if s else 1.0)
+        left = {r: n - 1 - accepted[r] for r, n in left.items() if n - 1 - accepted[r] > 0}  # finished rows leave
+    assert steps == 40  # rows 1-3 take one token a step either way
+    if not closed:
+        assert spec_steps >= 8 and seconds > 42  # speculating while row 0 lasts: the batch ends later
+        return
+    assert spec_steps <= 4 and seconds <= 41.2, (spec_steps, seconds)
+    assert g.progress([10, 10, 10], [3, 0, 1]) == 3  # the fewest any row with the most room took, x 3
+    assert g.progress([6, 10, 10], [3, 1, 2]) == 6  # row 0, already ahead, is not waited for
+    assert BatchGuard().progress([6, 10, 10], [3, 1, 2]) == 9  # an open batch: every row's tokens
+
+
 def test_a_single_row_has_a_band_of_its_own_when_guarded():
     """min_rows=1: one row falls back to plain decoding where speculation loses, measured apart
     from batches of two."""
@@ -322,3 +349,5 @@ def test_engine_guards_batches_of_every_priced_drafter_and_none_at_a_fixed_k():
     engine = Engine(model, protocol, k=4)
     assert engine.policy.adaptive and engine.guard.min_rows == 2
     assert Engine(model, None).guard is None
+    # generate's rows start together: its guard and cost model count what the batch waits for
+    assert engine.guard.closed and engine.policy.closed

@@ -336,6 +336,28 @@ def test_lookups_are_cut_long_at_one_row_and_short_in_a_compute_bound_batch():
     assert lookup_choice(policy, [(3, 8)] * 32).k == 0
 
 
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_closed_batch_takes_guesses_only_where_the_rows_it_waits_for_gain(closed):
+    """Four rows, a guess slot at 0.1 of a step: one row's lookup holds for sure, the others have
+    none. Every row's tokens count that offer as a gain (the server's open batch); a closed batch
+    (Engine.generate) waits for its other three rows, so the step stays plain, unless every row
+    with the most room has an offer that holds or the row with the offer is the one left behind."""
+    policy = LoadPolicy(8)
+    policy.closed = closed
+    fitted(policy, rows=4, per_guess=0.1)
+    learnt(policy, 3, 8, [8])
+    stats = policy.source("ngram", True, False, LOOKUP_PRIOR)
+
+    def choice(rows, room):
+        offers = [Offer([1] * n, key=3) if n else None for n in rows]
+        return policy.choose([Quote(stats, [True] * 4, offers=offers)], NOT_A_PROBE, room)
+
+    one = choice([8, 0, 0, 0], [100] * 4)
+    assert (one.k == 0) == closed and (one.k >= 4 or closed)
+    assert choice([8, 8, 8, 8], [100] * 4).k >= 4  # every row gains: the batch ends sooner
+    assert choice([8, 0, 0, 0], [100, 60, 60, 60]).k >= 4  # the row with the offer is the one behind
+
+
 def test_one_row_speculates_again_after_a_full_batch():
     """The stuck case of one line through all batch sizes: a full batch teaches a steep cost per
     guess, and one row then priced its guesses at it and never guessed again."""
