@@ -37,6 +37,14 @@ def band(rows: int) -> int:
     return max(1, rows - 1).bit_length() if rows > 1 else 0
 
 
+def batch_end(tokens: list[float], room: list[int]) -> float:
+    """What a step of a closed batch (no row joins it once it started) brings its end closer, in
+    tokens: the rows times the fewest tokens (committed or expected) of a row with the most room
+    left, the rows the batch waits for. `BatchGuard.progress` and `LoadPolicy` count by it."""
+    most = max(room)
+    return len(tokens) * min(v for v, left in zip(tokens, room) if left == most)
+
+
 class DecayedLine:
     """y ~ a + b x, fitted by exponentially decayed least squares (recent points count most).
     A source's drafting time against the number of rows it drafts for (`LoadPolicy`)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from .fits import band, ema
+from .fits import band, batch_end, ema
 from .probing import PROBE_EVERY, ProbeSchedule
 
 
@@ -133,8 +133,7 @@ class BatchGuard:
         batch waits for; all of them while none has got ahead)."""
         if not self.closed or not room:
             return sum(accepted) + len(accepted)
-        most = max(room)
-        return len(room) * min(1 + a for a, left in zip(accepted, room) if left == most)
+        return int(batch_end([1 + a for a in accepted], room))
 
     def observe(self, rows: int, speculated: bool, tokens: int, seconds: float, steady: bool = True,
                 declined: bool = False) -> None:

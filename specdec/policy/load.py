@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ..learned import nonneg
 from .acceptance import Acceptance, NodeOdds
-from .fits import FIT_DECAY, DecayedLine, StepModel, ema
+from .fits import FIT_DECAY, DecayedLine, StepModel, batch_end, ema
 from .probing import PROBE_EVERY, PROBE_ROOM, PROBE_SHARE, ProbeSchedule
 
 #: the keys and draft positions a source's acceptance is learnt over (a lookup's match lengths)
@@ -308,11 +308,8 @@ class LoadPolicy:
 
     def _worth(self, tokens: list[float], room: list[int]) -> float:
         """What a step whose rows expect `tokens` each is worth: their sum; in a closed batch of 2+
-        rows, the rows times the fewest expected of a row with the most room (class docstring)."""
-        if not self.closed or len(tokens) < 2:
-            return sum(tokens)
-        most = max(room)
-        return len(tokens) * min(v for v, left in zip(tokens, room) if left == most)
+        rows, what it brings the batch's end closer (`fits.batch_end`)."""
+        return batch_end(tokens, room) if self.closed and len(tokens) > 1 else sum(tokens)
 
     def _caps(self, top: int) -> list[int]:
         """The caps a step is priced at: every one up to k_max, then half as many again each
