@@ -18,6 +18,7 @@ from collections import Counter
 import torch
 from devset import DEV_SET
 from harness import emit, interleaved, machine, median, table
+from method_grid import best_of_ratio
 
 
 def main() -> int:
@@ -83,13 +84,8 @@ def main() -> int:
               flush=True)
         raw = interleaved({name: call(name) for name in names}, items, args.repeats)
 
-        def rate(name, rep=None):  # decode tokens/s over every batch (best_of: each batch's fastest repeat)
-            tokens = seconds = 0.0
-            for runs in raw[name].values():
-                stats = [summarize(r) for r in runs]
-                tokens += stats[0]["new_tokens"]
-                seconds += min(s["decode_s"] for s in stats) if rep is None else stats[rep]["decode_s"]
-            return tokens / seconds
+        def rate(name, rep):  # decode tokens/s of one repeat over every batch, as method_grid takes it
+            return summarize([r for i in raw[name] for r in raw[name][i][rep]])["tokens_per_s"]
 
         for name in names:
             if name == "none":
@@ -98,7 +94,7 @@ def main() -> int:
                         for i in raw[name] for rep in range(args.repeats))
             cell = {"variant": name, "sampling": sampling, "batch": args.batch,
                     "ratio": round(median(rate(name, r) / rate("none", r) for r in range(args.repeats)), 3),
-                    "best_of": round(rate(name) / rate("none"), 3), "equal": equal,
+                    "best_of": round(best_of_ratio(raw[name], raw["none"], args.repeats)[0], 3), "equal": equal,
                     "steps": dict(steps.get(f"{sampling} {name}", {}))}
             cells.append(cell)
             rows.append({**cell, "steps": ", ".join(f"{k} {v}" for k, v in sorted(cell["steps"].items()))})
