@@ -234,7 +234,8 @@ def pinned_timing(monkeypatch, step: float = 0.01, per_guess: float = 0.001, dra
 
     observe_step, observe_drafting = LoadPolicy.observe_step, LoadPolicy.observe_drafting
     monkeypatch.setattr(LoadPolicy, "observe_step",
-                        lambda self, rows, k, seconds: observe_step(self, rows, k, step + per_guess * rows * k))
+                        lambda self, rows, k, seconds, drafted=None, settling=False: observe_step(
+                            self, rows, k, step + per_guess * rows * k, drafted, settling))
     monkeypatch.setattr(LoadPolicy, "observe_drafting",
                         lambda self, stats, rows, seconds, units, steady, behind=0: observe_drafting(
                             self, stats, rows, draft * max(units, 1) + (draft / 10 * behind if not steady else 0.0),

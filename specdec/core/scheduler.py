@@ -32,7 +32,7 @@ import torch
 
 from .. import threads
 from ..drafters.base import Drafter, RowInfo
-from ..policy import BatchGuard, LoadPolicy
+from ..policy import SETTLE_STEPS, BatchGuard, LoadPolicy
 from ..prefix_cache import chunks_exact, prefill
 from ..sampling import choose, make_generator
 from ..types import MAX_GUESSES, SamplingParams, SpecdecError
@@ -438,7 +438,10 @@ class ContinuousBatcher:
     def _record(self, plan, draft, accepted: list[int], dt: float) -> None:
         """The step's time into the cost model and the guard; the counters; the debug line."""
         A, K = plan.A, draft.tokens.shape[1]
-        self.policy.observe_step(A, K, dt - plan.t_draft)  # drafting is priced separately
+        # drafting is priced separately (and what it leaves the next steps: LoadPolicy.observe_step)
+        drafted = next((self.sources.stats[i] for i in plan.drafted), None)
+        settling = all(r.stats.target_forwards < SETTLE_STEPS for r in self.rows)
+        self.policy.observe_step(A, K, dt - plan.t_draft, drafted, settling)
         if self.guard is not None:
             # (a step in which a source caught up on a prompt that just joined, or on steps it sat
             # out, is a one-off, not the steady cost of speculating: the guard does not count it)

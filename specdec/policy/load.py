@@ -18,6 +18,7 @@ its best known offer. Probes follow `probing.ProbeSchedule` (see `choose`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..learned import nonneg
@@ -38,6 +39,11 @@ KNOWN_TREE_PRIOR = 0.5
 #: a tree drafted on demand is expected to gain this many tokens a step until one is seen: a tree
 #: pays at once only where verifying its nodes is cheap (a CPU rarely), and learns fast (0.9 a step)
 TREE_PRIOR = 0.5
+#: the plain steps right after an on-demand source drafted whose time beyond a plain step is charged
+#: to that drafting (`LoadPolicy.observe_step`), not to plain decoding
+AFTER_STEPS = 4
+#: the steps after a prefill that are not fitted while every row of the step is that young
+SETTLE_STEPS = 8
 
 
 class SourceStats:
@@ -56,6 +62,9 @@ class SourceStats:
         self.nodes: float | None = None  # and the nodes such a tree held
         self.time = DecayedLine(FIT_DECAY)
         self.t_catch: float | None = None
+        # seconds a drafting step adds to the plain steps after it (its forwards take the target's
+        # weights out of the caches): decayed, signed (noise averages out), priced at least 0
+        self.aftermath = 0.0
         self.probes = ProbeSchedule(PROBE_EVERY)
         self.probing = False  # the last choice forced this source on rows as a probe
 
@@ -91,7 +100,8 @@ class SourceStats:
 
     def learned(self) -> dict:
         return {"acceptance": self.acceptance.learned(), "odds": self.odds.learned(), "gain": self.gain,
-                "nodes": self.nodes, "time": self.time.scaled(16.0), "t_catch": self.t_catch}
+                "nodes": self.nodes, "time": self.time.scaled(16.0), "t_catch": self.t_catch,
+                "aftermath": self.aftermath}
 
     def relearn(self, state: dict) -> None:
         """Start from `learned()`'s output; ValueError if it does not fit (parts may be restored)."""
@@ -104,6 +114,10 @@ class SourceStats:
         self.time.s = sums
         self.gain = self.gain if gain is None else gain
         self.nodes, self.t_catch = nodes or None, t_catch
+        aftermath = state.get("aftermath", 0.0)
+        if not isinstance(aftermath, (int, float)) or not math.isfinite(aftermath):
+            raise ValueError("learned aftermath is not a number")
+        self.aftermath = float(aftermath)
 
 
 @dataclass
@@ -163,6 +177,8 @@ class LoadPolicy:
         self.eager = False
         self.closed = False
         self.probe_room = PROBE_ROOM
+        # the on-demand source that drafted last, the plain steps since and their time beyond the fit
+        self._after: tuple[SourceStats, int, float] | None = None
         self._saved: dict = {}  # learned state of sources not yet registered (relearn before `source`)
 
     def source(self, name: str, known: bool, tree: bool, prior: float, nodes: int = 0,
@@ -182,9 +198,41 @@ class LoadPolicy:
         return stats
 
     # -- what was measured --------------------------------------------------------------
-    def observe_step(self, rows: int, k: int, seconds: float) -> None:
-        """A step of `rows` rows with `k` guess slots took `seconds` (drafting excluded)."""
+    def observe_step(self, rows: int, k: int, seconds: float, drafted: SourceStats | None = None,
+                     settling: bool = False) -> None:
+        """A step of `rows` rows with `k` guess slots took `seconds` (drafting excluded); `drafted`:
+        the on-demand source that drafted for it, if any; `settling`: every row joined within the
+        last SETTLE_STEPS steps. Such steps are not fitted: after a prefill the steps run slower
+        for a while, plain and speculative alike (the default model on a 2-core Xeon: the first
+        ~1.5x a step 10 later), and fitted, they set a fresh engine's plain step that high, which
+        its drafting then never measured again.
+
+        A model drafter's forwards take the target's weights out of the caches, so the target's
+        next steps run slower (the default model and its draft on a 2-core Xeon: a plain step
+        right after a drafted one 1.3x one 9+ steps later, recovering over ~4 steps). Counted as
+        plain steps, that time made plain decoding look dear and drafting cheap, so a fresh
+        `--method draft` engine drafted half its steps at 0.9x a plain engine. So the first
+        AFTER_STEPS plain steps after a drafting step stay out of the step-time fit, and their
+        time beyond it is that source's `aftermath`, priced with its drafting."""
+        if settling:
+            return
+        after = self._after
+        if after is not None:
+            stats, n, excess = after
+            plain = self.steps.predict(rows, 0) if k == 0 and drafted is None else None
+            if plain is not None:
+                n, excess = n + 1, excess + seconds - plain
+                if n < AFTER_STEPS:
+                    self._after = (stats, n, excess)
+                    return
+            # the stretch ends (AFTER_STEPS plain steps, or the next drafting step before them)
+            stats.aftermath = ema(stats.aftermath, excess, 0.8)
+            self._after = None
+            if plain is not None:
+                return
         self.steps.observe(rows, k, seconds)
+        if drafted is not None:
+            self._after = (drafted, 0, 0.0)
 
     def observe_drafting(self, stats: SourceStats, rows: int, seconds: float, units: int, steady: bool,
                          behind: int = 0) -> None:
@@ -404,7 +452,7 @@ class LoadPolicy:
         """Seconds an on-demand source takes to draft under cap k for n of A rows (`per_unit`:
         `_per_unit`'s answer where the caller has it)."""
         per_unit = self._per_unit(q, n, A) if per_unit is None else per_unit
-        return per_unit if q.stats.tree else k * per_unit
+        return (per_unit if q.stats.tree else k * per_unit) + max(q.stats.aftermath, 0.0)
 
     def _probe_rows(self, q: Quote, k: int, best_k: int, A: int, room: list[int], plain: float
                     ) -> tuple[list[bool], float]:

@@ -54,12 +54,21 @@ def test_auto_batcher_greedy_equals_transformers(adaptive, monkeypatch):
 
 
 def test_every_source_is_priced_on_the_one_step_time_fit(monkeypatch):
-    """The scheduler feeds one step-time fit, once a step, and every source is priced on it."""
+    """The scheduler tells one cost model of every step, once a step, and every source is priced
+    on its one step-time fit, which takes all but the steps right after a prefill or a drafting
+    one (LoadPolicy.observe_step)."""
+    from specdec.policy import LoadPolicy, StepModel
+
     steady_clock(monkeypatch)
+    told, fitted = [], []
+    observe_step, observe = LoadPolicy.observe_step, StepModel.observe
+    monkeypatch.setattr(LoadPolicy, "observe_step", lambda self, *a, **k: told.append(1) or observe_step(self, *a, **k))
+    monkeypatch.setattr(StepModel, "observe", lambda self, *a: fitted.append(1) or observe(self, *a))
     b = _auto_batcher(True, thread=False)
     got, want = run_join_leave(b)
     assert got == want
-    assert b.policy.steps.all.weight == pytest.approx(sum(0.98 ** i for i in range(b.stats().steps)))
+    assert len(told) == b.stats().steps and 0 < len(fitted) < len(told)
+    assert b.policy.steps.all.weight == pytest.approx(sum(0.98 ** i for i in range(len(fitted))))
 
 
 def test_auto_batcher_seeded_sample_does_not_depend_on_the_load():
