@@ -12,6 +12,6 @@ from .guard import BatchGuard
 from .load import AFTER_STEPS, SETTLE_STEPS, Choice, LoadPolicy, Quote, SourceStats
 from .probing import PROBE_EVERY, PROBE_ROOM, ProbeSchedule
 
-__all__ = ["AFTER_STEPS", "CARRIED_COUNTS", "FIT_DECAY", "PROBE_EVERY", "PROBE_ROOM", "SETTLE_STEPS", "Acceptance", "BatchGuard", "Choice",
-           "DecayedLine", "Hindsight", "LoadPolicy", "NodeOdds", "ProbeSchedule", "Quote", "SourceStats", "StepModel",
-           "band", "best_prefix", "carried", "counts_ok", "ema"]
+__all__ = ["AFTER_STEPS", "CARRIED_COUNTS", "FIT_DECAY", "PROBE_EVERY", "PROBE_ROOM", "SETTLE_STEPS", "Acceptance",
+           "BatchGuard", "Choice", "DecayedLine", "Hindsight", "LoadPolicy", "NodeOdds", "ProbeSchedule", "Quote",
+           "SourceStats", "StepModel", "band", "best_prefix", "carried", "counts_ok", "ema"]
