@@ -771,17 +771,21 @@ def test_the_cost_model_round_trips_and_restores_sources_registered_later():
     stats = policy.source("draft", False, False, 0.6)
     stats.time.observe(1, 0.3)
     stats.acceptance.observe(0, 3, 1)
-    state = policy.learned()
+    stats.aftermath = 0.05
+    state = json.loads(json.dumps(policy.learned()))
     fresh = LoadPolicy(4)
     fresh.relearn(state)
     assert fresh.steps.predict(1, 2) == pytest.approx(policy.steps.predict(1, 2))
     restored = fresh.source("draft", False, False, 0.6)
     assert restored.draft_seconds(1) == pytest.approx(0.3)
     assert restored.acceptance.held(0, 2) == pytest.approx(stats.acceptance.held(0, 2))
-    bad = dict(state, sources={"draft": dict(state["sources"]["draft"], time=[1.0, -2.0])})
-    other = LoadPolicy(4)
-    other.relearn(bad)  # a source's state that does not fit is dropped when it registers
-    assert not other.source("draft", False, False, 0.6).timed
+    assert restored.aftermath == pytest.approx(0.05)
+    for broken in ({"time": [1.0, -2.0]}, {"aftermath": "slow"}):
+        bad = dict(state, sources={"draft": dict(state["sources"]["draft"], **broken)})
+        other = LoadPolicy(4)
+        other.relearn(bad)  # a source's state that does not fit is dropped when it registers
+        again = other.source("draft", False, False, 0.6)
+        assert not again.timed and again.aftermath == 0.0, broken
 
 
 def test_probes_cost_at_most_their_share_of_the_declined_steps():
