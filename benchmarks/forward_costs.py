@@ -6,6 +6,7 @@ long contexts, and a way to compare two checkouts of the model code:
     python benchmarks/forward_costs.py --threads 2
     PYTHONPATH=/path/to/other/checkout python benchmarks/forward_costs.py --threads 2
     python benchmarks/forward_costs.py --prefill 10 --tokens 1,2,3,5 --repeats 30 --pad 1,4 --threads 2
+    python benchmarks/forward_costs.py --prefill 60 --context 200 --tokens 1 --after-prefill 16 --repeats 8 --threads 2
 
 Variants are interleaved, each timed step after --warm (default 2) untimed steps of the same
 variant: a step right after another variant's starts with that variant's data in the caches,
@@ -50,6 +51,10 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=2,
                     help="untimed steps of the same variant before each timed one (as in a decoding loop; 0: "
                          "each timed step right after another variant's). Default: 2")
+    ap.add_argument("--after-prefill", type=int, default=0, metavar="N",
+                    help="also time each of the N one-token steps right after a prefill of the first --prefill "
+                         "length, against the same steps after that many one-token steps instead (how long a "
+                         "prefill slows the steps after it; the cost model's SETTLE_STEPS). Default: 0 (not run)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -119,6 +124,34 @@ def main() -> int:
 
             steps[(S, T)] = median_ms(make_step, args.repeats, args.warm)
 
+    settling = {}
+    if args.after_prefill:
+        L, N = args.prefill[0], args.after_prefill
+        if L + N + 1 > model.max_context:
+            raise SystemExit(f"--after-prefill: {L + N + 1} tokens do not fit the model's context of {model.max_context}")
+
+        def after(one_call: bool) -> list[float]:
+            """Seconds of each of N one-token steps after L tokens read in one call or one at a time."""
+            cache, prompt, nxt = model.new_cache(1, L + N + 1), ids(L), ids(N)
+            if one_call:
+                model(prompt, torch.arange(L)[None], cache, logits_at=torch.tensor([[L - 1]]))
+            else:
+                for i in range(L):
+                    model(prompt[:, i:i + 1], torch.tensor([[i]]), cache)
+            out = []
+            for j in range(N):
+                t0 = time.perf_counter()
+                model(nxt[:, j:j + 1], torch.tensor([[L + j]]), cache)
+                out.append(time.perf_counter() - t0)
+            return out
+
+        runs: dict[bool, list[list[float]]] = {True: [], False: []}
+        for i in range(args.repeats):
+            for one_call in ((True, False) if i % 2 == 0 else (False, True)):
+                runs[one_call].append(after(one_call))
+        settling = {("in one call" if k else "one token at a time"): [round(statistics.median(r[j] for r in v) * 1e3, 2)
+                                                             for j in range(N)] for k, v in runs.items()}
+
     print(f"specdec from {specdec.__file__}; threads {args.threads}; median ms")
     for pad in pads:
         if args.pad:
@@ -130,7 +163,11 @@ def main() -> int:
             cells = [f"T={T} {steps[(S, T)][pad]} ms" + (f" ({steps[(S, T)][pad] / one:.2f}x)" if one else "")
                      for T in args.tokens]
             print(f"step after {S} tokens: " + ", ".join(cells))
+    for how, ms in settling.items():
+        print(f"one-token steps 1..{len(ms)} after {args.prefill[0]} tokens read {how}: "
+              + ", ".join(str(x) for x in ms))
     print(json.dumps({"benchmark": "forward_costs", "threads": args.threads, "warm": args.warm, "torch": torch.__version__,
+                      "after_prefill_ms": settling,
                       "prefill_ms": {L: v if len(pads) > 1 else v[pads[0]] for L, v in prefill.items()},
                       "step_ms": {f"{S}x{T}": v if len(pads) > 1 else v[pads[0]] for (S, T), v in steps.items()}}))
     return 0
