@@ -16,16 +16,14 @@ import argparse
 from collections import Counter
 
 import torch
-from devset import DEV_SET
+from devset import add_prompt_options, dev_prompts
 from harness import emit, interleaved, machine, median, table
 from method_grid import best_of_ratio
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default=str(DEV_SET), help="Spec-Bench JSONL. Default: the shared dev set")
-    ap.add_argument("--per-category", type=int, default=1, help="dev prompts per category. Default: 1")
-    ap.add_argument("--humaneval", type=int, default=2, help="HumanEval prompts. Default: 2")
+    add_prompt_options(ap)
     ap.add_argument("--methods", default="auto", help="methods to price both ways. Default: auto")
     ap.add_argument("--batch", type=int, default=8, help="rows a batch. Default: 8")
     ap.add_argument("--samplings", default="greedy", help="greedy and/or tT (temperature T, seeded)")
@@ -36,7 +34,6 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     import specdec.core.proposal as proposal
-    from specdec.bench.tasks import dev_and_humaneval
     from specdec.config import SpecConfig, build_engine
     from specdec.drafters.suffix import forget_shared
     from specdec.metrics import summarize
@@ -44,7 +41,7 @@ def main() -> int:
     from specdec.types import SamplingParams
 
     target = load_model(None, quiet=True)
-    prompts = [ids for _, ids in dev_and_humaneval(target.tokenizer, args.data, args.per_category, args.humaneval)]
+    prompts = dev_prompts(target.tokenizer, args)
     items = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
     steps: dict[str, Counter] = {}
     current = [""]

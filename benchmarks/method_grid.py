@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from devset import DEV_SET
+from devset import add_prompt_options, dev_prompts
 from harness import emit, interleaved, machine, median, spread, table
 
 
@@ -61,9 +61,7 @@ def best_of_ratio(spec: dict, plain: dict, repeats: int) -> tuple[float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default=str(DEV_SET), help="Spec-Bench JSONL. Default: the shared dev set")
-    ap.add_argument("--per-category", type=int, default=1, help="dev prompts per category. Default: 1")
-    ap.add_argument("--humaneval", type=int, default=4, help="HumanEval prompts. Default: 4")
+    add_prompt_options(ap, humaneval=4)
     ap.add_argument("--methods", default="ngram,draft,eagle,medusa,auto")
     ap.add_argument("--samplings", default="greedy,t0.8", help="greedy and/or tT (temperature T, seeded)")
     ap.add_argument("--batches", default="1,8", help="batch sizes. Default: 1,8")
@@ -78,7 +76,6 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from specdec.bench.tasks import dev_and_humaneval
     from specdec.config import SpecConfig, build_engine
     from specdec.drafters.suffix import forget_shared
     from specdec.metrics import summarize
@@ -86,7 +83,7 @@ def main() -> int:
     from specdec.types import SamplingParams
 
     target = load_model(None, quiet=True)
-    prompts = [ids for _, ids in dev_and_humaneval(target.tokenizer, args.data, args.per_category, args.humaneval)]
+    prompts = dev_prompts(target.tokenizer, args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() != "none"]
     states = [s.strip() for s in args.states.split(",") if s.strip()]
     per_run: dict[tuple, list[dict]] = {}

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from devset import DEV_SET
+from devset import add_prompt_options, dev_prompts
 from harness import emit, table
 
 from specdec.simclock import PROFILES, SimClock, charge, curve, simulated
@@ -151,9 +151,7 @@ def main() -> int:
     ap.add_argument("--eagle", type=float, default=0.5, help="an EAGLE proposal, plain steps. Default: 0.5")
     ap.add_argument("--catch-up", type=float, default=0.02, help="an EAGLE catch-up per token read, steps. Default: 0.02")
     ap.add_argument("--medusa", type=float, default=0.05, help="a Medusa proposal, plain steps. Default: 0.05")
-    ap.add_argument("--data", default=str(DEV_SET), help="Spec-Bench JSONL. Default: the shared dev set")
-    ap.add_argument("--per-category", type=int, default=1)
-    ap.add_argument("--humaneval", type=int, default=2)
+    add_prompt_options(ap)
     ap.add_argument("--methods", default="ngram,suffix,draft,eagle,medusa,auto")
     ap.add_argument("--samplings", default="greedy", help="greedy and/or tT (temperature T, seeded)")
     ap.add_argument("--batches", default="1", help="batch sizes. Default: 1")
@@ -170,7 +168,6 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from specdec.bench.tasks import dev_and_humaneval
     from specdec.config import SpecConfig, build_engine
     from specdec.drafters.suffix import forget_shared
     from specdec.metrics import summarize
@@ -181,7 +178,7 @@ def main() -> int:
     step = args.step_ms / 1e3
     target_cost = curve(PROFILES[args.profile])
     target = load_model(None, quiet=True)
-    prompts = [ids for _, ids in dev_and_humaneval(target.tokenizer, args.data, args.per_category, args.humaneval)]
+    prompts = dev_prompts(target.tokenizer, args)
     prompts = prompts[:args.limit] if args.limit else prompts
     if args.trace:
         import logging

@@ -23,7 +23,7 @@ import re
 import time
 
 import torch
-from devset import DEV_SET
+from devset import add_prompt_options, dev_prompts
 from harness import emit, interleaved, machine, median
 
 #: the scheduler's debug line for a step (ContinuousBatcher._record)
@@ -149,9 +149,7 @@ def profile(runs: list[list[dict]]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default=str(DEV_SET), help="Spec-Bench JSONL. Default: the shared dev set")
-    ap.add_argument("--per-category", type=int, default=1, help="dev prompts per category. Default: 1")
-    ap.add_argument("--humaneval", type=int, default=2, help="HumanEval prompts. Default: 2")
+    add_prompt_options(ap)
     ap.add_argument("--methods", default="none,draft", help="variants, the first the reference. Default: none,draft")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0, help="seeded (7) where above 0. Default: greedy")
@@ -161,7 +159,6 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from specdec.bench.tasks import dev_and_humaneval
     from specdec.config import SpecConfig, build_engine
     from specdec.drafters.suffix import forget_shared
     from specdec.metrics import summarize
@@ -169,7 +166,7 @@ def main() -> int:
     from specdec.types import SamplingParams
 
     target = load_model(None, quiet=True)
-    prompts = [ids for _, ids in dev_and_humaneval(target.tokenizer, args.data, args.per_category, args.humaneval)]
+    prompts = dev_prompts(target.tokenizer, args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             seed=7 if args.temperature > 0 else None)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
