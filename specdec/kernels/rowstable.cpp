@@ -2245,6 +2245,15 @@ void attend_two(const float* qa, const float* qb, const float* ma, const float* 
 }
 #endif
 
+// Attention runs on one thread while its work (queries x slots x head size) is under this: a short
+// context's decoding step, a few microseconds, where waking the others costs as much (and far more on
+// a busy machine). Above it the queries are shared out. The cache's K/V come from memory in a
+// decoding step (the weights streamed between two layers' attention evict them), so a query's pass
+// over its slots is slower than its arithmetic suggests: the default model (9 heads of 64) at 384
+// slots took ~1 ms a step on one thread; was 1 << 18 (one thread up to 455 slots there), 1 << 15
+// took a one-token step 0.9-1.0 ms faster at 128 and 384 slots (Xeon, 2 threads).
+constexpr int64_t ATTEND_ALONE_BELOW = int64_t{1} << 15;
+
 // out[b, h, t] = softmax(q . k / sqrt(Dh) + mask) @ v over the first S cache slots (row b: its first
 // rk[b] where rk is given), grouped-query heads (query head h reads K/V head h / G). mask: null or
 // additive [B, 1, G * T, S] (row g * T + t: token t of query head g of a K/V head; -inf = hidden), the
@@ -2256,9 +2265,7 @@ void attention_core(const float* qp, int64_t B, int64_t H, int64_t T, int64_t Dh
   const int64_t G = H / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
   const int64_t S8 = (S + 7) / 8 * 8;
-  // one thread where the whole attention is a few microseconds of work (a short context's decoding
-  // step): waking the others costs as much, and far more on a busy machine. (Numbers are per query.)
-  const int64_t items = B * H * T, grain = items * S * Dh < (int64_t{1} << 18) ? items : 1;
+  const int64_t items = B * H * T, grain = items * S * Dh < ATTEND_ALONE_BELOW ? items : 1;
   pool_for(0, items, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> sc(2 * S8);
     for (int64_t w = w0; w < w1; ++w) {
@@ -2569,7 +2576,7 @@ at::Tensor attend_scaled(const at::Tensor& q_, const at::Tensor& kc, const at::T
   const float* vp = vc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  const int64_t items = B * T * H, S8 = (S + 7) / 8 * 8, grain = items * S * Dh < (int64_t{1} << 18) ? items : 1;
+  const int64_t items = B * T * H, S8 = (S + 7) / 8 * 8, grain = items * S * Dh < ATTEND_ALONE_BELOW ? items : 1;
   pool_for(0, items, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> scores(S8);
     for (int64_t w = w0; w < w1; ++w) {
