@@ -203,10 +203,16 @@ def main() -> int:
         ratios = [rate(m, rep) / rate(base, rep) for rep in range(args.repeats)]
         equal = all(raw[m][i][rep][1] == raw[base][i][rep][1] for i in range(len(prompts)) for rep in range(args.repeats))
         prof = profile([raw[m][i][rep][2] for i in range(len(prompts)) for rep in range(args.repeats)])
+        # a call's decode time that no step accounts for (its sources joining the row, a first
+        # proposal's set-up, the end of the call): a fixed cost per call where steps look alike
+        calls = [raw[m][i][rep] for i in range(len(prompts)) for rep in range(args.repeats)]
+        outside = median(1e3 * stats["decode_s"] - sum(st["ms"] for st in steps) for stats, _, steps in calls)
+        prof["outside_steps_ms"] = round(outside, 2)
         out["variants"][m] = {"ratio": round(median(ratios), 3), "per_repeat": [round(r, 3) for r in ratios],
                               "equal": equal, **prof}
         print(f"{m}: {median(ratios):.3f} of {base}'s decode rate (repeats {', '.join(f'{r:.3f}' for r in ratios)}), "
-              f"text {'equal' if equal else 'DIFFERS'}; plain steps {prof['plain_reasons']}")
+              f"text {'equal' if equal else 'DIFFERS'}; plain steps {prof['plain_reasons']}; "
+              f"{prof['outside_steps_ms']} ms of a call's decode time outside its steps (median)")
         print("  plain steps, ms by steps since the last drafting one (-1: none yet): "
               + ", ".join(f"{k}: {v['ms']} (forward {v['forward_ms']}, n {v['n']})" for k, v in prof["plain_after_drafting"].items()))
         print("  plain steps, ms by position: " + ", ".join(f"{k}+: {v}" for k, v in prof["plain_by_position"].items()))
