@@ -225,6 +225,11 @@ FUSED_DECODING_STEP = True
 # default model's plain decoding ~4% faster on a 2-core Xeon); False keeps the calls in Python.
 DECODE_LAYER_OP = True
 
+# ... and where every layer takes `decode_layer`, the step's layers are one `decode_layers` call (the
+# same decode_layer calls, made in a loop in C++: the same numbers, one dispatch a step instead of one
+# a layer); False keeps a call a layer.
+DECODE_LAYERS_OP = True
+
 # the kernels decode_layer makes a projection's call with (its `kinds`), by op name
 _DECODE_LAYER_KINDS = {"q4_1_linear_q8": 0, "q8_0_linear_q8": 1, "kq_linear_q8": 2}
 
@@ -662,11 +667,54 @@ class LlamaModel(nn.Module):
         x = self.embed(tokens)  # [B, T, D]
         if self.embed_scale is not None:  # (Gemma)
             x = x * self.embed_scale.to(x.dtype)
-        for i, layer in enumerate(self.layers):
-            lcos, lsin, lmask, lcausal = kinds[getattr(layer, "sliding", False)]
-            x = layer.forward(x, lcos, lsin, cache, i, start, uniform, lmask, n_keys, lcausal, row_keys)
+        stack = None if causal or T > ATTEND_MAX_T or x.dtype != torch.float32 else self._decode_stack(cache)
+        if stack is not None:  # every layer a decode_layer: one call for all of them
+            x = self.layers[0].kops.decode_layers(x, cos, sin, cache.k, cache.v, start, self.cfg.num_heads, n_keys, mask,
+                                                  row_keys, *stack)
+        else:
+            for i, layer in enumerate(self.layers):
+                lcos, lsin, lmask, lcausal = kinds[getattr(layer, "sliding", False)]
+                x = layer.forward(x, lcos, lsin, cache, i, start, uniform, lmask, n_keys, lcausal, row_keys)
         hidden = rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.layers[0].kops)  # [B, T, D]
         return self._logits(hidden, logits_at), hidden
+
+    # (the layers' Block.fast it was made for, its arguments or None): made when a layer's `fast` changes
+    _stack = None
+
+    def _decode_stack(self, cache: KVCache) -> tuple | None:
+        """The arguments after the step's own of kops.decode_layers where every layer is a plain
+        Block whose step is one decode_layer call on float32 caches (Block.forward), else None: the
+        layers' norms, eps, then their projections' kinds, tensors, counts, types, Ns and Ks, each
+        list the layers' in turn."""
+        if not (DECODE_LAYERS_OP and DECODE_LAYER_OP and FUSED_DECODING_STEP) or cache.k[0].dtype != torch.float32:
+            return None
+        fasts = tuple(layer.fast for layer in self.layers)
+        made = self._stack
+        if made is None or len(made[0]) != len(fasts) or any(a is not b for a, b in zip(made[0], fasts)):
+            made = self._stack = (fasts, self._make_stack())
+        return made[1]
+
+    def _make_stack(self) -> tuple | None:
+        kops = self.layers[0].kops
+        if kops is None or not hasattr(kops, "decode_layers") or self.cfg.sliding_layers:
+            return None
+        attn, mlp, kinds, packed, counts, types, Ns, Ks, eps = [], [], [], [], [], [], [], [], None
+        for layer in self.layers:
+            if type(layer) is not Block or layer.kops is not kops:
+                return None
+            args = decode_layer_args(layer.fast, kops)
+            if args is None or (eps is not None and args[2] != eps):
+                return None
+            an, mn, eps, k, p, c, t, n, kk = args
+            attn.append(an)
+            mlp.append(mn)
+            kinds += k
+            packed += p
+            counts += c
+            types += t
+            Ns += n
+            Ks += kk
+        return attn, mlp, eps, kinds, packed, counts, types, Ns, Ks
 
     def _logits(self, hidden: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor | None:
         """The LM head over hidden [B, T, D] at logits_at (all positions if None; none if empty:

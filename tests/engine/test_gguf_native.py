@@ -397,8 +397,9 @@ def test_a_direct_decoding_step_gives_the_general_paths_numbers(gguf_dir, arch, 
 def test_a_decoding_step_in_one_call_a_layer_gives_the_python_calls_numbers(gguf_dir, arch, t, monkeypatch):
     """Where a layer's projections are all on repacked blocks on 8-bit activations (Q4_1 / Q8_0 on
     both builds, the K-quants on VNNI), its decoding step is one decode_layer call, the same kernel
-    calls made from C++: the same logits bit for bit as the calls made from Python, for chains, a
-    tree and a ragged batch. With the norms swapped in the call (a broken rule) they differ."""
+    calls made from C++, and a step whose layers all are is one decode_layers call: the same logits
+    bit for bit as the calls made from Python, for chains, a tree and a ragged batch, a call a layer
+    or one for all. With the norms swapped in the call (a broken rule) they differ."""
     from model_helpers import ancestor_mask, steps_both_ways
     from specdec.models import llama
 
@@ -416,13 +417,19 @@ def test_a_decoding_step_in_one_call_a_layer_gives_the_python_calls_numbers(gguf
     tree = ancestor_mask([-1, 0, 0, 1])
     cells = ((1, None), (5, None), (4, tree))
     with one_thread():
-        steps_both_ways(m, 13, cells, lambda on: monkeypatch.setattr(llama, "DECODE_LAYER_OP", on))
+        for stack in (False, True):
+            monkeypatch.setattr(llama, "DECODE_LAYERS_OP", stack)
+            steps_both_ways(m, 13, cells, lambda on: monkeypatch.setattr(llama, "DECODE_LAYER_OP", on))
+        assert m._stack is not None and m._stack[1] is not None  # (the steps above took decode_layers)
         swapped = llama.decode_layer_args
         monkeypatch.setattr(llama, "decode_layer_args", lambda f, k: (lambda a: (a[1], a[0], *a[2:]))(swapped(f, k)))
-        for blk in m.layers:
-            blk._decode_layer = None
-        with pytest.raises(AssertionError):
-            steps_both_ways(m, 13, cells[:1], lambda on: monkeypatch.setattr(llama, "DECODE_LAYER_OP", on))
+        for stack in (False, True):
+            monkeypatch.setattr(llama, "DECODE_LAYERS_OP", stack)
+            for blk in m.layers:
+                blk._decode_layer = None
+            m._stack = None
+            with pytest.raises(AssertionError):
+                steps_both_ways(m, 13, cells[:1], lambda on: monkeypatch.setattr(llama, "DECODE_LAYER_OP", on))
 
 
 @pytest.mark.parametrize("t", [Q4_K, Q5_K, Q6_K])
