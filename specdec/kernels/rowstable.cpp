@@ -3373,7 +3373,8 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
                         const at::Tensor& start, int64_t heads, int64_t n_keys, const c10::optional<at::Tensor>& mask,
                         const c10::optional<at::Tensor>& row_keys, const at::Tensor& attn_norm, const at::Tensor& mlp_norm,
                         double eps, at::IntArrayRef kinds, at::TensorList packed, at::IntArrayRef counts,
-                        at::IntArrayRef types, at::IntArrayRef Ns, at::IntArrayRef Ks) {
+                        at::IntArrayRef types, at::IntArrayRef Ns, at::IntArrayRef Ks,
+                        const c10::optional<at::Tensor>& qkv_bias) {
   TORCH_CHECK(kinds.size() == 4 && counts.size() == 4 && Ks.size() == 4, "decode_layer: four projections");
   int64_t total = 0;
   for (int64_t c : counts) total += c;
@@ -3390,7 +3391,8 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
     const int64_t a = first[p], n = counts[p];
     return layer_projection(kinds[p], in, packed.slice(a, n), types.slice(a, n), Ns.slice(a, n), Ks[p]);
   };
-  const at::Tensor qkv = proj(0, rms_norm(x, attn_norm, eps));
+  at::Tensor qkv = proj(0, rms_norm(x, attn_norm, eps));
+  if (qkv_bias.has_value()) qkv = qkv + *qkv_bias;  // (Qwen2's: the Python step's same addition)
   const at::Tensor o = rope_attend(qkv, cos, sin, kc, vc, start, heads, n_keys, mask, row_keys);
   const at::Tensor h = x + proj(1, o);
   return h + proj(3, silu_mul(proj(2, rms_norm(h, mlp_norm, eps))));
@@ -3400,14 +3402,17 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
 // numbers), for a model whose layers all take it: one call through the dispatcher a step instead of
 // one a layer (each ~5-10 us of argument parsing and Python on a 2-core Xeon: ~0.2 ms of the default
 // model's 4-5 ms step). Per layer l: its caches, its norms, and 4 projections' kinds, counts and Ks
-// at [4 l, 4 l + 4); its tensors, types and Ns follow each other in `packed`, `types` and `Ns`.
+// at [4 l, 4 l + 4); its tensors, types and Ns follow each other in `packed`, `types` and `Ns`;
+// qkv_biases: none, or one a layer.
 at::Tensor decode_layers(const at::Tensor& x_, const at::Tensor& cos, const at::Tensor& sin, at::TensorList kcs,
                          at::TensorList vcs, const at::Tensor& start, int64_t heads, int64_t n_keys,
                          const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& row_keys,
                          at::TensorList attn_norms, at::TensorList mlp_norms, double eps, at::IntArrayRef kinds,
                          at::TensorList packed, at::IntArrayRef counts, at::IntArrayRef types, at::IntArrayRef Ns,
-                         at::IntArrayRef Ks) {
+                         at::IntArrayRef Ks, at::TensorList qkv_biases) {
   const int64_t L = static_cast<int64_t>(kcs.size());
+  TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == L,
+              "decode_layers: no qkv biases or one a layer");
   TORCH_CHECK(static_cast<int64_t>(vcs.size()) == L && static_cast<int64_t>(attn_norms.size()) == L &&
                   static_cast<int64_t>(mlp_norms.size()) == L && static_cast<int64_t>(kinds.size()) == 4 * L &&
                   static_cast<int64_t>(counts.size()) == 4 * L && static_cast<int64_t>(Ks.size()) == 4 * L,
@@ -3422,7 +3427,8 @@ at::Tensor decode_layers(const at::Tensor& x_, const at::Tensor& cos, const at::
                 "decode_layers: fewer packed tensors than the counts name");
     x = decode_layer(x, cos, sin, kcs[l], vcs[l], start, heads, n_keys, mask, row_keys, attn_norms[l], mlp_norms[l], eps,
                      kinds.slice(4 * l, 4), packed.slice(at, n), counts.slice(4 * l, 4), types.slice(at, n),
-                     Ns.slice(at, n), Ks.slice(4 * l, 4));
+                     Ns.slice(at, n), Ks.slice(4 * l, 4),
+                     qkv_biases.empty() ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(qkv_biases[l]));
     at += n;
   }
   TORCH_CHECK(at == static_cast<int64_t>(packed.size()), "decode_layers: more packed tensors than the counts name");
@@ -3496,10 +3502,10 @@ TORCH_LIBRARY_FRAGMENT(specdec_rs, lib) {
   lib.def("argmax_last(Tensor x) -> Tensor");
   lib.def("decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, int heads, "
           "int n_keys, Tensor? mask, Tensor? row_keys, Tensor attn_norm, Tensor mlp_norm, float eps, int[] kinds, "
-          "Tensor[] packed, int[] counts, int[] ggml_types, int[] Ns, int[] Ks) -> Tensor");
+          "Tensor[] packed, int[] counts, int[] ggml_types, int[] Ns, int[] Ks, Tensor? qkv_bias=None) -> Tensor");
   lib.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor start, "
           "int heads, int n_keys, Tensor? mask, Tensor? row_keys, Tensor[] attn_norms, Tensor[] mlp_norms, float eps, "
-          "int[] kinds, Tensor[] packed, int[] counts, int[] ggml_types, int[] Ns, int[] Ks) -> Tensor");
+          "int[] kinds, Tensor[] packed, int[] counts, int[] ggml_types, int[] Ns, int[] Ks, Tensor[] qkv_biases) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specdec_rs, CPU, lib) {
   lib.impl("decode_layer", &decode_layer);

@@ -238,14 +238,16 @@ def decode_layer_args(fast: tuple | None, kops) -> tuple | None:
     """The arguments after the step's own (x, rotation, cache, start, heads, n_keys, mask,
     row_keys) of kops.decode_layer for a layer whose Block.fast is `fast`: its norms and eps, then
     per projection its kind and blocks (flattened: each projection's tensors with their types and
-    row counts, how many it has, its K); None where a projection has a bias, takes its outputs in
-    another order or runs on another kernel (the Python calls then)."""
+    row counts, how many it has, its K), then the q/k/v projection's bias or None (Qwen2's); None
+    where another projection has a bias, one takes its outputs in another order or runs on
+    another kernel (the Python calls then)."""
     if fast is None or kops is None or not hasattr(kops, "decode_layer"):
         return None
     kinds, packed, counts, types, Ns, Ks = [], [], [], [], [], []
-    for op, args, bias, order in fast[:4]:
+    for p, (op, args, bias, order) in enumerate(fast[:4]):
         name = getattr(op, "__name__", "")
-        if bias is not None or order is not None or name not in _DECODE_LAYER_KINDS or op is not getattr(kops, name):
+        if (bias is not None and p > 0) or order is not None or name not in _DECODE_LAYER_KINDS \
+                or op is not getattr(kops, name):
             return None  # (a benchmark's other build of a kernel, too)
         kinds.append(_DECODE_LAYER_KINDS[name])
         if name == "kq_linear_q8":
@@ -263,7 +265,7 @@ def decode_layer_args(fast: tuple | None, kops) -> tuple | None:
             counts.append(1)
             Ks.append(0)
     attn_norm, mlp_norm, eps = fast[4:]
-    return attn_norm, mlp_norm, eps, kinds, packed, counts, types, Ns, Ks
+    return attn_norm, mlp_norm, eps, kinds, packed, counts, types, Ns, Ks, fast[0][2]
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, kops=None) -> torch.Tensor:
@@ -699,13 +701,15 @@ class LlamaModel(nn.Module):
         if kops is None or not hasattr(kops, "decode_layers") or self.cfg.sliding_layers:
             return None
         attn, mlp, kinds, packed, counts, types, Ns, Ks, eps = [], [], [], [], [], [], [], [], None
+        biases = []
         for layer in self.layers:
             if type(layer) is not Block or layer.kops is not kops:
                 return None
             args = decode_layer_args(layer.fast, kops)
             if args is None or (eps is not None and args[2] != eps):
                 return None
-            an, mn, eps, k, p, c, t, n, kk = args
+            an, mn, eps, k, p, c, t, n, kk, bias = args
+            biases.append(bias)
             attn.append(an)
             mlp.append(mn)
             kinds += k
@@ -714,7 +718,11 @@ class LlamaModel(nn.Module):
             types += t
             Ns += n
             Ks += kk
-        return attn, mlp, eps, kinds, packed, counts, types, Ns, Ks
+        if all(b is None for b in biases):
+            biases = []
+        elif any(b is None for b in biases):
+            return None  # (q/k/v biases in some layers only: a call a layer)
+        return attn, mlp, eps, kinds, packed, counts, types, Ns, Ks, biases
 
     def _logits(self, hidden: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor | None:
         """The LM head over hidden [B, T, D] at logits_at (all positions if None; none if empty:

@@ -399,7 +399,8 @@ def test_a_decoding_step_in_one_call_a_layer_gives_the_python_calls_numbers(gguf
     both builds, the K-quants on VNNI), its decoding step is one decode_layer call, the same kernel
     calls made from C++, and a step whose layers all are is one decode_layers call: the same logits
     bit for bit as the calls made from Python, for chains, a tree and a ragged batch, a call a layer
-    or one for all. With the norms swapped in the call (a broken rule) they differ."""
+    or one for all; Qwen2's q/k/v bias goes into the call. With the norms swapped in the call, or
+    Qwen2's bias left out (broken rules), they differ."""
     from model_helpers import ancestor_mask, steps_both_ways
     from specdec.models import llama
 
@@ -408,12 +409,13 @@ def test_a_decoding_step_in_one_call_a_layer_gives_the_python_calls_numbers(gguf
         pytest.skip("the GGUF kernels' 8-bit path does not run here")
     args = [llama.decode_layer_args(blk.fast, blk.kops) for blk in m.layers]
     kquant = t in (Q4_K, Q6_K)
-    if arch == "qwen2" or (kquant and kernels.rowstable_isa() != "avx512vnni"):
-        # Qwen2's q/k/v bias, or the AVX2 build's K-quants on the file's blocks: the Python calls
+    if kquant and kernels.rowstable_isa() != "avx512vnni":
+        # the AVX2 build's K-quants on the file's blocks: the Python calls
         assert all(a is None for a in args)
         return
     assert all(a is not None for a in args)
     assert {k for a in args for k in a[3]} == ({2} if kquant else {1} if t == Q8_0 else {0})
+    assert all((a[9] is not None) == (arch == "qwen2") for a in args)
     tree = ancestor_mask([-1, 0, 0, 1])
     cells = ((1, None), (5, None), (4, tree))
     with one_thread():
@@ -421,8 +423,12 @@ def test_a_decoding_step_in_one_call_a_layer_gives_the_python_calls_numbers(gguf
             monkeypatch.setattr(llama, "DECODE_LAYERS_OP", stack)
             steps_both_ways(m, 13, cells, lambda on: monkeypatch.setattr(llama, "DECODE_LAYER_OP", on))
         assert m._stack is not None and m._stack[1] is not None  # (the steps above took decode_layers)
-        swapped = llama.decode_layer_args
-        monkeypatch.setattr(llama, "decode_layer_args", lambda f, k: (lambda a: (a[1], a[0], *a[2:]))(swapped(f, k)))
+        right = llama.decode_layer_args
+        if arch == "qwen2":
+            broken = lambda a: (*a[:9], None)  # noqa: E731
+        else:
+            broken = lambda a: (a[1], a[0], *a[2:])  # noqa: E731
+        monkeypatch.setattr(llama, "decode_layer_args", lambda f, k: broken(right(f, k)))
         for stack in (False, True):
             monkeypatch.setattr(llama, "DECODE_LAYERS_OP", stack)
             for blk in m.layers:
