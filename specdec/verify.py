@@ -63,6 +63,8 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, count
     """target_logits [B, K+1, V], draft_tokens [B, K], counts [B] -> (num_accepted [B], next_token [B])."""
     best = argmax(target_logits)  # [B, K+1]
     K = draft_tokens.shape[1]
+    if K == 0:  # a plain step: nothing to accept (saves a few small tensor ops a step)
+        return torch.zeros(best.shape[0], dtype=torch.long), best[:, 0]
     n_acc = _accepted_prefix(draft_tokens == best[:, :K], counts)
     next_token = best.gather(1, n_acc[:, None]).squeeze(1)
     return n_acc, next_token

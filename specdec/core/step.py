@@ -101,7 +101,7 @@ def run_step(model, cache, pending: list[int], draft: Draft, params: SamplingPar
                                              tree_rows if tree_rows is not None else [is_tree] * A, draws)
     if is_tree:
         cache.keep_paths(base, paths)
-    else:
+    elif K > 0:  # (a plain step's one token is what the forward reserved: nothing to roll back)
         cache.truncate(base + 1 + torch.tensor([len(p) for p in paths], dtype=torch.long))
     return StepResult(paths, nxt, logits, hidden, depth, failed)
 

@@ -121,6 +121,21 @@ def test_ragged_batch_equals_rows_alone(pair: Pair):
         assert cache.lengths.tolist() == at
 
 
+@pytest.mark.parametrize("family", ["llama", "llama3_rope", "linear_rope"])
+def test_the_rotation_table_gives_the_rotation_at_each_position(family):
+    """A step reads cos / sin from the model's table of positions (made once, grown as positions
+    do): bit for bit what computing them at the step's positions gives, before and after the
+    table grows; the table read one position off (a broken rule) differs."""
+    m = get_pair(family).native
+    g = torch.Generator().manual_seed(0)
+    for hi in (10, 1500, 5000):
+        pos = torch.randint(0, hi, (3, 7), generator=g)
+        for table, direct in zip(m._rope(pos), m._rope(pos, m.inv_freq, m.rope_scaling)):
+            assert table.shape == direct.shape and torch.equal(table, direct)
+    assert m._rope_table[0].shape[0] > int(pos.max())
+    assert not torch.equal(m._rope(pos + 1)[0], m._rope(pos, m.inv_freq, m.rope_scaling)[0])
+
+
 # -- tree path ---------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["llama", "qwen2", "llama3_rope"])
 def test_causal_attn_mask_equals_none(family):
