@@ -41,6 +41,7 @@ This module knows nothing about files, tokenizers or sampling.
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from dataclasses import dataclass, field
 
@@ -229,6 +230,8 @@ DECODE_LAYER_OP = True
 # same decode_layer calls, made in a loop in C++: the same numbers, one dispatch a step instead of one
 # a layer); False keeps a call a layer.
 DECODE_LAYERS_OP = True
+
+_FAST = operator.attrgetter("fast")
 
 # the kernels decode_layer makes a projection's call with (its `kinds`), by op name
 _DECODE_LAYER_KINDS = {"q4_1_linear_q8": 0, "q8_0_linear_q8": 1, "kq_linear_q8": 2}
@@ -671,28 +674,30 @@ class LlamaModel(nn.Module):
             x = x * self.embed_scale.to(x.dtype)
         stack = None if causal or T > ATTEND_MAX_T or x.dtype != torch.float32 else self._decode_stack(cache)
         if stack is not None:  # every layer a decode_layer: one call for all of them
-            x = self.layers[0].kops.decode_layers(x, cos, sin, cache.k, cache.v, start, self.cfg.num_heads, n_keys, mask,
-                                                  row_keys, *stack)
+            x = stack[0].decode_layers(x, cos, sin, cache.k, cache.v, start, self.cfg.num_heads, n_keys, mask,
+                                       row_keys, *stack[1:])
+            kops = stack[0]
         else:
             for i, layer in enumerate(self.layers):
                 lcos, lsin, lmask, lcausal = kinds[getattr(layer, "sliding", False)]
                 x = layer.forward(x, lcos, lsin, cache, i, start, uniform, lmask, n_keys, lcausal, row_keys)
-        hidden = rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.layers[0].kops)  # [B, T, D]
+            kops = self.layers[0].kops
+        hidden = rms_norm(x, self.norm, self.cfg.rms_norm_eps, kops)  # [B, T, D]
         return self._logits(hidden, logits_at), hidden
 
     # (the layers' Block.fast it was made for, its arguments or None): made when a layer's `fast` changes
     _stack = None
 
     def _decode_stack(self, cache: KVCache) -> tuple | None:
-        """The arguments after the step's own of kops.decode_layers where every layer is a plain
-        Block whose step is one decode_layer call on float32 caches (Block.forward), else None: the
-        layers' norms, eps, then their projections' kinds, tensors, counts, types, Ns and Ks, each
-        list the layers' in turn."""
+        """(the kernels, then the arguments after the step's own of their decode_layers) where every
+        layer is a plain Block whose step is one decode_layer call on float32 caches (Block.forward),
+        else None: the layers' norms, eps, then their projections' kinds, tensors, counts, types, Ns
+        and Ks and q/k/v biases, each list the layers' in turn."""
         if not (DECODE_LAYERS_OP and DECODE_LAYER_OP and FUSED_DECODING_STEP) or cache.k[0].dtype != torch.float32:
             return None
-        fasts = tuple(layer.fast for layer in self.layers)
+        fasts = tuple(map(_FAST, self.layers))
         made = self._stack
-        if made is None or len(made[0]) != len(fasts) or any(a is not b for a, b in zip(made[0], fasts)):
+        if made is None or len(made[0]) != len(fasts) or not all(map(operator.is_, made[0], fasts)):
             made = self._stack = (fasts, self._make_stack())
         return made[1]
 
@@ -722,7 +727,7 @@ class LlamaModel(nn.Module):
             biases = []
         elif any(b is None for b in biases):
             return None  # (q/k/v biases in some layers only: a call a layer)
-        return attn, mlp, eps, kinds, packed, counts, types, Ns, Ks, biases
+        return kops, attn, mlp, eps, kinds, packed, counts, types, Ns, Ks, biases
 
     def _logits(self, hidden: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor | None:
         """The LM head over hidden [B, T, D] at logits_at (all positions if None; none if empty:
