@@ -685,7 +685,7 @@ class LlamaModel(nn.Module):
         hidden = rms_norm(x, self.norm, self.cfg.rms_norm_eps, kops)  # [B, T, D]
         return self._logits(hidden, logits_at), hidden
 
-    # (the layers' Block.fast it was made for, its arguments or None): made when a layer's `fast` changes
+    # (the layers' Block.fast it was made for, _make_stack's result): remade when a layer's `fast` changes
     _stack = None
 
     def _decode_stack(self, cache: KVCache) -> tuple | None:
@@ -702,6 +702,7 @@ class LlamaModel(nn.Module):
         return made[1]
 
     def _make_stack(self) -> tuple | None:
+        """What _decode_stack returns, from the layers as they are now."""
         kops = self.layers[0].kops
         if kops is None or not hasattr(kops, "decode_layers") or self.cfg.sliding_layers:
             return None
