@@ -187,9 +187,11 @@ class ContinuousBatcher:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=10)
 
+    @torch.inference_mode()
     def end_all(self, reason: str = "shutdown") -> None:
         """End every running and queued request with `reason` (on the model thread, or once it
-        has stopped)."""
+        has stopped). In inference mode, as the steps are: a step over the whole batch leaves the
+        cache's row lengths an inference tensor, which a row leaving updates in place."""
         while self.rows:
             self._remove(len(self.rows) - 1, reason)
         while True:
@@ -218,6 +220,7 @@ class ContinuousBatcher:
                     raise
                 self._fail_step(e)
 
+    @torch.inference_mode()
     def _fail_step(self, e: Exception) -> None:
         """A step failed outside any one row's work (the shared forward): its rows end with an
         error (logged once, with their ids), the cache and sources start empty, serving goes on."""

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import specdec.core.step as step_mod
-from helpers import (auto, draft_model, free_sources, lookup, prompts, run_join_leave, run_jobs, steady_clock, target,
-                     target_dir)
+from helpers import (auto, batcher, draft_model, free_sources, lookup, prompts, run_join_leave, run_jobs, steady_clock,
+                     target, target_dir)
 from specdec.core.scheduler import ContinuousBatcher
 from specdec.types import SamplingParams
 
@@ -247,6 +247,35 @@ def test_lookup_and_draft_batcher_sampling_matches_exact_distribution(monkeypatc
 
 
 @pytest.mark.default_model
+@pytest.mark.parametrize("broken", [False, True])
+def test_rows_ended_from_outside_a_step_after_full_batch_steps(monkeypatch, broken):
+    """A drain's deadline or a shutdown ends the open rows with `end_all`, outside the steps'
+    inference mode: after steps over the whole batch (whose rollbacks replace the cache's row
+    lengths inside inference mode) every row must still end, each told once, and the batch stay
+    usable. (A Ray replica's batcher thread died there, its requests never answered.) end_all
+    without inference mode (a broken rule) raises."""
+    from specdec.core.scheduler import Request
+
+    steady_clock(monkeypatch)
+    if broken:
+        monkeypatch.setattr(ContinuousBatcher, "end_all", ContinuousBatcher.end_all.__wrapped__)
+    b = batcher([lookup()], k_max=4, max_batch=2, adaptive=False, thread=False, method="ngram")
+    told = []
+    reqs = [Request(list(p), SamplingParams(max_new_tokens=60), lambda new: None,
+                    lambda reason, stats, i=i: told.append((i, reason))) for i, p in enumerate(prompts()[:2])]
+    for r in reqs:
+        b.submit(r)
+    b.run(until=lambda: b.stats().steps >= 6)
+    assert len(b.rows) == 2 and not told  # (every step so far over the whole batch)
+    if broken:
+        with pytest.raises(RuntimeError, match="[Ii]nference"):
+            b.end_all("shutdown")
+        return
+    b.end_all("shutdown")
+    assert sorted(told) == [(0, "shutdown"), (1, "shutdown")] and not b.rows
+    assert run_jobs(b, [(prompts()[2], SamplingParams(max_new_tokens=5))])[0]
+
+
 def test_full_batch_on_the_default_model_answers_as_each_prompt_decoded_alone(default_model):
     """The server's batcher under load on the default model (on the row-stable kernels): 8 chat
     prompts at once over 8 rows, every step drafting up to 8 guesses a row (lookup chains and
