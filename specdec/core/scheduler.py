@@ -187,11 +187,9 @@ class ContinuousBatcher:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=10)
 
-    @torch.inference_mode()
     def end_all(self, reason: str = "shutdown") -> None:
         """End every running and queued request with `reason` (on the model thread, or once it
-        has stopped). In inference mode, as the steps are: a step over the whole batch leaves the
-        cache's row lengths an inference tensor, which a row leaving updates in place."""
+        has stopped)."""
         while self.rows:
             self._remove(len(self.rows) - 1, reason)
         while True:
@@ -362,8 +360,11 @@ class ContinuousBatcher:
         except Exception:  # noqa: BLE001 - the owner's problem, not the batch's
             errors.exception("request %s: its on_done callback failed", req.id or "(no id)")
 
+    @torch.inference_mode()
     def _remove(self, i: int, reason: str) -> None:
-        """Row i leaves; the last active row moves into its slot."""
+        """Row i leaves; the last active row moves into its slot. In inference mode, as the steps
+        are, whoever calls it (end_all, a failed prefill's _fail_row run outside them): a step over
+        the whole batch leaves the cache's row lengths an inference tensor, updated in place here."""
         req = self.rows[i]
         last = len(self.rows) - 1
         self.sources.finish(i, req.context)

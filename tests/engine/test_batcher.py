@@ -252,13 +252,13 @@ def test_rows_ended_from_outside_a_step_after_full_batch_steps(monkeypatch, brok
     """A drain's deadline or a shutdown ends the open rows with `end_all`, outside the steps'
     inference mode: after steps over the whole batch (whose rollbacks replace the cache's row
     lengths inside inference mode) every row must still end, each told once, and the batch stay
-    usable. (A Ray replica's batcher thread died there, its requests never answered.) end_all
-    without inference mode (a broken rule) raises."""
+    usable. (A Ray replica's batcher thread died there, its requests never answered.) A row
+    leaving without inference mode (a broken rule) raises."""
     from specdec.core.scheduler import Request
 
     steady_clock(monkeypatch)
     if broken:
-        monkeypatch.setattr(ContinuousBatcher, "end_all", ContinuousBatcher.end_all.__wrapped__)
+        monkeypatch.setattr(ContinuousBatcher, "_remove", ContinuousBatcher._remove.__wrapped__)
     b = batcher([lookup()], k_max=4, max_batch=2, adaptive=False, thread=False, method="ngram")
     told = []
     reqs = [Request(list(p), SamplingParams(max_new_tokens=60), lambda new: None,
