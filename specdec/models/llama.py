@@ -640,10 +640,9 @@ class LlamaModel(nn.Module):
         An empty logits_at ([B, 0]) skips the LM head and returns (None, hidden).
         """
         B, T = tokens.shape
-        if int(positions.max()) >= self.cfg.max_position:
-            raise SpecdecError(
-                f"position {int(positions.max())} is past the model's context of {self.cfg.max_position} tokens"
-            )
+        last = int(positions.max())
+        if last >= self.cfg.max_position:
+            raise SpecdecError(f"position {last} is past the model's context of {self.cfg.max_position} tokens")
         if T > PREFILL_CHUNK and attn_mask is None and self.dtype == torch.float32:
             # a long chain (a prefill) in chunks: each chunk's activations stay in the caches
             C, none = PREFILL_CHUNK, torch.empty(B, 0, dtype=torch.long)
@@ -652,7 +651,7 @@ class LlamaModel(nn.Module):
             return self._logits(hidden, logits_at), hidden
         start, uniform = cache.reserve(T)
         n_keys = int(cache.lengths.max())
-        cos, sin = self._rope(positions)  # [B, T, 1, Dh]
+        cos, sin = self._rope(positions, last=last)  # [B, T, 1, Dh]
         # a chain written from slot 0 in every row (a prefill) sees exactly the causal triangle:
         # SDPA's is_causal then skips the blocks above the diagonal instead of reading a mask
         # (the same bits; a 1500-token prefill's attention takes ~40% less time)
@@ -821,14 +820,18 @@ class LlamaModel(nn.Module):
     # (cos, sin [P, 1, rotated dims]) of the model's rotation at positions 0 .. P - 1 (_rope)
     _rope_table = None
 
-    def _rope(self, positions: torch.Tensor, inv_freq=None, scaling=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, positions: torch.Tensor, inv_freq=None, scaling=None,
+              last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin [B, T, 1, rotated dims]) at `positions`, of the model's rotation (or of inv_freq
         and scaling: a sliding layer's, models/families.py). The model's own are read from a table
         of every position so far (made by the same elementwise operations, so the same numbers: a
-        step's ten small tensor operations were ~50 us of a 4 ms step), doubled as positions grow."""
+        step's ten small tensor operations were ~50 us of a 4 ms step), doubled as positions grow.
+        last: the largest position, where the caller has it."""
         if inv_freq is None and scaling is None:
             table = self._rope_table
-            top = int(positions.max()) + 1 if positions.numel() else 0
+            if last is None:
+                last = int(positions.max()) if positions.numel() else -1
+            top = last + 1
             if table is None or table[0].shape[0] < top or table[0].device != positions.device \
                     or table[0].dtype != self.dtype:
                 size = min(max(1024, 1 << max(top - 1, 1).bit_length()), max(self.cfg.max_position, top))
