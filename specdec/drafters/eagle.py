@@ -16,7 +16,11 @@ exact with tree verification in both greedy and sampling modes).
 
 The engine supplies the target's features of newly committed positions (DraftContext.hidden,
 since this drafter sets `needs_hidden`). The head keeps its own small KV cache: committed
-pairs stay, speculative positions are dropped after each step.
+pairs stay, speculative positions are dropped after each step. A row more than
+`CATCH_UP_WINDOW` pairs behind (a prompt, or steps the cost model declined the head) starts its
+cache again at the window's first pair: reading a long backlog cost a probe of the head 4-6
+plain steps, the window under one; the head then attends over the window and what follows it
+(positions stay the text's; the cache's slots start at the window, `self.base`).
 
 Where the target's decoding steps run on the row-stable kernels (specdec/kernels), the head drafts
 on them too (`rowstable_drafting`): its projections and subset head over Q8_0 copies where the
@@ -258,7 +262,8 @@ class EagleDrafter(Drafter):
             self._ks = torch.zeros(B, *shape, dtype=self.dtype)
             self._vs = torch.zeros_like(self._ks)
         self.k, self.v = self._ks[:B], self._vs[:B]
-        self.n = [0] * B  # committed pairs in the cache per row (pair t sits at slot t)
+        self.n = [0] * B  # committed pairs read per row (pair t sits at slot t - base)
+        self.base = [0] * B  # per row: the first pair its cache holds (CATCH_UP_WINDOW)
         self.feat: list[list[torch.Tensor]] = [[] for _ in range(B)]  # known target features, per row
         self.last_h: torch.Tensor | None = None
 
@@ -331,6 +336,18 @@ class EagleDrafter(Drafter):
     #: a row further behind than this (a prompt just handed over) catches up on its own, so
     #: a long prompt joining a running batch is not padded onto every other row
     CATCH_UP_ALONE = 16
+    #: a row further behind than this reads only its last this many pairs, in a cache started
+    #: again there (the module docstring); ~28 us a pair on the default model's head
+    CATCH_UP_WINDOW = 32
+
+    def _behind(self, tokens: list[list[int]]) -> list[int]:
+        """Per row, the committed pairs its next catch-up reads (at most CATCH_UP_WINDOW where
+        it is further behind)."""
+        out = []
+        for t, n in zip(tokens, self.n):
+            lag = max(len(t) - 1 - n, 0)
+            out.append(self.CATCH_UP_WINDOW if lag > self.CATCH_UP_WINDOW else lag)
+        return out
 
     @torch.inference_mode()
     def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
@@ -342,6 +359,9 @@ class EagleDrafter(Drafter):
         for b in range(B):
             if len(self.feat[b]) < want[b]:
                 raise RuntimeError("EAGLE drafter is missing target features (the engine did not pass hidden states)")
+        for b in range(B):
+            if want[b] - self.n[b] > self.CATCH_UP_WINDOW:  # the cache starts again at the window
+                self.n[b] = self.base[b] = want[b] - self.CATCH_UP_WINDOW
         new = [list(range(self.n[b], want[b])) for b in range(B)]
         h = torch.zeros(B, self.dim, dtype=self.dtype)
         far = [b for b in range(B) if len(new[b]) > self.CATCH_UP_ALONE]
@@ -370,14 +390,17 @@ class EagleDrafter(Drafter):
         slots = torch.zeros(B, T, dtype=torch.long)
         for i, idx in enumerate(new):
             r = rows_l[i]
+            base = self.base[r]
             for j, t in enumerate(idx):
                 toks[i, j] = ctx.tokens[r][t + 1]
                 feats[i, j] = self.feat[r][t]
-                pos[i, j] = slots[i, j] = t
+                pos[i, j], slots[i, j] = t, t - base
             for j in range(len(idx), T):  # padding: garbage written past the committed pairs, never read
-                pos[i, j] = slots[i, j] = min(want[i] + j, self.k.shape[2] - 1)
+                pos[i, j] = want[i] + j
+                slots[i, j] = min(want[i] - base + j, self.k.shape[2] - 1)
         S = int(slots.max()) + 1
-        if S == T and all(idx == list(range(T)) for idx in new):  # every row feeds pairs 0..T-1: a prompt
+        if S == T and all(len(idx) == T and idx[0] == self.base[r] for idx, r in zip(new, rows_l)):
+            # every row fills its cache's slots 0..T-1: a prompt (or a window)
             out = self._step(toks, feats, pos, slots, None, rows, causal=True)
         else:
             key = torch.arange(S)
@@ -396,7 +419,7 @@ class EagleDrafter(Drafter):
         B = len(ctx.tokens)
         self._node_p = {}
         sel = [b for b in range(B) if ctx.want is None or ctx.want[b]]
-        behind = max((len(t) - 1 - n for t, n in zip(ctx.tokens, self.n)), default=0)
+        behind = max(self._behind(ctx.tokens), default=0)
         if max_tokens <= 0 or not sel:
             self.remember(ctx)
             self._timing = (0.0, True)
@@ -476,14 +499,15 @@ class EagleDrafter(Drafter):
     def lags(self, tokens: list[list[int]]) -> list[int]:
         """Per row, the committed (feature, token) pairs the head has not read: what its next
         proposal first feeds (a whole prompt on a row's first one), priced by the cost model."""
-        return [max(len(t) - 1 - n, 0) for t, n in zip(tokens, self.n)]
+        return self._behind(tokens)
 
     @torch.inference_mode()
     def time_alone(self) -> tuple[float, float]:
         """(seconds per proposal, per pair read in a catch-up), on a scratch one-row cache: a
         warm-up, then a catch-up on 32 pairs and whole proposals with nothing new to read. The
         rows' state is left as it was."""
-        saved = (self._ks, self._vs, self.k, self.v, self.n, self.feat, self.last_h, self.last_scores, self._trees)
+        saved = (self._ks, self._vs, self.k, self.v, self.n, self.base, self.feat, self.last_h, self.last_scores,
+                 self._trees)
         L = 32
         trim, self.trim = self.trim, False  # whole trees: what a proposal costs before any cut
         try:
@@ -502,7 +526,7 @@ class EagleDrafter(Drafter):
             per_draft = min(times[1:])
             return per_draft, max(times[0] - per_draft, 0.0) / L
         finally:
-            (self._ks, self._vs, self.k, self.v, self.n, self.feat, self.last_h, self.last_scores,
+            (self._ks, self._vs, self.k, self.v, self.n, self.base, self.feat, self.last_h, self.last_scores,
              self._trees) = saved
             self.trim = trim
 
@@ -519,17 +543,19 @@ class EagleDrafter(Drafter):
         B = h.shape[0]
         rows = None if sel is None else torch.tensor(sel)
         toks, probs = [], []
-        n0 = torch.tensor(self.n if sel is None else [self.n[b] for b in sel])
+        rows_l = range(B) if sel is None else sel
+        n0 = torch.tensor([self.n[b] for b in rows_l])  # the first speculative pair's position
+        s0 = n0 - torch.tensor([self.base[b] for b in rows_l])  # and its cache slot
         for i in range(k):
             tok, q = draw(self._logits(h), ctx.params, ctx.generator, self.subset, self.vocab_size)
             if q is not None:
                 probs.append(q)
             toks.append(tok)
             if i + 1 < k:
-                slot = (n0 + i)[:, None]  # speculative pairs after the committed ones
+                slot = (s0 + i)[:, None]  # speculative pairs after the committed ones
                 S = int(slot.max()) + 1
                 visible = torch.arange(S)[None, None, :] <= slot[:, :, None]
-                h = self._step(tok[:, None], h[:, None].to(self.dtype), slot, slot, visible, rows)[:, 0]
+                h = self._step(tok[:, None], h[:, None].to(self.dtype), (n0 + i)[:, None], slot, visible, rows)[:, 0]
         return Draft(torch.stack(toks, 1), torch.full((B,), k, dtype=torch.long),
                      torch.stack(probs, 1) if probs else None)
 
@@ -540,7 +566,9 @@ class EagleDrafter(Drafter):
         B, D = h.shape
         W, N = self.width, self.nodes
         rows_t = None if sel is None else torch.tensor(sel)
-        n0_l = self.n if sel is None else [self.n[b] for b in sel]
+        rows_l = range(B) if sel is None else sel
+        pos0 = torch.tensor([self.n[b] for b in rows_l])  # the first speculative pair's position
+        n0_l = [self.n[b] - self.base[b] for b in rows_l]  # and its cache slot (the committed pairs' count)
         n0 = torch.tensor(n0_l)
         M = W * max(depth - 1, 0)  # speculative slots written after the committed pairs
         span = torch.arange(max(n0_l) + M + 1)
@@ -564,7 +592,7 @@ class EagleDrafter(Drafter):
             # run the head on the frontier: pair (feature of the parent's prediction, token)
             base = (d - 1) * W  # speculative slots base .. base + W - 1 hold this frontier
             slots = n0[:, None] + span[base : base + W][None]  # [B, W] cache slots
-            pos = (n0 + (d - 1))[:, None].expand(B, W)  # all frontier nodes sit at the same depth
+            pos = (pos0 + (d - 1))[:, None].expand(B, W)  # all frontier nodes sit at the same depth
             new = torch.arange(base, base + W)
             if front_parent is not None:
                 anc[:, base : base + W] = anc.gather(1, front_parent[:, :, None].expand(B, W, M))
@@ -636,6 +664,7 @@ class EagleDrafter(Drafter):
         self._vs[B].zero_()
         self.k, self.v = self._ks[: B + 1], self._vs[: B + 1]
         self.n.append(0)
+        self.base.append(0)
         self.feat.append([])
         if self.last_h is not None:
             self.last_h = torch.cat([self.last_h, self.last_h.new_zeros(1, self.last_h.shape[1])])
@@ -647,6 +676,7 @@ class EagleDrafter(Drafter):
             self._ks[: len(rows)], self._vs[: len(rows)] = self.k[idx], self.v[idx]
         self.k, self.v = self._ks[: len(rows)], self._vs[: len(rows)]
         self.n = [self.n[r] for r in rows]
+        self.base = [self.base[r] for r in rows]
         self.feat = [self.feat[r] for r in rows]
         if self.last_h is not None:
             self.last_h = self.last_h[idx]

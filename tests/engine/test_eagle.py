@@ -548,3 +548,57 @@ def test_dynamic_tree_equals_a_path_by_path_reference(monkeypatch, depth, width,
         for i in range(n):
             paths.append((paths[pars[i] - 1] if pars[i] else ()) + (toks[i],))
         assert set(paths) == want, (b, sorted(paths), sorted(want))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_far_behind_row_reads_its_last_window(monkeypatch, tree):
+    """A row further behind than CATCH_UP_WINDOW pairs (a prompt, declined steps) reads only the
+    last window, into a cache started there: the head's output at the pending token equals its
+    training forward (`EagleHead.forward`, causal) over those pairs alone, after a catch-up
+    within the window on the same cache, and after a second far one (a cache left with a hole
+    where the window starts is caught); the chain's next guess is the head over the window and
+    its first guess; the lag priced is the window. (Positions are the text's; the rotation being
+    relative, a shifted position would give the same guesses.)"""
+    from specdec.drafters.base import DraftContext
+
+    monkeypatch.setattr(EagleDrafter, "CATCH_UP_WINDOW", 8)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, V, (60,), generator=g).tolist()
+    tg = target()
+    _, hid = tg.model(torch.tensor([prompt]), torch.arange(len(prompt))[None], tg.model.new_cache(1, 128))
+    hid = hid[0]
+    d = drafter(tree, depth=3, width=2, nodes=6, trim=False)
+    head = d.head
+
+    def oracle(tokens, first):
+        """The head's output at the last pair, over pairs first .. len(tokens) - 2 alone."""
+        idx = torch.arange(first, len(tokens) - 1)
+        emb = d.embed(torch.tensor(tokens)[idx + 1])[None]
+        with torch.inference_mode():
+            out = head(emb.to(d.dtype), hid[idx][None].to(d.dtype), idx[None])
+        return out[0, -1]
+
+    d.begin([prompt], SamplingParams(), 128)
+    assert d.lags([prompt]) == [8]  # priced as the window, not the 59 pairs behind it
+    d.propose(DraftContext([list(prompt[:30])], SamplingParams(), None, [hid[:29]]), 3)
+    assert d.base == [21] and d.n == [29]
+    assert torch.allclose(d.last_h[0].float(), oracle(prompt[:30], 21).float(), atol=1e-4)
+    # 5 more pairs (within the window): read on top of the same cache
+    d.propose(DraftContext([list(prompt[:35])], SamplingParams(), None, [hid[29:34]]), 3)
+    assert d.base == [21] and d.n == [34]
+    assert torch.allclose(d.last_h[0].float(), oracle(prompt[:35], 21).float(), atol=1e-4)
+    # far behind again: the cache starts over at the new window
+    draft = d.propose(DraftContext([list(prompt)], SamplingParams(), None, [hid[34:]]), 3)
+    assert d.base == [51] and d.n == [59]
+    assert torch.allclose(d.last_h[0].float(), oracle(prompt, 51).float(), atol=1e-4)
+    if not tree:  # the chain's second guess: the head over the window and its first guess, at position 59
+        first = d._ids(d._logits(d.last_h).argmax(-1))
+        assert int(draft.tokens[0, 0]) == int(first[0])
+        idx = torch.arange(51, 59)
+        emb = d.embed(torch.cat((torch.tensor(prompt)[idx + 1], first)))[None].to(d.dtype)
+        feats = torch.cat((hid[idx].to(d.dtype), d.last_h.to(d.dtype)))[None]
+        with torch.inference_mode():
+            out = head(emb, feats, torch.arange(51, 60)[None])
+        assert int(draft.tokens[0, 1]) == int(d._ids(d._logits(out[0, -1:]).argmax(-1))[0])
+    # a wrong reading (the whole backlog) would differ: the check can fail
+    assert not torch.allclose(oracle(prompt, 0).float(), oracle(prompt, 51).float(), atol=1e-4)
