@@ -16,10 +16,12 @@ PROBE_EVERY = 16
 #: this many tokens of the request may still come: a short answer never earns one back
 PROBE_ROOM = 32
 #: every probe together may cost at most this share of the plain steps that declined the choice
-#: (and of a request's next ones, see `ProbeSchedule.affordable`)
-PROBE_SHARE = 0.02
+#: (and of a request's next ones, see `ProbeSchedule.affordable`). At 0.02 and a horizon of 64, a
+#: fresh engine whose head never paid spent ~3% of a 128-token answer on probes (EAGLE and Medusa
+#: at 0.95-0.96 of plain decoding, fresh, on a 2-core Xeon); at 0.01 and 32, 0.97-0.99
+PROBE_SHARE = 0.01
 #: a fresh engine counts this many of a request's coming steps towards its first probes' budget
-PROBE_HORIZON = 64
+PROBE_HORIZON = 32
 
 
 class ProbeSchedule:
@@ -31,9 +33,9 @@ class ProbeSchedule:
 
     def __init__(self, every: int = PROBE_EVERY, most: int = 32) -> None:
         """most: the longest gap, in `every`s. A probe of a second source costs its catch-up on
-        the context (an EAGLE head's on ~90 tokens: ~4 plain steps of the default model), so
-        while the source does not pay, probes every 512 steps cost under 1% (every 128: ~3%,
-        measured in the server at one client)."""
+        the context and its drafting (an EAGLE head's: ~2.5 plain steps of the default model, ~4
+        before its catch-up read only a window), so while the source does not pay, probes every
+        512 steps cost under 1% (every 128: ~3%, measured in the server at one client)."""
         self.every, self.most = every, most
         self.gap = every  # declined steps before the next probe
         self.last_gap = every  # the gap before the last probe lengthened it

@@ -791,19 +791,21 @@ def test_the_cost_model_round_trips_and_restores_sources_registered_later():
 def test_probes_cost_at_most_their_share_of_the_declined_steps():
     """Every probe together costs at most PROBE_SHARE of the steps that declined the choice, plus
     a request's coming steps up to PROBE_HORIZON (or as many as were declined): a fresh engine
-    may spend ~1.3 plain steps on its first probe of a 64-token answer, not 3."""
+    may spend ~0.5 plain steps on its first probe of a 64-token answer, not 3."""
     from specdec.policy.probing import PROBE_HORIZON, PROBE_SHARE
 
     schedule = ProbeSchedule()
     for _ in range(16):
         schedule.due()
-    budget = PROBE_SHARE * (16 + 47)
-    assert schedule.affordable(budget * 0.99, left=47) and not schedule.affordable(budget * 1.01, left=47)
-    assert not schedule.affordable(budget * 0.99, left=10)  # a shorter answer repays less
+    left = PROBE_HORIZON - 8  # an answer with fewer steps left than the horizon
+    budget = PROBE_SHARE * (16 + left)
+    assert schedule.affordable(budget * 0.99, left=left) and not schedule.affordable(budget * 1.01, left=left)
+    assert not schedule.affordable(budget * 0.99, left=left // 2)  # a shorter answer repays less
     # a long answer counts PROBE_HORIZON of its steps, not all of them
+    assert schedule.affordable(PROBE_SHARE * (16 + PROBE_HORIZON) * 0.99, left=10_000)
     assert not schedule.affordable(PROBE_SHARE * (16 + PROBE_HORIZON) * 1.01, left=10_000)
     schedule.paid(budget * 0.99)
-    assert not schedule.affordable(0.1, left=47)  # what was spent counts
+    assert not schedule.affordable(0.1, left=left)  # what was spent counts
     for _ in range(200):
         schedule.due()
     assert schedule.affordable(0.1, left=47)
@@ -931,7 +933,9 @@ def test_a_draft_that_slows_the_steps_after_it_is_charged_for_them(rule):
     what it leaves the next steps it does not (1.35 for 1.45, drafting every step). Charged for
     those steps, it is dropped and the answer decodes at 0.97 of plain decoding's rate or more;
     with them fitted as plain steps (the broken rule), plain decoding looks dearer than it is and
-    it keeps drafting, below that."""
-    at, _, rate = priced_run(c=0.1, r=0.05, holds=[0.35, 0.0], catch_up=0.01, aftermath=(0.3, 0.2, 0.1, 0.05), rule=rule)
+    it keeps drafting, below that (~0.91). Over 400 steps: the dozen steps its prior drafts first
+    weigh ~0.03 of 300."""
+    at, _, rate = priced_run(c=0.1, r=0.05, holds=[0.35, 0.0], catch_up=0.01, aftermath=(0.3, 0.2, 0.1, 0.05), rule=rule,
+                             steps=400)
     ok = rate >= 0.97 and len(at) <= 30
     assert ok == (rule == "priced"), (len(at), rate)
