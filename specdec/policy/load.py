@@ -18,7 +18,9 @@ its best known offer. Probes follow `probing.ProbeSchedule` (see `choose`).
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from ..learned import nonneg
@@ -42,6 +44,8 @@ TREE_PRIOR = 0.5
 #: the plain steps right after an on-demand source drafted whose time beyond a plain step is charged
 #: to that drafting (`LoadPolicy.observe_step`), not to plain decoding
 AFTER_STEPS = 4
+#: how many recent plain steps (outside those stretches) `LoadPolicy._plain_step` takes the median of
+FAR_PLAIN = 16
 #: the steps after a prefill that are not fitted while every row of the step is that young
 SETTLE_STEPS = 8
 
@@ -179,6 +183,9 @@ class LoadPolicy:
         self.probe_room = PROBE_ROOM
         # the on-demand source that drafted last, the plain steps since and their time beyond the fit
         self._after: tuple[SourceStats, int, float] | None = None
+        # per row count, the last FAR_PLAIN plain steps outside any such stretch: what a stretch's
+        # steps are measured against (`_plain_step`)
+        self._far: dict[int, collections.deque] = {}
         self._saved: dict = {}  # learned state of sources not yet registered (relearn before `source`)
 
     def source(self, name: str, known: bool, tree: bool, prior: float, nodes: int = 0,
@@ -219,20 +226,36 @@ class LoadPolicy:
         after = self._after
         if after is not None:
             stats, n, excess = after
-            plain = self.steps.predict(rows, 0) if k == 0 and drafted is None else None
+            plain = self._plain_step(rows) if k == 0 and drafted is None else None
             if plain is not None:
                 n, excess = n + 1, excess + seconds - plain
                 if n < AFTER_STEPS:
                     self._after = (stats, n, excess)
                     return
-            # the stretch ends (AFTER_STEPS plain steps, or the next drafting step before them)
-            stats.aftermath = ema(stats.aftermath, excess, 0.8)
+            # the stretch ends (AFTER_STEPS plain steps, or the next drafting step before them);
+            # one the next drafting step ended before any plain step measured nothing (counted as
+            # 0, a source that drafts step after step had its aftermath averaged away)
+            if n > 0:
+                stats.aftermath = ema(stats.aftermath, excess, 0.8)
             self._after = None
             if plain is not None:
                 return
         self.steps.observe(rows, k, seconds)
         if drafted is not None:
             self._after = (drafted, 0, 0.0)
+        elif k == 0:
+            self._far.setdefault(rows, collections.deque(maxlen=FAR_PLAIN)).append(seconds)
+
+    def _plain_step(self, rows: int) -> float | None:
+        """What a plain step of `rows` rows takes, for the steps after a drafting one to be
+        measured against: the median of the last FAR_PLAIN plain steps outside such stretches once
+        there are 4, else the step-time fit's. (Against the fit alone, which in a fresh engine's
+        first steps moved between 5.4 and 8.1 ms for a 7.1 ms step of the default model, a draft
+        model's aftermath averaged ~0 where the 4 steps after it measured ~1.5 ms slower.)"""
+        far = self._far.get(rows)
+        if far is not None and len(far) >= 4:
+            return statistics.median(far)
+        return self.steps.predict(rows, 0)
 
     def observe_drafting(self, stats: SourceStats, rows: int, seconds: float, units: int, steady: bool,
                          behind: int = 0) -> None:

@@ -939,3 +939,36 @@ def test_a_draft_that_slows_the_steps_after_it_is_charged_for_them(rule):
                              steps=400)
     ok = rate >= 0.97 and len(at) <= 30
     assert ok == (rule == "priced"), (len(at), rate)
+
+
+@pytest.mark.parametrize("rule", ["measured", "empty stretches count"])
+def test_a_drafter_that_drafts_step_after_step_keeps_its_aftermath(monkeypatch, rule):
+    """The plain steps after a drafting one are measured against the median of recent plain
+    steps outside such stretches: a draft that costs the next plain step 0.3 of a step keeps an
+    aftermath near 0.3 even when most of its drafting steps follow one another (a stretch the
+    next drafting step ends before any plain step measured nothing). Counting those empty
+    stretches as 0 (the broken rule) averages the aftermath away."""
+    from specdec.policy import load as load_mod
+
+    if rule != "measured":
+        def observe_step(self, rows, k, seconds, drafted=None, settling=False):
+            after = self._after
+            if after is not None and drafted is not None and after[1] == 0:
+                after[0].aftermath = load_mod.ema(after[0].aftermath, 0.0, 0.8)
+                self._after = None
+            return orig(self, rows, k, seconds, drafted, settling)
+        orig = LoadPolicy.observe_step
+        monkeypatch.setattr(LoadPolicy, "observe_step", observe_step)
+    policy = LoadPolicy(4)
+    stats = policy.source("draft", False, False, 0.6)
+    for _ in range(8):
+        policy.observe_step(1, 0, 1.0)  # plain steps, far from any drafting
+    since = 99
+    for step in range(200):
+        if step % 8 in (0, 1, 2):  # three drafting steps in a row, then five plain ones
+            policy.observe_step(1, 2, 1.2, stats)
+            since = 0
+        else:
+            since += 1
+            policy.observe_step(1, 0, 1.0 + (0.3 if since == 1 else 0.0))
+    assert (abs(stats.aftermath - 0.3) < 0.05) == (rule == "measured"), stats.aftermath
