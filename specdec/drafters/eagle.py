@@ -348,11 +348,7 @@ class EagleDrafter(Drafter):
     def _behind(self, tokens: list[list[int]]) -> list[int]:
         """Per row, the committed pairs its next catch-up reads (at most CATCH_UP_WINDOW where
         it is further behind)."""
-        out = []
-        for t, n in zip(tokens, self.n):
-            lag = max(len(t) - 1 - n, 0)
-            out.append(self.CATCH_UP_WINDOW if lag > self.CATCH_UP_WINDOW else lag)
-        return out
+        return [min(max(len(t) - 1 - n, 0), self.CATCH_UP_WINDOW) for t, n in zip(tokens, self.n)]
 
     @torch.inference_mode()
     def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
@@ -364,7 +360,6 @@ class EagleDrafter(Drafter):
         for b in range(B):
             if len(self.feat[b]) < want[b]:
                 raise RuntimeError("EAGLE drafter is missing target features (the engine did not pass hidden states)")
-        for b in range(B):
             if want[b] - self.n[b] > self.CATCH_UP_WINDOW:  # the cache starts again at the window
                 self.n[b] = self.base[b] = want[b] - self.CATCH_UP_WINDOW
         new = [list(range(self.n[b], want[b])) for b in range(B)]

@@ -3401,9 +3401,9 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
 // Every layer of a decoding step, decode_layer after decode_layer (the same calls, so the same
 // numbers), for a model whose layers all take it: one call through the dispatcher a step instead of
 // one a layer (each ~15 us of argument parsing and Python: the default model's one-token step 5.34 ->
-// 4.88 ms on a 2-core Xeon, benchmarks/decode_layer_ab.py --switch layers). Per layer l: its caches, its norms, and 4 projections' kinds, counts and Ks
-// at [4 l, 4 l + 4); its tensors, types and Ns follow each other in `packed`, `types` and `Ns`;
-// qkv_biases: none, or one a layer.
+// 4.88 ms on a 2-core Xeon, benchmarks/decode_layer_ab.py --switch layers). Per layer l: its caches,
+// its norms, and 4 projections' kinds, counts and Ks at [4 l, 4 l + 4); its tensors, types and Ns
+// follow each other in `packed`, `types` and `Ns`; qkv_biases: none, or one a layer.
 at::Tensor decode_layers(const at::Tensor& x_, const at::Tensor& cos, const at::Tensor& sin, at::TensorList kcs,
                          at::TensorList vcs, const at::Tensor& start, int64_t heads, int64_t n_keys,
                          const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& row_keys,

@@ -181,7 +181,8 @@ class LoadPolicy:
         self.eager = False
         self.closed = False
         self.probe_room = PROBE_ROOM
-        # the on-demand source that drafted last, the plain steps since and their time beyond the fit
+        # the on-demand source that drafted last, the plain steps since and their time beyond a
+        # plain step's (`_plain_step`)
         self._after: tuple[SourceStats, int, float] | None = None
         # per row count, the last FAR_PLAIN plain steps outside any such stretch: what a stretch's
         # steps are measured against (`_plain_step`)
