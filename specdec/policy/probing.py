@@ -18,7 +18,7 @@ PROBE_ROOM = 32
 #: every probe together may cost at most this share of the plain steps that declined the choice
 #: (and of a request's next ones, see `ProbeSchedule.affordable`). At 0.02 and a horizon of 64, a
 #: fresh engine whose head never paid spent ~3% of a 128-token answer on probes (EAGLE and Medusa
-#: at 0.95-0.96 of plain decoding, fresh, on a 2-core Xeon); at 0.01 and 32, 0.97-0.99
+#: at 0.95-0.96 of plain decoding, fresh, on a 2-core Xeon); at 0.01 and 32, 0.96-1.00 over 2-4 runs
 PROBE_SHARE = 0.01
 #: a fresh engine counts this many of a request's coming steps towards its first probes' budget
 PROBE_HORIZON = 32
