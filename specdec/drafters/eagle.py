@@ -20,8 +20,8 @@ pairs stay, speculative positions are dropped after each step. A row more than
 `CATCH_UP_WINDOW` pairs behind (a prompt, or steps the cost model declined the head) starts its
 cache again at the window's first pair: a probe of the head that read a long backlog took 4-6
 plain steps of the default model, ~2.5 with the window (its read ~0.2); the head then attends over
-the window and what follows it
-(positions stay the text's; the cache's slots start at the window, `self.base`).
+the window and what follows it (positions stay the text's; the cache's slots start at the window,
+`self.base`).
 
 Where the target's decoding steps run on the row-stable kernels (specdec/kernels), the head drafts
 on them too (`rowstable_drafting`): its projections and subset head over Q8_0 copies where the
