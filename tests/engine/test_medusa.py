@@ -66,6 +66,31 @@ def test_medusa_sampling_matches_exact_distribution():
         assert not res.rejected, f"medusa {label}: {res}"
 
 
+def test_timing_medusa_alone_prices_it_before_its_first_proposal():
+    """MedusaDrafter.time_alone (run when a scheduler starts, as for the other model drafters):
+    a positive time per whole-tree proposal and nothing to catch up on; the rows' features stay
+    as they were, so the next proposal is the one an untimed drafter makes; and a new adaptive
+    scheduler's cost model has the source timed before any step (unpriced, a fresh engine's
+    first probe was priced as free)."""
+    from specdec.drafters.base import DraftContext
+
+    tg = target()
+    timed, plain = (method_sources("medusa", tg, draft=str(heads_dir()))[0] for _ in range(2))
+    feature = torch.randn(1, tg.model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    for d in (timed, plain):
+        d.begin([prompts()[0]], SamplingParams(), 64)
+        d.propose(DraftContext([prompts()[0]], SamplingParams(), None, hidden=[feature]), 8)
+    per_proposal, per_read = timed.time_alone()
+    assert per_proposal > 0 and per_read == 0.0
+    ctx = DraftContext([prompts()[0]], SamplingParams(), None)
+    a, b = timed.propose(ctx, 8), plain.propose(ctx, 8)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    engine = Engine(tg.model, method_sources("medusa", tg, draft=str(heads_dir())), k=4)
+    engine._scheduler(prompts()[:1], SamplingParams(max_new_tokens=4))
+    stats = engine.policy.sources["medusa"]
+    assert stats.timed and stats.draft_seconds(1) > 0 and engine.policy.steps.all.weight == 0
+
+
 def test_heads_for_another_target_are_refused():
     with pytest.raises(SpecdecError, match="trained for another target"):
         load_medusa(heads_dir(0), target(7))
