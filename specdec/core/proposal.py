@@ -136,24 +136,28 @@ class Sources:
             return self._sit_out(plan, "guard")
         tokens = [r.context for r in rows]
         ctx = DraftContext(tokens, _GREEDY, None, room=room)
-        quotes = []
-        for i, d in enumerate(self.drafters):
-            ok = [room_b > 0 and r.spec_k != 0 and (r.sources is None or d.label in r.sources)
-                  for r, room_b in zip(rows, room)]
-            if d.known:
-                offers = self._legal(rows, d.offer(ctx, self.policy.long_max if d.long_chains else self.k_max))
-                self._remember(i, tokens, offers)
-                quotes.append(Quote(self.stats[i], ok, offers=offers))
-            else:
-                quotes.append(Quote(self.stats[i], ok, lags=d.lags(tokens), every_row=not d.partial_rows))
-        if guard is not None and not self.fixed and A < guard.min_rows and self.on_demand \
-                and not any(o is not None and o.tokens for q in quotes if q.offers for o in q.offers) \
+        quotes: list[Quote | None] = [None] * len(self.drafters)
+        offered = False
+        for i in self.known:
+            d = self.drafters[i]
+            offers = d.offer(ctx, self.policy.long_max if d.long_chains else self.k_max)
+            if any(o is not None for o in offers):
+                offers = self._legal(rows, offers)
+                offered = offered or any(o is not None and o.tokens for o in offers)
+            self._remember(i, tokens, offers)
+            quotes[i] = Quote(self.stats[i], self._allowed(d, rows, room), offers=offers)
+        if guard is not None and not self.fixed and A < guard.min_rows and self.on_demand and not offered \
                 and not guard.priced(A) \
                 and ProbeSchedule.wait_all([self.stats[i].probes for i in self.on_demand], 1.0 / A):
             # nothing known on offer and the cost model declined the on-demand sources lately:
             # unpriced, as a batch's band would be (BatchGuard.priced), unless one of them is due
-            # for a probe (ProbeSchedule.wait_all: the step is then priced, and the probe made)
+            # for a probe (ProbeSchedule.wait_all: the step is then priced, and the probe made).
+            # (Decided before the on-demand sources are quoted: most steps of a declined source)
             return self._sit_out(plan, "cost")
+        for i in self.on_demand:
+            d = self.drafters[i]
+            quotes[i] = Quote(self.stats[i], self._allowed(d, rows, room), lags=d.lags(tokens),
+                              every_row=not d.partial_rows)
         choice = self.policy.choose(quotes, step, room, fixed=self.fixed)
         plan.k, plan.probe, plan.reason = choice.k, choice.probe, choice.reason
         # a row's node budget, within the cache slots it has left (`space`, default: its room); a
@@ -178,6 +182,13 @@ class Sources:
         if not any(plan.guesses):
             return self._plain(plan, plan.reason or "cost")
         return plan
+
+    @staticmethod
+    def _allowed(d: Drafter, rows, room: list[int]) -> list[bool]:
+        """The rows that may take source d's guesses: room left, speculation not off for the
+        request, and d among the sources it allows."""
+        return [left > 0 and r.spec_k != 0 and (r.sources is None or d.label in r.sources)
+                for r, left in zip(rows, room)]
 
     @staticmethod
     def _legal(rows, offers: list) -> list:
@@ -235,7 +246,8 @@ class Sources:
         step's offers open (`policy.Hindsight`)."""
         stats, rows = self.stats[i], self.hindsight[i]
         for b, (text, offer) in enumerate(zip(tokens, offers)):
-            rows[b].score(text, stats.acceptance, stats.odds)
+            if rows[b].open:
+                rows[b].score(text, stats.acceptance, stats.odds)
             if offer is not None and offer.tokens:
                 rows[b].add(len(text), offer.key, list(offer.tokens), offer.parents, offer.scores)
 
