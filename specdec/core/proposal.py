@@ -350,9 +350,11 @@ class Sources:
             return shared, rows[0].generator
         return _GREEDY, None
 
-    def commit(self, plan: Plan, paths: list[list[int]], reached: list[int]) -> None:
+    def commit(self, plan: Plan, paths: list[list[int]], reached: list[int],
+               odds: list[list[float] | None] | None = None) -> None:
         """Tell each on-demand source that drafted what its rows kept (`paths`: per row the
-        accepted nodes; `reached`: how deep its proposal went), and the cost model what held."""
+        accepted nodes; `reached`: how deep its proposal went), and the cost model what held
+        (with `odds`, a sampled row's chance of each guess holding: `step.held_odds`)."""
         accepted = [len(p) for p in paths]
         for i, draft in plan.drafted.items():
             mine = [s == i for s in plan.source]
@@ -360,7 +362,9 @@ class Sources:
             self.drafters[i].commit([a if m else 0 for a, m in zip(accepted, mine)],
                                     paths=[p if m else [] for p, m in zip(paths, mine)] if tree else None)
             self.policy.observe_outcome(self.stats[i], [r if m else 0 for r, m in zip(reached, mine)],
-                                        [a if m else 0 for a, m in zip(accepted, mine)])
+                                        [a if m else 0 for a, m in zip(accepted, mine)],
+                                        odds=[o if m else None for o, m in zip(odds, mine)] if odds else None,
+                                        parents=plan.parents if tree else None)
 
     def learned(self) -> dict:
         out = {}

@@ -407,7 +407,7 @@ class ContinuousBatcher:
         counts_l, failed = draft.counts.tolist(), res.failed
         # how deep each row's proposal reached (a tree as deep as the tree)
         depths = [res.proposed_depth(b, c) for b, c in enumerate(counts_l)]
-        self.sources.commit(plan, res.paths, depths)
+        self.sources.commit(plan, res.paths, depths, res.odds)
         t2 = time.perf_counter()
         self._record(plan, draft, res.accepted, t2 - t0)
         for b, r in enumerate(self.rows):

@@ -42,6 +42,9 @@ class StepResult:
     hidden: torch.Tensor  # [A, K+1, D] its final hidden states
     depth: torch.Tensor | None = None  # [A, K+1] node depths of a tree step (None: chains)
     failed: dict[int, Exception] = field(default_factory=dict)  # rows whose own verification raised
+    # per row: each guess's chance of holding given that its parent held, where verification
+    # sampled (`held_odds`); None for a greedy row (its outcome is all there is to know)
+    odds: list[list[float] | None] | None = None
 
     @property
     def accepted(self) -> list[int]:
@@ -95,34 +98,63 @@ def run_step(model, cache, pending: list[int], draft: Draft, params: SamplingPar
     # the text position of each row's first new token (the pending token sits at `base`)
     draws = ((base + 1).tolist(), list(row_keys) if row_keys is not None else [0] * A)
     if isinstance(params, SamplingParams):
-        (paths, nxt), failed = _verify_shared(logits, draft, parents, params, generators, room, draws), {}
+        (paths, nxt, odds), failed = _verify_shared(logits, draft, parents, params, generators, room, draws), {}
     else:
-        paths, nxt, failed = _verify_per_row(logits, draft, parents, params, generators, room,
-                                             tree_rows if tree_rows is not None else [is_tree] * A, draws)
+        paths, nxt, odds, failed = _verify_per_row(logits, draft, parents, params, generators, room,
+                                                   tree_rows if tree_rows is not None else [is_tree] * A, draws)
     if is_tree:
         cache.keep_paths(base, paths)
     elif K > 0:  # (a plain step's one token is what the forward reserved: nothing to roll back)
         cache.truncate(base + 1 + torch.tensor([len(p) for p in paths], dtype=torch.long))
-    return StepResult(paths, nxt, logits, hidden, depth, failed)
+    return StepResult(paths, nxt, logits, hidden, depth, failed, odds)
+
+
+def held_odds(probs: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None,
+              draft_probs: torch.Tensor | None, counts: torch.Tensor) -> list[list[float] | None]:
+    """Per row, each guess's chance of holding given that its parent held (a chain's parent is
+    the guess before it), from the target's warped probabilities [B, K+1, V] at the parent's
+    position: a deterministic guess x holds with p(x) (sample and compare), a guess drawn from q
+    with sum(min(p, q)) (the rejection rule's acceptance, averaged over q). These are the
+    expectations of the 0/1 outcomes, known exactly once the target has scored the guesses, so the
+    cost model learns a sampled row's acceptance from them with far less noise than from whether
+    one sample matched, and for every guess scored, not only up to the first miss. None for a tree
+    drawn from q (its rule weighs siblings together)."""
+    B, K = tokens.shape
+    counts_l = counts.tolist()
+    if K == 0:
+        return [[] for _ in range(B)]
+    if draft_probs is not None:
+        if parents is not None:
+            return [None] * B
+        held = torch.minimum(probs[:, :K], draft_probs[:, :K].to(probs.dtype)).sum(-1)  # [B, K]
+    else:
+        where = parents if parents is not None else torch.arange(K).expand(B, K)
+        V = probs.shape[-1]
+        held = probs.reshape(B, -1).gather(1, where * V + tokens)  # p at the parent's position, of the guess
+    return [row[:n] for row, n in zip(held.tolist(), counts_l)]
 
 
 def _verify_shared(logits, draft: Draft, parents, params: SamplingParams, gen, room, draws):
     """Every row with the same settings and generator: one batched call per rule. draws:
     (positions, row keys) of each row's first new token, for sampled rows (verify.py)."""
     positions, keys = draws
+    odds = None
     if parents is not None:
         if params.greedy:
             paths, nxt = verify_tree_greedy(logits, draft.tokens, parents, draft.counts, room)
         else:
-            paths, nxt = verify_tree_stochastic(warp(logits, params), draft.tokens, parents, draft.probs,
+            probs = warp(logits, params)
+            paths, nxt = verify_tree_stochastic(probs, draft.tokens, parents, draft.probs,
                                                 draft.counts, gen, room, positions, keys)
-        return [list(p) for p in paths], [int(t) for t in nxt]
+            odds = held_odds(probs, draft.tokens, parents, draft.probs, draft.counts)
+        return [list(p) for p in paths], [int(t) for t in nxt], odds
     if params.greedy:
         n_acc, nxt = verify_greedy(logits, draft.tokens, draft.counts)
     else:
-        n_acc, nxt = verify_stochastic(warp(logits, params), draft.tokens, draft.probs, draft.counts, gen,
-                                       positions, keys)
-    return [list(range(1, a + 1)) for a in n_acc.tolist()], nxt.tolist()
+        probs = warp(logits, params)
+        n_acc, nxt = verify_stochastic(probs, draft.tokens, draft.probs, draft.counts, gen, positions, keys)
+        odds = held_odds(probs, draft.tokens, None, draft.probs, draft.counts)
+    return [list(range(1, a + 1)) for a in n_acc.tolist()], nxt.tolist(), odds
 
 
 def _verify_per_row(logits, draft: Draft, parents, params: list[SamplingParams], gens, room, tree_rows, draws):
@@ -135,6 +167,7 @@ def _verify_per_row(logits, draft: Draft, parents, params: list[SamplingParams],
     A = len(params)
     paths = [list(range(1, int(c) + 1)) for c in draft.counts]  # chain: node j hangs under node j - 1
     nxt = [0] * A
+    odds: list[list[float] | None] = [None] * A
     plain = [b for b in range(A) if params[b].greedy and not (parents is not None and tree_rows[b])]
     if plain:
         sel = slice(None) if len(plain) == A else torch.tensor(plain)
@@ -152,17 +185,20 @@ def _verify_per_row(logits, draft: Draft, parents, params: list[SamplingParams],
                 if params[b].greedy:
                     p, n = verify_tree_greedy(lg, gt, parents[b : b + 1], c, [room[b]])
                 else:
-                    p, n = verify_tree_stochastic(warp(lg, params[b]), gt, parents[b : b + 1], None, c, gens[b],
+                    probs = warp(lg, params[b])
+                    p, n = verify_tree_stochastic(probs, gt, parents[b : b + 1], None, c, gens[b],
                                                   [room[b]], positions[b : b + 1], keys[b : b + 1])
+                    odds[b] = held_odds(probs, gt, parents[b : b + 1], None, c)[0]
                 paths[b], nxt[b] = list(p[0]), int(n[0])
             else:
                 m = int(c[0])
-                a, n = verify_stochastic(warp(lg[:, : m + 1], params[b]), gt[:, :m], None, c, gens[b],
-                                         positions[b : b + 1], keys[b : b + 1])
+                probs = warp(lg[:, : m + 1], params[b])
+                a, n = verify_stochastic(probs, gt[:, :m], None, c, gens[b], positions[b : b + 1], keys[b : b + 1])
                 paths[b], nxt[b] = paths[b][: int(a[0])], int(n[0])
+                odds[b] = held_odds(probs, gt[:, :m], None, None, c)[0]
         except Exception as e:  # noqa: BLE001 - this row's own failure: the caller ends it alone
             failed[b], paths[b] = e, []
-    return paths, nxt, failed
+    return paths, nxt, odds, failed
 
 
 def _paths(draft: Draft, row: int, parents) -> list[list[int]]:

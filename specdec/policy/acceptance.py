@@ -34,6 +34,12 @@ def counts_ok(acc: float, seen: float) -> bool:
     return 0.0 <= acc <= seen < math.inf and seen > 0
 
 
+def outcome(proposed: int, accepted: int) -> list[float]:
+    """A chain's outcome per position tried when `accepted` of `proposed` guesses held: 1 for each
+    that held, 0 for the first that did not (the ones after it were not tried)."""
+    return [1.0] * accepted + [0.0] * (accepted < proposed)
+
+
 def best_prefix(values: list[float], c: float, r: float) -> int:
     """How many of `values` (expected accepted tokens per node, best first) to verify: the m
     that maximises committed tokens per unit of step time, (1 + sum(values[:m])) / (1 + c + r m),
@@ -106,16 +112,23 @@ class Acceptance:
         return self.seen[self._key(key)][0] > 2.0
 
     def observe_rows(self, key: int, rows: list[tuple[int, int]]) -> None:
-        """One step's (proposed, accepted) of each row that guessed under `key`: the counts decay
-        once a step, not once a row, so a batch of many rows does not forget faster."""
+        """One step's (proposed, accepted) of each row that guessed under `key`: each position
+        whose predecessors all held was tried, and held or not."""
+        self.observe_held(key, [outcome(p, a) for p, a in rows])
+
+    def observe_held(self, key: int, rows: list[list[float]]) -> None:
+        """One step's outcome of each row that guessed under `key`: per position tried, whether
+        it held (1 or 0) or its chance of holding given that its predecessors held (a sampled
+        row's `held_odds`, known for every guess scored). The counts decay once a step, not once a
+        row, so a batch of many rows does not forget faster."""
         row = self._key(key)
         acc, seen, d = self.acc[row], self.seen[row], self.decay
-        for i in range(min(len(acc), max((min(p, a + 1) for p, a in rows), default=0))):
-            held = tried = 0
-            for proposed, accepted in rows:
-                if i < min(proposed, accepted + 1):  # the positions whose predecessors all held
-                    tried += 1
-                    held += i < accepted
+        for i in range(min(len(acc), max((len(h) for h in rows), default=0))):
+            held = tried = 0.0
+            for h in rows:
+                if i < len(h):
+                    tried += 1.0
+                    held += h[i]
             if seen[i] == 0:  # first seen: two observations at the rate of the position before
                 acc[i], seen[i] = 2.0 * acc[i - 1] / seen[i - 1], 2.0
             acc[i] = d * acc[i] + held

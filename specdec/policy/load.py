@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..learned import nonneg
-from .acceptance import Acceptance, NodeOdds
+from .acceptance import Acceptance, NodeOdds, outcome
 from .fits import FIT_DECAY, DecayedLine, StepModel, batch_end, ema
 from .probing import PROBE_EVERY, PROBE_ROOM, PROBE_SHARE, ProbeSchedule
 
@@ -46,8 +46,21 @@ TREE_PRIOR = 0.5
 AFTER_STEPS = 4
 #: how many recent plain steps (outside those stretches) `LoadPolicy._plain_step` takes the median of
 FAR_PLAIN = 16
+#: plain steps an engine times (outside settling and a drafting step's aftermath) before an
+#: on-demand source may draft: the price of plain decoding that drafting is weighed against
+PLAIN_FIRST = 4
 #: the steps after a prefill that are not fitted while every row of the step is that young
 SETTLE_STEPS = 8
+
+
+def expected_path(odds: list[float], parents: list[int]) -> float:
+    """A tree's expected accepted nodes under sample and compare: the sum over nodes of the chance
+    that the path to it holds, the product of its ancestors' and its own `odds` (node j, 1-based,
+    hangs under parents[j - 1]; 0 is the root)."""
+    reach = [1.0]
+    for j, chance in enumerate(odds, start=1):
+        reach.append(reach[parents[j - 1]] * chance)
+    return sum(reach) - 1.0
 
 
 class SourceStats:
@@ -187,6 +200,7 @@ class LoadPolicy:
         # per row count, the last FAR_PLAIN plain steps outside any such stretch: what a stretch's
         # steps are measured against (`_plain_step`)
         self._far: dict[int, collections.deque] = {}
+        self._plain_timed = 0  # plain steps timed outside any such stretch (and not settling)
         self._saved: dict = {}  # learned state of sources not yet registered (relearn before `source`)
 
     def source(self, name: str, known: bool, tree: bool, prior: float, nodes: int = 0,
@@ -221,7 +235,11 @@ class LoadPolicy:
         plain steps, that time made plain decoding look dear and drafting cheap, so a fresh
         `--method draft` engine drafted half its steps at 0.9x a plain engine. So the first
         AFTER_STEPS plain steps after a drafting step stay out of the step-time fit, and their
-        time beyond it is that source's `aftermath`, priced with its drafting."""
+        time beyond it is that source's `aftermath`, priced with its drafting. The drafting step's
+        own verification counts too, by what it took beyond the price `choose` gave it (the draft
+        model's 34 MB forward evicts the target's weights before that step's own forward: a
+        one-guess step measured 1.24-1.28 plain steps where the fit priced 1.11-1.12, and a fresh
+        engine, its fit still on its prior, drafted at 0.8x plain in those steps)."""
         if settling:
             return
         after = self._after
@@ -234,18 +252,20 @@ class LoadPolicy:
                     self._after = (stats, n, excess)
                     return
             # the stretch ends (AFTER_STEPS plain steps, or the next drafting step before them);
-            # one the next drafting step ended before any plain step measured nothing (counted as
-            # 0, a source that drafts step after step had its aftermath averaged away)
+            # one the next drafting step ended before any plain step is not counted (a source
+            # that drafts step after step had its aftermath averaged away: its steps are fitted)
             if n > 0:
                 stats.aftermath = ema(stats.aftermath, excess, 0.8)
             self._after = None
             if plain is not None:
                 return
-        self.steps.observe(rows, k, seconds)
-        if drafted is not None:
-            self._after = (drafted, 0, 0.0)
+        if drafted is not None:  # its excess over its price, before the fit learns from it
+            priced = self.steps.mean(rows) is not None  # (before any step, no price to measure by)
+            self._after = (drafted, 0, seconds - self._priced(rows, k) if priced else 0.0)
         elif k == 0:
             self._far.setdefault(rows, collections.deque(maxlen=FAR_PLAIN)).append(seconds)
+            self._plain_timed += 1
+        self.steps.observe(rows, k, seconds)
 
     def _plain_step(self, rows: int) -> float | None:
         """What a plain step of `rows` rows takes, for the steps after a drafting one to be
@@ -253,10 +273,14 @@ class LoadPolicy:
         there are 4, else the step-time fit's. (Against the fit alone, which in a fresh engine's
         first steps moved between 5.4 and 8.1 ms for a 7.1 ms step of the default model, a draft
         model's aftermath averaged ~0 where the 4 steps after it measured ~1.5 ms slower.)"""
+        measured = self._measured_plain(rows)
+        return measured if measured is not None else self.steps.predict(rows, 0)
+
+    def _measured_plain(self, rows: int) -> float | None:
+        """The median of the last FAR_PLAIN plain steps of `rows` rows outside any drafting
+        step's aftermath, once there are 4; else None."""
         far = self._far.get(rows)
-        if far is not None and len(far) >= 4:
-            return statistics.median(far)
-        return self.steps.predict(rows, 0)
+        return statistics.median(far) if far is not None and len(far) >= 4 else None
 
     def observe_drafting(self, stats: SourceStats, rows: int, seconds: float, units: int, steady: bool,
                          behind: int = 0) -> None:
@@ -273,18 +297,26 @@ class LoadPolicy:
         if not stats.timed:
             stats.probes.again(measured=False)
 
-    def observe_outcome(self, stats: SourceStats, reached: list[int], accepted: list[int]) -> None:
+    def observe_outcome(self, stats: SourceStats, reached: list[int], accepted: list[int],
+                        odds: list[list[float] | None] | None = None,
+                        parents: list[list[int]] | None = None) -> None:
         """Per row that verified this on-demand source's guesses: how deep its proposal reached
-        (a chain's guesses, a tree's depth) and how many held. A probe whose guess held is
-        repeated at once (one observation is too few to turn the choice)."""
-        pairs = [(d, a) for d, a in zip(reached, accepted) if d > 0]
-        if not pairs:
+        (a chain's guesses, a tree's depth) and how many held; for a sampled row, `odds` (each
+        guess's chance of holding given its parent held: `core.step.held_odds`; a tree's
+        `parents`) stand for the outcome: their expectation, with less noise than one sample. A
+        probe whose guess held is repeated at once (one observation is too few to turn the
+        choice)."""
+        rows = [b for b, d in enumerate(reached) if d > 0]
+        if not rows:
             return
+        sampled = [odds[b] if odds is not None else None for b in rows]
         if stats.tree:
-            stats.gain = ema(stats.gain, sum(a for _, a in pairs) / len(pairs), 0.9)
+            gains = [float(accepted[b]) if o is None else expected_path(o, parents[b]) for b, o in zip(rows, sampled)]
+            stats.gain = ema(stats.gain, sum(gains) / len(gains), 0.9)
         else:
-            stats.acceptance.observe_rows(0, pairs)
-        if stats.probing and any(a > 0 for _, a in pairs):
+            stats.acceptance.observe_held(0, [outcome(reached[b], accepted[b]) if o is None else o[: reached[b]]
+                                              for b, o in zip(rows, sampled)])
+        if stats.probing and any(accepted[b] > 0 for b in rows):
             stats.probes.again()
 
     def observe_nodes(self, stats: SourceStats, nodes: list[int]) -> None:
@@ -338,10 +370,16 @@ class LoadPolicy:
             return self._fixed(quotes, values, A) if step % 2 else Choice(0, [None] * A, reason="probe")
         fit = self._fit(A)
         has_fit = self.steps.coefficients(A) is not None
+        # before a step-time fit (a fresh engine, not one restored from learned state), an
+        # on-demand source waits for PLAIN_FIRST timed plain steps, what it is priced against: one
+        # that drafted from the first step after settling never timed one, and the fit took the
+        # drafted steps' line at 0 guesses (~1.2 plain steps) for plain decoding
         on_demand = [i for i, q in enumerate(quotes) if not q.stats.known and any(q.ok)]
         offered = any(v for vs in values if vs for v in vs)
-        if not has_fit and self.steps.mean(A) is None and not offered:
-            return Choice(0, [None] * A, reason="warming")  # the first step: nothing to price it by
+        if not has_fit and (self.steps.mean(A) is None or on_demand and self._plain_timed < PLAIN_FIRST):
+            if not offered:  # the first steps: nothing to price drafting by
+                return Choice(0, [None] * A, reason="warming")
+            on_demand = []
         known_top = max((len(v) - 1 for vs in values if vs for v in vs if v), default=0)
         top = self.k_max if on_demand and not all(quotes[i].stats.tree for i in on_demand) else 0
         for i in on_demand:
@@ -354,7 +392,7 @@ class LoadPolicy:
         a, r, b = fit
         per_unit: dict[tuple[int, int], float] = {}  # (source, rows drafted for) -> seconds per unit
         for k in self._caps(top):
-            t = a + r * A + b * A * k + (self.steps.residual(A, k) if has_fit else 0.0)
+            t = self._priced(A, k, fit, has_fit)
             base_val, base_src = self._best_known(values, k, A) if offered else ([1.0] * A, [None] * A)
             self._keep(best, None, self._worth(base_val, room) / t, k, base_src)
             for i in on_demand:
@@ -377,6 +415,22 @@ class LoadPolicy:
             if i in best and best[i][0] > rate0 * (self.TREE_MARGIN if quotes[i].stats.tree else 1.0):
                 rate0, best_k, best_src = best[i]
         return self._probe(quotes, values, step, room, best_k, best_src, has_fit, on_demand)
+
+    def _priced(self, rows: int, k: int, fit: tuple[float, float, float] | None = None,
+                has_fit: bool | None = None) -> float:
+        """What `choose` prices a step of `rows` rows with `k` guess slots at, in seconds
+        (drafting apart): the fit's line and its residual at k, or `_fit`'s stand-in before it; a
+        plain step (k = 0) at what recent plain steps measured where there are 4 (`_far`). A line
+        through steps that verified guesses misprices the plain step where the curve bends (a
+        draft model's steps, slowed by its own forwards, set the fresh default model's line at
+        1.2 plain steps for 0 guesses), and a source drafting step after step times none."""
+        measured = self._measured_plain(rows) if k == 0 else None
+        if measured is not None:
+            return measured
+        a, r, b = fit if fit is not None else self._fit(rows)
+        if has_fit is None:
+            has_fit = self.steps.coefficients(rows) is not None
+        return a + r * rows + b * rows * k + (self.steps.residual(rows, k) if has_fit else 0.0)
 
     def _worth(self, tokens: list[float], room: list[int]) -> float:
         """What a step whose rows expect `tokens` each is worth: their sum; in a closed batch of 2+

@@ -379,3 +379,58 @@ def test_unseeded_rows_carry_the_draft_models_q_and_lookup_rows_one_hot(monkeypa
                 assert bool((at > 0).all()) and torch.allclose(q.sum(-1), torch.ones(n)), "a draft row's q"
                 rows["draft"] += 1
     assert rows["draft"] > 0 and rows["lookup"] > 0, rows
+
+
+@pytest.mark.parametrize("source", ["draft_model", "tree"])
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
+def test_the_cost_model_learns_a_sampled_rows_acceptance_from_the_targets_odds(monkeypatch, temperature, source):
+    """Seeded sampling under the cost model (one-hot guesses): each step that verified an on-demand
+    source's guesses (a draft model's chain; a tree of the draft's top tokens, cut to the step's
+    cap) hands the cost model, per row, the target's probability of every guess at its parent's
+    position in the tree the step verified (softmax(logits / T) of the step's own forward,
+    computed here), the chance that sample and compare accepts it, and that tree's parents;
+    greedy rows hand none (their outcome is exact)."""
+    import specdec.core.scheduler as scheduler
+    from specdec.policy import Choice, LoadPolicy
+
+    target_hf, target, draft = models()
+    steps, handed = [], []
+    run_step = scheduler.run_step
+
+    def spy(model, cache, pending, d, *args, **kwargs):
+        res = run_step(model, cache, pending, d, *args, **kwargs)
+        steps.append((d, res))
+        return res
+
+    observe = LoadPolicy.observe_outcome
+
+    def spy_outcome(self, stats, reached, accepted, odds=None, parents=None):
+        handed.append((len(steps), reached, odds, parents))
+        return observe(self, stats, reached, accepted, odds=odds, parents=parents)
+
+    monkeypatch.setattr(scheduler, "run_step", spy)
+    monkeypatch.setattr(LoadPolicy, "observe_outcome", spy_outcome)
+    # (the cost model's choice made here: every row drafts, under a cap of 3)
+    monkeypatch.setattr(LoadPolicy, "choose", lambda self, quotes, step, room, fixed=False: Choice(3, [0] * len(room)))
+    drafter = DraftModelDrafter(draft) if source == "draft_model" else TreeDrafter(target_hf, (2, 2), mode="topk")
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=3)
+    Engine(target, drafter, k=3).generate([list(c) for c in contexts()], params)
+    checked = 0
+    for at, reached, odds, parents in handed:
+        d, res = steps[at - 1]
+        if temperature == 0.0:
+            assert odds is None
+            continue
+        assert d.probs is None  # (one-hot guesses: a seeded row under the cost model)
+        for b, depth in enumerate(reached):
+            if not depth:
+                continue
+            n = int(d.counts[b])
+            at_parent = d.parents[b, :n] if d.parents is not None else torch.arange(n)
+            p = torch.softmax(res.logits[b].double() / temperature, dim=-1)
+            want = p[at_parent, d.tokens[b, :n]]
+            assert odds[b] == pytest.approx(want.tolist(), rel=1e-4, abs=1e-6)
+            if d.parents is not None:
+                assert parents[b] == d.parents[b, :n].tolist()
+            checked += 1
+    assert checked >= 4 if temperature else handed

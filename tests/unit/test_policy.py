@@ -997,3 +997,93 @@ def test_the_steps_after_drafting_are_measured_against_recent_plain_steps(monkey
         for _ in range(4):
             policy.observe_step(1, 0, 1.0)
     assert (abs(stats.aftermath - 0.3 * AFTER_STEPS) < 0.05) == (rule == "recent plain steps"), stats.aftermath
+
+
+def test_a_sampled_rows_odds_teach_acceptance_where_one_sample_would_not():
+    """A sampled row's guesses come with their chances of holding (core.step.held_odds): the
+    cost model learns from those, every scored position included, not from whether one sample
+    matched. A draft whose first guess holds with 0.35 and second with 0.5 is learnt at those
+    rates after 40 steps whatever the samples did (here: every first guess missed, so the 0/1
+    outcomes, the broken rule, would teach 0 and never try the second)."""
+    policy = LoadPolicy(4)
+    soft, hard = policy.source("draft", False, False, 0.6), policy.source("other", False, False, 0.6)
+    for _ in range(40):
+        policy.observe_outcome(soft, [2], [0], odds=[[0.35, 0.5]])
+        policy.observe_outcome(hard, [2], [0])
+    held = soft.acceptance.held(0, 2)
+    assert held[0] == pytest.approx(0.35, abs=0.02) and held[1] == pytest.approx(0.35 * 0.5, abs=0.02)
+    assert hard.acceptance.held(0, 1)[0] < 0.1 and hard.acceptance.seen[0][1] == pytest.approx(2.0)
+    # a tree drafted on demand: its gain is the expected accepted path of its nodes' odds
+    tree = policy.source("heads", False, True, 0.6)
+    for _ in range(60):
+        policy.observe_outcome(tree, [2], [0], odds=[[0.5, 0.2, 0.4]], parents=[[0, 0, 1]])
+    assert tree.gain == pytest.approx(0.5 + 0.2 + 0.5 * 0.4, abs=0.01)
+
+
+@pytest.mark.parametrize("rule", ["timed first", "drafts at once"])
+def test_a_fresh_engine_times_plain_steps_before_an_on_demand_source_drafts(monkeypatch, rule):
+    """Before a step-time fit, a draft model waits for PLAIN_FIRST timed plain steps (the
+    `warming` reason), then may draft on its prior; drafting at the first priced step (the broken
+    rule) leaves the fit without a plain step to price plain decoding by."""
+    import specdec.policy.load as load
+
+    first = load.PLAIN_FIRST
+    if rule == "drafts at once":
+        monkeypatch.setattr(load, "PLAIN_FIRST", 0)
+    policy = LoadPolicy(4)
+    stats = policy.source("draft", False, False, 0.6)
+    stats.time.observe(1, 0.01)
+    reasons = []
+    for step in range(8):
+        choice = policy.choose([Quote(stats, [True], lags=[1])], step, [100])
+        reasons.append(choice.reason if choice.k == 0 else "drafts")
+        policy.observe_step(1, choice.k, 1.0 + 0.1 * choice.k, stats if choice.k else None)
+    want = ["warming"] * first + ["drafts"] * (8 - first)
+    assert (reasons == want) == (rule == "timed first"), reasons
+
+
+@pytest.mark.parametrize("rule", ["measured", "the line's"])
+def test_plain_decoding_is_priced_at_what_plain_steps_measured(monkeypatch, rule):
+    """A draft model whose forwards slow the target's next forward: its steps of 1 and 2 guesses
+    take 1.35 and 1.45 plain steps (plain: 1.0), so the line through the steps it drafted sets 0
+    guesses at ~1.2. With a first guess holding 30% of the time at c = 0.05 it does not pay
+    (1.3 tokens for 1.4 steps), and the cost model, pricing plain decoding at the plain steps it
+    timed, declines it; priced at the line's intercept (the broken rule), plain decoding looks
+    dear and the draft is taken."""
+    if rule == "the line's":
+        monkeypatch.setattr(LoadPolicy, "_measured_plain", lambda self, rows: None)
+    policy = LoadPolicy(4)
+    stats = policy.source("draft", False, False, 0.3)
+    stats.time.observe(1, 0.05)
+    stats.acceptance.acc[0][:2], stats.acceptance.seen[0][:2] = [30.0, 0.0], [100.0, 100.0]
+    for _ in range(4):
+        policy.observe_step(1, 0, 1.0)
+    for step in range(60):
+        policy.observe_step(1, 1 + step % 2, 1.35 + 0.1 * (step % 2), stats)
+    assert policy._priced(1, 0) == pytest.approx(1.0 if rule == "measured" else 1.2, abs=0.06)
+    choice = policy.choose([Quote(stats, [True], lags=[1])], 1, [100])
+    assert (choice.k == 0) == (rule == "measured"), choice
+
+
+@pytest.mark.parametrize("rule", ["counted", "plain steps only"])
+def test_a_drafting_steps_own_excess_is_charged_to_its_source(rule):
+    """A drafting step that took 0.3 more than the price it was chosen at (its drafter's forwards
+    evicted the target's weights before the step's own forward), then AFTER_STEPS plain steps 0.1
+    slower than plain steps measured: the source's aftermath learns both (0.2 of 0.3 + 4 x 0.1,
+    its first value in a running mean that keeps 0.8); the plain steps' alone (the broken rule)
+    would be 0.2 of 0.4."""
+    from specdec.policy.load import AFTER_STEPS
+
+    policy = LoadPolicy(4)
+    stats = policy.source("draft", False, False, 0.6)
+    for _ in range(8):
+        policy.observe_step(1, 0, 1.0)
+    priced = policy._priced(1, 1)
+    excess = 0.3 if rule == "counted" else 0.0
+    policy.observe_step(1, 1, priced + 0.3, stats)
+    if rule == "plain steps only":
+        policy._after = (stats, 0, 0.0)  # (forget the step's own excess)
+    for _ in range(AFTER_STEPS):
+        policy.observe_step(1, 0, 1.1)
+    assert stats.aftermath == pytest.approx(0.2 * (excess + AFTER_STEPS * 0.1))
+    assert (stats.aftermath == pytest.approx(0.2 * 0.7)) == (rule == "counted")

@@ -329,3 +329,72 @@ def test_two_position_joint_broken_rule_is_rejected():
     pairs, _ = _two_tokens(broken_verify_stochastic, p1, p2, q1, q2, False, seed=33, n=N_BROKEN)
     res = chi2_test(histogram(pairs, (V, V)), p1[:, None] * p2, ALPHA)
     assert res.rejected, f"the broken verifier passed the two-token check: {res}"
+
+
+# ----------------------------------------------------------------------------------------
+# the odds the cost model learns a sampled row's acceptance from (core.step.held_odds)
+# ----------------------------------------------------------------------------------------
+
+def _rates_within(empirical: float, expected: float, n: int) -> bool:
+    """An observed frequency over n trials within 5 standard errors of its expected rate."""
+    return abs(empirical - expected) <= 5 * max(expected * (1 - expected), 1e-4) ** 0.5 / n ** 0.5
+
+
+def test_held_odds_are_what_verification_accepts_a_chain_with():
+    """Each guess's odds are the target's probability of it at its parent's position (the guess
+    before it): read from the table here, and the frequency with which sample and compare (one-hot
+    guesses) or the rejection rule (guesses drawn from q) accepts it given its parent held."""
+    from specdec.core.step import held_odds
+
+    p1, p2 = P, P_BONUS
+    B = N_TRIALS
+    tp = torch.stack([p1, p2, P])[None].expand(B, 3, V).contiguous()
+    guesses = torch.tensor([[1, 4]]).expand(B, 2).contiguous()
+    counts = torch.full((B,), 2, dtype=torch.long)
+    odds = held_odds(tp, guesses, None, None, counts)
+    assert odds[0] == pytest.approx([float(p1[1]), float(p2[4])])
+    n_acc, _ = verify_stochastic(tp, guesses, None, counts, torch.Generator().manual_seed(5),
+                                 positions=[10] * B, rows=list(range(B)))
+    first = (n_acc >= 1).double()
+    assert _rates_within(float(first.mean()), odds[0][0], B)
+    assert _rates_within(float((n_acc == 2).double().sum() / first.sum()), odds[0][1], int(first.sum()))
+    # the odds taken at the guess's own position (off by one) are not what verification accepts
+    assert not _rates_within(float(first.mean()), float(p2[1]), B)
+
+    # a guess drawn from q: the rejection rule accepts it with sum(min(p, q)) on average over q
+    q = _confidently_wrong(p1)
+    g = torch.Generator().manual_seed(6)
+    drafts = torch.multinomial(q.expand(B, V), 1, replacement=True, generator=g)
+    qs = q[None, None].expand(B, 1, V).contiguous()
+    one = torch.ones(B, dtype=torch.long)
+    odds_q = held_odds(tp[:, :2], drafts, None, qs, one)
+    assert odds_q[0] == pytest.approx([float(torch.minimum(p1, q).sum())])
+    n_acc, _ = verify_stochastic(tp[:, :2], drafts, qs, one, g)
+    assert _rates_within(float((n_acc == 1).double().mean()), odds_q[0][0], B)
+
+
+def test_held_odds_of_a_tree_give_its_expected_path():
+    """A tree of one-hot nodes (two children of the root, a grandchild under the first): each
+    node's odds are the target's probability of its token at its parent's position, and the
+    expected accepted nodes they give (`policy.load.expected_path`) is what sample and compare
+    accepts on average."""
+    from specdec.core.step import held_odds
+    from specdec.policy.load import expected_path
+    from specdec.verify import verify_tree_stochastic
+
+    B = N_TRIALS
+    tp = torch.stack([P, P_BONUS, P_TOPK, P])[None].expand(B, 4, V).contiguous()
+    tokens = torch.tensor([[0, 1, 5]]).expand(B, 3).contiguous()  # node 3 (token 5) under node 1
+    parents = torch.tensor([[0, 0, 1]]).expand(B, 3).contiguous()
+    counts = torch.full((B,), 3, dtype=torch.long)
+    odds = held_odds(tp, tokens, parents, None, counts)
+    assert odds[0] == pytest.approx([float(P[0]), float(P[1]), float(P_BONUS[5])])
+    expect = expected_path(odds[0], [0, 0, 1])
+    assert expect == pytest.approx(float(P[0] + P[1] + P[0] * P_BONUS[5]))
+    paths, _ = verify_tree_stochastic(tp, tokens, parents, None, counts, torch.Generator().manual_seed(7),
+                                      positions=[3] * B, rows=list(range(B)))
+    lengths = torch.tensor([len(p) for p in paths], dtype=torch.double)
+    assert abs(float(lengths.mean()) - expect) <= 5 * float(lengths.std()) / B ** 0.5
+    # the tree read as a chain (node 3 under node 2) expects another length, which the same check rejects
+    wrong = expected_path(held_odds(tp, tokens, torch.tensor([[0, 1, 2]]).expand(B, 3), None, counts)[0], [0, 1, 2])
+    assert abs(float(lengths.mean()) - wrong) > 5 * float(lengths.std()) / B ** 0.5
