@@ -157,8 +157,13 @@ def steady_clock(monkeypatch):
 def free_sources(batcher) -> None:
     """Price the batcher's on-demand sources nearly free until they draft in use: timed alone, a
     tiny draft model costs about a tiny target's step, so on a busy machine the cost model may
-    rightly never draft it, and a test of what drafting does would see none."""
+    rightly never draft it, and a test of what drafting does would see none. Nor do they wait
+    for the plain steps a fresh engine times first (policy.load.PLAIN_FIRST): short answers
+    would be over first."""
     from specdec.policy import FIT_DECAY, DecayedLine
+    from specdec.policy.load import PLAIN_FIRST
+
+    batcher.policy._plain_timed = max(batcher.policy._plain_timed, PLAIN_FIRST)
 
     for stats in batcher.sources.stats:
         if not stats.known:

@@ -419,17 +419,18 @@ class LoadPolicy:
     def _priced(self, rows: int, k: int, fit: tuple[float, float, float] | None = None,
                 has_fit: bool | None = None) -> float:
         """What `choose` prices a step of `rows` rows with `k` guess slots at, in seconds
-        (drafting apart): the fit's line and its residual at k, or `_fit`'s stand-in before it; a
-        plain step (k = 0) at what recent plain steps measured where there are 4 (`_far`). A line
-        through steps that verified guesses misprices the plain step where the curve bends (a
-        draft model's steps, slowed by its own forwards, set the fresh default model's line at
-        1.2 plain steps for 0 guesses), and a source drafting step after step times none."""
-        measured = self._measured_plain(rows) if k == 0 else None
+        (drafting apart): the fit's line and its residual at k, or `_fit`'s stand-in before it (a
+        step's mean, guesses at R_PRIOR of it); once fitted, a plain step (k = 0) at what recent
+        plain steps measured where there are 4 (`_far`). A line through steps that verified
+        guesses misprices the plain step where the curve bends (a draft model's steps, slowed by
+        its own forwards, set the fresh default model's line at 1.2 plain steps for 0 guesses),
+        and a source drafting step after step times none."""
+        if has_fit is None:
+            has_fit = self.steps.coefficients(rows) is not None
+        measured = self._measured_plain(rows) if k == 0 and has_fit else None
         if measured is not None:
             return measured
         a, r, b = fit if fit is not None else self._fit(rows)
-        if has_fit is None:
-            has_fit = self.steps.coefficients(rows) is not None
         return a + r * rows + b * rows * k + (self.steps.residual(rows, k) if has_fit else 0.0)
 
     def _worth(self, tokens: list[float], room: list[int]) -> float:
