@@ -120,7 +120,6 @@ def held_odds(probs: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor |
     one sample matched, and for every guess scored, not only up to the first miss. None for a tree
     drawn from q (its rule weighs siblings together)."""
     B, K = tokens.shape
-    counts_l = counts.tolist()
     if K == 0:
         return [[] for _ in range(B)]
     if draft_probs is not None:
@@ -131,7 +130,7 @@ def held_odds(probs: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor |
         where = parents if parents is not None else torch.arange(K).expand(B, K)
         V = probs.shape[-1]
         held = probs.reshape(B, -1).gather(1, where * V + tokens)  # p at the parent's position, of the guess
-    return [row[:n] for row, n in zip(held.tolist(), counts_l)]
+    return [row[:n] for row, n in zip(held.tolist(), counts.tolist())]
 
 
 def _verify_shared(logits, draft: Draft, parents, params: SamplingParams, gen, room, draws):

@@ -22,7 +22,6 @@ hash of the target's head, the subset, the accuracies and the tree).
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ from ..models.kernel_glue import rowstable_drafting
 from ..models.llama import step_call
 from ..tree import best_nodes
 from ..types import SamplingParams, SpecdecError
-from .base import Draft, DraftContext, Drafter
+from .base import Draft, DraftContext, Drafter, fastest
 from .heads import load_head, subset_head
 
 MEDUSA_META = "specdec_medusa.json"
@@ -184,12 +183,7 @@ class MedusaDrafter(Drafter):
         try:
             self.last = [torch.zeros(dim, dtype=next(self.heads.parameters()).dtype)]
             ctx = DraftContext([[0]], SamplingParams(), None)
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                self.propose(ctx, self.max_nodes or self.heads.num_heads)
-                times.append(time.perf_counter() - t0)
-            return min(times[1:]), 0.0
+            return fastest(lambda: self.propose(ctx, self.max_nodes or self.heads.num_heads)), 0.0
         finally:
             self.last = saved
 
