@@ -3,7 +3,8 @@
 A smaller model with the same tokenizer runs autoregressively for k steps with its own
 KV cache, kept in step with the target: after verification the cache is rolled back to
 the accepted prefix, and the next `propose` feeds whatever committed tokens the draft has
-not seen yet (the recovered/bonus token, or more after a rollback).
+not seen yet (the recovered/bonus token, or more after a rollback; of a prompt or many steps
+sat out, a window of the last ones: CATCH_UP_WINDOW).
 
 With sampling, draft tokens are drawn from the draft's warped distribution q and q is
 returned for exact rejection sampling; greedy drafts are argmax guesses.
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from ..models.llama import packed_linear, step_call
+from ..models.llama import ATTEND_MAX_T, packed_linear, step_call
 from ..sampling import draw
 from ..types import SpecdecError
 from .base import Draft, DraftContext, Drafter, RowInfo, fastest, steady
@@ -59,7 +60,8 @@ class DraftModelDrafter(Drafter):
             model.pack()  # oneDNN for every call not on the row-stable kernels
         self.confidence = confidence
         self.cache = None
-        self.fed: list[list[int]] = []  # per row: tokens whose K/V sit in the draft cache
+        self.fed: list[list[int]] = []  # per row: the tokens the draft has accounted for, in order
+        self.skipped: list[int] = []  # per row: those of `fed` a windowed catch-up left out of the cache
         self.ctx_len: list[int] = []  # per row: committed tokens fed before the last proposal
         self._timing: tuple[float, bool] | None = None  # (seconds, steady) of the last proposal
         self._behind = 0  # the most unseen tokens a row had at the last proposal
@@ -70,11 +72,42 @@ class DraftModelDrafter(Drafter):
             raise SpecdecError(f"the draft model's context ({self.model.max_context}) is shorter than this request needs ({max_len})")
         self.cache = self.model.new_cache(B, max_len)
         self.fed = [[] for _ in range(B)]
+        self.skipped = [0] * B
         self.ctx_len = [0] * B
 
-    def _feed(self, new: list[list[int]]):
-        """Feed per-row token lists (ragged); return the scores at each row's last new token:
+    #: a row further behind than this (a prompt the draft first drafts for, many steps sat out)
+    #: reads only its last this many tokens, after its first SINK_TOKENS where its cache is empty
+    #: (StreamingLLM's attention sinks): positions run on in the cache, so rotary attention sees
+    #: the same distances within what was read. Sinks and window fill one forward of ATTEND_MAX_T
+    #: tokens, which takes the row-stable kernels (a longer one the prefill path, ~2.5x the time
+    #: a token). With the shipped draft at a fixed k 4 (17 dev prompts of 40-769 tokens, 96
+    #: tokens; a plain step ~6.5 ms): a request's first catch-up (what a fresh engine's probe
+    #: pays) 14.3 -> 4.3 ms, tokens a target forward 1.449 -> 1.436 greedy, 1.393 -> 1.384 at
+    #: t 0.8; a window of 28 3.5 ms and 1.426 greedy
+    SINK_TOKENS = 4
+    CATCH_UP_WINDOW: int | None = ATTEND_MAX_T - SINK_TOKENS
+
+    def _window(self, b: int, new: list[int]) -> list[int]:
+        """What row b's catch-up on `new` reads: all of it, or CATCH_UP_WINDOW's cut."""
+        window = self.CATCH_UP_WINDOW
+        sink = 0 if self.fed[b] else self.SINK_TOKENS
+        if window is None or len(new) <= sink + window:
+            return new
+        return new[:sink] + new[-window:]
+
+    def _feed(self, new: list[list[int]], read: list[list[int]] | None = None):
+        """Account for per-row token lists (ragged), forwarding `read` (default `new`: each
+        row's tokens or a windowed cut of them); return the scores at each row's last token:
         [B, V] logits, or [B, S] over the vocabulary subset when there is one."""
+        read = new if read is None else read
+        for b, (n, r) in enumerate(zip(new, read)):
+            self.fed[b].extend(n)
+            self.skipped[b] += len(n) - len(r)
+        return self._forward(read)
+
+    def _forward(self, new: list[list[int]]):
+        """Forward per-row token lists into the draft's cache at the positions after each row's
+        cached tokens; the scores at each row's last one (`_feed`)."""
         B = len(new)
         T = max(len(n) for n in new)
         lens = self.cache.lengths.clone()
@@ -95,8 +128,6 @@ class DraftModelDrafter(Drafter):
             _, hidden = self.model(toks, pos, self.cache, logits_at=torch.empty(B, 0, dtype=torch.long))
             logits = self._head(hidden[:, 0] if T == 1 else hidden[torch.arange(B), last])  # [B, S]
         self.cache.truncate(lens + torch.tensor([len(n) for n in new]))
-        for b, n in enumerate(new):
-            self.fed[b].extend(n)
         return logits
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
@@ -108,9 +139,9 @@ class DraftModelDrafter(Drafter):
         return (h @ self.head.T).float()
 
     def lags(self, tokens: list[list[int]]) -> list[int]:
-        """Per row of `tokens`, the committed tokens the draft has not read (what its next
-        proposal first catches up on: a whole prompt after `begin`)."""
-        return [len(t) - len(f) for t, f in zip(tokens, self.fed)]
+        """Per row of `tokens`, the committed tokens the draft's next proposal first catches up
+        on (at most a window's worth, `CATCH_UP_WINDOW`)."""
+        return [len(self._window(b, t[len(f):])) for b, (t, f) in enumerate(zip(tokens, self.fed))]
 
     def behind(self, tokens: list[list[int]]) -> int:
         """The most committed tokens a row of `tokens` has that the draft has not read (`lags`)."""
@@ -137,7 +168,7 @@ class DraftModelDrafter(Drafter):
         if any(len(n) == 0 for n in new):
             raise RuntimeError("draft cache is ahead of the committed context (commit() was not called)")
         self._behind = self.behind(ctx.tokens)
-        logits = self._feed(new)
+        logits = self._feed(new, [self._window(b, n) for b, n in enumerate(new)])
         self.ctx_len = [len(f) for f in self.fed]
         toks, probs = [], []
         counts = torch.full((B,), max_tokens, dtype=torch.long)
@@ -168,7 +199,7 @@ class DraftModelDrafter(Drafter):
         # e.g. context [a b c], drafts [d e f] fed as far as [d e], 1 accepted -> keep [a b c d]
         for b, n in enumerate(num_accepted):
             self.fed[b] = self.fed[b][: self.ctx_len[b] + int(n)]
-        self.cache.truncate(torch.tensor([len(f) for f in self.fed]))
+        self.cache.truncate(torch.tensor([len(f) - s for f, s in zip(self.fed, self.skipped)]))
 
     def skip(self) -> None:
         pass  # a step without drafting: the next proposal feeds what the draft has not seen
@@ -183,7 +214,7 @@ class DraftModelDrafter(Drafter):
     def _time_forward(self, steps: int = 2, read: int = 1) -> float:
         """Seconds per token of a forward reading `read` tokens at once: the fastest of `steps`
         after a warm-up forward (`base.fastest`)."""
-        saved = self.cache, self.fed
+        saved = self.cache, self.fed, self.skipped
         vocab = self.model.vocab_size
         calls = itertools.count()
 
@@ -192,10 +223,10 @@ class DraftModelDrafter(Drafter):
             self._feed([[(i * read + j + 1) % vocab for j in range(read)]])
 
         try:
-            self.cache, self.fed = self.model.new_cache(1, (steps + 1) * read + 1), [[]]
+            self.cache, self.fed, self.skipped = self.model.new_cache(1, (steps + 1) * read + 1), [[]], [0]
             return fastest(forward, steps) / read
         finally:
-            self.cache, self.fed = saved
+            self.cache, self.fed, self.skipped = saved
 
     def join(self, row: RowInfo) -> None:
         self.add_row(row.max_len, None if self.lazy else row.prompt)
@@ -211,12 +242,14 @@ class DraftModelDrafter(Drafter):
                        logits_at=torch.empty(1, 0, dtype=torch.long))
         self.cache.append_rows(one)
         self.fed.append(fed)
+        self.skipped.append(0)
         self.ctx_len.append(len(fed))
 
     def keep_rows(self, rows) -> None:
         idx = torch.as_tensor(rows, dtype=torch.long)
         self.cache.reorder_rows(idx)
         self.fed = [self.fed[r] for r in rows]
+        self.skipped = [self.skipped[r] for r in rows]
         self.ctx_len = [self.ctx_len[r] for r in rows]
 
 

@@ -297,6 +297,61 @@ def test_the_cost_model_turns_off_a_draft_model_that_does_not_pay():
     assert 1 <= slow.calls < steps / 4, (slow.calls, steps)
 
 
+def _scores_fed(model, rows: list[list[int]]) -> torch.Tensor:
+    """The draft's scores at each row's last token, reading exactly `rows` into a fresh cache."""
+    d = DraftModelDrafter(model)
+    d.begin(rows, SamplingParams(), 64)
+    d.CATCH_UP_WINDOW = None
+    return d._feed(rows)
+
+
+def test_a_draft_model_catches_up_on_a_window(monkeypatch):
+    """A row further behind than CATCH_UP_WINDOW reads its first SINK_TOKENS and its last
+    CATCH_UP_WINDOW tokens (a prompt), or its last CATCH_UP_WINDOW (steps it sat out), positions
+    running on in the cache: its guesses are those of a draft that read exactly that cut (an
+    independent feed; a cut without the sinks gives other scores, so the check can fail), its
+    lag is priced at the cut, rollback keeps the cut, and greedy output is still the oracle's."""
+    from specdec.drafters.base import DraftContext
+
+    monkeypatch.setattr(DraftModelDrafter, "CATCH_UP_WINDOW", 6)
+    monkeypatch.setattr(DraftModelDrafter, "SINK_TOKENS", 2)
+    _, target, draft = models()
+    params = SamplingParams(max_new_tokens=8)
+    g = torch.Generator().manual_seed(5)
+    long = torch.randint(0, VOCAB, (30,), generator=g).tolist()
+    d = DraftModelDrafter(draft)
+    d.begin([long], params, 64)
+    assert d.lags([long]) == [8]
+    cut = long[:2] + long[-6:]
+    scores = d._feed([long], [d._window(0, long)])
+    assert torch.allclose(scores, _scores_fed(draft, [cut]), atol=1e-5)
+    assert not torch.allclose(scores, _scores_fed(draft, [long[-8:]]), atol=1e-3)  # the sinks count
+    assert d.fed == [long] and d.skipped == [22] and int(d.cache.lengths[0]) == 8
+    more = long + [3, 4]
+    drafted = d.propose(DraftContext([more], params, None), 3).tokens[0].tolist()
+    d.commit([1])  # the cache keeps the cut, the two new tokens and one guess
+    assert d.fed == [more + drafted[:1]] and int(d.cache.lengths[0]) == 8 + 2 + 1
+    sat_out = more + drafted[:1] + list(range(10, 20))  # ten steps sat out: their last six read
+    d.propose(DraftContext([sat_out], params, None), 1)
+    assert d.skipped == [22 + 4] and int(d.cache.lengths[0]) == 11 + 6
+    read = cut + [3, 4] + drafted[:1] + sat_out[-6:]  # what the cache holds, in order
+    assert torch.allclose(d._forward([[7]]), _scores_fed_next(draft, read, 7), atol=1e-5)
+    batch = [long, prompts()[1]]
+    engine = Engine(target, DraftModelDrafter(draft), k=3, fixed_k=True)
+    res = engine.generate(batch, SamplingParams(max_new_tokens=N_NEW))
+    assert [r.tokens for r in res] == [hf_greedy(models()[0], long, N_NEW), oracle(tuple(prompts()[1]))]
+    assert sum(r.stats.accepted for r in res) > 0
+
+
+def _scores_fed_next(model, row: list[int], token: int) -> torch.Tensor:
+    """The draft's scores after reading `row`, then `token` alone (a drafting step)."""
+    d = DraftModelDrafter(model)
+    d.begin([row], SamplingParams(), 64)
+    d.CATCH_UP_WINDOW = None
+    d._feed([row])
+    return d._feed([[token]])
+
+
 def test_engine_names_a_bad_prompt_from_one():
     """Errors number prompts from 1, as the CLI does ("prompt 2"), or say "the prompt" for one."""
     from specdec.types import SpecdecError
