@@ -3165,15 +3165,14 @@ void kq_tile(const KqLanes& L, const int8_t* xq, const float* dx, const int16_t*
     kq_f t[R];
     for (int j = 0; j < T::NS / 2; ++j) {
       // the block KQ_PF_BLOCKS ahead, a share of its lines with each pair of sub-blocks (a burst of
-      // 37-53 prefetches at the start of a block filled the line buffers and stalled); into L2 where
-      // the tile is 1-2 rows (its loads outrun the arithmetic, and prefetches into L1 held the line
-      // buffers its loads need: ~5% faster cold), into L1 from 3 (~2% faster at 8)
+      // 37-53 prefetches at the start of a block filled the line buffers and stalled), into L2 at
+      // every tile size: prefetches into L1 hold the line buffers the tile's own loads need
+      // (Qwen2.5-Coder-1.5B, 2 threads, one forward after 200 tokens: 3 tokens 52-56 ms against
+      // 58-64 with L1 from 3 rows, 4 tokens 57-60 against 60-66, 1-2 and 8-16 the same; 8 blocks
+      // ahead slower at 1-2 rows)
       constexpr int64_t lines = (T::BB + 63) / 64, pairs = T::NS / 2;
-      for (int64_t c = j * lines / pairs; c < (j + 1) * lines / pairs; ++c) {
-        const char* ahead = reinterpret_cast<const char*>(p + KQ_PF_BLOCKS * T::BB + 64 * c);
-        if constexpr (R <= 2) _mm_prefetch(ahead, _MM_HINT_T1);
-        else _mm_prefetch(ahead, _MM_HINT_T0);
-      }
+      for (int64_t c = j * lines / pairs; c < (j + 1) * lines / pairs; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(p + KQ_PF_BLOCKS * T::BB + 64 * c), _MM_HINT_T1);
       kq_i S0[MR], S1[MR];
       for (int i = 0; i < MR; ++i) S0[i] = S1[i] = KqLanes::zero();
       // (unrolled in full: with the loop over k kept, GCC copied each accumulator to another register
