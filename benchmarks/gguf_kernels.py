@@ -190,18 +190,22 @@ def use_kernels(model, ns, file_blocks: bool = False) -> None:
     """Point every GGUF projection of `model` at gguf_linear_q8 / gguf_linear_cat_q8 of op namespace
     `ns` (this tree's torch.ops.specdec_rs or base_ops()), and the step's other row-stable kernels
     (norms, attention, SiLU: each layer's kops) at ns's too; the Python stays this tree's.
-    K-quants repacked for kq_linear_q8 stay repacked (this tree's layout) on `ns`'s kq_linear_q8
+    Matrices repacked for an op of their own (K-quants for kq_linear_q8, Q4_1 / Q8_0 for
+    q4_1_linear_q8 / q8_0_linear_q8) stay repacked (this tree's layout) on `ns`'s op of that name
     where it has one, unless file_blocks; else they go back to the file's blocks. (A revision whose
-    kq_linear_q8 lacks a type this tree repacks, Q5_K before it was added, refuses it: file_blocks.)"""
+    kq_linear_q8 lacks a type this tree repacks, Q5_K before it was added, refuses it: file_blocks.
+    Sending the default model's repacked Q4_1 / Q8_0 back to the file's blocks had made `--base`
+    read ~10% slower than this tree on the same code.)"""
     from specdec.models.gguf_model import GGUFLinear
 
     for lin in model.modules():
         if isinstance(lin, GGUFLinear):
-            if lin.rs_blocks is not None and getattr(lin.rs_blocks[0], "__name__", "") == "kq_linear_q8":
-                if hasattr(ns, "kq_linear_q8") and not file_blocks:
-                    lin.rs_blocks = (ns.kq_linear_q8, *lin.rs_blocks[1:])
+            if lin.rs_blocks is not None:
+                name = getattr(lin.rs_blocks[0], "__name__", "")
+                if name and hasattr(ns, name) and not file_blocks:
+                    lin.rs_blocks = (getattr(ns, name), *lin.rs_blocks[1:])
                     continue
-                lin.rs_blocks, lin.rs_every_call = None, False  # (K-quants repacked: back on the file's blocks)
+                lin.rs_blocks, lin.rs_every_call = None, False  # (repacked: back on the file's blocks)
             lin.op = ns.gguf_linear_q8
             if lin.op_cat is not None:
                 lin.op_cat = ns.gguf_linear_cat_q8
