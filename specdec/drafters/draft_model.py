@@ -64,7 +64,7 @@ class DraftModelDrafter(Drafter):
         self.skipped: list[int] = []  # per row: those of `fed` a windowed catch-up left out of the cache
         self.ctx_len: list[int] = []  # per row: committed tokens fed before the last proposal
         self._timing: tuple[float, bool] | None = None  # (seconds, steady) of the last proposal
-        self._behind = 0  # the most unseen tokens a row had at the last proposal
+        self._behind = 0  # the most tokens a row caught up on at the last proposal
 
     def begin(self, prompts, params, max_len: int) -> None:
         B = len(prompts)
@@ -144,7 +144,7 @@ class DraftModelDrafter(Drafter):
         return [len(self._window(b, t[len(f):])) for b, (t, f) in enumerate(zip(tokens, self.fed))]
 
     def behind(self, tokens: list[list[int]]) -> int:
-        """The most committed tokens a row of `tokens` has that the draft has not read (`lags`)."""
+        """The most tokens a row of `tokens` has for the draft's next proposal to catch up on (`lags`)."""
         return max(self.lags(tokens), default=0)
 
     def draft_timing(self) -> tuple[float, bool] | None:
@@ -167,8 +167,9 @@ class DraftModelDrafter(Drafter):
         new = [t[len(f):] for t, f in zip(ctx.tokens, self.fed)]
         if any(len(n) == 0 for n in new):
             raise RuntimeError("draft cache is ahead of the committed context (commit() was not called)")
-        self._behind = self.behind(ctx.tokens)
-        logits = self._feed(new, [self._window(b, n) for b, n in enumerate(new)])
+        read = [self._window(b, n) for b, n in enumerate(new)]
+        self._behind = max(len(r) for r in read)  # (`behind`)
+        logits = self._feed(new, read)
         self.ctx_len = [len(f) for f in self.fed]
         toks, probs = [], []
         counts = torch.full((B,), max_tokens, dtype=torch.long)

@@ -40,6 +40,16 @@ def outcome(proposed: int, accepted: int) -> list[float]:
     return [1.0] * accepted + [0.0] * (accepted < proposed)
 
 
+def path_chances(odds: list[float], parents: list[int]) -> list[float]:
+    """Per node of a tree (node j, 1-based, under parents[j - 1]; 0 is the root), the chance that
+    its whole path holds: the product of its ancestors' and its own `odds` (each given its parent
+    held)."""
+    out: list[float] = []
+    for parent, chance in zip(parents, odds):
+        out.append((out[parent - 1] if parent else 1.0) * chance)
+    return out
+
+
 def best_prefix(values: list[float], c: float, r: float) -> int:
     """How many of `values` (expected accepted tokens per node, best first) to verify: the m
     that maximises committed tokens per unit of step time, (1 + sum(values[:m])) / (1 + c + r m),
@@ -215,11 +225,7 @@ class NodeOdds:
         that its whole path holds, the product of its ancestors' and its own odds, each looked up
         by its score relative to its parent's (a suffix chain read from one occurrence scores 1.0
         at every depth; its deep nodes still hold only if every node before them did)."""
-        out: list[float] = []
-        for j, parent in enumerate(parents, start=1):
-            above = out[parent - 1] if parent else 1.0
-            out.append(above * self(relative(scores, parents, j)))
-        return out
+        return path_chances([self(relative(scores, parents, j)) for j in range(1, len(parents) + 1)], parents)
 
     def tree_expected(self, scores: list[float], parents: list[int]) -> list[float]:
         """[E(0), .., E(n)]: expected committed tokens when the j likeliest nodes are verified

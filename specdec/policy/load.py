@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..learned import nonneg
-from .acceptance import Acceptance, NodeOdds, outcome
+from .acceptance import Acceptance, NodeOdds, outcome, path_chances
 from .fits import FIT_DECAY, DecayedLine, StepModel, batch_end, ema
 from .probing import PROBE_EVERY, PROBE_ROOM, PROBE_SHARE, ProbeSchedule
 
@@ -55,12 +55,8 @@ SETTLE_STEPS = 8
 
 def expected_path(odds: list[float], parents: list[int]) -> float:
     """A tree's expected accepted nodes under sample and compare: the sum over nodes of the chance
-    that the path to it holds, the product of its ancestors' and its own `odds` (node j, 1-based,
-    hangs under parents[j - 1]; 0 is the root)."""
-    reach = [1.0]
-    for j, chance in enumerate(odds, start=1):
-        reach.append(reach[parents[j - 1]] * chance)
-    return sum(reach) - 1.0
+    that the path to it holds (`acceptance.path_chances`)."""
+    return sum(path_chances(odds, parents))
 
 
 class SourceStats:
